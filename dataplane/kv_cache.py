@@ -1,0 +1,46 @@
+"""Sizes and allocates the paged KV cache: one ``[2, blocks, block_size, kv_heads, head_dim]``
+tensor per layer."""
+
+from __future__ import annotations
+
+import torch
+
+from dataplane.config import ModelConfig
+
+GiB = 1 << 30
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def _available_host_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * GiB
+
+
+def kv_budget_bytes(device: torch.device, cpu_kv_gib: float, gpu_memory_utilization: float,
+                    activation_reserve_bytes: int) -> int:
+    """Bytes the KV cache may take on this device, measured after the weights are loaded.
+
+    CUDA: ``utilization`` of the card minus what is in use now minus an activation reserve.
+    CPU: ``cpu_kv_gib``, capped at half of the host's available memory.
+    """
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        return max(0, int(total * gpu_memory_utilization) - used - activation_reserve_bytes)
+    return min(int(cpu_kv_gib * GiB), _available_host_bytes() // 2)
+
+
+def allocate(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+             device: torch.device) -> list[torch.Tensor]:
+    shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]

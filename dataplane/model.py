@@ -1,0 +1,138 @@
+"""The decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 families) over a paged KV cache.
+
+One flattened batch of tokens from many sequences runs through each layer at once; attention
+reads and writes the paged cache through ``AttentionMetadata``. Projections are merged
+(q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``); ``loader`` maps HF names onto them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+import kernels
+from dataplane.config import ModelConfig
+from dataplane.rotary import cos_sin_cache
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Where the batch's tokens sit in the paged cache. All tensors live on the model's device."""
+
+    slot_mapping: torch.Tensor     # [tokens] int64; -1 = do not write
+    query_start_loc: torch.Tensor  # [seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor         # [seqs] int32, context length after this step
+    block_tables: torch.Tensor     # [seqs, max_blocks] int32, padded
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, cos_sin: torch.Tensor):
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.cos_sin = cos_sin
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = kernels.apply_rotary(q, positions, self.cos_sin)
+        k = kernels.apply_rotary(k, positions, self.cos_sin)
+        kernels.write_kv(kv_cache, k, v, meta.slot_mapping)
+        o = kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
+                                    meta.block_tables, self.scale)
+        return self.o_proj(o.reshape(-1, cfg.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, cos_sin: torch.Tensor):
+        super().__init__()
+        self.self_attn = Attention(cfg, cos_sin)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, h, residual, kv_cache, meta):
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = kernels.fused_add_rms_norm(h, residual, self.input_layernorm.weight,
+                                                     self.input_layernorm.eps)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = kernels.fused_add_rms_norm(h, residual, self.post_attention_layernorm.weight,
+                                                 self.post_attention_layernorm.eps)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        cos_sin = cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("cos_sin", cos_sin, persistent=False)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, cos_sin) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        h, residual = self.embed_tokens(input_ids), None
+        for layer, cache in zip(self.layers, kv_caches):
+            h, residual = layer(positions, h, residual, cache, meta)
+        h, _ = kernels.fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
+        return h
+
+
+class CausalLM(nn.Module):
+    """``forward`` returns final hidden states; ``logits`` projects selected rows to the vocab."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderModel(cfg, max_positions)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = (self.model.embed_tokens.weight if self.cfg.tie_word_embeddings
+                  else self.lm_head.weight)
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def rebind_rotary(self) -> None:
+        """Points every layer at the module's own cos/sin buffer (after a device move)."""
+        for layer in self.model.layers:
+            layer.self_attn.cos_sin = self.model.cos_sin

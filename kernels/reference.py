@@ -1,0 +1,93 @@
+"""Plain-torch reference implementations of the data plane's hot kernels.
+
+These are the semantics every Triton kernel in this package must reproduce; the
+data plane runs them on CPU, and tests compare the Triton kernels against them.
+
+Paged KV layout (per layer): ``kv_cache[0]`` holds keys and ``kv_cache[1]`` values,
+each ``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's slot is
+``block_id * block_size + offset``; slot ``-1`` marks a padded token that is not written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, computed in float32 (as Hugging Face does)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual)."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up, where gate_up is [..., 2 * d] with gate first."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary embedding. x: [tokens, heads, head_dim]; cos_sin: [max_pos, head_dim]
+    holding cos in the first half and sin in the second (float32)."""
+    half = x.shape[-1] // 2
+    cs = cos_sin[positions]
+    cos = cs[:, None, :half].to(x.dtype)
+    sin = cs[:, None, half:].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Stores key/value [tokens, kv_heads, head_dim] at their slots; slot -1 is skipped."""
+    block_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[0, blocks, offsets] = key[keep]
+    kv_cache[1, blocks, offsets] = value[keep]
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> torch.Tensor:
+    """The first ctx cached entries of one sequence: [ctx, kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    n_blocks = (ctx + block_size - 1) // block_size
+    return cache[block_table[:n_blocks].long()].flatten(0, 1)[:ctx]
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of variable-length queries over their sequences' paged KV.
+
+    query: [tokens, heads, head_dim], packed by sequence (query_start_loc is [B+1]);
+    sequence i's queries are its last q_len_i tokens of seq_lens[i] (their K/V already
+    written). Keys past seq_lens[i] are never read, so unwritten slots cannot leak in.
+    Returns [tokens, heads, head_dim] in the query's dtype.
+    """
+    out = torch.empty_like(query)
+    heads, kv_heads = query.shape[1], kv_cache.shape[3]
+    group = heads // kv_heads
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, ctx in enumerate(lens):
+        q = query[starts[i]:starts[i + 1]].float()  # [n, H, D]
+        n = q.shape[0]
+        if n == 0:
+            continue
+        k = _gather_context(kv_cache[0], block_tables[i], ctx).float().repeat_interleave(group, 1)
+        v = _gather_context(kv_cache[1], block_tables[i], ctx).float().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(ctx - n, ctx)[:, None]
+        k_pos = torch.arange(ctx)[None, :]
+        scores.masked_fill_((k_pos > q_pos).to(scores.device), float("-inf"))
+        probs = scores.softmax(-1)
+        out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out
