@@ -1,0 +1,159 @@
+"""The ``headrace`` command: ``serve`` (control plane plus data plane children), ``controlplane``
+and ``dataplane`` (each plane alone), and ``generate`` (a streaming client)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+
+from controlplane.engine import EngineConfig
+
+
+def _default_model() -> str:
+    from dataplane.default_model import default_model_dir
+
+    return str(default_model_dir())
+
+
+def _add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--dtype", default=None, help="float32|bfloat16|float16 (default fp32 on CPU, bf16 on CUDA)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size instead of measuring")
+    p.add_argument("--cpu-kv-cache-gib", type=float, default=1.0, help="KV cache size on CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--max-running", type=int, default=256, help="sequences per step at most")
+    p.add_argument("--max-batched-tokens", type=int, default=8192, help="tokens per step at most")
+
+
+def _engine_config(args) -> EngineConfig:
+    return EngineConfig(max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
+                        max_model_len=getattr(args, "max_model_len", None))
+
+
+def _worker_argv(args, listen: str) -> list[str]:
+    argv = [sys.executable, "-m", "controlplane.cli", "dataplane", "--model", args.model,
+            "--listen", listen, "--device", args.device, "--block-size", str(args.block_size),
+            "--cpu-kv-cache-gib", str(args.cpu_kv_cache_gib),
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    for flag, value in (("--dtype", args.dtype), ("--num-kv-blocks", args.num_kv_blocks),
+                        ("--max-model-len", args.max_model_len)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def cmd_serve(args) -> int:
+    from controlplane.server import serve_until_signal
+
+    args.model = args.model or _default_model()
+    sock_dir = tempfile.mkdtemp(prefix="headrace-")
+    listen = f"unix:{sock_dir}/dataplane-0.sock"
+    child = subprocess.Popen(_worker_argv(args, listen), start_new_session=True)
+    try:
+        asyncio.run(serve_until_signal(args.model, [listen], f"{args.host}:{args.port}",
+                                       _engine_config(args)))
+    finally:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+    return 0
+
+
+def cmd_controlplane(args) -> int:
+    from controlplane.server import serve_until_signal
+
+    asyncio.run(serve_until_signal(args.model or _default_model(), args.workers.split(","),
+                                   f"{args.host}:{args.port}", _engine_config(args)))
+    return 0
+
+
+def cmd_dataplane(args) -> int:
+    import threading
+
+    from dataplane.server import serve
+    from dataplane.worker import Worker, WorkerOptions
+
+    opts = WorkerOptions(model=args.model or _default_model(), device=args.device, dtype=args.dtype,
+                         block_size=args.block_size, max_model_len=args.max_model_len,
+                         num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gib=args.cpu_kv_cache_gib,
+                         gpu_memory_utilization=args.gpu_memory_utilization)
+    worker = Worker(opts)
+    server = serve(worker, args.listen)
+    logging.getLogger("headrace.dataplane").info(
+        "data plane on %s: %s, %d KV blocks", args.listen, worker.cfg.name, worker.runner.num_blocks)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    server.stop(grace=2).wait()
+    if args.listen.startswith("unix:"):
+        pathlib.Path(args.listen[5:]).unlink(missing_ok=True)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from controlplane.client import stream_generate
+
+    return asyncio.run(stream_generate(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("HEADRACE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="headrace", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="serve a model: control plane plus a data plane child process")
+    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded tiny model)")
+    _add_engine_args(p)
+    _add_worker_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("controlplane", help="run the control plane alone")
+    p.add_argument("--model", default=None, help="model directory (for the tokenizer)")
+    p.add_argument("--workers", required=True, help="comma-separated data plane addresses")
+    p.add_argument("--max-model-len", type=int, default=None)
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_controlplane)
+
+    p = sub.add_parser("dataplane", help="run one data plane worker alone")
+    p.add_argument("--model", default=None)
+    p.add_argument("--listen", default="127.0.0.1:50061", help="host:port or unix:/path (default private)")
+    _add_worker_args(p)
+    p.set_defaults(func=cmd_dataplane)
+
+    p = sub.add_parser("generate", help="stream a completion from a running server")
+    p.add_argument("prompt")
+    p.add_argument("--address", default="localhost:50051")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the server to be ready")
+    p.set_defaults(func=cmd_generate)
+
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

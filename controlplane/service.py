@@ -1,0 +1,60 @@
+"""The public ``headrace.v1.Inference`` service: validates, tokenizes, submits to the engine
+and streams each request's responses; a client that leaves aborts its request."""
+
+from __future__ import annotations
+
+import grpc
+
+from controlplane.engine import Engine, EngineFailure
+from controlplane.tokenizer import ModelTokenizer
+from controlplane.validation import ValidationError, build_request
+from headrace.v1 import inference_pb2 as pb
+from headrace.v1 import inference_pb2_grpc as pb_grpc
+
+
+class InferenceService(pb_grpc.InferenceServicer):
+    def __init__(self, engine: Engine, tokenizer: ModelTokenizer, tensor_parallel_size: int = 1):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.tp = tensor_parallel_size
+
+    async def _require_ready(self, context) -> None:
+        if not self.engine.healthy:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)")
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        await self._require_ready(context)
+        engine = self.engine
+        try:
+            req = build_request(request, self.tokenizer, seq_id=engine.next_seq_id(),
+                                vocab_size=engine.info.vocab_size, max_model_len=engine.max_model_len,
+                                eos_token_ids=list(engine.info.eos_token_ids))
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if req.request_id in engine.requests:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request_id {req.request_id!r} is already in use")
+        engine.submit(req)
+        try:
+            while True:
+                msg = await req.queue.get()
+                if isinstance(msg, EngineFailure):
+                    await context.abort(msg.code, msg.message)
+                yield msg
+                if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    return
+        finally:
+            engine.abort(req)  # no-op when finished; frees the blocks when the client left
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context):
+        ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return pb.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.tokens(ids))
+
+    async def GetModelInfo(self, request, context):
+        await self._require_ready(context)
+        info, blocks = self.engine.info, self.engine.scheduler.blocks
+        return pb.ModelInfo(model_name=info.model_name, architecture=info.architecture,
+                            max_model_len=self.engine.max_model_len, vocab_size=info.vocab_size,
+                            dtype=info.dtype, device=info.device, tensor_parallel_size=self.tp,
+                            kv_block_size=blocks.block_size, num_kv_blocks=blocks.num_blocks,
+                            eos_token_ids=list(info.eos_token_ids))

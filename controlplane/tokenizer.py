@@ -1,0 +1,57 @@
+"""Tokenization and incremental detokenization with the Hugging Face ``tokenizers`` library."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+# Prompt tokens given to a new decode stream so the first output token decodes in context
+# (leading-space handling of SentencePiece-style decoders).
+_CONTEXT_TOKENS = 4
+
+
+class ModelTokenizer:
+    def __init__(self, model_dir: str | pathlib.Path):
+        path = pathlib.Path(model_dir)
+        file = path / "tokenizer.json"
+        if not file.exists():
+            raise FileNotFoundError(f"{file} not found: headrace needs a tokenizers tokenizer.json")
+        self.tokenizer = Tokenizer.from_file(str(file))
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        self.eos_token_id = self._special_id(cfg.get("eos_token"))
+
+    def _special_id(self, token) -> int | None:
+        if isinstance(token, dict):
+            token = token.get("content")
+        return None if token is None else self.tokenizer.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def tokens(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.id_to_token(i) or "" for i in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def decode_stream(self, prompt_ids: list[int]) -> "IncrementalDecoder":
+        return IncrementalDecoder(self.tokenizer, prompt_ids[-_CONTEXT_TOKENS:])
+
+
+class IncrementalDecoder:
+    """Turns output token ids into text pieces that never split a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer, context_ids: list[int]):
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(ids=list(context_ids), skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        try:
+            piece = self._stream.step(self._tokenizer, token_id)
+        except Exception:  # ids outside the tokenizer's vocab (padded model vocab) decode to nothing
+            return ""
+        return piece or ""

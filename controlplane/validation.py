@@ -1,0 +1,119 @@
+"""Validates a ``GenerateRequest`` and turns it into a control-plane ``Request``.
+
+Every problem raises ``ValidationError`` naming the field, before any work is done; the
+service answers it with ``INVALID_ARGUMENT``.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+from controlplane.output import OutputText
+from controlplane.request import Request
+from controlplane.tokenizer import ModelTokenizer
+from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.v1 import inference_pb2 as pb
+
+MAX_STOP_STRINGS = 64
+MAX_STOP_LEN = 512
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20
+MAX_REQUEST_ID_LEN = 256
+MAX_PROMPT_CHARS = 4 << 20
+
+
+class ValidationError(ValueError):
+    pass
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValidationError(message)
+
+
+def _finite(name: str, value: float) -> None:
+    _check(math.isfinite(value), f"{name} must be a finite number, got {value}")
+
+
+def _sampling(s: pb.SamplingParams, vocab_size: int) -> wpb.Sampling:
+    temperature = s.temperature if s.HasField("temperature") else 1.0
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    rep = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+    for name, v in (("sampling.temperature", temperature), ("sampling.top_p", top_p),
+                    ("sampling.min_p", s.min_p), ("sampling.repetition_penalty", rep),
+                    ("sampling.presence_penalty", s.presence_penalty),
+                    ("sampling.frequency_penalty", s.frequency_penalty)):
+        _finite(name, v)
+    _check(temperature >= 0, f"sampling.temperature must be >= 0, got {temperature}")
+    _check(0 < top_p <= 1, f"sampling.top_p must be in (0, 1], got {top_p}")
+    _check(s.top_k >= 0, f"sampling.top_k must be >= 0 (0 disables it), got {s.top_k}")
+    _check(0 <= s.min_p <= 1, f"sampling.min_p must be in [0, 1], got {s.min_p}")
+    _check(rep > 0, f"sampling.repetition_penalty must be > 0, got {rep}")
+    for name, v in (("presence_penalty", s.presence_penalty),
+                    ("frequency_penalty", s.frequency_penalty)):
+        _check(-2 <= v <= 2, f"sampling.{name} must be in [-2, 2], got {v}")
+    return wpb.Sampling(temperature=temperature, top_p=top_p, top_k=min(s.top_k, vocab_size),
+                        min_p=s.min_p, repetition_penalty=rep,
+                        presence_penalty=s.presence_penalty,
+                        frequency_penalty=s.frequency_penalty, has_seed=s.HasField("seed"),
+                        seed=s.seed)
+
+
+def prompt_ids(req: pb.GenerateRequest, tokenizer: ModelTokenizer, vocab_size: int) -> list[int]:
+    kind = req.WhichOneof("input")
+    _check(kind is not None, "prompt: set either prompt or prompt_token_ids")
+    if kind == "prompt":
+        _check(req.prompt != "", "prompt must not be empty")
+        _check(len(req.prompt) <= MAX_PROMPT_CHARS, f"prompt is longer than {MAX_PROMPT_CHARS} characters")
+        ids = tokenizer.encode(req.prompt)
+        _check(len(ids) > 0, "prompt tokenizes to no tokens")
+        return ids
+    ids = list(req.prompt_token_ids.ids)
+    _check(len(ids) > 0, "prompt_token_ids must not be empty")
+    bad = next((t for t in ids if t >= vocab_size), None)
+    _check(bad is None, f"prompt_token_ids: token id {bad} is out of vocabulary (size {vocab_size})")
+    return ids
+
+
+def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_id: int,
+                  vocab_size: int, max_model_len: int, eos_token_ids: list[int]) -> Request:
+    rid = req.request_id or uuid.uuid4().hex
+    _check(len(rid) <= MAX_REQUEST_ID_LEN, f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
+    # Cheap checks first so absurd requests cost no tokenization.
+    _check(len(req.stop) <= MAX_STOP_STRINGS, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}")
+    _check(all(0 < len(s) <= MAX_STOP_LEN for s in req.stop),
+           f"stop: each stop string must have 1 to {MAX_STOP_LEN} characters")
+    _check(len(req.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+           f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
+    bad = next((t for t in req.stop_token_ids if t >= vocab_size), None)
+    _check(bad is None, f"stop_token_ids: token id {bad} is out of vocabulary (size {vocab_size})")
+    _check(0 <= req.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
+    _check(req.min_tokens >= 0, f"min_tokens must be >= 0, got {req.min_tokens}")
+    if req.HasField("max_tokens"):
+        _check(req.max_tokens >= 1, f"max_tokens must be >= 1, got {req.max_tokens}")
+        _check(req.max_tokens < max_model_len,
+               f"max_tokens {req.max_tokens} exceeds max_model_len {max_model_len}")
+    if req.WhichOneof("input") == "prompt_token_ids":
+        n = len(req.prompt_token_ids.ids)
+        _check(n < max_model_len,
+               f"prompt_token_ids has {n} tokens; max_model_len is {max_model_len}")
+    sampling = _sampling(req.sampling, vocab_size)
+    ids = prompt_ids(req, tokenizer, vocab_size)
+    _check(len(ids) < max_model_len,
+           f"prompt has {len(ids)} tokens; max_model_len is {max_model_len} (at least one output token must fit)")
+    room = max_model_len - len(ids)
+    max_tokens = req.max_tokens if req.HasField("max_tokens") else room
+    _check(max_tokens <= room, f"max_tokens {max_tokens} plus the prompt's {len(ids)} tokens "
+                               f"exceeds max_model_len {max_model_len}")
+    _check(req.min_tokens <= max_tokens, f"min_tokens {req.min_tokens} exceeds max_tokens {max_tokens}")
+    stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(eos_token_ids))
+    sampling.logprobs = req.logprobs
+    sampling.min_tokens = req.min_tokens
+    if req.min_tokens:
+        sampling.suppress_token_ids.extend(sorted(stop_ids))
+    return Request(request_id=rid, seq_id=seq_id, prompt_token_ids=ids, sampling=sampling,
+                   max_tokens=max_tokens, min_tokens=req.min_tokens,
+                   stop_token_ids=frozenset(stop_ids),
+                   output=OutputText(tokenizer.decode_stream(ids), list(req.stop)),
+                   priority=req.priority)

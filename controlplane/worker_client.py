@@ -1,0 +1,96 @@
+"""The control plane's side of the step protocol: one group of data plane workers that form
+one model. Every step goes to every worker; rank 0 answers with the sampled tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from headrace.dataplane.v1 import worker_pb2 as pb
+from headrace.dataplane.v1 import worker_pb2_grpc as pb_grpc
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.max_send_message_length", 256 << 20),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class WorkerError(RuntimeError):
+    """A worker stream broke or a worker answered with an error."""
+
+
+class WorkerGroup:
+    def __init__(self, addresses: list[str]):
+        if not addresses:
+            raise ValueError("at least one data plane address is needed")
+        self.addresses = addresses
+        self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
+        self._stubs = [pb_grpc.WorkerStub(c) for c in self._channels]
+        self._calls: list = []
+        self.infos: list[pb.WorkerInfo] = []
+
+    async def describe(self, timeout: float) -> list[pb.WorkerInfo]:
+        """Waits (up to ``timeout`` seconds) until every worker answers Describe."""
+        deadline = time.monotonic() + timeout
+        infos = []
+        for addr, stub in zip(self.addresses, self._stubs):
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WorkerError(f"data plane at {addr} not ready after {timeout:.0f}s")
+                try:
+                    infos.append(await stub.Describe(pb.DescribeRequest(), timeout=min(left, 5.0),
+                                                     wait_for_ready=True))
+                    break
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                          grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise WorkerError(f"Describe on {addr}: {exc.details()}") from exc
+                    await asyncio.sleep(0.2)
+        first = infos[0]
+        for info in infos[1:]:
+            if (info.model_name, info.block_size, info.vocab_size) != (
+                    first.model_name, first.block_size, first.vocab_size):
+                raise WorkerError("workers of one group serve different models or block sizes")
+        self.infos = infos
+        return infos
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV capacity of the group: the smallest of its workers'."""
+        return min(i.num_kv_blocks for i in self.infos)
+
+    async def open(self) -> None:
+        """Opens fresh Execute streams (each worker then starts from an empty mirror)."""
+        await self.close_streams()
+        self._calls = [stub.Execute(wait_for_ready=True) for stub in self._stubs]
+
+    async def close_streams(self) -> None:
+        for call in self._calls:
+            call.cancel()
+        self._calls = []
+
+    async def step(self, request: pb.StepRequest) -> pb.StepResult:
+        if not self._calls:
+            raise WorkerError("no open step stream")
+        try:
+            for call in self._calls:
+                await call.write(request)
+            results = [await call.read() for call in self._calls]
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerError(f"data plane step failed: {exc.code().name}: {exc.details()}") from exc
+        except asyncio.InvalidStateError as exc:  # stream already ended
+            raise WorkerError(f"data plane stream closed: {exc}") from exc
+        if any(r is grpc.aio.EOF for r in results):
+            raise WorkerError("data plane closed its step stream")
+        return results[0]
+
+    async def close(self) -> None:
+        await self.close_streams()
+        for channel in self._channels:
+            await channel.close()

@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny random checkpoints per architecture and running planes over them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.checkpoints import make_checkpoint
+from tests.harness import Planes
+
+# (family, options): GQA ratios 1 and 4, head_dim 64 and 128, tied and untied embeddings,
+# qkv bias (qwen2), q/k norm (qwen3), llama3 rope scaling.
+VARIANTS = {
+    "llama-gqa4-hd64-untied": ("llama", dict(heads=8, kv_heads=2, head_dim=64)),
+    "llama3-rope-gqa1-hd128-tied": ("llama", dict(heads=2, kv_heads=2, head_dim=128, tie=True, extra=dict(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}))),
+    "mistral-gqa4-hd64": ("mistral", dict(heads=4, kv_heads=1, head_dim=64)),
+    "qwen2-bias-gqa1-hd64-tied": ("qwen2", dict(heads=2, kv_heads=2, head_dim=64, tie=True)),
+    "qwen3-qknorm-gqa4-hd128": ("qwen3", dict(heads=4, kv_heads=1, head_dim=128)),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            family, opts = VARIANTS[name]
+            made[name] = make_checkpoint(tmp_path_factory.mktemp(name), family, **opts)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def llama_planes(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("llama"), "llama", heads=4, kv_heads=2, head_dim=32)
+    planes = Planes(path, num_kv_blocks=512)
+    yield planes
+    planes.close()

@@ -1,0 +1,77 @@
+"""Runs both planes inside the test process over real gRPC: a data plane worker on a unix
+socket and a control plane (in its own event-loop thread) on a TCP port of 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pathlib
+import tempfile
+import threading
+import time
+
+import grpc
+
+from controlplane.engine import EngineConfig
+from controlplane.server import ControlPlane
+from dataplane.server import serve
+from dataplane.worker import Worker, WorkerOptions
+from headrace.v1 import inference_pb2 as pb
+from headrace.v1 import inference_pb2_grpc as pb_grpc
+
+
+class Planes:
+    def __init__(self, model_dir: str | pathlib.Path, *, num_kv_blocks: int = 256,
+                 block_size: int = 16, config: EngineConfig | None = None):
+        self._tmp = tempfile.mkdtemp(prefix="headrace-test-")
+        self.worker_address = f"unix:{self._tmp}/dp.sock"
+        self.worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=num_kv_blocks,
+                                           block_size=block_size))
+        self.worker_server = serve(self.worker, self.worker_address)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+
+        async def build():
+            plane = ControlPlane(str(model_dir), [self.worker_address], "127.0.0.1:0", config)
+            await plane.start(ready_timeout=60)
+            return plane
+
+        self.plane: ControlPlane = self.call(build())
+        self.address = f"127.0.0.1:{self.plane.port}"
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = pb_grpc.InferenceStub(self.channel)
+
+    def call(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def engine(self):
+        return self.plane.engine
+
+    @property
+    def free_blocks(self) -> int:
+        return self.engine.scheduler.blocks.num_free
+
+    def wait_for_free_blocks(self, expected: int, timeout: float = 10.0) -> int:
+        deadline = time.monotonic() + timeout
+        while self.free_blocks != expected and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.free_blocks
+
+    def generate(self, **fields) -> list[pb.GenerateResponse]:
+        return list(self.stub.Generate(pb.GenerateRequest(**fields), timeout=120))
+
+    def close(self) -> None:
+        self.channel.close()
+        with contextlib.suppress(Exception):
+            self.call(self.plane.stop(grace=1))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self.worker_server.stop(0).wait()
+
+
+def completion(responses: list[pb.GenerateResponse]) -> tuple[list[int], str, int]:
+    """(token ids, text, finish reason) of one finished stream."""
+    ids = [t for r in responses for t in r.token_ids]
+    return ids, "".join(r.text for r in responses), responses[-1].finish_reason
