@@ -56,10 +56,12 @@ class Engine:
         infos = await self.workers.describe(timeout)
         self.info = infos[0]
         blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size)
-        self.scheduler = Scheduler(blocks, self.config.max_running, self.config.max_batched_tokens)
         # Every request must fit the KV pool alone, so preemption always makes progress.
         limit = min(self.info.max_model_len, blocks.num_blocks * blocks.block_size)
         self.max_model_len = min(self.config.max_model_len or limit, limit)
+        # Prompts are prefilled in one step, so one step must hold the longest prompt.
+        budget = max(self.config.max_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(blocks, self.config.max_running, budget)
         await self.workers.open()
         self.healthy = True
         self._task = asyncio.create_task(self._loop(), name="headrace-engine")

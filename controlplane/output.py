@@ -17,6 +17,7 @@ class OutputText:
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self._sent = 0
+        self._stopped = False
 
     def add(self, token_id: int) -> bool:
         """Appends a token's text; returns True when a stop string matched (text is cut there)."""
@@ -30,11 +31,14 @@ class OutputText:
         hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
         if hits:
             self.text = self.text[:min(hits)]
+            self._stopped = True
             return True
         return False
 
     def delta(self, final: bool) -> str:
         """Text not sent yet; while streaming, holds back a possible stop-string prefix."""
+        if final and not self._stopped:
+            self.text += self._decoder.flush()
         end = len(self.text) if final else max(self._sent, len(self.text) - self._hold)
         piece, self._sent = self.text[self._sent:end], end
         return piece

@@ -48,10 +48,22 @@ class IncrementalDecoder:
     def __init__(self, tokenizer: Tokenizer, context_ids: list[int]):
         self._tokenizer = tokenizer
         self._stream = DecodeStream(ids=list(context_ids), skip_special_tokens=True)
+        self._pending: list[int] = []  # ids whose bytes do not form whole characters yet
 
     def step(self, token_id: int) -> str:
         try:
             piece = self._stream.step(self._tokenizer, token_id)
         except Exception:  # ids outside the tokenizer's vocab (padded model vocab) decode to nothing
             return ""
-        return piece or ""
+        if piece is None:
+            self._pending.append(token_id)
+            return ""
+        self._pending.clear()
+        return piece
+
+    def flush(self) -> str:
+        """At the end of a stream: the text of trailing ids that never completed a character
+        (as the tokenizer decodes them: replacement characters)."""
+        text = self._tokenizer.decode(self._pending, skip_special_tokens=True) if self._pending else ""
+        self._pending.clear()
+        return text

@@ -1,0 +1,85 @@
+"""The sampler: greedy, filters, penalties, min_tokens, seeds and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dataplane.sampler import SamplingRow, sample
+
+
+def row(**kw) -> SamplingRow:
+    base = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                presence_penalty=0.0, frequency_penalty=0.0, seed=None, logprobs=0, min_tokens=0,
+                suppress_token_ids=[], prompt_token_ids=[1], output_token_ids=[])
+    base.update(kw)
+    return SamplingRow(**base)
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 1.0, 0.0]])
+    assert sample(logits.clone(), [row(), row()]).token_ids == [1, 0]
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy_even_when_sampling():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    best = logits.argmax(-1).tolist()
+    assert sample(logits.clone(), [row(temperature=1.0, top_k=1)] * 4).token_ids == best
+    assert sample(logits.clone(), [row(temperature=1.0, top_p=1e-6)] * 4).token_ids == best
+    assert sample(logits.clone(), [row(temperature=1.0, min_p=1.0)] * 4).token_ids == best
+
+
+def test_sampling_follows_the_distribution():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    logits = probs.log().repeat(4000, 1)
+    toks = torch.tensor(sample(logits, [row(temperature=1.0)] * 4000).token_ids)
+    freq = torch.bincount(toks, minlength=3).float() / 4000
+    torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+
+
+def test_top_k_restricts_support():
+    torch.manual_seed(1)
+    logits = torch.tensor([[4.0, 3.9, 3.8, 0.0, 0.0]]).repeat(500, 1)
+    toks = set(sample(logits, [row(temperature=5.0, top_k=2)] * 500).token_ids)
+    assert toks == {0, 1}
+
+
+def test_seed_gives_the_same_tokens_whatever_the_neighbours():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 100)
+    seeded = row(temperature=1.0, seed=42, output_token_ids=[5, 6])
+    a = sample(logits.clone(), [seeded, row(temperature=1.0), row()]).token_ids[0]
+    b = sample(logits[[0]].clone(), [seeded]).token_ids[0]
+    c = sample(torch.cat([logits[[1]], logits[[0]]]).clone(), [row(temperature=2.0), seeded]).token_ids[1]
+    assert a == b == c
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, 2.0, -1.0, 1.9]])
+    # repetition penalty divides positive logits of seen tokens: token 0 drops below 1
+    out = sample(logits.clone(), [row(repetition_penalty=2.0, prompt_token_ids=[0])])
+    assert out.token_ids == [1]
+    out = sample(logits.clone(), [row(frequency_penalty=0.2, output_token_ids=[0, 0, 1])])
+    assert out.token_ids == [3]
+    out = sample(logits.clone(), [row(presence_penalty=0.5, output_token_ids=[0, 1])])
+    assert out.token_ids == [3]
+
+
+def test_min_tokens_suppresses_stop_ids():
+    logits = torch.tensor([[5.0, 1.0, 0.0]])
+    assert sample(logits.clone(), [row(min_tokens=2, suppress_token_ids=[0])]).token_ids == [1]
+    done = row(min_tokens=2, suppress_token_ids=[0], output_token_ids=[1, 1])
+    assert sample(logits.clone(), [done]).token_ids == [0]
+
+
+def test_logprobs_are_of_the_raw_distribution():
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    out = sample(logits.clone(), [row(logprobs=2, temperature=0.5), row()])
+    expect = torch.log_softmax(torch.tensor([1.0, 2.0, 3.0]), -1)
+    assert out.top_token_ids[0] == [2, 1] and out.top_token_ids[1] == []
+    assert out.top_logprobs[0] == pytest.approx(expect[[2, 1]].tolist())
+    assert out.logprobs[1] == pytest.approx(math.log(1 / 3))
