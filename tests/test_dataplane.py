@@ -1,0 +1,89 @@
+"""The data plane worker over gRPC: Describe, step validation, stream supersession, and the
+control plane's reaction to a worker that disappears and comes back."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from dataplane.server import serve
+from dataplane.worker import Worker, WorkerOptions
+from tests.checkpoints import make_checkpoint
+from tests.harness import Planes, completion
+from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.dataplane.v1 import worker_pb2_grpc as wpb_grpc
+from headrace.v1 import inference_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", heads=4, kv_heads=2, head_dim=32)
+
+
+@pytest.fixture
+def worker_stub(model_dir, tmp_path):
+    server = serve(Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=32)), f"unix:{tmp_path}/w.sock")
+    channel = grpc.insecure_channel(f"unix:{tmp_path}/w.sock")
+    yield wpb_grpc.WorkerStub(channel)
+    channel.close()
+    server.stop(0).wait()
+
+
+def test_describe_reports_model_and_kv(worker_stub):
+    info = worker_stub.Describe(wpb.DescribeRequest())
+    assert info.architecture == "Qwen3ForCausalLM" and info.num_kv_blocks == 32
+    assert info.block_size == 16 and info.vocab_size == 384 and info.world_size == 1
+    assert info.kv_bytes_per_block == 2 * 2 * 16 * 2 * 32 * 4
+    assert list(info.eos_token_ids) == [1]
+
+
+def _prefill(seq_id=1, blocks=(0,)):
+    step = wpb.StepRequest(step_id=1)
+    step.new_seqs.add(seq_id=seq_id, prompt_token_ids=[5, 6, 7], block_ids=list(blocks),
+                      num_scheduled_tokens=3, sampling=wpb.Sampling())
+    return step
+
+
+@pytest.mark.parametrize("bad", [
+    wpb.StepRequest(step_id=2, running_seq_ids=[99], running_num_scheduled=[1]),
+    _prefill(blocks=()),
+    _prefill(blocks=(32,)),
+])
+def test_inconsistent_steps_are_rejected(worker_stub, bad):
+    with pytest.raises(grpc.RpcError) as info:
+        list(worker_stub.Execute(iter([bad])))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_running_delta_continues_a_sequence_and_new_stream_forgets_it(worker_stub):
+    decode = wpb.StepRequest(step_id=2, running_seq_ids=[1], running_num_scheduled=[1],
+                             running_new_block_counts=[0])
+    results = list(worker_stub.Execute(iter([_prefill(), decode])))
+    assert [list(r.seq_ids) for r in results] == [[1], [1]]
+    # a fresh stream (a restarted control plane) starts from an empty mirror
+    with pytest.raises(grpc.RpcError) as info:
+        list(worker_stub.Execute(iter([decode])))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_control_plane_survives_worker_restart(model_dir):
+    planes = Planes(model_dir, num_kv_blocks=64)
+    try:
+        before = completion(planes.generate(prompt="the quick", max_tokens=5, ignore_eos=True,
+                                            sampling=pb.SamplingParams(temperature=0)))
+        planes.worker_server.stop(0).wait()
+        with pytest.raises(grpc.RpcError) as info:
+            planes.generate(prompt="the quick", max_tokens=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert planes.free_blocks == 64
+        planes.worker_server = serve(planes.worker, planes.worker_address)
+        deadline = time.monotonic() + 20
+        while not planes.engine.healthy and time.monotonic() < deadline:
+            time.sleep(0.1)
+        after = completion(planes.generate(prompt="the quick", max_tokens=5, ignore_eos=True,
+                                           sampling=pb.SamplingParams(temperature=0)))
+        assert after == before
+    finally:
+        planes.close()
