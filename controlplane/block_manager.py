@@ -1,24 +1,51 @@
-"""Paged KV block manager: a free pool of fixed-size blocks and each sequence's block table.
+"""Paged KV block manager with automatic prefix caching.
 
+Owns the pool of fixed-size blocks, every sequence's block table and the blocks' reference
+counts. A full block is identified by a chained hash of (previous block's hash, its token
+ids) and verified by comparing tokens; it is registered as soon as the step that writes it is
+scheduled, so a request admitted later, even in the same step, shares it instead of
+computing it again. Unreferenced blocks sit in an LRU free queue: cached ones stay reusable
+until a new allocation evicts them (blocks that hold nothing reusable are taken first).
 The control plane owns every block decision; workers only mirror the tables it sends.
 """
 
 from __future__ import annotations
 
 import collections
+from typing import Callable
+
+import xxhash
+
+_ROOT_HASH = 0
+
+
+def chain_hash(previous: int, tokens: tuple[int, ...]) -> int:
+    h = xxhash.xxh64(previous.to_bytes(8, "little"))
+    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    return h.intdigest()
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("need at least one block of at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: collections.deque[int] = collections.deque(range(num_blocks))
-        self.tables: dict[int, list[int]] = {}
+        self.enable_prefix_cache = enable_prefix_cache
+        self.ref = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}                 # chain hash -> block id
+        self.tables: dict[int, list[int]] = {}           # seq id -> block ids
+        self._chain: dict[int, list[int]] = {}           # seq id -> hashes of its leading full blocks
+        self.prefix_queries = 0                          # tokens looked up / found (metrics)
+        self.prefix_hits = 0
 
+    # -- queries -------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
+        """Blocks an allocation can take now (free, cached or not)."""
         return len(self._free)
 
     @property
@@ -35,14 +62,94 @@ class BlockManager:
     def can_grow(self, seq_id: int, num_tokens: int, reserve: int = 0) -> bool:
         return self.blocks_needed(seq_id, num_tokens) + reserve <= len(self._free)
 
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks holding the longest prefix of ``token_ids``, leaving at least the last
+        token to compute (its logits are needed)."""
+        if not self.enable_prefix_cache:
+            return []
+        bs, h, hits = self.block_size, _ROOT_HASH, []
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(h, tokens)
+            block = self.cached.get(h)
+            if block is None or self._tokens[block] != tokens:
+                break
+            hits.append(block)
+        self.prefix_queries += len(token_ids)
+        return hits
+
+    def cost(self, hits: list[int], num_tokens: int) -> int:
+        """Free-pool blocks that adopting ``hits`` and covering ``num_tokens`` would take."""
+        return sum(1 for b in hits if self.ref[b] == 0) + max(0, self.blocks_for(num_tokens) - len(hits))
+
+    # -- changes -------------------------------------------------------------------------
+    def adopt(self, seq_id: int, hits: list[int]) -> None:
+        """Starts a sequence's table with cached blocks (shared: reference counted)."""
+        assert seq_id not in self.tables, f"sequence {seq_id} already has blocks"
+        for b in hits:
+            if self.ref[b] == 0:
+                del self._free[b]
+            self.ref[b] += 1
+        self.tables[seq_id] = list(hits)
+        self._chain[seq_id] = [self._hash[b] for b in hits]
+        self.prefix_hits += len(hits) * self.block_size
+
+    def share(self, parent: int, child: int, num_blocks: int) -> None:
+        """Gives ``child`` the first ``num_blocks`` blocks of ``parent`` (parallel sampling)."""
+        shared = self.tables[parent][:num_blocks]
+        for b in shared:
+            self.ref[b] += 1
+        self.tables[child] = list(shared)
+        self._chain[child] = self._chain.get(parent, [])[:num_blocks]
+
+    def _take(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        h = self._hash[block]
+        if h is not None:   # evict it from the prefix cache
+            if self.cached.get(h) == block:
+                del self.cached[h]
+            self._hash[block] = self._tokens[block] = None
+        self.ref[block] = 1
+        return block
+
     def grow(self, seq_id: int, num_tokens: int) -> list[int]:
         """Appends blocks so the table covers ``num_tokens``; returns the new block ids."""
         need = self.blocks_needed(seq_id, num_tokens)
         if need > len(self._free):
             raise MemoryError(f"sequence {seq_id} needs {need} blocks, {len(self._free)} free")
-        new = [self._free.popleft() for _ in range(need)]
+        new = [self._take() for _ in range(need)]
         self.tables.setdefault(seq_id, []).extend(new)
         return new
 
+    def register(self, seq_id: int, token_ids: Callable[[], list[int]], num_tokens: int) -> None:
+        """Publishes the sequence's blocks that ``num_tokens`` tokens fill completely.
+        ``token_ids`` is called only when a block boundary was crossed."""
+        chain, table, bs = self._chain.setdefault(seq_id, []), self.tables[seq_id], self.block_size
+        if not self.enable_prefix_cache or num_tokens // bs <= len(chain):
+            return
+        token_ids = token_ids()
+        for i in range(len(chain), num_tokens // bs):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(chain[-1] if chain else _ROOT_HASH, tokens)
+            chain.append(h)
+            block = table[i]
+            if h not in self.cached and self._hash[block] is None:
+                self._hash[block], self._tokens[block] = h, tokens
+                self.cached[h] = block
+
     def free(self, seq_id: int) -> None:
-        self._free.extend(self.tables.pop(seq_id, ()))
+        """Drops a sequence's references. Its blocks stay cached; tail blocks, and blocks that
+        hold nothing reusable, are evicted first."""
+        self._chain.pop(seq_id, None)
+        for b in reversed(self.tables.pop(seq_id, ())):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self._free[b] = None
+                if self._hash[b] is None:
+                    self._free.move_to_end(b, last=False)
+
+    def reset_cache(self) -> None:
+        """Forgets every cached block (the workers' KV contents are no longer trusted)."""
+        for b in range(self.num_blocks):
+            self._hash[b] = self._tokens[b] = None
+        self.cached.clear()

@@ -1,5 +1,5 @@
 """The control plane's engine loop: schedule a step, send it to the workers, fold the sampled
-tokens back into the requests and stream each request's new tokens and text to its client.
+tokens back into the sequences and stream each request's new tokens and text to its client.
 
 Runs as one asyncio task. Handlers talk to it through ``submit`` and ``abort``; results reach
 handlers through each request's queue (a ``GenerateResponse``, or an ``EngineFailure``).
@@ -15,7 +15,8 @@ import logging
 import grpc
 
 from controlplane.block_manager import BlockManager
-from controlplane.request import Request, Status
+from controlplane.policy import Policy
+from controlplane.request import Request, Sequence, Status
 from controlplane.scheduler import ScheduledStep, Scheduler
 from controlplane.worker_client import WorkerError, WorkerGroup
 from headrace.dataplane.v1 import worker_pb2 as wpb
@@ -27,8 +28,11 @@ log = logging.getLogger("headrace.engine")
 @dataclasses.dataclass
 class EngineConfig:
     max_running: int = 256
-    max_batched_tokens: int = 8192
+    max_batched_tokens: int = 2048
     max_model_len: int | None = None   # default: what the workers report (capped by the KV pool)
+    policy: Policy = dataclasses.field(default_factory=Policy)
+    enable_prefix_cache: bool = True
+    watermark: float = 0.01            # fraction of KV blocks admission leaves free
     reconnect_interval_s: float = 1.0
 
 
@@ -47,7 +51,7 @@ class Engine:
         self.max_model_len = 0
         self.healthy = False
         self.requests: dict[str, Request] = {}
-        self._seq_ids = itertools.count(1)
+        self.seq_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -55,30 +59,28 @@ class Engine:
     async def start(self, timeout: float = 600.0) -> None:
         infos = await self.workers.describe(timeout)
         self.info = infos[0]
-        blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size)
+        cfg = self.config
+        blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size, cfg.enable_prefix_cache)
         # Every request must fit the KV pool alone, so preemption always makes progress.
         limit = min(self.info.max_model_len, blocks.num_blocks * blocks.block_size)
-        self.max_model_len = min(self.config.max_model_len or limit, limit)
-        # Prompts are prefilled in one step, so one step must hold the longest prompt.
-        budget = max(self.config.max_batched_tokens, self.max_model_len)
-        self.scheduler = Scheduler(blocks, self.config.max_running, budget)
+        self.max_model_len = min(cfg.max_model_len or limit, limit)
+        self.scheduler = Scheduler(blocks, cfg.max_running, cfg.max_batched_tokens, cfg.policy,
+                                   cfg.watermark)
         await self.workers.open()
         self.healthy = True
         self._task = asyncio.create_task(self._loop(), name="headrace-engine")
 
-    def next_seq_id(self) -> int:
-        return next(self._seq_ids)
-
-    def submit(self, req: Request) -> None:
-        self.requests[req.request_id] = req
-        self.scheduler.add(req)
+    def submit(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.scheduler.add(request.sequences)
         self._wake.set()
 
-    def abort(self, req: Request) -> None:
+    def abort(self, request: Request) -> None:
         """Client left (cancel, deadline): drop the request; its blocks are free at once."""
-        if not req.finished:
-            self.scheduler.finish(req, pb.FINISH_REASON_ABORTED)
-        self.requests.pop(req.request_id, None)
+        for seq in request.sequences:
+            if not seq.finished:
+                self.scheduler.finish(seq, pb.FINISH_REASON_ABORTED)
+        self.requests.pop(request.request_id, None)
         self._wake.set()
 
     async def stop(self) -> None:
@@ -89,10 +91,9 @@ class Engine:
         await self.workers.close()
 
     def fail_all(self, code: grpc.StatusCode, message: str) -> None:
-        for req in list(self.requests.values()):
-            if not req.finished:
-                self.scheduler.finish(req, pb.FINISH_REASON_ABORTED)
-            req.queue.put_nowait(EngineFailure(code, message))
+        for request in list(self.requests.values()):
+            self.abort(request)
+            request.queue.put_nowait(EngineFailure(code, message))
         self.requests.clear()
 
     async def _loop(self) -> None:
@@ -105,7 +106,7 @@ class Engine:
                 self._wake.clear()
                 if not self.scheduler.has_work:
                     await self._wake.wait()
-                else:  # waiting requests that cannot be admitted yet; nothing runs
+                else:  # waiting sequences that cannot be admitted yet and nothing runs
                     await asyncio.sleep(0.001)
                 continue
             try:
@@ -114,6 +115,7 @@ class Engine:
                 log.error("worker group failed: %s", exc)
                 self.healthy = False
                 self.fail_all(grpc.StatusCode.UNAVAILABLE, f"data plane failed: {exc}")
+                self.scheduler.blocks.reset_cache()   # KV contents are gone with the worker
                 continue
             self.scheduler.after_step(step)
             self._process(step, result)
@@ -128,42 +130,50 @@ class Engine:
             await asyncio.sleep(self.config.reconnect_interval_s)
 
     def _to_proto(self, step: ScheduledStep) -> wpb.StepRequest:
-        msg = wpb.StepRequest(step_id=next(self._step_ids), finished_seq_ids=step.forget)
+        msg = wpb.StepRequest(step_id=next(self._step_ids), finished_seq_ids=step.forget,
+                              copy_src_blocks=[s for s, _ in step.copies],
+                              copy_dst_blocks=[d for _, d in step.copies])
         tables = self.scheduler.blocks.tables
-        for req, n in step.new:
-            msg.new_seqs.add(seq_id=req.seq_id, prompt_token_ids=req.prompt_token_ids,
-                             output_token_ids=req.output_token_ids,
-                             block_ids=tables[req.seq_id], num_computed_tokens=req.num_computed,
-                             num_scheduled_tokens=n, sampling=req.sampling)
-        for req, n, new_blocks in step.running:
-            msg.running_seq_ids.append(req.seq_id)
+        for seq, n in step.new:
+            msg.new_seqs.add(seq_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
+                             output_token_ids=seq.output_token_ids,
+                             block_ids=tables[seq.seq_id], num_computed_tokens=seq.num_computed,
+                             num_scheduled_tokens=n, sampling=seq.sampling)
+        for seq, n, new_blocks in step.running:
+            msg.running_seq_ids.append(seq.seq_id)
             msg.running_num_scheduled.append(n)
             msg.running_new_block_counts.append(len(new_blocks))
             msg.running_new_block_ids.extend(new_blocks)
         return msg
 
     def _process(self, step: ScheduledStep, result: wpb.StepResult) -> None:
-        by_seq = {r.seq_id: r for r, _ in step.scheduled()}
+        by_seq = {s.seq_id: s for s, _ in step.scheduled()}
         top_pos = 0
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
-            req = by_seq.get(seq_id)
-            k = req.sampling.logprobs if req is not None else 0
-            top = (result.top_token_ids[top_pos:top_pos + k], result.top_logprobs[top_pos:top_pos + k])
+            seq = by_seq.get(seq_id)
+            k = seq.sampling.logprobs if seq is not None else 0
+            top_ids = result.top_token_ids[top_pos:top_pos + k]
+            top_vals = result.top_logprobs[top_pos:top_pos + k]
             top_pos += k
-            if req is None or req.status is not Status.RUNNING:
-                continue  # aborted while the step was in flight
-            req.output_token_ids.append(token)
-            reason = req.check_stop(token, self.max_model_len)
-            msg = pb.GenerateResponse(request_id=req.request_id, token_ids=[token])
+            if seq is None or seq.status is not Status.RUNNING:
+                continue  # aborted or preempted while the step was in flight
+            seq.output_token_ids.append(token)
+            msg = pb.GenerateResponse(request_id=seq.request_id, index=seq.index, token_ids=[token])
             if k:
                 lp = msg.logprobs.add(token_id=token, logprob=result.logprobs[i])
-                for tid, val in zip(*top):
+                for tid, val in zip(top_ids, top_vals):
                     lp.top.add(token_id=tid, logprob=val)
+            reason = seq.check_stop(token, self.max_model_len)
             if reason != pb.FINISH_REASON_UNSPECIFIED:
-                self.scheduler.finish(req, reason)
-                self.requests.pop(req.request_id, None)
-                msg.finish_reason = reason
-                msg.usage.prompt_tokens = len(req.prompt_token_ids)
-                msg.usage.completion_tokens = len(req.output_token_ids)
-            msg.text = req.output.delta(final=req.finished)
-            req.queue.put_nowait(msg)
+                self._finish(seq, reason, msg)
+            msg.text = seq.output.delta(final=seq.finished)
+            seq.request.queue.put_nowait(msg)
+
+    def _finish(self, seq: Sequence, reason: int, msg: pb.GenerateResponse) -> None:
+        self.scheduler.finish(seq, reason)
+        msg.finish_reason = reason
+        msg.usage.prompt_tokens = len(seq.prompt_token_ids)
+        msg.usage.completion_tokens = len(seq.output_token_ids)
+        msg.usage.cached_prompt_tokens = seq.num_cached_prompt_tokens
+        if seq.request.finished:
+            self.requests.pop(seq.request_id, None)

@@ -1,108 +1,212 @@
-"""Continuous-batching scheduler (FIFO): decides, every step, which requests run and how
-many tokens each computes, and keeps their block tables in step.
+"""Iteration-level scheduler: every step, which sequences run and how many tokens each
+computes, within a token budget and a cap on running sequences.
 
-Each step: running requests decode first (preempting the newest by recompute when blocks
-run out), then waiting requests are admitted in arrival order while the token budget,
-the running cap and free blocks allow. Finished requests leave at once and free their blocks.
+Order of service each step: running decodes, then running prefills (chunked), then waiting
+sequences admitted in policy order (see ``policy``) with chunked prefill, so a long prompt
+is spread over steps and never blocks short ones. Admission leaves a watermark of free
+blocks. When a running sequence needs blocks that are not there, the policy's victims
+(never one already scheduled in this step) are preempted by recompute: their blocks are
+freed and they wait again with their generated tokens; the sequence preempts itself when
+it is the worst. Parallel samples fork from their parent once its prompt is computed,
+sharing its blocks and copying the block they will write into (copy on write).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import time
 
 from controlplane.block_manager import BlockManager
-from controlplane.request import Request, Status
+from controlplane.policy import Policy
+from controlplane.request import Sequence, Status
 
 
 @dataclasses.dataclass
 class ScheduledStep:
-    new: list[tuple[Request, int]] = dataclasses.field(default_factory=list)
-    running: list[tuple[Request, int, list[int]]] = dataclasses.field(default_factory=list)
+    new: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    running: list[tuple[Sequence, int, list[int]]] = dataclasses.field(default_factory=list)
     forget: list[int] = dataclasses.field(default_factory=list)
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) blocks
 
     @property
     def empty(self) -> bool:
         return not self.new and not self.running
 
-    def scheduled(self) -> list[tuple[Request, int]]:
-        return self.new + [(r, n) for r, n, _ in self.running]
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.new) + sum(n for _, n, _ in self.running)
+
+    def scheduled(self) -> list[tuple[Sequence, int]]:
+        return self.new + [(s, n) for s, n, _ in self.running]
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int,
+                 policy: Policy | None = None, watermark: float = 0.01,
+                 clock=time.monotonic):
         self.blocks = blocks
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
-        self._forget: list[int] = []   # seq ids the workers must drop before the next step
+        self.policy = policy or Policy()
+        self.watermark_blocks = int(watermark * blocks.num_blocks)
+        self.clock = clock
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._pending_forks: dict[int, list[Sequence]] = {}  # parent seq id -> children
+        self._forget: list[int] = []
+        self._copies: list[tuple[int, int]] = []
+        self._forked: list[Sequence] = []   # running children the workers do not know yet
         self.num_preemptions = 0
 
-    def add(self, req: Request) -> None:
-        self.waiting.append(req)
+    # -- membership ---------------------------------------------------------------------
+    def add(self, seqs: list[Sequence]) -> None:
+        """Queues a request's sequences: the first computes the prompt, the others fork."""
+        now = self.clock()
+        parent, *children = seqs
+        parent.status, parent.waiting_since = Status.WAITING, now
+        self.waiting.append(parent)
+        for child in children:
+            child.status = Status.PENDING_FORK
+        if children:
+            self._pending_forks[parent.seq_id] = children
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _release(self, req: Request) -> None:
-        self.blocks.free(req.seq_id)
-        if req.on_worker:
-            self._forget.append(req.seq_id)
-            req.on_worker = False
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.seq_id)
+        if seq in self._forked:
+            self._forked.remove(seq)
+        if seq.on_worker:
+            self._forget.append(seq.seq_id)
+            seq.on_worker = False
 
-    def finish(self, req: Request, reason: int) -> None:
-        """Retires a request (finished, aborted or failed) and frees its blocks at once."""
-        if req.status is Status.RUNNING:
-            self.running.remove(req)
-        elif req.status is Status.WAITING:
-            self.waiting.remove(req)
-        req.status, req.finish_reason = Status.FINISHED, reason
-        self._release(req)
+    def finish(self, seq: Sequence, reason: int) -> None:
+        """Retires a sequence (finished, aborted or failed) and frees its blocks at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        for child in self._pending_forks.pop(seq.seq_id, []):
+            if child.status is Status.PENDING_FORK:   # its parent will never compute the prompt
+                self._enqueue(child)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self._release(seq)
 
-    def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self._release(req)
-        req.status, req.num_computed = Status.WAITING, 0
-        req.num_preemptions += 1
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status, seq.num_computed, seq.waiting_since = Status.WAITING, 0, self.clock()
+        self.waiting.append(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(seq)
+
+    # -- one step -----------------------------------------------------------------------
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
+        """Preempts victims until ``seq`` can cover ``num_tokens``; False if it cannot."""
+        key = self.policy.victim_key
+        while not self.blocks.can_grow(seq.seq_id, num_tokens):
+            victims = [r for r in self.running if r.seq_id not in scheduled and r is not seq
+                       and key(r) > key(seq)]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=key))
+        return True
+
+    def _register(self, seq: Sequence, end: int) -> None:
+        self.blocks.register(seq.seq_id, lambda: seq.token_ids, end)
 
     def schedule(self) -> ScheduledStep:
+        now = self.clock()
         step = ScheduledStep()
         budget = self.max_batched_tokens
-        for req in list(self.running):
-            if req.status is not Status.RUNNING or budget < 1:
-                continue
-            while not self.blocks.can_grow(req.seq_id, req.num_computed + 1):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is req:
-                    break
-            if req.status is not Status.RUNNING:
-                continue
-            new_blocks = self.blocks.grow(req.seq_id, req.num_computed + 1)
-            step.running.append((req, 1, new_blocks))
-            budget -= 1
-        # A preempted request may have been scheduled before the victim choice reached it.
-        step.running = [e for e in step.running if e[0].status is Status.RUNNING]
-        while self.waiting and len(self.running) < self.max_running:
-            req = self.waiting[0]
-            n = req.num_tokens - req.num_computed
-            if n > budget or not self.blocks.can_grow(req.seq_id, req.num_tokens):
+        scheduled: set[int] = set()
+        while self._forked and budget >= 1:
+            child = self._forked.pop(0)
+            if child.status is Status.RUNNING:
+                step.new.append((child, 1))
+                scheduled.add(child.seq_id)
+                budget -= 1
+        unsent = {s.seq_id for s in self._forked}
+        skip = scheduled | unsent
+        order = sorted((s for s in self.running if s.seq_id not in skip),
+                       key=lambda s: (s.in_prefill, self.policy.rank(s, now)))
+        for seq in order:
+            if budget < 1:
                 break
-            self.waiting.popleft()
-            self.blocks.grow(req.seq_id, req.num_tokens)
-            req.status, req.on_worker = Status.RUNNING, True
-            self.running.append(req)
-            step.new.append((req, n))
+            if seq.status is not Status.RUNNING:
+                continue   # preempted for a better-ranked sequence in this loop
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._make_room(seq, seq.num_computed + n, scheduled):
+                if not seq.in_prefill:
+                    self._preempt(seq)   # a decode that cannot grow gives its blocks back
+                    continue
+                n = (len(self.blocks.tables[seq.seq_id]) + self.blocks.num_free) * \
+                    self.blocks.block_size - seq.num_computed
+                if n < 1:
+                    continue
+            new_blocks = self.blocks.grow(seq.seq_id, seq.num_computed + n)
+            self._register(seq, seq.num_computed + n)
+            step.running.append((seq, n, new_blocks))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        for seq in self.policy.order_waiting(self.waiting, now):
+            if budget < 1 or len(self.running) >= self.max_running:
+                break
+            n = self._admit(seq, budget)
+            if n == 0:
+                break   # strict order: the next in line waits for blocks
+            step.new.append((seq, n))
+            scheduled.add(seq.seq_id)
             budget -= n
         step.forget, self._forget = self._forget, []
+        step.copies, self._copies = self._copies, []
         return step
 
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        hits = self.blocks.match_prefix(seq.token_ids)
+        cached = len(hits) * self.blocks.block_size
+        n = min(seq.num_tokens - cached, budget)
+        reserve = self.watermark_blocks if self.running else 0
+        if self.blocks.cost(hits, cached + n) + reserve > self.blocks.num_free:
+            return 0
+        self.waiting.remove(seq)
+        self.blocks.adopt(seq.seq_id, hits)
+        self.blocks.grow(seq.seq_id, cached + n)
+        self._register(seq, cached + n)
+        if not seq.output_token_ids and seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = cached
+        seq.num_computed = cached
+        seq.status, seq.on_worker = Status.RUNNING, True
+        self.running.append(seq)
+        return n
+
     def after_step(self, step: ScheduledStep) -> None:
-        """Advances every request the step computed (before its sampled tokens are appended)."""
-        for req, n in step.scheduled():
-            if req.status is Status.RUNNING:
-                req.num_computed += n
+        """Advances every sequence the step computed (before its sampled tokens are
+        appended) and forks the parallel samples of parents whose prompt is now computed."""
+        for seq, n in step.scheduled():
+            if seq.status is Status.RUNNING:
+                seq.num_computed += n
+                if seq.seq_id in self._pending_forks and seq.num_computed == seq.num_tokens:
+                    self._fork(seq, self._pending_forks.pop(seq.seq_id))
+
+    def _fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Children share the parent's prompt blocks except the one holding the last prompt
+        token, which each copies and recomputes that token into (its first sample is its own)."""
+        last = len(parent.prompt_token_ids) - 1
+        shared = last // self.blocks.block_size
+        for child in children:
+            if len(self.running) >= self.max_running or self.blocks.num_free < 1:
+                self._enqueue(child)
+                continue
+            self.blocks.share(parent.seq_id, child.seq_id, shared)
+            (dst,) = self.blocks.grow(child.seq_id, last + 1)
+            self._copies.append((self.blocks.tables[parent.seq_id][shared], dst))
+            child.num_computed, child.num_cached_prompt_tokens = last, shared * self.blocks.block_size
+            child.status, child.on_worker = Status.RUNNING, True
+            self.running.append(child)
+            self._forked.append(child)

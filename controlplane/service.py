@@ -26,7 +26,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         await self._require_ready(context)
         engine = self.engine
         try:
-            req = build_request(request, self.tokenizer, seq_id=engine.next_seq_id(),
+            req = build_request(request, self.tokenizer, seq_ids=engine.seq_ids,
                                 vocab_size=engine.info.vocab_size, max_model_len=engine.max_model_len,
                                 eos_token_ids=list(engine.info.eos_token_ids))
         except ValidationError as exc:
@@ -36,13 +36,14 @@ class InferenceService(pb_grpc.InferenceServicer):
                                 f"request_id {req.request_id!r} is already in use")
         engine.submit(req)
         try:
-            while True:
+            unfinished = req.n
+            while unfinished:
                 msg = await req.queue.get()
                 if isinstance(msg, EngineFailure):
                     await context.abort(msg.code, msg.message)
                 yield msg
                 if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    return
+                    unfinished -= 1
         finally:
             engine.abort(req)  # no-op when finished; frees the blocks when the client left
 

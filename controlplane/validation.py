@@ -10,7 +10,7 @@ import math
 import uuid
 
 from controlplane.output import OutputText
-from controlplane.request import Request
+from controlplane.request import Request, Sequence
 from controlplane.tokenizer import ModelTokenizer
 from headrace.dataplane.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
@@ -21,6 +21,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
 MAX_REQUEST_ID_LEN = 256
 MAX_PROMPT_CHARS = 4 << 20
+MAX_N = 64
 
 
 class ValidationError(ValueError):
@@ -76,8 +77,9 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: ModelTokenizer, vocab_size: i
     return ids
 
 
-def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_id: int,
+def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids,
                   vocab_size: int, max_model_len: int, eos_token_ids: list[int]) -> Request:
+    """A validated Request with its ``n`` sequences (ids drawn from the ``seq_ids`` iterator)."""
     rid = req.request_id or uuid.uuid4().hex
     _check(len(rid) <= MAX_REQUEST_ID_LEN, f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
     # Cheap checks first so absurd requests cost no tokenization.
@@ -89,6 +91,7 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_id:
     bad = next((t for t in req.stop_token_ids if t >= vocab_size), None)
     _check(bad is None, f"stop_token_ids: token id {bad} is out of vocabulary (size {vocab_size})")
     _check(0 <= req.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
+    _check(req.n <= MAX_N, f"n must be in [1, {MAX_N}], got {req.n}")
     _check(req.min_tokens >= 0, f"min_tokens must be >= 0, got {req.min_tokens}")
     if req.HasField("max_tokens"):
         _check(req.max_tokens >= 1, f"max_tokens must be >= 1, got {req.max_tokens}")
@@ -101,7 +104,8 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_id:
     sampling = _sampling(req.sampling, vocab_size)
     ids = prompt_ids(req, tokenizer, vocab_size)
     _check(len(ids) < max_model_len,
-           f"prompt has {len(ids)} tokens; max_model_len is {max_model_len} (at least one output token must fit)")
+           f"prompt has {len(ids)} tokens; max_model_len is {max_model_len} "
+           "(the KV pool and the model's context bound it; at least one output token must fit)")
     room = max_model_len - len(ids)
     max_tokens = req.max_tokens if req.HasField("max_tokens") else room
     _check(max_tokens <= room, f"max_tokens {max_tokens} plus the prompt's {len(ids)} tokens "
@@ -112,8 +116,15 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_id:
     sampling.min_tokens = req.min_tokens
     if req.min_tokens:
         sampling.suppress_token_ids.extend(sorted(stop_ids))
-    return Request(request_id=rid, seq_id=seq_id, prompt_token_ids=ids, sampling=sampling,
-                   max_tokens=max_tokens, min_tokens=req.min_tokens,
-                   stop_token_ids=frozenset(stop_ids),
-                   output=OutputText(tokenizer.decode_stream(ids), list(req.stop)),
-                   priority=req.priority)
+    request = Request(request_id=rid, n=max(1, req.n))
+    for index in range(request.n):
+        seq_sampling = wpb.Sampling()
+        seq_sampling.CopyFrom(sampling)
+        if sampling.has_seed:   # each sample its own reproducible stream
+            seq_sampling.seed = (sampling.seed + index) % (1 << 64)
+        request.sequences.append(Sequence(
+            request=request, seq_id=next(seq_ids), index=index, prompt_token_ids=ids,
+            sampling=seq_sampling, max_tokens=max_tokens, min_tokens=req.min_tokens,
+            stop_token_ids=frozenset(stop_ids), priority=req.priority, arrival=request.arrival,
+            output=OutputText(tokenizer.decode_stream(ids), list(req.stop))))
+    return request

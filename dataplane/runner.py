@@ -13,6 +13,7 @@ import time
 
 import torch
 
+import kernels
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.sampler import SamplingRow, sample
 from headrace.dataplane.v1 import worker_pb2 as pb
@@ -94,6 +95,12 @@ class ModelRunner:
                 raise StepError(f"sequence {seq.seq_id}: block id out of range")
         return scheduled
 
+    def _copy_blocks(self, src, dst) -> None:
+        if len(src) != len(dst) or any(b >= self.num_blocks for b in list(src) + list(dst)):
+            raise StepError("copy_src_blocks/copy_dst_blocks: mismatched or out of range")
+        kernels.copy_blocks(self.kv_caches, torch.tensor(src, device=self.device),
+                            torch.tensor(dst, device=self.device))
+
     def _prepare(self, scheduled: list[tuple[Sequence, int]]):
         tokens, positions, slots, starts, seq_lens, sample_idx = [], [], [], [0], [], []
         bs = self.block_size
@@ -122,6 +129,8 @@ class ModelRunner:
     def execute(self, step: pb.StepRequest) -> pb.StepResult:
         t0 = time.perf_counter()
         scheduled = self._apply_diff(step)
+        if step.copy_src_blocks:
+            self._copy_blocks(step.copy_src_blocks, step.copy_dst_blocks)
         result = pb.StepResult(step_id=step.step_id)
         if not scheduled:
             return result

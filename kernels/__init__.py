@@ -7,6 +7,7 @@ they pick the fastest implementation available for the tensors' device.
 
 from kernels.reference import (  # noqa: F401
     apply_rotary,
+    copy_blocks,
     fused_add_rms_norm,
     paged_attention,
     rms_norm,

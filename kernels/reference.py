@@ -91,3 +91,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
         probs = scores.softmax(-1)
         out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copies whole KV blocks src[i] -> dst[i] in every layer's cache (copy on write)."""
+    for cache in kv_caches:
+        cache[:, dst] = cache[:, src]

@@ -1,16 +1,19 @@
-"""FIFO scheduler: admission, token budget, preemption by recompute, and invariants under
-random workloads (hypothesis)."""
+"""Scheduler: policies, aging and the queue-delay guarantee, chunked prefill, preemption,
+prefix sharing, parallel-sample forks, and invariants under random workloads (hypothesis)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.block_manager import BlockManager
 from controlplane.output import OutputText
-from controlplane.request import Request, Status
+from controlplane.policy import Policy
+from controlplane.request import Request, Sequence, Status
 from controlplane.scheduler import Scheduler
 from headrace.dataplane.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
@@ -24,102 +27,270 @@ class _NoText:
         return ""
 
 
-def make_request(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Request:
-    return Request(request_id=str(seq_id), seq_id=seq_id, prompt_token_ids=[3] * prompt_len,
-                   sampling=wpb.Sampling(), max_tokens=max_tokens, min_tokens=0,
-                   stop_token_ids=frozenset(), output=OutputText(_NoText(), []))
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
 
 
-def run_step(sched: Scheduler, finished: list[Request] | None = None):
-    """Schedules one step and plays the worker: every request that reached its end samples."""
+_ids = itertools.count(1)
+
+
+def make_request(prompt, max_tokens=8, priority=0, n=1, arrival=0.0) -> Request:
+    prompt = [3] * prompt if isinstance(prompt, int) else list(prompt)
+    req = Request(request_id=str(next(_ids)), n=n, arrival=arrival)
+    for i in range(n):
+        req.sequences.append(Sequence(
+            request=req, seq_id=next(_ids), index=i, prompt_token_ids=prompt, sampling=wpb.Sampling(),
+            max_tokens=max_tokens, min_tokens=0, stop_token_ids=frozenset(),
+            output=OutputText(_NoText(), []), priority=priority, arrival=arrival))
+    return req
+
+
+def run_step(sched: Scheduler, finished: list | None = None):
+    """Schedules one step and plays the worker: sequences that reached their end sample."""
     step = sched.schedule()
     sched.after_step(step)
-    for req, _ in step.scheduled():
-        if req.status is Status.RUNNING and req.num_computed == req.num_tokens:
-            req.output_token_ids.append(7)
-            if len(req.output_token_ids) >= req.max_tokens:
-                sched.finish(req, pb.FINISH_REASON_LENGTH)
+    for seq, _ in step.scheduled():
+        if seq.status is Status.RUNNING and seq.num_computed == seq.num_tokens:
+            seq.output_token_ids.append(7)
+            if len(seq.output_token_ids) >= seq.max_tokens:
+                sched.finish(seq, pb.FINISH_REASON_LENGTH)
                 if finished is not None:
-                    finished.append(req)
+                    finished.append(seq)
     return step
 
 
-def test_fifo_admission_respects_budget_and_cap():
-    sched = Scheduler(BlockManager(100, 4), max_running=2, max_batched_tokens=20)
-    reqs = [make_request(i, 8) for i in range(4)]
-    for r in reqs:
-        sched.add(r)
-    step = sched.schedule()
-    assert [r.seq_id for r, _ in step.new] == [0, 1]  # cap of 2 running
-    assert sum(n for _, n in step.scheduled()) == 16
-
-
-def test_budget_stops_admission_in_order():
-    sched = Scheduler(BlockManager(100, 4), max_running=8, max_batched_tokens=10)
-    big, small = make_request(1, 10), make_request(2, 1)
-    sched.add(big)
-    sched.add(small)
-    assert [r.seq_id for r, _ in sched.schedule().new] == [1]  # small waits its turn (FIFO)
-
-
-def test_preemption_when_blocks_run_out_then_everything_finishes():
-    sched = Scheduler(BlockManager(6, 4), max_running=8, max_batched_tokens=64)
-    reqs = [make_request(i, 7, max_tokens=9) for i in range(3)]
-    for r in reqs:
-        sched.add(r)
-    finished: list[Request] = []
-    for _ in range(200):
+def drain(sched, limit=2000):
+    finished = []
+    for _ in range(limit):
         if not sched.has_work:
-            break
+            return finished
         run_step(sched, finished)
-    assert len(finished) == 3 and sched.num_preemptions > 0
-    assert all(len(r.output_token_ids) == 9 for r in reqs)
+    raise AssertionError("scheduler did not drain")
+
+
+def sched_of(blocks=100, bs=4, cap=8, budget=64, policy=None, clock=None, prefix=True, watermark=0.0):
+    return Scheduler(BlockManager(blocks, bs, prefix), cap, budget, policy or Policy(),
+                     watermark=watermark, clock=clock or Clock())
+
+
+def admitted(step):
+    return [s.request_id for s, _ in step.new]
+
+
+def test_fifo_admission_respects_budget_and_cap():
+    sched = sched_of(cap=2, budget=20, prefix=False)
+    reqs = [make_request(8) for _ in range(4)]
+    for r in reqs:
+        sched.add(r.sequences)
+    step = sched.schedule()
+    assert admitted(step) == [reqs[0].request_id, reqs[1].request_id]
+    assert step.num_tokens == 16
+
+
+def test_long_prompt_is_chunked_and_does_not_block_short_ones():
+    sched = sched_of(budget=16)
+    long, short = make_request(50), make_request(3)
+    sched.add(long.sequences)
+    sched.add(short.sequences)
+    first = sched.schedule()
+    assert [(s.request_id, n) for s, n in first.new] == [(long.request_id, 16)]
+    sched.after_step(first)
+    second = sched.schedule()
+    assert [(s.request_id, n) for s, n, _ in second.running] == [(long.request_id, 16)]
+    assert not second.new  # budget spent on the long prompt's chunk, in order
+    sched.after_step(second)
+    sched.max_batched_tokens = 20
+    third = sched.schedule()
+    assert [(s.request_id, n) for s, n, _ in third.running] == [(long.request_id, 18)]
+    assert [(s.request_id, n) for s, n in third.new] == [(short.request_id, 2)]
+
+
+def test_priority_policy_orders_admission_and_keeps_priority_on_preemption():
+    clock = Clock()
+    sched = sched_of(cap=1, policy=Policy("priority", aging_rate=0.0), clock=clock)
+    low, high = make_request(4, priority=5), make_request(4, priority=-1, arrival=1.0)
+    sched.add(low.sequences)
+    sched.add(high.sequences)
+    assert admitted(sched.schedule()) == [high.request_id]
+
+
+def test_sjf_prefers_the_shortest_remaining_work():
+    sched = sched_of(cap=1, policy=Policy("sjf", aging_rate=0.0))
+    big, small = make_request(40, max_tokens=100), make_request(4, max_tokens=4, arrival=1.0)
+    sched.add(big.sequences)
+    sched.add(small.sequences)
+    assert admitted(sched.schedule()) == [small.request_id]
+
+
+def test_aging_lets_a_starved_request_through():
+    clock = Clock()
+    sched = sched_of(cap=1, policy=Policy("priority", aging_rate=1.0), clock=clock)
+    old = make_request(4, priority=10)
+    sched.add(old.sequences)
+    clock.now = 20.0                    # waited 20 s: rank 10 - 20 = -10
+    fresh = make_request(4, priority=0, arrival=20.0)
+    sched.add(fresh.sequences)
+    assert admitted(sched.schedule()) == [old.request_id]
+
+
+def test_max_queue_delay_admits_overdue_requests_first():
+    clock = Clock()
+    sched = sched_of(cap=1, policy=Policy("sjf", aging_rate=0.0, max_queue_delay=5.0), clock=clock)
+    big = make_request(40, max_tokens=200)
+    sched.add(big.sequences)
+    clock.now = 6.0
+    small = make_request(2, max_tokens=2, arrival=6.0)
+    sched.add(small.sequences)
+    assert admitted(sched.schedule()) == [big.request_id]
+
+
+@pytest.mark.parametrize("policy,expect_victim", [("fifo", "newest"), ("priority", "low"), ("sjf", "long")])
+def test_preemption_victim_follows_the_policy(policy, expect_victim):
+    sched = sched_of(blocks=6, bs=4, cap=8, budget=64, policy=Policy(policy, aging_rate=0.0))
+    reqs = {"low": make_request(7, max_tokens=10, priority=9, arrival=0.0),
+            "newest": make_request(3, max_tokens=9, priority=0, arrival=2.0),
+            "long": make_request(4, max_tokens=18, priority=0, arrival=1.0)}
+    for r in reqs.values():
+        sched.add(r.sequences)
+    victims = []
+    for _ in range(40):
+        run_step(sched)
+        victims = [name for name, r in reqs.items() if r.sequences[0].num_preemptions]
+        if victims:
+            break
+    assert victims == [expect_victim]
+    # and everything still finishes, with its tokens kept across preemption
+    finished = drain(sched)
+    assert {s.request_id for s in finished} <= {r.request_id for r in reqs.values()}
+    assert all(len(r.sequences[0].output_token_ids) == r.sequences[0].max_tokens for r in reqs.values())
     assert sched.blocks.num_free == 6
 
 
 def test_only_running_request_that_cannot_grow_waits_instead_of_asserting():
-    sched = Scheduler(BlockManager(2, 4), max_running=8, max_batched_tokens=64)
-    req = make_request(1, 7, max_tokens=1)
-    sched.add(req)
-    finished: list[Request] = []
-    for _ in range(5):
-        run_step(sched, finished)
-    assert finished == [req] and sched.blocks.num_free == 2
+    sched = sched_of(blocks=2, bs=4)
+    req = make_request(7, max_tokens=1)
+    sched.add(req.sequences)
+    assert drain(sched) == req.sequences and sched.blocks.num_free == 2
 
 
-@settings(max_examples=150, deadline=None)
-@given(seed=st.integers(0, 10_000), num_blocks=st.integers(4, 40), budget=st.integers(16, 128),
-       cap=st.integers(1, 8))
-def test_random_workload_invariants(seed, num_blocks, budget, cap):
+def test_same_prefix_admitted_in_one_step_shares_blocks():
+    sched = sched_of(blocks=20, bs=4)
+    prompt = list(range(10, 23))            # 13 tokens: 3 full blocks + 1
+    a, b = make_request(prompt), make_request(prompt)
+    sched.add(a.sequences)
+    sched.add(b.sequences)
+    step = sched.schedule()
+    (sa, na), (sb, nb) = step.new
+    ta, tb = sched.blocks.tables[sa.seq_id], sched.blocks.tables[sb.seq_id]
+    assert ta[:3] == tb[:3] and ta[3] != tb[3]
+    assert (na, nb) == (13, 1) and sb.num_cached_prompt_tokens == 12
+    assert sched.blocks.num_free == 20 - 5
+
+
+def test_freed_prefix_stays_cached_until_evicted():
+    sched = sched_of(blocks=8, bs=4)
+    prompt = list(range(10, 19))            # 9 tokens: 2 full blocks
+    first = make_request(prompt, max_tokens=1)
+    sched.add(first.sequences)
+    drain(sched)
+    again = make_request(prompt, max_tokens=1)
+    sched.add(again.sequences)
+    step = sched.schedule()
+    assert step.new[0][1] == 1 and again.sequences[0].num_cached_prompt_tokens == 8
+    drain(sched)
+    other = make_request(list(range(100, 132)), max_tokens=1)   # needs all 8 blocks: evicts
+    sched.add(other.sequences)
+    drain(sched)
+    late = make_request(prompt, max_tokens=1)
+    sched.add(late.sequences)
+    sched.schedule()
+    assert late.sequences[0].num_cached_prompt_tokens == 0
+
+
+def test_prefix_cache_can_be_disabled():
+    sched = sched_of(blocks=20, bs=4, prefix=False)
+    a, b = make_request(list(range(13))), make_request(list(range(13)))
+    sched.add(a.sequences)
+    sched.add(b.sequences)
+    assert [n for _, n in sched.schedule().new] == [13, 13]
+
+
+def test_parallel_samples_fork_with_copy_on_write():
+    sched = sched_of(blocks=20, bs=4, prefix=False)
+    req = make_request(list(range(10)), n=3, max_tokens=2)     # last prompt token in block 2
+    sched.add(req.sequences)
+    first = run_step(sched)
+    assert [s.index for s, _ in first.new] == [0]
+    second = sched.schedule()
+    parent = req.sequences[0]
+    children = [s for s, _ in second.new]
+    assert [c.index for c in children] == [1, 2] and [n for _, n in second.new] == [1, 1]
+    ptable = sched.blocks.tables[parent.seq_id]
+    for child in children:
+        table = sched.blocks.tables[child.seq_id]
+        assert table[:2] == ptable[:2] and table[2] != ptable[2]
+        assert child.num_computed == 9
+    assert second.copies == [(ptable[2], sched.blocks.tables[c.seq_id][2]) for c in children]
+    sched.after_step(second)
+    for seq, _ in second.scheduled():
+        seq.output_token_ids.append(7)
+    drain(sched)
+    assert sched.blocks.num_free == 20
+
+
+@settings(max_examples=120, deadline=None)
+@given(seed=st.integers(0, 10_000), num_blocks=st.integers(4, 40), budget=st.integers(1, 64),
+       cap=st.integers(1, 8), policy=st.sampled_from(["fifo", "priority", "sjf"]),
+       prefix=st.booleans(), delay=st.sampled_from([None, 3.0]))
+def test_random_workload_invariants(seed, num_blocks, budget, cap, policy, prefix, delay):
     rng = random.Random(seed)
-    bm = BlockManager(num_blocks, 4)
-    sched = Scheduler(bm, max_running=cap, max_batched_tokens=budget)
-    capacity = num_blocks * 4
-    live, next_id = [], 0
-    for _ in range(60):
-        action = rng.random()
-        if action < 0.3:
-            prompt = rng.randrange(1, min(budget, capacity - 1) + 1)
-            req = make_request(next_id, prompt, max_tokens=rng.randrange(1, max(2, capacity - prompt)))
-            next_id += 1
-            sched.add(req)
+    clock = Clock()
+    sched = sched_of(blocks=num_blocks, bs=4, cap=cap, budget=budget, clock=clock, prefix=prefix,
+                     policy=Policy(policy, max_queue_delay=delay), watermark=0.1)
+    bm, capacity = sched.blocks, num_blocks * 4
+    live = []
+    prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
+    for _ in range(80):
+        clock.now += 1.0
+        r = rng.random()
+        if r < 0.3:
+            prompt = rng.choice(prefixes)[:rng.randrange(1, 12)] + [rng.randrange(50) for _ in range(rng.randrange(0, 8))]
+            prompt = prompt[:capacity - 1]
+            req = make_request(prompt, max_tokens=rng.randrange(1, capacity - len(prompt) + 1),
+                               priority=rng.randrange(-2, 3), n=rng.choice([1, 1, 2]), arrival=clock.now)
+            sched.add(req.sequences)
             live.append(req)
-        elif action < 0.4 and live:
-            victim = rng.choice(live)
-            if not victim.finished:
-                sched.finish(victim, pb.FINISH_REASON_ABORTED)
+        elif r < 0.4 and live:
+            for seq in rng.choice(live).sequences:
+                if not seq.finished:
+                    sched.finish(seq, pb.FINISH_REASON_ABORTED)
+        overdue = [s for s in sched.waiting if delay and clock.now - s.waiting_since >= delay]
         step = run_step(sched)
-        assert sum(n for _, n in step.scheduled()) <= budget
-        assert len(sched.running) <= cap
-        owned = [b for t in bm.tables.values() for b in t]
-        assert len(owned) == len(set(owned)) and not set(owned) & set(bm._free)
-        assert len(owned) + bm.num_free == num_blocks
-        for req in sched.running:
-            assert len(bm.tables[req.seq_id]) * 4 >= req.num_computed
+        # the token budget and the cap hold
+        assert step.num_tokens <= budget and len(sched.running) <= cap
+        # an overdue sequence is never passed over by one that is not
+        if overdue and step.new:
+            first_new = step.new[0][0]
+            assert first_new in overdue or first_new.num_computed == first_new.num_tokens - 1
+        # reference counts equal owners; nothing is both free and owned; nothing is lost
+        owners = {}
+        for table in bm.tables.values():
+            for b in table:
+                owners[b] = owners.get(b, 0) + 1
+        assert all(bm.ref[b] == owners.get(b, 0) for b in range(num_blocks))
+        assert set(bm._free) == {b for b in range(num_blocks) if bm.ref[b] == 0}
+        for seq in sched.running:
+            assert len(bm.tables[seq.seq_id]) * 4 >= seq.num_computed
         for req in live:
-            if req.finished:
-                assert req.seq_id not in bm.tables
+            for seq in req.sequences:
+                if seq.finished:
+                    assert seq.seq_id not in bm.tables
     for req in live:
-        if not req.finished:
-            sched.finish(req, pb.FINISH_REASON_ABORTED)
-    assert bm.num_free == num_blocks
+        for seq in req.sequences:
+            if not seq.finished:
+                sched.finish(seq, pb.FINISH_REASON_ABORTED)
+    assert bm.num_free == num_blocks and not any(bm.ref)
