@@ -14,6 +14,7 @@ import sys
 import tempfile
 
 from controlplane.engine import EngineConfig
+from controlplane.policy import POLICIES, Policy
 
 
 def _default_model() -> str:
@@ -30,25 +31,41 @@ def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-kv-cache-gib", type=float, default=1.0, help="KV cache size on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--max-running", type=int, default=256, help="sequences per step at most")
-    p.add_argument("--max-batched-tokens", type=int, default=8192, help="tokens per step at most")
+    p.add_argument("--max-batched-tokens", type=int, default=2048,
+                   help="tokens per step at most; longer prompts are prefilled in chunks")
+    p.add_argument("--policy", choices=POLICIES, default="fifo", help="scheduling policy")
+    p.add_argument("--aging-rate", type=float, default=None,
+                   help="rank units a second of waiting is worth (default per policy)")
+    p.add_argument("--max-queue-delay", type=float, default=None,
+                   help="seconds after which a waiting request is admitted ahead of the policy order")
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
+    p.add_argument("--watermark", type=float, default=0.01,
+                   help="fraction of KV blocks that admission leaves free for running requests")
 
 
 def _engine_config(args) -> EngineConfig:
     return EngineConfig(max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
-                        max_model_len=getattr(args, "max_model_len", None))
+                        max_model_len=getattr(args, "max_model_len", None),
+                        policy=Policy(args.policy, args.aging_rate, args.max_queue_delay),
+                        enable_prefix_cache=not args.no_prefix_cache, watermark=args.watermark)
 
 
 def _worker_argv(args, listen: str) -> list[str]:
     argv = [sys.executable, "-m", "controlplane.cli", "dataplane", "--model", args.model,
             "--listen", listen, "--device", args.device, "--block-size", str(args.block_size),
             "--cpu-kv-cache-gib", str(args.cpu_kv_cache_gib),
-            "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+            "--max-num-seqs", str(args.max_running),
+            "--max-batched-tokens", str(args.max_batched_tokens)]
+    if args.no_cuda_graphs:
+        argv.append("--no-cuda-graphs")
     for flag, value in (("--dtype", args.dtype), ("--num-kv-blocks", args.num_kv_blocks),
                         ("--max-model-len", args.max_model_len)):
         if value is not None:
@@ -93,7 +110,9 @@ def cmd_dataplane(args) -> int:
     opts = WorkerOptions(model=args.model or _default_model(), device=args.device, dtype=args.dtype,
                          block_size=args.block_size, max_model_len=args.max_model_len,
                          num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gib=args.cpu_kv_cache_gib,
-                         gpu_memory_utilization=args.gpu_memory_utilization)
+                         gpu_memory_utilization=args.gpu_memory_utilization,
+                         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+                         cuda_graphs=not args.no_cuda_graphs)
     worker = Worker(opts)
     server = serve(worker, args.listen)
     logging.getLogger("headrace.dataplane").info(
@@ -136,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("dataplane", help="run one data plane worker alone")
     p.add_argument("--model", default=None)
     p.add_argument("--listen", default="127.0.0.1:50061", help="host:port or unix:/path (default private)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences one step may hold")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens one step may compute")
     _add_worker_args(p)
     p.set_defaults(func=cmd_dataplane)
 

@@ -64,11 +64,28 @@ class Engine:
         # Every request must fit the KV pool alone, so preemption always makes progress.
         limit = min(self.info.max_model_len, blocks.num_blocks * blocks.block_size)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
-        self.scheduler = Scheduler(blocks, cfg.max_running, cfg.max_batched_tokens, cfg.policy,
-                                   cfg.watermark)
+        # A step may hold no more than every worker can run.
+        max_running = min([cfg.max_running] + [i.max_num_seqs for i in infos if i.max_num_seqs])
+        max_tokens = min([cfg.max_batched_tokens] + [i.max_batched_tokens for i in infos
+                                                      if i.max_batched_tokens])
+        self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark)
         await self.workers.open()
         self.healthy = True
         self._task = asyncio.create_task(self._loop(), name="headrace-engine")
+
+    def reconfigure(self, *, policy: Policy | None = None, max_running: int | None = None,
+                    max_batched_tokens: int | None = None) -> None:
+        """Live changes; they take effect from the next step."""
+        if max_running is not None and max_running < 1:
+            raise ValueError("max_running must be >= 1")
+        if max_batched_tokens is not None and max_batched_tokens < 1:
+            raise ValueError("max_batched_tokens must be >= 1")
+        if policy is not None:
+            self.config.policy = self.scheduler.policy = policy
+        if max_running is not None:
+            self.config.max_running = self.scheduler.max_running = max_running
+        if max_batched_tokens is not None:
+            self.config.max_batched_tokens = self.scheduler.max_batched_tokens = max_batched_tokens
 
     def submit(self, request: Request) -> None:
         self.requests[request.request_id] = request

@@ -26,17 +26,8 @@ def _available_host_bytes() -> int:
     return 4 * GiB
 
 
-def kv_budget_bytes(device: torch.device, cpu_kv_gib: float, gpu_memory_utilization: float,
-                    activation_reserve_bytes: int) -> int:
-    """Bytes the KV cache may take on this device, measured after the weights are loaded.
-
-    CUDA: ``utilization`` of the card minus what is in use now minus an activation reserve.
-    CPU: ``cpu_kv_gib``, capped at half of the host's available memory.
-    """
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        return max(0, int(total * gpu_memory_utilization) - used - activation_reserve_bytes)
+def host_budget_bytes(cpu_kv_gib: float) -> int:
+    """KV bytes on the CPU: ``cpu_kv_gib``, capped at half of the host's available memory."""
     return min(int(cpu_kv_gib * GiB), _available_host_bytes() // 2)
 
 

@@ -25,6 +25,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [seqs + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor         # [seqs] int32, context length after this step
     block_tables: torch.Tensor     # [seqs, max_blocks] int32, padded
+    max_query_len: int | None = None  # host-side hints for the attention kernels
+    decode_only: bool | None = None   # every sequence computes exactly one token
 
 
 class RMSNorm(nn.Module):
@@ -62,7 +64,8 @@ class Attention(nn.Module):
         k = kernels.apply_rotary(k, positions, self.cos_sin)
         kernels.write_kv(kv_cache, k, v, meta.slot_mapping)
         o = kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
-                                    meta.block_tables, self.scale)
+                                    meta.block_tables, self.scale,
+                                    max_query_len=meta.max_query_len, decode_only=meta.decode_only)
         return self.o_proj(o.reshape(-1, cfg.q_size))
 
 

@@ -1,9 +1,11 @@
 """Turns the logits of the sequences that sample in a step into token ids (and logprobs).
 
 Greedy when temperature is 0; otherwise penalties, temperature, top-k, top-p and min-p, then
-an exponential race (argmax of p / Exp(1) noise), which samples from p. A seeded sequence draws
-its noise from a generator seeded by (seed, output index), so its tokens depend on nothing but
-its own seed and history: not on its batch neighbours, and not on preemption and resumption.
+an exponential race (argmax of p / Exp(1) noise), which samples from p. All of it is batched
+tensor work on the logits' device; the filters run only when some row asks for them. A
+seeded sequence draws its noise from a counter-based hash of (seed, output index, token id),
+so its tokens depend on nothing but its own seed and history: not on its batch neighbours,
+and not on preemption and resumption.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import dataclasses
 import torch
 
 _MASK = float("-inf")
+# splitmix64 constants as signed 64-bit integers (torch has no uint64 arithmetic)
+_GOLDEN = -7046029254386353131      # 0x9E3779B97F4A7C15
+_MIX1 = -4658895280553007687        # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685        # 0x94D049BB133111EB
 
 
 @dataclasses.dataclass
@@ -33,6 +39,12 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
 
+    @property
+    def has_penalty(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0
+                or (bool(self.suppress_token_ids) and len(self.output_token_ids) < self.min_tokens))
+
 
 @dataclasses.dataclass
 class SampleOutput:
@@ -44,13 +56,14 @@ class SampleOutput:
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, r in enumerate(rows):
+        if not r.has_penalty:
+            continue
         if r.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
                                 dtype=torch.long, device=logits.device)
-            if seen.numel():
-                vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / r.repetition_penalty,
-                                              vals * r.repetition_penalty)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / r.repetition_penalty,
+                                          vals * r.repetition_penalty)
         if (r.presence_penalty or r.frequency_penalty) and r.output_token_ids:
             out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
             counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
@@ -60,37 +73,56 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p, applied to the rows that sample randomly."""
+    """Temperature, then top-k / top-p / min-p where any row asks for them."""
     dev = logits.device
-    temp = torch.tensor([r.temperature for r in rows], device=dev)
-    logits = logits / temp[:, None]
-    top_k = torch.tensor([r.top_k for r in rows], device=dev)
-    top_p = torch.tensor([r.top_p for r in rows], device=dev)
-    if (top_k > 0).any() or (top_p < 1.0).any():
+    logits = logits / torch.tensor([r.temperature for r in rows], device=dev)[:, None]
+    if any(r.top_k > 0 or r.top_p < 1.0 for r in rows):
+        top_k = torch.tensor([r.top_k for r in rows], device=dev)
+        top_p = torch.tensor([r.top_p for r in rows], device=dev)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(logits.shape[1], device=dev)[None, :]
-        drop = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
-        sorted_logits = sorted_logits.masked_fill(drop, _MASK)
+        sorted_logits = sorted_logits.masked_fill((top_k[:, None] > 0) & (ranks >= top_k[:, None]), _MASK)
         probs = sorted_logits.softmax(-1)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        drop = (probs.cumsum(-1) - probs) >= top_p[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, _MASK)
+        sorted_logits = sorted_logits.masked_fill((probs.cumsum(-1) - probs) >= top_p[:, None], _MASK)
         logits = torch.full_like(logits, _MASK).scatter(1, order, sorted_logits)
-    min_p = torch.tensor([r.min_p for r in rows], device=dev)
-    if (min_p > 0).any():
+    if any(r.min_p > 0 for r in rows):
+        min_p = torch.tensor([r.min_p for r in rows], device=dev)
         probs = logits.softmax(-1)
-        cut = probs.max(-1, keepdim=True).values * min_p[:, None]
-        logits = logits.masked_fill(probs < cut, _MASK)
+        logits = logits.masked_fill(probs < probs.max(-1, keepdim=True).values * min_p[:, None], _MASK)
     return logits
+
+
+def _srl(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def hashed_exponential(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab] from splitmix64 of (seed, counter, token id): reproducible on
+    a given device whatever else is in the batch."""
+    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = (seeds[:, None] * _GOLDEN) ^ (counters[:, None] * _MIX2) ^ v[None, :]
+    x = x + _GOLDEN
+    x = (x ^ _srl(x, 30)) * _MIX1
+    x = (x ^ _srl(x, 27)) * _MIX2
+    x = x ^ _srl(x, 31)
+    u = (_srl(x, 11).double() + 0.5) / float(1 << 53)
+    return (-u.log()).float()
+
+
+def _signed(seed: int) -> int:
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def _noise(rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
     q = torch.empty(len(rows), vocab, device=device).exponential_()
-    for i, r in enumerate(rows):
-        if r.seed is not None:
-            g = torch.Generator(device=device)
-            g.manual_seed((r.seed * 1_000_003 + len(r.output_token_ids)) % (2**63))
-            q[i].exponential_(generator=g)
+    seeded = [i for i, r in enumerate(rows) if r.seed is not None]
+    if seeded:
+        seeds = torch.tensor([_signed(rows[i].seed) for i in seeded], device=device)
+        counters = torch.tensor([len(rows[i].output_token_ids) for i in seeded], device=device)
+        q[seeded] = hashed_exponential(seeds, counters, vocab)
     return q
 
 
@@ -98,10 +130,16 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     """logits: [len(rows), vocab] float32 (modified in place)."""
     want = max((r.logprobs for r in rows), default=0)
     raw = logits.log_softmax(-1) if want else None
-    _apply_penalties(logits, rows)
-    tokens = logits.argmax(-1)
+    if any(r.has_penalty for r in rows):
+        _apply_penalties(logits, rows)
     random_idx = [i for i, r in enumerate(rows) if r.temperature > 0]
-    if random_idx:
+    if not random_idx:
+        tokens = logits.argmax(-1)
+    elif len(random_idx) == len(rows):
+        probs = _filter(logits, rows).softmax(-1)
+        tokens = (probs / _noise(rows, logits.shape[1], logits.device)).argmax(-1)
+    else:
+        tokens = logits.argmax(-1)
         sub = [rows[i] for i in random_idx]
         idx = torch.tensor(random_idx, device=logits.device)
         probs = _filter(logits[idx], sub).softmax(-1)

@@ -1,17 +1,22 @@
-"""Builds a data plane worker: reads the checkpoint, sizes and allocates the KV cache, and
-answers ``Describe``."""
+"""Builds a data plane worker: reads the checkpoint, warms up with the largest step to measure
+peak memory, sizes and allocates the KV cache from what is left, captures decode CUDA graphs,
+and answers ``Describe``."""
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+import time
 
 import torch
 
 from dataplane import kv_cache
 from dataplane.config import ModelConfig, load_model_config
+from dataplane.cuda_graphs import DecodeGraphs
 from dataplane.loader import load_model
+from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.runner import ModelRunner
+from dataplane.sampler import SamplingRow, sample
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -26,13 +31,17 @@ class WorkerOptions:
     block_size: int = 16
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     num_kv_blocks: int | None = None  # default: sized from memory
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 2048
     cpu_kv_cache_gib: float = 1.0
     gpu_memory_utilization: float = 0.9
+    cuda_graphs: bool = True
     seed: int = 0
 
 
 class Worker:
     def __init__(self, opts: WorkerOptions, rank: int = 0, world_size: int = 1):
+        start = time.perf_counter()
         self.opts = opts
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(opts.device)
@@ -46,21 +55,54 @@ class Worker:
         model = load_model(pathlib.Path(opts.model), self.cfg, self.device, self.dtype,
                            self.max_model_len)
         self.block_bytes = kv_cache.bytes_per_block(self.cfg, opts.block_size, self.dtype)
+        if self.device.type == "cuda":
+            self._warm_up(model)
         num_blocks = opts.num_kv_blocks or self._blocks_from_memory()
         if num_blocks < 1:
             raise RuntimeError("no memory left for the KV cache")
         caches = kv_cache.allocate(self.cfg, num_blocks, opts.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len)
+        graphs = None
+        if self.device.type == "cuda" and opts.cuda_graphs:
+            graphs = DecodeGraphs(model, caches, opts.max_num_seqs,
+                                  -(-self.max_model_len // opts.block_size), self.device)
+            graphs.capture()
+        self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,
+                                  opts.max_num_seqs, graphs)
+        self.startup_seconds = time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _warm_up(self, model: CausalLM) -> None:
+        """Runs the largest step (max_batched_tokens tokens, max_num_seqs sampled with every
+        filter on) against a one-block cache, so peak activation memory can be measured."""
+        n, dev = self.opts.max_batched_tokens, self.device
+        cache = kv_cache.allocate(self.cfg, 1, self.opts.block_size, self.dtype, dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((n, 1), dtype=torch.int32, device=dev),
+            max_query_len=1, decode_only=True)
+        hidden = model(torch.zeros(n, dtype=torch.int64, device=dev),
+                       torch.zeros(n, dtype=torch.int64, device=dev), cache, meta)
+        rows = min(n, self.opts.max_num_seqs)
+        worst = SamplingRow(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.0,
+                            presence_penalty=0.0, frequency_penalty=0.0, seed=1, logprobs=20,
+                            min_tokens=0, suppress_token_ids=[], prompt_token_ids=[0],
+                            output_token_ids=[])
+        sample(model.logits(hidden[:rows]), [worst] * rows)
+        torch.cuda.synchronize(dev)
+        del cache, hidden
 
     def _blocks_from_memory(self) -> int:
-        # Activation reserve until warm-up measurement lands: hidden states and logits of a
-        # max-length prefill, generously counted.
-        cfg = self.cfg
-        per_token = 4 * (8 * cfg.hidden_size + 2 * cfg.intermediate_size)
-        reserve = self.max_model_len * per_token + 64 * cfg.vocab_size * 4
-        budget = kv_cache.kv_budget_bytes(self.device, self.opts.cpu_kv_cache_gib,
-                                          self.opts.gpu_memory_utilization, reserve)
-        return budget // self.block_bytes
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+            budget = int(total * self.opts.gpu_memory_utilization) - peak - max(0, non_torch)
+        else:
+            budget = kv_cache.host_budget_bytes(self.opts.cpu_kv_cache_gib)
+        return max(0, budget) // self.block_bytes
 
     def describe(self) -> pb.WorkerInfo:
         cfg = self.cfg
@@ -69,4 +111,6 @@ class Worker:
             max_model_len=self.max_model_len, dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device), rank=self.rank, world_size=self.world_size,
             block_size=self.opts.block_size, num_kv_blocks=self.runner.num_blocks,
-            kv_bytes_per_block=self.block_bytes, eos_token_ids=list(cfg.eos_token_ids))
+            kv_bytes_per_block=self.block_bytes, eos_token_ids=list(cfg.eos_token_ids),
+            max_num_seqs=self.opts.max_num_seqs, max_batched_tokens=self.opts.max_batched_tokens,
+            startup_seconds=self.startup_seconds)

@@ -1,0 +1,133 @@
+"""The worker's persistent mirror of the sequences it holds, one row each, in numpy arrays.
+
+Step deltas update rows in place (O(changes)); ``prepare`` turns the rows scheduled in a
+step into the flat model inputs with vectorized numpy, so a decode step costs no Python work
+per token. Only prefill chunks copy token slices row by row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dataplane.sampler import SamplingRow
+
+
+class BatchError(ValueError):
+    """A step delta that contradicts the mirror."""
+
+
+@dataclasses.dataclass
+class PreparedBatch:
+    input_ids: np.ndarray        # [tokens] int64
+    positions: np.ndarray        # [tokens] int64
+    slot_mapping: np.ndarray     # [tokens] int64
+    query_start_loc: np.ndarray  # [seqs + 1] int32
+    seq_lens: np.ndarray         # [seqs] int32
+    block_tables: np.ndarray     # [seqs, width] int32
+    logits_indices: np.ndarray   # [sampling seqs] int64: the token whose logits are sampled
+    sample_rows: np.ndarray      # [sampling seqs] rows that sample, in step order
+    max_query_len: int
+    decode_only: bool
+
+
+class InputBatch:
+    def __init__(self, max_seqs: int, max_model_len: int, block_size: int, num_blocks: int):
+        self.max_seqs, self.block_size, self.num_blocks = max_seqs, block_size, num_blocks
+        self.max_blocks = -(-max_model_len // block_size)
+        self.block_table = np.zeros((max_seqs, self.max_blocks), dtype=np.int32)
+        self.num_table = np.zeros(max_seqs, dtype=np.int64)
+        self.num_computed = np.zeros(max_seqs, dtype=np.int64)
+        self.num_tokens = np.zeros(max_seqs, dtype=np.int64)
+        self.last_token = np.zeros(max_seqs, dtype=np.int64)
+        self.rows: dict[int, int] = {}
+        self.sampling: list[SamplingRow | None] = [None] * max_seqs
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+
+    def clear(self) -> None:
+        for seq_id in list(self.rows):
+            self.remove(seq_id)
+
+    def remove(self, seq_id: int) -> None:
+        row = self.rows.pop(seq_id, None)
+        if row is not None:
+            self.sampling[row] = None
+            self._free_rows.append(row)
+
+    def _set_blocks(self, row: int, start: int, ids) -> None:
+        ids = np.asarray(ids, dtype=np.int64)
+        end = start + len(ids)
+        if end > self.max_blocks:
+            raise BatchError("block table longer than max_model_len allows")
+        if len(ids) and (ids.max() >= self.num_blocks or ids.min() < 0):
+            raise BatchError("block id out of range")
+        self.block_table[row, start:end] = ids
+        self.num_table[row] = end
+
+    def add(self, seq_id: int, row_state: SamplingRow, block_ids, num_computed: int) -> int:
+        if seq_id in self.rows:
+            raise BatchError(f"sequence {seq_id} is already running")
+        if not self._free_rows:
+            raise BatchError(f"more than {self.max_seqs} sequences held")
+        row = self._free_rows.pop()
+        self.rows[seq_id] = row
+        self.sampling[row] = row_state
+        n = len(row_state.prompt_token_ids) + len(row_state.output_token_ids)
+        if n == 0:
+            raise BatchError(f"sequence {seq_id} has no tokens")
+        self.num_tokens[row], self.num_computed[row] = n, num_computed
+        self.last_token[row] = (row_state.output_token_ids or row_state.prompt_token_ids)[-1]
+        self._set_blocks(row, 0, block_ids)
+        return row
+
+    def row_of(self, seq_id: int) -> int:
+        row = self.rows.get(seq_id)
+        if row is None:
+            raise BatchError(f"unknown sequence {seq_id}")
+        return row
+
+    def append_blocks(self, row: int, ids) -> None:
+        self._set_blocks(row, int(self.num_table[row]), ids)
+
+    def append_tokens(self, rows: np.ndarray, tokens: list[int]) -> None:
+        self.last_token[rows] = tokens
+        self.num_tokens[rows] += 1
+        for row, tok in zip(rows.tolist(), tokens):
+            self.sampling[row].output_token_ids.append(tok)
+
+    def prepare(self, rows: np.ndarray, num_scheduled: np.ndarray) -> PreparedBatch:
+        """Flat inputs for the rows scheduled in a step (validated against the mirror)."""
+        computed = self.num_computed[rows]
+        ends = computed + num_scheduled
+        if (num_scheduled < 1).any() or (ends > self.num_tokens[rows]).any():
+            raise BatchError("tokens scheduled beyond a sequence's known tokens")
+        if (ends > self.num_table[rows] * self.block_size).any():
+            raise BatchError("block table too short for the scheduled tokens")
+        total = int(num_scheduled.sum())
+        starts = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(num_scheduled, out=starts[1:])
+        row_of_token = np.repeat(rows, num_scheduled)
+        positions = np.arange(total, dtype=np.int64) + np.repeat(computed - starts[:-1], num_scheduled)
+        decode_only = bool((num_scheduled == 1).all() and (ends == self.num_tokens[rows]).all())
+        if decode_only:
+            input_ids = self.last_token[rows]
+        else:
+            input_ids = np.empty(total, dtype=np.int64)
+            for i, row in enumerate(rows.tolist()):
+                s = self.sampling[row]
+                prompt = s.prompt_token_ids
+                lo, hi = int(computed[i]), int(ends[i])
+                n_prompt = len(prompt)
+                chunk = prompt[lo:hi] if hi <= n_prompt else (prompt + s.output_token_ids)[lo:hi]
+                input_ids[starts[i]:starts[i + 1]] = chunk
+        bs = self.block_size
+        slots = self.block_table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        width = int(self.num_table[rows].max())
+        sampling = ends == self.num_tokens[rows]
+        self.num_computed[rows] = ends
+        return PreparedBatch(
+            input_ids=input_ids, positions=positions, slot_mapping=slots, query_start_loc=starts,
+            seq_lens=ends.astype(np.int32), block_tables=self.block_table[rows, :width],
+            logits_indices=(starts[1:] - 1)[sampling].astype(np.int64), sample_rows=rows[sampling],
+            max_query_len=int(num_scheduled.max()), decode_only=decode_only)
