@@ -163,8 +163,9 @@ class Scheduler:
             step.new.append((seq, n))
             scheduled.add(seq.seq_id)
             budget -= n
-        step.forget, self._forget = self._forget, []
-        step.copies, self._copies = self._copies, []
+        if not step.empty:   # an empty step is not sent: what workers must drop waits for the next
+            step.forget, self._forget = self._forget, []
+            step.copies, self._copies = self._copies, []
         return step
 
     def _admit(self, seq: Sequence, budget: int) -> int:

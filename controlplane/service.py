@@ -12,6 +12,23 @@ from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
 
+def _coalesce(msg, queue):
+    """Merges the responses already queued behind ``msg`` for the same sample into it, so a
+    client that falls behind gets fewer, larger messages instead of a growing backlog."""
+    while (not isinstance(msg, EngineFailure) and not msg.finish_reason and not queue.empty()):
+        nxt = queue._queue[0]   # peek: only same-sample responses merge
+        if isinstance(nxt, EngineFailure) or nxt.index != msg.index:
+            break
+        queue.get_nowait()
+        msg.token_ids.extend(nxt.token_ids)
+        msg.text += nxt.text
+        msg.logprobs.extend(nxt.logprobs)
+        msg.finish_reason = nxt.finish_reason
+        if nxt.HasField("usage"):
+            msg.usage.CopyFrom(nxt.usage)
+    return msg
+
+
 class InferenceService(pb_grpc.InferenceServicer):
     def __init__(self, engine: Engine, tokenizer: ModelTokenizer, tensor_parallel_size: int = 1):
         self.engine = engine
@@ -38,7 +55,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         try:
             unfinished = req.n
             while unfinished:
-                msg = await req.queue.get()
+                msg = _coalesce(await req.queue.get(), req.queue)
                 if isinstance(msg, EngineFailure):
                     await context.abort(msg.code, msg.message)
                 yield msg

@@ -83,3 +83,14 @@ def test_logprobs_are_of_the_raw_distribution():
     assert out.top_token_ids[0] == [2, 1] and out.top_token_ids[1] == []
     assert out.top_logprobs[0] == pytest.approx(expect[[2, 1]].tolist())
     assert out.logprobs[1] == pytest.approx(math.log(1 / 3))
+
+
+def test_seeded_noise_follows_the_distribution_and_depends_on_the_counter():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    logits = probs.log().repeat(3000, 1)
+    rows = [row(temperature=1.0, seed=s) for s in range(3000)]
+    toks = torch.tensor(sample(logits.clone(), rows).token_ids)
+    freq = torch.bincount(toks, minlength=3).float() / 3000
+    torch.testing.assert_close(freq, probs, atol=0.03, rtol=0)
+    one = [row(temperature=1.0, seed=7, output_token_ids=[1] * k) for k in range(200)]
+    assert len(set(sample(probs.log().repeat(200, 1), one).token_ids)) == 3

@@ -252,7 +252,7 @@ def test_random_workload_invariants(seed, num_blocks, budget, cap, policy, prefi
     sched = sched_of(blocks=num_blocks, bs=4, cap=cap, budget=budget, clock=clock, prefix=prefix,
                      policy=Policy(policy, max_queue_delay=delay), watermark=0.1)
     bm, capacity = sched.blocks, num_blocks * 4
-    live = []
+    live, mirror = [], set()
     prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
     for _ in range(80):
         clock.now += 1.0
@@ -270,6 +270,13 @@ def test_random_workload_invariants(seed, num_blocks, budget, cap, policy, prefi
                     sched.finish(seq, pb.FINISH_REASON_ABORTED)
         overdue = [s for s in sched.waiting if delay and clock.now - s.waiting_since >= delay]
         step = run_step(sched)
+        if not step.empty:   # the worker's mirror changes only with the steps it is sent
+            mirror -= set(step.forget)
+            mirror |= {s.seq_id for s, _ in step.new}
+        running_ids = {s.seq_id for s in sched.running}
+        assert mirror <= running_ids | set(sched._forget), "a worker would hold a dropped sequence"
+        assert running_ids - {s.seq_id for s in sched._forked} <= mirror
+        assert len(mirror - set(sched._forget)) <= cap
         # the token budget and the cap hold
         assert step.num_tokens <= budget and len(sched.running) <= cap
         # an overdue sequence is never passed over by one that is not
@@ -294,3 +301,14 @@ def test_random_workload_invariants(seed, num_blocks, budget, cap, policy, prefi
             if not seq.finished:
                 sched.finish(seq, pb.FINISH_REASON_ABORTED)
     assert bm.num_free == num_blocks and not any(bm.ref)
+
+
+def test_sequences_to_forget_wait_for_a_step_that_is_sent():
+    sched = sched_of()
+    req = make_request(4, max_tokens=1)
+    sched.add(req.sequences)
+    run_step(sched)                       # finishes: the workers must forget it
+    assert sched.schedule().empty         # nothing to run: this step is not sent
+    other = make_request(4, max_tokens=1)
+    sched.add(other.sequences)
+    assert sched.schedule().forget == [req.sequences[0].seq_id]

@@ -1,0 +1,124 @@
+"""End-to-end serving benchmarks through the gRPC planes (client -> control plane -> data plane).
+
+    python bench/serving_bench.py --model DIR --workload w1   # nano-vllm's offline throughput
+    python bench/serving_bench.py --model DIR --workload w2   # single-stream TTFT / ITL
+    python bench/serving_bench.py --model DIR --workload w3   # 1000-in / 1000-out throughput
+
+Starts `headrace serve` (unless --address is given), waits until it is SERVING (reports the
+seconds to ready), runs the workload from an asyncio gRPC client and prints a JSON line.
+Workloads are defined in shared/REFERENCE.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import grpc
+
+from controlplane.client import wait_until_serving
+from headrace.v1 import inference_pb2 as pb
+from headrace.v1 import inference_pb2_grpc as pb_grpc
+
+
+def w1_requests():
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    return [(p, random.randint(100, 1024), 0.6) for p in prompts]
+
+
+def w3_requests(n: int):
+    rng = random.Random(0)
+    return [([rng.randint(0, 10000) for _ in range(1000)], 1000, 0.6) for _ in range(n)]
+
+
+async def run_one(stub, prompt, max_tokens, temperature, stamps: list | None = None) -> int:
+    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
+                             ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature))
+    count = 0
+    async for resp in stub.Generate(req):
+        count += len(resp.token_ids)
+        if stamps is not None:
+            stamps.append((time.perf_counter(), len(resp.token_ids)))
+    return count
+
+
+async def throughput(stub, requests) -> dict:
+    await run_one(stub, [1, 2, 3], 4, 0.6)    # warm-up
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(run_one(stub, *r) for r in requests))
+    wall = time.perf_counter() - start
+    return {"requests": len(requests), "output_tokens": sum(counts), "wall_s": round(wall, 3),
+            "output_tok_per_s": round(sum(counts) / wall, 1)}
+
+
+async def latency(stub, repeats: int = 5) -> dict:
+    rng = random.Random(0)
+    await run_one(stub, [1, 2, 3], 8, 0.0)
+    ttfts, itls = [], []
+    for _ in range(repeats):
+        prompt = [rng.randint(0, 10000) for _ in range(128)]
+        stamps: list = []
+        start = time.perf_counter()
+        await run_one(stub, prompt, 256, 0.0, stamps)
+        ttfts.append(stamps[0][0] - start)
+        for (t0, _), (t1, n) in zip(stamps, stamps[1:]):
+            itls.extend([(t1 - t0) / n] * n)
+    itls.sort()
+    q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3  # noqa: E731
+    return {"ttft_ms_p50": round(statistics.median(ttfts) * 1e3, 2),
+            "itl_ms_p50": round(q(itls, 0.5), 3), "itl_ms_p99": round(q(itls, 0.99), 3),
+            "tokens": len(itls) + repeats}
+
+
+async def main_async(args) -> dict:
+    async with grpc.aio.insecure_channel(args.address, options=[
+            ("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        t0 = time.perf_counter()
+        if not await wait_until_serving(channel, 900):
+            raise SystemExit("server never became ready")
+        ready = time.perf_counter() - t0
+        stub = pb_grpc.InferenceStub(channel)
+        if args.workload == "w1":
+            out = await throughput(stub, w1_requests())
+        elif args.workload == "w3":
+            out = await throughput(stub, w3_requests(args.num_seqs))
+        else:
+            out = await latency(stub)
+        out.update(workload=args.workload, seconds_to_ready=round(ready, 1))
+        return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model")
+    ap.add_argument("--workload", choices=["w1", "w2", "w3"], default="w1")
+    ap.add_argument("--address", default=None, help="use a running server instead of starting one")
+    ap.add_argument("--port", type=int, default=50151)
+    ap.add_argument("--num-seqs", type=int, default=512, help="w3: sequences")
+    ap.add_argument("--serve-args", default="--device cuda --max-running 256 --max-batched-tokens 8192")
+    args = ap.parse_args()
+    server = None
+    if args.address is None:
+        args.address = f"127.0.0.1:{args.port}"
+        cmd = [sys.executable, "-m", "controlplane.cli", "serve", "--model", args.model,
+               "--host", "127.0.0.1", "--port", str(args.port), *args.serve_args.split()]
+        server = subprocess.Popen(cmd, env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"))
+    try:
+        print(json.dumps(asyncio.run(main_async(args))), flush=True)
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            server.wait(60)
+
+
+if __name__ == "__main__":
+    main()

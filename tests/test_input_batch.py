@@ -1,0 +1,52 @@
+"""The worker's persistent input batch: flat inputs of mixed steps and rejected deltas."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dataplane.input_batch import BatchError, InputBatch
+from dataplane.sampler import SamplingRow
+
+
+def srow(prompt, output=()):
+    return SamplingRow(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                       presence_penalty=0.0, frequency_penalty=0.0, seed=None, logprobs=0,
+                       min_tokens=0, suppress_token_ids=[], prompt_token_ids=list(prompt),
+                       output_token_ids=list(output))
+
+
+def test_mixed_step_inputs():
+    b = InputBatch(max_seqs=4, max_model_len=64, block_size=4, num_blocks=16)
+    a = b.add(1, srow(range(10, 20)), [3, 5, 7], num_computed=4)     # chunk of a prefill
+    c = b.add(2, srow([1, 2], output=[9]), [8], num_computed=2)      # resumed: decode its token
+    prep = b.prepare(np.array([a, c]), np.array([6, 1]))
+    assert prep.input_ids.tolist() == list(range(14, 20)) + [9]
+    assert prep.positions.tolist() == [4, 5, 6, 7, 8, 9, 2]
+    assert prep.slot_mapping.tolist() == [20, 21, 22, 23, 28, 29, 34]
+    assert prep.query_start_loc.tolist() == [0, 6, 7] and prep.seq_lens.tolist() == [10, 3]
+    assert prep.block_tables.tolist() == [[3, 5, 7], [8, 0, 0]]
+    assert prep.logits_indices.tolist() == [5, 6] and prep.sample_rows.tolist() == [a, c]
+    assert not prep.decode_only and prep.max_query_len == 6
+    b.append_tokens(prep.sample_rows, [42, 43])
+    b.append_blocks(c, [9])
+    prep = b.prepare(np.array([a, c]), np.array([1, 1]))
+    assert prep.decode_only and prep.input_ids.tolist() == [42, 43]
+    assert prep.positions.tolist() == [10, 3]
+
+
+def test_bad_deltas_are_rejected():
+    b = InputBatch(max_seqs=1, max_model_len=16, block_size=4, num_blocks=4)
+    row = b.add(1, srow([1, 2, 3]), [0], num_computed=0)
+    with pytest.raises(BatchError):
+        b.add(1, srow([1]), [1], 0)              # already held
+    with pytest.raises(BatchError):
+        b.add(2, srow([1]), [1], 0)              # no free row
+    with pytest.raises(BatchError):
+        b.append_blocks(row, [4])                # block id out of range
+    with pytest.raises(BatchError):
+        b.prepare(np.array([row]), np.array([4]))  # beyond its known tokens
+    with pytest.raises(BatchError):
+        b.row_of(99)
+    b.remove(1)
+    assert b.add(2, srow([5]), [1], 0) == row
