@@ -1,0 +1,48 @@
+"""The README's first command: `headrace serve` with no arguments serves the embedded model,
+and `headrace generate` streams text from it; SIGTERM stops both planes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(180)
+def test_serve_without_arguments_then_generate_streams_text():
+    port = _free_port()
+    env = dict(os.environ, HEADRACE_LOG_LEVEL="WARNING")
+    server = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "serve", "--port", str(port)],
+                              env=env, start_new_session=True)
+    children: list[int] = []
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "controlplane.cli", "generate", "hello", "--address",
+             f"127.0.0.1:{port}", "--max-tokens", "24", "--wait", "120"],
+            capture_output=True, text=True, timeout=150, env=env)
+        assert out.returncode == 0, out.stderr
+        words = out.stdout.split()
+        assert len(words) >= 3, out.stdout
+        assert sum(w.isalpha() for w in words) >= 2, out.stdout   # word-like text
+        assert "[length: 24 tokens]" in out.stderr or "[stop:" in out.stderr
+        listed = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True)
+        children = [int(p) for p in listed.stdout.split()]
+        assert children, "serve runs the data plane as a child process"
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in children), "data plane left running"
