@@ -7,7 +7,7 @@ is spread over steps and never blocks short ones. Admission leaves a watermark o
 blocks. When a running sequence needs blocks that are not there, the policy's victims
 (never one already scheduled in this step) are preempted by recompute: their blocks are
 freed and they wait again with their generated tokens; the sequence preempts itself when
-it is the worst. Parallel samples fork from their parent once its prompt is computed,
+it is the worst. A step that preempted admits nobody (no readmission thrash). Parallel samples fork from their parent once its prompt is computed,
 sharing its blocks and copying the block they will write into (copy on write).
 """
 
@@ -124,6 +124,7 @@ class Scheduler:
         now = self.clock()
         step = ScheduledStep()
         budget = self.max_batched_tokens
+        preemptions_before = self.num_preemptions
         scheduled: set[int] = set()
         while self._forked and budget >= 1:
             child = self._forked.pop(0)
@@ -154,7 +155,10 @@ class Scheduler:
             step.running.append((seq, n, new_blocks))
             scheduled.add(seq.seq_id)
             budget -= n
-        for seq in self.policy.order_waiting(self.waiting, now):
+        # A step that had to preempt admits nothing: the victims would be readmitted at once
+        # and throw their KV away again (thrashing) while running work still needs blocks.
+        admit = self.waiting if self.num_preemptions == preemptions_before else []
+        for seq in self.policy.order_waiting(admit, now):
             if budget < 1 or len(self.running) >= self.max_running:
                 break
             n = self._admit(seq, budget)

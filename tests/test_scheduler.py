@@ -312,3 +312,18 @@ def test_sequences_to_forget_wait_for_a_step_that_is_sent():
     other = make_request(4, max_tokens=1)
     sched.add(other.sequences)
     assert sched.schedule().forget == [req.sequences[0].seq_id]
+
+
+def test_a_step_that_preempts_admits_nobody():
+    sched = sched_of(blocks=18, bs=4, cap=8, budget=16, prefix=False)
+    a = make_request(8, max_tokens=40, arrival=0.0)
+    b = make_request(60, max_tokens=8, arrival=1.0)
+    sched.add(a.sequences)
+    sched.add(b.sequences)
+    for _ in range(60):
+        before = sched.num_preemptions
+        step = run_step(sched)
+        if sched.num_preemptions > before:
+            assert not step.new, "a victim was readmitted in the step that preempted it"
+    drain(sched)
+    assert sched.blocks.num_free == 18
