@@ -1,10 +1,14 @@
 """Runs both planes inside the test process over real gRPC: a data plane worker on a unix
-socket and a control plane (in its own event-loop thread) on a TCP port of 127.0.0.1."""
+socket and a control plane (in its own event-loop thread) on a TCP port of 127.0.0.1.
+
+HEADRACE_TEST_DEVICE=cuda runs the worker on the GPU (fp32, Triton kernels, CUDA graphs), so
+the same end-to-end tests check the GPU path against transformers on the device machine."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import pathlib
 import tempfile
 import threading
@@ -20,13 +24,17 @@ from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
 
+DEVICE = os.environ.get("HEADRACE_TEST_DEVICE", "cpu")
+
+
 class Planes:
     def __init__(self, model_dir: str | pathlib.Path, *, num_kv_blocks: int = 256,
                  block_size: int = 16, config: EngineConfig | None = None):
         self._tmp = tempfile.mkdtemp(prefix="headrace-test-")
         self.worker_address = f"unix:{self._tmp}/dp.sock"
         self.worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=num_kv_blocks,
-                                           block_size=block_size))
+                                           block_size=block_size, device=DEVICE, dtype="float32",
+                                           max_num_seqs=64))
         self.worker_server = serve(self.worker, self.worker_address)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)

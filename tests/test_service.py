@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tests.harness import completion
+from tests.harness import DEVICE, completion
 from headrace.v1 import inference_pb2 as pb
 
 GREEDY = pb.SamplingParams(temperature=0)
@@ -161,7 +161,7 @@ def test_tokenize_and_model_info(llama_planes):
     info = llama_planes.stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.architecture == "LlamaForCausalLM" and info.vocab_size == 384
     assert info.max_model_len == 256 and info.kv_block_size == 16 and info.num_kv_blocks == 512
-    assert info.device == "cpu" and info.dtype == "float32" and info.tensor_parallel_size == 1
+    assert info.device == DEVICE and info.dtype == "float32" and info.tensor_parallel_size == 1
 
 
 def test_request_id_is_echoed_and_assigned(llama_planes):
