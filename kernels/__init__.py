@@ -1,16 +1,74 @@
-"""Hot kernels of the data plane.
+"""Hot kernels of the data plane: the functions exported here are what the model calls.
 
-Each op has a plain-torch reference in ``kernels.reference``; Triton versions
-(added per op) must match it. The functions exported here are what the model calls:
-they pick the fastest implementation available for the tensors' device.
+Each op has a plain-torch reference in ``kernels.reference`` and a Triton version in
+``kernels.triton_ops`` / ``kernels.triton_attention`` that must match it. The choice is resolved
+once, at import, from the environment variable ``HEADRACE_KERNELS``:
+
+* ``auto`` (default): Triton for CUDA tensors when CUDA is available and triton imports, the
+  reference otherwise (a per-call ``is_cuda`` check on the first argument; CPU-only hosts never
+  import triton);
+* ``triton``: Triton for every tensor (with ``TRITON_INTERPRET=1`` this runs on CPU: tests);
+* ``reference``: the reference everywhere.
+
+``paged_attention`` always accepts the Triton version's optional host-side hints
+(``max_query_len``, ``decode_only``); the reference ignores them. ``copy_blocks`` (copy on
+write, rare) is plain torch indexing on every device.
 """
 
-from kernels.reference import (  # noqa: F401
-    apply_rotary,
-    copy_blocks,
-    fused_add_rms_norm,
-    paged_attention,
-    rms_norm,
-    silu_and_mul,
-    write_kv,
-)
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels import reference
+
+MODE = os.environ.get("HEADRACE_KERNELS", "auto")
+if MODE not in ("auto", "triton", "reference"):
+    raise ValueError(f"HEADRACE_KERNELS must be auto, triton or reference, not {MODE!r}")
+
+
+def _load_triton():
+    if MODE == "reference" or (MODE == "auto" and not torch.cuda.is_available()):
+        return None
+    try:
+        from kernels import triton_attention, triton_ops
+    except ImportError:
+        if MODE == "triton":
+            raise
+        return None
+    return triton_ops, triton_attention
+
+
+def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
+                         max_query_len=None, decode_only=None):
+    """kernels.reference.paged_attention, taking (and ignoring) the Triton version's hints."""
+    return reference.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables,
+                                     scale)
+
+
+def _on_cuda(fast, slow):
+    """fast for CUDA tensors (judged by the first argument), slow otherwise."""
+    def op(x, *args, **kwargs):
+        return (fast if x.is_cuda else slow)(x, *args, **kwargs)
+    op.__name__, op.__doc__ = slow.__name__, slow.__doc__
+    return op
+
+
+def _select(slow, name: str):
+    """The function the model calls for op ``name``: its reference ``slow`` or a Triton twin."""
+    if _triton is None:
+        return slow
+    ops, attention = _triton
+    fast = getattr(attention if name == "paged_attention" else ops, name)
+    return fast if MODE == "triton" else _on_cuda(fast, slow)
+
+
+_triton = _load_triton()
+rms_norm = _select(reference.rms_norm, "rms_norm")
+fused_add_rms_norm = _select(reference.fused_add_rms_norm, "fused_add_rms_norm")
+silu_and_mul = _select(reference.silu_and_mul, "silu_and_mul")
+apply_rotary = _select(reference.apply_rotary, "apply_rotary")
+write_kv = _select(reference.write_kv, "write_kv")
+paged_attention = _select(_reference_attention, "paged_attention")
+copy_blocks = reference.copy_blocks   # one indexed copy per layer: torch is the kernel

@@ -1,0 +1,244 @@
+"""Triton paged attention over the ``[2, blocks, block_size, kv_heads, head_dim]`` KV cache.
+
+Two attention kernels share one inner loop (``_attend``: gather a tile of keys through the block
+table, online softmax in float32 with exp2, accumulate P @ V):
+
+* decode (every sequence has exactly one query token): grid (sequence, kv head, kv split); one
+  program handles all query heads of its KV head (the GQA group, padded to >= 16 rows for
+  tl.dot) over one contiguous share of the context (flash-decoding). The number of splits is a
+  power of two chosen from static shapes only (batch, kv heads, block-table width), so the launch
+  needs no host sync and can be captured in a CUDA graph; ``_combine_kernel`` then merges the
+  splits' partial outputs by their log-sum-exp.
+* prefill / mixed batches: grid (query tile, kv head, sequence); a tile's rows are BLOCK_Q query
+  tokens x the GQA group, so each K/V tile is loaded once per group. Sequence i's queries are the
+  last q_len_i of its seq_lens[i] positions and attend causally to the cache, whose K/V for the
+  new tokens are already written. Key tiles wholly below the tile's first query skip all
+  masking; tiles run longest-first.
+
+Keys at or past a sequence's length are never loaded (masked loads, other=0) and get -inf scores,
+so unwritten slots, which may hold NaN, cannot leak in. head_dim must be a power of two >= 16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# Launch configuration, tuned on an H200 (triton 3.6) with ``bench/kernels.py --sweep``: decode
+# reaches 3.8-4.4 TB/s at batch >= 64, causal bf16 prefill 300-450 TFLOP/s (hd 128, GQA 4).
+DECODE_BLOCK_N, DECODE_WARPS, DECODE_STAGES = 64, 4, 3     # BLOCK_N: keys per loop iteration
+PREFILL_BLOCK_M = 256                                      # rows (query tokens x group) per tile
+PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 64, 8, 3
+MIN_SPLIT_TOKENS = 256     # a decode split gets at least this much of the longest context
+MAX_SPLITS = 32
+# Triton's CPU interpreter multiplies bfloat16 tl.dot operands as raw bits (triton issue 11584),
+# so under it bfloat16 operands are widened to float32 first (DOT_F32); compiled kernels never are.
+_INTERPRETED = triton.knobs.runtime.interpret
+
+
+@triton.jit
+def _operand(x, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale,
+            stride_block, stride_slot, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+            DOT_F32: tl.constexpr):
+    """Folds keys [lo, hi) into the running (acc, l_i, m_i). MASKED: a tile may run past hi or
+    past a row's query position; otherwise every tile is full and visible to every row."""
+    d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        if MASKED:  # keys past hi are never loaded: unwritten slots may hold NaN
+            live = k_pos < hi
+            block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
+            off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
+            k = tl.load(K + off[:, None] + d[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(V + off[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        else:
+            block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
+            off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
+            k = tl.load(K + off[:, None] + d[None, :])
+            v = tl.load(V + off[:, None] + d[None, :])
+        s = tl.dot(q, tl.trans(_operand(k, DOT_F32)), input_precision=PRECISION)
+        if MASKED:
+            s = tl.where(live[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # m, p in the scaled log2 domain
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = _operand(p.to(V.dtype.element_ty), DOT_F32)
+        acc = tl.dot(p, _operand(v, DOT_F32), acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, SEQ_LENS, BT, PART_O, PART_LSE, qk_scale, stride_qt, stride_qh,
+                   stride_bt, stride_block, stride_slot, stride_head, NUM_SPLITS: tl.constexpr,
+                   G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+                   DOT_F32: tl.constexpr):
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    ctx = tl.load(SEQ_LENS + seq)
+    rows = tl.arange(0, G_PAD)
+    heads = kv_head * G + rows
+    d = tl.arange(0, HEAD_DIM)
+    q = _operand(tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                         mask=(rows < G)[:, None], other=0.0), DOT_F32)
+    chunk = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(ctx, lo + chunk)
+    acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    q_pos = tl.full([G_PAD], ctx - 1, tl.int32)  # the one query sees every key below ctx
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, BT + seq * stride_bt, kv_head * stride_head,
+                            lo, hi, q_pos, qk_scale, stride_block,
+                            stride_slot, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, PRECISION, DOT_F32)
+    # An empty split (lo >= hi) stores output 0 with lse -inf: it weighs nothing in the combine.
+    has_keys = l_i > 0
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    part = (seq * tl.num_programs(1) * G + heads) * NUM_SPLITS + split
+    tl.store(PART_LSE + part, lse, mask=rows < G)
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    tl.store(PART_O + part[:, None] * HEAD_DIM + d[None, :], out, mask=(rows < G)[:, None])
+
+
+@triton.jit
+def _combine_kernel(PART_O, PART_LSE, OUT, stride_ot, stride_oh, NUM_SPLITS: tl.constexpr,
+                    HEAD_DIM: tl.constexpr):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    base = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    splits = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    lse = tl.load(PART_LSE + base + splits)
+    m = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # all -inf: empty context, output 0
+    o = tl.load(PART_O + (base + splits[:, None]) * HEAD_DIM + d[None, :])
+    den = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0, den, 1.0)
+    tl.store(OUT + seq * stride_ot + head * stride_oh + d, out.to(OUT.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, qk_scale, stride_qt, stride_qh, stride_ot,
+                    stride_oh, stride_bt, stride_block, stride_slot, stride_head,
+                    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    # Tiles run last-first: the causal tail's longest tiles start early, the short ones fill in.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head, seq = tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(QSL + seq)
+    q_len = tl.load(QSL + seq + 1) - q_start
+    if tile * BLOCK_Q >= q_len:
+        return
+    ctx = tl.load(SEQ_LENS + seq)
+    rows = tl.arange(0, BLOCK_Q * G_PAD)  # row = query token * G_PAD + head within the group
+    tok = tile * BLOCK_Q + rows // G_PAD
+    heads = kv_head * G + rows % G_PAD
+    row_ok = (tok < q_len) & (rows % G_PAD < G)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    q = _operand(q, DOT_F32)
+    q_pos = ctx - q_len + tok
+    first = ctx - q_len + tile * BLOCK_Q        # position of the tile's first query
+    below = (first + 1) // BLOCK_N * BLOCK_N    # keys [0, below) are visible to every row
+    end = tl.minimum(ctx, first + BLOCK_Q)      # the tile's last query sees keys [0, end)
+    acc = tl.zeros([BLOCK_Q * G_PAD, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * G_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), dtype=tl.float32)
+    bt_row = BT + seq * stride_bt
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, 0, below,
+                            q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
+                            HEAD_DIM, False, PRECISION, DOT_F32)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, below, end,
+                            q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
+                            HEAD_DIM, True, PRECISION, DOT_F32)
+    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+    tl.store(OUT + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_decode_splits(batch: int, kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Fewest power-of-two KV splits that give every SM two programs, while each split keeps at
+    least MIN_SPLIT_TOKENS of the longest possible context. Depends on shapes only."""
+    splits, target = 1, 2 * _sm_count(device)
+    while (splits < MAX_SPLITS and batch * kv_heads * splits < target
+           and max_context >= 2 * splits * MIN_SPLIT_TOKENS):
+        splits *= 2
+    return splits
+
+
+def _max_query_len(query_start_loc: torch.Tensor) -> int:
+    return int((query_start_loc[1:] - query_start_loc[:-1]).max())  # syncs with the device
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
+                    max_query_len: int | None = None, decode_only: bool | None = None,
+                    num_kv_splits: int | None = None) -> torch.Tensor:
+    """Causal attention of variable-length queries over paged KV; see
+    kernels.reference.paged_attention. Host-side hints avoid a device sync: ``decode_only=True``
+    promises every sequence has exactly one query token; otherwise ``max_query_len`` (the longest
+    q_len) is needed, and found with one sync when not given. All q_len == 1 takes the decode
+    kernel either way. ``num_kv_splits`` (a power of two) overrides num_decode_splits."""
+    tokens, heads, head_dim = query.shape
+    batch, kv_heads, block_size = seq_lens.shape[0], kv_cache.shape[3], kv_cache.shape[2]
+    group = heads // kv_heads
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    out = torch.empty_like(query)
+    if tokens == 0:
+        return out
+    if not decode_only:
+        max_query_len = max_query_len or _max_query_len(query_start_loc)
+        decode_only = tokens == batch and max_query_len == 1
+    dot_f32 = _INTERPRETED and query.dtype == torch.bfloat16
+    precision = "ieee" if query.dtype == torch.float32 or dot_f32 else "tf32"
+    keys, values = kv_cache[0], kv_cache[1]
+    cache_strides = (block_tables.stride(0), keys.stride(0), keys.stride(1), keys.stride(2))
+    qk_scale = scale * _LOG2E
+    if decode_only:
+        splits = num_kv_splits or num_decode_splits(
+            batch, kv_heads, block_tables.shape[1] * block_size, query.device)
+        part_o = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32,
+                             device=query.device)
+        part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
+        _decode_kernel[(batch, kv_heads, splits)](
+            query, keys, values, seq_lens, block_tables, part_o, part_lse, qk_scale,
+            query.stride(0), query.stride(1), *cache_strides, NUM_SPLITS=splits, G=group,
+            G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=block_size, PRECISION=precision, DOT_F32=dot_f32,
+            num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
+        _combine_kernel[(batch, heads)](part_o, part_lse, out, out.stride(0), out.stride(1),
+                                        NUM_SPLITS=splits, HEAD_DIM=head_dim, num_warps=4)
+        return out
+    g_pad = triton.next_power_of_2(group)
+    wide = query.element_size() > 2  # float32: a quarter of the tile and fewer stages fit smem
+    block_m = min(PREFILL_BLOCK_M // (4 if wide else 1),
+                  max(16, triton.next_power_of_2(max_query_len) * g_pad))
+    block_q = block_m // g_pad
+    _prefill_kernel[(triton.cdiv(max_query_len, block_q), kv_heads, batch)](
+        query, keys, values, out, query_start_loc, seq_lens, block_tables, qk_scale,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *cache_strides, G=group,
+        G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_N=PREFILL_BLOCK_N,
+        BLOCK_SIZE=block_size, PRECISION=precision, DOT_F32=dot_f32,
+        num_warps=PREFILL_WARPS if block_m >= 128 else 4, num_stages=2 if wide else PREFILL_STAGES)
+    return out

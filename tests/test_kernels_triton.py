@@ -1,0 +1,191 @@
+"""The Triton kernels against their torch references in ``kernels.reference``, on random data.
+
+On a CUDA machine they run compiled on the GPU; elsewhere under Triton's CPU interpreter, which
+this module switches on (TRITON_INTERPRET=1) before triton is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+if DEVICE == "cpu":
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported earlier without TRITON_INTERPRET=1; its CPU interpreter "
+                    "needs the variable before the first import", allow_module_level=True)
+    # Process-wide: triton consults it when kernels are defined and at run time. Only this module
+    # runs Triton on CPU (HEADRACE_KERNELS stays unset, so the model keeps the reference).
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed: no Triton kernels to test")
+from kernels import triton_attention, triton_ops  # noqa: E402
+import kernels.reference as ref  # noqa: E402
+from dataplane.rotary import cos_sin_cache  # noqa: E402
+
+def _randn(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype).to(DEVICE)
+
+
+def _close(actual, expected, **tol):
+    """assert_close, by default with torch's tolerances for the dtype, widened to a few ulps for
+    bfloat16: the interpreter truncates float32 -> bfloat16 casts (the GPU rounds to nearest)."""
+    if not tol and expected.dtype == torch.bfloat16:
+        tol = dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), **tol)
+
+
+# --------------------------------------------------------------------------- row-wise ops
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rms_norms(dtype):
+    torch.manual_seed(0)
+    x, r, w = _randn(7, 96, dtype=dtype), _randn(7, 96, dtype=dtype), _randn(96, dtype=dtype)
+    _close(triton_ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6))
+    normed, residual = triton_ops.fused_add_rms_norm(x, r, w, 1e-6)
+    expect_normed, expect_residual = ref.fused_add_rms_norm(x, r, w, 1e-6)
+    _close(residual, expect_residual)
+    _close(normed, expect_normed)
+    # q/k norm: per-head rows of a strided [tokens, heads, head_dim] view; float32 weight.
+    qkv = _randn(5, 3 * 4 * 64, dtype=dtype)
+    q = qkv[:, :256].view(5, 4, 64)
+    w32 = _randn(64)
+    normed = triton_ops.rms_norm(q, w32, 1e-5)
+    assert normed.dtype == torch.float32
+    _close(normed.to(dtype), ref.rms_norm(q, w32, 1e-5).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_silu_and_mul(dtype):
+    torch.manual_seed(0)
+    gate_up = _randn(6, 2 * 1100, dtype=dtype)  # d = 1100 spans two column blocks
+    _close(triton_ops.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
+    batched = _randn(2, 3, 2 * 40, dtype=dtype)
+    _close(triton_ops.silu_and_mul(batched), ref.silu_and_mul(batched))
+
+
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (128, torch.float16),
+                                            (128, torch.float32)])
+def test_apply_rotary(head_dim, dtype):
+    torch.manual_seed(0)
+    cos_sin = cos_sin_cache(head_dim, 4096, 10000.0, None, DEVICE)
+    positions = torch.randint(0, 4096, (9,)).to(DEVICE)
+    qkv = _randn(9, (6 + 2 * 2) * head_dim, dtype=dtype)
+    q = qkv[:, :6 * head_dim].view(9, 6, head_dim)  # strided, 6 heads (not a power of two)
+    _close(triton_ops.apply_rotary(q, positions, cos_sin), ref.apply_rotary(q, positions, cos_sin))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_write_kv_skips_padded_slots(dtype):
+    torch.manual_seed(0)
+    blocks, block_size, kv_heads, head_dim, tokens = 6, 16, 2, 64, 10
+    kv = _randn(tokens, 2 * kv_heads * head_dim, dtype=dtype)
+    key, value = kv.view(tokens, 2, kv_heads, head_dim).unbind(1)  # strided views
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    slots[[2, 7]] = -1
+    slots = slots.to(DEVICE)
+    expect = _randn(2, blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    expect[0, 1] = float("nan")
+    actual = expect.clone()
+    ref.write_kv(expect, key, value, slots)
+    triton_ops.write_kv(actual, key, value, slots)
+    _close(actual, expect, atol=0, rtol=0, equal_nan=True)
+
+
+# --------------------------------------------------------------------------- paged attention
+
+def _paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype):
+    """Random queries and a paged cache holding each sequence's context in shuffled blocks;
+    every slot that is not part of some context (tails of last blocks, spare blocks) is NaN."""
+    num_blocks = sum(-(-c // block_size) for c in ctx_lens) + 2
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    free = torch.randperm(num_blocks).tolist()
+    width = max(-(-c // block_size) for c in ctx_lens) + 1
+    tables = []
+    for ctx in ctx_lens:
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size
+                              for p in range(ctx)])
+        kv = torch.randn(2, ctx, kv_heads, head_dim).to(dtype)
+        ref.write_kv(cache, kv[0], kv[1], slots)
+        tables.append(table + [0] * (width - len(table)))
+    query = torch.randn(sum(q_lens), heads, head_dim).to(dtype)
+    starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return (query, cache, starts, torch.tensor(ctx_lens, dtype=torch.int32),
+            torch.tensor(tables, dtype=torch.int32))
+
+
+def _check_attention(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype, **hints):
+    torch.manual_seed(0)
+    args = _paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    expect = ref.paged_attention(*args, scale)
+    actual = triton_attention.paged_attention(*(a.to(DEVICE) for a in args), scale, **hints)
+    assert not actual.isnan().any()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    _close(actual, expect, atol=tol, rtol=tol)
+
+
+# (heads, kv_heads, head_dim, block_size, dtype): GQA 1/4/8, head_dim 32/64/128, blocks 16/32.
+LAYOUTS = [
+    (4, 4, 64, 16, torch.bfloat16),
+    (8, 2, 128, 32, torch.float16),
+    (8, 1, 128, 16, torch.bfloat16),
+    (8, 1, 128, 32, torch.float32),
+    (2, 1, 32, 16, torch.float16),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,dtype", LAYOUTS)
+@pytest.mark.parametrize("splits", [None, 4])
+def test_decode_attention(heads, kv_heads, head_dim, block_size, dtype, splits):
+    # Ragged contexts: length 1, an exact multiple of the block size, and longer than one
+    # 64-key tile per split; 4 splits of a 1-token context leave three splits empty.
+    ctx_lens = [1, 2 * block_size, 45, 300]
+    _check_attention([1] * 4, ctx_lens, heads, kv_heads, head_dim, block_size, dtype,
+                     decode_only=True, num_kv_splits=splits)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,dtype", LAYOUTS)
+def test_mixed_attention(heads, kv_heads, head_dim, block_size, dtype):
+    # A fresh prompt, chunked prefills over a cached prefix (the first starts right after a full
+    # 64-key tile, the second's tile spans the causal diagonal), decodes of an exact multiple of
+    # the block size and of length 1.
+    q_lens, ctx_lens = [21, 4, 30, 1, 1], [21, 67, 130, 2 * block_size, 1]
+    _check_attention(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype,
+                     max_query_len=30)
+
+
+def test_attention_without_hints_finds_the_path():
+    _check_attention([1, 1], [40, 7], 4, 2, 64, 16, torch.bfloat16)        # decode kernel
+    # Two 256-query tiles (no GQA); a tile whose first query is one short of a 64-key boundary.
+    _check_attention([2, 300, 5], [9, 300, 67], 2, 2, 64, 16, torch.float16)
+
+
+def test_num_decode_splits_from_shapes():
+    cpu = torch.device("cpu")
+    assert triton_attention.num_decode_splits(1, 8, 32768, cpu) == 1  # one "SM" on CPU
+    if DEVICE == "cuda":
+        gpu = torch.device(DEVICE)
+        assert triton_attention.num_decode_splits(256, 8, 32768, gpu) == 1
+        assert triton_attention.num_decode_splits(1, 8, 32768, gpu) > 8
+        assert triton_attention.num_decode_splits(1, 8, 256, gpu) == 1
+
+
+def test_dispatch_resolves_from_environment():
+    """HEADRACE_KERNELS=triton sends CPU tensors to the Triton ops (here under the interpreter);
+    the default keeps this process's CPU tensors on the reference."""
+    x, w = torch.randn(3, 32), torch.randn(32)
+    import kernels
+
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6),
+                               atol=0, rtol=0)
+    code = ("import kernels, kernels.triton_ops as t, kernels.triton_attention as a;"
+            "assert kernels.rms_norm is t.rms_norm and kernels.write_kv is t.write_kv;"
+            "assert kernels.paged_attention is a.paged_attention")
+    env = dict(os.environ, HEADRACE_KERNELS="triton", TRITON_INTERPRET="1")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
