@@ -1,0 +1,123 @@
+"""Benchmark-only path: the control plane's engine (scheduler, block manager, stop checks,
+detokenization) drives the data plane's runner in ONE process, with no gRPC between them and
+no client streams. Compared with bench/serving_bench.py it shows what the plane split costs.
+
+    python bench/inprocess_bench.py --model DIR --workload w1|w2 [--device cuda] [--profile FILE]
+
+Prints a JSON line: throughput (w1) or per-token latency (w2), plus the share of wall time
+spent inside the runner (`runner_s`) against the engine's own Python work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import random
+import time
+
+from controlplane.engine import Engine, EngineConfig
+from controlplane.tokenizer import ModelTokenizer
+from controlplane.validation import build_request
+from dataplane.worker import Worker, WorkerOptions
+from headrace.v1 import inference_pb2 as pb
+from serving_bench import w1_requests
+
+
+class LocalWorkers:
+    """The WorkerGroup interface over a runner in this process."""
+
+    def __init__(self, worker: Worker):
+        self.worker, self.infos, self.runner_s, self.step_ends = worker, [], 0.0, []
+
+    async def describe(self, timeout: float):
+        self.infos = [self.worker.describe()]
+        return self.infos
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.infos[0].num_kv_blocks
+
+    async def open(self) -> None:
+        self.worker.runner.reset()
+
+    async def step(self, request):
+        t0 = time.perf_counter()
+        result = self.worker.runner.execute(request)
+        self.step_ends.append(time.perf_counter())
+        self.runner_s += self.step_ends[-1] - t0
+        await asyncio.sleep(0)   # let consumers run, as they would while a remote step is in flight
+        return result
+
+    async def close(self) -> None:
+        pass
+
+
+async def consume(request) -> int:
+    count, unfinished = 0, request.n
+    while unfinished:
+        msg = await request.queue.get()
+        count += len(msg.token_ids)
+        unfinished -= bool(msg.finish_reason)
+    return count
+
+
+async def run(args) -> dict:
+    worker = Worker(WorkerOptions(model=args.model, device=args.device, max_num_seqs=256,
+                                  max_batched_tokens=8192))
+    local = LocalWorkers(worker)
+    engine = Engine(local, EngineConfig(max_running=256, max_batched_tokens=8192))
+    await engine.start()
+    tok = ModelTokenizer(args.model)
+
+    def submit(prompt, max_tokens, temperature):
+        req = build_request(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
+                                               ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature)),
+                            tok, seq_ids=engine.seq_ids, vocab_size=engine.info.vocab_size,
+                            max_model_len=engine.max_model_len, eos_token_ids=[])
+        engine.submit(req)
+        return req
+
+    await consume(submit([1, 2, 3], 4, 0.6))     # warm-up
+    local.runner_s = 0.0
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler:
+        profiler.enable()
+    start = time.perf_counter()
+    if args.workload == "w1":
+        reqs = [submit(*r) for r in w1_requests()]
+        tokens = sum(await asyncio.gather(*(consume(r) for r in reqs)))
+        wall = time.perf_counter() - start
+        out = {"output_tokens": tokens, "wall_s": round(wall, 3), "output_tok_per_s": round(tokens / wall, 1)}
+    else:
+        rng, itls = random.Random(0), []
+        for _ in range(5):   # one sequence: each step yields one token; ITL = step to step
+            local.step_ends = []
+            await consume(submit([rng.randint(0, 10000) for _ in range(128)], 256, 0.0))
+            itls += [b - a for a, b in zip(local.step_ends[1:], local.step_ends[2:])]
+        wall = time.perf_counter() - start
+        itls.sort()
+        out = {"itl_ms_p50": round(itls[len(itls) // 2] * 1e3, 3),
+               "itl_ms_p99": round(itls[int(len(itls) * 0.99)] * 1e3, 3)}
+    if profiler:
+        profiler.disable()
+        profiler.dump_stats(args.profile)
+    out.update(workload=f"{args.workload}-in-process", runner_s=round(local.runner_s, 3),
+               wall_s=round(wall, 3), startup_s=round(worker.startup_seconds, 1))
+    await engine.stop()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--workload", choices=["w1", "w2"], default="w1")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", default=None, help="write cProfile stats of the timed part here")
+    args = ap.parse_args()
+    print(json.dumps(asyncio.run(run(args))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
