@@ -20,11 +20,12 @@ else   # profile: the engine driving the runner in one process, transformers' re
   log hf; timeout 120 python3 -P bench/hf_reference.py /tmp/qwen3 | tee -a "$OUT/results.jsonl"
   for w in w2 w1; do
     log "$w in one process"
-    timeout 150 python3 -P bench/inprocess_bench.py --model /tmp/qwen3 --workload $w --profile "$OUT/$w.prof" \
-      | tee -a "$OUT/results.jsonl"
-    python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(45)" \
-      "$OUT/$w.prof" > "$OUT/$w-profile.txt"
+    timeout 150 python3 -P bench/inprocess_bench.py --model /tmp/qwen3 --workload $w | tee -a "$OUT/results.jsonl"
   done
+  log "w1 in one process, profiled"
+  timeout 200 python3 -P bench/inprocess_bench.py --model /tmp/qwen3 --workload w1 --profile "$OUT/w1.prof"
+  python3 -c "import pstats,sys; pstats.Stats(sys.argv[1]).sort_stats('tottime').print_stats(40)" \
+    "$OUT/w1.prof" > "$OUT/w1-profile.txt"
   log ckpt8b; python3 bench/random_checkpoint.py llama-3.1-8b /tmp/llama8b --device cuda
   log w3; timeout 400 python3 bench/serving_bench.py --model /tmp/llama8b --workload w3 --num-seqs 256 \
     --serve-args "--device cuda --max-running 256 --max-batched-tokens 8192 --max-model-len 4096" \
