@@ -2,7 +2,8 @@
 
 Step deltas update rows in place (O(changes)); ``prepare`` turns the rows scheduled in a
 step into the flat model inputs with vectorized numpy, so a decode step costs no Python work
-per token. Only prefill chunks copy token slices row by row.
+per token. Only prefill chunks copy token slices row by row. Sampling parameters live in
+per-row arrays too; a row keeps its token history only when a penalty needs it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from dataplane.sampler import SamplingRow
+from dataplane.sampler import SamplingBatch, SamplingRow, signed_seed
 
 
 class BatchError(ValueError):
@@ -41,6 +42,15 @@ class InputBatch:
         self.num_computed = np.zeros(max_seqs, dtype=np.int64)
         self.num_tokens = np.zeros(max_seqs, dtype=np.int64)
         self.last_token = np.zeros(max_seqs, dtype=np.int64)
+        self.num_output = np.zeros(max_seqs, dtype=np.int64)
+        self.temperature = np.zeros(max_seqs, dtype=np.float32)
+        self.top_k = np.zeros(max_seqs, dtype=np.int64)
+        self.top_p = np.ones(max_seqs, dtype=np.float32)
+        self.min_p = np.zeros(max_seqs, dtype=np.float32)
+        self.seed = np.zeros(max_seqs, dtype=np.int64)
+        self.has_seed = np.zeros(max_seqs, dtype=bool)
+        self.logprobs = np.zeros(max_seqs, dtype=np.int64)
+        self.uses_history = np.zeros(max_seqs, dtype=bool)
         self.rows: dict[int, int] = {}
         self.sampling: list[SamplingRow | None] = [None] * max_seqs
         self._free_rows = list(range(max_seqs - 1, -1, -1))
@@ -78,6 +88,13 @@ class InputBatch:
             raise BatchError(f"sequence {seq_id} has no tokens")
         self.num_tokens[row], self.num_computed[row] = n, num_computed
         self.last_token[row] = (row_state.output_token_ids or row_state.prompt_token_ids)[-1]
+        r = row_state
+        self.num_output[row] = len(r.output_token_ids)
+        self.temperature[row], self.top_k[row], self.top_p[row] = r.temperature, r.top_k, r.top_p
+        self.min_p[row], self.logprobs[row] = r.min_p, r.logprobs
+        self.has_seed[row] = r.seed is not None
+        self.seed[row] = signed_seed(r.seed or 0)
+        self.uses_history[row] = r.uses_history
         self._set_blocks(row, 0, block_ids)
         return row
 
@@ -93,8 +110,18 @@ class InputBatch:
     def append_tokens(self, rows: np.ndarray, tokens: list[int]) -> None:
         self.last_token[rows] = tokens
         self.num_tokens[rows] += 1
-        for row, tok in zip(rows.tolist(), tokens):
-            self.sampling[row].output_token_ids.append(tok)
+        self.num_output[rows] += 1
+        keep = self.uses_history[rows]
+        if keep.any():
+            for row, tok in zip(rows[keep].tolist(), np.asarray(tokens)[keep].tolist()):
+                self.sampling[row].output_token_ids.append(tok)
+
+    def sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
+        keep = self.uses_history[rows]
+        return SamplingBatch(
+            self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
+            self.seed[rows], self.has_seed[rows], self.num_output[rows], self.logprobs[rows],
+            [(int(i), self.sampling[int(rows[i])]) for i in np.flatnonzero(keep)])
 
     def prepare(self, rows: np.ndarray, num_scheduled: np.ndarray) -> PreparedBatch:
         """Flat inputs for the rows scheduled in a step (validated against the mirror)."""
@@ -110,11 +137,14 @@ class InputBatch:
         row_of_token = np.repeat(rows, num_scheduled)
         positions = np.arange(total, dtype=np.int64) + np.repeat(computed - starts[:-1], num_scheduled)
         decode_only = bool((num_scheduled == 1).all() and (ends == self.num_tokens[rows]).all())
+        at_end = (num_scheduled == 1) & (ends == self.num_tokens[rows])
         if decode_only:
             input_ids = self.last_token[rows]
-        else:
+        else:   # decodes read their last (possibly self-sampled) token; chunks read known tokens
             input_ids = np.empty(total, dtype=np.int64)
-            for i, row in enumerate(rows.tolist()):
+            input_ids[starts[:-1][at_end]] = self.last_token[rows[at_end]]
+            for i in np.flatnonzero(~at_end).tolist():
+                row = int(rows[i])
                 s = self.sampling[row]
                 prompt = s.prompt_token_ids
                 lo, hi = int(computed[i]), int(ends[i])

@@ -113,8 +113,7 @@ class ModelRunner:
         prep = self.batch.prepare(rows, counts)
         if len(prep.sample_rows):
             logits = self.forward_logits(prep)
-            sampling_rows = [self.batch.sampling[r] for r in prep.sample_rows.tolist()]
-            out = sample(logits, sampling_rows)
+            out = sample(logits, self.batch.sampling_batch(prep.sample_rows))
             self.batch.append_tokens(prep.sample_rows, out.token_ids)
             result.seq_ids.extend(self.seq_of_row[prep.sample_rows].tolist())
             result.token_ids.extend(out.token_ids)

@@ -1,17 +1,19 @@
 """Turns the logits of the sequences that sample in a step into token ids (and logprobs).
 
 Greedy when temperature is 0; otherwise penalties, temperature, top-k, top-p and min-p, then
-an exponential race (argmax of p / Exp(1) noise), which samples from p. All of it is batched
-tensor work on the logits' device; the filters run only when some row asks for them. A
-seeded sequence draws its noise from a counter-based hash of (seed, output index, token id),
-so its tokens depend on nothing but its own seed and history: not on its batch neighbours,
-and not on preemption and resumption.
+an exponential race (argmax of p / Exp(1) noise), which samples from p. The per-row
+parameters arrive as numpy arrays (``SamplingBatch``) and all of the work is batched tensor
+work on the logits' device, with no host synchronisation until the ids are read; the filters
+and penalties run only when some row asks for them. A seeded sequence draws its noise from a
+counter-based hash of (seed, output index, token id), so its tokens depend on nothing but its
+own seed and history: not on its batch neighbours, and not on preemption and resumption.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 _MASK = float("-inf")
@@ -23,7 +25,7 @@ _MIX2 = -7723592293110705685        # 0x94D049BB133111EB
 
 @dataclasses.dataclass
 class SamplingRow:
-    """One sampling sequence's parameters and history (token ids as Python lists)."""
+    """One sequence's sampling parameters and history (token ids as Python lists)."""
 
     temperature: float
     top_p: float
@@ -40,10 +42,37 @@ class SamplingRow:
     output_token_ids: list[int]
 
     @property
-    def has_penalty(self) -> bool:
+    def uses_history(self) -> bool:
+        """Penalties need the token history; rows without them keep none."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0
-                or (bool(self.suppress_token_ids) and len(self.output_token_ids) < self.min_tokens))
+                or self.frequency_penalty != 0.0 or (bool(self.suppress_token_ids) and self.min_tokens > 0))
+
+
+@dataclasses.dataclass
+class SamplingBatch:
+    """Parameters of the rows that sample in a step, one array entry per row."""
+
+    temperature: np.ndarray   # float32
+    top_k: np.ndarray         # int64, 0 = off
+    top_p: np.ndarray         # float32
+    min_p: np.ndarray         # float32
+    seed: np.ndarray          # int64 (signed view of the uint64 seed)
+    has_seed: np.ndarray      # bool
+    num_output: np.ndarray    # int64: tokens generated so far (the seeded noise counter)
+    logprobs: np.ndarray      # int64
+    penalized: list[tuple[int, SamplingRow]]   # (index, row) of rows with penalties
+
+    @classmethod
+    def of_rows(cls, rows: list[SamplingRow]) -> "SamplingBatch":
+        return cls(np.array([r.temperature for r in rows], np.float32),
+                   np.array([r.top_k for r in rows], np.int64),
+                   np.array([r.top_p for r in rows], np.float32),
+                   np.array([r.min_p for r in rows], np.float32),
+                   np.array([signed_seed(r.seed or 0) for r in rows], np.int64),
+                   np.array([r.seed is not None for r in rows], bool),
+                   np.array([len(r.output_token_ids) for r in rows], np.int64),
+                   np.array([r.logprobs for r in rows], np.int64),
+                   [(i, r) for i, r in enumerate(rows) if r.uses_history])
 
 
 @dataclasses.dataclass
@@ -54,10 +83,13 @@ class SampleOutput:
     top_logprobs: list[list[float]] | None
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    for i, r in enumerate(rows):
-        if not r.has_penalty:
-            continue
+def signed_seed(seed: int) -> int:
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def _apply_penalties(logits: torch.Tensor, penalized: list[tuple[int, SamplingRow]]) -> None:
+    for i, r in penalized:
         if r.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
                                 dtype=torch.long, device=logits.device)
@@ -72,13 +104,17 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i, r.suppress_token_ids] = _MASK
 
 
-def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _dev(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(a).to(device, non_blocking=True)
+
+
+def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Temperature, then top-k / top-p / min-p where any row asks for them."""
     dev = logits.device
-    logits = logits / torch.tensor([r.temperature for r in rows], device=dev)[:, None]
-    if any(r.top_k > 0 or r.top_p < 1.0 for r in rows):
-        top_k = torch.tensor([r.top_k for r in rows], device=dev)
-        top_p = torch.tensor([r.top_p for r in rows], device=dev)
+    temp = np.where(b.temperature > 0, b.temperature, 1.0).astype(np.float32)
+    logits = logits / _dev(temp, dev)[:, None]
+    if (b.top_k > 0).any() or (b.top_p < 1.0).any():
+        top_k, top_p = _dev(b.top_k, dev), _dev(b.top_p, dev)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(logits.shape[1], device=dev)[None, :]
         sorted_logits = sorted_logits.masked_fill((top_k[:, None] > 0) & (ranks >= top_k[:, None]), _MASK)
@@ -86,10 +122,10 @@ def _filter(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         sorted_logits = sorted_logits.masked_fill((probs.cumsum(-1) - probs) >= top_p[:, None], _MASK)
         logits = torch.full_like(logits, _MASK).scatter(1, order, sorted_logits)
-    if any(r.min_p > 0 for r in rows):
-        min_p = torch.tensor([r.min_p for r in rows], device=dev)
+    if (b.min_p > 0).any():
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < probs.max(-1, keepdim=True).values * min_p[:, None], _MASK)
+        cut = probs.max(-1, keepdim=True).values * _dev(b.min_p, dev)[:, None]
+        logits = logits.masked_fill(probs < cut, _MASK)
     return logits
 
 
@@ -111,47 +147,32 @@ def hashed_exponential(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) 
     return (-u.log()).float()
 
 
-def _signed(seed: int) -> int:
-    seed &= (1 << 64) - 1
-    return seed - (1 << 64) if seed >= 1 << 63 else seed
-
-
-def _noise(rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
-    q = torch.empty(len(rows), vocab, device=device).exponential_()
-    seeded = [i for i, r in enumerate(rows) if r.seed is not None]
-    if seeded:
-        seeds = torch.tensor([_signed(rows[i].seed) for i in seeded], device=device)
-        counters = torch.tensor([len(rows[i].output_token_ids) for i in seeded], device=device)
-        q[seeded] = hashed_exponential(seeds, counters, vocab)
-    return q
-
-
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
-    """logits: [len(rows), vocab] float32 (modified in place)."""
-    want = max((r.logprobs for r in rows), default=0)
+def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
+    """logits: [rows, vocab] float32 (modified in place)."""
+    dev = logits.device
+    want = int(b.logprobs.max()) if len(b.logprobs) else 0
     raw = logits.log_softmax(-1) if want else None
-    if any(r.has_penalty for r in rows):
-        _apply_penalties(logits, rows)
-    random_idx = [i for i, r in enumerate(rows) if r.temperature > 0]
-    if not random_idx:
+    if b.penalized:
+        _apply_penalties(logits, b.penalized)
+    greedy = b.temperature <= 0
+    if greedy.all():
         tokens = logits.argmax(-1)
-    elif len(random_idx) == len(rows):
-        probs = _filter(logits, rows).softmax(-1)
-        tokens = (probs / _noise(rows, logits.shape[1], logits.device)).argmax(-1)
     else:
-        tokens = logits.argmax(-1)
-        sub = [rows[i] for i in random_idx]
-        idx = torch.tensor(random_idx, device=logits.device)
-        probs = _filter(logits[idx], sub).softmax(-1)
-        tokens[idx] = (probs / _noise(sub, logits.shape[1], logits.device)).argmax(-1)
+        probs = _filter(logits, b).softmax(-1)
+        noise = torch.empty_like(probs).exponential_()
+        if b.has_seed.any():
+            idx = np.flatnonzero(b.has_seed)
+            noise[_dev(idx, dev)] = hashed_exponential(_dev(b.seed[idx], dev), _dev(b.num_output[idx], dev),
+                                                       logits.shape[1])
+        tokens = (probs / noise).argmax(-1)
+        if greedy.any():
+            tokens = torch.where(_dev(greedy, dev), logits.argmax(-1), tokens)
     token_list = tokens.tolist()
     if raw is None:
         return SampleOutput(token_list, None, None, None)
     sampled = raw.gather(1, tokens[:, None]).squeeze(1).tolist()
     top_vals, top_ids = raw.topk(want, dim=-1)
     top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    return SampleOutput(
-        token_list, sampled,
-        [top_ids[i][:r.logprobs] for i, r in enumerate(rows)],
-        [top_vals[i][:r.logprobs] for i, r in enumerate(rows)],
-    )
+    ks = b.logprobs.tolist()
+    return SampleOutput(token_list, sampled, [top_ids[i][:k] for i, k in enumerate(ks)],
+                        [top_vals[i][:k] for i, k in enumerate(ks)])

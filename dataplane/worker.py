@@ -16,7 +16,7 @@ from dataplane.cuda_graphs import DecodeGraphs
 from dataplane.loader import load_model
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.runner import ModelRunner
-from dataplane.sampler import SamplingRow, sample
+from dataplane.sampler import SamplingBatch, SamplingRow, sample
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -90,7 +90,7 @@ class Worker:
                             presence_penalty=0.0, frequency_penalty=0.0, seed=1, logprobs=20,
                             min_tokens=0, suppress_token_ids=[], prompt_token_ids=[0],
                             output_token_ids=[])
-        sample(model.logits(hidden[:rows]), [worst] * rows)
+        sample(model.logits(hidden[:rows]), SamplingBatch.of_rows([worst] * rows))
         torch.cuda.synchronize(dev)
         del cache, hidden
 

@@ -33,6 +33,13 @@ def test_mixed_step_inputs():
     prep = b.prepare(np.array([a, c]), np.array([1, 1]))
     assert prep.decode_only and prep.input_ids.tolist() == [42, 43]
     assert prep.positions.tolist() == [10, 3]
+    b.append_tokens(prep.sample_rows, [44, 45])
+    # a mixed step: decodes read the tokens the worker sampled itself (no history kept)
+    d = b.add(3, srow([7, 8, 9]), [10], num_computed=0)
+    prep = b.prepare(np.array([a, d, c]), np.array([1, 3, 1]))
+    assert not prep.decode_only and prep.input_ids.tolist() == [44, 7, 8, 9, 45]
+    assert b.sampling[a].output_token_ids == []    # greedy rows keep no history
+    assert b.sampling_batch(prep.sample_rows).num_output.tolist() == [2, 0, 3]
 
 
 def test_bad_deltas_are_rejected():

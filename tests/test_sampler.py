@@ -7,7 +7,12 @@ import math
 import pytest
 import torch
 
-from dataplane.sampler import SamplingRow, sample
+from dataplane.sampler import SamplingBatch, SamplingRow
+from dataplane.sampler import sample as sample_batch
+
+
+def sample(logits, rows):
+    return sample_batch(logits, SamplingBatch.of_rows(rows))
 
 
 def row(**kw) -> SamplingRow:
