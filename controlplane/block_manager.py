@@ -75,7 +75,6 @@ class BlockManager:
             if block is None or self._tokens[block] != tokens:
                 break
             hits.append(block)
-        self.prefix_queries += len(token_ids)
         return hits
 
     def cost(self, hits: list[int], num_tokens: int) -> int:
@@ -83,8 +82,9 @@ class BlockManager:
         return sum(1 for b in hits if self.ref[b] == 0) + max(0, self.blocks_for(num_tokens) - len(hits))
 
     # -- changes -------------------------------------------------------------------------
-    def adopt(self, seq_id: int, hits: list[int]) -> None:
-        """Starts a sequence's table with cached blocks (shared: reference counted)."""
+    def adopt(self, seq_id: int, hits: list[int], num_tokens: int) -> None:
+        """Starts a sequence's table with cached blocks (shared: reference counted); counts
+        the admission's ``num_tokens`` as prefix-cache queries and the hits' tokens as hits."""
         assert seq_id not in self.tables, f"sequence {seq_id} already has blocks"
         for b in hits:
             if self.ref[b] == 0:
@@ -92,7 +92,9 @@ class BlockManager:
             self.ref[b] += 1
         self.tables[seq_id] = list(hits)
         self._chain[seq_id] = [self._hash[b] for b in hits]
-        self.prefix_hits += len(hits) * self.block_size
+        if self.enable_prefix_cache:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += len(hits) * self.block_size
 
     def share(self, parent: int, child: int, num_blocks: int) -> None:
         """Gives ``child`` the first ``num_blocks`` blocks of ``parent`` (parallel sampling)."""

@@ -180,7 +180,7 @@ class Scheduler:
         if self.blocks.cost(hits, cached + n) + reserve > self.blocks.num_free:
             return 0
         self.waiting.remove(seq)
-        self.blocks.adopt(seq.seq_id, hits)
+        self.blocks.adopt(seq.seq_id, hits, seq.num_tokens)
         self.blocks.grow(seq.seq_id, cached + n)
         self._register(seq, cached + n)
         if not seq.output_token_ids and seq.num_preemptions == 0:

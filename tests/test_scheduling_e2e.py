@@ -54,15 +54,15 @@ def test_outputs_equal_with_prefix_cache_chunking_and_preemption(model_dir, poli
         assert roomy.engine.scheduler.num_preemptions == 0
     finally:
         roomy.close()
-    # 16 blocks of 16 tokens: far less than 24 concurrent requests need; 8-token chunks.
-    tight = Planes(model_dir, num_kv_blocks=16,
-                   config=EngineConfig(max_batched_tokens=8, policy=Policy(policy)))
+    # 8 blocks of 16 tokens: far less than 24 concurrent requests need; 24-token chunks.
+    tight = Planes(model_dir, num_kv_blocks=8,
+                   config=EngineConfig(max_batched_tokens=24, policy=Policy(policy)))
     try:
         got = _run_all(tight, jobs)
         sched = tight.engine.scheduler
         assert sched.num_preemptions > 0, "the tiny pool must force preemption"
         assert sched.blocks.prefix_hits > 0, "shared prefixes must hit the cache"
-        assert tight.wait_for_free_blocks(16) == 16
+        assert tight.wait_for_free_blocks(8) == 8
     finally:
         tight.close()
     assert got == expected
