@@ -1,5 +1,7 @@
 """The ``headrace`` command: ``serve`` (control plane plus data plane children), ``controlplane``
-and ``dataplane`` (each plane alone), and ``generate`` (a streaming client)."""
+and ``dataplane`` (each plane alone), ``generate`` (a streaming client), ``admin`` (the Admin
+service: configuration, drain, resume, reload) and ``health`` (a grpc.health.v1 probe for
+container health checks)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,14 @@ import sys
 import tempfile
 
 from controlplane.engine import EngineConfig
+from controlplane.logs import LOG_FORMATS, configure_logging
 from controlplane.policy import POLICIES, Policy
 
 
 def _default_model() -> str:
+    """$HEADRACE_MODEL (containers), else the embedded tiny model."""
+    if os.environ.get("HEADRACE_MODEL"):
+        return os.environ["HEADRACE_MODEL"]
     from dataplane.default_model import default_model_dir
 
     return str(default_model_dir())
@@ -50,11 +56,35 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of KV blocks that admission leaves free for running requests")
 
 
+def _add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -> None:
+    p.add_argument("--metrics-port", type=int, default=metrics_port,
+                   help=f"Prometheus /metrics HTTP port (0 disables; default {metrics_port})")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                   help="json or console (default: console on a terminal, json otherwise)")
+    if control:
+        p.add_argument("--max-queued", type=int, default=0,
+                       help="waiting sequences at most; beyond, RESOURCE_EXHAUSTED (0: unbounded)")
+        p.add_argument("--admin-token", default=None,
+                       help="bearer token for the Admin service (default $HEADRACE_ADMIN_TOKEN; "
+                            "without one, Admin serves local callers only)")
+        p.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
+        p.add_argument("--disable-log-requests", action="store_true",
+                       help="no log line per finished request")
+
+
+def _plane_options(args) -> dict:
+    """ControlPlane keyword options from the command line."""
+    return dict(metrics_port=args.metrics_port or None,
+                admin_token=args.admin_token or os.environ.get("HEADRACE_ADMIN_TOKEN") or None,
+                log_requests=not args.disable_log_requests, log_prompts=args.log_prompts)
+
+
 def _engine_config(args) -> EngineConfig:
     return EngineConfig(max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
                         max_model_len=getattr(args, "max_model_len", None),
                         policy=Policy(args.policy, args.aging_rate, args.max_queue_delay),
-                        enable_prefix_cache=not args.no_prefix_cache, watermark=args.watermark)
+                        enable_prefix_cache=not args.no_prefix_cache, watermark=args.watermark,
+                        max_queued=args.max_queued)
 
 
 def _worker_argv(args, listen: str) -> list[str]:
@@ -63,7 +93,10 @@ def _worker_argv(args, listen: str) -> list[str]:
             "--cpu-kv-cache-gib", str(args.cpu_kv_cache_gib),
             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
             "--max-num-seqs", str(args.max_running),
-            "--max-batched-tokens", str(args.max_batched_tokens)]
+            "--max-batched-tokens", str(args.max_batched_tokens),
+            "--metrics-port", str(args.dataplane_metrics_port)]
+    if args.log_format:
+        argv += ["--log-format", args.log_format]
     if args.no_cuda_graphs:
         argv.append("--no-cuda-graphs")
     for flag, value in (("--dtype", args.dtype), ("--num-kv-blocks", args.num_kv_blocks),
@@ -74,16 +107,19 @@ def _worker_argv(args, listen: str) -> list[str]:
 
 
 def cmd_serve(args) -> int:
+    from controlplane import telemetry
     from controlplane.server import serve_until_signal
 
     args.model = args.model or _default_model()
     sock_dir = tempfile.mkdtemp(prefix="headrace-")
     listen = f"unix:{sock_dir}/dataplane-0.sock"
     child = subprocess.Popen(_worker_argv(args, listen), start_new_session=True)
+    telemetry.setup_tracing("headrace-controlplane")
     try:
         asyncio.run(serve_until_signal(args.model, [listen], f"{args.host}:{args.port}",
-                                       _engine_config(args)))
+                                       _engine_config(args), **_plane_options(args)))
     finally:
+        telemetry.shutdown_tracing()
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
             try:
@@ -94,16 +130,23 @@ def cmd_serve(args) -> int:
 
 
 def cmd_controlplane(args) -> int:
+    from controlplane import telemetry
     from controlplane.server import serve_until_signal
 
-    asyncio.run(serve_until_signal(args.model or _default_model(), args.workers.split(","),
-                                   f"{args.host}:{args.port}", _engine_config(args)))
+    telemetry.setup_tracing("headrace-controlplane")
+    try:
+        asyncio.run(serve_until_signal(args.model or _default_model(), args.workers.split(","),
+                                       f"{args.host}:{args.port}", _engine_config(args),
+                                       **_plane_options(args)))
+    finally:
+        telemetry.shutdown_tracing()
     return 0
 
 
 def cmd_dataplane(args) -> int:
     import threading
 
+    from controlplane import telemetry
     from dataplane.server import serve
     from dataplane.worker import Worker, WorkerOptions
 
@@ -113,15 +156,21 @@ def cmd_dataplane(args) -> int:
                          gpu_memory_utilization=args.gpu_memory_utilization,
                          max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                          cuda_graphs=not args.no_cuda_graphs)
-    worker = Worker(opts)
-    server = serve(worker, args.listen)
-    logging.getLogger("headrace.dataplane").info(
-        "data plane on %s: %s, %d KV blocks", args.listen, worker.cfg.name, worker.runner.num_blocks)
+    telemetry.setup_tracing("headrace-dataplane")
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
+    # listen at once (health NOT_SERVING) so probes see the model loading, not a closed port
+    server = serve(None, args.listen, metrics_port=args.metrics_port or None)
+    log = logging.getLogger("headrace.dataplane")
+    log.info("data plane on %s: loading %s", args.listen, opts.model)
+    worker = server.worker_service.load(lambda: Worker(opts))
+    log.info("data plane on %s: %s ready, %d KV blocks (%.1fs)", args.listen, worker.cfg.name,
+             worker.runner.num_blocks, worker.startup_seconds)
     done.wait()
     server.stop(grace=2).wait()
+    server.worker_service.metrics.close()
+    telemetry.shutdown_tracing()
     if args.listen.startswith("unix:"):
         pathlib.Path(args.listen[5:]).unlink(missing_ok=True)
     return 0
@@ -133,9 +182,24 @@ def cmd_generate(args) -> int:
     return asyncio.run(stream_generate(args))
 
 
+def cmd_health(args) -> int:
+    """Exit 0 when ``--service`` is SERVING at ``--address``, 1 otherwise (container probes)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(args.address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout).status
+    except grpc.RpcError as exc:
+        print(f"{args.address}: {exc.code().name}", file=sys.stderr)
+        return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    print(f"{args.address} {args.service or '(server)'}: {name}")
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("HEADRACE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="headrace", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -143,13 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded tiny model)")
     _add_engine_args(p)
     _add_worker_args(p)
+    _add_ops_args(p, 9400, control=True)
+    p.add_argument("--dataplane-metrics-port", type=int, default=9401,
+                   help="the data plane child's /metrics port (0 disables)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("controlplane", help="run the control plane alone")
     p.add_argument("--model", default=None, help="model directory (for the tokenizer)")
-    p.add_argument("--workers", required=True, help="comma-separated data plane addresses")
+    p.add_argument("--workers", default=os.environ.get("HEADRACE_WORKERS"),
+                   required=not os.environ.get("HEADRACE_WORKERS"),
+                   help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
     p.add_argument("--max-model-len", type=int, default=None)
     _add_engine_args(p)
+    _add_ops_args(p, 9400, control=True)
     p.set_defaults(func=cmd_controlplane)
 
     p = sub.add_parser("dataplane", help="run one data plane worker alone")
@@ -158,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences one step may hold")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens one step may compute")
     _add_worker_args(p)
+    _add_ops_args(p, 9401, control=False)
     p.set_defaults(func=cmd_dataplane)
 
     p = sub.add_parser("generate", help="stream a completion from a running server")
@@ -172,7 +243,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the server to be ready")
     p.set_defaults(func=cmd_generate)
 
+    from controlplane.admin import add_admin_parser
+
+    add_admin_parser(sub)
+
+    p = sub.add_parser("health", help="check a server's grpc.health.v1 status (exit 0 when SERVING)")
+    p.add_argument("--address", default="localhost:50051")
+    p.add_argument("--service", default="", help="service name (default: the server as a whole)")
+    p.add_argument("--timeout", type=float, default=3.0)
+    p.set_defaults(func=cmd_health)
+
     args = parser.parse_args(argv)
+    if args.command not in ("health", "generate", "admin"):
+        configure_logging(getattr(args, "log_format", None))
     return args.func(args)
 
 

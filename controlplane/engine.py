@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
 
 import grpc
 
@@ -18,6 +19,7 @@ from controlplane.block_manager import BlockManager
 from controlplane.policy import Policy
 from controlplane.request import Request, Sequence, Status
 from controlplane.scheduler import ScheduledStep, Scheduler
+from controlplane.telemetry import EngineTelemetry
 from controlplane.worker_client import WorkerError, WorkerGroup
 from headrace.dataplane.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
@@ -33,6 +35,7 @@ class EngineConfig:
     policy: Policy = dataclasses.field(default_factory=Policy)
     enable_prefix_cache: bool = True
     watermark: float = 0.01            # fraction of KV blocks admission leaves free
+    max_queued: int = 0                # waiting sequences at most (0 = unbounded); RESOURCE_EXHAUSTED
     reconnect_interval_s: float = 1.0
 
 
@@ -43,9 +46,14 @@ class EngineFailure:
 
 
 class Engine:
-    def __init__(self, workers: WorkerGroup, config: EngineConfig):
+    def __init__(self, workers: WorkerGroup, config: EngineConfig,
+                 telemetry: EngineTelemetry | None = None):
         self.workers = workers
         self.config = config
+        self.telemetry = telemetry or EngineTelemetry()
+        self.telemetry.metrics.bind(self)
+        self.draining = False          # no new requests are admitted (Admin.Drain, reload)
+        self.on_health_change = None   # callback when ``healthy`` changes
         self.info: wpb.WorkerInfo | None = None
         self.scheduler: Scheduler | None = None
         self.max_model_len = 0
@@ -57,7 +65,15 @@ class Engine:
         self._task: asyncio.Task | None = None
 
     async def start(self, timeout: float = 600.0) -> None:
-        infos = await self.workers.describe(timeout)
+        self._build(await self.workers.describe(timeout))
+        await self.workers.open()
+        self._set_healthy(True)
+        self._task = asyncio.create_task(self._loop(), name="headrace-engine")
+
+    def _build(self, infos: list[wpb.WorkerInfo]) -> None:
+        """(Re)builds the KV block pool and the scheduler for what the workers serve."""
+        if self.scheduler is not None:
+            self.telemetry.metrics.retire(self.scheduler)
         self.info = infos[0]
         cfg = self.config
         blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size, cfg.enable_prefix_cache)
@@ -69,9 +85,51 @@ class Engine:
         max_tokens = min([cfg.max_batched_tokens] + [i.max_batched_tokens for i in infos
                                                       if i.max_batched_tokens])
         self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark)
-        await self.workers.open()
-        self.healthy = True
+
+    @property
+    def ready(self) -> bool:
+        """The model is loaded, the data plane answers and requests are admitted."""
+        return self.healthy and not self.draining and self.scheduler is not None
+
+    def _set_healthy(self, healthy: bool) -> None:
+        changed, self.healthy = healthy != self.healthy, healthy
+        if changed and self.on_health_change is not None:
+            self.on_health_change()
+
+    async def pause(self) -> None:
+        """Stops the engine loop and the step streams (Admin reload; nothing in flight)."""
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self.workers.close_streams()
+        self._set_healthy(False)
+
+    async def restart(self, infos: list[wpb.WorkerInfo] | None) -> None:
+        """Rebuilds for what the workers now serve and starts the loop again; with no
+        ``infos`` (workers unreachable) keeps the scheduler and lets the loop reconnect."""
+        if infos is None:
+            self.scheduler.blocks.reset_cache()
+        else:
+            self._build(infos)
+            await self.workers.open()
+            self._set_healthy(True)
         self._task = asyncio.create_task(self._loop(), name="headrace-engine")
+
+    def abort_in_flight(self) -> int:
+        """Ends every request with a last FINISH_REASON_ABORTED response (drain, reload);
+        returns how many requests were ended."""
+        ended = 0
+        for request in list(self.requests.values()):
+            ended += 1
+            for seq in request.sequences:
+                if not seq.finished:
+                    msg = pb.GenerateResponse(request_id=seq.request_id, index=seq.index)
+                    self._finish(seq, pb.FINISH_REASON_ABORTED, msg)
+                    msg.text = seq.output.delta(final=True)
+                    request.queue.put_nowait(msg)
+        self._wake.set()
+        return ended
 
     def reconfigure(self, *, policy: Policy | None = None, max_running: int | None = None,
                     max_batched_tokens: int | None = None) -> None:
@@ -89,6 +147,7 @@ class Engine:
 
     def submit(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        self.telemetry.request_submitted(request)
         self.scheduler.add(request.sequences)
         self._wake.set()
 
@@ -97,7 +156,9 @@ class Engine:
         for seq in request.sequences:
             if not seq.finished:
                 self.scheduler.finish(seq, pb.FINISH_REASON_ABORTED)
-        self.requests.pop(request.request_id, None)
+                self.telemetry.seq_finished(seq, pb.FINISH_REASON_ABORTED)
+        if self.requests.pop(request.request_id, None) is not None:
+            self.telemetry.request_done(request)
         self._wake.set()
 
     async def stop(self) -> None:
@@ -114,34 +175,43 @@ class Engine:
         self.requests.clear()
 
     async def _loop(self) -> None:
+        tel, clock = self.telemetry, time.perf_counter
         while True:
             if not self.healthy:
                 await self._reconnect()
                 continue
+            t0 = clock()
             step = self.scheduler.schedule()
             if step.empty:
+                tel.idle()
                 self._wake.clear()
                 if not self.scheduler.has_work:
                     await self._wake.wait()
                 else:  # waiting sequences that cannot be admitted yet and nothing runs
                     await asyncio.sleep(0.001)
                 continue
+            msg = self._to_proto(step)
+            t1 = clock()
+            traced = tel.step_scheduled(step, msg, t1 - t0, msg.step_id)
             try:
-                result = await self.workers.step(self._to_proto(step))
+                result = await self.workers.step(msg)
             except WorkerError as exc:
+                tel.step_failed(traced, exc)
                 log.error("worker group failed: %s", exc)
-                self.healthy = False
+                self._set_healthy(False)
                 self.fail_all(grpc.StatusCode.UNAVAILABLE, f"data plane failed: {exc}")
                 self.scheduler.blocks.reset_cache()   # KV contents are gone with the worker
                 continue
+            t2 = clock()
             self.scheduler.after_step(step)
             self._process(step, result)
+            tel.step_done(result, traced, t2 - t1, clock() - t2)
 
     async def _reconnect(self) -> None:
         try:
             await self.workers.describe(timeout=self.config.reconnect_interval_s * 5)
             await self.workers.open()
-            self.healthy = True
+            self._set_healthy(True)
             log.info("worker group reconnected")
         except WorkerError:
             await asyncio.sleep(self.config.reconnect_interval_s)
@@ -174,6 +244,8 @@ class Engine:
             top_pos += k
             if seq is None or seq.status is not Status.RUNNING:
                 continue  # aborted or preempted while the step was in flight
+            if not seq.output_token_ids:
+                self.telemetry.first_token(seq)
             seq.output_token_ids.append(token)
             msg = pb.GenerateResponse(request_id=seq.request_id, index=seq.index, token_ids=[token])
             if k:
@@ -188,9 +260,10 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: int, msg: pb.GenerateResponse) -> None:
         self.scheduler.finish(seq, reason)
+        self.telemetry.seq_finished(seq, reason)
         msg.finish_reason = reason
         msg.usage.prompt_tokens = len(seq.prompt_token_ids)
         msg.usage.completion_tokens = len(seq.output_token_ids)
         msg.usage.cached_prompt_tokens = seq.num_cached_prompt_tokens
-        if seq.request.finished:
-            self.requests.pop(seq.request_id, None)
+        if seq.request.finished and self.requests.pop(seq.request_id, None) is not None:
+            self.telemetry.request_done(seq.request)

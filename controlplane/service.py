@@ -4,12 +4,18 @@ and streams each request's responses; a client that leaves aborts its request.""
 from __future__ import annotations
 
 import grpc
+import structlog
 
+from controlplane import telemetry
 from controlplane.engine import Engine, EngineFailure
+from controlplane.logs import get_logger
+from controlplane.metrics import rpc_status
 from controlplane.tokenizer import ModelTokenizer
 from controlplane.validation import ValidationError, build_request
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
+
+log = get_logger("headrace.service")
 
 
 def _coalesce(msg, queue):
@@ -30,46 +36,68 @@ def _coalesce(msg, queue):
 
 
 class InferenceService(pb_grpc.InferenceServicer):
-    def __init__(self, engine: Engine, tokenizer: ModelTokenizer, tensor_parallel_size: int = 1):
+    def __init__(self, engine: Engine, tokenizer: ModelTokenizer, tensor_parallel_size: int = 1,
+                 log_prompts: bool = False):
         self.engine = engine
         self.tokenizer = tokenizer
         self.tp = tensor_parallel_size
+        self.log_prompts = log_prompts
 
     async def _require_ready(self, context) -> None:
+        if self.engine.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
         if not self.engine.healthy:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)")
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        await self._require_ready(context)
+        trace_id = telemetry.request_trace_id(context.invocation_metadata())
+        structlog.contextvars.bind_contextvars(request_id=request.request_id, trace_id=trace_id)
         engine = self.engine
         try:
-            req = build_request(request, self.tokenizer, seq_ids=engine.seq_ids,
-                                vocab_size=engine.info.vocab_size, max_model_len=engine.max_model_len,
-                                eos_token_ids=list(engine.info.eos_token_ids))
-        except ValidationError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if req.request_id in engine.requests:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request_id {req.request_id!r} is already in use")
-        engine.submit(req)
-        try:
-            unfinished = req.n
-            while unfinished:
-                msg = _coalesce(await req.queue.get(), req.queue)
-                if isinstance(msg, EngineFailure):
-                    await context.abort(msg.code, msg.message)
-                yield msg
-                if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                    unfinished -= 1
-        finally:
-            engine.abort(req)  # no-op when finished; frees the blocks when the client left
+            await self._require_ready(context)
+            if engine.config.max_queued and len(engine.scheduler.waiting) >= engine.config.max_queued:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"queue is full ({engine.config.max_queued} waiting); retry later")
+            try:
+                req = build_request(request, self.tokenizer, seq_ids=engine.seq_ids,
+                                    vocab_size=engine.info.vocab_size,
+                                    max_model_len=engine.max_model_len,
+                                    eos_token_ids=list(engine.info.eos_token_ids))
+            except ValidationError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if req.request_id in engine.requests:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request_id {req.request_id!r} is already in use")
+            structlog.contextvars.bind_contextvars(request_id=req.request_id)
+            if self.log_prompts:
+                log.info("request received", prompt=request.prompt or None,
+                         prompt_token_ids=list(req.sequences[0].prompt_token_ids))
+            engine.submit(req)
+            try:
+                unfinished = req.n
+                while unfinished:
+                    msg = _coalesce(await req.queue.get(), req.queue)
+                    if isinstance(msg, EngineFailure):
+                        await context.abort(msg.code, msg.message)
+                    yield msg
+                    if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                        unfinished -= 1
+            finally:
+                engine.abort(req)  # no-op when finished; frees the blocks when the client left
+        except BaseException as exc:
+            code = rpc_status(context, exc)
+            engine.telemetry.metrics.rpc_error("Generate", code)
+            telemetry.mark_span_failed(code)
+            log.info("request failed", code=code.name, details=context.details() or repr(exc))
+            raise
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
         return pb.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.tokens(ids))
 
     async def GetModelInfo(self, request, context):
-        await self._require_ready(context)
+        if not self.engine.healthy:   # answers while draining: the model is still there
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)")
         info, blocks = self.engine.info, self.engine.scheduler.blocks
         return pb.ModelInfo(model_name=info.model_name, architecture=info.architecture,
                             max_model_len=self.engine.max_model_len, vocab_size=info.vocab_size,

@@ -28,12 +28,28 @@ class WorkerError(RuntimeError):
     """A worker stream broke or a worker answered with an error."""
 
 
+def _tracing_interceptors() -> list:
+    """OpenTelemetry client interceptors for Describe/Reload (the Execute stream carries its
+    trace context per step instead); none when tracing is off."""
+    from controlplane import telemetry
+
+    provider = telemetry.tracer_provider()
+    if provider is None:
+        return []
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters
+
+    return aio_client_interceptors(tracer_provider=provider,
+                                   filter_=filters.negate(filters.method_name("Execute")))
+
+
 class WorkerGroup:
     def __init__(self, addresses: list[str]):
         if not addresses:
             raise ValueError("at least one data plane address is needed")
         self.addresses = addresses
-        self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
+        interceptors = _tracing_interceptors() or None
+        self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS, interceptors=interceptors)
+                          for a in addresses]
         self._stubs = [pb_grpc.WorkerStub(c) for c in self._channels]
         self._calls: list = []
         self.infos: list[pb.WorkerInfo] = []
@@ -63,6 +79,24 @@ class WorkerGroup:
                 raise WorkerError("workers of one group serve different models or block sizes")
         self.infos = infos
         return infos
+
+    async def reload(self, model: str, timeout: float = 1800.0) -> list[pb.WorkerInfo]:
+        """Asks every worker to load ``model`` (in parallel); a worker that fails puts its
+        previous model back. Raises WorkerError when any failed."""
+        async def one(addr, stub):
+            try:
+                return await stub.Reload(pb.ReloadRequest(model=model), timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                raise WorkerError(f"Reload on {addr}: {exc.code().name}: {exc.details()}") from exc
+
+        infos = await asyncio.gather(*(one(a, s) for a, s in zip(self.addresses, self._stubs)))
+        first = infos[0]
+        for info in infos[1:]:
+            if (info.model_name, info.block_size, info.vocab_size) != (
+                    first.model_name, first.block_size, first.vocab_size):
+                raise WorkerError("workers of one group loaded different models")
+        self.infos = list(infos)
+        return self.infos
 
     @property
     def num_kv_blocks(self) -> int:

@@ -1,5 +1,6 @@
-"""The data plane's gRPC server: the ``Worker`` service (Describe + the Execute step stream)
-and ``grpc.health.v1``.
+"""The data plane's gRPC server: the ``Worker`` service (Describe, the Execute step stream,
+Reload) and ``grpc.health.v1`` (NOT_SERVING until the model is loaded and warmed up, and
+while it reloads), plus its Prometheus exporter and step spans.
 
 Only one control plane drives a worker at a time: a new Execute stream resets the mirror
 and supersedes the previous stream, which then ends with ``ABORTED``.
@@ -7,14 +8,19 @@ and supersedes the previous stream, which then ends with ``ABORTED``.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
 import threading
+import time
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from controlplane import telemetry
 from dataplane.runner import StepError
+from dataplane.telemetry import DataPlaneMetrics, StepTracer
 from dataplane.worker import Worker
 from headrace.dataplane.v1 import worker_pb2 as pb
 from headrace.dataplane.v1 import worker_pb2_grpc as pb_grpc
@@ -30,45 +36,154 @@ GRPC_OPTIONS = [
 ]
 
 
+WORKER = pb.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
 class WorkerService(pb_grpc.WorkerServicer):
-    def __init__(self, worker: Worker):
+    def __init__(self, worker: Worker | None, health_servicer: health.HealthServicer | None = None):
         self.worker = worker
+        self.health = health_servicer
+        self.serving = False
         self._lock = threading.Lock()   # one step at a time on the device
         self._generation = 0
+        self.metrics = DataPlaneMetrics(self)
+        self.tracer = StepTracer()
+        self.metrics_port: int | None = None
+        if worker is not None:
+            self.set_serving(True)
+
+    def set_serving(self, serving: bool) -> None:
+        self.serving = serving
+        if self.health is not None:
+            status = (health_pb2.HealthCheckResponse.SERVING if serving
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            for name in ("", WORKER):
+                self.health.set(name, status)
+
+    def load(self, make_worker) -> Worker:
+        """Loads and warms up the model (health NOT_SERVING until it is ready)."""
+        worker = make_worker()
+        with self._lock:
+            self.worker = worker
+            self.set_serving(True)
+        return worker
+
+    def _require_worker(self, context) -> Worker:
+        worker = self.worker
+        if worker is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading")
+        return worker
 
     def Describe(self, request, context):
-        return self.worker.describe()
+        return self._require_worker(context).describe()
 
     def Execute(self, request_iterator, context):
         with self._lock:
             self._generation += 1
             generation = self._generation
-            self.worker.runner.reset()
+            self._require_worker(context).runner.reset()
+        metrics, tracer, clock = self.metrics, self.tracer, time.perf_counter
         for step in request_iterator:
+            span = tracer.start(step)
             with self._lock:
                 if generation != self._generation:
+                    tracer.end(span, error=RuntimeError("superseded"))
+                    metrics.errors.labels("ABORTED").inc()
                     context.abort(grpc.StatusCode.ABORTED, "superseded by a newer control plane stream")
                 try:
+                    t0 = clock()
                     result = self.worker.runner.execute(step)
+                    metrics.step_done(step, result, clock() - t0)
                 except StepError as exc:
+                    tracer.end(span, error=exc)
+                    metrics.errors.labels("INVALID_ARGUMENT").inc()
                     self.worker.runner.reset()
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {step.step_id}: {exc}")
                 except Exception as exc:  # device errors: report, do not kill the process
                     log.exception("step %d failed", step.step_id)
+                    tracer.end(span, error=exc)
+                    metrics.errors.labels("INTERNAL").inc()
                     self.worker.runner.reset()
                     context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {exc!r}")
+            tracer.end(span, result)
             yield result
 
+    def Reload(self, request, context):
+        """Frees the old model, loads the new one; puts the old one back if that fails."""
+        with self._lock:   # after the step in progress
+            self._generation += 1   # the open Execute stream is superseded
+            old = self._require_worker(context)
+            opts, rank, world = old.opts, old.rank, old.world_size
+            new_opts = dataclasses.replace(opts, model=request.model or opts.model)
+            self.set_serving(False)
+            self.worker = old = None
+            _free_device_memory()
+            start = time.perf_counter()
+            try:
+                self.worker = Worker(new_opts, rank, world)
+            except Exception as exc:  # noqa: BLE001 - bad checkpoint, out of memory, ...
+                log.exception("reloading %s failed; loading %s back", new_opts.model, opts.model)
+                self.metrics.reloads.labels("failed").inc()
+                _free_device_memory()
+                try:
+                    self.worker = Worker(opts, rank, world)
+                    self.set_serving(True)
+                except Exception:  # noqa: BLE001
+                    log.exception("loading %s back failed too", opts.model)
+                    context.abort(grpc.StatusCode.INTERNAL, f"cannot load {new_opts.model!r} ({exc!r}) "
+                                                            f"nor {opts.model!r} back")
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"cannot load {new_opts.model!r}: {exc!r}; {opts.model!r} is loaded again")
+            self.set_serving(True)
+            self.metrics.reloads.labels("ok").inc()
+            log.info("model %s loaded in %.1fs: %d KV blocks", self.worker.cfg.name,
+                     time.perf_counter() - start, self.worker.runner.num_blocks)
+            return self.worker.describe()
 
-def serve(worker: Worker, address: str) -> grpc.Server:
-    """Starts serving on ``address`` (``host:port`` or ``unix:/path``) and returns the server."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_OPTIONS)
-    pb_grpc.add_WorkerServicer_to_server(WorkerService(worker), server)
+
+def _free_device_memory() -> None:
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def serve(worker: Worker | None, address: str, *, metrics_port: int | None = None,
+          metrics_host: str = "0.0.0.0") -> grpc.Server:
+    """Starts serving on ``address`` (``host:port`` or ``unix:/path``) and returns the server;
+    ``server.worker_service`` is the ``WorkerService``. With no ``worker`` yet, health is
+    NOT_SERVING and Describe/Execute answer UNAVAILABLE until ``worker_service.load(...)``.
+    ``metrics_port``: None serves no /metrics, 0 an ephemeral port."""
+    interceptors = []
+    provider = telemetry.tracer_provider()
+    if provider is not None:
+        from opentelemetry.instrumentation.grpc import filters, server_interceptor
+
+        quiet = filters.any_of(filters.method_name("Execute"), filters.health_check())
+        interceptors.append(server_interceptor(tracer_provider=provider, filter_=filters.negate(quiet)))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_OPTIONS,
+                         interceptors=interceptors)
     health_servicer = health.HealthServicer()
+    service = WorkerService(None, health_servicer)
+    service.set_serving(False)
+    if worker is not None:
+        service.worker = worker
+    pb_grpc.add_WorkerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if server.add_insecure_port(address) == 0 and not address.startswith("unix:"):
         raise RuntimeError(f"cannot bind {address}")
+    if metrics_port is not None:
+        try:
+            service.metrics_port = service.metrics.serve(metrics_port, metrics_host)
+            log.info("data plane metrics on http://%s:%d/metrics", metrics_host, service.metrics_port)
+        except OSError as exc:   # serve anyway: a taken metrics port must not stop the worker
+            log.error("cannot serve metrics on port %s: %s", metrics_port, exc)
     server.start()
-    for name in ("", pb.DESCRIPTOR.services_by_name["Worker"].full_name):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if worker is not None:
+        service.set_serving(True)
+    server.worker_service = service
     return server

@@ -11,7 +11,8 @@ import pathlib
 import sys
 
 PROTO_ROOT = pathlib.Path(__file__).resolve().parent
-PROTO_FILES = ["headrace/v1/inference.proto", "headrace/dataplane/v1/worker.proto"]
+PROTO_FILES = ["headrace/v1/inference.proto", "headrace/v1/admin.proto",
+               "headrace/dataplane/v1/worker.proto"]
 
 
 def generate(out_dir: pathlib.Path) -> None:

@@ -24,25 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"headrace/dataplane/v1/worker.proto\x12\x15headrace.dataplane.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xcb\x02\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0c\n\x04rank\x18\x07 \x01(\r\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x15\n\rnum_kv_blocks\x18\n \x01(\r\x12\x1a\n\x12kv_bytes_per_block\x18\x0b \x01(\x04\x12\x15\n\reos_token_ids\x18\x0c \x03(\r\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x1a\n\x12max_batched_tokens\x18\x0e \x01(\r\x12\x17\n\x0fstartup_seconds\x18\x0f \x01(\x02\"\xff\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x10\n\x08has_seed\x18\x08 \x01(\x08\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x10\n\x08logprobs\x18\n \x01(\r\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x1a\n\x12suppress_token_ids\x18\x0c \x03(\r\"\xd2\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x01(\r\x12\x31\n\x08sampling\x18\x07 \x01(\x0b\x32\x1f.headrace.dataplane.v1.Sampling\"\x99\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x08new_seqs\x18\x02 \x03(\x0b\x32\".headrace.dataplane.v1.NewSequence\x12\x17\n\x0frunning_seq_ids\x18\x03 \x03(\x04\x12\x1d\n\x15running_num_scheduled\x18\x04 \x03(\r\x12 \n\x18running_new_block_counts\x18\x05 \x03(\r\x12\x1d\n\x15running_new_block_ids\x18\x06 \x03(\r\x12\x18\n\x10\x66inished_seq_ids\x18\x07 \x03(\x04\x12\x17\n\x0f\x63opy_src_blocks\x18\x08 \x03(\r\x12\x17\n\x0f\x63opy_dst_blocks\x18\t \x03(\r\"\x94\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rtop_token_ids\x18\x05 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\x12\x12\n\nexecute_ms\x18\x07 \x01(\x02\x32\xb5\x01\n\x06Worker\x12U\n\x08\x44\x65scribe\x12&.headrace.dataplane.v1.DescribeRequest\x1a!.headrace.dataplane.v1.WorkerInfo\x12T\n\x07\x45xecute\x12\".headrace.dataplane.v1.StepRequest\x1a!.headrace.dataplane.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"headrace/dataplane/v1/worker.proto\x12\x15headrace.dataplane.v1\"\x1e\n\rReloadRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x11\n\x0f\x44\x65scribeRequest\"\xcb\x02\n\nWorkerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0c\n\x04rank\x18\x07 \x01(\r\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x15\n\rnum_kv_blocks\x18\n \x01(\r\x12\x1a\n\x12kv_bytes_per_block\x18\x0b \x01(\x04\x12\x15\n\reos_token_ids\x18\x0c \x03(\r\x12\x14\n\x0cmax_num_seqs\x18\r \x01(\r\x12\x1a\n\x12max_batched_tokens\x18\x0e \x01(\r\x12\x17\n\x0fstartup_seconds\x18\x0f \x01(\x02\"\xff\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x10\n\x08has_seed\x18\x08 \x01(\x08\x12\x0c\n\x04seed\x18\t \x01(\x04\x12\x10\n\x08logprobs\x18\n \x01(\r\x12\x12\n\nmin_tokens\x18\x0b \x01(\r\x12\x1a\n\x12suppress_token_ids\x18\x0c \x03(\r\"\xd2\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x01(\r\x12\x31\n\x08sampling\x18\x07 \x01(\x0b\x32\x1f.headrace.dataplane.v1.Sampling\"\xb0\x03\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x08new_seqs\x18\x02 \x03(\x0b\x32\".headrace.dataplane.v1.NewSequence\x12\x17\n\x0frunning_seq_ids\x18\x03 \x03(\x04\x12\x1d\n\x15running_num_scheduled\x18\x04 \x03(\r\x12 \n\x18running_new_block_counts\x18\x05 \x03(\r\x12\x1d\n\x15running_new_block_ids\x18\x06 \x03(\r\x12\x18\n\x10\x66inished_seq_ids\x18\x07 \x03(\x04\x12\x17\n\x0f\x63opy_src_blocks\x18\x08 \x03(\r\x12\x17\n\x0f\x63opy_dst_blocks\x18\t \x03(\r\x12K\n\rtrace_context\x18\x14 \x03(\x0b\x32\x34.headrace.dataplane.v1.StepRequest.TraceContextEntry\x12\x13\n\x0btrace_links\x18\x15 \x03(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x94\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rtop_token_ids\x18\x05 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x06 \x03(\x02\x12\x12\n\nexecute_ms\x18\x07 \x01(\x02\x32\x88\x02\n\x06Worker\x12U\n\x08\x44\x65scribe\x12&.headrace.dataplane.v1.DescribeRequest\x1a!.headrace.dataplane.v1.WorkerInfo\x12T\n\x07\x45xecute\x12\".headrace.dataplane.v1.StepRequest\x1a!.headrace.dataplane.v1.StepResult(\x01\x30\x01\x12Q\n\x06Reload\x12$.headrace.dataplane.v1.ReloadRequest\x1a!.headrace.dataplane.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'headrace.dataplane.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DESCRIBEREQUEST']._serialized_start=61
-  _globals['_DESCRIBEREQUEST']._serialized_end=78
-  _globals['_WORKERINFO']._serialized_start=81
-  _globals['_WORKERINFO']._serialized_end=412
-  _globals['_SAMPLING']._serialized_start=415
-  _globals['_SAMPLING']._serialized_end=670
-  _globals['_NEWSEQUENCE']._serialized_start=673
-  _globals['_NEWSEQUENCE']._serialized_end=883
-  _globals['_STEPREQUEST']._serialized_start=886
-  _globals['_STEPREQUEST']._serialized_end=1167
-  _globals['_STEPRESULT']._serialized_start=1170
-  _globals['_STEPRESULT']._serialized_end=1318
-  _globals['_WORKER']._serialized_start=1321
-  _globals['_WORKER']._serialized_end=1502
+  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
+  _globals['_RELOADREQUEST']._serialized_start=61
+  _globals['_RELOADREQUEST']._serialized_end=91
+  _globals['_DESCRIBEREQUEST']._serialized_start=93
+  _globals['_DESCRIBEREQUEST']._serialized_end=110
+  _globals['_WORKERINFO']._serialized_start=113
+  _globals['_WORKERINFO']._serialized_end=444
+  _globals['_SAMPLING']._serialized_start=447
+  _globals['_SAMPLING']._serialized_end=702
+  _globals['_NEWSEQUENCE']._serialized_start=705
+  _globals['_NEWSEQUENCE']._serialized_end=915
+  _globals['_STEPREQUEST']._serialized_start=918
+  _globals['_STEPREQUEST']._serialized_end=1350
+  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_start=1299
+  _globals['_STEPREQUEST_TRACECONTEXTENTRY']._serialized_end=1350
+  _globals['_STEPRESULT']._serialized_start=1353
+  _globals['_STEPRESULT']._serialized_end=1501
+  _globals['_WORKER']._serialized_start=1504
+  _globals['_WORKER']._serialized_end=1768
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReloadRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -91,7 +97,14 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "running_seq_ids", "running_num_scheduled", "running_new_block_counts", "running_new_block_ids", "finished_seq_ids", "copy_src_blocks", "copy_dst_blocks")
+    __slots__ = ("step_id", "new_seqs", "running_seq_ids", "running_num_scheduled", "running_new_block_counts", "running_new_block_ids", "finished_seq_ids", "copy_src_blocks", "copy_dst_blocks", "trace_context", "trace_links")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +114,8 @@ class StepRequest(_message.Message):
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     COPY_SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COPY_DST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_LINKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     running_seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -110,7 +125,9 @@ class StepRequest(_message.Message):
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     copy_src_blocks: _containers.RepeatedScalarFieldContainer[int]
     copy_dst_blocks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_seq_ids: _Optional[_Iterable[int]] = ..., running_num_scheduled: _Optional[_Iterable[int]] = ..., running_new_block_counts: _Optional[_Iterable[int]] = ..., running_new_block_ids: _Optional[_Iterable[int]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    trace_links: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_seq_ids: _Optional[_Iterable[int]] = ..., running_num_scheduled: _Optional[_Iterable[int]] = ..., running_new_block_counts: _Optional[_Iterable[int]] = ..., running_new_block_ids: _Optional[_Iterable[int]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "execute_ms")

@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=headrace_dot_dataplane_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=headrace_dot_dataplane_dot_v1_dot_worker__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.Reload = channel.unary_unary(
+                '/headrace.dataplane.v1.Worker/Reload',
+                request_serializer=headrace_dot_dataplane_dot_v1_dot_worker__pb2.ReloadRequest.SerializeToString,
+                response_deserializer=headrace_dot_dataplane_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -62,6 +67,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reload(self, request, context):
+        """Replaces the loaded model (the same checkpoint again, or another one): frees
+        the old weights and KV cache, loads and warms up the new model. Supersedes
+        the open Execute stream; health is NOT_SERVING meanwhile. On failure the
+        previous model is loaded back and the call fails.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +89,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=headrace_dot_dataplane_dot_v1_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=headrace_dot_dataplane_dot_v1_dot_worker__pb2.StepResult.SerializeToString,
+            ),
+            'Reload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reload,
+                    request_deserializer=headrace_dot_dataplane_dot_v1_dot_worker__pb2.ReloadRequest.FromString,
+                    response_serializer=headrace_dot_dataplane_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +150,33 @@ class Worker:
             '/headrace.dataplane.v1.Worker/Execute',
             headrace_dot_dataplane_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
             headrace_dot_dataplane_dot_v1_dot_worker__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/headrace.dataplane.v1.Worker/Reload',
+            headrace_dot_dataplane_dot_v1_dot_worker__pb2.ReloadRequest.SerializeToString,
+            headrace_dot_dataplane_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,

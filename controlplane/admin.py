@@ -1,0 +1,254 @@
+"""The ``headrace.v1.Admin`` service: live configuration, drain/resume and model reload.
+
+Access: with an admin token (``--admin-token`` or ``HEADRACE_ADMIN_TOKEN``) every call must
+carry ``authorization: Bearer <token>`` (UNAUTHENTICATED otherwise), from anywhere; without
+one, only callers on the loopback interface or a unix socket are served (PERMISSION_DENIED
+otherwise), so an unconfigured server never exposes its controls to the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+
+import grpc
+
+from controlplane.logs import get_logger
+from controlplane.policy import POLICIES, Policy
+from controlplane.tokenizer import ModelTokenizer
+from controlplane.worker_client import WorkerError
+from headrace.v1 import admin_pb2 as apb
+from headrace.v1 import admin_pb2_grpc as apb_grpc
+
+log = get_logger("headrace.admin")
+
+_LOCAL_PEERS = ("ipv4:127.", "ipv6:[::1]", "ipv6:%5B::1%5D", "unix:", "ipv6:[::ffff:127.")
+
+
+def is_local_peer(peer: str) -> bool:
+    return bool(peer) and peer.startswith(_LOCAL_PEERS)
+
+
+class AdminService(apb_grpc.AdminServicer):
+    def __init__(self, plane, token: str | None = None):
+        self.plane = plane          # controlplane.server.ControlPlane
+        self.token = token or None
+        self._reload_lock = asyncio.Lock()
+
+    # -- access ------------------------------------------------------------------------------
+    async def _authorize(self, context) -> None:
+        if self.token is None:
+            if not is_local_peer(context.peer()):
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    "the Admin service is served to local callers only unless the "
+                                    "server has an admin token (--admin-token)")
+            return
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                scheme, _, given = value.partition(" ")
+                if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
+                                                                      self.token.encode()):
+                    return
+                break
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "Admin calls need 'authorization: Bearer <admin token>' metadata")
+
+    # -- configuration -----------------------------------------------------------------------
+    def config(self) -> apb.Config:
+        plane, engine = self.plane, self.plane.engine
+        cfg, sched = engine.config, engine.scheduler
+        msg = apb.Config(model=plane.model_dir, max_queued=cfg.max_queued,
+                         prefix_cache=cfg.enable_prefix_cache, watermark=cfg.watermark,
+                         workers=plane.workers.addresses, draining=engine.draining,
+                         ready=engine.ready, in_flight_requests=len(engine.requests))
+        policy = sched.policy if sched is not None else cfg.policy
+        msg.policy.name = policy.name
+        if policy.aging_rate is not None:
+            msg.policy.aging_rate = policy.aging_rate
+        if policy.max_queue_delay is not None:
+            msg.policy.max_queue_delay_s = policy.max_queue_delay
+        if engine.info is not None:
+            msg.model_name = engine.info.model_name
+            msg.max_model_len = engine.max_model_len
+        if sched is not None:
+            msg.max_running, msg.max_batched_tokens = sched.max_running, sched.max_batched_tokens
+            msg.kv_block_size, msg.num_kv_blocks = sched.blocks.block_size, sched.blocks.num_blocks
+            msg.running, msg.waiting = len(sched.running), len(sched.waiting)
+        else:
+            msg.max_running, msg.max_batched_tokens = cfg.max_running, cfg.max_batched_tokens
+        msg.worker_max_running, msg.worker_max_batched_tokens = self._worker_limits()
+        return msg
+
+    def _worker_limits(self) -> tuple[int, int]:
+        infos = self.plane.workers.infos
+        seqs = [i.max_num_seqs for i in infos if i.max_num_seqs]
+        tokens = [i.max_batched_tokens for i in infos if i.max_batched_tokens]
+        return (min(seqs) if seqs else 0), (min(tokens) if tokens else 0)
+
+    async def GetConfig(self, request, context):
+        await self._authorize(context)
+        return self.config()
+
+    async def UpdateConfig(self, request: apb.UpdateConfigRequest, context):
+        await self._authorize(context)
+        engine = self.plane.engine
+        if engine.scheduler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet")
+        max_seqs, max_tokens = self._worker_limits()
+        current = engine.scheduler.policy
+        policy = None
+        if request.HasField("policy") or request.HasField("aging_rate") or \
+                request.HasField("max_queue_delay_s"):
+            name = request.policy if request.HasField("policy") else current.name
+            if name not in POLICIES:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"policy must be one of {', '.join(POLICIES)}, got {name!r}")
+            aging = current.aging_rate
+            if request.HasField("aging_rate"):
+                aging = None if request.aging_rate < 0 else request.aging_rate
+            elif request.HasField("policy") and name != current.name:
+                aging = None   # another policy's rate would mean other units
+            delay = current.max_queue_delay
+            if request.HasField("max_queue_delay_s"):
+                delay = None if request.max_queue_delay_s == 0 else request.max_queue_delay_s
+            try:
+                policy = Policy(name, aging, delay)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        running = request.max_running if request.HasField("max_running") else None
+        tokens = request.max_batched_tokens if request.HasField("max_batched_tokens") else None
+        if running is not None and not 1 <= running <= (max_seqs or running):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"max_running must be in [1, {max_seqs}] (what the workers hold), got {running}")
+        if tokens is not None and not 1 <= tokens <= (max_tokens or tokens):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"max_batched_tokens must be in [1, {max_tokens}] (the workers' "
+                                f"warm-up size), got {tokens}")
+        engine.reconfigure(policy=policy, max_running=running, max_batched_tokens=tokens)
+        if request.HasField("max_queued"):
+            engine.config.max_queued = request.max_queued
+        config = self.config()
+        log.info("configuration changed", policy=config.policy.name,
+                 aging_rate=config.policy.aging_rate if config.policy.HasField("aging_rate") else None,
+                 max_queue_delay_s=config.policy.max_queue_delay_s
+                 if config.policy.HasField("max_queue_delay_s") else None,
+                 max_running=config.max_running, max_batched_tokens=config.max_batched_tokens,
+                 max_queued=config.max_queued, peer=context.peer())
+        return config
+
+    # -- drain, resume, reload ---------------------------------------------------------------
+    async def Drain(self, request: apb.DrainRequest, context):
+        await self._authorize(context)
+        if request.timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be >= 0")
+        drained, in_flight, aborted = await self.plane.drain(request.timeout_s, request.abort_remaining)
+        return apb.DrainResponse(drained=drained, in_flight=in_flight, aborted=aborted)
+
+    async def Resume(self, request, context):
+        await self._authorize(context)
+        if self._reload_lock.locked():
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a model reload is in progress")
+        await self.plane.resume()
+        return self.config()
+
+    async def ReloadModel(self, request: apb.ReloadModelRequest, context):
+        await self._authorize(context)
+        if request.drain_timeout_s < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "drain_timeout_s must be >= 0")
+        if self._reload_lock.locked():
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a model reload is already in progress")
+        if self.plane.engine.scheduler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet")
+        async with self._reload_lock:
+            model = request.model or self.plane.model_dir
+            try:
+                tokenizer = await asyncio.to_thread(ModelTokenizer, model)
+            except Exception as exc:  # noqa: BLE001 - a bad directory, on this plane
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"cannot load the tokenizer of {model!r}: {exc}")
+            try:
+                aborted, seconds = await self.plane.reload(model, tokenizer, request.drain_timeout_s)
+            except WorkerError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"reload failed: {exc}")
+            engine = self.plane.engine
+            return apb.ReloadModelResponse(
+                model=self.plane.model_dir, model_name=engine.info.model_name,
+                num_kv_blocks=engine.scheduler.blocks.num_blocks,
+                max_model_len=engine.max_model_len, aborted=aborted, seconds=seconds)
+
+
+async def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(interval)
+    return True
+
+
+# -- the `headrace admin` command ---------------------------------------------------------------
+def add_admin_parser(sub) -> None:
+    p = sub.add_parser("admin", help="read or change a running server's configuration, drain, "
+                                     "resume, reload the model (the Admin service)")
+    p.add_argument("--address", default="localhost:50051")
+    p.add_argument("--token", default=None, help="admin token (default $HEADRACE_ADMIN_TOKEN)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the call")
+    ops = p.add_subparsers(dest="admin_command", required=True)
+    ops.add_parser("config", help="print the live configuration")
+    s = ops.add_parser("set", help="change scheduling settings (from the next step)")
+    s.add_argument("--policy", choices=POLICIES)
+    s.add_argument("--aging-rate", type=float, help="rank units per second waited (< 0: default)")
+    s.add_argument("--max-queue-delay", type=float, help="seconds (0: no guarantee)")
+    s.add_argument("--max-running", type=int)
+    s.add_argument("--max-batched-tokens", type=int)
+    s.add_argument("--max-queued", type=int, help="waiting sequences at most (0: unbounded)")
+    d = ops.add_parser("drain", help="stop admitting requests; wait for in-flight ones")
+    d.add_argument("--wait", type=float, default=0.0, help="seconds to wait for in-flight requests")
+    d.add_argument("--abort", action="store_true", help="then abort what is left")
+    ops.add_parser("resume", help="admit requests again")
+    r = ops.add_parser("reload", help="reload the model (or load another) on every worker")
+    r.add_argument("--model", default="", help="checkpoint directory seen by both planes "
+                                               "(default: the current one)")
+    r.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take before they are aborted")
+    p.set_defaults(func=run_admin_command)
+
+
+def run_admin_command(args) -> int:
+    import os
+    import sys
+
+    from google.protobuf import json_format
+
+    token = args.token or os.environ.get("HEADRACE_ADMIN_TOKEN")
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    with grpc.insecure_channel(args.address) as channel:
+        stub = apb_grpc.AdminStub(channel)
+        call = dict(metadata=metadata, timeout=args.timeout)
+        op = args.admin_command
+        try:
+            if op == "config":
+                out = stub.GetConfig(apb.GetConfigRequest(), **call)
+            elif op == "set":
+                req = apb.UpdateConfigRequest()
+                for field, value in (("policy", args.policy), ("aging_rate", args.aging_rate),
+                                     ("max_queue_delay_s", args.max_queue_delay),
+                                     ("max_running", args.max_running),
+                                     ("max_batched_tokens", args.max_batched_tokens),
+                                     ("max_queued", args.max_queued)):
+                    if value is not None:
+                        setattr(req, field, value)
+                out = stub.UpdateConfig(req, **call)
+            elif op == "drain":
+                out = stub.Drain(apb.DrainRequest(timeout_s=args.wait, abort_remaining=args.abort), **call)
+            elif op == "resume":
+                out = stub.Resume(apb.ResumeRequest(), **call)
+            else:
+                out = stub.ReloadModel(apb.ReloadModelRequest(model=args.model,
+                                                              drain_timeout_s=args.drain_timeout), **call)
+        except grpc.RpcError as exc:
+            print(f"headrace admin {op}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(json_format.MessageToJson(out, always_print_fields_with_no_presence=True))
+    return 0

@@ -1,0 +1,236 @@
+"""Prometheus metrics of the control plane (prometheus-client), in the style of vLLM's with
+the ``headrace:`` prefix. ``docs/operations.md`` lists them all.
+
+Each plane has its own registry and its own exporter port (no multiprocess mode needed).
+What the scheduler and block manager already count (running / waiting sequences, free
+blocks, preemptions, prefix-cache lookups) is read when Prometheus scrapes, so the engine
+step pays nothing for it; per-request histograms are observed once per request and the
+inter-token latency once per step, weighted by the step's decode tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import grpc
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from headrace.v1 import inference_pb2 as pb
+
+PREFIX = "headrace:"
+prometheus_client.disable_created_metrics()   # no *_created series next to counters
+
+# Buckets (seconds / tokens). Latency buckets reach down to a fast GPU's sub-ms steps.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04,
+               0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                   30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05,
+                0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))   # 1 .. 5M
+
+FINISH_REASONS = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_STOP_STRING: "stop_string",
+    pb.FINISH_REASON_ABORTED: "aborted",
+}
+STEP_PHASES = ("schedule", "transport", "execute", "process")
+
+
+class Histogram(prometheus_client.Histogram):
+    """prometheus-client's histogram plus ``observe_n``: one value seen ``n`` times, in
+    one bucket increment (the per-step inter-token latency of every decode token)."""
+
+    def observe_n(self, amount: float, n: int) -> None:
+        if n <= 0:
+            return
+        self._raise_if_not_observable()
+        self._sum.inc(amount * n)
+        self._buckets[bisect.bisect_left(self._upper_bounds, amount)].inc(n)
+
+
+class _EngineState:
+    """Collector reading the live engine when scraped: gauges, and the counters the
+    scheduler and block manager keep (carried over when a model reload rebuilds them)."""
+
+    def __init__(self, metrics: "ControlPlaneMetrics"):
+        self.metrics = metrics
+
+    def collect(self):
+        engine = self.metrics.engine
+        sched = getattr(engine, "scheduler", None) if engine is not None else None
+        p = PREFIX
+        running = GaugeMetricFamily(p + "num_requests_running", "Sequences in the running batch.")
+        waiting = GaugeMetricFamily(p + "num_requests_waiting",
+                                    "Sequences waiting to be admitted (new or preempted).")
+        usage = GaugeMetricFamily(p + "kv_cache_usage_perc",
+                                  "Fraction of KV-cache blocks in use (1 = full).")
+        free = GaugeMetricFamily(p + "num_free_kv_blocks",
+                                 "KV-cache blocks an allocation can take (free or cached).")
+        total = GaugeMetricFamily(p + "num_kv_blocks", "KV-cache blocks in the pool.")
+        in_flight = GaugeMetricFamily(p + "num_requests_in_flight",
+                                      "Client requests between submission and their last response.")
+        ready = GaugeMetricFamily(p + "ready", "1 when the model is loaded and requests are admitted.")
+        preempt = CounterMetricFamily(p + "num_preemptions",
+                                      "Sequences preempted (their KV recomputed later).")
+        queries = CounterMetricFamily(p + "prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.")
+        hits = CounterMetricFamily(p + "prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.")
+        base = self.metrics.carried
+        if sched is not None:
+            blocks = sched.blocks
+            running.add_metric([], len(sched.running))
+            waiting.add_metric([], len(sched.waiting))
+            usage.add_metric([], blocks.usage)
+            free.add_metric([], blocks.num_free)
+            total.add_metric([], blocks.num_blocks)
+            preempt.add_metric([], base[0] + sched.num_preemptions)
+            queries.add_metric([], base[1] + blocks.prefix_queries)
+            hits.add_metric([], base[2] + blocks.prefix_hits)
+        else:
+            for g in (running, waiting, usage, free, total):
+                g.add_metric([], 0)
+            for c, b in zip((preempt, queries, hits), base):
+                c.add_metric([], b)
+        in_flight.add_metric([], len(engine.requests) if engine is not None else 0)
+        ready.add_metric([], 1.0 if engine is not None and engine.ready else 0.0)
+        yield from (running, waiting, usage, free, total, in_flight, ready, preempt, queries, hits)
+
+
+class ControlPlaneMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.engine = None        # set by the engine; read at scrape time
+        self.carried = [0, 0, 0]  # preemptions, prefix queries, prefix hits of retired schedulers
+        p, r = PREFIX, self.registry
+        self.ttft = Histogram(p + "time_to_first_token_seconds",
+                              "Time from arrival to the request's first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds",
+                             "Time between two tokens of a sequence (engine steps, one "
+                             "observation per decode token).", buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds",
+                             "Time from arrival to the last token (finished requests, aborted "
+                             "ones excluded).", buckets=REQUEST_BUCKETS, registry=r)
+        self.queue = Histogram(p + "request_queue_time_seconds",
+                               "Time from arrival to first admission into the running batch.",
+                               buckets=REQUEST_BUCKETS, registry=r)
+        self.prefill = Histogram(p + "request_prefill_time_seconds",
+                                 "Time from first admission to the first token (all prefill chunks).",
+                                 buckets=REQUEST_BUCKETS, registry=r)
+        self.decode = Histogram(p + "request_decode_time_seconds",
+                                "Time from the first token to the last.",
+                                buckets=REQUEST_BUCKETS, registry=r)
+        self.prompt_len = Histogram(p + "request_prompt_tokens", "Prompt length of finished requests.",
+                                    buckets=TOKEN_BUCKETS, registry=r)
+        self.gen_len = Histogram(p + "request_generation_tokens",
+                                 "Tokens generated by finished requests (all n samples).",
+                                 buckets=TOKEN_BUCKETS, registry=r)
+        step = Histogram(p + "step_time_seconds",
+                         "Engine step time by phase: schedule (scheduling and building the step "
+                         "message), transport (round trip to the data plane minus execute), "
+                         "execute (forward pass and sampling on the device, as the data plane "
+                         "measured it), process (folding tokens back and streaming them).",
+                         ["phase"], buckets=STEP_BUCKETS, registry=r)
+        self.step_schedule, self.step_transport, self.step_execute, self.step_process = (
+            step.labels(phase) for phase in STEP_PHASES)
+        self.step_tokens = Histogram(p + "step_tokens", "Tokens computed per engine step.",
+                                     buckets=TOKEN_BUCKETS, registry=r)
+        finished = Counter(p + "request_success", "Finished sequences by finish reason.",
+                           ["finished_reason"], registry=r)
+        self.finished = {code: finished.labels(name) for code, name in FINISH_REASONS.items()}
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests "
+                                     "(counted at their first token).", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
+        self.errors = Counter(p + "request_errors", "RPCs that ended with an error status, by "
+                              "method and gRPC status code.", ["method", "code"], registry=r)
+        self.registry.register(_EngineState(self))
+        self._http = None
+
+    def bind(self, engine) -> None:
+        self.engine = engine
+
+    def retire(self, scheduler) -> None:
+        """Keeps a scheduler's counts before a reload replaces it (counters stay monotonic)."""
+        self.carried[0] += scheduler.num_preemptions
+        self.carried[1] += scheduler.blocks.prefix_queries
+        self.carried[2] += scheduler.blocks.prefix_hits
+
+    def rpc_error(self, method: str, code: grpc.StatusCode) -> None:
+        self.errors.labels(method, code.name).inc()
+
+    # -- exporter -------------------------------------------------------------------------
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serves /metrics on an HTTP port (0: an ephemeral one); returns the port."""
+        self._http = start_http(self.registry, port, host)
+        return self._http.server_port
+
+    def close(self) -> None:
+        stop_http(self._http)
+        self._http = None
+
+
+def start_http(registry: CollectorRegistry, port: int, host: str = "0.0.0.0"):
+    server, _thread = prometheus_client.start_http_server(port, addr=host, registry=registry)
+    return server
+
+
+def stop_http(server) -> None:
+    if server is not None:
+        server.shutdown()       # stops serve_forever (within its 0.5 s poll)
+        server.server_close()
+
+
+def rpc_status(context, exc: BaseException) -> grpc.StatusCode:
+    """The status an RPC ended with, from its servicer context and the exception that ended it."""
+    try:
+        code = context.code()
+    except Exception:  # noqa: BLE001 - not every context implements code()
+        code = None
+    if isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.OK:
+        return code
+    if isinstance(code, int) and code:
+        for status in grpc.StatusCode:
+            if status.value[0] == code:
+                return status
+    if isinstance(exc, (GeneratorExit,)) or type(exc).__name__ == "CancelledError":
+        try:
+            remaining = context.time_remaining()
+        except Exception:  # noqa: BLE001
+            remaining = None
+        if remaining is not None and remaining <= 0:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN
+
+
+class MetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts unary RPCs that end with an error status (Generate counts its own, so its
+    stream is not wrapped)."""
+
+    def __init__(self, metrics: ControlPlaneMetrics, skip: tuple[str, ...] = ()):
+        self.metrics = metrics
+        self.skip = skip
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or handler.unary_unary is None or method.startswith(self.skip):
+            return handler
+        behavior, metrics, name = handler.unary_unary, self.metrics, method.rsplit("/", 1)[-1]
+
+        async def counted(request, context):
+            try:
+                return await behavior(request, context)
+            except BaseException as exc:
+                metrics.rpc_error(name, rpc_status(context, exc))
+                raise
+
+        return handler._replace(unary_unary=counted)

@@ -1,0 +1,435 @@
+"""Tracing (OpenTelemetry) for both planes, and the engine's telemetry hooks.
+
+Tracing is on when the standard OTEL_* variables ask for an exporter
+(``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, or
+``OTEL_TRACES_EXPORTER=otlp|console``) and ``OTEL_SDK_DISABLED`` is not true; the
+service name comes from ``OTEL_SERVICE_NAME`` (default ``headrace-controlplane`` /
+``headrace-dataplane``), the sampler from ``OTEL_TRACES_SAMPLER``. When it is off, no
+tracer exists: no interceptor is installed, the engine's hooks skip every span, and steps
+carry no trace context.
+
+One trace per request: the gRPC server span of ``Generate`` (opentelemetry-instrumentation-
+grpc, which honours the caller's ``traceparent``) has children ``headrace.queue`` (waiting
+for admission, again after a preemption), one ``headrace.prefill`` per prefill chunk, and
+``headrace.decode`` per sample (events ``first_token``, ``preempted``, ``finish``). An engine
+step that serves sampled requests gets a ``headrace.step`` span: child of the first prefill
+chunk it computes (else of the first decode it advances), linked to every other request
+span it serves. Its context and the served spans' traceparents travel in the
+``StepRequest`` to the data plane, whose ``headrace.dataplane.step`` span is its child and
+links to the same request spans.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import structlog
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Link, format_span_id, format_trace_id
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from controlplane.logs import get_logger
+from controlplane.metrics import ControlPlaneMetrics
+from headrace.v1 import inference_pb2 as pb
+
+_W3C = TraceContextTextMapPropagator()
+_provider = None   # the SDK TracerProvider when tracing is on
+_owned = False     # whether we created it (and so shut it down)
+
+
+# -- set-up ----------------------------------------------------------------------------------
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def tracing_requested() -> bool:
+    if _truthy("OTEL_SDK_DISABLED"):
+        return False
+    exporter = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter:
+        return exporter != "none"
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+
+
+def setup_tracing(default_service_name: str, set_global: bool = True) -> bool:
+    """Builds the tracer provider from the OTEL_* environment (and makes it the global one);
+    returns whether tracing is on."""
+    global _owned
+    if _provider is not None:
+        return True
+    if not tracing_requested():
+        return False
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    attrs = {"service.version": _version()}
+    if not os.environ.get("OTEL_SERVICE_NAME") and "service.name=" not in os.environ.get(
+            "OTEL_RESOURCE_ATTRIBUTES", ""):
+        attrs["service.name"] = default_service_name
+    provider = TracerProvider(resource=Resource.create(attrs))
+    exporters = [e.strip() for e in os.environ.get("OTEL_TRACES_EXPORTER", "otlp").lower().split(",")]
+    for name in exporters:
+        if name == "console":
+            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+        elif name == "otlp":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+                                      os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"))
+            if protocol != "grpc":
+                get_logger("headrace.telemetry").warning(
+                    "only OTLP over gRPC is installed; ignoring the requested protocol",
+                    protocol=protocol)
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        elif name and name != "none":
+            get_logger("headrace.telemetry").warning("unknown OTEL_TRACES_EXPORTER", exporter=name)
+    enable_tracing(provider, set_global=set_global)
+    _owned = True
+    return True
+
+
+def enable_tracing(provider, set_global: bool = False) -> None:
+    """Turns tracing on with ``provider`` (tests pass one with an in-memory exporter).
+    Planes built afterwards trace; those built before do not."""
+    global _provider
+    _provider = provider
+    if set_global:
+        trace.set_tracer_provider(provider)
+
+
+def disable_tracing() -> None:
+    global _provider, _owned
+    _provider, _owned = None, False
+
+
+def shutdown_tracing() -> None:
+    """Flushes and stops the exporter we created."""
+    if _provider is not None and _owned:
+        _provider.shutdown()
+    disable_tracing()
+
+
+def tracer_provider():
+    return _provider
+
+
+def get_tracer(name: str):
+    """The tracer for ``name``, or None when tracing is off."""
+    return None if _provider is None else _provider.get_tracer(name, _version())
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("headrace")
+    except Exception:  # noqa: BLE001
+        return "0"
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def epoch_ns(monotonic_t: float) -> int:
+    """A ``time.monotonic()`` instant as nanoseconds since the epoch (span timestamps)."""
+    return time.time_ns() - int((time.monotonic() - monotonic_t) * 1e9)
+
+
+def traceparent(span_context) -> str:
+    return (f"00-{format_trace_id(span_context.trace_id)}-{format_span_id(span_context.span_id)}"
+            f"-{int(span_context.trace_flags):02x}")
+
+
+def inject(span) -> dict[str, str]:
+    carrier: dict[str, str] = {}
+    _W3C.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
+
+
+def extract(carrier) -> otel_context.Context:
+    return _W3C.extract(carrier)
+
+
+def span_context_of(traceparent_value: str):
+    ctx = _W3C.extract({"traceparent": traceparent_value})
+    return trace.get_current_span(ctx).get_span_context()
+
+
+def mark_span_failed(code) -> None:
+    """Records a gRPC error status on the current (server) span; a no-op when not tracing.
+    Cancellation and deadlines do not pass through the instrumentation's error path."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute("rpc.grpc.status_code", code.value[0])
+        span.set_status(trace.Status(trace.StatusCode.ERROR, code.name))
+
+
+def request_trace_id(metadata) -> str:
+    """The trace id of the request being handled: its span's (tracing on), else the caller's
+    ``traceparent`` (tracing off here, but on in the mesh), else a fresh random one (an
+    unsampled trace, W3C-style) so its log lines can still be correlated."""
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        return format_trace_id(ctx.trace_id)
+    for key, value in metadata or ():
+        if key == "traceparent":
+            remote = span_context_of(value)
+            if remote.is_valid:
+                return format_trace_id(remote.trace_id)
+            break
+    return f"{random.getrandbits(128):032x}"
+
+
+# -- the engine's hooks ----------------------------------------------------------------------
+FINISH_NAMES = {v: pb.FinishReason.Name(v).removeprefix("FINISH_REASON_").lower()
+                for v in pb.FinishReason.values()}
+
+
+class _Req:
+    __slots__ = ("arrival", "trace_id", "first_sched", "first_token", "span")
+
+    def __init__(self, arrival: float, trace_id: str):
+        self.arrival = arrival
+        self.trace_id = trace_id
+        self.first_sched: float | None = None
+        self.first_token: float | None = None
+        self.span = None
+
+
+class _SeqTrace:
+    __slots__ = ("req", "queue", "chunk", "decode", "preemptions")
+
+    def __init__(self, req: _Req):
+        self.req = req
+        self.queue = None        # open headrace.queue span
+        self.chunk = None        # headrace.prefill span of the step in flight
+        self.decode = None       # open headrace.decode span
+        self.preemptions = 0
+
+    def current(self):
+        return self.chunk or self.decode or self.req.span
+
+
+class EngineTelemetry:
+    """What the engine calls at a few points of a request's and a step's life. Per step it
+    costs O(1) plus O(requests admitted, started or finished in it) with tracing off."""
+
+    def __init__(self, metrics: ControlPlaneMetrics | None = None, *, log_requests: bool = True):
+        self.metrics = metrics or ControlPlaneMetrics()
+        self.tracer = get_tracer("headrace.controlplane")
+        self.log_requests = log_requests
+        self.log = get_logger("headrace.requests")
+        self._reqs: dict[str, _Req] = {}
+        self._seqs: dict[int, _SeqTrace] = {}   # sequences of sampled requests (tracing on)
+        self._firsts = 0                          # first tokens in the step being processed
+        self._last_emit: float | None = None      # when the previous step's tokens came back
+
+    # -- requests ----------------------------------------------------------------------------
+    def request_submitted(self, request) -> None:
+        """Called in the request handler's context (its span is the current one)."""
+        trace_id = structlog.contextvars.get_contextvars().get("trace_id", "")
+        st = self._reqs[request.request_id] = _Req(request.arrival, trace_id)
+        if self.tracer is None:
+            return
+        span = trace.get_current_span()
+        if not span.is_recording():
+            return
+        st.span = span
+        seq0 = request.sequences[0]
+        span.set_attributes({"headrace.request_id": request.request_id,
+                             "headrace.prompt_tokens": len(seq0.prompt_token_ids),
+                             "headrace.max_tokens": seq0.max_tokens, "headrace.n": request.n,
+                             "headrace.priority": seq0.priority})
+        for seq in request.sequences:
+            self._seqs[seq.seq_id] = _SeqTrace(st)
+        self._seqs[seq0.seq_id].queue = self.tracer.start_span(
+            "headrace.queue", context=trace.set_span_in_context(span),
+            start_time=epoch_ns(request.arrival))
+
+    def request_trace_id(self, request_id: str) -> str:
+        st = self._reqs.get(request_id)
+        return st.trace_id if st is not None else ""
+
+    def first_token(self, seq) -> None:
+        """A sequence sampled its first token (called before the token is appended)."""
+        self._firsts += 1
+        st = self._reqs.get(seq.request_id)
+        if st is None:
+            return
+        now = time.monotonic()
+        if st.first_token is None:
+            st.first_token = now
+            m = self.metrics
+            m.ttft.observe(now - st.arrival)
+            if st.first_sched is not None:
+                m.prefill.observe(now - st.first_sched)
+            m.prompt_tokens.inc(len(seq.prompt_token_ids))
+        if self._seqs:
+            t = self._seqs.get(seq.seq_id)
+            if t is not None and t.decode is None:
+                t.decode = self.tracer.start_span(
+                    "headrace.decode", context=trace.set_span_in_context(st.span),
+                    attributes={"headrace.index": seq.index})
+                t.decode.add_event("first_token", {"headrace.ttft_s": now - st.arrival})
+
+    def seq_finished(self, seq, reason: int) -> None:
+        counter = self.metrics.finished.get(reason)
+        if counter is not None:
+            counter.inc()
+        if self._seqs:
+            t = self._seqs.pop(seq.seq_id, None)
+            if t is not None:
+                attrs = {"headrace.finish_reason": FINISH_NAMES.get(reason, str(reason)),
+                         "headrace.completion_tokens": len(seq.output_token_ids)}
+                for span in (t.queue, t.chunk):
+                    if span is not None:
+                        span.end()
+                t.queue = t.chunk = None
+                if t.decode is not None:
+                    t.decode.add_event("finish", attrs)
+                    t.decode.end()
+                elif t.req.span is not None:
+                    t.req.span.add_event("finish", attrs)
+
+    def request_done(self, request) -> None:
+        """Every sequence of the request finished (or it was aborted); once per request."""
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return
+        now = time.monotonic()
+        seqs = request.sequences
+        aborted = any(s.finish_reason == pb.FINISH_REASON_ABORTED for s in seqs)
+        prompt = len(seqs[0].prompt_token_ids)
+        generated = sum(len(s.output_token_ids) for s in seqs)
+        m = self.metrics
+        if not aborted:
+            m.e2e.observe(now - st.arrival)
+            if st.first_token is not None:
+                m.decode.observe(now - st.first_token)
+            m.prompt_len.observe(prompt)
+            m.gen_len.observe(generated)
+        if st.span is not None:
+            st.span.set_attributes({"headrace.completion_tokens": generated,
+                                    "headrace.cached_prompt_tokens": seqs[0].num_cached_prompt_tokens})
+        if self.log_requests:
+            self.log.info(
+                "request finished", request_id=request.request_id, trace_id=st.trace_id,
+                finish_reason=[FINISH_NAMES.get(s.finish_reason, "") for s in seqs]
+                if len(seqs) > 1 else FINISH_NAMES.get(seqs[0].finish_reason, ""),
+                prompt_tokens=prompt, completion_tokens=generated,
+                cached_prompt_tokens=seqs[0].num_cached_prompt_tokens,
+                preemptions=sum(s.num_preemptions for s in seqs),
+                queue_s=None if st.first_sched is None else round(st.first_sched - st.arrival, 6),
+                ttft_s=None if st.first_token is None else round(st.first_token - st.arrival, 6),
+                e2e_s=round(now - st.arrival, 6))
+
+    # -- steps -------------------------------------------------------------------------------
+    def step_scheduled(self, step, msg, schedule_s: float, step_id: int):
+        """After scheduling, before the step goes out; returns the step's tracing state."""
+        self.metrics.step_schedule.observe(schedule_s)
+        now = None
+        for seq, _ in step.new:
+            st = self._reqs.get(seq.request_id)
+            if st is not None and st.first_sched is None:
+                if now is None:
+                    now = time.monotonic()
+                st.first_sched = now
+                self.metrics.queue.observe(now - st.arrival)
+        if not self._seqs:
+            return None
+        return self._trace_step(step, msg, schedule_s, step_id)
+
+    def _trace_step(self, step, msg, schedule_s: float, step_id: int):
+        tracer, seqs = self.tracer, self._seqs
+        new_ids = {s.seq_id for s, _ in step.new}
+        chunks, served, parent = [], [], None
+        for seq, n in step.scheduled():
+            t = seqs.get(seq.seq_id)
+            if t is None:
+                continue
+            req_ctx = trace.set_span_in_context(t.req.span)
+            if seq.seq_id in new_ids:
+                if t.queue is not None:
+                    t.queue.end()
+                    t.queue = None
+                if seq.num_preemptions > t.preemptions:   # resumed after a preemption
+                    t.preemptions = seq.num_preemptions
+                    at = epoch_ns(seq.waiting_since)
+                    (t.decode or t.req.span).add_event(
+                        "preempted", {"headrace.generated_tokens": len(seq.output_token_ids)},
+                        timestamp=at)
+                    tracer.start_span("headrace.queue", context=req_ctx, start_time=at,
+                                      attributes={"headrace.preempted": True}).end()
+            decoding = (t.decode is not None and n == 1
+                        and seq.num_computed == seq.num_tokens - 1)
+            if decoding:
+                span = t.decode
+            else:
+                span = t.chunk = tracer.start_span(
+                    "headrace.prefill", context=req_ctx,
+                    attributes={"headrace.step_id": step_id, "headrace.tokens": n,
+                                "headrace.position": seq.num_computed, "headrace.index": seq.index,
+                                "headrace.cached_tokens": seq.num_cached_prompt_tokens,
+                                "headrace.recompute": seq.num_preemptions > 0})
+                chunks.append(t)
+                if parent is None or parent[1]:
+                    parent = (span, False)
+            if parent is None:
+                parent = (span, True)
+            served.append(span.get_span_context())
+        if parent is None:
+            return None
+        links = [Link(c) for c in served if c is not parent[0].get_span_context()]
+        step_span = tracer.start_span(
+            "headrace.step", context=trace.set_span_in_context(parent[0]), links=links,
+            attributes={"headrace.step_id": step_id, "headrace.seqs": len(step.new) + len(step.running),
+                        "headrace.new_seqs": len(step.new),
+                        "headrace.schedule_ms": schedule_s * 1e3})
+        msg.trace_context.update(inject(step_span))
+        msg.trace_links.extend(traceparent(c) for c in served)
+        return step_span, chunks
+
+    def step_done(self, result, handle, roundtrip_s: float, process_s: float) -> None:
+        m = self.metrics
+        execute_s = result.execute_ms / 1e3
+        m.step_execute.observe(execute_s)
+        m.step_transport.observe(max(0.0, roundtrip_s - execute_s))
+        m.step_process.observe(process_s)
+        emitted = len(result.token_ids)
+        if emitted:
+            m.generation_tokens.inc(emitted)
+        now = time.monotonic()
+        decode_tokens = emitted - self._firsts
+        if decode_tokens > 0 and self._last_emit is not None:
+            m.itl.observe_n(now - self._last_emit, decode_tokens)
+        self._last_emit, self._firsts = now, 0
+        if handle is not None:
+            step_span, chunks = handle
+            for t in chunks:
+                if t.chunk is not None:
+                    t.chunk.end()
+                    t.chunk = None
+            step_span.set_attributes({"headrace.execute_ms": result.execute_ms,
+                                      "headrace.transport_ms": max(0.0, roundtrip_s - execute_s) * 1e3,
+                                      "headrace.sampled_tokens": emitted})
+            step_span.end()
+
+    def step_failed(self, handle, error: Exception) -> None:
+        self._firsts = 0
+        self._last_emit = None
+        if handle is not None:
+            step_span, chunks = handle
+            for t in chunks:
+                if t.chunk is not None:
+                    t.chunk.end()
+                    t.chunk = None
+            step_span.record_exception(error)
+            step_span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
+            step_span.end()
+
+    def idle(self) -> None:
+        """The engine has nothing to run: the next decode token's gap is not a step gap."""
+        self._last_emit = None

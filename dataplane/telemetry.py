@@ -1,0 +1,124 @@
+"""Metrics (prometheus-client) and step spans (OpenTelemetry) of a data plane worker.
+
+Each worker process exports its own registry on its own port (``--metrics-port``, default
+9401). Per step: a few counter/histogram updates, and a span only when the control plane
+sent trace context with the step (it does so only for steps serving sampled requests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+from opentelemetry.trace import Link, Status, StatusCode
+
+from controlplane import telemetry
+from controlplane.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Histogram, start_http, stop_http
+
+P = PREFIX + "dataplane_"
+
+
+class _WorkerState:
+    """Read when scraped: what the worker serves and its device memory."""
+
+    def __init__(self, service):
+        self.service = service
+
+    def collect(self):
+        worker = self.service.worker
+        ready = GaugeMetricFamily(P + "ready", "1 when a model is loaded and warmed up.")
+        ready.add_metric([], 1.0 if worker is not None and self.service.serving else 0.0)
+        yield ready
+        if worker is None:
+            return
+        info = GaugeMetricFamily(P + "model_info", "The loaded model (value 1).",
+                                 labels=["model", "architecture", "dtype", "device"])
+        info.add_metric([worker.cfg.name, worker.cfg.architecture,
+                         str(worker.dtype).removeprefix("torch."), str(worker.device)], 1.0)
+        yield info
+        blocks = GaugeMetricFamily(P + "num_kv_blocks", "KV-cache blocks allocated on the device.")
+        blocks.add_metric([], worker.runner.num_blocks)
+        yield blocks
+        kv = GaugeMetricFamily(P + "kv_cache_bytes", "Bytes of the KV cache.")
+        kv.add_metric([], worker.runner.num_blocks * worker.block_bytes)
+        yield kv
+        startup = GaugeMetricFamily(P + "startup_seconds",
+                                    "Load, warm-up, KV allocation and CUDA-graph capture time.")
+        startup.add_metric([], worker.startup_seconds)
+        yield startup
+        if worker.device.type == "cuda":
+            import torch
+
+            mem = GaugeMetricFamily(P + "device_memory_allocated_bytes",
+                                    "Device memory allocated by torch.")
+            mem.add_metric([], torch.cuda.memory_allocated(worker.device))
+            yield mem
+
+
+class DataPlaneMetrics:
+    def __init__(self, service, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.steps = Counter(P + "steps", "Steps executed.", registry=r)
+        self.execute = Histogram(P + "step_execute_seconds",
+                                 "Time to apply a step, run the forward pass and sample (the "
+                                 "device time the control plane reports as phase=execute).",
+                                 buckets=STEP_BUCKETS, registry=r)
+        self.seqs = Histogram(P + "step_sequences", "Sequences per step.", buckets=TOKEN_BUCKETS,
+                              registry=r)
+        self.sampled = Counter(P + "sampled_tokens", "Tokens sampled.", registry=r)
+        self.errors = Counter(P + "step_errors", "Steps that failed, by gRPC status code.",
+                              ["code"], registry=r)
+        self.reloads = Counter(P + "model_reloads", "Model reloads by outcome.", ["outcome"],
+                               registry=r)
+        r.register(_WorkerState(service))
+        self._http = None
+
+    def step_done(self, step, result, seconds: float) -> None:
+        self.steps.inc()
+        self.execute.observe(seconds)
+        self.seqs.observe(len(step.new_seqs) + len(step.running_seq_ids))
+        if result.token_ids:
+            self.sampled.inc(len(result.token_ids))
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        self._http = start_http(self.registry, port, host)
+        return self._http.server_port
+
+    def close(self) -> None:
+        stop_http(self._http)
+        self._http = None
+
+
+class StepTracer:
+    """The worker's span of a step: child of the control plane's step span, linked to the
+    request spans the step serves."""
+
+    def __init__(self):
+        self.tracer = telemetry.get_tracer("headrace.dataplane")
+
+    def start(self, step):
+        if self.tracer is None or not step.trace_context:
+            return None
+        links = []
+        for tp in step.trace_links:
+            ctx = telemetry.span_context_of(tp)
+            if ctx.is_valid:
+                links.append(Link(ctx))
+        return self.tracer.start_span(
+            "headrace.dataplane.step", context=telemetry.extract(dict(step.trace_context)),
+            links=links, attributes={"headrace.step_id": step.step_id,
+                                     "headrace.new_seqs": len(step.new_seqs),
+                                     "headrace.running_seqs": len(step.running_seq_ids),
+                                     "headrace.finished_seqs": len(step.finished_seq_ids)})
+
+    @staticmethod
+    def end(span, result=None, error: BaseException | None = None) -> None:
+        if span is None:
+            return
+        if error is not None:
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, str(error)))
+        elif result is not None:
+            span.set_attributes({"headrace.execute_ms": result.execute_ms,
+                                 "headrace.sampled_tokens": len(result.token_ids)})
+        span.end()
