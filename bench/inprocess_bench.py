@@ -55,11 +55,9 @@ class LocalWorkers:
 
 
 async def consume(request) -> int:
-    count, unfinished = 0, request.n
-    while unfinished:
-        msg = await request.queue.get()
-        count += len(msg.token_ids)
-        unfinished -= bool(msg.finish_reason)
+    count = 0
+    while not request.delivered:
+        count += sum(len(m.token_ids) for m in await request.next_responses())
     return count
 
 

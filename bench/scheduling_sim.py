@@ -192,7 +192,8 @@ def simulate(trace: list[TraceRequest], cfg: SimConfig) -> SimResult:
         max_step, clock.now = max(max_step, dt), now + dt
         sched.after_step(step)
         for seq, _ in step.scheduled():
-            if seq.status is Status.RUNNING and seq.num_computed == seq.num_tokens:
+            if seq.num_inflight:           # it sampled: its token arrives with the step's end
+                seq.num_inflight -= 1
                 seq.output_token_ids.append(7)
                 rec = records[seq.seq_id]
                 rec.first_token = clock.now if rec.first_token is None else rec.first_token

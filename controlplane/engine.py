@@ -1,13 +1,15 @@
 """The control plane's engine loop: schedule a step, send it to the workers, fold the sampled
 tokens back into the sequences and stream each request's new tokens and text to its client.
 
-Runs as one asyncio task. Handlers talk to it through ``submit`` and ``abort``; results reach
-handlers through each request's queue (a ``GenerateResponse``, or an ``EngineFailure``).
+Runs as one asyncio task. Handlers talk to it through ``submit`` and ``abort``; the engine
+appends sampled tokens to the sequences and wakes their request (``Request.notify``); a
+request that cannot go on gets a ``Failure``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import logging
@@ -17,7 +19,7 @@ import grpc
 
 from controlplane.block_manager import BlockManager
 from controlplane.policy import Policy
-from controlplane.request import Request, Sequence, Status
+from controlplane.request import Failure, Request, Sequence, Status
 from controlplane.scheduler import ScheduledStep, Scheduler
 from controlplane.telemetry import EngineTelemetry
 from controlplane.worker_client import WorkerError, WorkerGroup
@@ -37,12 +39,8 @@ class EngineConfig:
     watermark: float = 0.01            # fraction of KV blocks admission leaves free
     max_queued: int = 0                # waiting sequences at most (0 = unbounded); RESOURCE_EXHAUSTED
     reconnect_interval_s: float = 1.0
+    pipeline_depth: int = 2            # steps in flight; 1 = no overlap (each step answered at once)
 
-
-@dataclasses.dataclass
-class EngineFailure:
-    code: grpc.StatusCode
-    message: str
 
 
 class Engine:
@@ -124,10 +122,8 @@ class Engine:
             ended += 1
             for seq in request.sequences:
                 if not seq.finished:
-                    msg = pb.GenerateResponse(request_id=seq.request_id, index=seq.index)
-                    self._finish(seq, pb.FINISH_REASON_ABORTED, msg)
-                    msg.text = seq.output.delta(final=True)
-                    request.queue.put_nowait(msg)
+                    self._finish(seq, pb.FINISH_REASON_ABORTED)
+            request.notify()
         self._wake.set()
         return ended
 
@@ -171,41 +167,63 @@ class Engine:
     def fail_all(self, code: grpc.StatusCode, message: str) -> None:
         for request in list(self.requests.values()):
             self.abort(request)
-            request.queue.put_nowait(EngineFailure(code, message))
+            request.fail(Failure(code, message))
         self.requests.clear()
 
     async def _loop(self) -> None:
+        """Schedules and sends up to ``pipeline_depth`` steps before waiting for the oldest
+        one's result (overlapped scheduling: the device computes step N+1 while this process
+        handles step N's tokens); a step the workers may hold back (no ``flush``) is always
+        followed by another, if need be an empty flushing one."""
         tel, clock = self.telemetry, time.perf_counter
+        depth = max(1, self.config.pipeline_depth)
+        inflight: collections.deque = collections.deque()   # (step, traced, sent at)
+        last_flushed = True
         while True:
             if not self.healthy:
+                inflight.clear()
                 await self._reconnect()
                 continue
-            t0 = clock()
-            step = self.scheduler.schedule()
-            if step.empty:
-                tel.idle()
-                self._wake.clear()
-                if not self.scheduler.has_work:
-                    await self._wake.wait()
-                else:  # waiting sequences that cannot be admitted yet and nothing runs
-                    await asyncio.sleep(0.001)
-                continue
-            msg = self._to_proto(step)
-            t1 = clock()
-            traced = tel.step_scheduled(step, msg, t1 - t0, msg.step_id)
             try:
-                result = await self.workers.step(msg)
+                if len(inflight) < depth:
+                    t0 = clock()
+                    step = self.scheduler.schedule()
+                    if not step.empty:
+                        msg = self._to_proto(step)
+                        msg.flush = depth == 1
+                        traced = tel.step_scheduled(step, msg, clock() - t0, msg.step_id)
+                        await self.workers.send(msg)
+                        last_flushed = msg.flush
+                        self.scheduler.after_step(step)
+                        inflight.append((step, traced, clock()))
+                        continue
+                if not inflight:
+                    tel.idle()
+                    self._wake.clear()
+                    if not self.scheduler.has_work:
+                        await self._wake.wait()
+                    else:  # waiting sequences that cannot be admitted yet and nothing runs
+                        await asyncio.sleep(0.001)
+                    continue
+                if len(inflight) == 1 and not last_flushed:   # the worker holds it back: flush
+                    await self.workers.send(wpb.StepRequest(step_id=next(self._step_ids), flush=True))
+                    last_flushed = True
+                    inflight.append((ScheduledStep(), None, clock()))
+                step, traced, sent = inflight.popleft()
+                result = await self.workers.receive()
             except WorkerError as exc:
-                tel.step_failed(traced, exc)
+                for _, traced, _ in inflight:
+                    tel.step_failed(traced, exc)
+                inflight.clear()
                 log.error("worker group failed: %s", exc)
                 self._set_healthy(False)
                 self.fail_all(grpc.StatusCode.UNAVAILABLE, f"data plane failed: {exc}")
                 self.scheduler.blocks.reset_cache()   # KV contents are gone with the worker
                 continue
             t2 = clock()
-            self.scheduler.after_step(step)
-            self._process(step, result)
-            tel.step_done(result, traced, t2 - t1, clock() - t2)
+            if traced is not None or not step.empty:
+                emitted = self._process(step, result)
+                tel.step_done(result, traced, t2 - sent, clock() - t2, emitted)
 
     async def _reconnect(self) -> None:
         try:
@@ -233,37 +251,33 @@ class Engine:
             msg.running_new_block_ids.extend(new_blocks)
         return msg
 
-    def _process(self, step: ScheduledStep, result: wpb.StepResult) -> None:
+    def _process(self, step: ScheduledStep, result: wpb.StepResult) -> int:
+        """Folds a step's sampled tokens into its sequences; returns how many were kept."""
         by_seq = {s.seq_id: s for s, _ in step.scheduled()}
-        top_pos = 0
+        top_pos, max_len, kept = 0, self.max_model_len, 0
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
             seq = by_seq.get(seq_id)
             k = seq.sampling.logprobs if seq is not None else 0
-            top_ids = result.top_token_ids[top_pos:top_pos + k]
-            top_vals = result.top_logprobs[top_pos:top_pos + k]
-            top_pos += k
-            if seq is None or seq.status is not Status.RUNNING:
-                continue  # aborted or preempted while the step was in flight
+            if seq is None or seq.status is Status.FINISHED:
+                top_pos += k
+                continue  # finished or aborted while the step was in flight: wasted slot
+            seq.num_inflight -= 1   # a preempted sequence keeps the token it was computing
             if not seq.output_token_ids:
                 self.telemetry.first_token(seq)
             seq.output_token_ids.append(token)
-            msg = pb.GenerateResponse(request_id=seq.request_id, index=seq.index, token_ids=[token])
             if k:
-                lp = msg.logprobs.add(token_id=token, logprob=result.logprobs[i])
-                for tid, val in zip(top_ids, top_vals):
-                    lp.top.add(token_id=tid, logprob=val)
-            reason = seq.check_stop(token, self.max_model_len)
+                seq.logprobs.append((result.logprobs[i], result.top_token_ids[top_pos:top_pos + k],
+                                     result.top_logprobs[top_pos:top_pos + k]))
+                top_pos += k
+            kept += 1
+            reason = seq.check_stop(token, max_len)
             if reason != pb.FINISH_REASON_UNSPECIFIED:
-                self._finish(seq, reason, msg)
-            msg.text = seq.output.delta(final=seq.finished)
-            seq.request.queue.put_nowait(msg)
+                self._finish(seq, reason)
+            seq.request.notify()
+        return kept
 
-    def _finish(self, seq: Sequence, reason: int, msg: pb.GenerateResponse) -> None:
+    def _finish(self, seq: Sequence, reason: int) -> None:
         self.scheduler.finish(seq, reason)
         self.telemetry.seq_finished(seq, reason)
-        msg.finish_reason = reason
-        msg.usage.prompt_tokens = len(seq.prompt_token_ids)
-        msg.usage.completion_tokens = len(seq.output_token_ids)
-        msg.usage.cached_prompt_tokens = seq.num_cached_prompt_tokens
         if seq.request.finished and self.requests.pop(seq.request_id, None) is not None:
             self.telemetry.request_done(seq.request)

@@ -14,6 +14,7 @@ class OutputText:
     def __init__(self, decoder: IncrementalDecoder, stop: list[str]):
         self._decoder = decoder
         self._stop = stop
+        self.has_stop = bool(stop)
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self._sent = 0

@@ -134,24 +134,30 @@ class Scheduler:
                 budget -= 1
         unsent = {s.seq_id for s in self._forked}
         skip = scheduled | unsent
-        order = sorted((s for s in self.running if s.seq_id not in skip),
+        order = sorted((s for s in self.running if s.seq_id not in skip and s.may_sample_more),
                        key=lambda s: (s.in_prefill, self.policy.rank(s, now)))
+        tables, bs = self.blocks.tables, self.blocks.block_size
         for seq in order:
             if budget < 1:
                 break
             if seq.status is not Status.RUNNING:
                 continue   # preempted for a better-ranked sequence in this loop
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._make_room(seq, seq.num_computed + n, scheduled):
-                if not seq.in_prefill:
-                    self._preempt(seq)   # a decode that cannot grow gives its blocks back
-                    continue
-                n = (len(self.blocks.tables[seq.seq_id]) + self.blocks.num_free) * \
-                    self.blocks.block_size - seq.num_computed
-                if n < 1:
-                    continue
-            new_blocks = self.blocks.grow(seq.seq_id, seq.num_computed + n)
-            self._register(seq, seq.num_computed + n)
+            start = seq.num_computed
+            n = min(seq.num_total - start, budget)
+            if n < 1:
+                continue   # its last token is still in flight
+            new_blocks: list[int] | tuple = ()
+            if start + n > len(tables[seq.seq_id]) * bs:   # needs blocks (the common decode does not)
+                if not self._make_room(seq, start + n, scheduled):
+                    if not seq.in_prefill:
+                        self._preempt(seq)   # a decode that cannot grow gives its blocks back
+                        continue
+                    n = (len(tables[seq.seq_id]) + self.blocks.num_free) * bs - start
+                    if n < 1:
+                        continue
+                new_blocks = self.blocks.grow(seq.seq_id, start + n)
+            if (start + n) // bs > start // bs:   # a block fills up: publish it
+                self._register(seq, start + n)
             step.running.append((seq, n, new_blocks))
             scheduled.add(seq.seq_id)
             budget -= n
@@ -161,6 +167,8 @@ class Scheduler:
         for seq in self.policy.order_waiting(admit, now):
             if budget < 1 or len(self.running) >= self.max_running:
                 break
+            if seq.num_inflight:
+                continue   # preempted with a token in flight: admitted once it arrives
             n = self._admit(seq, budget)
             if n == 0:
                 break   # strict order: the next in line waits for blocks
@@ -191,13 +199,17 @@ class Scheduler:
         return n
 
     def after_step(self, step: ScheduledStep) -> None:
-        """Advances every sequence the step computed (before its sampled tokens are
-        appended) and forks the parallel samples of parents whose prompt is now computed."""
+        """Called once the step is sent: advances every sequence it computes, counts the token
+        each sampling sequence will get (``num_inflight``, until its result arrives), and forks
+        the parallel samples of parents whose prompt is now computed."""
         for seq, n in step.scheduled():
-            if seq.status is Status.RUNNING:
-                seq.num_computed += n
-                if seq.seq_id in self._pending_forks and seq.num_computed == seq.num_tokens:
+            if seq.status is not Status.RUNNING:
+                continue
+            seq.num_computed += n
+            if seq.num_computed == seq.num_total:   # computes its last token: samples
+                if seq.seq_id in self._pending_forks and seq.num_total == len(seq.prompt_token_ids):
                     self._fork(seq, self._pending_forks.pop(seq.seq_id))
+                seq.num_inflight += 1
 
     def _fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """Children share the parent's prompt blocks except the one holding the last prompt

@@ -7,7 +7,7 @@ import grpc
 import structlog
 
 from controlplane import telemetry
-from controlplane.engine import Engine, EngineFailure
+from controlplane.engine import Engine
 from controlplane.logs import get_logger
 from controlplane.metrics import rpc_status
 from controlplane.tokenizer import ModelTokenizer
@@ -16,23 +16,6 @@ from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
 log = get_logger("headrace.service")
-
-
-def _coalesce(msg, queue):
-    """Merges the responses already queued behind ``msg`` for the same sample into it, so a
-    client that falls behind gets fewer, larger messages instead of a growing backlog."""
-    while (not isinstance(msg, EngineFailure) and not msg.finish_reason and not queue.empty()):
-        nxt = queue._queue[0]   # peek: only same-sample responses merge
-        if isinstance(nxt, EngineFailure) or nxt.index != msg.index:
-            break
-        queue.get_nowait()
-        msg.token_ids.extend(nxt.token_ids)
-        msg.text += nxt.text
-        msg.logprobs.extend(nxt.logprobs)
-        msg.finish_reason = nxt.finish_reason
-        if nxt.HasField("usage"):
-            msg.usage.CopyFrom(nxt.usage)
-    return msg
 
 
 class InferenceService(pb_grpc.InferenceServicer):
@@ -74,14 +57,12 @@ class InferenceService(pb_grpc.InferenceServicer):
                          prompt_token_ids=list(req.sequences[0].prompt_token_ids))
             engine.submit(req)
             try:
-                unfinished = req.n
-                while unfinished:
-                    msg = _coalesce(await req.queue.get(), req.queue)
-                    if isinstance(msg, EngineFailure):
-                        await context.abort(msg.code, msg.message)
-                    yield msg
-                    if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                        unfinished -= 1
+                while not req.delivered:
+                    responses = await req.next_responses()
+                    if req.failure is not None:
+                        await context.abort(req.failure.code, req.failure.message)
+                    for msg in responses:
+                        yield msg
             finally:
                 engine.abort(req)  # no-op when finished; frees the blocks when the client left
         except BaseException as exc:

@@ -269,11 +269,18 @@ class EngineTelemetry:
             m.prompt_tokens.inc(len(seq.prompt_token_ids))
         if self._seqs:
             t = self._seqs.get(seq.seq_id)
-            if t is not None and t.decode is None:
-                t.decode = self.tracer.start_span(
-                    "headrace.decode", context=trace.set_span_in_context(st.span),
-                    attributes={"headrace.index": seq.index})
-                t.decode.add_event("first_token", {"headrace.ttft_s": now - st.arrival})
+            if t is not None:
+                self._decode_span(t, seq).add_event("first_token", {"headrace.ttft_s": now - st.arrival})
+
+    def _decode_span(self, t, seq):
+        """The sequence's decode span, started by its first decode step or its first token,
+        whichever comes first (with overlapped scheduling the step is sent before the token
+        arrives)."""
+        if t.decode is None:
+            t.decode = self.tracer.start_span(
+                "headrace.decode", context=trace.set_span_in_context(t.req.span),
+                attributes={"headrace.index": seq.index})
+        return t.decode
 
     def seq_finished(self, seq, reason: int) -> None:
         counter = self.metrics.finished.get(reason)
@@ -363,18 +370,20 @@ class EngineTelemetry:
                         timestamp=at)
                     tracer.start_span("headrace.queue", context=req_ctx, start_time=at,
                                       attributes={"headrace.preempted": True}).end()
-            decoding = (t.decode is not None and n == 1
-                        and seq.num_computed == seq.num_tokens - 1)
+            decoding = (n == 1 and seq.num_computed == seq.num_total - 1
+                        and (seq.num_inflight > 0 or bool(seq.output_token_ids)))
             if decoding:
-                span = t.decode
+                span = self._decode_span(t, seq)
             else:
+                if t.chunk is not None:   # the previous chunk's step is still in flight
+                    t.chunk.end()
                 span = t.chunk = tracer.start_span(
                     "headrace.prefill", context=req_ctx,
                     attributes={"headrace.step_id": step_id, "headrace.tokens": n,
                                 "headrace.position": seq.num_computed, "headrace.index": seq.index,
                                 "headrace.cached_tokens": seq.num_cached_prompt_tokens,
                                 "headrace.recompute": seq.num_preemptions > 0})
-                chunks.append(t)
+                chunks.append((t, span))
                 if parent is None or parent[1]:
                     parent = (span, False)
             if parent is None:
@@ -392,13 +401,15 @@ class EngineTelemetry:
         msg.trace_links.extend(traceparent(c) for c in served)
         return step_span, chunks
 
-    def step_done(self, result, handle, roundtrip_s: float, process_s: float) -> None:
+    def step_done(self, result, handle, roundtrip_s: float, process_s: float,
+                  emitted: int) -> None:
+        """``emitted``: the step's tokens that reached requests (a token sampled for a request
+        that finished while the step was in flight is not counted)."""
         m = self.metrics
         execute_s = result.execute_ms / 1e3
         m.step_execute.observe(execute_s)
         m.step_transport.observe(max(0.0, roundtrip_s - execute_s))
         m.step_process.observe(process_s)
-        emitted = len(result.token_ids)
         if emitted:
             m.generation_tokens.inc(emitted)
         now = time.monotonic()
@@ -408,10 +419,7 @@ class EngineTelemetry:
         self._last_emit, self._firsts = now, 0
         if handle is not None:
             step_span, chunks = handle
-            for t in chunks:
-                if t.chunk is not None:
-                    t.chunk.end()
-                    t.chunk = None
+            self._end_chunks(chunks)
             step_span.set_attributes({"headrace.execute_ms": result.execute_ms,
                                       "headrace.transport_ms": max(0.0, roundtrip_s - execute_s) * 1e3,
                                       "headrace.sampled_tokens": emitted})
@@ -422,13 +430,18 @@ class EngineTelemetry:
         self._last_emit = None
         if handle is not None:
             step_span, chunks = handle
-            for t in chunks:
-                if t.chunk is not None:
-                    t.chunk.end()
-                    t.chunk = None
+            self._end_chunks(chunks)
             step_span.record_exception(error)
             step_span.set_status(trace.Status(trace.StatusCode.ERROR, str(error)))
             step_span.end()
+
+    @staticmethod
+    def _end_chunks(chunks) -> None:
+        """Ends the prefill-chunk spans a step carried (once: a later chunk may end one first)."""
+        for t, span in chunks:
+            if t.chunk is span:
+                span.end()
+                t.chunk = None
 
     def idle(self) -> None:
         """The engine has nothing to run: the next decode token's gap is not a step gap."""

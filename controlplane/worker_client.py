@@ -113,20 +113,35 @@ class WorkerGroup:
             call.cancel()
         self._calls = []
 
-    async def step(self, request: pb.StepRequest) -> pb.StepResult:
+    async def send(self, request: pb.StepRequest) -> None:
+        """Sends a step to every worker (their results come back in order, see ``receive``)."""
         if not self._calls:
             raise WorkerError("no open step stream")
         try:
             for call in self._calls:
                 await call.write(request)
-            results = [await call.read() for call in self._calls]
         except grpc.aio.AioRpcError as exc:
             raise WorkerError(f"data plane step failed: {exc.code().name}: {exc.details()}") from exc
         except asyncio.InvalidStateError as exc:  # stream already ended
             raise WorkerError(f"data plane stream closed: {exc}") from exc
+
+    async def receive(self) -> pb.StepResult:
+        """The result of the oldest step sent and not yet received (rank 0's answer)."""
+        try:
+            results = [await call.read() for call in self._calls]
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerError(f"data plane step failed: {exc.code().name}: {exc.details()}") from exc
+        except asyncio.InvalidStateError as exc:
+            raise WorkerError(f"data plane stream closed: {exc}") from exc
         if any(r is grpc.aio.EOF for r in results):
             raise WorkerError("data plane closed its step stream")
         return results[0]
+
+    async def step(self, request: pb.StepRequest) -> pb.StepResult:
+        """One step, answered at once (``flush``)."""
+        request.flush = True
+        await self.send(request)
+        return await self.receive()
 
     async def close(self) -> None:
         await self.close_streams()

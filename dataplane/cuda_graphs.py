@@ -68,12 +68,13 @@ class DecodeGraphs:
     def fits(self, batch: int) -> bool:
         return bool(self.graphs) and batch <= self.max_batch
 
-    def run(self, prep: PreparedBatch) -> torch.Tensor:
-        """Hidden states [batch, hidden] of a decode-only prepared batch."""
-        n = len(prep.input_ids)
+    def run(self, prep: PreparedBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states [batch, hidden] of a decode-only prepared batch (``input_ids`` on the
+        device: the tokens may have been sampled by the step before, still in flight)."""
+        n = len(prep.positions)
         size = next(s for s in self.sizes if s >= n)
         t = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        self.input_ids[:n].copy_(t(prep.input_ids), non_blocking=True)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(t(prep.positions), non_blocking=True)
         self.slot_mapping[:n].copy_(t(prep.slot_mapping), non_blocking=True)
         self.seq_lens[:n].copy_(t(prep.seq_lens), non_blocking=True)

@@ -31,6 +31,8 @@ class PreparedBatch:
     sample_rows: np.ndarray      # [sampling seqs] rows that sample, in step order
     max_query_len: int
     decode_only: bool
+    last_index: np.ndarray       # positions in input_ids that read a row's last token ...
+    last_rows: np.ndarray        # ... from these rows (the device keeps them: maybe just sampled)
 
 
 class InputBatch:
@@ -41,7 +43,6 @@ class InputBatch:
         self.num_table = np.zeros(max_seqs, dtype=np.int64)
         self.num_computed = np.zeros(max_seqs, dtype=np.int64)
         self.num_tokens = np.zeros(max_seqs, dtype=np.int64)
-        self.last_token = np.zeros(max_seqs, dtype=np.int64)
         self.num_output = np.zeros(max_seqs, dtype=np.int64)
         self.temperature = np.zeros(max_seqs, dtype=np.float32)
         self.top_k = np.zeros(max_seqs, dtype=np.int64)
@@ -87,7 +88,6 @@ class InputBatch:
         if n == 0:
             raise BatchError(f"sequence {seq_id} has no tokens")
         self.num_tokens[row], self.num_computed[row] = n, num_computed
-        self.last_token[row] = (row_state.output_token_ids or row_state.prompt_token_ids)[-1]
         r = row_state
         self.num_output[row] = len(r.output_token_ids)
         self.temperature[row], self.top_k[row], self.top_p[row] = r.temperature, r.top_k, r.top_p
@@ -107,14 +107,16 @@ class InputBatch:
     def append_blocks(self, row: int, ids) -> None:
         self._set_blocks(row, int(self.num_table[row]), ids)
 
-    def append_tokens(self, rows: np.ndarray, tokens: list[int]) -> None:
-        self.last_token[rows] = tokens
+    def count_sampled(self, rows: np.ndarray) -> list[SamplingRow]:
+        """The rows sampled one more token (its value may still be on the device); returns
+        the rows that keep a history, to be given the value with ``SamplingRow`` later."""
         self.num_tokens[rows] += 1
         self.num_output[rows] += 1
         keep = self.uses_history[rows]
-        if keep.any():
-            for row, tok in zip(rows[keep].tolist(), np.asarray(tokens)[keep].tolist()):
-                self.sampling[row].output_token_ids.append(tok)
+        return [self.sampling[int(r)] for r in rows[keep]] if keep.any() else []
+
+    def history_mask(self, rows: np.ndarray) -> np.ndarray:
+        return self.uses_history[rows]
 
     def sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
         keep = self.uses_history[rows]
@@ -138,11 +140,10 @@ class InputBatch:
         positions = np.arange(total, dtype=np.int64) + np.repeat(computed - starts[:-1], num_scheduled)
         decode_only = bool((num_scheduled == 1).all() and (ends == self.num_tokens[rows]).all())
         at_end = (num_scheduled == 1) & (ends == self.num_tokens[rows])
-        if decode_only:
-            input_ids = self.last_token[rows]
-        else:   # decodes read their last (possibly self-sampled) token; chunks read known tokens
-            input_ids = np.empty(total, dtype=np.int64)
-            input_ids[starts[:-1][at_end]] = self.last_token[rows[at_end]]
+        # decodes read their last token from the device (it may have just been sampled there);
+        # prefill chunks read tokens the control plane sent
+        input_ids = np.zeros(total, dtype=np.int64)
+        if not decode_only:
             for i in np.flatnonzero(~at_end).tolist():
                 row = int(rows[i])
                 s = self.sampling[row]
@@ -160,4 +161,5 @@ class InputBatch:
             input_ids=input_ids, positions=positions, slot_mapping=slots, query_start_loc=starts,
             seq_lens=ends.astype(np.int32), block_tables=self.block_table[rows, :width],
             logits_indices=(starts[1:] - 1)[sampling].astype(np.int64), sample_rows=rows[sampling],
-            max_query_len=int(num_scheduled.max()), decode_only=decode_only)
+            max_query_len=int(num_scheduled.max()), decode_only=decode_only,
+            last_index=starts[:-1][at_end].astype(np.int64), last_rows=rows[at_end])

@@ -3,12 +3,16 @@ runs the model over the paged KV cache (replaying a CUDA graph for decode-only s
 GPU) and samples.
 
 The mirror is updated only from StepRequests (the control plane decides everything); the
-runner appends the tokens it samples itself, so a running sequence's step delta is just
-its id, token count and new blocks.
+runner keeps each sequence's last token on the device, so a decode reads the token sampled
+by the step before without the host ever seeing it first. ``launch`` enqueues a step's device
+work and returns at once; ``finish`` waits for its sampled ids and builds the StepResult.
+Launching step N+1 before finishing step N keeps the GPU busy while the host reads N's ids
+and the control plane processes them (the control plane's overlapped scheduling).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -17,7 +21,7 @@ import torch
 import kernels
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
 from dataplane.model import AttentionMetadata, CausalLM
-from dataplane.sampler import SamplingRow, sample
+from dataplane.sampler import SampleOutput, SamplingRow, sample
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 StepError = BatchError
@@ -34,13 +38,16 @@ def _row(seq: pb.NewSequence) -> SamplingRow:
         prompt_token_ids=list(seq.prompt_token_ids), output_token_ids=list(seq.output_token_ids))
 
 
-def to_device(prep: PreparedBatch, device: torch.device):
-    """(input_ids, positions, metadata) tensors of a prepared batch on ``device``."""
-    t = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)  # noqa: E731
-    meta = AttentionMetadata(slot_mapping=t(prep.slot_mapping), query_start_loc=t(prep.query_start_loc),
-                             seq_lens=t(prep.seq_lens), block_tables=t(prep.block_tables),
-                             max_query_len=prep.max_query_len, decode_only=prep.decode_only)
-    return t(prep.input_ids), t(prep.positions), meta
+@dataclasses.dataclass
+class Launched:
+    """A step whose device work is enqueued; ``finish`` turns it into its StepResult."""
+
+    step_id: int
+    started: float
+    seq_ids: list[int] = dataclasses.field(default_factory=list)
+    out: SampleOutput | None = None
+    histories: list[tuple[int, SamplingRow]] = dataclasses.field(default_factory=list)
+    done: torch.cuda.Event | None = None
 
 
 class ModelRunner:
@@ -55,22 +62,30 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.num_blocks)
         self.seq_of_row = np.zeros(max_num_seqs, dtype=np.int64)
+        self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.graphs = graphs   # dataplane.cuda_graphs.DecodeGraphs or None
 
     def reset(self) -> None:
         """Forgets every sequence (a new control plane stream starts from nothing)."""
         self.batch.clear()
 
+    def _t(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+
     def _apply_diff(self, step: pb.StepRequest) -> tuple[np.ndarray, np.ndarray]:
         batch = self.batch
         for sid in step.finished_seq_ids:
             batch.remove(sid)
-        rows, counts = [], []
+        rows, counts, last = [], [], []
         for new in step.new_seqs:
-            row = batch.add(new.seq_id, _row(new), new.block_ids, new.num_computed_tokens)
+            row_state = _row(new)
+            row = batch.add(new.seq_id, row_state, new.block_ids, new.num_computed_tokens)
             self.seq_of_row[row] = new.seq_id
             rows.append(row)
             counts.append(new.num_scheduled_tokens)
+            last.append((row_state.output_token_ids or row_state.prompt_token_ids)[-1])
+        if last:
+            self.last_token[self._t(np.asarray(rows))] = self._t(np.asarray(last, dtype=np.int64))
         n_blocks, block_ids, pos = step.running_new_block_counts, step.running_new_block_ids, 0
         for i, sid in enumerate(step.running_seq_ids):
             row = batch.row_of(sid)
@@ -92,38 +107,76 @@ class ModelRunner:
         kernels.copy_blocks(self.kv_caches, torch.tensor(src, device=self.device),
                             torch.tensor(dst, device=self.device))
 
-    def forward_logits(self, prep: PreparedBatch) -> torch.Tensor:
-        """Logits [sampling rows, vocab] float32 of a prepared batch."""
-        if self.graphs is not None and prep.decode_only and self.graphs.fits(len(prep.input_ids)):
-            hidden = self.graphs.run(prep)
+    def _inputs(self, prep: PreparedBatch):
+        """(input_ids, positions, metadata) on the device; decodes read the device's last tokens."""
+        if prep.decode_only:
+            input_ids = self.last_token[self._t(prep.last_rows)]
         else:
-            input_ids, positions, meta = to_device(prep, self.device)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if len(prep.logits_indices) != hidden.shape[0]:
-            hidden = hidden[torch.from_numpy(prep.logits_indices).to(self.device)]
-        return self.model.logits(hidden)
+            input_ids = self._t(prep.input_ids)
+            if len(prep.last_index):
+                input_ids[self._t(prep.last_index)] = self.last_token[self._t(prep.last_rows)]
+        meta = AttentionMetadata(slot_mapping=self._t(prep.slot_mapping),
+                                 query_start_loc=self._t(prep.query_start_loc),
+                                 seq_lens=self._t(prep.seq_lens), block_tables=self._t(prep.block_tables),
+                                 max_query_len=prep.max_query_len, decode_only=prep.decode_only)
+        return input_ids, meta
+
+    def _hidden(self, prep: PreparedBatch) -> torch.Tensor:
+        input_ids, meta = self._inputs(prep)
+        if self.graphs is not None and prep.decode_only and self.graphs.fits(len(prep.positions)):
+            return self.graphs.run(prep, input_ids)
+        return self.model(input_ids, self._t(prep.positions), self.kv_caches, meta)
 
     @torch.inference_mode()
-    def execute(self, step: pb.StepRequest) -> pb.StepResult:
-        t0 = time.perf_counter()
+    def launch(self, step: pb.StepRequest) -> Launched:
+        launched = Launched(step.step_id, time.perf_counter())
         rows, counts = self._apply_diff(step)
-        result = pb.StepResult(step_id=step.step_id)
         if len(rows) == 0:
-            return result
+            return launched
         prep = self.batch.prepare(rows, counts)
-        if len(prep.sample_rows):
-            logits = self.forward_logits(prep)
-            out = sample(logits, self.batch.sampling_batch(prep.sample_rows))
-            self.batch.append_tokens(prep.sample_rows, out.token_ids)
-            result.seq_ids.extend(self.seq_of_row[prep.sample_rows].tolist())
-            result.token_ids.extend(out.token_ids)
-            if out.logprobs is not None:
-                result.logprobs.extend(out.logprobs)
-                for ids, vals in zip(out.top_token_ids, out.top_logprobs):
+        hidden = self._hidden(prep)
+        sample_rows = prep.sample_rows
+        if len(sample_rows) == 0:   # a step of prefill chunks only: KV written, nothing sampled
+            return launched
+        if len(prep.logits_indices) != hidden.shape[0]:
+            hidden = hidden[self._t(prep.logits_indices)]
+        out = sample(self.model.logits(hidden), self.batch.sampling_batch(sample_rows))
+        self.last_token[self._t(sample_rows)] = out.token_ids
+        launched.out = out
+        launched.seq_ids = self.seq_of_row[sample_rows].tolist()
+        keep = self.batch.history_mask(sample_rows)
+        launched.histories = list(zip(np.flatnonzero(keep).tolist(), self.batch.count_sampled(sample_rows)))
+        if self.device.type == "cuda":
+            launched.done = torch.cuda.Event()
+            launched.done.record()
+        return launched
+
+    def needs_history(self, step: pb.StepRequest) -> bool:
+        """Whether the step may sample a sequence whose penalties need its token history
+        (then the step before must be finished first, so that history is complete)."""
+        rows = [self.batch.rows.get(s) for s in step.running_seq_ids]
+        rows = np.asarray([r for r in rows if r is not None], dtype=np.int64)
+        return bool(len(rows) and self.batch.history_mask(rows).any())
+
+    @torch.inference_mode()
+    def finish(self, launched: Launched) -> pb.StepResult:
+        result = pb.StepResult(step_id=launched.step_id)
+        if launched.out is not None:
+            if launched.done is not None:
+                launched.done.synchronize()
+            tokens, logprobs, top_ids, top_vals = launched.out.to_host()
+            for i, row_state in launched.histories:
+                row_state.output_token_ids.append(tokens[i])
+            result.seq_ids.extend(launched.seq_ids)
+            result.token_ids.extend(tokens)
+            if logprobs is not None:
+                result.logprobs.extend(logprobs)
+                for ids, vals in zip(top_ids, top_vals):
                     result.top_token_ids.extend(ids)
                     result.top_logprobs.extend(vals)
-        else:   # a step of prefill chunks only: compute KV, sample nothing
-            input_ids, positions, meta = to_device(prep, self.device)
-            self.model(input_ids, positions, self.kv_caches, meta)
-        result.execute_ms = (time.perf_counter() - t0) * 1e3
+        result.execute_ms = (time.perf_counter() - launched.started) * 1e3
         return result
+
+    def execute(self, step: pb.StepRequest) -> pb.StepResult:
+        """Runs one step to completion."""
+        return self.finish(self.launch(step))

@@ -77,10 +77,22 @@ class SamplingBatch:
 
 @dataclasses.dataclass
 class SampleOutput:
-    token_ids: list[int]
-    logprobs: list[float] | None          # sampled tokens' logprobs, when any row asked
-    top_token_ids: list[list[int]] | None  # per row, its `logprobs` best tokens
-    top_logprobs: list[list[float]] | None
+    """Sampled ids (and logprobs when asked) as device tensors; ``to_host`` reads them."""
+
+    token_ids: torch.Tensor                # [rows] int64
+    logprobs: torch.Tensor | None          # [rows] sampled tokens' logprobs
+    top_ids: torch.Tensor | None           # [rows, k_max]
+    top_values: torch.Tensor | None
+    ks: list[int]                          # logprobs wanted per row
+
+    def to_host(self) -> tuple[list[int], list[float] | None, list[list[int]] | None,
+                               list[list[float]] | None]:
+        tokens = self.token_ids.tolist()
+        if self.logprobs is None:
+            return tokens, None, None, None
+        ids, vals = self.top_ids.tolist(), self.top_values.tolist()
+        return (tokens, self.logprobs.tolist(), [ids[i][:k] for i, k in enumerate(self.ks)],
+                [vals[i][:k] for i, k in enumerate(self.ks)])
 
 
 def signed_seed(seed: int) -> int:
@@ -167,12 +179,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
         tokens = (probs / noise).argmax(-1)
         if greedy.any():
             tokens = torch.where(_dev(greedy, dev), logits.argmax(-1), tokens)
-    token_list = tokens.tolist()
     if raw is None:
-        return SampleOutput(token_list, None, None, None)
-    sampled = raw.gather(1, tokens[:, None]).squeeze(1).tolist()
+        return SampleOutput(tokens, None, None, None, [])
     top_vals, top_ids = raw.topk(want, dim=-1)
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    ks = b.logprobs.tolist()
-    return SampleOutput(token_list, sampled, [top_ids[i][:k] for i, k in enumerate(ks)],
-                        [top_vals[i][:k] for i, k in enumerate(ks)])
+    return SampleOutput(tokens, raw.gather(1, tokens[:, None]).squeeze(1), top_ids, top_vals,
+                        b.logprobs.tolist())

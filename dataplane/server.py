@@ -83,17 +83,36 @@ class WorkerService(pb_grpc.WorkerServicer):
             generation = self._generation
             self._require_worker(context).runner.reset()
         metrics, tracer, clock = self.metrics, self.tracer, time.perf_counter
+        pending = None   # (step, launched, span, t0) whose result waits until the next step starts
+
+        def finish(entry):
+            step, launched, span, t0 = entry
+            result = self.worker.runner.finish(launched)
+            if step.new_seqs or step.running_seq_ids:   # an empty flush is no model step
+                metrics.step_done(step, result, clock() - t0)
+            tracer.end(span, result)
+            return result
+
         for step in request_iterator:
             span = tracer.start(step)
+            ready = []
             with self._lock:
                 if generation != self._generation:
                     tracer.end(span, error=RuntimeError("superseded"))
                     metrics.errors.labels("ABORTED").inc()
                     context.abort(grpc.StatusCode.ABORTED, "superseded by a newer control plane stream")
                 try:
-                    t0 = clock()
-                    result = self.worker.runner.execute(step)
-                    metrics.step_done(step, result, clock() - t0)
+                    runner, t0 = self.worker.runner, clock()
+                    if pending is not None and runner.needs_history(step):
+                        ready.append(finish(pending))   # penalties need the previous token
+                        pending = None
+                    launched = runner.launch(step)
+                    if pending is not None:
+                        ready.append(finish(pending))
+                    pending = (step, launched, span, t0)
+                    if step.flush or launched.out is None:
+                        ready.append(finish(pending))
+                        pending = None
                 except StepError as exc:
                     tracer.end(span, error=exc)
                     metrics.errors.labels("INVALID_ARGUMENT").inc()
@@ -105,7 +124,10 @@ class WorkerService(pb_grpc.WorkerServicer):
                     metrics.errors.labels("INTERNAL").inc()
                     self.worker.runner.reset()
                     context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {exc!r}")
-            tracer.end(span, result)
+            yield from ready
+        if pending is not None:
+            with self._lock:
+                result = finish(pending)
             yield result
 
     def Reload(self, request, context):

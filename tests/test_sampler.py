@@ -11,8 +11,13 @@ from dataplane.sampler import SamplingBatch, SamplingRow
 from dataplane.sampler import sample as sample_batch
 
 
+class Sampled:
+    def __init__(self, out):
+        self.token_ids, self.logprobs, self.top_token_ids, self.top_logprobs = out.to_host()
+
+
 def sample(logits, rows):
-    return sample_batch(logits, SamplingBatch.of_rows(rows))
+    return Sampled(sample_batch(logits, SamplingBatch.of_rows(rows)))
 
 
 def row(**kw) -> SamplingRow:

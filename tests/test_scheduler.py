@@ -54,7 +54,8 @@ def run_step(sched: Scheduler, finished: list | None = None):
     step = sched.schedule()
     sched.after_step(step)
     for seq, _ in step.scheduled():
-        if seq.status is Status.RUNNING and seq.num_computed == seq.num_tokens:
+        if seq.num_inflight:               # it sampled: its token arrives
+            seq.num_inflight -= 1
             seq.output_token_ids.append(7)
             if len(seq.output_token_ids) >= seq.max_tokens:
                 sched.finish(seq, pb.FINISH_REASON_LENGTH)
@@ -237,7 +238,11 @@ def test_parallel_samples_fork_with_copy_on_write():
     assert second.copies == [(ptable[2], sched.blocks.tables[c.seq_id][2]) for c in children]
     sched.after_step(second)
     for seq, _ in second.scheduled():
+        assert seq.num_inflight == 1
+        seq.num_inflight -= 1
         seq.output_token_ids.append(7)
+        if len(seq.output_token_ids) >= seq.max_tokens:
+            sched.finish(seq, pb.FINISH_REASON_LENGTH)
     drain(sched)
     assert sched.blocks.num_free == 20
 

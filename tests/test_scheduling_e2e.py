@@ -110,3 +110,41 @@ def test_parallel_samples_share_the_prompt(model_dir):
         assert planes.wait_for_free_blocks(64) == 64
     finally:
         planes.close()
+
+
+def test_overlap_on_and_off_give_the_same_outputs(model_dir):
+    """Two steps in flight (the default) against one: same greedy tokens, text and finish
+    reasons, with stop tokens, stop strings and max_tokens all exact (nothing extra streams)."""
+    rng = random.Random(11)
+    jobs = [([rng.randrange(2, 384) for _ in range(rng.randrange(2, 30))], rng.randrange(1, 24))
+            for _ in range(16)]
+
+    def run_all(planes):
+        probe = {}
+        def run(i):
+            prompt, n = jobs[i]
+            base = dict(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=n, sampling=GREEDY)
+            if i % 3 == 1:    # stop at the third distinct token of a plain run, if any
+                base["stop_token_ids"] = [probe[i][2]] if len(probe[i]) > 2 else []
+            if i % 3 == 2:
+                base["stop"] = ["e", "a"]
+            return completion(planes.generate(ignore_eos=i % 3 != 1, **base))
+
+        plain = {i: completion(planes.generate(prompt_token_ids=pb.TokenIds(ids=jobs[i][0]),
+                                               max_tokens=jobs[i][1], ignore_eos=True,
+                                               sampling=GREEDY))[0] for i in range(len(jobs))}
+        probe.update(plain)
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            return list(pool.map(run, range(len(jobs))))
+
+    outputs = {}
+    for depth in (1, 2):
+        planes = Planes(model_dir, num_kv_blocks=64, config=EngineConfig(pipeline_depth=depth))
+        try:
+            outputs[depth] = run_all(planes)
+            assert planes.wait_for_free_blocks(64) == 64
+        finally:
+            planes.close()
+    assert outputs[1] == outputs[2]
+    reasons = {r for _, _, r in outputs[2]}
+    assert pb.FINISH_REASON_STOP in reasons and pb.FINISH_REASON_LENGTH in reasons
