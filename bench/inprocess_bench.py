@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import cProfile
 import json
 import random
@@ -20,16 +21,20 @@ import time
 from controlplane.engine import Engine, EngineConfig
 from controlplane.tokenizer import ModelTokenizer
 from controlplane.validation import build_request
+from dataplane.runner import StepPipeline
 from dataplane.worker import Worker, WorkerOptions
 from headrace.v1 import inference_pb2 as pb
 from serving_bench import w1_requests
 
 
 class LocalWorkers:
-    """The WorkerGroup interface over a runner in this process."""
+    """The WorkerGroup interface over a runner in this process, with the same step pipeline
+    as the data plane server (step N+1 launched before step N is finished)."""
 
     def __init__(self, worker: Worker):
         self.worker, self.infos, self.runner_s, self.step_ends = worker, [], 0.0, []
+        self.pipeline = StepPipeline(worker.runner)
+        self.ready: collections.deque = collections.deque()
 
     async def describe(self, timeout: float):
         self.infos = [self.worker.describe()]
@@ -41,14 +46,19 @@ class LocalWorkers:
 
     async def open(self) -> None:
         self.worker.runner.reset()
+        self.pipeline = StepPipeline(self.worker.runner)
 
-    async def step(self, request):
+    async def send(self, request) -> None:
         t0 = time.perf_counter()
-        result = self.worker.runner.execute(request)
-        self.step_ends.append(time.perf_counter())
-        self.runner_s += self.step_ends[-1] - t0
+        ready = self.pipeline.submit(request)
+        now = time.perf_counter()
+        self.runner_s += now - t0
+        self.step_ends += [now] * sum(1 for r in ready if r.token_ids)
+        self.ready.extend(ready)
+
+    async def receive(self):
         await asyncio.sleep(0)   # let consumers run, as they would while a remote step is in flight
-        return result
+        return self.ready.popleft()
 
     async def close(self) -> None:
         pass

@@ -180,3 +180,34 @@ class ModelRunner:
     def execute(self, step: pb.StepRequest) -> pb.StepResult:
         """Runs one step to completion."""
         return self.finish(self.launch(step))
+
+
+class StepPipeline:
+    """Feeds steps to a runner the way the step protocol allows: each step is launched before
+    the one before it is finished, unless it asks for ``flush`` (or samples nothing, or the
+    next step's penalties need the previous token). ``submit`` returns the results that are
+    ready, in step order; ``drain`` finishes what is left."""
+
+    def __init__(self, runner: ModelRunner, finish=None):
+        self.runner = runner
+        self._finish = finish or (lambda step, launched: runner.finish(launched))
+        self._pending: tuple[pb.StepRequest, Launched] | None = None
+
+    def submit(self, step: pb.StepRequest) -> list[pb.StepResult]:
+        ready = []
+        if self._pending is not None and self.runner.needs_history(step):
+            ready.append(self._done())
+        launched = self.runner.launch(step)
+        if self._pending is not None:
+            ready.append(self._done())
+        self._pending = (step, launched)
+        if step.flush or launched.out is None:
+            ready.append(self._done())
+        return ready
+
+    def drain(self) -> list[pb.StepResult]:
+        return [self._done()] if self._pending is not None else []
+
+    def _done(self) -> pb.StepResult:
+        (step, launched), self._pending = self._pending, None
+        return self._finish(step, launched)

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from controlplane import telemetry
-from dataplane.runner import StepError
+from dataplane.runner import StepError, StepPipeline
 from dataplane.telemetry import DataPlaneMetrics, StepTracer
 from dataplane.worker import Worker
 from headrace.dataplane.v1 import worker_pb2 as pb
@@ -83,36 +83,27 @@ class WorkerService(pb_grpc.WorkerServicer):
             generation = self._generation
             self._require_worker(context).runner.reset()
         metrics, tracer, clock = self.metrics, self.tracer, time.perf_counter
-        pending = None   # (step, launched, span, t0) whose result waits until the next step starts
+        started = {}   # step id -> (span, t0) of steps launched and not yet finished
 
-        def finish(entry):
-            step, launched, span, t0 = entry
+        def finish(step, launched):
+            span, t0 = started.pop(step.step_id)
             result = self.worker.runner.finish(launched)
             if step.new_seqs or step.running_seq_ids:   # an empty flush is no model step
                 metrics.step_done(step, result, clock() - t0)
             tracer.end(span, result)
             return result
 
+        pipeline = StepPipeline(self.worker.runner, finish)
         for step in request_iterator:
             span = tracer.start(step)
-            ready = []
             with self._lock:
                 if generation != self._generation:
                     tracer.end(span, error=RuntimeError("superseded"))
                     metrics.errors.labels("ABORTED").inc()
                     context.abort(grpc.StatusCode.ABORTED, "superseded by a newer control plane stream")
                 try:
-                    runner, t0 = self.worker.runner, clock()
-                    if pending is not None and runner.needs_history(step):
-                        ready.append(finish(pending))   # penalties need the previous token
-                        pending = None
-                    launched = runner.launch(step)
-                    if pending is not None:
-                        ready.append(finish(pending))
-                    pending = (step, launched, span, t0)
-                    if step.flush or launched.out is None:
-                        ready.append(finish(pending))
-                        pending = None
+                    started[step.step_id] = (span, clock())
+                    ready = pipeline.submit(step)
                 except StepError as exc:
                     tracer.end(span, error=exc)
                     metrics.errors.labels("INVALID_ARGUMENT").inc()
@@ -125,10 +116,9 @@ class WorkerService(pb_grpc.WorkerServicer):
                     self.worker.runner.reset()
                     context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {exc!r}")
             yield from ready
-        if pending is not None:
-            with self._lock:
-                result = finish(pending)
-            yield result
+        with self._lock:
+            ready = pipeline.drain()
+        yield from ready
 
     def Reload(self, request, context):
         """Frees the old model, loads the new one; puts the old one back if that fails."""

@@ -260,7 +260,13 @@ def test_every_metric_moves_as_expected(planes):
         }
 
     def delta(before):
+        # a step sent before the last request finished may still be in flight (overlapped
+        # scheduling): wait until every scheduled step's result has been processed
+        deadline = time.monotonic() + 10
         now = counts()
+        while now["step_schedule"] != now["step_process"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+            now = counts()
         return {k: now[k] - before[k] for k in now}
 
     # -- three requests one after another: every per-request metric moves exactly
