@@ -104,7 +104,23 @@ class _EngineState:
         yield from (running, waiting, usage, free, total, in_flight, ready, preempt, queries, hits)
 
 
-class ControlPlaneMetrics:
+class Exporter:
+    """Serves a plane's ``registry`` as /metrics over HTTP (one exporter per plane process)."""
+
+    registry: CollectorRegistry
+    _http = None
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        """Serves /metrics on an HTTP port (0: an ephemeral one); returns the port."""
+        self._http = start_http(self.registry, port, host)
+        return self._http.server_port
+
+    def close(self) -> None:
+        stop_http(self._http)
+        self._http = None
+
+
+class ControlPlaneMetrics(Exporter):
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         self.engine = None        # set by the engine; read at scrape time
@@ -166,15 +182,6 @@ class ControlPlaneMetrics:
     def rpc_error(self, method: str, code: grpc.StatusCode) -> None:
         self.errors.labels(method, code.name).inc()
 
-    # -- exporter -------------------------------------------------------------------------
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Serves /metrics on an HTTP port (0: an ephemeral one); returns the port."""
-        self._http = start_http(self.registry, port, host)
-        return self._http.server_port
-
-    def close(self) -> None:
-        stop_http(self._http)
-        self._http = None
 
 
 def start_http(registry: CollectorRegistry, port: int, host: str = "0.0.0.0"):

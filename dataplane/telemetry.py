@@ -12,7 +12,7 @@ from prometheus_client.core import GaugeMetricFamily
 from opentelemetry.trace import Link, Status, StatusCode
 
 from controlplane import telemetry
-from controlplane.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Histogram, start_http, stop_http
+from controlplane.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Exporter, Histogram
 
 P = PREFIX + "dataplane_"
 
@@ -54,7 +54,7 @@ class _WorkerState:
             yield mem
 
 
-class DataPlaneMetrics:
+class DataPlaneMetrics(Exporter):
     def __init__(self, service, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
@@ -79,14 +79,6 @@ class DataPlaneMetrics:
         self.seqs.observe(len(step.new_seqs) + len(step.running_seq_ids))
         if result.token_ids:
             self.sampled.inc(len(result.token_ids))
-
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        self._http = start_http(self.registry, port, host)
-        return self._http.server_port
-
-    def close(self) -> None:
-        stop_http(self._http)
-        self._http = None
 
 
 class StepTracer:
