@@ -40,6 +40,7 @@ class EngineConfig:
     max_queued: int = 0                # waiting sequences at most (0 = unbounded); RESOURCE_EXHAUSTED
     reconnect_interval_s: float = 1.0
     pipeline_depth: int = 2            # steps in flight; 1 = no overlap (each step answered at once)
+    outage_deadline_s: float = 60.0    # requests wait this long for a lost data plane to return
 
 
 
@@ -61,6 +62,7 @@ class Engine:
         self._step_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._outage_since: float | None = None
 
     async def start(self, timeout: float = 600.0) -> None:
         self._build(await self.workers.describe(timeout))
@@ -215,9 +217,11 @@ class Engine:
                 for _, traced, _ in inflight:
                     tel.step_failed(traced, exc)
                 inflight.clear()
-                log.error("worker group failed: %s", exc)
+                log.error("worker group failed: %s; keeping %d requests for recompute",
+                          exc, len(self.requests))
                 self._set_healthy(False)
-                self.fail_all(grpc.StatusCode.UNAVAILABLE, f"data plane failed: {exc}")
+                self._outage_since = time.monotonic()
+                self.scheduler.requeue_all()          # they resume by recompute when it is back
                 self.scheduler.blocks.reset_cache()   # KV contents are gone with the worker
                 continue
             t2 = clock()
@@ -226,12 +230,20 @@ class Engine:
                 tel.step_done(result, traced, t2 - sent, clock() - t2, emitted)
 
     async def _reconnect(self) -> None:
+        """Waits for the workers to come back; requests kept through the outage fail with
+        UNAVAILABLE once it lasts longer than ``outage_deadline_s``."""
         try:
             await self.workers.describe(timeout=self.config.reconnect_interval_s * 5)
             await self.workers.open()
             self._set_healthy(True)
-            log.info("worker group reconnected")
+            self._outage_since = None
+            log.info("worker group reconnected; resuming %d requests", len(self.requests))
         except WorkerError:
+            since = self._outage_since
+            if since is not None and time.monotonic() - since > self.config.outage_deadline_s:
+                self.fail_all(grpc.StatusCode.UNAVAILABLE,
+                              f"data plane unavailable for more than {self.config.outage_deadline_s:.0f}s")
+                self._outage_since = None
             await asyncio.sleep(self.config.reconnect_interval_s)
 
     def _to_proto(self, step: ScheduledStep) -> wpb.StepRequest:

@@ -98,6 +98,22 @@ class Scheduler:
         seq.status, seq.num_computed, seq.waiting_since = Status.WAITING, 0, self.clock()
         self.waiting.append(seq)
 
+    def requeue_all(self) -> None:
+        """The workers lost their state (a data plane died): every running sequence waits again
+        to be recomputed from its prompt and the tokens it already has; tokens that were in
+        flight are lost and computed again. Nothing needs forgetting on a fresh stream."""
+        for seq in list(self.running):
+            self.running.remove(seq)
+            self.blocks.free(seq.seq_id)
+            seq.on_worker = False
+            seq.num_inflight = 0
+            self._enqueue(seq)
+        for seq in self.waiting:
+            seq.num_inflight = 0
+        self._forget.clear()
+        self._copies.clear()
+        self._forked.clear()
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
