@@ -87,14 +87,27 @@ def _engine_config(args) -> EngineConfig:
                         max_queued=args.max_queued)
 
 
-def _worker_argv(args, listen: str) -> list[str]:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_argv(args, listen: str, rank: int = 0, dist_init: str | None = None) -> list[str]:
+    world, device, metrics = args.tensor_parallel_size, args.device, args.dataplane_metrics_port
+    if world > 1 and device.startswith("cuda"):
+        device = f"cuda:{rank}"
     argv = [sys.executable, "-m", "controlplane.cli", "dataplane", "--model", args.model,
-            "--listen", listen, "--device", args.device, "--block-size", str(args.block_size),
+            "--listen", listen, "--device", device, "--block-size", str(args.block_size),
             "--cpu-kv-cache-gib", str(args.cpu_kv_cache_gib),
             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
             "--max-num-seqs", str(args.max_running),
             "--max-batched-tokens", str(args.max_batched_tokens),
-            "--metrics-port", str(args.dataplane_metrics_port)]
+            "--metrics-port", str(metrics + rank if metrics else 0)]
+    if world > 1:
+        argv += ["--rank", str(rank), "--world-size", str(world), "--dist-init", dist_init]
     if args.log_format:
         argv += ["--log-format", args.log_format]
     if args.no_cuda_graphs:
@@ -112,16 +125,22 @@ def cmd_serve(args) -> int:
 
     args.model = args.model or _default_model()
     sock_dir = tempfile.mkdtemp(prefix="headrace-")
-    listen = f"unix:{sock_dir}/dataplane-0.sock"
-    child = subprocess.Popen(_worker_argv(args, listen), start_new_session=True)
+    world = args.tensor_parallel_size
+    listens = [f"unix:{sock_dir}/dataplane-{r}.sock" for r in range(world)]
+    dist_init = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else None
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    children = [subprocess.Popen(_worker_argv(args, listen, r, dist_init), start_new_session=True, env=env)
+                for r, listen in enumerate(listens)]
     telemetry.setup_tracing("headrace-controlplane")
     try:
-        asyncio.run(serve_until_signal(args.model, [listen], f"{args.host}:{args.port}",
+        asyncio.run(serve_until_signal(args.model, listens, f"{args.host}:{args.port}",
                                        _engine_config(args), **_plane_options(args)))
     finally:
         telemetry.shutdown_tracing()
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children:
             try:
                 child.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -147,10 +166,15 @@ def cmd_dataplane(args) -> int:
     import threading
 
     from controlplane import telemetry
+    from dataplane import parallel
     from dataplane.server import serve
     from dataplane.worker import Worker, WorkerOptions
 
-    opts = WorkerOptions(model=args.model or _default_model(), device=args.device, dtype=args.dtype,
+    rank, world = args.rank, args.world_size
+    if world > 1 and not args.dist_init:
+        raise SystemExit("--world-size > 1 needs --dist-init tcp://MASTER_HOST:PORT")
+    device = f"cuda:{rank}" if world > 1 and args.device == "cuda" else args.device
+    opts = WorkerOptions(model=args.model or _default_model(), device=device, dtype=args.dtype,
                          block_size=args.block_size, max_model_len=args.max_model_len,
                          num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gib=args.cpu_kv_cache_gib,
                          gpu_memory_utilization=args.gpu_memory_utilization,
@@ -164,7 +188,13 @@ def cmd_dataplane(args) -> int:
     server = serve(None, args.listen, metrics_port=args.metrics_port or None)
     log = logging.getLogger("headrace.dataplane")
     log.info("data plane on %s: loading %s", args.listen, opts.model)
-    worker = server.worker_service.load(lambda: Worker(opts))
+    def make_worker():
+        import torch
+
+        parallel.init(rank, world, args.dist_init, torch.device(device), args.dist_timeout)
+        return Worker(opts, rank, world)
+
+    worker = server.worker_service.load(make_worker)
     log.info("data plane on %s: %s ready, %d KV blocks (%.1fs)", args.listen, worker.cfg.name,
              worker.runner.num_blocks, worker.startup_seconds)
     done.wait()
@@ -209,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_worker_args(p)
     _add_ops_args(p, 9400, control=True)
     p.add_argument("--dataplane-metrics-port", type=int, default=9401,
-                   help="the data plane child's /metrics port (0 disables)")
+                   help="the data plane child's /metrics port, rank r on port + r (0 disables)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="data plane processes (ranks) sharing the model; cuda:r for rank r")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("controlplane", help="run the control plane alone")
@@ -227,6 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--listen", default="127.0.0.1:50061", help="host:port or unix:/path (default private)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences one step may hold")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens one step may compute")
+    p.add_argument("--rank", type=int, default=0, help="this worker's tensor-parallel rank")
+    p.add_argument("--world-size", type=int, default=1, help="tensor-parallel ranks of the group")
+    p.add_argument("--dist-init", default=None,
+                   help="process group rendezvous, tcp://MASTER_HOST:PORT (rank 0 listens there)")
+    p.add_argument("--dist-timeout", type=float, default=300.0,
+                   help="seconds the rendezvous and each collective may take before failing")
     _add_worker_args(p)
     _add_ops_args(p, 9401, control=False)
     p.set_defaults(func=cmd_dataplane)

@@ -1,11 +1,13 @@
 """Builds a ``CausalLM`` and fills it from a Hugging Face safetensors checkpoint.
 
 Tensors are read one at a time (``safe_open``) and copied into the merged parameters,
-so no rank ever holds a second copy of the whole checkpoint in memory.
+so no rank ever holds a second copy of the whole checkpoint in memory. Under tensor
+parallelism each rank reads only its shard of each tensor (``get_slice``, see ``_target``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import torch
@@ -13,6 +15,7 @@ from safetensors import safe_open
 
 from dataplane.config import ModelConfig
 from dataplane.model import CausalLM
+from dataplane.parallel import Shard
 from dataplane.rotary import cos_sin_cache
 
 # HF projection name -> (merged parameter name, index of the shard inside it)
@@ -29,27 +32,66 @@ class CheckpointError(ValueError):
     """The checkpoint is missing tensors or has tensors of the wrong shape."""
 
 
-def _shard_rows(cfg: ModelConfig, merged: str, index: int) -> tuple[int, int]:
+@dataclasses.dataclass
+class _Plan:
+    """Where (part of) one checkpoint tensor lands: ``param.narrow(0, dest_start, ...)`` gets
+    the checkpoint's ``[src_start, src_start + length)`` along ``dim`` (whole tensor: dim None)."""
+
+    param: torch.Tensor | None
+    key: str
+    dim: int | None = None
+    full: int = 0            # the checkpoint's size along dim
+    src_start: int = 0
+    length: int = 0
+    dest_start: int = 0
+
+
+def _merged_plan(cfg: ModelConfig, shard: Shard, merged: str, index: int):
+    """(checkpoint size, source start, rows, destination start) of one merged projection part:
+    each rank's qkv_proj holds [its q rows, its k rows, its v rows]; gate_up_proj [gate, up]."""
+    hd = cfg.head_dim
     if merged == "qkv_proj":
-        sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
-    else:
-        sizes = [cfg.intermediate_size, cfg.intermediate_size]
-    start = sum(sizes[:index])
-    return start, sizes[index]
+        q, kv = shard.num_heads * hd, shard.num_kv_heads * hd
+        if index == 0:
+            return cfg.q_size, shard.head_start * hd, q, 0
+        return cfg.kv_size, shard.kv_head_start * hd, kv, q + (index - 1) * kv
+    i = shard.intermediate_size
+    return cfg.intermediate_size, shard.rank * i, i, index * i
 
 
-def _target(cfg: ModelConfig, params: dict[str, torch.Tensor], name: str):
-    """(parameter, row offset, rows, parameter key) a checkpoint tensor lands in, or None to skip."""
+def _target(cfg: ModelConfig, shard: Shard, params: dict[str, torch.Tensor], name: str):
+    """The ``_Plan`` of a checkpoint tensor, or None to skip it."""
     if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
         return None
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in _MERGED:
         merged, index = _MERGED[parts[-2]]
         key = ".".join(parts[:-2] + [merged, parts[-1]])
-        start, rows = _shard_rows(cfg, merged, index)
-        return params.get(key), start, rows, f"{key}[{index}]"
+        full, src, rows, dest = _merged_plan(cfg, shard, merged, index)
+        return _Plan(params.get(key), f"{key}[{index}]", 0, full, src, rows, dest)
     param = params.get(name)
-    return param, 0, None if param is None else param.shape[0], name
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return _Plan(param, name, 0, cfg.vocab_size, shard.vocab_start, shard.vocab_rows)
+    if parts[-2:] == ["o_proj", "weight"]:
+        q = shard.num_heads * cfg.head_dim
+        return _Plan(param, name, 1, cfg.q_size, shard.head_start * cfg.head_dim, q)
+    if parts[-2:] == ["down_proj", "weight"]:
+        i = shard.intermediate_size
+        return _Plan(param, name, 1, cfg.intermediate_size, shard.rank * i, i)
+    return _Plan(param, name)
+
+
+def _read(f, name: str, plan: _Plan) -> torch.Tensor:
+    """Reads only the part of the tensor this rank holds."""
+    if plan.dim is None:
+        return f.get_tensor(name)
+    sl = f.get_slice(name)
+    shape = sl.get_shape()
+    if len(shape) <= plan.dim or shape[plan.dim] != plan.full:
+        raise CheckpointError(f"{name}: checkpoint shape {tuple(shape)} has no size {plan.full} "
+                              f"along dim {plan.dim}")
+    end = plan.src_start + plan.length
+    return sl[plan.src_start:end] if plan.dim == 0 else sl[:, plan.src_start:end]
 
 
 def checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -60,34 +102,38 @@ def checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.device,
-               dtype: torch.dtype, max_positions: int) -> CausalLM:
+               dtype: torch.dtype, max_positions: int, shard: Shard | None = None) -> CausalLM:
     model_dir = pathlib.Path(model_dir)
+    shard = shard or Shard.of(cfg)
     with torch.device("meta"):
-        model = CausalLM(cfg, max_positions)
+        model = CausalLM(cfg, max_positions, shard)
     model = model.to_empty(device=device).to(dtype)
+    with torch.no_grad():   # padded vocabulary rows stay zero
+        for p in model.parameters():
+            p.zero_()
     model.model.cos_sin = cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta,
                                         cfg.rope_scaling, device)
     model.rebind_rotary()
     params = dict(model.named_parameters())
-    expected = {_target(cfg, params, n)[3] for n in _hf_names(cfg)}
+    expected = {_target(cfg, shard, params, n).key for n in _hf_names(cfg)}
     loaded: set[str] = set()
     with torch.no_grad():
         for path in checkpoint_files(model_dir):
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    target = _target(cfg, params, name)
-                    if target is None:
+                    plan = _target(cfg, shard, params, name)
+                    if plan is None:
                         continue
-                    param, start, rows, key = target
-                    if param is None:
+                    if plan.param is None:
                         raise CheckpointError(f"unexpected tensor {name!r} in {path.name}")
-                    tensor = f.get_tensor(name)
-                    dest = param.narrow(0, start, rows)
+                    tensor = _read(f, name, plan)
+                    dest = plan.param if plan.dim != 0 else plan.param.narrow(
+                        0, plan.dest_start, plan.length)
                     if tensor.shape != dest.shape:
                         raise CheckpointError(
                             f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
                     dest.copy_(tensor)
-                    loaded.add(key)
+                    loaded.add(plan.key)
     missing = sorted(expected - loaded)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

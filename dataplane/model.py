@@ -3,6 +3,10 @@
 One flattened batch of tokens from many sequences runs through each layer at once; attention
 reads and writes the paged cache through ``AttentionMetadata``. Projections are merged
 (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``); ``loader`` maps HF names onto them.
+
+Under tensor parallelism (``dataplane.parallel``) the model is built from the rank's local
+config (its heads, KV heads and MLP columns): ``qkv_proj``/``gate_up_proj`` are column-parallel,
+``o_proj``/``down_proj`` row-parallel (all-reduced), the embedding and LM head vocab-parallel.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 from torch import nn
 
 import kernels
+from dataplane import parallel
 from dataplane.config import ModelConfig
 from dataplane.rotary import cos_sin_cache
 
@@ -27,6 +32,34 @@ class AttentionMetadata:
     block_tables: torch.Tensor     # [seqs, max_blocks] int32, padded
     max_query_len: int | None = None  # host-side hints for the attention kernels
     decode_only: bool | None = None   # every sequence computes exactly one token
+
+
+class RowParallelLinear(nn.Linear):
+    """Holds the rank's input columns; the partial products are summed across ranks, then the
+    (replicated) bias is added once."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if parallel.world_size() == 1:
+            return super().forward(x)
+        y = parallel.all_reduce(torch.nn.functional.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Holds rows [start, start + num_embeddings) of the (padded) vocabulary; ids outside
+    them contribute zeros, and the ranks' lookups are summed."""
+
+    def __init__(self, num_embeddings: int, dim: int, start: int):
+        super().__init__(num_embeddings, dim)
+        self.start = start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if parallel.world_size() == 1:
+            return super().forward(ids)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.num_embeddings)
+        h = torch.nn.functional.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        return parallel.all_reduce(h * inside.unsqueeze(-1).to(h.dtype))
 
 
 class RMSNorm(nn.Module):
@@ -44,7 +77,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -73,7 +106,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
@@ -100,11 +133,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, shard: parallel.Shard):
         super().__init__()
         cos_sin = cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(shard.vocab_per_rank, cfg.hidden_size,
+                                                   shard.vocab_start)
         self.layers = nn.ModuleList(DecoderLayer(cfg, cos_sin) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -117,14 +151,16 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """``forward`` returns final hidden states; ``logits`` projects selected rows to the vocab."""
+    """``forward`` returns final hidden states; ``logits`` projects selected rows to the vocab.
+    ``cfg`` is the whole model's config; the layers are built from ``shard``'s part of it."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, shard: parallel.Shard | None = None):
         super().__init__()
-        self.cfg = cfg
-        self.model = DecoderModel(cfg, max_positions)
+        self.shard = shard = shard or parallel.Shard.of(cfg)
+        self.cfg = local = shard.local_config(cfg)
+        self.model = DecoderModel(local, max_positions, shard)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_per_rank, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -133,7 +169,10 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = (self.model.embed_tokens.weight if self.cfg.tie_word_embeddings
                   else self.lm_head.weight)
-        return torch.nn.functional.linear(hidden, weight).float()
+        logits = torch.nn.functional.linear(hidden, weight).float()
+        if self.shard.world == 1:
+            return logits
+        return parallel.all_gather_last(logits)[:, :self.shard.vocab_size]
 
     def rebind_rotary(self) -> None:
         """Points every layer at the module's own cos/sin buffer (after a device move)."""

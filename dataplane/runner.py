@@ -8,6 +8,10 @@ by the step before without the host ever seeing it first. ``launch`` enqueues a 
 work and returns at once; ``finish`` waits for its sampled ids and builds the StepResult.
 Launching step N+1 before finishing step N keeps the GPU busy while the host reads N's ids
 and the control plane processes them (the control plane's overlapped scheduling).
+
+Under tensor parallelism every rank runs every step; the logits are gathered on every rank,
+rank 0 alone samples and broadcasts the token ids, so every rank's ``last_token`` table (and
+token history) holds the same ids whatever the sampling parameters or RNG states.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 import torch
 
 import kernels
+from dataplane import parallel
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.sampler import SampleOutput, SamplingRow, sample
@@ -53,7 +58,7 @@ class Launched:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
-                 graphs=None):
+                 graphs=None, rank: int = 0):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -64,6 +69,7 @@ class ModelRunner:
         self.seq_of_row = np.zeros(max_num_seqs, dtype=np.int64)
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.graphs = graphs   # dataplane.cuda_graphs.DecodeGraphs or None
+        self.rank = rank
 
     def reset(self) -> None:
         """Forgets every sequence (a new control plane stream starts from nothing)."""
@@ -140,7 +146,7 @@ class ModelRunner:
             return launched
         if len(prep.logits_indices) != hidden.shape[0]:
             hidden = hidden[self._t(prep.logits_indices)]
-        out = sample(self.model.logits(hidden), self.batch.sampling_batch(sample_rows))
+        out = self._sample(self.model.logits(hidden), sample_rows)
         self.last_token[self._t(sample_rows)] = out.token_ids
         launched.out = out
         launched.seq_ids = self.seq_of_row[sample_rows].tolist()
@@ -150,6 +156,17 @@ class ModelRunner:
             launched.done = torch.cuda.Event()
             launched.done.record()
         return launched
+
+    def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray) -> SampleOutput:
+        """Rank 0 samples; with more ranks it broadcasts the ids (the others get ids only)."""
+        if self.rank == 0:
+            out = sample(logits, self.batch.sampling_batch(sample_rows))
+        else:
+            out = SampleOutput(torch.empty(len(sample_rows), dtype=torch.int64, device=self.device),
+                               None, None, None, [])
+        if parallel.world_size() > 1:
+            out.token_ids = parallel.broadcast(out.token_ids.contiguous(), 0)
+        return out
 
     def needs_history(self, step: pb.StepRequest) -> bool:
         """Whether the step may sample a sequence whose penalties need its token history

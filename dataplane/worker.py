@@ -1,6 +1,9 @@
 """Builds a data plane worker: reads the checkpoint, warms up with the largest step to measure
 peak memory, sizes and allocates the KV cache from what is left, captures decode CUDA graphs,
-and answers ``Describe``."""
+and answers ``Describe``.
+
+Under tensor parallelism (``dataplane.parallel.init`` first) a worker is one rank: it loads its
+shard of the checkpoint and sizes its KV cache for its own KV heads."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import time
 
 import torch
 
-from dataplane import kv_cache
+from dataplane import kv_cache, parallel
 from dataplane.config import ModelConfig, load_model_config
 from dataplane.cuda_graphs import DecodeGraphs
 from dataplane.loader import load_model
@@ -50,24 +53,29 @@ class Worker:
             raise ValueError(f"unknown dtype {dtype_name!r}; choose from {sorted(DTYPES)}")
         self.dtype = DTYPES[dtype_name]
         torch.manual_seed(opts.seed)
+        if world_size != parallel.world_size() or rank != parallel.rank():
+            raise RuntimeError(f"rank {rank} of {world_size}: the process group is not initialised "
+                               f"(dataplane.parallel.init)")
         self.cfg: ModelConfig = load_model_config(opts.model)
+        self.shard = parallel.Shard.of(self.cfg, rank, world_size)
+        self.local_cfg = self.shard.local_config(self.cfg)   # this rank's heads and MLP columns
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
         model = load_model(pathlib.Path(opts.model), self.cfg, self.device, self.dtype,
-                           self.max_model_len)
-        self.block_bytes = kv_cache.bytes_per_block(self.cfg, opts.block_size, self.dtype)
+                           self.max_model_len, self.shard)
+        self.block_bytes = kv_cache.bytes_per_block(self.local_cfg, opts.block_size, self.dtype)
         if self.device.type == "cuda":
             self._warm_up(model)
         num_blocks = opts.num_kv_blocks or self._blocks_from_memory()
         if num_blocks < 1:
             raise RuntimeError("no memory left for the KV cache")
-        caches = kv_cache.allocate(self.cfg, num_blocks, opts.block_size, self.dtype, self.device)
+        caches = kv_cache.allocate(self.local_cfg, num_blocks, opts.block_size, self.dtype, self.device)
         graphs = None
         if self.device.type == "cuda" and opts.cuda_graphs:
             graphs = DecodeGraphs(model, caches, opts.max_num_seqs,
                                   -(-self.max_model_len // opts.block_size), self.device)
             graphs.capture()
         self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,
-                                  opts.max_num_seqs, graphs)
+                                  opts.max_num_seqs, graphs, rank=rank)
         self.startup_seconds = time.perf_counter() - start
 
     @torch.inference_mode()
@@ -75,7 +83,7 @@ class Worker:
         """Runs the largest step (max_batched_tokens tokens, max_num_seqs sampled with every
         filter on) against a one-block cache, so peak activation memory can be measured."""
         n, dev = self.opts.max_batched_tokens, self.device
-        cache = kv_cache.allocate(self.cfg, 1, self.opts.block_size, self.dtype, dev)
+        cache = kv_cache.allocate(self.local_cfg, 1, self.opts.block_size, self.dtype, dev)
         torch.cuda.reset_peak_memory_stats(dev)
         meta = AttentionMetadata(
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),

@@ -37,15 +37,16 @@ def write_tokenizer(path: pathlib.Path, vocab_size: int = VOCAB) -> None:
 
 def make_checkpoint(path: pathlib.Path, arch: str = "llama", *, heads: int = 4, kv_heads: int = 2,
                     head_dim: int = 32, tie: bool = False, layers: int = 2, seed: int = 0,
-                    extra: dict | None = None) -> pathlib.Path:
+                    extra: dict | None = None, vocab: int = VOCAB) -> pathlib.Path:
     """Saves a random model of the given family; weights drawn large enough that greedy
-    decoding has clear winners (no near-ties between float32 implementations)."""
+    decoding has clear winners (no near-ties between float32 implementations). ``vocab`` may
+    exceed the tokenizer's VOCAB (extra ids are never produced by it)."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
     cls = getattr(transformers, ARCHS[arch])
     hidden = heads * head_dim if head_dim >= 64 else 128
-    cfg = cls(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+    cfg = cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
               head_dim=head_dim, max_position_embeddings=256, tie_word_embeddings=tie,
               bos_token_id=0, eos_token_id=1, initializer_range=0.15, **(extra or {}))

@@ -2,7 +2,8 @@
 socket and a control plane (in its own event-loop thread) on a TCP port of 127.0.0.1.
 
 HEADRACE_TEST_DEVICE=cuda runs the worker on the GPU (fp32, Triton kernels, CUDA graphs), so
-the same end-to-end tests check the GPU path against transformers on the device machine."""
+the same end-to-end tests check the GPU path against transformers on the device machine.
+``workers=[addresses]`` runs the control plane over already running data planes instead."""
 
 from __future__ import annotations
 
@@ -29,19 +30,23 @@ DEVICE = os.environ.get("HEADRACE_TEST_DEVICE", "cpu")
 
 class Planes:
     def __init__(self, model_dir: str | pathlib.Path, *, num_kv_blocks: int = 256,
-                 block_size: int = 16, config: EngineConfig | None = None):
+                 block_size: int = 16, config: EngineConfig | None = None,
+                 workers: list[str] | None = None):
         self._tmp = tempfile.mkdtemp(prefix="headrace-test-")
-        self.worker_address = f"unix:{self._tmp}/dp.sock"
-        self.worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=num_kv_blocks,
-                                           block_size=block_size, device=DEVICE, dtype="float32",
-                                           max_num_seqs=64))
-        self.worker_server = serve(self.worker, self.worker_address)
+        self.worker = self.worker_server = None
+        if workers is None:
+            self.worker_address = f"unix:{self._tmp}/dp.sock"
+            self.worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=num_kv_blocks,
+                                               block_size=block_size, device=DEVICE, dtype="float32",
+                                               max_num_seqs=64))
+            self.worker_server = serve(self.worker, self.worker_address)
+            workers = [self.worker_address]
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
 
         async def build():
-            plane = ControlPlane(str(model_dir), [self.worker_address], "127.0.0.1:0", config)
+            plane = ControlPlane(str(model_dir), workers, "127.0.0.1:0", config)
             await plane.start(ready_timeout=60)
             return plane
 
@@ -76,7 +81,8 @@ class Planes:
             self.call(self.plane.stop(grace=1))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
-        self.worker_server.stop(0).wait()
+        if self.worker_server is not None:
+            self.worker_server.stop(0).wait()
 
 
 def completion(responses: list[pb.GenerateResponse]) -> tuple[list[int], str, int]:

@@ -1,0 +1,146 @@
+"""Tensor parallelism on CPU (gloo): a control plane over N ``headrace dataplane --rank r``
+processes generates exactly the greedy (and seeded) tokens, and nearly the logprobs, of one unsharded
+worker, for KV heads split across ranks and replicated (fewer KV heads than ranks), tied
+and untied embeddings, and a vocabulary padded to a multiple of the world size."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from controlplane.cli import _free_port
+from dataplane.config import load_model_config
+from dataplane.parallel import Shard
+from tests.checkpoints import make_checkpoint
+from tests.harness import Planes, completion
+from headrace.v1 import inference_pb2 as pb
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NEW_TOKENS = 8
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 12], list(range(20, 60, 3))]
+
+# name -> (family, checkpoint options, world size)
+CASES = {
+    "llama-h8-kv2-tp2": ("llama", dict(heads=8, kv_heads=2), 2),
+    "llama-h4-kv2-tp4-kv-replicated": ("llama", dict(heads=4, kv_heads=2), 4),
+    "qwen3-h4-kv2-tp4-tied-padded-vocab": ("qwen3", dict(heads=4, kv_heads=2, tie=True, vocab=390), 4),
+    "qwen3-h8-kv2-tp2": ("qwen3", dict(heads=8, kv_heads=2), 2),
+}
+
+
+def _start_ranks(model: pathlib.Path, world: int) -> tuple[list[subprocess.Popen], list[str]]:
+    tmp = tempfile.mkdtemp(prefix="headrace-tp-")
+    dist_init = f"tcp://127.0.0.1:{_free_port()}"
+    env = dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0")
+    procs, addresses = [], []
+    for r in range(world):
+        address = f"unix:{tmp}/dp-{r}.sock"
+        argv = [sys.executable, "-m", "controlplane.cli", "dataplane", "--model", str(model),
+                "--listen", address, "--rank", str(r), "--world-size", str(world),
+                "--dist-init", dist_init, "--dist-timeout", "60", "--num-kv-blocks", "64",
+                "--max-num-seqs", "16", "--max-batched-tokens", "256", "--metrics-port", "0",
+                "--dtype", "float32", "--log-format", "json"]
+        with open(f"{tmp}/rank-{r}.log", "wb") as log:   # the ranks' logs, for debugging
+            procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=log))
+        addresses.append(address)
+    return procs, addresses
+
+
+def _generate_all(planes: Planes) -> list[tuple[list[int], list[float]]]:
+    """Greedy continuations of PROMPTS, plus a seeded sampled one of the first prompt (its
+    noise depends only on the seed, so TP and one worker draw the same tokens)."""
+    def run(i):
+        sampling = (pb.SamplingParams(temperature=0) if i < len(PROMPTS)
+                    else pb.SamplingParams(temperature=0.9, top_k=50, seed=1234))
+        responses = planes.generate(prompt_token_ids=pb.TokenIds(ids=PROMPTS[i % len(PROMPTS)]),
+                                    max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1, sampling=sampling)
+        ids, _, reason = completion(responses)
+        assert reason == pb.FINISH_REASON_LENGTH
+        return ids, [lp.logprob for r in responses for lp in r.logprobs]
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS) + 1) as pool:
+        return list(pool.map(run, range(len(PROMPTS) + 1)))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tp_greedy_matches_single_worker(case, tmp_path):
+    family, opts, world = CASES[case]
+    model = make_checkpoint(tmp_path / "ckpt", family, head_dim=32, **opts)
+    procs, addresses = _start_ranks(model, world)   # they load while the reference runs
+    try:
+        single = Planes(model, num_kv_blocks=64)
+        try:
+            expected = _generate_all(single)
+        finally:
+            single.close()
+        planes = Planes(model, workers=addresses)
+        try:
+            infos = planes.call(_describe(planes))
+            assert [i.rank for i in infos] == list(range(world))
+            assert {i.world_size for i in infos} == {world}
+            got = _generate_all(planes)
+        finally:
+            planes.close()
+        for (ids, lps), (ref_ids, ref_lps) in zip(got, expected):
+            assert ids == ref_ids
+            assert lps == pytest.approx(ref_lps, abs=1e-3)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_dead_rank_makes_group_unhealthy(tmp_path):
+    """Killing rank 1 mid-service breaks its step stream: the control plane marks the group
+    unhealthy (and rank 0, left in a collective, fails the step instead of hanging)."""
+    model = make_checkpoint(tmp_path / "ckpt", "llama", heads=4, kv_heads=2, head_dim=32, layers=1)
+    procs, addresses = _start_ranks(model, 2)
+    try:
+        planes = Planes(model, workers=addresses)
+        try:
+            assert _generate_all(planes)
+            assert planes.engine.healthy
+            procs[1].kill()
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            pool.submit(lambda: list(planes.stub.Generate(pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=PROMPTS[0]), max_tokens=NEW_TOKENS), timeout=30)))
+            deadline = time.monotonic() + 30
+            while planes.engine.healthy and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not planes.engine.healthy
+            pool.shutdown(wait=False, cancel_futures=True)
+        finally:
+            planes.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+
+
+async def _describe(planes: Planes):
+    return planes.plane.engine.workers.infos
+
+
+def test_shard_arithmetic(tmp_path):
+    cfg = load_model_config(make_checkpoint(tmp_path / "c", "llama", heads=4, kv_heads=2,
+                                            head_dim=32, layers=1, vocab=390))
+    shards = [Shard.of(cfg, r, 4) for r in range(4)]
+    assert [s.num_heads for s in shards] == [1, 1, 1, 1]
+    assert [(s.num_kv_heads, s.kv_head_start) for s in shards] == [(1, 0), (1, 0), (1, 1), (1, 1)]
+    assert [s.vocab_per_rank for s in shards] == [98] * 4
+    assert [s.vocab_rows for s in shards] == [98, 98, 98, 96]
+    two = [Shard.of(cfg, r, 2) for r in range(2)]
+    assert [(s.num_heads, s.num_kv_heads, s.kv_head_start) for s in two] == [(2, 1, 0), (2, 1, 1)]
+    with pytest.raises(ValueError):
+        Shard.of(cfg, 0, 3)
