@@ -64,6 +64,10 @@ def _add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) 
     if control:
         p.add_argument("--max-queued", type=int, default=0,
                        help="waiting sequences at most; beyond, RESOURCE_EXHAUSTED (0: unbounded)")
+        p.add_argument("--outage-deadline", type=float, default=60.0,
+                       help="seconds requests wait for a lost data plane before UNAVAILABLE")
+        p.add_argument("--no-overlap", action="store_true",
+                       help="one step in flight instead of two (no overlapped scheduling)")
         p.add_argument("--admin-token", default=None,
                        help="bearer token for the Admin service (default $HEADRACE_ADMIN_TOKEN; "
                             "without one, Admin serves local callers only)")
@@ -84,7 +88,8 @@ def _engine_config(args) -> EngineConfig:
                         max_model_len=getattr(args, "max_model_len", None),
                         policy=Policy(args.policy, args.aging_rate, args.max_queue_delay),
                         enable_prefix_cache=not args.no_prefix_cache, watermark=args.watermark,
-                        max_queued=args.max_queued)
+                        max_queued=args.max_queued, outage_deadline_s=args.outage_deadline,
+                        pipeline_depth=1 if args.no_overlap else 2)
 
 
 def _free_port() -> int:

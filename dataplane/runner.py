@@ -194,9 +194,6 @@ class ModelRunner:
         result.execute_ms = (time.perf_counter() - launched.started) * 1e3
         return result
 
-    def execute(self, step: pb.StepRequest) -> pb.StepResult:
-        """Runs one step to completion."""
-        return self.finish(self.launch(step))
 
 
 class StepPipeline:
