@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import pathlib
 import signal
 import subprocess
@@ -56,6 +57,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of KV blocks that admission leaves free for running requests")
 
 
+def _add_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
+    p.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
+    p.add_argument("--tls-client-ca", default=None,
+                   help="require client certificates signed by this CA (mutual TLS)")
+
+
+def _add_security_args(p: argparse.ArgumentParser) -> None:
+    _add_tls_args(p)
+    p.add_argument("--api-token", default=None,
+                   help="require 'authorization: Bearer TOKEN' on the public API (default $HEADRACE_API_TOKEN)")
+    p.add_argument("--worker-secret", default=None,
+                   help="shared secret presented to the data planes (default $HEADRACE_WORKER_SECRET)")
+    p.add_argument("--worker-ca", default=None, help="verify the data planes' TLS certificates with this CA")
+    p.add_argument("--worker-cert", default=None, help="client certificate for data planes with mutual TLS")
+    p.add_argument("--worker-key", default=None, help="its private key")
+
+
 def _add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -> None:
     p.add_argument("--metrics-port", type=int, default=metrics_port,
                    help=f"Prometheus /metrics HTTP port (0 disables; default {metrics_port})")
@@ -78,9 +97,16 @@ def _add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) 
 
 def _plane_options(args) -> dict:
     """ControlPlane keyword options from the command line."""
+    from controlplane import security
+
     return dict(metrics_port=args.metrics_port or None,
                 admin_token=args.admin_token or os.environ.get("HEADRACE_ADMIN_TOKEN") or None,
-                log_requests=not args.disable_log_requests, log_prompts=args.log_prompts)
+                log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
+                api_token=args.api_token or os.environ.get("HEADRACE_API_TOKEN") or None,
+                tls=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
+                worker_credentials=security.channel_credentials(args.worker_ca, args.worker_cert,
+                                                                args.worker_key),
+                worker_secret=args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or None)
 
 
 def _engine_config(args) -> EngineConfig:
@@ -133,7 +159,9 @@ def cmd_serve(args) -> int:
     world = args.tensor_parallel_size
     listens = [f"unix:{sock_dir}/dataplane-{r}.sock" for r in range(world)]
     dist_init = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else None
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    # the children accept only this control plane: a fresh shared secret, passed by environment
+    args.worker_secret = args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or secrets.token_hex(16)
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=args.worker_secret)
     children = [subprocess.Popen(_worker_argv(args, listen, r, dist_init), start_new_session=True, env=env)
                 for r, listen in enumerate(listens)]
     telemetry.setup_tracing("headrace-controlplane")
@@ -190,7 +218,11 @@ def cmd_dataplane(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     # listen at once (health NOT_SERVING) so probes see the model loading, not a closed port
-    server = serve(None, args.listen, metrics_port=args.metrics_port or None)
+    from controlplane import security
+
+    server = serve(None, args.listen, metrics_port=args.metrics_port or None,
+                   credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
+                   secret=args.secret or os.environ.get("HEADRACE_WORKER_SECRET") or None)
     log = logging.getLogger("headrace.dataplane")
     log.info("data plane on %s: loading %s", args.listen, opts.model)
     def make_worker():
@@ -243,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(p)
     _add_worker_args(p)
     _add_ops_args(p, 9400, control=True)
+    _add_security_args(p)
     p.add_argument("--dataplane-metrics-port", type=int, default=9401,
                    help="the data plane child's /metrics port, rank r on port + r (0 disables)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -257,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     _add_engine_args(p)
     _add_ops_args(p, 9400, control=True)
+    _add_security_args(p)
     p.set_defaults(func=cmd_controlplane)
 
     p = sub.add_parser("dataplane", help="run one data plane worker alone")
@@ -272,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds the rendezvous and each collective may take before failing")
     _add_worker_args(p)
     _add_ops_args(p, 9401, control=False)
+    _add_tls_args(p)
+    p.add_argument("--secret", default=None,
+                   help="serve only callers presenting this shared secret (default $HEADRACE_WORKER_SECRET)")
     p.set_defaults(func=cmd_dataplane)
 
     p = sub.add_parser("generate", help="stream a completion from a running server")

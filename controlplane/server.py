@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from controlplane import telemetry
+from controlplane import security, telemetry
 from controlplane.admin import AdminService, wait_until
 from controlplane.engine import Engine, EngineConfig
 from controlplane.metrics import ControlPlaneMetrics, MetricsInterceptor
@@ -52,11 +52,15 @@ class ControlPlane:
     def __init__(self, model_dir: str, worker_addresses: list[str], address: str,
                  config: EngineConfig | None = None, *, metrics_port: int | None = None,
                  metrics_host: str = "0.0.0.0", admin_token: str | None = None,
-                 log_requests: bool = True, log_prompts: bool = False):
+                 log_requests: bool = True, log_prompts: bool = False,
+                 api_token: str | None = None, tls: grpc.ServerCredentials | None = None,
+                 worker_credentials: grpc.ChannelCredentials | None = None,
+                 worker_secret: str | None = None):
         self.model_dir = model_dir
         self.tokenizer = ModelTokenizer(model_dir)
         self.metrics = ControlPlaneMetrics()
-        self.workers = WorkerGroup(worker_addresses)
+        self.workers = WorkerGroup(worker_addresses, worker_credentials, worker_secret)
+        self.tls = tls
         self.engine = Engine(self.workers, config or EngineConfig(),
                              EngineTelemetry(self.metrics, log_requests=log_requests))
         self.engine.on_health_change = self._health_changed
@@ -64,6 +68,8 @@ class ControlPlane:
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
         self.health = health.aio.HealthServicer()
         interceptors = [MetricsInterceptor(self.metrics, skip=(f"/{INFERENCE}/Generate",))]
+        if api_token:   # the Admin service checks its own token
+            interceptors.insert(0, security.BearerTokenInterceptor(api_token, exempt=(f"/{ADMIN}/",)))
         provider = telemetry.tracer_provider()
         if provider is not None:
             from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
@@ -99,7 +105,7 @@ class ControlPlane:
     async def start(self, ready_timeout: float = 600.0) -> None:
         await self.sync_health()
         await self.health.set(ADMIN, health_pb2.HealthCheckResponse.SERVING)
-        self.port = self.server.add_insecure_port(self.address)
+        self.port = security.bind(self.server, self.address, self.tls)
         if self.port == 0:
             raise RuntimeError(f"cannot bind {self.address}")
         await self.server.start()

@@ -8,6 +8,8 @@ import time
 
 import grpc
 
+from controlplane import security
+
 from headrace.dataplane.v1 import worker_pb2 as pb
 from headrace.dataplane.v1 import worker_pb2_grpc as pb_grpc
 
@@ -43,12 +45,16 @@ def _tracing_interceptors() -> list:
 
 
 class WorkerGroup:
-    def __init__(self, addresses: list[str]):
+    def __init__(self, addresses: list[str], credentials: grpc.ChannelCredentials | None = None,
+                 secret: str | None = None):
         if not addresses:
             raise ValueError("at least one data plane address is needed")
         self.addresses = addresses
         interceptors = _tracing_interceptors() or None
-        self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS, interceptors=interceptors)
+        self._metadata = security.bearer_metadata(secret)
+        self._channels = [grpc.aio.secure_channel(a, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
+                          if credentials is not None and not a.startswith("unix:") else
+                          grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS, interceptors=interceptors)
                           for a in addresses]
         self._stubs = [pb_grpc.WorkerStub(c) for c in self._channels]
         self._calls: list = []
@@ -65,6 +71,7 @@ class WorkerGroup:
                     raise WorkerError(f"data plane at {addr} not ready after {timeout:.0f}s")
                 try:
                     infos.append(await stub.Describe(pb.DescribeRequest(), timeout=min(left, 5.0),
+                                                     metadata=self._metadata,
                                                      wait_for_ready=True))
                     break
                 except grpc.aio.AioRpcError as exc:
@@ -85,7 +92,8 @@ class WorkerGroup:
         previous model back. Raises WorkerError when any failed."""
         async def one(addr, stub):
             try:
-                return await stub.Reload(pb.ReloadRequest(model=model), timeout=timeout)
+                return await stub.Reload(pb.ReloadRequest(model=model), timeout=timeout,
+                                         metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
                 raise WorkerError(f"Reload on {addr}: {exc.code().name}: {exc.details()}") from exc
 
@@ -106,7 +114,7 @@ class WorkerGroup:
     async def open(self) -> None:
         """Opens fresh Execute streams (each worker then starts from an empty mirror)."""
         await self.close_streams()
-        self._calls = [stub.Execute(wait_for_ready=True) for stub in self._stubs]
+        self._calls = [stub.Execute(wait_for_ready=True, metadata=self._metadata) for stub in self._stubs]
 
     async def close_streams(self) -> None:
         for call in self._calls:

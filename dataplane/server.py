@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from controlplane import telemetry
+from controlplane import security
 from dataplane.runner import StepError, StepPipeline
 from dataplane.telemetry import DataPlaneMetrics, StepTracer
 from dataplane.worker import Worker
@@ -165,12 +166,14 @@ def _free_device_memory() -> None:
 
 
 def serve(worker: Worker | None, address: str, *, metrics_port: int | None = None,
-          metrics_host: str = "0.0.0.0") -> grpc.Server:
+          metrics_host: str = "0.0.0.0", credentials: grpc.ServerCredentials | None = None,
+          secret: str | None = None) -> grpc.Server:
     """Starts serving on ``address`` (``host:port`` or ``unix:/path``) and returns the server;
     ``server.worker_service`` is the ``WorkerService``. With no ``worker`` yet, health is
     NOT_SERVING and Describe/Execute answer UNAVAILABLE until ``worker_service.load(...)``.
-    ``metrics_port``: None serves no /metrics, 0 an ephemeral port."""
-    interceptors = []
+    ``metrics_port``: None serves no /metrics, 0 an ephemeral port. ``credentials``: TLS (mutual
+    with a client CA); ``secret``: only callers presenting it (the control plane) are served."""
+    interceptors = [security.SharedSecretInterceptor(secret)] if secret else []
     provider = telemetry.tracer_provider()
     if provider is not None:
         from opentelemetry.instrumentation.grpc import filters, server_interceptor
@@ -186,7 +189,8 @@ def serve(worker: Worker | None, address: str, *, metrics_port: int | None = Non
         service.worker = worker
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server.add_insecure_port(address) == 0 and not address.startswith("unix:"):
+    server.worker_port = security.bind(server, address, credentials)   # the bound port
+    if server.worker_port == 0 and not address.startswith("unix:"):
         raise RuntimeError(f"cannot bind {address}")
     if metrics_port is not None:
         try:

@@ -31,28 +31,36 @@ DEVICE = os.environ.get("HEADRACE_TEST_DEVICE", "cpu")
 class Planes:
     def __init__(self, model_dir: str | pathlib.Path, *, num_kv_blocks: int = 256,
                  block_size: int = 16, config: EngineConfig | None = None,
-                 workers: list[str] | None = None):
+                 workers: list[str] | None = None, worker_address: str | None = None,
+                 worker_options: dict | None = None, plane_options: dict | None = None,
+                 secure_channel: grpc.ChannelCredentials | None = None):
+        """``worker_options`` go to the data plane's ``serve`` (credentials, secret),
+        ``plane_options`` to ``ControlPlane`` (api_token, tls, worker_credentials, ...)."""
         self._tmp = tempfile.mkdtemp(prefix="headrace-test-")
         self.worker = self.worker_server = None
+        self.worker_options = worker_options or {}
         if workers is None:
-            self.worker_address = f"unix:{self._tmp}/dp.sock"
+            self.worker_address = worker_address or f"unix:{self._tmp}/dp.sock"
             self.worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=num_kv_blocks,
                                                block_size=block_size, device=DEVICE, dtype="float32",
                                                max_num_seqs=64))
-            self.worker_server = serve(self.worker, self.worker_address)
+            self.worker_server = serve(self.worker, self.worker_address, **self.worker_options)
+            if self.worker_address.endswith(":0"):   # an ephemeral TCP port: use the bound one
+                self.worker_address = f"127.0.0.1:{self.worker_server.worker_port}"
             workers = [self.worker_address]
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
 
         async def build():
-            plane = ControlPlane(str(model_dir), workers, "127.0.0.1:0", config)
+            plane = ControlPlane(str(model_dir), workers, "127.0.0.1:0", config, **(plane_options or {}))
             await plane.start(ready_timeout=60)
             return plane
 
         self.plane: ControlPlane = self.call(build())
         self.address = f"127.0.0.1:{self.plane.port}"
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = (grpc.secure_channel(self.address, secure_channel) if secure_channel
+                        else grpc.insecure_channel(self.address))
         self.stub = pb_grpc.InferenceStub(self.channel)
 
     def call(self, coro, timeout: float = 120):
