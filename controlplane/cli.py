@@ -12,7 +12,6 @@ import os
 import secrets
 import pathlib
 import signal
-import subprocess
 import sys
 import tempfile
 
@@ -153,31 +152,28 @@ def _worker_argv(args, listen: str, rank: int = 0, dist_init: str | None = None)
 def cmd_serve(args) -> int:
     from controlplane import telemetry
     from controlplane.server import serve_until_signal
+    from controlplane.supervisor import DataPlaneChildren
 
     args.model = args.model or _default_model()
     sock_dir = tempfile.mkdtemp(prefix="headrace-")
     world = args.tensor_parallel_size
     listens = [f"unix:{sock_dir}/dataplane-{r}.sock" for r in range(world)]
-    dist_init = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else None
     # the children accept only this control plane: a fresh shared secret, passed by environment
     args.worker_secret = args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or secrets.token_hex(16)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=args.worker_secret)
-    children = [subprocess.Popen(_worker_argv(args, listen, r, dist_init), start_new_session=True, env=env)
-                for r, listen in enumerate(listens)]
+
+    def argvs() -> list[list[str]]:   # a fresh rendezvous port each time the group starts
+        dist_init = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else None
+        return [_worker_argv(args, listen, r, dist_init) for r, listen in enumerate(listens)]
+
+    children = DataPlaneChildren(argvs, env)
     telemetry.setup_tracing("headrace-controlplane")
     try:
         asyncio.run(serve_until_signal(args.model, listens, f"{args.host}:{args.port}",
                                        _engine_config(args), **_plane_options(args)))
     finally:
         telemetry.shutdown_tracing()
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in children:
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        children.stop()
     return 0
 
 

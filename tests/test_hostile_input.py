@@ -92,3 +92,23 @@ def test_streams_cancelled_at_random_points_leak_no_blocks(llama_planes):
     ok = llama_planes.generate(prompt="hello", max_tokens=3, ignore_eos=True)
     assert completion(ok)[2] == pb.FINISH_REASON_LENGTH
     assert time.monotonic() - t0 < 200
+
+
+def test_absurd_sizes_are_rejected_before_any_work(llama_planes):
+    start_free = llama_planes.free_blocks
+    absurd = [
+        dict(prompt_token_ids=pb.TokenIds(ids=[5] * 10_000_000)),          # 10M-token prompt
+        dict(prompt="the " * 2_500_000),                                   # 10M characters
+        dict(prompt="hi", stop=["x"] * 10_000),
+        dict(prompt="hi", max_tokens=2**31 - 1),
+        dict(prompt="hi", n=2**31),
+    ]
+    for fields in absurd:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            llama_planes.generate(**fields)
+        assert info.value.code() in ALLOWED, info.value.details()
+        assert time.monotonic() - t0 < 10
+    assert llama_planes.wait_for_free_blocks(start_free) == start_free
+    ok = llama_planes.generate(prompt="hello", max_tokens=2, ignore_eos=True)
+    assert completion(ok)[2] == pb.FINISH_REASON_LENGTH
