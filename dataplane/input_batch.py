@@ -52,6 +52,7 @@ class InputBatch:
         self.has_seed = np.zeros(max_seqs, dtype=bool)
         self.logprobs = np.zeros(max_seqs, dtype=np.int64)
         self.uses_history = np.zeros(max_seqs, dtype=bool)
+        self.num_history_rows = 0   # rows that keep a token history (penalties)
         self.rows: dict[int, int] = {}
         self.sampling: list[SamplingRow | None] = [None] * max_seqs
         self._free_rows = list(range(max_seqs - 1, -1, -1))
@@ -64,6 +65,8 @@ class InputBatch:
         row = self.rows.pop(seq_id, None)
         if row is not None:
             self.sampling[row] = None
+            self.num_history_rows -= int(self.uses_history[row])
+            self.uses_history[row] = False
             self._free_rows.append(row)
 
     def _set_blocks(self, row: int, start: int, ids) -> None:
@@ -95,6 +98,7 @@ class InputBatch:
         self.has_seed[row] = r.seed is not None
         self.seed[row] = signed_seed(r.seed or 0)
         self.uses_history[row] = r.uses_history
+        self.num_history_rows += int(r.uses_history)
         self._set_blocks(row, 0, block_ids)
         return row
 

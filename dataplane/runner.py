@@ -171,6 +171,8 @@ class ModelRunner:
     def needs_history(self, step: pb.StepRequest) -> bool:
         """Whether the step may sample a sequence whose penalties need its token history
         (then the step before must be finished first, so that history is complete)."""
+        if self.batch.num_history_rows == 0:   # the common case costs nothing per step
+            return False
         rows = [self.batch.rows.get(s) for s in step.running_seq_ids]
         rows = np.asarray([r for r in rows if r is not None], dtype=np.int64)
         return bool(len(rows) and self.batch.history_mask(rows).any())

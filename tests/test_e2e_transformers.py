@@ -62,3 +62,22 @@ def test_greedy_matches_transformers(variant, checkpoint_factory):
         assert planes.wait_for_free_blocks(128) == 128
     finally:
         planes.close()
+
+
+def test_repetition_penalty_matches_transformers(checkpoint_factory):
+    """Penalties need each sequence's token history on the worker, also with two steps in
+    flight (the step before is finished first): greedy with a repetition penalty matches
+    transformers' RepetitionPenaltyLogitsProcessor token for token."""
+    path = checkpoint_factory("llama-gqa4-hd64-untied")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    planes = Planes(path, num_kv_blocks=64)
+    try:
+        for prompt in _prompts(5, n=3):
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              repetition_penalty=1.5, eos_token_id=None, pad_token_id=0)
+            ids, _, _ = completion(planes.generate(
+                prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=NEW_TOKENS, ignore_eos=True,
+                sampling=pb.SamplingParams(temperature=0, repetition_penalty=1.5)))
+            assert ids == ref[0, len(prompt):].tolist()
+    finally:
+        planes.close()
