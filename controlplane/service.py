@@ -11,7 +11,7 @@ from controlplane.engine import Engine
 from controlplane.logs import get_logger
 from controlplane.metrics import rpc_status
 from controlplane.tokenizer import ModelTokenizer
-from controlplane.validation import ValidationError, build_request
+from controlplane.validation import MAX_PROMPT_CHARS, ValidationError, build_request
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
@@ -73,6 +73,9 @@ class InferenceService(pb_grpc.InferenceServicer):
             raise
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
+        if len(request.text) > MAX_PROMPT_CHARS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"text is longer than {MAX_PROMPT_CHARS} characters")
         ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
         return pb.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.tokens(ids))
 
