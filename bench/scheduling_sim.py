@@ -31,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from controlplane.block_manager import BlockManager
 from controlplane.output import OutputText
 from controlplane.policy import Policy
-from controlplane.request import Request, Sequence, Status
+from controlplane.request import Request, Sequence
 from controlplane.scheduler import ScheduledStep, Scheduler
 from headrace.dataplane.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb

@@ -150,7 +150,7 @@ def _worker_argv(args, listen: str, rank: int = 0, dist_init: str | None = None)
 
 
 def cmd_serve(args) -> int:
-    from controlplane import telemetry
+    from controlplane import tracing
     from controlplane.server import serve_until_signal
     from controlplane.supervisor import DataPlaneChildren
 
@@ -167,34 +167,34 @@ def cmd_serve(args) -> int:
         return [_worker_argv(args, listen, r, dist_init) for r, listen in enumerate(listens)]
 
     children = DataPlaneChildren(argvs, env)
-    telemetry.setup_tracing("headrace-controlplane")
+    tracing.setup_tracing("headrace-controlplane")
     try:
         asyncio.run(serve_until_signal(args.model, listens, f"{args.host}:{args.port}",
                                        _engine_config(args), **_plane_options(args)))
     finally:
-        telemetry.shutdown_tracing()
+        tracing.shutdown_tracing()
         children.stop()
     return 0
 
 
 def cmd_controlplane(args) -> int:
-    from controlplane import telemetry
+    from controlplane import tracing
     from controlplane.server import serve_until_signal
 
-    telemetry.setup_tracing("headrace-controlplane")
+    tracing.setup_tracing("headrace-controlplane")
     try:
         asyncio.run(serve_until_signal(args.model or _default_model(), args.workers.split(","),
                                        f"{args.host}:{args.port}", _engine_config(args),
                                        **_plane_options(args)))
     finally:
-        telemetry.shutdown_tracing()
+        tracing.shutdown_tracing()
     return 0
 
 
 def cmd_dataplane(args) -> int:
     import threading
 
-    from controlplane import telemetry
+    from controlplane import tracing
     from dataplane import parallel
     from dataplane.server import serve
     from dataplane.worker import Worker, WorkerOptions
@@ -209,7 +209,7 @@ def cmd_dataplane(args) -> int:
                          gpu_memory_utilization=args.gpu_memory_utilization,
                          max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                          cuda_graphs=not args.no_cuda_graphs)
-    telemetry.setup_tracing("headrace-dataplane")
+    tracing.setup_tracing("headrace-dataplane")
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
@@ -233,7 +233,7 @@ def cmd_dataplane(args) -> int:
     done.wait()
     server.stop(grace=2).wait()
     server.worker_service.metrics.close()
-    telemetry.shutdown_tracing()
+    tracing.shutdown_tracing()
     if args.listen.startswith("unix:"):
         pathlib.Path(args.listen[5:]).unlink(missing_ok=True)
     return 0

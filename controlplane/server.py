@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from controlplane import security, telemetry
+from controlplane import security, tracing
 from controlplane.admin import AdminService, wait_until
 from controlplane.engine import Engine, EngineConfig
 from controlplane.metrics import ControlPlaneMetrics, MetricsInterceptor
@@ -70,7 +70,7 @@ class ControlPlane:
         interceptors = [MetricsInterceptor(self.metrics, skip=(f"/{INFERENCE}/Generate",))]
         if api_token:   # the Admin service checks its own token
             interceptors.insert(0, security.BearerTokenInterceptor(api_token, exempt=(f"/{ADMIN}/",)))
-        provider = telemetry.tracer_provider()
+        provider = tracing.tracer_provider()
         if provider is not None:
             from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import structlog
 
-from controlplane import telemetry
+from controlplane import tracing
 from controlplane.engine import Engine
 from controlplane.logs import get_logger
 from controlplane.metrics import rpc_status
@@ -33,7 +33,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)")
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        trace_id = telemetry.request_trace_id(context.invocation_metadata())
+        trace_id = tracing.request_trace_id(context.invocation_metadata())
         structlog.contextvars.bind_contextvars(request_id=request.request_id, trace_id=trace_id)
         engine = self.engine
         try:
@@ -68,7 +68,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         except BaseException as exc:
             code = rpc_status(context, exc)
             engine.telemetry.metrics.rpc_error("Generate", code)
-            telemetry.mark_span_failed(code)
+            tracing.mark_span_failed(code)
             log.info("request failed", code=code.name, details=context.details() or repr(exc))
             raise
 

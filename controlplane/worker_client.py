@@ -33,9 +33,9 @@ class WorkerError(RuntimeError):
 def _tracing_interceptors() -> list:
     """OpenTelemetry client interceptors for Describe/Reload (the Execute stream carries its
     trace context per step instead); none when tracing is off."""
-    from controlplane import telemetry
+    from controlplane import tracing
 
-    provider = telemetry.tracer_provider()
+    provider = tracing.tracer_provider()
     if provider is None:
         return []
     from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters

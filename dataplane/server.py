@@ -18,7 +18,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from controlplane import telemetry
+from controlplane import tracing
 from controlplane import security
 from dataplane.runner import StepError, StepPipeline
 from dataplane.telemetry import DataPlaneMetrics, StepTracer
@@ -174,7 +174,7 @@ def serve(worker: Worker | None, address: str, *, metrics_port: int | None = Non
     ``metrics_port``: None serves no /metrics, 0 an ephemeral port. ``credentials``: TLS (mutual
     with a client CA); ``secret``: only callers presenting it (the control plane) are served."""
     interceptors = [security.SharedSecretInterceptor(secret)] if secret else []
-    provider = telemetry.tracer_provider()
+    provider = tracing.tracer_provider()
     if provider is not None:
         from opentelemetry.instrumentation.grpc import filters, server_interceptor
 

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 from opentelemetry.trace import Link, Status, StatusCode
 
-from controlplane import telemetry
+from controlplane import tracing
 from controlplane.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Exporter, Histogram
 
 P = PREFIX + "dataplane_"
@@ -86,18 +86,18 @@ class StepTracer:
     request spans the step serves."""
 
     def __init__(self):
-        self.tracer = telemetry.get_tracer("headrace.dataplane")
+        self.tracer = tracing.get_tracer("headrace.dataplane")
 
     def start(self, step):
         if self.tracer is None or not step.trace_context:
             return None
         links = []
         for tp in step.trace_links:
-            ctx = telemetry.span_context_of(tp)
+            ctx = tracing.span_context_of(tp)
             if ctx.is_valid:
                 links.append(Link(ctx))
         return self.tracer.start_span(
-            "headrace.dataplane.step", context=telemetry.extract(dict(step.trace_context)),
+            "headrace.dataplane.step", context=tracing.extract(dict(step.trace_context)),
             links=links, attributes={"headrace.step_id": step.step_id,
                                      "headrace.new_seqs": len(step.new_seqs),
                                      "headrace.running_seqs": len(step.running_seq_ids),

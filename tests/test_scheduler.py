@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from controlplane.block_manager import BlockManager
 from controlplane.output import OutputText
 from controlplane.policy import Policy
-from controlplane.request import Request, Sequence, Status
+from controlplane.request import Request, Sequence
 from controlplane.scheduler import Scheduler
 from headrace.dataplane.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb

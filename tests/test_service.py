@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import random
-import time
 
 import grpc
 import pytest

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from controlplane import telemetry
+from controlplane import tracing
 from controlplane.engine import EngineConfig
 from controlplane.metrics import Histogram
 from tests.checkpoints import make_checkpoint
@@ -36,11 +36,11 @@ def traced(model_dir):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    telemetry.enable_tracing(provider)
+    tracing.enable_tracing(provider)
     try:
         planes = Planes(model_dir, num_kv_blocks=8, config=EngineConfig(max_batched_tokens=32))
     finally:
-        telemetry.disable_tracing()   # planes built later in this process do not trace
+        tracing.disable_tracing()   # planes built later in this process do not trace
     yield planes, exporter
     planes.close()
 
@@ -152,7 +152,7 @@ def test_preemption_is_an_event_of_the_decode_span(traced):
 
 
 def test_untraced_planes_create_no_spans_and_send_no_context(model_dir, monkeypatch):
-    assert telemetry.tracer_provider() is None
+    assert tracing.tracer_provider() is None
     planes = Planes(model_dir, num_kv_blocks=16)
     try:
         assert planes.engine.telemetry.tracer is None
@@ -178,33 +178,33 @@ OTEL_VARS = ("OTEL_SDK_DISABLED", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_EN
 
 
 def test_tracing_follows_the_otel_environment(monkeypatch):
-    assert telemetry.tracer_provider() is None
+    assert tracing.tracer_provider() is None
     for name in OTEL_VARS:
         monkeypatch.delenv(name, raising=False)
-    assert not telemetry.tracing_requested() and not telemetry.setup_tracing("x", set_global=False)
+    assert not tracing.tracing_requested() and not tracing.setup_tracing("x", set_global=False)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://otel-collector:4317")
-    assert telemetry.tracing_requested()
+    assert tracing.tracing_requested()
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
-    assert not telemetry.tracing_requested()
+    assert not tracing.tracing_requested()
     monkeypatch.delenv("OTEL_SDK_DISABLED")
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
-    assert not telemetry.tracing_requested()
+    assert not tracing.tracing_requested()
     monkeypatch.delenv("OTEL_TRACES_EXPORTER")
     try:   # OTLP exporter, default service name
-        assert telemetry.setup_tracing("headrace-dataplane", set_global=False)
-        provider = telemetry.tracer_provider()
+        assert tracing.setup_tracing("headrace-dataplane", set_global=False)
+        provider = tracing.tracer_provider()
         assert provider.resource.attributes["service.name"] == "headrace-dataplane"
-        assert telemetry.get_tracer("t") is not None
+        assert tracing.get_tracer("t") is not None
     finally:
-        telemetry.shutdown_tracing()
+        tracing.shutdown_tracing()
     monkeypatch.setenv("OTEL_SERVICE_NAME", "mesh-llm")
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
     try:
-        assert telemetry.setup_tracing("headrace-controlplane", set_global=False)
-        assert telemetry.tracer_provider().resource.attributes["service.name"] == "mesh-llm"
+        assert tracing.setup_tracing("headrace-controlplane", set_global=False)
+        assert tracing.tracer_provider().resource.attributes["service.name"] == "mesh-llm"
     finally:
-        telemetry.shutdown_tracing()
-    assert telemetry.tracer_provider() is None and telemetry.get_tracer("t") is None
+        tracing.shutdown_tracing()
+    assert tracing.tracer_provider() is None and tracing.get_tracer("t") is None
 
 
 # -- metrics -------------------------------------------------------------------------------------
