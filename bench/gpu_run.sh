@@ -1,24 +1,40 @@
 #!/usr/bin/env bash
-# One device call (run from a checkout on the H200): GPU correctness of the end-to-end path
-# against transformers, then the serving workloads through the gRPC planes and in one process,
-# and W3. Usage: bash bench/gpu_run.sh [hf]   (hf: also transformers' W1 reference)
+# One device call (run from a checkout on the H200): GPU correctness, then the serving workloads
+# through the gRPC planes and in one process. Usage:
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w3 hf spy (default: tests w2 w1 w3)
+# spy: W1 through the gRPC planes again, sampled by py-spy (raw stacks in $OUT/w1-stacks.txt).
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/protos:$PWD/bench:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+SECTIONS=${*:-tests w2 w1 w3}
 log() { echo "== $* ($(date +%T))"; }
+has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 log gpu; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-log e2e-gpu
-HEADRACE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
-  tests/test_e2e_transformers.py -k "llama-gqa4 or qwen3" \
-  tests/test_scheduling_e2e.py::test_overlap_on_and_off_give_the_same_outputs 2>&1 | tail -3
-log ckpt; python3 bench/random_checkpoint.py qwen3-0.6b /tmp/qwen3 --device cuda
+if has tests; then
+  log tests-gpu
+  HEADRACE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_staging.py tests/test_kernels_triton.py \
+    tests/test_e2e_transformers.py -k "llama-gqa4 or qwen3 or race or staging or packed or download" \
+    tests/test_scheduling_e2e.py::test_overlap_on_and_off_give_the_same_outputs 2>&1 | tail -3
+fi
+if has w1 || has w2 || has hf || has spy; then
+  log ckpt; python3 bench/random_checkpoint.py qwen3-0.6b /tmp/qwen3 --device cuda
+fi
 for w in w2 w1; do
+  has $w || continue
   log "$w grpc"; timeout 150 python3 -P bench/serving_bench.py --model /tmp/qwen3 --workload $w | tee -a "$OUT/results.jsonl"
   log "$w in one process"; timeout 150 python3 -P bench/inprocess_bench.py --model /tmp/qwen3 --workload $w | tee -a "$OUT/results.jsonl"
 done
-[ "${1:-}" = hf ] && { log hf; timeout 120 python3 -P bench/hf_reference.py /tmp/qwen3 | tee -a "$OUT/results.jsonl"; }
-log ckpt8b; rm -rf /tmp/qwen3; python3 bench/random_checkpoint.py llama-3.1-8b /tmp/llama8b --device cuda
-log w3; timeout 200 python3 -P bench/serving_bench.py --model /tmp/llama8b --workload w3 --num-seqs 256 \
-  --serve-args "--device cuda --max-running 256 --max-batched-tokens 8192 --max-model-len 4096" \
-  | tee -a "$OUT/results.jsonl"
+if has spy; then
+  log "w1 grpc, py-spy"
+  timeout 150 python3 -P bench/serving_bench.py --model /tmp/qwen3 --workload w1 --py-spy "$OUT/w1-stacks.txt" \
+    | tee -a "$OUT/results.jsonl"
+fi
+if has hf; then log hf; timeout 120 python3 -P bench/hf_reference.py /tmp/qwen3 | tee -a "$OUT/results.jsonl"; fi
+if has w3; then
+  log ckpt8b; rm -rf /tmp/qwen3; python3 bench/random_checkpoint.py llama-3.1-8b /tmp/llama8b --device cuda
+  log w3; timeout 200 python3 -P bench/serving_bench.py --model /tmp/llama8b --workload w3 --num-seqs 256 \
+    --serve-args "--device cuda --max-running 256 --max-batched-tokens 8192 --max-model-len 4096" \
+    | tee -a "$OUT/results.jsonl"
+fi
 log done; cat "$OUT/results.jsonl" 2>/dev/null

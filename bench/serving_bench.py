@@ -51,11 +51,27 @@ async def run_one(stub, prompt, max_tokens, temperature, stamps: list | None = N
     return count
 
 
-async def throughput(stub, requests) -> dict:
+def start_py_spy(pid: int | None, out: str | None, seconds: float):
+    """Samples the server's processes (control plane and data planes) with py-spy, if asked."""
+    if not out or pid is None:
+        return None
+    cmd = ["py-spy", "record", "--pid", str(pid), "--subprocesses", "--format", "raw", "--rate", "250",
+           "--nonblocking", "--duration", str(int(seconds)), "-o", out]
+    try:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    except OSError as exc:
+        print(f"py-spy unavailable: {exc}", file=sys.stderr)
+        return None
+
+
+async def throughput(stub, requests, profile=lambda: None) -> dict:
     await run_one(stub, [1, 2, 3], 4, 0.6)    # warm-up
+    spy = profile()
     start = time.perf_counter()
     counts = await asyncio.gather(*(run_one(stub, *r) for r in requests))
     wall = time.perf_counter() - start
+    if spy is not None:
+        spy.wait(60)
     return {"requests": len(requests), "output_tokens": sum(counts), "wall_s": round(wall, 3),
             "output_tok_per_s": round(sum(counts) / wall, 1)}
 
@@ -87,10 +103,11 @@ async def main_async(args) -> dict:
             raise SystemExit("server never became ready")
         ready = time.perf_counter() - t0
         stub = pb_grpc.InferenceStub(channel)
+        profile = lambda: start_py_spy(args.server_pid, args.py_spy, args.py_spy_seconds)  # noqa: E731
         if args.workload == "w1":
-            out = await throughput(stub, w1_requests())
+            out = await throughput(stub, w1_requests(), profile)
         elif args.workload == "w3":
-            out = await throughput(stub, w3_requests(args.num_seqs))
+            out = await throughput(stub, w3_requests(args.num_seqs), profile)
         else:
             out = await latency(stub)
         out.update(workload=args.workload, seconds_to_ready=round(ready, 1))
@@ -105,13 +122,16 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=50151)
     ap.add_argument("--num-seqs", type=int, default=512, help="w3: sequences")
     ap.add_argument("--serve-args", default="--device cuda --max-running 256 --max-batched-tokens 8192")
+    ap.add_argument("--py-spy", default=None, help="w1/w3: write py-spy raw stacks of the server here")
+    ap.add_argument("--py-spy-seconds", type=float, default=8)
     args = ap.parse_args()
-    server = None
+    server, args.server_pid = None, None
     if args.address is None:
         args.address = f"127.0.0.1:{args.port}"
         cmd = [sys.executable, "-m", "controlplane.cli", "serve", "--model", args.model,
                "--host", "127.0.0.1", "--port", str(args.port), *args.serve_args.split()]
         server = subprocess.Popen(cmd, env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"))
+        args.server_pid = server.pid
     try:
         print(json.dumps(asyncio.run(main_async(args))), flush=True)
     finally:

@@ -13,7 +13,6 @@ import time
 
 import torch
 
-from dataplane.input_batch import PreparedBatch
 from dataplane.model import AttentionMetadata, CausalLM
 
 
@@ -68,18 +67,18 @@ class DecodeGraphs:
     def fits(self, batch: int) -> bool:
         return bool(self.graphs) and batch <= self.max_batch
 
-    def run(self, prep: PreparedBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        """Hidden states [batch, hidden] of a decode-only prepared batch (``input_ids`` on the
-        device: the tokens may have been sampled by the step before, still in flight)."""
-        n = len(prep.positions)
+    def run(self, input_ids: torch.Tensor, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Hidden states [batch, hidden] of a decode-only step: ``input_ids`` and the uploaded
+        ``dev`` inputs (positions, slot_mapping, seq_lens, block_tables) are device tensors,
+        copied into the graph's buffers in stream order (the ids may still be in flight)."""
+        n = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= n)
-        t = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(t(prep.positions), non_blocking=True)
-        self.slot_mapping[:n].copy_(t(prep.slot_mapping), non_blocking=True)
-        self.seq_lens[:n].copy_(t(prep.seq_lens), non_blocking=True)
-        width = prep.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(t(prep.block_tables), non_blocking=True)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(dev["positions"])
+        self.slot_mapping[:n].copy_(dev["slot_mapping"])
+        self.seq_lens[:n].copy_(dev["seq_lens"])
+        tables = dev["block_tables"]
+        self.block_tables[:n, :tables.shape[1]].copy_(tables)
         if size > n:   # padded rows: write nowhere, attend to one position of block 0
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)

@@ -169,7 +169,7 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = (self.model.embed_tokens.weight if self.cfg.tie_word_embeddings
                   else self.lm_head.weight)
-        logits = torch.nn.functional.linear(hidden, weight).float()
+        logits = torch.nn.functional.linear(hidden, weight)
         if self.shard.world == 1:
             return logits
         return parallel.all_gather_last(logits)[:, :self.shard.vocab_size]

@@ -26,7 +26,8 @@ import kernels
 from dataplane import parallel
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
 from dataplane.model import AttentionMetadata, CausalLM
-from dataplane.sampler import SampleOutput, SamplingRow, sample
+from dataplane import staging
+from dataplane.sampler import SampleOutput, SamplingBatch, SamplingRow, device_arrays, sample
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 StepError = BatchError
@@ -58,7 +59,7 @@ class Launched:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
-                 graphs=None, rank: int = 0):
+                 graphs=None, rank: int = 0, seed: int | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -70,15 +71,15 @@ class ModelRunner:
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.graphs = graphs   # dataplane.cuda_graphs.DecodeGraphs or None
         self.rank = rank
+        self.rng = np.random.default_rng(seed)   # seeds of the unseeded rows' sampling noise
 
     def reset(self) -> None:
         """Forgets every sequence (a new control plane stream starts from nothing)."""
         self.batch.clear()
 
-    def _t(self, a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
-
-    def _apply_diff(self, step: pb.StepRequest) -> tuple[np.ndarray, np.ndarray]:
+    def _apply_diff(self, step: pb.StepRequest) -> tuple[np.ndarray, np.ndarray, list, list]:
+        """Updates the mirror; returns the step's (rows, tokens scheduled) and the new rows with
+        their last known token (the device's last-token table learns them from the upload)."""
         batch = self.batch
         for sid in step.finished_seq_ids:
             batch.remove(sid)
@@ -90,8 +91,7 @@ class ModelRunner:
             rows.append(row)
             counts.append(new.num_scheduled_tokens)
             last.append((row_state.output_token_ids or row_state.prompt_token_ids)[-1])
-        if last:
-            self.last_token[self._t(np.asarray(rows))] = self._t(np.asarray(last, dtype=np.int64))
+        new_rows = list(rows)
         n_blocks, block_ids, pos = step.running_new_block_counts, step.running_new_block_ids, 0
         for i, sid in enumerate(step.running_seq_ids):
             row = batch.row_of(sid)
@@ -103,51 +103,70 @@ class ModelRunner:
         counts.extend(step.running_num_scheduled)
         if len(counts) != len(rows) or len(set(rows)) != len(rows):
             raise StepError("running_num_scheduled does not match running_seq_ids, or a sequence repeats")
-        if step.copy_src_blocks or step.copy_dst_blocks:
-            self._copy_blocks(step.copy_src_blocks, step.copy_dst_blocks)
-        return np.asarray(rows, dtype=np.int64), np.asarray(counts, dtype=np.int64)
-
-    def _copy_blocks(self, src, dst) -> None:
+        src, dst = step.copy_src_blocks, step.copy_dst_blocks
         if len(src) != len(dst) or any(b >= self.num_blocks for b in list(src) + list(dst)):
             raise StepError("copy_src_blocks/copy_dst_blocks: mismatched or out of range")
-        kernels.copy_blocks(self.kv_caches, torch.tensor(src, device=self.device),
-                            torch.tensor(dst, device=self.device))
+        return (np.asarray(rows, dtype=np.int64), np.asarray(counts, dtype=np.int64), new_rows, last)
 
-    def _inputs(self, prep: PreparedBatch):
-        """(input_ids, positions, metadata) on the device; decodes read the device's last tokens."""
+    def _host_arrays(self, step: pb.StepRequest, prep: PreparedBatch, new_rows: list, new_last: list,
+                     sampling: SamplingBatch | None) -> dict[str, np.ndarray]:
+        """Every array the step's device work reads, to be uploaded in one copy."""
+        arrays = dict(positions=prep.positions, slot_mapping=prep.slot_mapping,
+                      query_start_loc=prep.query_start_loc, seq_lens=prep.seq_lens,
+                      block_tables=prep.block_tables, last_rows=prep.last_rows,
+                      sample_rows=prep.sample_rows, logits_indices=prep.logits_indices)
+        if not prep.decode_only:
+            arrays.update(input_ids=prep.input_ids, last_index=prep.last_index)
+        if new_rows:
+            arrays.update(new_rows=np.asarray(new_rows, dtype=np.int64),
+                          new_last=np.asarray(new_last, dtype=np.int64))
+        if step.copy_src_blocks:
+            arrays.update(copy_src=np.asarray(step.copy_src_blocks, dtype=np.int64),
+                          copy_dst=np.asarray(step.copy_dst_blocks, dtype=np.int64))
+        if sampling is not None and self.rank == 0:
+            arrays.update({"s_" + k: v for k, v in device_arrays(sampling, self.rng).items()})
+        return arrays
+
+    def _hidden(self, prep: PreparedBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Final hidden states of the step's tokens; decodes read the device's last tokens."""
         if prep.decode_only:
-            input_ids = self.last_token[self._t(prep.last_rows)]
+            input_ids = self.last_token[dev["last_rows"]]
         else:
-            input_ids = self._t(prep.input_ids)
+            input_ids = dev["input_ids"]
             if len(prep.last_index):
-                input_ids[self._t(prep.last_index)] = self.last_token[self._t(prep.last_rows)]
-        meta = AttentionMetadata(slot_mapping=self._t(prep.slot_mapping),
-                                 query_start_loc=self._t(prep.query_start_loc),
-                                 seq_lens=self._t(prep.seq_lens), block_tables=self._t(prep.block_tables),
-                                 max_query_len=prep.max_query_len, decode_only=prep.decode_only)
-        return input_ids, meta
-
-    def _hidden(self, prep: PreparedBatch) -> torch.Tensor:
-        input_ids, meta = self._inputs(prep)
+                input_ids[dev["last_index"]] = self.last_token[dev["last_rows"]]
         if self.graphs is not None and prep.decode_only and self.graphs.fits(len(prep.positions)):
-            return self.graphs.run(prep, input_ids)
-        return self.model(input_ids, self._t(prep.positions), self.kv_caches, meta)
+            return self.graphs.run(input_ids, dev)
+        meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"],
+                                 seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
+                                 max_query_len=prep.max_query_len, decode_only=prep.decode_only)
+        return self.model(input_ids, dev["positions"], self.kv_caches, meta)
 
     @torch.inference_mode()
     def launch(self, step: pb.StepRequest) -> Launched:
+        """Enqueues the step's device work (inputs in one upload, forward, sampling, the copy of
+        the sampled ids to the host) without waiting for the device."""
         launched = Launched(step.step_id, time.perf_counter())
-        rows, counts = self._apply_diff(step)
+        rows, counts, new_rows, new_last = self._apply_diff(step)
         if len(rows) == 0:
             return launched
         prep = self.batch.prepare(rows, counts)
-        hidden = self._hidden(prep)
         sample_rows = prep.sample_rows
-        if len(sample_rows) == 0:   # a step of prefill chunks only: KV written, nothing sampled
+        sampling = self.batch.sampling_batch(sample_rows) if len(sample_rows) else None
+        dev = staging.upload(self._host_arrays(step, prep, new_rows, new_last, sampling), self.device)
+        if new_rows:
+            self.last_token[dev["new_rows"]] = dev["new_last"]
+        if "copy_src" in dev:
+            kernels.copy_blocks(self.kv_caches, dev["copy_src"], dev["copy_dst"])
+        hidden = self._hidden(prep, dev)
+        if sampling is None:   # a step of prefill chunks only: KV written, nothing sampled
             return launched
         if len(prep.logits_indices) != hidden.shape[0]:
-            hidden = hidden[self._t(prep.logits_indices)]
-        out = self._sample(self.model.logits(hidden), sample_rows)
-        self.last_token[self._t(sample_rows)] = out.token_ids
+            hidden = hidden[dev["logits_indices"]]
+        out = self._sample(self.model.logits(hidden), sampling,
+                           {k[2:]: v for k, v in dev.items() if k.startswith("s_")})
+        self.last_token[dev["sample_rows"]] = out.token_ids
+        out.start_download()
         launched.out = out
         launched.seq_ids = self.seq_of_row[sample_rows].tolist()
         keep = self.batch.history_mask(sample_rows)
@@ -157,12 +176,13 @@ class ModelRunner:
             launched.done.record()
         return launched
 
-    def _sample(self, logits: torch.Tensor, sample_rows: np.ndarray) -> SampleOutput:
+    def _sample(self, logits: torch.Tensor, sampling: SamplingBatch,
+                dev: dict[str, torch.Tensor]) -> SampleOutput:
         """Rank 0 samples; with more ranks it broadcasts the ids (the others get ids only)."""
         if self.rank == 0:
-            out = sample(logits, self.batch.sampling_batch(sample_rows))
+            out = sample(logits, sampling, dev)
         else:
-            out = SampleOutput(torch.empty(len(sample_rows), dtype=torch.int64, device=self.device),
+            out = SampleOutput(torch.empty(logits.shape[0], dtype=torch.int64, device=self.device),
                                None, None, None, [])
         if parallel.world_size() > 1:
             out.token_ids = parallel.broadcast(out.token_ids.contiguous(), 0)

@@ -1,12 +1,15 @@
 """Turns the logits of the sequences that sample in a step into token ids (and logprobs).
 
 Greedy when temperature is 0; otherwise penalties, temperature, top-k, top-p and min-p, then
-an exponential race (argmax of p / Exp(1) noise), which samples from p. The per-row
-parameters arrive as numpy arrays (``SamplingBatch``) and all of the work is batched tensor
-work on the logits' device, with no host synchronisation until the ids are read; the filters
-and penalties run only when some row asks for them. A seeded sequence draws its noise from a
-counter-based hash of (seed, output index, token id), so its tokens depend on nothing but its
-own seed and history: not on its batch neighbours, and not on preemption and resumption.
+an exponential race (argmax of logits / t - log E with E ~ Exp(1)), which samples from the
+softmax without computing it: ``kernels.sample_race``, one pass over the logits on a GPU. The
+per-row parameters arrive as numpy arrays (``SamplingBatch``); ``device_arrays`` names what
+the device needs, which the runner uploads with the step's other inputs in one copy, so
+sampling never waits on the host. The filters and penalties run only when some row asks for
+them. The race's noise is a counter-based hash of (seed, output index, token id): a seeded
+sequence's tokens depend on nothing but its own seed and history (not on its batch neighbours,
+nor on preemption and resumption); unseeded rows get fresh random seeds every step (on a CPU,
+where hashing costs more than the model, torch's exponential noise instead).
 """
 
 from __future__ import annotations
@@ -16,11 +19,10 @@ import dataclasses
 import numpy as np
 import torch
 
+import kernels
+from dataplane import staging
+
 _MASK = float("-inf")
-# splitmix64 constants as signed 64-bit integers (torch has no uint64 arithmetic)
-_GOLDEN = -7046029254386353131      # 0x9E3779B97F4A7C15
-_MIX1 = -4658895280553007687        # 0xBF58476D1CE4E5B9
-_MIX2 = -7723592293110705685        # 0x94D049BB133111EB
 
 
 @dataclasses.dataclass
@@ -77,21 +79,29 @@ class SamplingBatch:
 
 @dataclasses.dataclass
 class SampleOutput:
-    """Sampled ids (and logprobs when asked) as device tensors; ``to_host`` reads them."""
+    """Sampled ids (and logprobs when asked) as device tensors; ``start_download`` queues their
+    copy to pinned host memory, ``to_host`` reads them (after the step's event, on a GPU)."""
 
     token_ids: torch.Tensor                # [rows] int64
     logprobs: torch.Tensor | None          # [rows] sampled tokens' logprobs
     top_ids: torch.Tensor | None           # [rows, k_max]
     top_values: torch.Tensor | None
     ks: list[int]                          # logprobs wanted per row
+    _host: list | None = None
+
+    def start_download(self) -> None:
+        self._host = [None if t is None else staging.download(t)
+                      for t in (self.token_ids, self.logprobs, self.top_ids, self.top_values)]
 
     def to_host(self) -> tuple[list[int], list[float] | None, list[list[int]] | None,
                                list[list[float]] | None]:
-        tokens = self.token_ids.tolist()
-        if self.logprobs is None:
+        tok, logprobs, top_ids, top_values = self._host or (
+            self.token_ids, self.logprobs, self.top_ids, self.top_values)
+        tokens = tok.tolist()
+        if logprobs is None:
             return tokens, None, None, None
-        ids, vals = self.top_ids.tolist(), self.top_values.tolist()
-        return (tokens, self.logprobs.tolist(), [ids[i][:k] for i, k in enumerate(self.ks)],
+        ids, vals = top_ids.tolist(), top_values.tolist()
+        return (tokens, logprobs.tolist(), [ids[i][:k] for i, k in enumerate(self.ks)],
                 [vals[i][:k] for i, k in enumerate(self.ks)])
 
 
@@ -116,69 +126,72 @@ def _apply_penalties(logits: torch.Tensor, penalized: list[tuple[int, SamplingRo
             logits[i, r.suppress_token_ids] = _MASK
 
 
-def _dev(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(a).to(device, non_blocking=True)
+def _filters(b: SamplingBatch) -> tuple[bool, bool, bool]:
+    return bool((b.top_k > 0).any()), bool((b.top_p < 1.0).any()), bool((b.min_p > 0).any())
 
 
-def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+def device_arrays(b: SamplingBatch, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """What ``sample`` reads on the device, as host arrays (uploaded by the caller)."""
+    greedy = b.temperature <= 0
+    top_k, top_p, min_p = _filters(b)
+    filtered = top_k or top_p or min_p
+    random_seeds = rng.integers(-(1 << 63), (1 << 63) - 1, size=len(b.seed), dtype=np.int64)
+    arrays = {
+        # the race divides by this: the filters already divided by the temperature
+        "race_temp": np.where(greedy, 0.0, 1.0 if filtered else b.temperature).astype(np.float32),
+        "seeds": np.where(b.has_seed, b.seed, random_seeds),
+        "counters": b.num_output.astype(np.int64),
+    }
+    if filtered:
+        arrays["temp"] = np.where(greedy, 1.0, b.temperature).astype(np.float32)
+    if top_k or top_p:
+        arrays["top_k"], arrays["top_p"] = b.top_k, b.top_p
+    if min_p:
+        arrays["min_p"] = b.min_p
+    return arrays
+
+
+def _filter(logits: torch.Tensor, b: SamplingBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor:
     """Temperature, then top-k / top-p / min-p where any row asks for them."""
-    dev = logits.device
-    temp = np.where(b.temperature > 0, b.temperature, 1.0).astype(np.float32)
-    logits = logits / _dev(temp, dev)[:, None]
-    if (b.top_k > 0).any() or (b.top_p < 1.0).any():
-        top_k, top_p = _dev(b.top_k, dev), _dev(b.top_p, dev)
+    logits = logits / dev["temp"][:, None]
+    if "top_k" in dev:
+        top_k, top_p = dev["top_k"], dev["top_p"]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(logits.shape[1], device=dev)[None, :]
+        ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
         sorted_logits = sorted_logits.masked_fill((top_k[:, None] > 0) & (ranks >= top_k[:, None]), _MASK)
         probs = sorted_logits.softmax(-1)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         sorted_logits = sorted_logits.masked_fill((probs.cumsum(-1) - probs) >= top_p[:, None], _MASK)
         logits = torch.full_like(logits, _MASK).scatter(1, order, sorted_logits)
-    if (b.min_p > 0).any():
+    if "min_p" in dev:
         probs = logits.softmax(-1)
-        cut = probs.max(-1, keepdim=True).values * _dev(b.min_p, dev)[:, None]
+        cut = probs.max(-1, keepdim=True).values * dev["min_p"][:, None]
         logits = logits.masked_fill(probs < cut, _MASK)
     return logits
 
 
-def _srl(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 values."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def hashed_exponential(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise [rows, vocab] from splitmix64 of (seed, counter, token id): reproducible on
-    a given device whatever else is in the batch."""
-    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    x = (seeds[:, None] * _GOLDEN) ^ (counters[:, None] * _MIX2) ^ v[None, :]
-    x = x + _GOLDEN
-    x = (x ^ _srl(x, 30)) * _MIX1
-    x = (x ^ _srl(x, 27)) * _MIX2
-    x = x ^ _srl(x, 31)
-    u = (_srl(x, 11).double() + 0.5) / float(1 << 53)
-    return (-u.log()).float()
-
-
-def sample(logits: torch.Tensor, b: SamplingBatch) -> SampleOutput:
-    """logits: [rows, vocab] float32 (modified in place)."""
-    dev = logits.device
+def sample(logits: torch.Tensor, b: SamplingBatch, dev: dict[str, torch.Tensor] | None = None,
+           rng: np.random.Generator | None = None) -> SampleOutput:
+    """logits: [rows, vocab] in the model's dtype; ``dev``: ``device_arrays`` on the logits'
+    device (uploaded here from ``rng``'s seeds when not given)."""
+    if dev is None:
+        dev = staging.upload(device_arrays(b, rng or np.random.default_rng()), logits.device)
     want = int(b.logprobs.max()) if len(b.logprobs) else 0
-    raw = logits.log_softmax(-1) if want else None
+    raw = logits.float().log_softmax(-1) if want else None
     if b.penalized:
+        logits = logits.float()   # a copy: penalties write in place
         _apply_penalties(logits, b.penalized)
-    greedy = b.temperature <= 0
-    if greedy.all():
-        tokens = logits.argmax(-1)
-    else:
-        probs = _filter(logits, b).softmax(-1)
-        noise = torch.empty_like(probs).exponential_()
+    if "temp" in dev:
+        logits = _filter(logits.float(), b, dev)
+    if logits.is_cuda:
+        tokens = kernels.sample_race(logits, dev["race_temp"], dev["seeds"], dev["counters"])
+    else:   # the hash costs ~15 integer passes over the logits on a CPU: only seeded rows pay it
+        noise = torch.empty(logits.shape, dtype=torch.float32).exponential_()
         if b.has_seed.any():
-            idx = np.flatnonzero(b.has_seed)
-            noise[_dev(idx, dev)] = hashed_exponential(_dev(b.seed[idx], dev), _dev(b.num_output[idx], dev),
-                                                       logits.shape[1])
-        tokens = (probs / noise).argmax(-1)
-        if greedy.any():
-            tokens = torch.where(_dev(greedy, dev), logits.argmax(-1), tokens)
+            idx = torch.from_numpy(np.flatnonzero(b.has_seed))
+            noise[idx] = kernels.reference.race_noise(dev["seeds"][idx], dev["counters"][idx],
+                                                      logits.shape[1])
+        tokens = kernels.reference.race(logits, dev["race_temp"], noise)
     if raw is None:
         return SampleOutput(tokens, None, None, None, [])
     top_vals, top_ids = raw.topk(want, dim=-1)

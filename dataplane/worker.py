@@ -75,7 +75,7 @@ class Worker:
                                   -(-self.max_model_len // opts.block_size), self.device)
             graphs.capture()
         self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,
-                                  opts.max_num_seqs, graphs, rank=rank)
+                                  opts.max_num_seqs, graphs, rank=rank, seed=opts.seed)
         self.startup_seconds = time.perf_counter() - start
 
     @torch.inference_mode()

@@ -1,8 +1,8 @@
 """Hot kernels of the data plane: the functions exported here are what the model calls.
 
-Each op has a plain-torch reference in ``kernels.reference`` and a Triton version in
-``kernels.triton_ops`` / ``kernels.triton_attention`` that must match it. The choice is resolved
-once, at import, from the environment variable ``HEADRACE_KERNELS``:
+Each op has a plain-torch reference in ``kernels.reference`` and a Triton version (in
+``kernels.triton_ops``, ``kernels.triton_attention`` or ``kernels.triton_sampling``) that must
+match it. The choice is resolved once, at import, from the environment variable ``HEADRACE_KERNELS``:
 
 * ``auto`` (default): Triton for CUDA tensors when CUDA is available and triton imports, the
   reference otherwise (a per-call ``is_cuda`` check on the first argument; CPU-only hosts never
@@ -32,12 +32,12 @@ def _load_triton():
     if MODE == "reference" or (MODE == "auto" and not torch.cuda.is_available()):
         return None
     try:
-        from kernels import triton_attention, triton_ops
+        from kernels import triton_attention, triton_ops, triton_sampling
     except ImportError:
         if MODE == "triton":
             raise
         return None
-    return triton_ops, triton_attention
+    return {"paged_attention": triton_attention, "sample_race": triton_sampling}, triton_ops
 
 
 def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
@@ -59,8 +59,8 @@ def _select(slow, name: str):
     """The function the model calls for op ``name``: its reference ``slow`` or a Triton twin."""
     if _triton is None:
         return slow
-    ops, attention = _triton
-    fast = getattr(attention if name == "paged_attention" else ops, name)
+    own_module, ops = _triton
+    fast = getattr(own_module.get(name, ops), name)
     return fast if MODE == "triton" else _on_cuda(fast, slow)
 
 
@@ -71,4 +71,5 @@ silu_and_mul = _select(reference.silu_and_mul, "silu_and_mul")
 apply_rotary = _select(reference.apply_rotary, "apply_rotary")
 write_kv = _select(reference.write_kv, "write_kv")
 paged_attention = _select(_reference_attention, "paged_attention")
+sample_race = _select(reference.sample_race, "sample_race")
 copy_blocks = reference.copy_blocks   # one indexed copy per layer: torch is the kernel

@@ -93,6 +93,49 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     return out
 
 
+# splitmix64 constants as signed 64-bit integers (torch has no uint64 arithmetic)
+GOLDEN = -7046029254386353131      # 0x9E3779B97F4A7C15
+MIX1 = -4658895280553007687        # 0xBF58476D1CE4E5B9
+MIX2 = -7723592293110705685        # 0x94D049BB133111EB
+
+
+def _srl(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 values."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def race_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab] (float32) from splitmix64 of (seed, counter, token id): the
+    same bits on every device and whatever else is in the batch. 23 hash bits make a uniform
+    u in (0, 1) exactly representable in float32; the noise is -log(u)."""
+    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = (seeds[:, None] * GOLDEN) ^ (counters[:, None] * MIX2) ^ v[None, :]
+    x = x + GOLDEN
+    x = (x ^ _srl(x, 30)) * MIX1
+    x = (x ^ _srl(x, 27)) * MIX2
+    x = x ^ _srl(x, 31)
+    u = (_srl(x, 41).float() + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(u)
+
+
+def race(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(logits / t - log noise) per row (argmax(logits) where t is 0): with Exp(1) noise
+    a draw from softmax(logits / t) (the exponential race)."""
+    x = logits.float()
+    t = temperature.float()[:, None]
+    noisy = x / torch.where(t > 0, t, 1.0) - torch.log(noise)
+    return torch.where(t > 0, noisy, x).argmax(-1)
+
+
+def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                counters: torch.Tensor) -> torch.Tensor:
+    """Token ids [rows] drawn from softmax(logits / temperature) by the exponential race with
+    the hashed noise of ``race_noise``; a row with temperature 0 takes argmax(logits) (greedy).
+    logits: [rows, vocab], any float dtype (-inf masks a token); temperature float32,
+    seeds/counters int64, all [rows]."""
+    return race(logits, temperature, race_noise(seeds, counters, logits.shape[1]))
+
+
 def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copies whole KV blocks src[i] -> dst[i] in every layer's cache (copy on write)."""
     for cache in kv_caches:

@@ -96,3 +96,20 @@ def test_norms_and_activation():
     torch.testing.assert_close(normed, ref.rms_norm(x + r, w, 1e-6))
     gu = torch.randn(3, 8)
     torch.testing.assert_close(ref.silu_and_mul(gu), torch.nn.functional.silu(gu[:, :4]) * gu[:, 4:])
+
+
+def test_sample_race_follows_softmax_of_logits_over_temperature():
+    """The exponential race with hashed noise samples softmax(logits / t); temperature 0 is
+    argmax; the draw depends only on (seed, counter)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20_000, 1)
+    t = torch.full((20_000,), 0.7)
+    seeds = torch.arange(20_000) * 7919
+    counters = torch.zeros(20_000, dtype=torch.int64)
+    toks = ref.sample_race(logits, t, seeds, counters)
+    freq = torch.bincount(toks, minlength=4).float() / 20_000
+    torch.testing.assert_close(freq, (logits[0] / 0.7).softmax(-1), atol=0.012, rtol=0)
+    assert (ref.sample_race(logits[:5], torch.zeros(5), seeds[:5], counters[:5]) == 0).all()
+    again = ref.sample_race(logits[:100], t[:100], seeds[:100], counters[:100])
+    assert torch.equal(again, toks[:100])
+    moved = ref.sample_race(logits[:100], t[:100], seeds[:100], counters[:100] + 1)
+    assert not torch.equal(moved, toks[:100])

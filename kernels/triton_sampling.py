@@ -1,0 +1,73 @@
+"""Triton twin of ``kernels.reference.sample_race``: sampling in one read of the logits.
+
+The exponential race needs no softmax (argmax of p / E equals argmax of logits / t - log E),
+so each program reads one chunk of one row's logits in their own dtype, adds the hashed noise
+(splitmix64 of seed, counter and token id, the same bits as the reference) and keeps the
+chunk's best; a second tiny kernel picks each row's best chunk. Against the torch sampler this
+replaces a float32 copy, a temperature division, a softmax, the noise tensor, a division and
+an argmax over [rows, vocab] with one pass over the bf16 logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_CHUNK = 4096
+
+
+@triton.jit
+def _race_chunk_kernel(LOGITS, stride_row, TEMP, SEEDS, COUNTERS, BEST_VAL, BEST_IDX, V, n_chunks,
+                       BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    x = tl.load(LOGITS + row.to(tl.int64) * stride_row + cols, mask=mask,
+                other=float("-inf")).to(tl.float32)
+    t = tl.load(TEMP + row)
+    if t > 0:
+        seed = tl.load(SEEDS + row).to(tl.uint64, bitcast=True)
+        counter = tl.load(COUNTERS + row).to(tl.uint64, bitcast=True)
+        h = (seed * 0x9E3779B97F4A7C15) ^ (counter * 0x94D049BB133111EB) ^ cols.to(tl.uint64)
+        h = h + 0x9E3779B97F4A7C15
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB
+        h = h ^ (h >> 31)
+        u = ((h >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        x = x / t - tl.log(-tl.log(u))
+        x = tl.where(mask, x, float("-inf"))
+    best = tl.argmax(x, 0)
+    val = tl.max(x, 0)
+    tl.store(BEST_VAL + row * n_chunks + chunk, val)
+    tl.store(BEST_IDX + row * n_chunks + chunk, chunk * BLOCK + best)
+
+
+@triton.jit
+def _race_reduce_kernel(BEST_VAL, BEST_IDX, OUT, n_chunks, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_chunks
+    vals = tl.load(BEST_VAL + row * n_chunks + offs, mask=mask, other=float("-inf"))
+    best = tl.argmax(vals, 0)
+    tl.store(OUT + row, tl.load(BEST_IDX + row * n_chunks + best).to(tl.int64))
+
+
+def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                counters: torch.Tensor) -> torch.Tensor:
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    n_chunks = triton.cdiv(vocab, _CHUNK)
+    best_val = torch.empty((rows, n_chunks), dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty((rows, n_chunks), dtype=torch.int32, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    _race_chunk_kernel[(rows, n_chunks)](logits, logits.stride(0), temperature, seeds, counters,
+                                         best_val, best_idx, vocab, n_chunks, BLOCK=_CHUNK,
+                                         num_warps=8)
+    _race_reduce_kernel[(rows,)](best_val, best_idx, out, n_chunks,
+                                 BLOCK=max(16, triton.next_power_of_2(n_chunks)), num_warps=1)
+    return out
