@@ -33,6 +33,7 @@ class LocalWorkers:
 
     def __init__(self, worker: Worker):
         self.worker, self.infos, self.runner_s, self.step_ends = worker, [], 0.0, []
+        self.device_s = self.device_idle_s = 0.0
         self.pipeline = StepPipeline(worker.runner)
         self.ready: collections.deque = collections.deque()
 
@@ -54,6 +55,8 @@ class LocalWorkers:
         now = time.perf_counter()
         self.runner_s += now - t0
         self.step_ends += [now] * sum(1 for r in ready if r.token_ids)
+        self.device_s += sum(r.device_ms for r in ready) / 1e3
+        self.device_idle_s += sum(r.device_idle_ms for r in ready) / 1e3
         self.ready.extend(ready)
 
     async def receive(self):
@@ -88,7 +91,7 @@ async def run(args) -> dict:
         return req
 
     await consume(submit([1, 2, 3], 4, 0.6))     # warm-up
-    local.runner_s = 0.0
+    local.runner_s = local.device_s = local.device_idle_s = 0.0
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
@@ -112,6 +115,7 @@ async def run(args) -> dict:
         profiler.disable()
         profiler.dump_stats(args.profile)
     out.update(workload=f"{args.workload}-in-process", runner_s=round(local.runner_s, 3),
+               device_s=round(local.device_s, 3), device_idle_s=round(local.device_idle_s, 3),
                wall_s=round(wall, 3), startup_s=round(worker.startup_seconds, 1))
     await engine.stop()
     return out

@@ -40,9 +40,29 @@ def w3_requests(n: int):
     return [([rng.randint(0, 10000) for _ in range(1000)], 1000, 0.6) for _ in range(n)]
 
 
+STREAM_INTERVAL = 0   # per request; 0 = the server's default (every token)
+
+
+def device_seconds(port: int = 9401) -> tuple[float, float]:
+    """(device time of steps, device idle time) so far, from the data plane's /metrics."""
+    import urllib.request
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return 0.0, 0.0
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("headrace:dataplane_step_device_seconds_sum", "headrace:dataplane_device_idle_seconds_total"):
+            values[name] = float(value)
+    return (values.get("headrace:dataplane_step_device_seconds_sum", 0.0),
+            values.get("headrace:dataplane_device_idle_seconds_total", 0.0))
+
+
 async def run_one(stub, prompt, max_tokens, temperature, stamps: list | None = None) -> int:
     req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
-                             ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature))
+                             ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature),
+                             stream_interval=STREAM_INTERVAL)
     count = 0
     async for resp in stub.Generate(req):
         count += len(resp.token_ids)
@@ -67,13 +87,16 @@ def start_py_spy(pid: int | None, out: str | None, seconds: float):
 async def throughput(stub, requests, profile=lambda: None) -> dict:
     await run_one(stub, [1, 2, 3], 4, 0.6)    # warm-up
     spy = profile()
+    dev0, idle0 = device_seconds()
     start = time.perf_counter()
     counts = await asyncio.gather(*(run_one(stub, *r) for r in requests))
     wall = time.perf_counter() - start
+    dev1, idle1 = device_seconds()
     if spy is not None:
         spy.wait(60)
     return {"requests": len(requests), "output_tokens": sum(counts), "wall_s": round(wall, 3),
-            "output_tok_per_s": round(sum(counts) / wall, 1)}
+            "output_tok_per_s": round(sum(counts) / wall, 1), "stream_interval": STREAM_INTERVAL,
+            "device_s": round(dev1 - dev0, 3), "device_idle_s": round(idle1 - idle0, 3)}
 
 
 async def latency(stub, repeats: int = 5) -> dict:
@@ -122,10 +145,15 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=50151)
     ap.add_argument("--num-seqs", type=int, default=512, help="w3: sequences")
     ap.add_argument("--serve-args", default="--device cuda --max-running 256 --max-batched-tokens 8192")
+    ap.add_argument("--stream-interval", type=int, default=0,
+                    help="tokens per streamed message the requests ask for (0: server default; "
+                         "100000: one message per request, an offline client)")
     ap.add_argument("--py-spy", default=None, help="w1/w3: write py-spy raw stacks of the server here")
     ap.add_argument("--py-spy-seconds", type=float, default=8)
     args = ap.parse_args()
     server, args.server_pid = None, None
+    global STREAM_INTERVAL
+    STREAM_INTERVAL = args.stream_interval
     if args.address is None:
         args.address = f"127.0.0.1:{args.port}"
         cmd = [sys.executable, "-m", "controlplane.cli", "serve", "--model", args.model,

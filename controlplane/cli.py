@@ -29,6 +29,13 @@ def _default_model() -> str:
     return str(default_model_dir())
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", default=None, help="float32|bfloat16|float16 (default fp32 on CPU, bf16 on CUDA)")
@@ -84,6 +91,9 @@ def _add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) 
                        help="waiting sequences at most; beyond, RESOURCE_EXHAUSTED (0: unbounded)")
         p.add_argument("--outage-deadline", type=float, default=60.0,
                        help="seconds requests wait for a lost data plane before UNAVAILABLE")
+        p.add_argument("--stream-interval", type=_positive_int, default=1,
+                       help="tokens per streamed message at least, for requests that do not set "
+                            "stream_interval (default 1: every token as it is sampled)")
         p.add_argument("--no-overlap", action="store_true",
                        help="one step in flight instead of two (no overlapped scheduling)")
         p.add_argument("--admin-token", default=None,
@@ -114,7 +124,8 @@ def _engine_config(args) -> EngineConfig:
                         policy=Policy(args.policy, args.aging_rate, args.max_queue_delay),
                         enable_prefix_cache=not args.no_prefix_cache, watermark=args.watermark,
                         max_queued=args.max_queued, outage_deadline_s=args.outage_deadline,
-                        pipeline_depth=1 if args.no_overlap else 2)
+                        pipeline_depth=1 if args.no_overlap else 2,
+                        stream_interval=args.stream_interval)
 
 
 def _free_port() -> int:

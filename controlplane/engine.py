@@ -41,6 +41,7 @@ class EngineConfig:
     reconnect_interval_s: float = 1.0
     pipeline_depth: int = 2            # steps in flight; 1 = no overlap (each step answered at once)
     outage_deadline_s: float = 60.0    # requests wait this long for a lost data plane to return
+    stream_interval: int = 1           # tokens per streamed message at least, unless a request says
 
 
 
@@ -144,6 +145,8 @@ class Engine:
             self.config.max_batched_tokens = self.scheduler.max_batched_tokens = max_batched_tokens
 
     def submit(self, request: Request) -> None:
+        if request.stream_interval <= 0:
+            request.stream_interval = self.config.stream_interval
         self.requests[request.request_id] = request
         self.telemetry.request_submitted(request)
         self.scheduler.add(request.sequences)
@@ -285,7 +288,9 @@ class Engine:
             reason = seq.check_stop(token, max_len)
             if reason != pb.FINISH_REASON_UNSPECIFIED:
                 self._finish(seq, reason)
-            seq.request.notify()
+                seq.request.notify()
+            elif len(seq.output_token_ids) - seq.delivered >= seq.request.stream_interval:
+                seq.request.notify()   # a client's handler wakes once per stream_interval tokens
         return kept
 
     def _finish(self, seq: Sequence, reason: int) -> None:

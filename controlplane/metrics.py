@@ -40,7 +40,7 @@ FINISH_REASONS = {
     pb.FINISH_REASON_STOP_STRING: "stop_string",
     pb.FINISH_REASON_ABORTED: "aborted",
 }
-STEP_PHASES = ("schedule", "transport", "execute", "process")
+STEP_PHASES = ("schedule", "transport", "execute", "process", "device")
 
 
 class Histogram(prometheus_client.Histogram):
@@ -153,10 +153,11 @@ class ControlPlaneMetrics(Exporter):
                          "Engine step time by phase: schedule (scheduling and building the step "
                          "message), transport (round trip to the data plane minus execute), "
                          "execute (forward pass and sampling on the device, as the data plane "
-                         "measured it), process (folding tokens back and streaming them).",
+                         "measured it), process (folding tokens back and streaming them), "
+                         "device (the step's device time, its first op to its last).",
                          ["phase"], buckets=STEP_BUCKETS, registry=r)
-        self.step_schedule, self.step_transport, self.step_execute, self.step_process = (
-            step.labels(phase) for phase in STEP_PHASES)
+        (self.step_schedule, self.step_transport, self.step_execute, self.step_process,
+         self.step_device) = (step.labels(phase) for phase in STEP_PHASES)
         self.step_tokens = Histogram(p + "step_tokens", "Tokens computed per engine step.",
                                      buckets=TOKEN_BUCKETS, registry=r)
         finished = Counter(p + "request_success", "Finished sequences by finish reason.",

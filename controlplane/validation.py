@@ -116,7 +116,7 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids
     sampling.min_tokens = req.min_tokens
     if req.min_tokens:
         sampling.suppress_token_ids.extend(sorted(stop_ids))
-    request = Request(request_id=rid, n=max(1, req.n))
+    request = Request(request_id=rid, n=max(1, req.n), stream_interval=req.stream_interval)
     for index in range(request.n):
         seq_sampling = wpb.Sampling()
         seq_sampling.CopyFrom(sampling)

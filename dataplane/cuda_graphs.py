@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode forward pass for a ladder of batch sizes.
+"""CUDA graphs of the decode forward pass (and the LM head) for a ladder of batch sizes.
 
 A decode step launches hundreds of small kernels; replaying a captured graph costs about a
 microsecond per kernel instead of ten. Each graph reads static input buffers (token ids,
@@ -47,7 +47,8 @@ class DecodeGraphs:
                                  query_start_loc=self.query_start_loc[:size + 1],
                                  seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
                                  max_query_len=1, decode_only=True)
-        return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+        hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
+        return self.model.logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -68,7 +69,7 @@ class DecodeGraphs:
         return bool(self.graphs) and batch <= self.max_batch
 
     def run(self, input_ids: torch.Tensor, dev: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Hidden states [batch, hidden] of a decode-only step: ``input_ids`` and the uploaded
+        """Logits [batch, vocab] of a decode-only step: ``input_ids`` and the uploaded
         ``dev`` inputs (positions, slot_mapping, seq_lens, block_tables) are device tensors,
         copied into the graph's buffers in stream order (the ids may still be in flight)."""
         n = input_ids.shape[0]

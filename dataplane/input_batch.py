@@ -108,8 +108,25 @@ class InputBatch:
             raise BatchError(f"unknown sequence {seq_id}")
         return row
 
-    def append_blocks(self, row: int, ids) -> None:
-        self._set_blocks(row, int(self.num_table[row]), ids)
+    def rows_of(self, seq_ids) -> list[int]:
+        try:
+            return [self.rows[s] for s in seq_ids]
+        except KeyError as exc:
+            raise BatchError(f"unknown sequence {exc.args[0]}") from None
+
+    def append_blocks(self, rows: np.ndarray, counts: np.ndarray, ids: np.ndarray) -> None:
+        """Row ``rows[i]`` gets the next ``counts[i]`` block ids of ``ids`` (all [n] int64)."""
+        if len(ids) == 0:
+            return
+        if ids.max() >= self.num_blocks or ids.min() < 0:
+            raise BatchError("block id out of range")
+        starts = self.num_table[rows]
+        if (starts + counts > self.max_blocks).any():
+            raise BatchError("block table longer than max_model_len allows")
+        first = np.cumsum(counts) - counts   # where each row's ids start in ``ids``
+        cols = np.arange(len(ids)) - np.repeat(first - starts, counts)
+        self.block_table[np.repeat(rows, counts), cols] = ids
+        self.num_table[rows] = starts + counts
 
     def count_sampled(self, rows: np.ndarray) -> list[SamplingRow]:
         """The rows sampled one more token (its value may still be on the device); returns
@@ -133,37 +150,43 @@ class InputBatch:
         """Flat inputs for the rows scheduled in a step (validated against the mirror)."""
         computed = self.num_computed[rows]
         ends = computed + num_scheduled
-        if (num_scheduled < 1).any() or (ends > self.num_tokens[rows]).any():
+        known = self.num_tokens[rows]
+        if (num_scheduled < 1).any() or (ends > known).any():
             raise BatchError("tokens scheduled beyond a sequence's known tokens")
         if (ends > self.num_table[rows] * self.block_size).any():
             raise BatchError("block table too short for the scheduled tokens")
+        bs = self.block_size
+        width = int(self.num_table[rows].max())
+        self.num_computed[rows] = ends
+        sampling = ends == known
+        if int(num_scheduled.max()) == 1 and sampling.all():   # decode only: one token per row
+            n = len(rows)
+            slots = self.block_table[rows, computed // bs].astype(np.int64) * bs + computed % bs
+            index = np.arange(n, dtype=np.int64)
+            return PreparedBatch(
+                input_ids=np.zeros(0, dtype=np.int64), positions=computed, slot_mapping=slots,
+                query_start_loc=np.arange(n + 1, dtype=np.int32), seq_lens=ends.astype(np.int32),
+                block_tables=self.block_table[rows, :width], logits_indices=index, sample_rows=rows,
+                max_query_len=1, decode_only=True, last_index=index, last_rows=rows)
         total = int(num_scheduled.sum())
         starts = np.zeros(len(rows) + 1, dtype=np.int32)
         np.cumsum(num_scheduled, out=starts[1:])
         row_of_token = np.repeat(rows, num_scheduled)
         positions = np.arange(total, dtype=np.int64) + np.repeat(computed - starts[:-1], num_scheduled)
-        decode_only = bool((num_scheduled == 1).all() and (ends == self.num_tokens[rows]).all())
-        at_end = (num_scheduled == 1) & (ends == self.num_tokens[rows])
+        at_end = (num_scheduled == 1) & sampling
         # decodes read their last token from the device (it may have just been sampled there);
         # prefill chunks read tokens the control plane sent
         input_ids = np.zeros(total, dtype=np.int64)
-        if not decode_only:
-            for i in np.flatnonzero(~at_end).tolist():
-                row = int(rows[i])
-                s = self.sampling[row]
-                prompt = s.prompt_token_ids
-                lo, hi = int(computed[i]), int(ends[i])
-                n_prompt = len(prompt)
-                chunk = prompt[lo:hi] if hi <= n_prompt else (prompt + s.output_token_ids)[lo:hi]
-                input_ids[starts[i]:starts[i + 1]] = chunk
-        bs = self.block_size
+        for i in np.flatnonzero(~at_end).tolist():
+            s = self.sampling[int(rows[i])]
+            prompt = s.prompt_token_ids
+            lo, hi = int(computed[i]), int(ends[i])
+            chunk = prompt[lo:hi] if hi <= len(prompt) else (prompt + s.output_token_ids)[lo:hi]
+            input_ids[starts[i]:starts[i + 1]] = chunk
         slots = self.block_table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        width = int(self.num_table[rows].max())
-        sampling = ends == self.num_tokens[rows]
-        self.num_computed[rows] = ends
         return PreparedBatch(
             input_ids=input_ids, positions=positions, slot_mapping=slots, query_start_loc=starts,
             seq_lens=ends.astype(np.int32), block_tables=self.block_table[rows, :width],
             logits_indices=(starts[1:] - 1)[sampling].astype(np.int64), sample_rows=rows[sampling],
-            max_query_len=int(num_scheduled.max()), decode_only=decode_only,
+            max_query_len=int(num_scheduled.max()), decode_only=False,
             last_index=starts[:-1][at_end].astype(np.int64), last_rows=rows[at_end])

@@ -53,7 +53,9 @@ class Launched:
     seq_ids: list[int] = dataclasses.field(default_factory=list)
     out: SampleOutput | None = None
     histories: list[tuple[int, SamplingRow]] = dataclasses.field(default_factory=list)
-    done: torch.cuda.Event | None = None
+    begin: torch.cuda.Event | None = None      # device timeline: the step's first op ...
+    done: torch.cuda.Event | None = None       # ... and its last (the ids are on the host)
+    previous: torch.cuda.Event | None = None   # the last op of the step launched before
 
 
 class ModelRunner:
@@ -72,6 +74,8 @@ class ModelRunner:
         self.graphs = graphs   # dataplane.cuda_graphs.DecodeGraphs or None
         self.rank = rank
         self.rng = np.random.default_rng(seed)   # seeds of the unseeded rows' sampling noise
+        self._last_done: torch.cuda.Event | None = None
+        self._arange = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
 
     def reset(self) -> None:
         """Forgets every sequence (a new control plane stream starts from nothing)."""
@@ -92,14 +96,15 @@ class ModelRunner:
             counts.append(new.num_scheduled_tokens)
             last.append((row_state.output_token_ids or row_state.prompt_token_ids)[-1])
         new_rows = list(rows)
-        n_blocks, block_ids, pos = step.running_new_block_counts, step.running_new_block_ids, 0
-        for i, sid in enumerate(step.running_seq_ids):
-            row = batch.row_of(sid)
-            k = n_blocks[i] if i < len(n_blocks) else 0
-            if k:
-                batch.append_blocks(row, block_ids[pos:pos + k])
-                pos += k
-            rows.append(row)
+        running = batch.rows_of(step.running_seq_ids)
+        n_blocks = np.asarray(step.running_new_block_counts, dtype=np.int64)
+        if len(n_blocks) and n_blocks.any():
+            if len(n_blocks) > len(running) or n_blocks.sum() != len(step.running_new_block_ids):
+                raise StepError("running_new_block_counts does not match running_new_block_ids")
+            nz = np.flatnonzero(n_blocks)
+            batch.append_blocks(np.asarray(running, dtype=np.int64)[nz], n_blocks[nz],
+                                np.asarray(step.running_new_block_ids, dtype=np.int64))
+        rows += running
         counts.extend(step.running_num_scheduled)
         if len(counts) != len(rows) or len(set(rows)) != len(rows):
             raise StepError("running_num_scheduled does not match running_seq_ids, or a sequence repeats")
@@ -112,11 +117,11 @@ class ModelRunner:
                      sampling: SamplingBatch | None) -> dict[str, np.ndarray]:
         """Every array the step's device work reads, to be uploaded in one copy."""
         arrays = dict(positions=prep.positions, slot_mapping=prep.slot_mapping,
-                      query_start_loc=prep.query_start_loc, seq_lens=prep.seq_lens,
-                      block_tables=prep.block_tables, last_rows=prep.last_rows,
-                      sample_rows=prep.sample_rows, logits_indices=prep.logits_indices)
-        if not prep.decode_only:
-            arrays.update(input_ids=prep.input_ids, last_index=prep.last_index)
+                      seq_lens=prep.seq_lens, block_tables=prep.block_tables, last_rows=prep.last_rows)
+        if not prep.decode_only:   # a decode reads its token from last_rows and samples every row
+            arrays.update(input_ids=prep.input_ids, last_index=prep.last_index,
+                          query_start_loc=prep.query_start_loc, sample_rows=prep.sample_rows,
+                          logits_indices=prep.logits_indices)
         if new_rows:
             arrays.update(new_rows=np.asarray(new_rows, dtype=np.int64),
                           new_last=np.asarray(new_last, dtype=np.int64))
@@ -127,8 +132,9 @@ class ModelRunner:
             arrays.update({"s_" + k: v for k, v in device_arrays(sampling, self.rng).items()})
         return arrays
 
-    def _hidden(self, prep: PreparedBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Final hidden states of the step's tokens; decodes read the device's last tokens."""
+    def _logits(self, prep: PreparedBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Logits of the step's sampling tokens (None when none samples); decodes read their
+        input ids from the device's last tokens."""
         if prep.decode_only:
             input_ids = self.last_token[dev["last_rows"]]
         else:
@@ -136,11 +142,17 @@ class ModelRunner:
             if len(prep.last_index):
                 input_ids[dev["last_index"]] = self.last_token[dev["last_rows"]]
         if self.graphs is not None and prep.decode_only and self.graphs.fits(len(prep.positions)):
-            return self.graphs.run(input_ids, dev)
-        meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=dev["query_start_loc"],
+            return self.graphs.run(input_ids, dev)   # every decode samples
+        qsl = dev["query_start_loc"] if "query_start_loc" in dev else self._arange[:len(prep.positions) + 1]
+        meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=qsl,
                                  seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
                                  max_query_len=prep.max_query_len, decode_only=prep.decode_only)
-        return self.model(input_ids, dev["positions"], self.kv_caches, meta)
+        hidden = self.model(input_ids, dev["positions"], self.kv_caches, meta)
+        if len(prep.sample_rows) == 0:
+            return None
+        if len(prep.logits_indices) != hidden.shape[0]:
+            hidden = hidden[dev["logits_indices"]]
+        return self.model.logits(hidden)
 
     @torch.inference_mode()
     def launch(self, step: pb.StepRequest) -> Launched:
@@ -153,26 +165,30 @@ class ModelRunner:
         prep = self.batch.prepare(rows, counts)
         sample_rows = prep.sample_rows
         sampling = self.batch.sampling_batch(sample_rows) if len(sample_rows) else None
+        if self.device.type == "cuda":
+            launched.begin, launched.previous = torch.cuda.Event(enable_timing=True), self._last_done
+            launched.begin.record()
         dev = staging.upload(self._host_arrays(step, prep, new_rows, new_last, sampling), self.device)
         if new_rows:
             self.last_token[dev["new_rows"]] = dev["new_last"]
         if "copy_src" in dev:
             kernels.copy_blocks(self.kv_caches, dev["copy_src"], dev["copy_dst"])
-        hidden = self._hidden(prep, dev)
+        logits = self._logits(prep, dev)
         if sampling is None:   # a step of prefill chunks only: KV written, nothing sampled
-            return launched
-        if len(prep.logits_indices) != hidden.shape[0]:
-            hidden = hidden[dev["logits_indices"]]
-        out = self._sample(self.model.logits(hidden), sampling,
+            return self._record_done(launched)
+        out = self._sample(logits, sampling,
                            {k[2:]: v for k, v in dev.items() if k.startswith("s_")})
-        self.last_token[dev["sample_rows"]] = out.token_ids
+        self.last_token[dev.get("sample_rows", dev["last_rows"])] = out.token_ids
         out.start_download()
         launched.out = out
         launched.seq_ids = self.seq_of_row[sample_rows].tolist()
         keep = self.batch.history_mask(sample_rows)
         launched.histories = list(zip(np.flatnonzero(keep).tolist(), self.batch.count_sampled(sample_rows)))
-        if self.device.type == "cuda":
-            launched.done = torch.cuda.Event()
+        return self._record_done(launched)
+
+    def _record_done(self, launched: Launched) -> Launched:
+        if launched.begin is not None:
+            launched.done = self._last_done = torch.cuda.Event(enable_timing=True)
             launched.done.record()
         return launched
 
@@ -203,6 +219,9 @@ class ModelRunner:
         if launched.out is not None:
             if launched.done is not None:
                 launched.done.synchronize()
+                result.device_ms = launched.begin.elapsed_time(launched.done)
+                if launched.previous is not None:
+                    result.device_idle_ms = max(0.0, launched.previous.elapsed_time(launched.begin))
             tokens, logprobs, top_ids, top_vals = launched.out.to_host()
             for i, row_state in launched.histories:
                 row_state.output_token_ids.append(tokens[i])

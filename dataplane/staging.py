@@ -3,7 +3,7 @@
 A copy from pageable host memory makes the CUDA driver wait for every kernel already queued on
 the stream before it starts, so a step that uploads its inputs that way cannot be launched
 while the step before it still runs: the GPU idles while the host prepares. ``upload`` packs
-every array of a step into one pinned buffer (16-byte aligned slices), copies it with a single
+every array of a step into one pinned buffer (grouped by dtype, 16-byte aligned groups), copies it with a single
 asynchronous transfer and hands back typed device views of it. Pinned buffers come from
 torch's caching host allocator, which does not reuse a buffer before the copy that read it
 has run, so steps can be in flight back to back without overwriting each other's inputs.
@@ -29,19 +29,34 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
 
 
 def packed_copy(arrays: dict[str, np.ndarray], device: torch.device, pin: bool) -> dict[str, torch.Tensor]:
-    """One host buffer holding every array, one copy of it to ``device``, typed views back."""
-    offsets, total = {}, 0
+    """One host buffer holding every array, one copy of it to ``device``, typed views back.
+    Arrays are grouped by dtype, so each group is one typed view of the copy, sliced per array."""
+    groups: dict[np.dtype, list[str]] = {}
     for name, a in arrays.items():
-        offsets[name] = total
-        total += -(-a.nbytes // _ALIGN) * _ALIGN
+        groups.setdefault(a.dtype, []).append(name)
+    layout, total = [], 0     # (dtype, byte offset, [(name, start, stop)])
+    for dtype, names in groups.items():
+        parts, n = [], 0
+        for name in names:
+            size = arrays[name].size
+            parts.append((name, n, n + size))
+            n += size
+        layout.append((dtype, total, n, parts))
+        total += -(-n * dtype.itemsize // _ALIGN) * _ALIGN
     host = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin)
-    view = host.numpy()
-    for name, a in arrays.items():
-        if a.nbytes:
-            view[offsets[name]:offsets[name] + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    host_np = host.numpy()
+    for dtype, offset, n, parts in layout:
+        typed = host_np[offset:offset + n * dtype.itemsize].view(dtype)
+        for name, lo, hi in parts:
+            typed[lo:hi] = arrays[name].reshape(-1)
     dev = host.to(device, non_blocking=True)
-    return {name: dev[offsets[name]:offsets[name] + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
-            for name, a in arrays.items()}
+    out = {}
+    for dtype, offset, n, parts in layout:
+        typed = dev[offset:offset + n * dtype.itemsize].view(_TORCH_DTYPES[dtype])
+        for name, lo, hi in parts:
+            shape = arrays[name].shape
+            out[name] = typed[lo:hi] if len(shape) == 1 else typed[lo:hi].view(shape)
+    return {name: out[name] for name in arrays}
 
 
 def download(t: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,12 @@ class DataPlaneMetrics(Exporter):
                                  "Time to apply a step, run the forward pass and sample (the "
                                  "device time the control plane reports as phase=execute).",
                                  buckets=STEP_BUCKETS, registry=r)
+        self.device = Histogram(P + "step_device_seconds",
+                                "Device time of a step, its first op to its last (steps that sample).",
+                                buckets=STEP_BUCKETS, registry=r)
+        self.device_idle = Counter(P + "device_idle_seconds",
+                                   "Time the device waited between consecutive steps (for the "
+                                   "host or for work).", registry=r)
         self.seqs = Histogram(P + "step_sequences", "Sequences per step.", buckets=TOKEN_BUCKETS,
                               registry=r)
         self.sampled = Counter(P + "sampled_tokens", "Tokens sampled.", registry=r)
@@ -79,6 +85,9 @@ class DataPlaneMetrics(Exporter):
         self.seqs.observe(len(step.new_seqs) + len(step.running_seq_ids))
         if result.token_ids:
             self.sampled.inc(len(result.token_ids))
+        if result.device_ms:
+            self.device.observe(result.device_ms / 1e3)
+            self.device_idle.inc(result.device_idle_ms / 1e3)
 
 
 class StepTracer:
@@ -112,5 +121,7 @@ class StepTracer:
             span.set_status(Status(StatusCode.ERROR, str(error)))
         elif result is not None:
             span.set_attributes({"headrace.execute_ms": result.execute_ms,
+                                 "headrace.device_ms": result.device_ms,
+                                 "headrace.device_idle_ms": result.device_idle_ms,
                                  "headrace.sampled_tokens": len(result.token_ids)})
         span.end()

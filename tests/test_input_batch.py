@@ -30,10 +30,12 @@ def test_mixed_step_inputs():
     assert prep.logits_indices.tolist() == [5, 6] and prep.sample_rows.tolist() == [a, c]
     assert not prep.decode_only and prep.max_query_len == 6
     assert b.count_sampled(prep.sample_rows) == []     # greedy rows keep no history
-    b.append_blocks(c, [9])
+    b.append_blocks(np.array([c]), np.array([1]), np.array([9]))
     prep = b.prepare(np.array([a, c]), np.array([1, 1]))
     assert prep.decode_only and prep.last_rows.tolist() == [a, c]
-    assert prep.positions.tolist() == [10, 3]
+    assert prep.positions.tolist() == [10, 3] and prep.seq_lens.tolist() == [11, 4]
+    assert prep.slot_mapping.tolist() == [30, 35] and prep.block_tables.tolist() == [[3, 5, 7], [8, 9, 0]]
+    assert prep.sample_rows.tolist() == [a, c] and prep.logits_indices.tolist() == [0, 1]
     b.count_sampled(prep.sample_rows)
     d = b.add(3, srow([7, 8, 9]), [10], num_computed=0)
     prep = b.prepare(np.array([a, d, c]), np.array([1, 3, 1]))
@@ -50,7 +52,9 @@ def test_bad_deltas_are_rejected():
     with pytest.raises(BatchError):
         b.add(2, srow([1]), [1], 0)              # no free row
     with pytest.raises(BatchError):
-        b.append_blocks(row, [4])                # block id out of range
+        b.append_blocks(np.array([row]), np.array([1]), np.array([4]))   # block id out of range
+    with pytest.raises(BatchError):
+        b.append_blocks(np.array([row]), np.array([4]), np.array([0, 1, 2, 3]))  # past max_model_len
     with pytest.raises(BatchError):
         b.prepare(np.array([row]), np.array([4]))  # beyond its known tokens
     with pytest.raises(BatchError):
