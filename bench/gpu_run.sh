@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout on the H200): GPU correctness, then the serving workloads
 # through the gRPC planes and in one process. Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 hf spy (default: tests w2 w1 w1o w3)
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 hf spy kern (default: tests w2 w1 w1o w3)
+# kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # w1o: W1 through the gRPC planes with one message per request (an offline client).
 # spy: W1 through the gRPC planes again, sampled by py-spy (raw stacks in $OUT/w1-stacks.txt).
 set -uo pipefail
@@ -18,7 +19,7 @@ if has tests; then
     tests/test_e2e_transformers.py -k "llama-gqa4 or qwen3 or race or staging or packed or download" \
     tests/test_scheduling_e2e.py::test_overlap_on_and_off_give_the_same_outputs 2>&1 | tail -3
 fi
-if has w1 || has w1o || has w2 || has hf || has spy; then
+if has w1 || has w1o || has w2 || has hf || has spy || has kern; then
   log ckpt; python3 bench/random_checkpoint.py qwen3-0.6b /tmp/qwen3 --device cuda
 fi
 for w in w2 w1; do
@@ -30,6 +31,13 @@ if has w1o; then
   log "w1 grpc, one message per request"
   timeout 150 python3 -P bench/serving_bench.py --model /tmp/qwen3 --workload w1 --stream-interval 100000 \
     | tee -a "$OUT/results.jsonl"
+fi
+if has kern; then
+  log "kernel windows"
+  timeout 150 python3 -P bench/inprocess_bench.py --model /tmp/qwen3 --workload w1 --out-dir "$OUT" \
+    --kernel-window 2:12 --kernel-window 150:170 --kernel-window 600:620 --kernel-window 950:970
+  timeout 150 python3 -P bench/inprocess_bench.py --model /tmp/qwen3 --workload w2 --out-dir "$OUT" \
+    --kernel-window 100:120
 fi
 if has spy; then
   log "w1 grpc, py-spy"

@@ -34,6 +34,7 @@ class LocalWorkers:
     def __init__(self, worker: Worker):
         self.worker, self.infos, self.runner_s, self.step_ends = worker, [], 0.0, []
         self.device_s = self.device_idle_s = 0.0
+        self.steps_sent, self.windows = 0, []
         self.pipeline = StepPipeline(worker.runner)
         self.ready: collections.deque = collections.deque()
 
@@ -50,6 +51,9 @@ class LocalWorkers:
         self.pipeline = StepPipeline(self.worker.runner)
 
     async def send(self, request) -> None:
+        self.steps_sent += 1
+        for window in self.windows:
+            window.at_step(self.steps_sent)
         t0 = time.perf_counter()
         ready = self.pipeline.submit(request)
         now = time.perf_counter()
@@ -65,6 +69,36 @@ class LocalWorkers:
 
     async def close(self) -> None:
         pass
+
+
+class KernelWindow:
+    """torch.profiler over steps [first, last) of the timed run: prints the device kernels'
+    time per step, by kernel (CUDA activity only: no host-side tracing overhead)."""
+
+    def __init__(self, spec: str, out_dir: str):
+        self.first, self.last = (int(x) for x in spec.split(":"))
+        self.out_dir, self.prof, self.offset = out_dir, None, 0
+
+    def at_step(self, n: int) -> None:
+        import torch
+        n -= self.offset
+        if n == self.first:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.prof.__enter__()
+        elif n == self.last and self.prof is not None:
+            torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            steps = self.last - self.first
+            rows = sorted(self.prof.key_averages(), key=lambda e: -e.device_time_total)
+            total = sum(e.device_time_total for e in rows)
+            lines = [f"steps {self.first}:{self.last}: device kernel time {total / steps / 1e3:.3f} ms/step"]
+            for e in rows[:22]:
+                lines.append(f"{e.device_time_total / steps / 1e3:9.4f} ms/step {e.count // steps:5d}x  {e.key[:110]}")
+            text = "\n".join(lines)
+            print(text, flush=True)
+            with open(f"{self.out_dir}/kernels-{self.first}-{self.last}.txt", "w") as f:
+                f.write(text + "\n")
+            self.prof = None
 
 
 async def consume(request) -> int:
@@ -92,6 +126,9 @@ async def run(args) -> dict:
 
     await consume(submit([1, 2, 3], 4, 0.6))     # warm-up
     local.runner_s = local.device_s = local.device_idle_s = 0.0
+    local.windows = [KernelWindow(w, args.out_dir) for w in args.kernel_windows]
+    for window in local.windows:
+        window.offset = local.steps_sent
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
@@ -127,6 +164,9 @@ def main() -> None:
     ap.add_argument("--workload", choices=["w1", "w2"], default="w1")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", default=None, help="write cProfile stats of the timed part here")
+    ap.add_argument("--kernel-window", dest="kernel_windows", action="append", default=[],
+                    metavar="FIRST:LAST", help="profile device kernels over these steps of the run")
+    ap.add_argument("--out-dir", default=".", help="where kernel window tables go")
     args = ap.parse_args()
     print(json.dumps(asyncio.run(run(args))), flush=True)
 

@@ -64,6 +64,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._outage_since: float | None = None
+        self._to_wake: list[Request] = []   # requests with news, woken once the next step is sent
 
     async def start(self, timeout: float = 600.0) -> None:
         self._build(await self.workers.describe(timeout))
@@ -186,6 +187,7 @@ class Engine:
         last_flushed = True
         while True:
             if not self.healthy:
+                self._wake_requests()
                 inflight.clear()
                 await self._reconnect()
                 continue
@@ -202,6 +204,7 @@ class Engine:
                         self.scheduler.after_step(step)
                         inflight.append((step, traced, clock()))
                         continue
+                self._wake_requests()   # after the send: the device is fed before clients are
                 if not inflight:
                     tel.idle()
                     self._wake.clear()
@@ -288,10 +291,15 @@ class Engine:
             reason = seq.check_stop(token, max_len)
             if reason != pb.FINISH_REASON_UNSPECIFIED:
                 self._finish(seq, reason)
-                seq.request.notify()
+                self._to_wake.append(seq.request)
             elif len(seq.output_token_ids) - seq.delivered >= seq.request.stream_interval:
-                seq.request.notify()   # a client's handler wakes once per stream_interval tokens
+                self._to_wake.append(seq.request)   # woken once per stream_interval tokens
         return kept
+
+    def _wake_requests(self) -> None:
+        for request in self._to_wake:
+            request.notify()
+        self._to_wake.clear()
 
     def _finish(self, seq: Sequence, reason: int) -> None:
         self.scheduler.finish(seq, reason)

