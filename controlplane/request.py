@@ -54,6 +54,8 @@ class Request:
     @property
     def delivered(self) -> bool:
         """Every sample's last response has been taken."""
+        if self.n == 1:
+            return self.sequences[0].final_sent
         return all(s.final_sent for s in self.sequences)
 
     def notify(self) -> None:

@@ -150,9 +150,10 @@ class Scheduler:
                 budget -= 1
         unsent = {s.seq_id for s in self._forked}
         skip = scheduled | unsent
-        order = sorted((s for s in self.running if s.seq_id not in skip and s.may_sample_more),
-                       key=lambda s: (s.in_prefill, self.policy.rank(s, now)))
         tables, bs = self.blocks.tables, self.blocks.block_size
+        order = [s for s in self.running if s.seq_id not in skip and s.may_sample_more]
+        if not self._fits_unordered(order, budget):
+            order.sort(key=lambda s: (s.in_prefill, self.policy.rank(s, now)))
         for seq in order:
             if budget < 1:
                 break
@@ -195,6 +196,14 @@ class Scheduler:
             step.forget, self._forget = self._forget, []
             step.copies, self._copies = self._copies, []
         return step
+
+    def _fits_unordered(self, order: list[Sequence], budget: int) -> bool:
+        """Whether every candidate is a decode and all of them fit the token budget and the
+        free blocks: then nobody is left out or preempted and the service order is moot (the
+        common steady state; sorting it costs a policy rank per sequence and step)."""
+        if len(order) > budget or len(order) > self.blocks.num_free:
+            return False
+        return not any(s.num_total - s.num_computed > 1 for s in order)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         hits = self.blocks.match_prefix(seq.token_ids)

@@ -91,11 +91,10 @@ class Attention(nn.Module):
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = kernels.apply_rotary(q, positions, self.cos_sin)
-        k = kernels.apply_rotary(k, positions, self.cos_sin)
-        kernels.write_kv(kv_cache, k, v, meta.slot_mapping)
+        q = kernels.qk_norm_rope_write_kv(
+            q, k, v, positions, self.cos_sin, self.q_norm.weight if cfg.qk_norm else None,
+            self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps, kv_cache,
+            meta.slot_mapping)
         o = kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                     meta.block_tables, self.scale,
                                     max_query_len=meta.max_query_len, decode_only=meta.decode_only)

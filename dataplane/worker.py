@@ -13,6 +13,7 @@ import time
 
 import torch
 
+import kernels
 from dataplane import kv_cache, parallel
 from dataplane.config import ModelConfig, load_model_config
 from dataplane.cuda_graphs import DecodeGraphs
@@ -98,9 +99,30 @@ class Worker:
                             presence_penalty=0.0, frequency_penalty=0.0, seed=1, logprobs=20,
                             min_tokens=0, suppress_token_ids=[], prompt_token_ids=[0],
                             output_token_ids=[])
-        sample(model.logits(hidden[:rows]), SamplingBatch.of_rows([worst] * rows))
+        logits = model.logits(hidden[:rows])
+        sample(logits, SamplingBatch.of_rows([worst] * rows))
+        plain = dataclasses.replace(worst, top_p=1.0, top_k=0, min_p=0.0, seed=None, logprobs=0)
+        sample(logits, SamplingBatch.of_rows([plain] * rows))   # the race on the model's dtype
+        del cache, hidden, logits
+        self._compile_attention_variants()
         torch.cuda.synchronize(dev)
-        del cache, hidden
+
+    def _compile_attention_variants(self) -> None:
+        """Runs the prefill attention once per tile shape it can pick (they depend on the
+        longest query of a step), so no request pays a Triton compilation."""
+        cfg, dev, bs = self.local_cfg, self.device, self.opts.block_size
+        longest = 512   # tiles stop growing at 256 query rows
+        blocks = -(-longest // bs)
+        cache = kv_cache.allocate(cfg, blocks, bs, self.dtype, dev)[0]
+        tables = torch.arange(blocks, dtype=torch.int32, device=dev)[None, :]
+        q_len = 1
+        while q_len <= longest:
+            query = torch.zeros((q_len, cfg.num_heads, cfg.head_dim), dtype=self.dtype, device=dev)
+            kernels.paged_attention(
+                query, cache, torch.tensor([0, q_len], dtype=torch.int32, device=dev),
+                torch.tensor([q_len], dtype=torch.int32, device=dev), tables, cfg.head_dim ** -0.5,
+                max_query_len=q_len, decode_only=q_len == 1)
+            q_len *= 2
 
     def _blocks_from_memory(self) -> int:
         if self.device.type == "cuda":

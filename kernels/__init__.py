@@ -1,8 +1,9 @@
 """Hot kernels of the data plane: the functions exported here are what the model calls.
 
 Each op has a plain-torch reference in ``kernels.reference`` and a Triton version (in
-``kernels.triton_ops``, ``kernels.triton_attention`` or ``kernels.triton_sampling``) that must
-match it. The choice is resolved once, at import, from the environment variable ``HEADRACE_KERNELS``:
+``kernels.triton_ops``, ``kernels.triton_attention``, ``kernels.triton_prologue`` or
+``kernels.triton_sampling``) that must match it. The choice is resolved once, at import, from
+the environment variable ``HEADRACE_KERNELS``:
 
 * ``auto`` (default): Triton for CUDA tensors when CUDA is available and triton imports, the
   reference otherwise (a per-call ``is_cuda`` check on the first argument; CPU-only hosts never
@@ -32,12 +33,13 @@ def _load_triton():
     if MODE == "reference" or (MODE == "auto" and not torch.cuda.is_available()):
         return None
     try:
-        from kernels import triton_attention, triton_ops, triton_sampling
+        from kernels import triton_attention, triton_ops, triton_prologue, triton_sampling
     except ImportError:
         if MODE == "triton":
             raise
         return None
-    return {"paged_attention": triton_attention, "sample_race": triton_sampling}, triton_ops
+    return {"paged_attention": triton_attention, "sample_race": triton_sampling,
+            "qk_norm_rope_write_kv": triton_prologue}, triton_ops
 
 
 def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
@@ -72,4 +74,5 @@ apply_rotary = _select(reference.apply_rotary, "apply_rotary")
 write_kv = _select(reference.write_kv, "write_kv")
 paged_attention = _select(_reference_attention, "paged_attention")
 sample_race = _select(reference.sample_race, "sample_race")
+qk_norm_rope_write_kv = _select(reference.qk_norm_rope_write_kv, "qk_norm_rope_write_kv")
 copy_blocks = reference.copy_blocks   # one indexed copy per layer: torch is the kernel

@@ -56,6 +56,20 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     kv_cache[1, blocks, offsets] = value[keep]
 
 
+def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                          cos_sin: torch.Tensor, q_weight: torch.Tensor | None,
+                          k_weight: torch.Tensor | None, eps: float, kv_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The attention prologue: per-head RMSNorm of q and k (when the model has one, as Qwen3),
+    rotary embedding of both, k and v stored at their slots; returns q [tokens, heads, head_dim].
+    q/k/v may be strided views of the qkv projection."""
+    if q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    q = apply_rotary(q, positions, cos_sin)
+    write_kv(kv_cache, apply_rotary(k, positions, cos_sin), v, slot_mapping)
+    return q
+
+
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, ctx: int) -> torch.Tensor:
     """The first ctx cached entries of one sequence: [ctx, kv_heads, head_dim]."""
     block_size = cache.shape[1]

@@ -82,8 +82,9 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
 
 
 @triton.jit
-def _decode_kernel(Q, K, V, SEQ_LENS, BT, PART_O, PART_LSE, qk_scale, stride_qt, stride_qh,
-                   stride_bt, stride_block, stride_slot, stride_head, NUM_SPLITS: tl.constexpr,
+def _decode_kernel(Q, K, V, SEQ_LENS, BT, PART_O, PART_LSE, OUT, qk_scale, stride_qt, stride_qh,
+                   stride_ot, stride_oh, stride_bt, stride_block, stride_slot, stride_head,
+                   NUM_SPLITS: tl.constexpr,
                    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
                    DOT_F32: tl.constexpr):
@@ -104,6 +105,11 @@ def _decode_kernel(Q, K, V, SEQ_LENS, BT, PART_O, PART_LSE, qk_scale, stride_qt,
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, BT + seq * stride_bt, kv_head * stride_head,
                             lo, hi, q_pos, qk_scale, stride_block,
                             stride_slot, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, PRECISION, DOT_F32)
+    if NUM_SPLITS == 1:   # the whole context in one program: the output itself, no combine
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(OUT + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=(rows < G)[:, None])
+        return
     # An empty split (lo >= hi) stores output 0 with lse -inf: it weighs nothing in the combine.
     has_keys = l_i > 0
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
@@ -218,17 +224,22 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     if decode_only:
         splits = num_kv_splits or num_decode_splits(
             batch, kv_heads, block_tables.shape[1] * block_size, query.device)
-        part_o = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32,
-                             device=query.device)
-        part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
+        if splits == 1:    # the kernel writes ``out`` itself
+            part_o = part_lse = out
+        else:
+            part_o = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32,
+                                 device=query.device)
+            part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
         _decode_kernel[(batch, kv_heads, splits)](
-            query, keys, values, seq_lens, block_tables, part_o, part_lse, qk_scale,
-            query.stride(0), query.stride(1), *cache_strides, NUM_SPLITS=splits, G=group,
+            query, keys, values, seq_lens, block_tables, part_o, part_lse, out, qk_scale,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1), *cache_strides,
+            NUM_SPLITS=splits, G=group,
             G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=block_size, PRECISION=precision, DOT_F32=dot_f32,
             num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
-        _combine_kernel[(batch, heads)](part_o, part_lse, out, out.stride(0), out.stride(1),
-                                        NUM_SPLITS=splits, HEAD_DIM=head_dim, num_warps=4)
+        if splits > 1:
+            _combine_kernel[(batch, heads)](part_o, part_lse, out, out.stride(0), out.stride(1),
+                                            NUM_SPLITS=splits, HEAD_DIM=head_dim, num_warps=4)
         return out
     g_pad = triton.next_power_of_2(group)
     wide = query.element_size() > 2  # float32: a quarter of the tile and fewer stages fit smem

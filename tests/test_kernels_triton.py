@@ -210,3 +210,29 @@ def test_sample_race_draws_the_reference_tokens(dtype):
     assert (got.cpu() == want).sum() >= rows - 1
     assert got[0].item() == logits[0].float().argmax().item()
     assert got[3].item() < 100
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,norm,dtype", [
+    (4, 2, 64, True, torch.bfloat16), (8, 2, 128, True, torch.float32),
+    (6, 6, 64, False, torch.float16), (4, 1, 128, False, torch.bfloat16)])
+def test_qk_norm_rope_write_kv(heads, kv_heads, head_dim, norm, dtype):
+    """The fused prologue against the reference's five ops: q out, and the cache contents
+    (unwritten slots, padded tokens and strided q/k/v views of one qkv projection)."""
+    from kernels import triton_prologue
+    torch.manual_seed(0)
+    tokens, block_size, num_blocks = 7, 4, 6
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(tokens, -1, head_dim) for x in (q, k, v))
+    positions = torch.tensor([0, 5, 6, 17, 3, 9, 30]).to(DEVICE)
+    slots = torch.tensor([0, 5, -1, 11, 3, 23, -1]).to(DEVICE)
+    cos_sin = cos_sin_cache(head_dim, 64, 10000.0, None).to(DEVICE)
+    qw = (1 + 0.1 * _randn(head_dim)).to(dtype) if norm else None
+    kw = (1 + 0.1 * _randn(head_dim)).to(dtype) if norm else None
+    caches = [torch.full((2, num_blocks, block_size, kv_heads, head_dim), 7.0, dtype=dtype, device=DEVICE)
+              for _ in range(2)]
+    got = triton_prologue.qk_norm_rope_write_kv(q, k, v, positions, cos_sin, qw, kw, 1e-6, caches[0], slots)
+    want = ref.qk_norm_rope_write_kv(q, k, v, positions, cos_sin, qw, kw, 1e-6, caches[1], slots)
+    _close(got, want)
+    _close(caches[0], caches[1])
+    assert (caches[0][:, 0, 2] == 7.0).all()   # a slot no token maps to stays as it was
