@@ -16,7 +16,7 @@ if has tests; then
   log tests-gpu
   HEADRACE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_staging.py tests/test_kernels_triton.py \
-    tests/test_e2e_transformers.py -k "llama-gqa4 or qwen3 or race or staging or packed or download" \
+    tests/test_e2e_transformers.py -k "llama-gqa4 or qwen3 or race or staging or packed or download or skinny or qk_norm or decode" \
     tests/test_scheduling_e2e.py::test_overlap_on_and_off_give_the_same_outputs 2>&1 | tail -3
 fi
 if has w1 || has w1o || has w2 || has hf || has spy || has kern; then

@@ -43,20 +43,22 @@ def w3_requests(n: int):
 STREAM_INTERVAL = 0   # per request; 0 = the server's default (every token)
 
 
-def device_seconds(port: int = 9401) -> tuple[float, float]:
-    """(device time of steps, device idle time) so far, from the data plane's /metrics."""
+def device_seconds(port: int = 9401) -> tuple[float, float, float]:
+    """(device time of steps, device idle time, steps) so far, from the data plane's /metrics."""
     import urllib.request
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     except OSError:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     values = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if name in ("headrace:dataplane_step_device_seconds_sum", "headrace:dataplane_device_idle_seconds_total"):
+        if name in ("headrace:dataplane_step_device_seconds_sum", "headrace:dataplane_device_idle_seconds_total",
+                    "headrace:dataplane_steps_total"):
             values[name] = float(value)
     return (values.get("headrace:dataplane_step_device_seconds_sum", 0.0),
-            values.get("headrace:dataplane_device_idle_seconds_total", 0.0))
+            values.get("headrace:dataplane_device_idle_seconds_total", 0.0),
+            values.get("headrace:dataplane_steps_total", 0.0))
 
 
 async def run_one(stub, prompt, max_tokens, temperature, stamps: list | None = None) -> int:
@@ -87,16 +89,17 @@ def start_py_spy(pid: int | None, out: str | None, seconds: float):
 async def throughput(stub, requests, profile=lambda: None) -> dict:
     await run_one(stub, [1, 2, 3], 4, 0.6)    # warm-up
     spy = profile()
-    dev0, idle0 = device_seconds()
+    dev0, idle0, steps0 = device_seconds()
     start = time.perf_counter()
     counts = await asyncio.gather(*(run_one(stub, *r) for r in requests))
     wall = time.perf_counter() - start
-    dev1, idle1 = device_seconds()
+    dev1, idle1, steps1 = device_seconds()
     if spy is not None:
         spy.wait(60)
     return {"requests": len(requests), "output_tokens": sum(counts), "wall_s": round(wall, 3),
             "output_tok_per_s": round(sum(counts) / wall, 1), "stream_interval": STREAM_INTERVAL,
-            "device_s": round(dev1 - dev0, 3), "device_idle_s": round(idle1 - idle0, 3)}
+            "device_s": round(dev1 - dev0, 3), "device_idle_s": round(idle1 - idle0, 3),
+            "steps": int(steps1 - steps0)}
 
 
 async def latency(stub, repeats: int = 5) -> dict:

@@ -34,14 +34,21 @@ class AttentionMetadata:
     decode_only: bool | None = None   # every sequence computes exactly one token
 
 
-class RowParallelLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear through ``kernels.linear`` (a skinny-input kernel at decode batch sizes)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(Linear):
     """Holds the rank's input columns; the partial products are summed across ranks, then the
     (replicated) bias is added once."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if parallel.world_size() == 1:
             return super().forward(x)
-        y = parallel.all_reduce(torch.nn.functional.linear(x, self.weight))
+        y = parallel.all_reduce(kernels.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -76,7 +83,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, cos_sin: torch.Tensor):
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -104,7 +111,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """Hot kernels of the data plane: the functions exported here are what the model calls.
 
 Each op has a plain-torch reference in ``kernels.reference`` and a Triton version (in
-``kernels.triton_ops``, ``kernels.triton_attention``, ``kernels.triton_prologue`` or
-``kernels.triton_sampling``) that must match it. The choice is resolved once, at import, from
+``kernels.triton_ops``, ``kernels.triton_attention``, ``kernels.triton_prologue``,
+``kernels.triton_linear`` or ``kernels.triton_sampling``) that must match it. The choice is resolved once, at import, from
 the environment variable ``HEADRACE_KERNELS``:
 
 * ``auto`` (default): Triton for CUDA tensors when CUDA is available and triton imports, the
@@ -33,13 +33,14 @@ def _load_triton():
     if MODE == "reference" or (MODE == "auto" and not torch.cuda.is_available()):
         return None
     try:
-        from kernels import triton_attention, triton_ops, triton_prologue, triton_sampling
+        from kernels import (triton_attention, triton_linear, triton_ops, triton_prologue,
+                             triton_sampling)
     except ImportError:
         if MODE == "triton":
             raise
         return None
     return {"paged_attention": triton_attention, "sample_race": triton_sampling,
-            "qk_norm_rope_write_kv": triton_prologue}, triton_ops
+            "qk_norm_rope_write_kv": triton_prologue, "linear": triton_linear}, triton_ops
 
 
 def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
@@ -75,4 +76,5 @@ write_kv = _select(reference.write_kv, "write_kv")
 paged_attention = _select(_reference_attention, "paged_attention")
 sample_race = _select(reference.sample_race, "sample_race")
 qk_norm_rope_write_kv = _select(reference.qk_norm_rope_write_kv, "qk_norm_rope_write_kv")
+linear = _select(reference.linear, "linear")
 copy_blocks = reference.copy_blocks   # one indexed copy per layer: torch is the kernel

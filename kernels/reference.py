@@ -28,6 +28,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return rms_norm(residual, weight, eps), residual
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias): a projection (weight [out, in], as nn.Linear holds it)."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up, where gate_up is [..., 2 * d] with gate first."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -236,3 +236,20 @@ def test_qk_norm_rope_write_kv(heads, kv_heads, head_dim, norm, dtype):
     _close(got, want)
     _close(caches[0], caches[1])
     assert (caches[0][:, 0, 2] == 7.0).all()   # a slot no token maps to stays as it was
+
+
+@pytest.mark.parametrize("rows,n,k,bias,dtype", [(1, 96, 64, False, torch.bfloat16),
+                                                 (5, 4100, 48, True, torch.float16),
+                                                 (16, 40, 300, False, torch.float32),
+                                                 (17, 32, 32, False, torch.float32)])
+def test_skinny_linear(rows, n, k, bias, dtype):
+    """Column tails, K tails, bias, and more than 16 rows (falls back to torch's GEMM)."""
+    from kernels import triton_linear
+    torch.manual_seed(0)
+    x, w = _randn(rows, k, dtype=dtype), _randn(n, k, dtype=dtype) / k ** 0.5
+    b = _randn(n, dtype=dtype) if bias else None
+    got = triton_linear.linear(x, w, b)
+    want = ref.linear(x.float().cpu(), w.float().cpu(), None if b is None else b.float().cpu())
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.float().cpu(), want, **tol)
+    assert triton_linear.linear(x[None], w, b).shape == (1, rows, n)
