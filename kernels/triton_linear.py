@@ -5,7 +5,8 @@ library GEMMs picked for M <= 16 reach about a third of the bandwidth on Qwen3-0
 matrices and some add a split-K reduction kernel. Here each program owns BLOCK_N output
 columns for every row, streams its [BLOCK_N, K] slice of the weight once (float32 accumulate)
 and writes the result: one launch, the weight read once, no reduction pass. Larger batches
-keep torch's GEMM (``kernels.linear`` dispatches on the row count).
+keep torch's GEMM (``kernels.linear`` dispatches on the row count), and so do weights whose
+rows are long (``_tiles``: the sweep in bench/linear_tune.py found torch faster there).
 """
 
 from __future__ import annotations
@@ -40,24 +41,39 @@ def _skinny_kernel(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om, HAS_B
              mask=row_ok & (cols[None, :] < N))
 
 
+def _tiles(n: int, k: int) -> tuple[int, int, int] | None:
+    """(BLOCK_N, BLOCK_K, stages) for an [n, k] weight, or None where torch's GEMM is faster.
+    From bench/linear_tune.py on the H200 (bf16, Qwen3-0.6B's projections at batch 1-16):
+    long reductions (k > 2048) leave too few programs to stream the weight fast."""
+    if k > 2048:
+        return None
+    if n >= 6144:
+        return 64, 256, 3
+    if n >= 4096:
+        return 32, 128, 5
+    return 16, 256, 3
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for x [..., K] with at most MAX_ROWS rows; torch's otherwise."""
+    """x @ weight.T (+ bias) for x [..., K] with at most MAX_ROWS rows where the kernel beats
+    torch's GEMM; torch's GEMM otherwise."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows == 0 or rows > MAX_ROWS or x.dtype != weight.dtype:
-        return torch.nn.functional.linear(x, weight, bias)
     n, k = weight.shape
+    tiles = _tiles(n, k)
+    if rows == 0 or rows > MAX_ROWS or x.dtype != weight.dtype or tiles is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    block_n, block_k, stages = tiles
     x2 = x.reshape(rows, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block_n = 32 if n >= 4096 else 16
     dot_f32 = _INTERPRETED and x.dtype == torch.bfloat16
     precision = "ieee" if x.dtype == torch.float32 or dot_f32 else "tf32"
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x2, weight, bias if bias is not None else weight, out, rows, n, k, x2.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n,
-        BLOCK_K=256 if x.element_size() <= 2 else 128, PRECISION=precision, DOT_F32=dot_f32,
-        num_warps=4, num_stages=4)
+        BLOCK_K=block_k if x.element_size() <= 2 else 128, PRECISION=precision, DOT_F32=dot_f32,
+        num_warps=4, num_stages=stages)
     return out.view(*x.shape[:-1], n)

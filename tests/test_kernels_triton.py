@@ -233,17 +233,22 @@ def test_qk_norm_rope_write_kv(heads, kv_heads, head_dim, norm, dtype):
               for _ in range(2)]
     got = triton_prologue.qk_norm_rope_write_kv(q, k, v, positions, cos_sin, qw, kw, 1e-6, caches[0], slots)
     want = ref.qk_norm_rope_write_kv(q, k, v, positions, cos_sin, qw, kw, 1e-6, caches[1], slots)
-    _close(got, want)
-    _close(caches[0], caches[1])
+    # a float16 product may land one ulp apart on the GPU (seen on the H200 in 1.5% of elements)
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else {}
+    _close(got, want, **tol)
+    _close(caches[0], caches[1], **tol)
     assert (caches[0][:, 0, 2] == 7.0).all()   # a slot no token maps to stays as it was
 
 
 @pytest.mark.parametrize("rows,n,k,bias,dtype", [(1, 96, 64, False, torch.bfloat16),
                                                  (5, 4100, 48, True, torch.float16),
+                                                 (3, 6150, 40, False, torch.bfloat16),
                                                  (16, 40, 300, False, torch.float32),
-                                                 (17, 32, 32, False, torch.float32)])
+                                                 (17, 32, 32, False, torch.float32),
+                                                 (2, 32, 2100, False, torch.float32)])
 def test_skinny_linear(rows, n, k, bias, dtype):
-    """Column tails, K tails, bias, and more than 16 rows (falls back to torch's GEMM)."""
+    """Every tile shape, column and K tails, bias; more than 16 rows and long rows fall back
+    to torch's GEMM."""
     from kernels import triton_linear
     torch.manual_seed(0)
     x, w = _randn(rows, k, dtype=dtype), _randn(n, k, dtype=dtype) / k ** 0.5
