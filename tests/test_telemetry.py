@@ -290,9 +290,10 @@ def test_every_metric_moves_as_expected(planes):
     steps = d["step_schedule"]
     assert steps >= 8 + 4 + 1 - 3 + 3
     assert d["step_transport"] == d["step_execute"] == d["step_process"] == steps
-    # the worker also sampled one token for c in the step sent before c's stop token came
-    # back (overlapped scheduling wastes one slot per request that stops early)
-    assert d["dp_steps"] == d["dp_execute"] == steps and d["dp_sampled"] == 13 + 1
+    # the worker may also have sampled one token for c in a step sent before c's stop token
+    # came back (overlapped scheduling wastes at most one slot per request that stops early;
+    # whether it does depends on when c arrived relative to b's last steps)
+    assert d["dp_steps"] == d["dp_execute"] == steps and d["dp_sampled"] in (13, 13 + 1)
     assert cp(P + "time_to_first_token_seconds_sum") > 0
     assert cp(P + "step_time_seconds_sum", phase="execute") > 0
 
