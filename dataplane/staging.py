@@ -3,8 +3,10 @@
 A copy from pageable host memory makes the CUDA driver wait for every kernel already queued on
 the stream before it starts, so a step that uploads its inputs that way cannot be launched
 while the step before it still runs: the GPU idles while the host prepares. ``upload`` packs
-every array of a step into one pinned buffer (grouped by dtype, 16-byte aligned groups), copies it with a single
-asynchronous transfer and hands back typed device views of it. Pinned buffers come from
+every array of a step into one pinned buffer (grouped by dtype, each array 16-byte aligned:
+Triton specialises kernels on whether a pointer is 16-byte aligned, so arrays at varying
+alignments would make steps of new shapes compile kernels while the device waits), copies it
+with a single asynchronous transfer and hands back typed device views of it. Pinned buffers come from
 torch's caching host allocator, which does not reuse a buffer before the copy that read it
 has run, so steps can be in flight back to back without overwriting each other's inputs.
 
@@ -36,11 +38,11 @@ def packed_copy(arrays: dict[str, np.ndarray], device: torch.device, pin: bool) 
         groups.setdefault(a.dtype, []).append(name)
     layout, total = [], 0     # (dtype, byte offset, [(name, start, stop)])
     for dtype, names in groups.items():
-        parts, n = [], 0
+        parts, n, step = [], 0, max(1, _ALIGN // dtype.itemsize)
         for name in names:
             size = arrays[name].size
             parts.append((name, n, n + size))
-            n += size
+            n += -(-size // step) * step   # every array starts 16-byte aligned (see below)
         layout.append((dtype, total, n, parts))
         total += -(-n * dtype.itemsize // _ALIGN) * _ALIGN
     host = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin)

@@ -32,6 +32,8 @@ def test_packed_copy_round_trips_every_dtype_and_shape(device):
             t = out[name]
             assert t.shape == a.shape and t.device.type == device, name
             np.testing.assert_array_equal(t.cpu().numpy(), a, err_msg=name)
+            if t.numel():   # Triton specialises on 16-byte alignment: keep it stable
+                assert t.data_ptr() % 16 == 0, name
 
 
 def test_download_is_readable_after_the_stream_passes():
