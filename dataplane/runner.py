@@ -23,10 +23,9 @@ import numpy as np
 import torch
 
 import kernels
-from dataplane import parallel
+from dataplane import parallel, staging
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
 from dataplane.model import AttentionMetadata, CausalLM
-from dataplane import staging
 from dataplane.sampler import SampleOutput, SamplingBatch, SamplingRow, device_arrays, sample
 from headrace.dataplane.v1 import worker_pb2 as pb
 
