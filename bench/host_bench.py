@@ -31,16 +31,21 @@ VOCAB = 16
 
 
 class ConstantLogitsRunner(ModelRunner):
+    vocab = VOCAB
+
     def _logits(self, prep, dev):
-        return torch.zeros(len(prep.sample_rows), VOCAB) if len(prep.sample_rows) else None
+        return torch.zeros(len(prep.sample_rows), self.vocab) if len(prep.sample_rows) else None
 
 
 class HostOnlyWorker:
-    def __init__(self, max_model_len: int = 4096, num_blocks: int = 200_000):
+    """What the data plane's server needs of a Worker, with constant logits instead of a model."""
+
+    def __init__(self, max_model_len: int = 4096, num_blocks: int = 200_000, vocab: int = VOCAB):
         caches = [torch.empty(2, num_blocks, 1, 1, 1)]
         self.runner = ConstantLogitsRunner(None, caches, 16, torch.device("cpu"), max_model_len, 256)
+        self.runner.vocab = vocab
         self.startup_seconds = 0.0
-        self.info = wpb.WorkerInfo(model_name="host-only", vocab_size=VOCAB, max_model_len=max_model_len,
+        self.info = wpb.WorkerInfo(model_name="host-only", vocab_size=vocab, max_model_len=max_model_len,
                                    block_size=16, num_kv_blocks=num_blocks, max_num_seqs=256,
                                    max_batched_tokens=8192)
 
