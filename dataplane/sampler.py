@@ -179,7 +179,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, dev: dict[str, torch.Tensor] 
     want = int(b.logprobs.max()) if len(b.logprobs) else 0
     raw = logits.float().log_softmax(-1) if want else None
     if b.penalized:
-        logits = logits.float()   # a copy: penalties write in place
+        logits = logits.float()   # penalties write in place (a graph output is rewritten next step)
         _apply_penalties(logits, b.penalized)
     if "temp" in dev:
         logits = _filter(logits.float(), b, dev)
