@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_attention import _INTERPRETED   # bfloat16 tl.dot operands widened there
+
 MAX_ROWS = 16
-# Triton's CPU interpreter multiplies bfloat16 tl.dot operands as raw bits: widen them there.
-_INTERPRETED = triton.knobs.runtime.interpret
 
 
 @triton.jit

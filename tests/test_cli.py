@@ -46,3 +46,10 @@ def test_serve_without_arguments_then_generate_streams_text():
     while any(os.path.exists(f"/proc/{pid}") for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(os.path.exists(f"/proc/{pid}") for pid in children), "data plane left running"
+
+
+def test_stream_interval_below_one_is_refused_at_parse_time():
+    out = subprocess.run([sys.executable, "-m", "controlplane.cli", "controlplane", "--workers",
+                          "127.0.0.1:1", "--stream-interval", "0"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "--stream-interval: must be >= 1, got 0" in out.stderr
