@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
 
 import grpc
 import pytest
@@ -59,6 +60,11 @@ def test_request_lines_carry_request_and_trace_ids_and_no_prompt(llama_planes, c
     with pytest.raises(grpc.RpcError):
         list(llama_planes.stub.Generate(pb.GenerateRequest(prompt=secret, max_tokens=0, request_id="log-2"),
                                         metadata=[("traceparent", TRACEPARENT)], timeout=60))
+    # the server logs a failed request after the client already has its status: wait for it
+    deadline = time.monotonic() + 5
+    while (not any(x["event"] == "request failed" for x in _lines(captured))
+           and time.monotonic() < deadline):
+        time.sleep(0.01)
     lines = _lines(captured)
     assert secret not in captured.getvalue()
     finished = [x for x in lines if x["event"] == "request finished"]
