@@ -33,6 +33,7 @@ class PreparedBatch:
     decode_only: bool
     last_index: np.ndarray       # positions in input_ids that read a row's last token ...
     last_rows: np.ndarray        # ... from these rows (the device keeps them: maybe just sampled)
+    num_decodes: int = 0         # mixed batches: the first num_decodes rows compute one token
 
 
 class InputBatch:
@@ -168,6 +169,15 @@ class InputBatch:
                 query_start_loc=np.arange(n + 1, dtype=np.int32), seq_lens=ends.astype(np.int32),
                 block_tables=self.block_table[rows, :width], logits_indices=index, sample_rows=rows,
                 max_query_len=1, decode_only=True, last_index=index, last_rows=rows)
+        # A mixed batch puts its one-token rows first: attention runs them with the decode
+        # kernel and only the rest with prefill tiles.
+        single = num_scheduled == 1
+        num_decodes = int(single.sum())
+        if 0 < num_decodes < len(rows) and not single[:num_decodes].all():
+            order = np.argsort(~single, kind="stable")
+            rows, num_scheduled, computed, ends = (rows[order], num_scheduled[order],
+                                                   computed[order], ends[order])
+            sampling = sampling[order]
         total = int(num_scheduled.sum())
         starts = np.zeros(len(rows) + 1, dtype=np.int32)
         np.cumsum(num_scheduled, out=starts[1:])
@@ -189,4 +199,5 @@ class InputBatch:
             seq_lens=ends.astype(np.int32), block_tables=self.block_table[rows, :width],
             logits_indices=(starts[1:] - 1)[sampling].astype(np.int64), sample_rows=rows[sampling],
             max_query_len=int(num_scheduled.max()), decode_only=False,
-            last_index=starts[:-1][at_end].astype(np.int64), last_rows=rows[at_end])
+            last_index=starts[:-1][at_end].astype(np.int64), last_rows=rows[at_end],
+            num_decodes=num_decodes)

@@ -32,6 +32,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor     # [seqs, max_blocks] int32, padded
     max_query_len: int | None = None  # host-side hints for the attention kernels
     decode_only: bool | None = None   # every sequence computes exactly one token
+    num_decodes: int = 0              # the first num_decodes sequences compute one token each
 
 
 class Linear(nn.Linear):
@@ -104,7 +105,8 @@ class Attention(nn.Module):
             meta.slot_mapping)
         o = kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                     meta.block_tables, self.scale,
-                                    max_query_len=meta.max_query_len, decode_only=meta.decode_only)
+                                    max_query_len=meta.max_query_len, decode_only=meta.decode_only,
+                                    num_decodes=meta.num_decodes)
         return self.o_proj(o.reshape(-1, cfg.q_size))
 
 

@@ -145,7 +145,8 @@ class ModelRunner:
         qsl = dev["query_start_loc"] if "query_start_loc" in dev else self._arange[:len(prep.positions) + 1]
         meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=qsl,
                                  seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
-                                 max_query_len=prep.max_query_len, decode_only=prep.decode_only)
+                                 max_query_len=prep.max_query_len, decode_only=prep.decode_only,
+                                 num_decodes=prep.num_decodes)
         hidden = self.model(input_ids, dev["positions"], self.kv_caches, meta)
         if len(prep.sample_rows) == 0:
             return None

@@ -135,15 +135,15 @@ def _combine_kernel(PART_O, PART_LSE, OUT, stride_ot, stride_oh, NUM_SPLITS: tl.
     tl.store(OUT + seq * stride_ot + head * stride_oh + d, out.to(OUT.dtype.element_ty))
 
 
-@triton.jit
-def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, qk_scale, stride_qt, stride_qh, stride_ot,
+@triton.jit(do_not_specialize=["seq0"])   # seq0 varies per step: one compiled variant
+def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, seq0, qk_scale, stride_qt, stride_qh, stride_ot,
                     stride_oh, stride_bt, stride_block, stride_slot, stride_head,
                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     # Tiles run last-first: the causal tail's longest tiles start early, the short ones fill in.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    kv_head, seq = tl.program_id(1), tl.program_id(2)
+    kv_head, seq = tl.program_id(1), seq0 + tl.program_id(2)
     q_start = tl.load(QSL + seq)
     q_len = tl.load(QSL + seq + 1) - q_start
     if tile * BLOCK_Q >= q_len:
@@ -200,15 +200,16 @@ def _max_query_len(query_start_loc: torch.Tensor) -> int:
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                     max_query_len: int | None = None, decode_only: bool | None = None,
-                    num_kv_splits: int | None = None) -> torch.Tensor:
+                    num_kv_splits: int | None = None, num_decodes: int = 0) -> torch.Tensor:
     """Causal attention of variable-length queries over paged KV; see
     kernels.reference.paged_attention. Host-side hints avoid a device sync: ``decode_only=True``
     promises every sequence has exactly one query token; otherwise ``max_query_len`` (the longest
     q_len) is needed, and found with one sync when not given. All q_len == 1 takes the decode
-    kernel either way. ``num_kv_splits`` (a power of two) overrides num_decode_splits."""
+    kernel either way. ``num_kv_splits`` (a power of two) overrides num_decode_splits.
+    ``num_decodes``: the first that many sequences of a mixed batch have one query token each;
+    they take the decode kernel (a prefill tile would pad each of them to BLOCK_Q tokens)."""
     tokens, heads, head_dim = query.shape
-    batch, kv_heads, block_size = seq_lens.shape[0], kv_cache.shape[3], kv_cache.shape[2]
-    group = heads // kv_heads
+    batch = seq_lens.shape[0]
     query = query if query.stride(-1) == 1 else query.contiguous()
     out = torch.empty_like(query)
     if tokens == 0:
@@ -216,12 +217,34 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     if not decode_only:
         max_query_len = max_query_len or _max_query_len(query_start_loc)
         decode_only = tokens == batch and max_query_len == 1
-    dot_f32 = _INTERPRETED and query.dtype == torch.bfloat16
-    precision = "ieee" if query.dtype == torch.float32 or dot_f32 else "tf32"
-    keys, values = kv_cache[0], kv_cache[1]
-    cache_strides = (block_tables.stride(0), keys.stride(0), keys.stride(1), keys.stride(2))
-    qk_scale = scale * _LOG2E
+    launch = _Launch(query, kv_cache, block_tables, scale)
     if decode_only:
+        launch.decode(seq_lens, block_tables, out, num_kv_splits)
+        return out
+    if num_decodes:   # the decodes' rows are the first num_decodes of query, seq_lens, tables
+        launch.decode(seq_lens[:num_decodes], block_tables[:num_decodes], out[:num_decodes],
+                      num_kv_splits)
+    launch.prefill(query_start_loc, seq_lens, block_tables, out, num_decodes, max_query_len)
+    return out
+
+
+class _Launch:
+    """What the decode and prefill launches of one attention call share."""
+
+    def __init__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 scale: float):
+        self.query, self.kv_cache = query, kv_cache
+        self.dot_f32 = _INTERPRETED and query.dtype == torch.bfloat16
+        self.precision = "ieee" if query.dtype == torch.float32 or self.dot_f32 else "tf32"
+        keys = kv_cache[0]
+        self.cache_strides = (block_tables.stride(0), keys.stride(0), keys.stride(1), keys.stride(2))
+        self.qk_scale = scale * _LOG2E
+
+    def decode(self, seq_lens: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
+               num_kv_splits: int | None) -> None:
+        query, (keys, values) = self.query, (self.kv_cache[0], self.kv_cache[1])
+        batch, (_, heads, head_dim) = seq_lens.shape[0], query.shape
+        kv_heads, block_size = keys.shape[2], keys.shape[1]
         splits = num_kv_splits or num_decode_splits(
             batch, kv_heads, block_tables.shape[1] * block_size, query.device)
         if splits == 1:    # the kernel writes ``out`` itself
@@ -230,26 +253,35 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
             part_o = torch.empty((batch, heads, splits, head_dim), dtype=torch.float32,
                                  device=query.device)
             part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
+        group = heads // kv_heads
         _decode_kernel[(batch, kv_heads, splits)](
-            query, keys, values, seq_lens, block_tables, part_o, part_lse, out, qk_scale,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1), *cache_strides,
+            query, keys, values, seq_lens, block_tables, part_o, part_lse, out, self.qk_scale,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
             NUM_SPLITS=splits, G=group,
             G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-            BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=block_size, PRECISION=precision, DOT_F32=dot_f32,
-            num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
+            BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=block_size, PRECISION=self.precision,
+            DOT_F32=self.dot_f32, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
         if splits > 1:
             _combine_kernel[(batch, heads)](part_o, part_lse, out, out.stride(0), out.stride(1),
                                             NUM_SPLITS=splits, HEAD_DIM=head_dim, num_warps=4)
-        return out
-    g_pad = triton.next_power_of_2(group)
-    wide = query.element_size() > 2  # float32: a quarter of the tile and fewer stages fit smem
-    block_m = min(PREFILL_BLOCK_M // (4 if wide else 1),
-                  max(16, triton.next_power_of_2(max_query_len) * g_pad))
-    block_q = block_m // g_pad
-    _prefill_kernel[(triton.cdiv(max_query_len, block_q), kv_heads, batch)](
-        query, keys, values, out, query_start_loc, seq_lens, block_tables, qk_scale,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *cache_strides, G=group,
-        G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_N=PREFILL_BLOCK_N,
-        BLOCK_SIZE=block_size, PRECISION=precision, DOT_F32=dot_f32,
-        num_warps=PREFILL_WARPS if block_m >= 128 else 4, num_stages=2 if wide else PREFILL_STAGES)
-    return out
+
+    def prefill(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                block_tables: torch.Tensor, out: torch.Tensor, seq0: int, max_query_len: int) -> None:
+        """Sequences seq0.. (the rows' offsets in query stay absolute: query_start_loc's)."""
+        query, (keys, values) = self.query, (self.kv_cache[0], self.kv_cache[1])
+        _, heads, head_dim = query.shape
+        kv_heads, block_size = keys.shape[2], keys.shape[1]
+        group = heads // kv_heads
+        g_pad = triton.next_power_of_2(group)
+        wide = query.element_size() > 2  # float32: a quarter of the tile and fewer stages fit smem
+        block_m = min(PREFILL_BLOCK_M // (4 if wide else 1),
+                      max(16, triton.next_power_of_2(max_query_len) * g_pad))
+        block_q = block_m // g_pad
+        grid = (triton.cdiv(max_query_len, block_q), kv_heads, seq_lens.shape[0] - seq0)
+        _prefill_kernel[grid](
+            query, keys, values, out, query_start_loc, seq_lens, block_tables,
+            seq0, self.qk_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            *self.cache_strides, G=group, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
+            BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=block_size, PRECISION=self.precision,
+            DOT_F32=self.dot_f32, num_warps=PREFILL_WARPS if block_m >= 128 else 4,
+            num_stages=2 if wide else PREFILL_STAGES)

@@ -21,13 +21,15 @@ def test_mixed_step_inputs():
     a = b.add(1, srow(range(10, 20)), [3, 5, 7], num_computed=4)     # chunk of a prefill
     c = b.add(2, srow([1, 2], output=[9]), [8], num_computed=2)      # resumed: decode its token
     prep = b.prepare(np.array([a, c]), np.array([6, 1]))
-    assert prep.input_ids[:6].tolist() == list(range(14, 20))
-    assert prep.last_index.tolist() == [6] and prep.last_rows.tolist() == [c]   # read on the device
-    assert prep.positions.tolist() == [4, 5, 6, 7, 8, 9, 2]
-    assert prep.slot_mapping.tolist() == [20, 21, 22, 23, 28, 29, 34]
-    assert prep.query_start_loc.tolist() == [0, 6, 7] and prep.seq_lens.tolist() == [10, 3]
-    assert prep.block_tables.tolist() == [[3, 5, 7], [8, 0, 0]]
-    assert prep.logits_indices.tolist() == [5, 6] and prep.sample_rows.tolist() == [a, c]
+    # a mixed batch puts its one-token rows first (they take the decode attention kernel)
+    assert prep.num_decodes == 1
+    assert prep.input_ids[1:].tolist() == list(range(14, 20))
+    assert prep.last_index.tolist() == [0] and prep.last_rows.tolist() == [c]   # read on the device
+    assert prep.positions.tolist() == [2, 4, 5, 6, 7, 8, 9]
+    assert prep.slot_mapping.tolist() == [34, 20, 21, 22, 23, 28, 29]
+    assert prep.query_start_loc.tolist() == [0, 1, 7] and prep.seq_lens.tolist() == [3, 10]
+    assert prep.block_tables.tolist() == [[8, 0, 0], [3, 5, 7]]
+    assert prep.logits_indices.tolist() == [0, 6] and prep.sample_rows.tolist() == [c, a]
     assert not prep.decode_only and prep.max_query_len == 6
     assert b.count_sampled(prep.sample_rows) == []     # greedy rows keep no history
     b.append_blocks(np.array([c]), np.array([1]), np.array([9]))
@@ -39,9 +41,10 @@ def test_mixed_step_inputs():
     b.count_sampled(prep.sample_rows)
     d = b.add(3, srow([7, 8, 9]), [10], num_computed=0)
     prep = b.prepare(np.array([a, d, c]), np.array([1, 3, 1]))
-    assert not prep.decode_only and prep.input_ids[1:4].tolist() == [7, 8, 9]
-    assert prep.last_index.tolist() == [0, 4] and prep.last_rows.tolist() == [a, c]
-    assert b.sampling_batch(prep.sample_rows).num_output.tolist() == [2, 0, 3]
+    assert not prep.decode_only and prep.input_ids[2:5].tolist() == [7, 8, 9]
+    assert prep.num_decodes == 2 and prep.sample_rows.tolist() == [a, c, d]
+    assert prep.last_index.tolist() == [0, 1] and prep.last_rows.tolist() == [a, c]
+    assert b.sampling_batch(prep.sample_rows).num_output.tolist() == [2, 3, 0]
 
 
 def test_bad_deltas_are_rejected():

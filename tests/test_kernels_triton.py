@@ -160,6 +160,16 @@ def test_mixed_attention(heads, kv_heads, head_dim, block_size, dtype):
                      max_query_len=30)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,dtype", LAYOUTS[:3])
+@pytest.mark.parametrize("splits", [None, 2])
+def test_mixed_attention_with_leading_decodes(heads, kv_heads, head_dim, block_size, dtype, splits):
+    # Three one-token rows first (one a prefill chunk of a single token, mid-prompt) go through
+    # the decode kernel; the prefill rows after them keep absolute query offsets.
+    q_lens, ctx_lens = [1, 1, 1, 21, 30, 4], [1, 2 * block_size + 3, 70, 21, 130, 67]
+    _check_attention(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype,
+                     max_query_len=30, num_decodes=3, num_kv_splits=splits)
+
+
 def test_attention_without_hints_finds_the_path():
     _check_attention([1, 1], [40, 7], 4, 2, 64, 16, torch.bfloat16)        # decode kernel
     # Two 256-query tiles (no GQA); a tile whose first query is one short of a 64-key boundary.
