@@ -187,7 +187,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, dev: dict[str, torch.Tensor] 
         tokens = kernels.sample_race(logits, dev["race_temp"], dev["seeds"], dev["counters"])
     elif not (b.temperature > 0).any():   # greedy rows only: no noise to draw
         tokens = logits.argmax(-1)
-    else:   # the hash costs ~15 integer passes over the logits on a CPU: only seeded rows pay it
+    else:   # the hash costs ~10 integer passes over the logits on a CPU: only seeded rows pay it
         noise = torch.empty(logits.shape, dtype=torch.float32).exponential_()
         if b.has_seed.any():
             idx = torch.from_numpy(np.flatnonzero(b.has_seed))

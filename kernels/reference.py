@@ -116,6 +116,9 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
 GOLDEN = -7046029254386353131      # 0x9E3779B97F4A7C15
 MIX1 = -4658895280553007687        # 0xBF58476D1CE4E5B9
 MIX2 = -7723592293110705685        # 0x94D049BB133111EB
+# 32-bit constants: a Weyl multiplier for the token id and murmur3's finalizer
+TOKEN_MUL, FMIX1, FMIX2 = 0x9E3779B1, 0x85EBCA6B, 0xC2B2AE35
+_LOW32 = (1 << 32) - 1
 
 
 def _srl(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -123,17 +126,31 @@ def _srl(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def race_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise [rows, vocab] (float32) from splitmix64 of (seed, counter, token id): the
-    same bits on every device and whatever else is in the batch. 23 hash bits make a uniform
-    u in (0, 1) exactly representable in float32; the noise is -log(u)."""
-    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    x = (seeds[:, None] * GOLDEN) ^ (counters[:, None] * MIX2) ^ v[None, :]
+def race_row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of (seed, counter): one 64-bit key per row and step (int64 bits)."""
+    x = (seeds * GOLDEN) ^ (counters * MIX2)
     x = x + GOLDEN
     x = (x ^ _srl(x, 30)) * MIX1
     x = (x ^ _srl(x, 27)) * MIX2
-    x = x ^ _srl(x, 31)
-    u = (_srl(x, 41).float() + 0.5) * (1.0 / (1 << 23))
+    return x ^ _srl(x, 31)
+
+
+def race_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab] (float32): the same bits on every device and whatever else is
+    in the batch. Each row's 64-bit key (``race_row_keys``) is mixed with the token id in 32-bit
+    arithmetic, (id ^ key_hi) * TOKEN_MUL + key_lo, then murmur3's fmix32 (a bijection: a row's
+    tokens get distinct hashes). 23 hash bits make a uniform u in (0, 1) exactly representable
+    in float32; the noise is -log(u). (32-bit work per token: the GPU twin is cheap.)"""
+    key = race_row_keys(seeds, counters)
+    key_lo, key_hi = (key & _LOW32)[:, None], _srl(key, 32)[:, None]
+    v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :]
+    x = (((v ^ key_hi) * TOKEN_MUL) + key_lo) & _LOW32
+    x = x ^ (x >> 16)
+    x = (x * FMIX1) & _LOW32
+    x = x ^ (x >> 13)
+    x = (x * FMIX2) & _LOW32
+    x = x ^ (x >> 16)
+    u = ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
     return -torch.log(u)
 
 

@@ -2,8 +2,8 @@
 
 The exponential race needs no softmax (argmax of p / E equals argmax of logits / t - log E),
 so each program reads one chunk of one row's logits in their own dtype, adds the hashed noise
-(splitmix64 of seed, counter and token id, the same bits as the reference) and keeps the
-chunk's best; a second tiny kernel picks each row's best chunk. Against the torch sampler this
+(the reference's bits: a splitmix64 key per row, then 32-bit mixing per token, so the hash does
+not outweigh the read) and keeps the chunk's best; a second tiny kernel picks each row's best chunk. Against the torch sampler this
 replaces a float32 copy, a temperature division, a softmax, the noise tensor, a division and
 an argmax over [rows, vocab] with one pass over the bf16 logits.
 """
@@ -30,12 +30,20 @@ def _race_chunk_kernel(LOGITS, stride_row, TEMP, SEEDS, COUNTERS, BEST_VAL, BEST
     if t > 0:
         seed = tl.load(SEEDS + row).to(tl.uint64, bitcast=True)
         counter = tl.load(COUNTERS + row).to(tl.uint64, bitcast=True)
-        h = (seed * 0x9E3779B97F4A7C15) ^ (counter * 0x94D049BB133111EB) ^ cols.to(tl.uint64)
-        h = h + 0x9E3779B97F4A7C15
-        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9
-        h = (h ^ (h >> 27)) * 0x94D049BB133111EB
-        h = h ^ (h >> 31)
-        u = ((h >> 41).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        k = (seed * 0x9E3779B97F4A7C15) ^ (counter * 0x94D049BB133111EB)   # the row's key
+        k = k + 0x9E3779B97F4A7C15
+        k = (k ^ (k >> 30)) * 0xBF58476D1CE4E5B9
+        k = (k ^ (k >> 27)) * 0x94D049BB133111EB
+        k = k ^ (k >> 31)
+        key_lo = (k & 0xFFFFFFFF).to(tl.uint32)
+        key_hi = (k >> 32).to(tl.uint32)
+        h = (cols.to(tl.uint32) ^ key_hi) * tl.full((), 0x9E3779B1, tl.uint32) + key_lo
+        h = h ^ (h >> 16)
+        h = h * tl.full((), 0x85EBCA6B, tl.uint32)
+        h = h ^ (h >> 13)
+        h = h * tl.full((), 0xC2B2AE35, tl.uint32)
+        h = h ^ (h >> 16)
+        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         x = x / t - tl.log(-tl.log(u))
         x = tl.where(mask, x, float("-inf"))
     best = tl.argmax(x, 0)
