@@ -3,7 +3,7 @@
 Prints achieved TB/s of paged decode attention (bytes = all K/V of the batch + q + out) and
 TFLOP/s of causal prefill attention (4 * H * D * causal score count), after checking both
 kernels against ``kernels.reference`` on small ragged cases. bf16, block size 16, KV blocks in
-shuffled order. Not a test: ``python bench/kernels.py [--quick | --sweep]`` on the GPU;
+shuffled order. Not a test: ``python bench/kernels.py [--quick | --sweep | --layout]`` on the GPU;
 --sweep times the launch configurations at the top of kernels/triton_attention.py.
 """
 
@@ -169,17 +169,45 @@ def sweep(device) -> None:
                     print(block_m, block_n, warps, stages, " ".join(f"{t:7.1f}" for t in tf))
 
 
+def layout_sweep(device) -> None:
+    """W1's decode shapes (Qwen3-0.6B heads, block 16) with the cache slot-major (the engine's
+    [2, blocks, block_size, kv_heads, head_dim]) and head-major (a block's slots of one head
+    contiguous; the same logical shape through a transposed view), over launch configurations."""
+    points = [(256, 700), (128, 1000), (32, 1500)]
+    blocks = 256 * 1024 // BLOCK
+    caches = {"slot-major": torch.randn(2, blocks, BLOCK, 8, 128, dtype=DTYPE, device=device),
+              "head-major": torch.randn(2, blocks, 8, BLOCK, 128, dtype=DTYPE,
+                                        device=device).transpose(2, 3)}
+    print("\ndecode layout sweep: layout block_n warps stages -> TB/s at (batch, context)", points)
+    ta = triton_attention
+    for name, cache in caches.items():
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    ta.DECODE_BLOCK_N, ta.DECODE_WARPS, ta.DECODE_STAGES = block_n, warps, stages
+                    try:
+                        tbps = [decode_point(cache, 16, b, c)[0] for b, c in points]
+                    except OutOfResources as e:
+                        print(name, block_n, warps, stages, type(e).__name__)
+                        continue
+                    print(name, block_n, warps, stages, " ".join(f"{t:6.2f}" for t in tbps))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller grid")
     parser.add_argument("--sweep", action="store_true", help="time launch configurations instead")
+    parser.add_argument("--layout", action="store_true",
+                        help="W1's decode shapes: cache layouts x launch configurations")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(device), "torch", torch.__version__,
           "triton", triton.__version__)
     check(device)
-    if args.sweep:
+    if args.layout:
+        layout_sweep(device)
+    elif args.sweep:
         sweep(device)
     elif args.quick:
         bench_decode([1, 64, 256], [1024, 8192], device)
