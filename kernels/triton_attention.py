@@ -81,7 +81,9 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
     return acc, l_i, m_i
 
 
-@triton.jit
+# Block-table widths vary from step to step in eager (mixed) steps: no specialisation on them,
+# or every new width divisibility would compile a variant in the middle of serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(Q, K, V, SEQ_LENS, BT, PART_O, PART_LSE, OUT, qk_scale, stride_qt, stride_qh,
                    stride_ot, stride_oh, stride_bt, stride_block, stride_slot, stride_head,
                    NUM_SPLITS: tl.constexpr,
@@ -135,7 +137,7 @@ def _combine_kernel(PART_O, PART_LSE, OUT, stride_ot, stride_oh, NUM_SPLITS: tl.
     tl.store(OUT + seq * stride_ot + head * stride_oh + d, out.to(OUT.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["seq0"])   # seq0 varies per step: one compiled variant
+@triton.jit(do_not_specialize=["seq0", "stride_bt"])   # both vary per step: one variant
 def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, seq0, qk_scale, stride_qt, stride_qh, stride_ot,
                     stride_oh, stride_bt, stride_block, stride_slot, stride_head,
                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
