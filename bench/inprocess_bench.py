@@ -34,7 +34,7 @@ class LocalWorkers:
     def __init__(self, worker: Worker):
         self.worker, self.infos, self.runner_s, self.step_ends = worker, [], 0.0, []
         self.device_s = self.device_idle_s = 0.0
-        self.steps_sent, self.windows = 0, []
+        self.steps_sent, self.windows, self.steps = 0, [], []
         self.pipeline = StepPipeline(worker.runner)
         self.ready: collections.deque = collections.deque()
 
@@ -61,6 +61,7 @@ class LocalWorkers:
         self.step_ends += [now] * sum(1 for r in ready if r.token_ids)
         self.device_s += sum(r.device_ms for r in ready) / 1e3
         self.device_idle_s += sum(r.device_idle_ms for r in ready) / 1e3
+        self.steps += [(len(r.seq_ids), r.device_ms, r.device_idle_ms) for r in ready]
         self.ready.extend(ready)
 
     async def receive(self):
@@ -101,6 +102,19 @@ class KernelWindow:
             self.prof = None
 
 
+def print_step_table(steps: list[tuple[int, float, float]]) -> None:
+    """Device time and device idle (the gap before each step) over ranges of the timed steps."""
+    print("steps      sampled/step  device_ms  idle_ms  idle_ms/step")
+    edges = [0, 10, 20, 50, 100, 300, 600, 900, 1000, len(steps)]
+    for lo, hi in zip(edges, edges[1:]):
+        part = steps[lo:hi]
+        if not part:
+            continue
+        dev, idle = sum(s[1] for s in part), sum(s[2] for s in part)
+        print(f"{lo:4d}-{hi:<5d} {sum(s[0] for s in part) / len(part):12.1f} {dev:10.1f} "
+              f"{idle:8.1f} {idle / len(part):12.3f}")
+
+
 async def consume(request) -> int:
     count = 0
     while not request.delivered:
@@ -126,6 +140,7 @@ async def run(args) -> dict:
 
     await consume(submit([1, 2, 3], 4, 0.6))     # warm-up
     local.runner_s = local.device_s = local.device_idle_s = 0.0
+    local.steps = []
     local.windows = [KernelWindow(w, args.out_dir) for w in args.kernel_windows]
     for window in local.windows:
         window.offset = local.steps_sent
@@ -148,6 +163,8 @@ async def run(args) -> dict:
         itls.sort()
         out = {"itl_ms_p50": round(itls[len(itls) // 2] * 1e3, 3),
                "itl_ms_p99": round(itls[int(len(itls) * 0.99)] * 1e3, 3)}
+    if args.step_table:
+        print_step_table(local.steps)
     if profiler:
         profiler.disable()
         profiler.dump_stats(args.profile)
@@ -167,6 +184,8 @@ def main() -> None:
     ap.add_argument("--kernel-window", dest="kernel_windows", action="append", default=[],
                     metavar="FIRST:LAST", help="profile device kernels over these steps of the run")
     ap.add_argument("--out-dir", default=".", help="where kernel window tables go")
+    ap.add_argument("--step-table", action="store_true",
+                    help="print device time and idle over ranges of the timed steps")
     args = ap.parse_args()
     print(json.dumps(asyncio.run(run(args))), flush=True)
 
