@@ -35,6 +35,15 @@ class LocalWorkers:
         self.worker, self.infos, self.runner_s, self.step_ends = worker, [], 0.0, []
         self.device_s = self.device_idle_s = 0.0
         self.steps_sent, self.windows, self.steps = 0, [], []
+        self.launch_ms: dict[int, float] = {}   # step id -> host time of the runner's launch
+        launch = worker.runner.launch
+
+        def timed_launch(step):
+            t0 = time.perf_counter()
+            launched = launch(step)
+            self.launch_ms[step.step_id] = (time.perf_counter() - t0) * 1e3
+            return launched
+        worker.runner.launch = timed_launch
         self.pipeline = StepPipeline(worker.runner)
         self.ready: collections.deque = collections.deque()
 
@@ -61,7 +70,8 @@ class LocalWorkers:
         self.step_ends += [now] * sum(1 for r in ready if r.token_ids)
         self.device_s += sum(r.device_ms for r in ready) / 1e3
         self.device_idle_s += sum(r.device_idle_ms for r in ready) / 1e3
-        self.steps += [(len(r.seq_ids), r.device_ms, r.device_idle_ms) for r in ready]
+        self.steps += [(len(r.seq_ids), r.device_ms, r.device_idle_ms, self.launch_ms.pop(r.step_id, 0.0))
+                       for r in ready]
         self.ready.extend(ready)
 
     async def receive(self):
@@ -102,9 +112,10 @@ class KernelWindow:
             self.prof = None
 
 
-def print_step_table(steps: list[tuple[int, float, float]]) -> None:
-    """Device time and device idle (the gap before each step) over ranges of the timed steps."""
-    print("steps      sampled/step  device_ms  idle_ms  idle_ms/step")
+def print_step_table(steps: list[tuple[int, float, float, float]]) -> None:
+    """Device time, device idle (the gap before each step) and the host time of the runner's
+    launch over ranges of the timed steps."""
+    print("steps      sampled/step  device_ms  idle_ms  idle_ms/step  launch_ms/step")
     edges = [0, 10, 20, 50, 100, 300, 600, 900, 1000, len(steps)]
     for lo, hi in zip(edges, edges[1:]):
         part = steps[lo:hi]
@@ -112,7 +123,7 @@ def print_step_table(steps: list[tuple[int, float, float]]) -> None:
             continue
         dev, idle = sum(s[1] for s in part), sum(s[2] for s in part)
         print(f"{lo:4d}-{hi:<5d} {sum(s[0] for s in part) / len(part):12.1f} {dev:10.1f} "
-              f"{idle:8.1f} {idle / len(part):12.3f}")
+              f"{idle:8.1f} {idle / len(part):12.3f} {sum(s[3] for s in part) / len(part):14.3f}")
 
 
 async def consume(request) -> int:

@@ -12,6 +12,7 @@ The control plane owns every block decision; workers only mirror the tables it s
 from __future__ import annotations
 
 import collections
+import struct
 from typing import Callable
 
 import xxhash
@@ -20,9 +21,9 @@ _ROOT_HASH = 0
 
 
 def chain_hash(previous: int, tokens: tuple[int, ...]) -> int:
-    h = xxhash.xxh64(previous.to_bytes(8, "little"))
-    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
-    return h.intdigest()
+    """xxh64 of the previous block's hash and the block's token ids (little-endian u32s),
+    packed in one C call: a prefill step registers hundreds of blocks."""
+    return xxhash.xxh64_intdigest(struct.pack(f"<Q{len(tokens)}I", previous, *tokens))
 
 
 class BlockManager:
