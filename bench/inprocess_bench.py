@@ -135,9 +135,9 @@ async def consume(request) -> int:
 
 async def run(args) -> dict:
     worker = Worker(WorkerOptions(model=args.model, device=args.device, max_num_seqs=256,
-                                  max_batched_tokens=8192))
+                                  max_batched_tokens=args.max_batched_tokens))
     local = LocalWorkers(worker)
-    engine = Engine(local, EngineConfig(max_running=256, max_batched_tokens=8192))
+    engine = Engine(local, EngineConfig(max_running=256, max_batched_tokens=args.max_batched_tokens))
     await engine.start()
     tok = ModelTokenizer(args.model)
 
@@ -179,6 +179,10 @@ async def run(args) -> dict:
     if profiler:
         profiler.disable()
         profiler.dump_stats(args.profile)
+    if args.device == "cuda":   # the caching allocator freeing memory mid-run syncs the device
+        import torch
+        stats = torch.cuda.memory_stats()
+        out.update(alloc_retries=stats["num_alloc_retries"], cuda_mallocs=stats["num_device_alloc"])
     out.update(workload=f"{args.workload}-in-process", runner_s=round(local.runner_s, 3),
                device_s=round(local.device_s, 3), device_idle_s=round(local.device_idle_s, 3),
                wall_s=round(wall, 3), startup_s=round(worker.startup_seconds, 1))
@@ -191,6 +195,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--workload", choices=["w1", "w2"], default="w1")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--profile", default=None, help="write cProfile stats of the timed part here")
     ap.add_argument("--kernel-window", dest="kernel_windows", action="append", default=[],
                     metavar="FIRST:LAST", help="profile device kernels over these steps of the run")
