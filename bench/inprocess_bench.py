@@ -195,7 +195,8 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--workload", choices=["w1", "w2"], default="w1")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-batched-tokens", type=int, default=16384,
+                    help="tokens per step (nano-vllm's default, as its W1 benchmark runs)")
     ap.add_argument("--profile", default=None, help="write cProfile stats of the timed part here")
     ap.add_argument("--kernel-window", dest="kernel_windows", action="append", default=[],
                     metavar="FIRST:LAST", help="profile device kernels over these steps of the run")

@@ -147,7 +147,8 @@ def main() -> None:
     ap.add_argument("--address", default=None, help="use a running server instead of starting one")
     ap.add_argument("--port", type=int, default=50151)
     ap.add_argument("--num-seqs", type=int, default=512, help="w3: sequences")
-    ap.add_argument("--serve-args", default="--device cuda --max-running 256 --max-batched-tokens 8192")
+    ap.add_argument("--serve-args", default="--device cuda --max-running 256 --max-batched-tokens 16384",
+                    help="W1 uses nano-vllm's own default step budget (16,384 tokens)")
     ap.add_argument("--stream-interval", type=int, default=0,
                     help="tokens per streamed message the requests ask for (0: server default; "
                          "100000: one message per request, an offline client)")
