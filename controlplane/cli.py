@@ -94,8 +94,11 @@ def _add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) 
         p.add_argument("--stream-interval", type=_positive_int, default=1,
                        help="tokens per streamed message at least, for requests that do not set "
                             "stream_interval (default 1: every token as it is sampled)")
+        p.add_argument("--pipeline-depth", type=_positive_int, default=3,
+                       help="steps in flight (default 3: the data plane always holds the next "
+                            "step; 2 while a running request has stop strings)")
         p.add_argument("--no-overlap", action="store_true",
-                       help="one step in flight instead of two (no overlapped scheduling)")
+                       help="one step in flight (no overlapped scheduling)")
         p.add_argument("--admin-token", default=None,
                        help="bearer token for the Admin service (default $HEADRACE_ADMIN_TOKEN; "
                             "without one, Admin serves local callers only)")
@@ -124,7 +127,7 @@ def _engine_config(args) -> EngineConfig:
                         policy=Policy(args.policy, args.aging_rate, args.max_queue_delay),
                         enable_prefix_cache=not args.no_prefix_cache, watermark=args.watermark,
                         max_queued=args.max_queued, outage_deadline_s=args.outage_deadline,
-                        pipeline_depth=1 if args.no_overlap else 2,
+                        pipeline_depth=1 if args.no_overlap else args.pipeline_depth,
                         stream_interval=args.stream_interval)
 
 

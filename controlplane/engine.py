@@ -39,7 +39,7 @@ class EngineConfig:
     watermark: float = 0.01            # fraction of KV blocks admission leaves free
     max_queued: int = 0                # waiting sequences at most (0 = unbounded); RESOURCE_EXHAUSTED
     reconnect_interval_s: float = 1.0
-    pipeline_depth: int = 2            # steps in flight; 1 = no overlap (each step answered at once)
+    pipeline_depth: int = 3            # steps in flight; 1 = no overlap (each step answered at once)
     outage_deadline_s: float = 60.0    # requests wait this long for a lost data plane to return
     stream_interval: int = 1           # tokens per streamed message at least, unless a request says
 
@@ -192,7 +192,7 @@ class Engine:
                 await self._reconnect()
                 continue
             try:
-                if len(inflight) < depth:
+                if len(inflight) < self._depth_now(depth):
                     t0 = clock()
                     step = self.scheduler.schedule()
                     if not step.empty:
@@ -235,6 +235,18 @@ class Engine:
                 emitted = self._process(step, result)
                 tel.step_done(result, traced, t2 - sent, clock() - t2, emitted)
 
+    def _depth_now(self, depth: int) -> int:
+        """Steps allowed in flight. Two hide the device's step from this process's work; a
+        third hides the gRPC round trip too, which decides latency at small batches. A finished
+        sequence costs one slot per step sent before its last token came back, so beyond two
+        only sequences whose end the worker can see itself may run: a sampled stop token
+        (the worker then leaves them out of the steps it already holds) or max_tokens (never
+        scheduled past). Stop strings match detokenized text here: while a sequence has some,
+        two steps at most."""
+        if depth <= 2 or not any(s.output.has_stop for s in self.scheduler.running):
+            return depth
+        return 2
+
     async def _reconnect(self) -> None:
         """Waits for the workers to come back; requests kept through the outage fail with
         UNAVAILABLE once it lasts longer than ``outage_deadline_s``."""
@@ -261,7 +273,8 @@ class Engine:
             msg.new_seqs.add(seq_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
                              output_token_ids=seq.output_token_ids,
                              block_ids=tables[seq.seq_id], num_computed_tokens=seq.num_computed,
-                             num_scheduled_tokens=n, sampling=seq.sampling)
+                             num_scheduled_tokens=n, sampling=seq.sampling,
+                             stop_token_ids=seq.stop_token_ids)
         for seq, n, new_blocks in step.running:
             msg.running_seq_ids.append(seq.seq_id)
             msg.running_num_scheduled.append(n)

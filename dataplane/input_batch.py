@@ -54,6 +54,10 @@ class InputBatch:
         self.logprobs = np.zeros(max_seqs, dtype=np.int64)
         self.uses_history = np.zeros(max_seqs, dtype=bool)
         self.num_history_rows = 0   # rows that keep a token history (penalties)
+        self.min_tokens = np.zeros(max_seqs, dtype=np.int64)
+        self.has_stops = np.zeros(max_seqs, dtype=bool)
+        self.stop_ids: list[frozenset[int] | None] = [None] * max_seqs
+        self.stopped: set[int] = set()   # seq ids whose sampled token finished them
         self.rows: dict[int, int] = {}
         self.sampling: list[SamplingRow | None] = [None] * max_seqs
         self._free_rows = list(range(max_seqs - 1, -1, -1))
@@ -64,8 +68,10 @@ class InputBatch:
 
     def remove(self, seq_id: int) -> None:
         row = self.rows.pop(seq_id, None)
+        self.stopped.discard(seq_id)
         if row is not None:
             self.sampling[row] = None
+            self.stop_ids[row], self.has_stops[row] = None, False
             self.num_history_rows -= int(self.uses_history[row])
             self.uses_history[row] = False
             self._free_rows.append(row)
@@ -80,7 +86,8 @@ class InputBatch:
         self.block_table[row, start:end] = ids
         self.num_table[row] = end
 
-    def add(self, seq_id: int, row_state: SamplingRow, block_ids, num_computed: int) -> int:
+    def add(self, seq_id: int, row_state: SamplingRow, block_ids, num_computed: int,
+            stop_token_ids=()) -> int:
         if seq_id in self.rows:
             raise BatchError(f"sequence {seq_id} is already running")
         if not self._free_rows:
@@ -100,6 +107,9 @@ class InputBatch:
         self.seed[row] = signed_seed(r.seed or 0)
         self.uses_history[row] = r.uses_history
         self.num_history_rows += int(r.uses_history)
+        self.min_tokens[row] = r.min_tokens
+        self.stop_ids[row] = frozenset(stop_token_ids) or None
+        self.has_stops[row] = self.stop_ids[row] is not None
         self._set_blocks(row, 0, block_ids)
         return row
 
@@ -136,6 +146,18 @@ class InputBatch:
         self.num_output[rows] += 1
         keep = self.uses_history[rows]
         return [self.sampling[int(r)] for r in rows[keep]] if keep.any() else []
+
+    def stop_watch(self, rows: np.ndarray, seq_ids: list[int]) -> list[tuple[int, int, frozenset[int]]]:
+        """For rows that just counted a sample (``count_sampled``) and may stop on it: (index in
+        ``rows``, seq id, stop tokens), for ``mark_stopped`` once the sampled values are known."""
+        watch = np.flatnonzero(self.has_stops[rows] & (self.num_output[rows] >= self.min_tokens[rows]))
+        return [(int(i), seq_ids[i], self.stop_ids[int(rows[i])]) for i in watch]
+
+    def mark_stopped(self, watch: list[tuple[int, int, frozenset[int]]], tokens: list[int]) -> None:
+        """Remembers the watched sequences (still held) whose sampled token finishes them."""
+        for i, seq_id, stops in watch:
+            if tokens[i] in stops and seq_id in self.rows:
+                self.stopped.add(seq_id)
 
     def history_mask(self, rows: np.ndarray) -> np.ndarray:
         return self.uses_history[rows]

@@ -7,7 +7,9 @@ runner keeps each sequence's last token on the device, so a decode reads the tok
 by the step before without the host ever seeing it first. ``launch`` enqueues a step's device
 work and returns at once; ``finish`` waits for its sampled ids and builds the StepResult.
 Launching step N+1 before finishing step N keeps the GPU busy while the host reads N's ids
-and the control plane processes them (the control plane's overlapped scheduling).
+and the control plane processes them (the control plane's overlapped scheduling). With a
+third step in flight, a sequence whose sampled token is one of its stop tokens is left out of
+the steps that were sent before the control plane saw that token (one wasted slot at most).
 
 Under tensor parallelism every rank runs every step; the logits are gathered on every rank,
 rank 0 alone samples and broadcasts the token ids, so every rank's ``last_token`` table (and
@@ -52,6 +54,7 @@ class Launched:
     seq_ids: list[int] = dataclasses.field(default_factory=list)
     out: SampleOutput | None = None
     histories: list[tuple[int, SamplingRow]] = dataclasses.field(default_factory=list)
+    stop_watch: list = dataclasses.field(default_factory=list)   # see InputBatch.stop_watch
     begin: torch.cuda.Event | None = None      # device timeline: the step's first op ...
     done: torch.cuda.Event | None = None       # ... and its last (the ids are on the host)
     previous: torch.cuda.Event | None = None   # the last op of the step launched before
@@ -89,7 +92,8 @@ class ModelRunner:
         rows, counts, last = [], [], []
         for new in step.new_seqs:
             row_state = _row(new)
-            row = batch.add(new.seq_id, row_state, new.block_ids, new.num_computed_tokens)
+            row = batch.add(new.seq_id, row_state, new.block_ids, new.num_computed_tokens,
+                            new.stop_token_ids)
             self.seq_of_row[row] = new.seq_id
             rows.append(row)
             counts.append(new.num_scheduled_tokens)
@@ -103,10 +107,14 @@ class ModelRunner:
             nz = np.flatnonzero(n_blocks)
             batch.append_blocks(np.asarray(running, dtype=np.int64)[nz], n_blocks[nz],
                                 np.asarray(step.running_new_block_ids, dtype=np.int64))
-        rows += running
-        counts.extend(step.running_num_scheduled)
-        if len(counts) != len(rows) or len(set(rows)) != len(rows):
+        if len(step.running_num_scheduled) != len(running) or len(set(rows + running)) != len(rows) + len(running):
             raise StepError("running_num_scheduled does not match running_seq_ids, or a sequence repeats")
+        scheduled = step.running_num_scheduled
+        if batch.stopped:   # sent before the control plane saw their stop token: not run
+            keep = [i for i, s in enumerate(step.running_seq_ids) if s not in batch.stopped]
+            running, scheduled = [running[i] for i in keep], [scheduled[i] for i in keep]
+        rows += running
+        counts.extend(scheduled)
         src, dst = step.copy_src_blocks, step.copy_dst_blocks
         if len(src) != len(dst) or any(b >= self.num_blocks for b in list(src) + list(dst)):
             raise StepError("copy_src_blocks/copy_dst_blocks: mismatched or out of range")
@@ -184,6 +192,7 @@ class ModelRunner:
         launched.seq_ids = self.seq_of_row[sample_rows].tolist()
         keep = self.batch.history_mask(sample_rows)
         launched.histories = list(zip(np.flatnonzero(keep).tolist(), self.batch.count_sampled(sample_rows)))
+        launched.stop_watch = self.batch.stop_watch(sample_rows, launched.seq_ids)
         return self._record_done(launched)
 
     def _record_done(self, launched: Launched) -> Launched:
@@ -225,6 +234,7 @@ class ModelRunner:
             tokens, logprobs, top_ids, top_vals = launched.out.to_host()
             for i, row_state in launched.histories:
                 row_state.output_token_ids.append(tokens[i])
+            self.batch.mark_stopped(launched.stop_watch, tokens)
             result.seq_ids.extend(launched.seq_ids)
             result.token_ids.extend(tokens)
             if logprobs is not None:

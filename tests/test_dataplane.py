@@ -114,3 +114,24 @@ def test_requests_fail_with_unavailable_after_the_outage_deadline(model_dir):
         assert planes.free_blocks == 64 and not planes.engine.requests
     finally:
         planes.close()
+
+
+@pytest.mark.parametrize("min_tokens", [0, 2])
+def test_a_stop_token_leaves_the_sequence_out_of_steps_sent_before_it_was_seen(model_dir, min_tokens):
+    """Three steps in flight: step 3 was sent before the control plane saw step 1's token. If
+    that token stops the sequence (every id is a stop token here, once min_tokens are out), the
+    worker runs step 2 (the one wasted slot: it was launched before step 1 finished) but leaves
+    the sequence out of step 3."""
+    from dataplane.runner import StepPipeline
+
+    worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=32))
+    pipeline = StepPipeline(worker.runner)
+    first = _prefill()
+    first.new_seqs[0].stop_token_ids.extend(range(384))
+    first.new_seqs[0].sampling.min_tokens = min_tokens
+    decode = [wpb.StepRequest(step_id=i, running_seq_ids=[1], running_num_scheduled=[1],
+                              running_new_block_counts=[0]) for i in (2, 3)]
+    results = [r for step in [first, *decode] for r in pipeline.submit(step)] + pipeline.drain()
+    assert [r.step_id for r in results] == [1, 2, 3]
+    expect_last = [] if min_tokens == 0 else [1]
+    assert [list(r.seq_ids) for r in results] == [[1], [1], expect_last]

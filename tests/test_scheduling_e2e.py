@@ -113,7 +113,7 @@ def test_parallel_samples_share_the_prompt(model_dir):
 
 
 def test_overlap_on_and_off_give_the_same_outputs(model_dir):
-    """Two steps in flight (the default) against one: same greedy tokens, text and finish
+    """Three steps in flight (the default), two and one: same greedy tokens, text and finish
     reasons, with stop tokens, stop strings and max_tokens all exact (nothing extra streams)."""
     rng = random.Random(11)
     jobs = [([rng.randrange(2, 384) for _ in range(rng.randrange(2, 30))], rng.randrange(1, 24))
@@ -138,13 +138,13 @@ def test_overlap_on_and_off_give_the_same_outputs(model_dir):
             return list(pool.map(run, range(len(jobs))))
 
     outputs = {}
-    for depth in (1, 2):
+    for depth in (1, 2, 3):
         planes = Planes(model_dir, num_kv_blocks=64, config=EngineConfig(pipeline_depth=depth))
         try:
             outputs[depth] = run_all(planes)
             assert planes.wait_for_free_blocks(64) == 64
         finally:
             planes.close()
-    assert outputs[1] == outputs[2]
-    reasons = {r for _, _, r in outputs[2]}
+    assert outputs[1] == outputs[2] == outputs[3]
+    reasons = {r for _, _, r in outputs[3]}
     assert pb.FINISH_REASON_STOP in reasons and pb.FINISH_REASON_LENGTH in reasons
