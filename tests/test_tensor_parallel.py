@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU (gloo): a control plane over N ``headrace dataplane --rank r``
+"""Tensor parallelism on CPU (gloo; with HEADRACE_TEST_DEVICE=cuda, NCCL on as many GPUs as a
+case has ranks): a control plane over N ``headrace dataplane --rank r``
 processes generates exactly the greedy (and seeded) tokens, and nearly the logprobs, of one unsharded
 worker, for KV heads split across ranks and replicated (fewer KV heads than ranks), tied
 and untied embeddings, and a vocabulary padded to a multiple of the world size."""
@@ -19,7 +20,7 @@ from controlplane.cli import _free_port
 from dataplane.config import load_model_config
 from dataplane.parallel import Shard
 from tests.checkpoints import make_checkpoint
-from tests.harness import Planes, completion
+from tests.harness import DEVICE, Planes, completion
 from headrace.v1 import inference_pb2 as pb
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -46,7 +47,8 @@ def _start_ranks(model: pathlib.Path, world: int) -> tuple[list[subprocess.Popen
                 "--listen", address, "--rank", str(r), "--world-size", str(world),
                 "--dist-init", dist_init, "--dist-timeout", "60", "--num-kv-blocks", "64",
                 "--max-num-seqs", "16", "--max-batched-tokens", "256", "--metrics-port", "0",
-                "--dtype", "float32", "--log-format", "json"]
+                "--dtype", "float32", "--log-format", "json",
+                "--device", DEVICE]   # cuda: rank r on GPU r, NCCL
         with open(f"{tmp}/rank-{r}.log", "wb") as log:   # the ranks' logs, for debugging
             procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=log))
         addresses.append(address)
@@ -72,6 +74,10 @@ def _generate_all(planes: Planes) -> list[tuple[list[int], list[float]]]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tp_greedy_matches_single_worker(case, tmp_path):
     family, opts, world = CASES[case]
+    if DEVICE == "cuda":
+        import torch
+        if torch.cuda.device_count() < world:
+            pytest.skip(f"{world} GPUs needed")
     model = make_checkpoint(tmp_path / "ckpt", family, head_dim=32, **opts)
     procs, addresses = _start_ranks(model, world)   # they load while the reference runs
     try:
