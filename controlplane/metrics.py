@@ -40,7 +40,7 @@ FINISH_REASONS = {
     pb.FINISH_REASON_STOP_STRING: "stop_string",
     pb.FINISH_REASON_ABORTED: "aborted",
 }
-STEP_PHASES = ("schedule", "transport", "execute", "process", "device")
+STEP_PHASES = ("schedule", "transport", "execute", "process", "device", "sample")
 
 
 class Histogram(prometheus_client.Histogram):
@@ -154,10 +154,11 @@ class ControlPlaneMetrics(Exporter):
                          "message), transport (round trip to the data plane minus execute), "
                          "execute (forward pass and sampling on the device, as the data plane "
                          "measured it), process (folding tokens back and streaming them), "
-                         "device (the step's device time, its first op to its last).",
+                         "device (the step's device time, its first op to its last), sample "
+                         "(sampling's share of it; on a CPU data plane its host time).",
                          ["phase"], buckets=STEP_BUCKETS, registry=r)
         (self.step_schedule, self.step_transport, self.step_execute, self.step_process,
-         self.step_device) = (step.labels(phase) for phase in STEP_PHASES)
+         self.step_device, self.step_sample) = (step.labels(phase) for phase in STEP_PHASES)
         self.step_tokens = Histogram(p + "step_tokens", "Tokens computed per engine step.",
                                      buckets=TOKEN_BUCKETS, registry=r)
         finished = Counter(p + "request_success", "Finished sequences by finish reason.",

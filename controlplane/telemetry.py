@@ -253,6 +253,8 @@ class EngineTelemetry:
         m.step_execute.observe(execute_s)
         if result.device_ms:
             m.step_device.observe(result.device_ms / 1e3)
+        if result.seq_ids:   # a step that sampled
+            m.step_sample.observe(result.sample_ms / 1e3)
         m.step_transport.observe(max(0.0, roundtrip_s - execute_s))
         m.step_process.observe(process_s)
         if emitted:
@@ -268,6 +270,7 @@ class EngineTelemetry:
             step_span.set_attributes({"headrace.execute_ms": result.execute_ms,
                                       "headrace.device_ms": result.device_ms,
                                       "headrace.device_idle_ms": result.device_idle_ms,
+                                      "headrace.sample_ms": result.sample_ms,
                                       "headrace.transport_ms": max(0.0, roundtrip_s - execute_s) * 1e3,
                                       "headrace.sampled_tokens": emitted})
             step_span.end()

@@ -58,6 +58,8 @@ class Launched:
     begin: torch.cuda.Event | None = None      # device timeline: the step's first op ...
     done: torch.cuda.Event | None = None       # ... and its last (the ids are on the host)
     previous: torch.cuda.Event | None = None   # the last op of the step launched before
+    sample_begin: torch.cuda.Event | None = None   # sampling's first op (GPU)
+    sample_ms: float = 0.0                         # sampling's host time (CPU)
 
 
 class ModelRunner:
@@ -184,10 +186,15 @@ class ModelRunner:
         logits = self._logits(prep, dev)
         if sampling is None:   # a step of prefill chunks only: KV written, nothing sampled
             return self._record_done(launched)
+        if launched.begin is not None:
+            launched.sample_begin = torch.cuda.Event(enable_timing=True)
+            launched.sample_begin.record()
+        t0 = time.perf_counter()
         out = self._sample(logits, sampling,
                            {k[2:]: v for k, v in dev.items() if k.startswith("s_")})
         self.last_token[dev.get("sample_rows", dev["last_rows"])] = out.token_ids
         out.start_download()
+        launched.sample_ms = (time.perf_counter() - t0) * 1e3   # CPU: the sampling itself
         launched.out = out
         launched.seq_ids = self.seq_of_row[sample_rows].tolist()
         keep = self.batch.history_mask(sample_rows)
@@ -231,6 +238,9 @@ class ModelRunner:
                 result.device_ms = launched.begin.elapsed_time(launched.done)
                 if launched.previous is not None:
                     result.device_idle_ms = max(0.0, launched.previous.elapsed_time(launched.begin))
+                result.sample_ms = launched.sample_begin.elapsed_time(launched.done)
+            else:
+                result.sample_ms = launched.sample_ms
             tokens, logprobs, top_ids, top_vals = launched.out.to_host()
             for i, row_state in launched.histories:
                 row_state.output_token_ids.append(tokens[i])

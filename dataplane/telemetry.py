@@ -66,6 +66,9 @@ class DataPlaneMetrics(Exporter):
         self.device = Histogram(P + "step_device_seconds",
                                 "Device time of a step, its first op to its last (steps that sample).",
                                 buckets=STEP_BUCKETS, registry=r)
+        self.sample = Histogram(P + "step_sample_seconds",
+                                "Sampling's time in a step (device time on a GPU, host time on a CPU).",
+                                buckets=STEP_BUCKETS, registry=r)
         self.device_idle = Counter(P + "device_idle_seconds",
                                    "Time the device waited between consecutive steps (for the "
                                    "host or for work).", registry=r)
@@ -85,6 +88,7 @@ class DataPlaneMetrics(Exporter):
         self.seqs.observe(len(step.new_seqs) + len(step.running_seq_ids))
         if result.token_ids:
             self.sampled.inc(len(result.token_ids))
+            self.sample.observe(result.sample_ms / 1e3)
         if result.device_ms:
             self.device.observe(result.device_ms / 1e3)
             self.device_idle.inc(result.device_idle_ms / 1e3)
@@ -123,5 +127,6 @@ class StepTracer:
             span.set_attributes({"headrace.execute_ms": result.execute_ms,
                                  "headrace.device_ms": result.device_ms,
                                  "headrace.device_idle_ms": result.device_idle_ms,
+                                 "headrace.sample_ms": result.sample_ms,
                                  "headrace.sampled_tokens": len(result.token_ids)})
         span.end()

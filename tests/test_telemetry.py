@@ -257,6 +257,7 @@ def test_every_metric_moves_as_expected(planes):
             "dp_steps": dp(P + "dataplane_steps_total"),
             "dp_execute": dp(P + "dataplane_step_execute_seconds_count"),
             "dp_sampled": dp(P + "dataplane_sampled_tokens_total"),
+            "dp_sample_sum": dp(P + "dataplane_step_sample_seconds_sum"),
         }
 
     def delta(before):
@@ -294,8 +295,10 @@ def test_every_metric_moves_as_expected(planes):
     # came back (overlapped scheduling wastes at most one slot per request that stops early;
     # whether it does depends on when c arrived relative to b's last steps)
     assert d["dp_steps"] == d["dp_execute"] == steps and d["dp_sampled"] in (13, 13 + 1)
+    assert d["dp_sample_sum"] > 0
     assert cp(P + "time_to_first_token_seconds_sum") > 0
     assert cp(P + "step_time_seconds_sum", phase="execute") > 0
+    assert cp(P + "step_time_seconds_sum", phase="sample") > 0   # the sampler's share of steps
 
     # -- gauges while a request runs, and after it was cancelled
     assert cp(P + "num_requests_running") == 0 and cp(P + "num_requests_waiting") == 0

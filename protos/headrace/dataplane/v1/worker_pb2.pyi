@@ -134,7 +134,7 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_seq_ids: _Optional[_Iterable[int]] = ..., running_num_scheduled: _Optional[_Iterable[int]] = ..., running_new_block_counts: _Optional[_Iterable[int]] = ..., running_new_block_ids: _Optional[_Iterable[int]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., flush: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "execute_ms", "device_ms", "device_idle_ms")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "execute_ms", "device_ms", "device_idle_ms", "sample_ms")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class StepResult(_message.Message):
     EXECUTE_MS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -153,4 +154,5 @@ class StepResult(_message.Message):
     execute_ms: float
     device_ms: float
     device_idle_ms: float
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., execute_ms: _Optional[float] = ..., device_ms: _Optional[float] = ..., device_idle_ms: _Optional[float] = ...) -> None: ...
+    sample_ms: float
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., execute_ms: _Optional[float] = ..., device_ms: _Optional[float] = ..., device_idle_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ...) -> None: ...
