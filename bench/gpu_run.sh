@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout on the H200): GPU correctness, then the serving workloads
 # through the gRPC planes and in one process. Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 hf spy kern (default: tests w2 w1 w1o w3)
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 hf spy kern tp (default: tests w2 w1 w1o w3)
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # w1o: W1 through the gRPC planes with one message per request (an offline client).
 # spy: W1 through the gRPC planes again, sampled by py-spy (raw stacks in $OUT/w1-stacks.txt).
@@ -18,6 +18,12 @@ if has tests; then
     tests/test_staging.py tests/test_kernels_triton.py \
     tests/test_e2e_transformers.py -k "llama-gqa4 or qwen3 or race or staging or packed or download or skinny or qk_norm or decode" \
     tests/test_scheduling_e2e.py::test_overlap_on_and_off_give_the_same_outputs 2>&1 | tail -3
+fi
+if has tp; then   # NCCL tensor parallelism on every GPU the machine has (2 or 4 ranks)
+  log tp-nccl; nvidia-smi -L
+  HEADRACE_TEST_DEVICE=cuda HEADRACE_TP_LOG_DIR=$OUT/tp-logs timeout 400 python3 -m pytest -q -x \
+    -p no:cacheprovider tests/test_tensor_parallel.py -k "tp2 or tp4" 2>&1 | tail -15
+  tail -n 20 "$OUT"/tp-logs/*/rank-*.log 2>/dev/null | cut -c1-300
 fi
 if has w1 || has w1o || has w2 || has hf || has spy || has kern; then
   log ckpt; python3 bench/random_checkpoint.py qwen3-0.6b /tmp/qwen3 --device cuda

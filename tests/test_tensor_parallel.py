@@ -37,7 +37,11 @@ CASES = {
 
 
 def _start_ranks(model: pathlib.Path, world: int) -> tuple[list[subprocess.Popen], list[str]]:
-    tmp = tempfile.mkdtemp(prefix="headrace-tp-")
+    # the ranks' logs (and sockets) go to HEADRACE_TP_LOG_DIR when set: kept for a device run
+    keep = os.environ.get("HEADRACE_TP_LOG_DIR")
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="headrace-tp-", dir=keep or None)
     dist_init = f"tcp://127.0.0.1:{_free_port()}"
     env = dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0")
     procs, addresses = [], []
