@@ -148,3 +148,29 @@ def test_overlap_on_and_off_give_the_same_outputs(model_dir):
     assert outputs[1] == outputs[2] == outputs[3]
     reasons = {r for _, _, r in outputs[3]}
     assert pb.FINISH_REASON_STOP in reasons and pb.FINISH_REASON_LENGTH in reasons
+
+
+def test_three_steps_in_flight_waste_at_most_one_slot_per_early_stop(model_dir):
+    """With three steps in flight a request that stops early must not cost two wasted slots:
+    on a stop token the worker leaves it out of the step it already holds; with stop strings
+    the control plane keeps two steps in flight. Counted as tokens the worker sampled minus
+    tokens the request got, one request at a time."""
+    planes = Planes(model_dir, num_kv_blocks=64, config=EngineConfig(pipeline_depth=3))
+    sampled = planes.worker_server.worker_service.metrics.sampled
+    try:
+        prompt = pb.TokenIds(ids=[7, 99, 3, 250, 41])
+        plain, text, _ = completion(planes.generate(prompt_token_ids=prompt, max_tokens=24,
+                                                    ignore_eos=True, sampling=GREEDY))
+        stop_at = next(i for i, t in enumerate(plain) if i >= 2 and t not in plain[:i])
+        char = next(c for i, c in enumerate(text) if i >= 3 and c not in text[:i] and c.strip())
+        cases = [dict(stop_token_ids=[plain[stop_at]], ignore_eos=True),
+                 dict(stop=[char], ignore_eos=True)]
+        for extra in cases:
+            before = sampled._value.get()
+            ids, _, reason = completion(planes.generate(prompt_token_ids=prompt, max_tokens=24,
+                                                        sampling=GREEDY, **extra))
+            assert reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_STOP_STRING)
+            assert len(ids) < len(plain) and ids == plain[:len(ids)]
+            assert sampled._value.get() - before - len(ids) <= 1, extra
+    finally:
+        planes.close()

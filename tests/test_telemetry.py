@@ -322,6 +322,9 @@ def test_every_metric_moves_as_expected(planes):
     # -- errors by status code
     with pytest.raises(grpc.RpcError):
         planes.generate(prompt="hi", max_tokens=0)
+    deadline = time.monotonic() + 5   # counted as the call ends: the client may see it first
+    while delta(before)["invalid"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert delta(before)["invalid"] == 1
 
     # -- preemption: two requests that cannot both fit the 8-block pool
