@@ -2,8 +2,8 @@
 
 The exponential race needs no softmax (argmax of p / E equals argmax of logits / t - log E),
 so each program reads one chunk of one row's logits in their own dtype, adds the hashed noise
-(the reference's bits: a splitmix64 key per row, then 32-bit mixing per token, so the hash does
-not outweigh the read) and keeps the chunk's best; a second tiny kernel picks each row's best chunk. Against the torch sampler this
+(the reference's bits: a splitmix64 key per row, then 32-bit mixing per token) and keeps the
+chunk's best; a second tiny kernel picks each row's best chunk. Against the torch sampler this
 replaces a float32 copy, a temperature division, a softmax, the noise tensor, a division and
 an argmax over [rows, vocab] with one pass over the bf16 logits.
 """
