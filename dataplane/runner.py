@@ -109,7 +109,8 @@ class ModelRunner:
             nz = np.flatnonzero(n_blocks)
             batch.append_blocks(np.asarray(running, dtype=np.int64)[nz], n_blocks[nz],
                                 np.asarray(step.running_new_block_ids, dtype=np.int64))
-        if len(step.running_num_scheduled) != len(running) or len(set(rows + running)) != len(rows) + len(running):
+        every = rows + running
+        if len(step.running_num_scheduled) != len(running) or len(set(every)) != len(every):
             raise StepError("running_num_scheduled does not match running_seq_ids, or a sequence repeats")
         scheduled = step.running_num_scheduled
         if batch.stopped:   # sent before the control plane saw their stop token: not run
