@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graph_timing import graph_ms
+
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 COPIES = 12
 
@@ -33,24 +35,6 @@ def _gemm_kernel(X, W, OUT, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_M: t
              mask=rows[:, None] < M)
 
 
-def graph_us(calls) -> float:
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (20 * len(calls))
-
-
 def main() -> None:
     dev = torch.device("cuda")
     configs = list(itertools.product((64, 128), (32, 64, 128), (64, 128), (4, 8), (3, 4, 6)))
@@ -61,7 +45,8 @@ def main() -> None:
             x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
             out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
             ref = torch.nn.functional.linear(x, weights[0])
-            t_torch = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in weights])
+            t_torch = 1e3 * graph_ms([lambda w=w: torch.nn.functional.linear(x, w)
+                                      for w in weights])
             best = (float("inf"), None)
             for bm, bn, bk, warps, stages in configs:
                 def call(w, bm=bm, bn=bn, bk=bk, nw=warps, ns=stages):
@@ -74,7 +59,7 @@ def main() -> None:
                     if not torch.allclose(out.float(), ref.float(), atol=0.5, rtol=2e-2):
                         print(name, m, (bm, bn, bk, warps, stages), "WRONG")
                         continue
-                    t = graph_us([lambda w=w: call(w) for w in weights])
+                    t = 1e3 * graph_ms([lambda w=w: call(w) for w in weights])
                 except Exception as exc:  # noqa: BLE001 - out of shared memory
                     continue
                 best = min(best, (t, (bm, bn, bk, warps, stages)))

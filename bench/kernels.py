@@ -19,6 +19,7 @@ from triton.runtime.errors import OutOfResources
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from graph_timing import graph_ms  # noqa: E402
 from kernels import reference, triton_attention  # noqa: E402
 
 LAYOUTS = {"qwen3-0.6b": (16, 8, 128), "llama3.1-8b": (32, 8, 128)}  # q heads, kv heads, head_dim
@@ -60,25 +61,6 @@ def _time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def _graph_ms(calls) -> float:
-    """Milliseconds per call when the calls replay from one CUDA graph, as decode runs in the
-    engine (no launch overhead); their inputs differ, so the L2 cache cannot serve repeats."""
-    for call in calls:
-        call()  # compiles
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / (10 * len(calls))
-
-
 def decode_point(cache, heads, batch, ctx) -> tuple[float, float, int]:
     """(TB/s, microseconds, kv splits) of a decode batch of equal contexts; enough distinct
     batches (block tables, queries) per graph to sweep well past the L2 cache."""
@@ -91,7 +73,7 @@ def decode_point(cache, heads, batch, ctx) -> tuple[float, float, int]:
         query = torch.randn(batch, heads, head_dim, dtype=DTYPE, device=cache.device)
         calls.append(lambda q=query, a=(cache, starts, seq_lens, tables, head_dim ** -0.5):
                      triton_attention.paged_attention(q, *a, decode_only=True))
-    ms = _graph_ms(calls)
+    ms = graph_ms(calls)
     splits = triton_attention.num_decode_splits(batch, kv_heads, tables.shape[1] * BLOCK,
                                                 cache.device)
     return (kv_bytes + 4 * query.numel()) / ms / 1e9, ms * 1e3, splits
