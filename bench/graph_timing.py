@@ -15,6 +15,11 @@ def graph_ms(calls, replays: int = 10) -> float:
     with torch.cuda.graph(graph):
         for call in calls:
             call()
+    return replay_ms(graph, replays) / len(calls)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 10) -> float:
+    """Milliseconds per replay of a captured graph (after one untimed replay)."""
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -22,4 +27,4 @@ def graph_ms(calls, replays: int = 10) -> float:
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / (replays * len(calls))
+    return start.elapsed_time(end) / replays

@@ -16,6 +16,7 @@ from dataplane import kv_cache
 from dataplane.config import load_model_config
 from dataplane.loader import load_model
 from dataplane.model import AttentionMetadata
+from graph_timing import replay_ms
 
 BLOCK = 16
 
@@ -35,17 +36,6 @@ def forward(model, caches, x: dict, lo: int, hi: int) -> torch.Tensor:
                              seq_lens=x["seq_lens"][lo:hi], block_tables=x["tables"][lo:hi],
                              max_query_len=1, decode_only=True)
     return model.logits(model(x["ids"][lo:hi], x["pos"][lo:hi], caches, meta))
-
-
-def timed(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 @torch.inference_mode()
@@ -78,7 +68,7 @@ def main() -> None:
             with torch.cuda.stream(side):
                 forward(model, caches, x, half, batch)
             main_stream.wait_stream(side)
-        a, b = timed(serial), timed(split)
+        a, b = replay_ms(serial, 20), replay_ms(split, 20)
         print(f"{batch:5d} {ctx:5d} {a:10.3f} {b:14.3f} {100 * (a - b) / a:5.1f}%")
 
 
