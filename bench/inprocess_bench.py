@@ -15,6 +15,7 @@ import asyncio
 import collections
 import cProfile
 import json
+import pstats
 import random
 import time
 
@@ -36,11 +37,17 @@ class LocalWorkers:
         self.device_s = self.device_idle_s = 0.0
         self.steps_sent, self.windows, self.steps = 0, [], []
         self.launch_ms: dict[int, float] = {}   # step id -> host time of the runner's launch
+        self.launch_profile: cProfile.Profile | None = None   # profiles launches while set
+        self.launch_profile_steps = 0
         launch = worker.runner.launch
 
         def timed_launch(step):
             t0 = time.perf_counter()
-            launched = launch(step)
+            if self.launch_profile is not None and self.launch_profile_steps > 0:
+                self.launch_profile_steps -= 1
+                launched = self.launch_profile.runcall(launch, step)
+            else:
+                launched = launch(step)
             self.launch_ms[step.step_id] = (time.perf_counter() - t0) * 1e3
             return launched
         worker.runner.launch = timed_launch
@@ -155,6 +162,8 @@ async def run(args) -> dict:
     local.windows = [KernelWindow(w, args.out_dir) for w in args.kernel_windows]
     for window in local.windows:
         window.offset = local.steps_sent
+    if args.launch_profile_steps:
+        local.launch_profile, local.launch_profile_steps = cProfile.Profile(), args.launch_profile_steps
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
@@ -179,6 +188,9 @@ async def run(args) -> dict:
     if profiler:
         profiler.disable()
         profiler.dump_stats(args.profile)
+    if local.launch_profile is not None:
+        print(f"host profile of the runner's launch over the first {args.launch_profile_steps} steps:")
+        pstats.Stats(local.launch_profile).sort_stats("tottime").print_stats(28)
     if args.device == "cuda":   # the caching allocator freeing memory mid-run syncs the device
         import torch
         stats = torch.cuda.memory_stats()
@@ -198,6 +210,8 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=16384,
                     help="tokens per step (nano-vllm's default, as its W1 benchmark runs)")
     ap.add_argument("--profile", default=None, help="write cProfile stats of the timed part here")
+    ap.add_argument("--launch-profile-steps", type=int, default=0, metavar="N",
+                    help="cProfile the runner's launch of the first N timed steps (host hot spots)")
     ap.add_argument("--kernel-window", dest="kernel_windows", action="append", default=[],
                     metavar="FIRST:LAST", help="profile device kernels over these steps of the run")
     ap.add_argument("--out-dir", default=".", help="where kernel window tables go")
