@@ -121,9 +121,9 @@ class KernelWindow:
 
 def print_step_table(steps: list[tuple[int, float, float, float]]) -> None:
     """Device time, device idle (the gap before each step) and the host time of the runner's
-    launch over ranges of the timed steps."""
+    launch over ranges of the timed steps (the first twelve, where W1 prefills, one by one)."""
     print("steps      sampled/step  device_ms  idle_ms  idle_ms/step  launch_ms/step")
-    edges = [0, 10, 20, 50, 100, 300, 600, 900, 1000, len(steps)]
+    edges = list(range(12)) + [20, 50, 100, 300, 600, 900, 1000, len(steps)]   # prefill: each step
     for lo, hi in zip(edges, edges[1:]):
         part = steps[lo:hi]
         if not part:

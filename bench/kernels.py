@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 
 import torch
@@ -175,10 +176,58 @@ def layout_sweep(device) -> None:
                     print(name, block_n, warps, stages, " ".join(f"{t:6.2f}" for t in tbps))
 
 
+def w1_decode_batches(steps) -> list[list[int]]:
+    """Context lengths of W1's running sequences at decode step s (REFERENCE.md's W1: prompts
+    and output lengths from random.seed(0)); a sequence runs while s < its output length."""
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(256):
+        n = rng.randint(100, 1024)
+        for _ in range(n):
+            rng.randint(0, 10000)
+        prompts.append(n)
+    outputs = [rng.randint(100, 1024) for _ in range(256)]
+    return [[p + s for p, o in zip(prompts, outputs) if o > s] for s in steps]
+
+
+def ragged_sweep(device) -> None:
+    """W1's decode batches (ragged contexts, Qwen3-0.6B heads, the graphs' full-width block
+    tables) at forced KV split counts against the static rule; TB/s of the K/V moved."""
+    kv_heads, head_dim, heads = 8, 128, 16
+    steps = [50, 300, 500, 700, 850, 950, 1000]
+    batches = w1_decode_batches(steps)
+    width = 40960 // BLOCK
+    cache = torch.randn(2, 256 * 2100 // BLOCK, BLOCK, kv_heads, head_dim, dtype=DTYPE,
+                        device=device)
+    options = [None, 1, 2, 4, 8, 16]
+    print("\nW1 decode batches: step batch mean_ctx max_ctx -> TB/s (us) at kv splits "
+          "[rule] " + " ".join(map(str, options[1:])))
+    for step, ctx in zip(steps, batches):
+        starts, seq_lens, tables = _metadata([1] * len(ctx), ctx, cache.shape[1], device)
+        wide = torch.zeros(len(ctx), width, dtype=torch.int32, device=device)
+        wide[:, :tables.shape[1]] = tables
+        kv_bytes = 2 * sum(ctx) * kv_heads * head_dim * 2
+        cells = []
+        for splits in options:
+            calls = []
+            for _ in range(4):
+                query = torch.randn(len(ctx), heads, head_dim, dtype=DTYPE, device=device)
+                calls.append(lambda q=query, n=splits: triton_attention.paged_attention(
+                    q, cache, starts, seq_lens, wide, head_dim ** -0.5, decode_only=True,
+                    num_kv_splits=n))
+            ms = graph_ms(calls)
+            cells.append(f"{kv_bytes / ms / 1e9:5.2f} ({ms * 1e3:6.1f})")
+        rule = triton_attention.num_decode_splits(len(ctx), kv_heads, width * BLOCK, device)
+        print(f"{step:5d} {len(ctx):4d} {sum(ctx) // len(ctx):5d} {max(ctx):5d}  [{rule:2d}] "
+              + " ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller grid")
     parser.add_argument("--sweep", action="store_true", help="time launch configurations instead")
+    parser.add_argument("--ragged", action="store_true",
+                        help="W1's ragged decode batches at forced KV split counts")
     parser.add_argument("--layout", action="store_true",
                         help="W1's decode shapes: cache layouts x launch configurations")
     args = parser.parse_args()
@@ -187,7 +236,9 @@ def main() -> None:
     print(torch.cuda.get_device_name(device), "torch", torch.__version__,
           "triton", triton.__version__)
     check(device)
-    if args.layout:
+    if args.ragged:
+        ragged_sweep(device)
+    elif args.layout:
         layout_sweep(device)
     elif args.sweep:
         sweep(device)
