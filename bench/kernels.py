@@ -10,6 +10,7 @@ shuffled order. Not a test: ``python bench/kernels.py [--quick | --sweep | --lay
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import sys
@@ -192,7 +193,8 @@ def w1_decode_batches(steps) -> list[list[int]]:
 
 def ragged_sweep(device) -> None:
     """W1's decode batches (ragged contexts, Qwen3-0.6B heads, the graphs' full-width block
-    tables) at forced KV split counts against the static rule; TB/s of the K/V moved."""
+    tables) at forced KV split counts against the static rule, with the programs started in
+    row order and longest context first; TB/s of the K/V moved."""
     kv_heads, head_dim, heads = 8, 128, 16
     steps = [50, 300, 500, 700, 850, 950, 1000]
     batches = w1_decode_batches(steps)
@@ -200,13 +202,15 @@ def ragged_sweep(device) -> None:
     cache = torch.randn(2, 256 * 2100 // BLOCK, BLOCK, kv_heads, head_dim, dtype=DTYPE,
                         device=device)
     options = [None, 1, 2, 4, 8, 16]
-    print("\nW1 decode batches: step batch mean_ctx max_ctx -> TB/s (us) at kv splits "
+    print("\nW1 decode batches: step batch mean_ctx max_ctx order -> TB/s (us) at kv splits "
           "[rule] " + " ".join(map(str, options[1:])))
-    for step, ctx in zip(steps, batches):
+    for (step, ctx), ordered in itertools.product(zip(steps, batches), (False, True)):
         starts, seq_lens, tables = _metadata([1] * len(ctx), ctx, cache.shape[1], device)
         wide = torch.zeros(len(ctx), width, dtype=torch.int32, device=device)
         wide[:, :tables.shape[1]] = tables
         kv_bytes = 2 * sum(ctx) * kv_heads * head_dim * 2
+        order = (torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+                 if ordered else None)
         cells = []
         for splits in options:
             calls = []
@@ -214,11 +218,12 @@ def ragged_sweep(device) -> None:
                 query = torch.randn(len(ctx), heads, head_dim, dtype=DTYPE, device=device)
                 calls.append(lambda q=query, n=splits: triton_attention.paged_attention(
                     q, cache, starts, seq_lens, wide, head_dim ** -0.5, decode_only=True,
-                    num_kv_splits=n))
+                    num_kv_splits=n, decode_order=order))
             ms = graph_ms(calls)
             cells.append(f"{kv_bytes / ms / 1e9:5.2f} ({ms * 1e3:6.1f})")
         rule = triton_attention.num_decode_splits(len(ctx), kv_heads, width * BLOCK, device)
-        print(f"{step:5d} {len(ctx):4d} {sum(ctx) // len(ctx):5d} {max(ctx):5d}  [{rule:2d}] "
+        print(f"{step:5d} {len(ctx):4d} {sum(ctx) // len(ctx):5d} {max(ctx):5d} "
+              f"{'longest' if ordered else 'rows':>7}  [{rule:2d}] "
               + " ".join(cells))
 
 

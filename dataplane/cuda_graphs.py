@@ -37,6 +37,8 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(max_batch, **i32)
         self.query_start_loc = torch.arange(max_batch + 1, **i32)
         self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), **i32)
+        self.arange = torch.arange(max_batch, **i32)
+        self.decode_order = self.arange.clone()   # attention's start order, longest first
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.sizes = batch_sizes(max_batch)
@@ -46,7 +48,8 @@ class DecodeGraphs:
         meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size],
                                  query_start_loc=self.query_start_loc[:size + 1],
                                  seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
-                                 max_query_len=1, decode_only=True)
+                                 max_query_len=1, decode_only=True,
+                                 decode_order=self.decode_order[:size])
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
         return self.model.logits(hidden)
 
@@ -70,8 +73,8 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, dev: dict[str, torch.Tensor]) -> torch.Tensor:
         """Logits [batch, vocab] of a decode-only step: ``input_ids`` and the uploaded
-        ``dev`` inputs (positions, slot_mapping, seq_lens, block_tables) are device tensors,
-        copied into the graph's buffers in stream order (the ids may still be in flight)."""
+        ``dev`` inputs (positions, slot_mapping, seq_lens, block_tables, decode_order) are device
+        tensors, copied into the graph's buffers in stream order (the ids may still be in flight)."""
         n = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(input_ids)
@@ -80,7 +83,9 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(dev["seq_lens"])
         tables = dev["block_tables"]
         self.block_tables[:n, :tables.shape[1]].copy_(tables)
-        if size > n:   # padded rows: write nowhere, attend to one position of block 0
+        self.decode_order[:n].copy_(dev["decode_order"])
+        if size > n:   # padded rows: write nowhere, attend to one position of block 0, last
+            self.decode_order[n:size].copy_(self.arange[n:size])
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
             self.block_tables[n:size, 0].fill_(0)

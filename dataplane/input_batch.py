@@ -34,6 +34,12 @@ class PreparedBatch:
     last_index: np.ndarray       # positions in input_ids that read a row's last token ...
     last_rows: np.ndarray        # ... from these rows (the device keeps them: maybe just sampled)
     num_decodes: int = 0         # mixed batches: the first num_decodes rows compute one token
+    decode_order: np.ndarray | None = None   # [decode rows] int32: longest context first
+
+
+def longest_first(seq_lens: np.ndarray) -> np.ndarray:
+    """Row indices by context length, longest first (the decode attention's start order)."""
+    return np.argsort(-seq_lens, kind="stable").astype(np.int32)
 
 
 class InputBatch:
@@ -190,7 +196,8 @@ class InputBatch:
                 input_ids=np.zeros(0, dtype=np.int64), positions=computed, slot_mapping=slots,
                 query_start_loc=np.arange(n + 1, dtype=np.int32), seq_lens=ends.astype(np.int32),
                 block_tables=self.block_table[rows, :width], logits_indices=index, sample_rows=rows,
-                max_query_len=1, decode_only=True, last_index=index, last_rows=rows)
+                max_query_len=1, decode_only=True, last_index=index, last_rows=rows,
+                decode_order=longest_first(ends))
         # A mixed batch puts its one-token rows first: attention runs them with the decode
         # kernel and only the rest with prefill tiles.
         single = num_scheduled == 1
@@ -222,4 +229,4 @@ class InputBatch:
             logits_indices=(starts[1:] - 1)[sampling].astype(np.int64), sample_rows=rows[sampling],
             max_query_len=int(num_scheduled.max()), decode_only=False,
             last_index=starts[:-1][at_end].astype(np.int64), last_rows=rows[at_end],
-            num_decodes=num_decodes)
+            num_decodes=num_decodes, decode_order=longest_first(ends[:num_decodes]))

@@ -33,6 +33,7 @@ class AttentionMetadata:
     max_query_len: int | None = None  # host-side hints for the attention kernels
     decode_only: bool | None = None   # every sequence computes exactly one token
     num_decodes: int = 0              # the first num_decodes sequences compute one token each
+    decode_order: torch.Tensor | None = None  # [decodes] int32: longest context first (a hint)
 
 
 class Linear(nn.Linear):
@@ -106,7 +107,7 @@ class Attention(nn.Module):
         o = kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                     meta.block_tables, self.scale,
                                     max_query_len=meta.max_query_len, decode_only=meta.decode_only,
-                                    num_decodes=meta.num_decodes)
+                                    num_decodes=meta.num_decodes, decode_order=meta.decode_order)
         return self.o_proj(o.reshape(-1, cfg.q_size))
 
 

@@ -127,7 +127,8 @@ class ModelRunner:
                      sampling: SamplingBatch | None) -> dict[str, np.ndarray]:
         """Every array the step's device work reads, to be uploaded in one copy."""
         arrays = dict(positions=prep.positions, slot_mapping=prep.slot_mapping,
-                      seq_lens=prep.seq_lens, block_tables=prep.block_tables, last_rows=prep.last_rows)
+                      seq_lens=prep.seq_lens, block_tables=prep.block_tables, last_rows=prep.last_rows,
+                      decode_order=prep.decode_order)
         if not prep.decode_only:   # a decode reads its token from last_rows and samples every row
             arrays.update(input_ids=prep.input_ids, last_index=prep.last_index,
                           query_start_loc=prep.query_start_loc, sample_rows=prep.sample_rows,
@@ -157,7 +158,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=qsl,
                                  seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
                                  max_query_len=prep.max_query_len, decode_only=prep.decode_only,
-                                 num_decodes=prep.num_decodes)
+                                 num_decodes=prep.num_decodes, decode_order=dev["decode_order"])
         hidden = self.model(input_ids, dev["positions"], self.kv_caches, meta)
         if len(prep.sample_rows) == 0:
             return None

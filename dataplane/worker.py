@@ -91,7 +91,8 @@ class Worker:
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
             seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
             block_tables=torch.zeros((n, 1), dtype=torch.int32, device=dev),
-            max_query_len=1, decode_only=True)
+            max_query_len=1, decode_only=True,
+            decode_order=torch.arange(n, dtype=torch.int32, device=dev))
         hidden = model(torch.zeros(n, dtype=torch.int64, device=dev),
                        torch.zeros(n, dtype=torch.int64, device=dev), cache, meta)
         rows = min(n, self.opts.max_num_seqs)
@@ -121,7 +122,8 @@ class Worker:
             kernels.paged_attention(
                 query, cache, torch.tensor([0, q_len], dtype=torch.int32, device=dev),
                 torch.tensor([q_len], dtype=torch.int32, device=dev), tables, cfg.head_dim ** -0.5,
-                max_query_len=q_len, decode_only=q_len == 1)
+                max_query_len=q_len, decode_only=q_len == 1,
+                decode_order=torch.zeros(1, dtype=torch.int32, device=dev))
             q_len *= 2
 
     def _blocks_from_memory(self) -> int:

@@ -12,7 +12,7 @@ the environment variable ``HEADRACE_KERNELS``:
 * ``reference``: the reference everywhere.
 
 ``paged_attention`` always accepts the Triton version's optional host-side hints
-(``max_query_len``, ``decode_only``, ``num_decodes``); the reference ignores them. ``copy_blocks`` (copy on
+(``max_query_len``, ``decode_only``, ``num_decodes``, ``decode_order``); the reference ignores them. ``copy_blocks`` (copy on
 write, rare) is plain torch indexing on every device.
 """
 
@@ -44,7 +44,7 @@ def _load_triton():
 
 
 def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
-                         max_query_len=None, decode_only=None, num_decodes=0):
+                         max_query_len=None, decode_only=None, num_decodes=0, decode_order=None):
     """kernels.reference.paged_attention, taking (and ignoring) the Triton version's hints."""
     return reference.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables,
                                      scale)

@@ -3,12 +3,14 @@
 Two attention kernels share one inner loop (``_attend``: gather a tile of keys through the block
 table, online softmax in float32 with exp2, accumulate P @ V):
 
-* decode (every sequence has exactly one query token): grid (sequence, kv head, kv split); one
+* decode (every sequence has exactly one query token): grid (kv head x kv split, sequence); one
   program handles all query heads of its KV head (the GQA group, padded to >= 16 rows for
   tl.dot) over one contiguous share of the context (flash-decoding). The number of splits is a
   power of two chosen from static shapes only (batch, kv heads, block-table width), so the launch
   needs no host sync and can be captured in a CUDA graph; ``_combine_kernel`` then merges the
-  splits' partial outputs by their log-sum-exp.
+  splits' partial outputs by their log-sum-exp. An optional order (the host sorts the batch by
+  context, longest first) starts the long sequences' programs first, so ragged batches do not
+  end on a wave of one long sequence.
 * prefill / mixed batches: grid (query tile, kv head, sequence); a tile's rows are BLOCK_Q query
   tokens x the GQA group, so each K/V tile is loaded once per group. Sequence i's queries are the
   last q_len_i of its seq_lens[i] positions and attend causally to the cache, whose K/V for the
@@ -84,13 +86,19 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
 # Block-table widths vary from step to step in eager (mixed) steps: no specialisation on them,
 # or every new width divisibility would compile a variant in the middle of serving.
 @triton.jit(do_not_specialize=["stride_bt"])
-def _decode_kernel(Q, K, V, SEQ_LENS, BT, PART_O, PART_LSE, OUT, qk_scale, stride_qt, stride_qh,
-                   stride_ot, stride_oh, stride_bt, stride_block, stride_slot, stride_head,
-                   NUM_SPLITS: tl.constexpr,
+def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale, stride_qt,
+                   stride_qh, stride_ot, stride_oh, stride_bt, stride_block, stride_slot,
+                   stride_head, NUM_SPLITS: tl.constexpr,
                    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-                   DOT_F32: tl.constexpr):
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                   DOT_F32: tl.constexpr, HAS_ORDER: tl.constexpr):
+    # Programs start in grid order, all of one sequence's (kv head, split) programs together;
+    # with ORDER (sequences by context, longest first) the long ones start first and the short
+    # ones fill in behind them: the last wave is short.
+    seq = tl.program_id(1)
+    if HAS_ORDER:
+        seq = tl.load(ORDER + seq)
+    kv_head, split = tl.program_id(0) // NUM_SPLITS, tl.program_id(0) % NUM_SPLITS
     ctx = tl.load(SEQ_LENS + seq)
     rows = tl.arange(0, G_PAD)
     heads = kv_head * G + rows
@@ -115,7 +123,7 @@ def _decode_kernel(Q, K, V, SEQ_LENS, BT, PART_O, PART_LSE, OUT, qk_scale, strid
     # An empty split (lo >= hi) stores output 0 with lse -inf: it weighs nothing in the combine.
     has_keys = l_i > 0
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    part = (seq * tl.num_programs(1) * G + heads) * NUM_SPLITS + split
+    part = (seq * (tl.num_programs(0) // NUM_SPLITS) * G + heads) * NUM_SPLITS + split
     tl.store(PART_LSE + part, lse, mask=rows < G)
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     tl.store(PART_O + part[:, None] * HEAD_DIM + d[None, :], out, mask=(rows < G)[:, None])
@@ -202,14 +210,17 @@ def _max_query_len(query_start_loc: torch.Tensor) -> int:
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                     max_query_len: int | None = None, decode_only: bool | None = None,
-                    num_kv_splits: int | None = None, num_decodes: int = 0) -> torch.Tensor:
+                    num_kv_splits: int | None = None, num_decodes: int = 0,
+                    decode_order: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of variable-length queries over paged KV; see
     kernels.reference.paged_attention. Host-side hints avoid a device sync: ``decode_only=True``
     promises every sequence has exactly one query token; otherwise ``max_query_len`` (the longest
     q_len) is needed, and found with one sync when not given. All q_len == 1 takes the decode
     kernel either way. ``num_kv_splits`` (a power of two) overrides num_decode_splits.
     ``num_decodes``: the first that many sequences of a mixed batch have one query token each;
-    they take the decode kernel (a prefill tile would pad each of them to BLOCK_Q tokens)."""
+    they take the decode kernel (a prefill tile would pad each of them to BLOCK_Q tokens).
+    ``decode_order`` (int32, a permutation of the decode rows, longest context first) is the
+    order their programs start in: a scheduling hint that leaves the result unchanged."""
     tokens, heads, head_dim = query.shape
     batch = seq_lens.shape[0]
     query = query if query.stride(-1) == 1 else query.contiguous()
@@ -221,11 +232,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
         decode_only = tokens == batch and max_query_len == 1
     launch = _Launch(query, kv_cache, block_tables, scale)
     if decode_only:
-        launch.decode(seq_lens, block_tables, out, num_kv_splits)
+        launch.decode(seq_lens, block_tables, out, num_kv_splits, decode_order)
         return out
     if num_decodes:   # the decodes' rows are the first num_decodes of query, seq_lens, tables
         launch.decode(seq_lens[:num_decodes], block_tables[:num_decodes], out[:num_decodes],
-                      num_kv_splits)
+                      num_kv_splits, decode_order)
     launch.prefill(query_start_loc, seq_lens, block_tables, out, num_decodes, max_query_len)
     return out
 
@@ -243,7 +254,7 @@ class _Launch:
         self.qk_scale = scale * _LOG2E
 
     def decode(self, seq_lens: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
-               num_kv_splits: int | None) -> None:
+               num_kv_splits: int | None, order: torch.Tensor | None) -> None:
         query, (keys, values) = self.query, (self.kv_cache[0], self.kv_cache[1])
         batch, (_, heads, head_dim) = seq_lens.shape[0], query.shape
         kv_heads, block_size = keys.shape[2], keys.shape[1]
@@ -256,13 +267,15 @@ class _Launch:
                                  device=query.device)
             part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
         group = heads // kv_heads
-        _decode_kernel[(batch, kv_heads, splits)](
-            query, keys, values, seq_lens, block_tables, part_o, part_lse, out, self.qk_scale,
+        _decode_kernel[(kv_heads * splits, batch)](
+            query, keys, values, seq_lens, block_tables, seq_lens if order is None else order,
+            part_o, part_lse, out, self.qk_scale,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
             NUM_SPLITS=splits, G=group,
             G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=block_size, PRECISION=self.precision,
-            DOT_F32=self.dot_f32, num_warps=DECODE_WARPS, num_stages=DECODE_STAGES)
+            DOT_F32=self.dot_f32, HAS_ORDER=order is not None, num_warps=DECODE_WARPS,
+            num_stages=DECODE_STAGES)
         if splits > 1:
             _combine_kernel[(batch, heads)](part_o, part_lse, out, out.stride(0), out.stride(1),
                                             NUM_SPLITS=splits, HEAD_DIM=head_dim, num_warps=4)

@@ -35,6 +35,7 @@ def test_mixed_step_inputs():
     b.append_blocks(np.array([c]), np.array([1]), np.array([9]))
     prep = b.prepare(np.array([a, c]), np.array([1, 1]))
     assert prep.decode_only and prep.last_rows.tolist() == [a, c]
+    assert prep.decode_order.tolist() == [0, 1]          # attention starts the longest first
     assert prep.positions.tolist() == [10, 3] and prep.seq_lens.tolist() == [11, 4]
     assert prep.slot_mapping.tolist() == [30, 35] and prep.block_tables.tolist() == [[3, 5, 7], [8, 9, 0]]
     assert prep.sample_rows.tolist() == [a, c] and prep.logits_indices.tolist() == [0, 1]
@@ -43,6 +44,7 @@ def test_mixed_step_inputs():
     prep = b.prepare(np.array([a, d, c]), np.array([1, 3, 1]))
     assert not prep.decode_only and prep.input_ids[2:5].tolist() == [7, 8, 9]
     assert prep.num_decodes == 2 and prep.sample_rows.tolist() == [a, c, d]
+    assert prep.seq_lens[:2].tolist() == [12, 5] and prep.decode_order.tolist() == [0, 1]
     assert prep.last_index.tolist() == [0, 1] and prep.last_rows.tolist() == [a, c]
     assert b.sampling_batch(prep.sample_rows).num_output.tolist() == [2, 3, 0]
 
@@ -64,3 +66,12 @@ def test_bad_deltas_are_rejected():
         b.row_of(99)
     b.remove(1)
     assert b.add(2, srow([5]), [1], 0) == row
+
+
+def test_decodes_start_longest_first():
+    b = InputBatch(max_seqs=3, max_model_len=64, block_size=4, num_blocks=16)
+    rows = [b.add(i, srow(range(n)), list(range(4 * i, 4 * i + 4)), num_computed=n - 1)
+            for i, n in enumerate([5, 14, 9])]
+    prep = b.prepare(np.array(rows), np.array([1, 1, 1]))
+    assert prep.seq_lens.tolist() == [5, 14, 9]
+    assert prep.decode_order.tolist() == [1, 2, 0]

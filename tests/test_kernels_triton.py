@@ -150,6 +150,16 @@ def test_decode_attention(heads, kv_heads, head_dim, block_size, dtype, splits):
                      decode_only=True, num_kv_splits=splits)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,dtype", LAYOUTS[:3])
+@pytest.mark.parametrize("splits", [None, 4])
+def test_decode_attention_in_a_start_order(heads, kv_heads, head_dim, block_size, dtype, splits):
+    # The start order (longest context first) only schedules programs: same output per row.
+    ctx_lens = [45, 1, 300, 2 * block_size, 7]
+    order = torch.tensor([2, 0, 3, 4, 1], dtype=torch.int32, device=DEVICE)
+    _check_attention([1] * 5, ctx_lens, heads, kv_heads, head_dim, block_size, dtype,
+                     decode_only=True, num_kv_splits=splits, decode_order=order)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,dtype", LAYOUTS)
 def test_mixed_attention(heads, kv_heads, head_dim, block_size, dtype):
     # A fresh prompt, chunked prefills over a cached prefix (the first starts right after a full
@@ -167,7 +177,8 @@ def test_mixed_attention_with_leading_decodes(heads, kv_heads, head_dim, block_s
     # the decode kernel; the prefill rows after them keep absolute query offsets.
     q_lens, ctx_lens = [1, 1, 1, 21, 30, 4], [1, 2 * block_size + 3, 70, 21, 130, 67]
     _check_attention(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype,
-                     max_query_len=30, num_decodes=3, num_kv_splits=splits)
+                     max_query_len=30, num_decodes=3, num_kv_splits=splits,
+                     decode_order=torch.tensor([1, 2, 0], dtype=torch.int32, device=DEVICE))
 
 
 def test_attention_without_hints_finds_the_path():
