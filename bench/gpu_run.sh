@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout on the H200): GPU correctness, then the serving workloads
 # through the gRPC planes and in one process. Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 hf spy kern tp (default: tests w2 w1 w1o w3)
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 hf spy kern ragged tp
+#   (default: tests w2 w1 w1o w3)
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
+# ragged: decode attention on W1's ragged batches, by KV split count and program start order.
 # w1o: W1 through the gRPC planes with one message per request (an offline client).
 # spy: W1 through the gRPC planes again, sampled by py-spy (raw stacks in $OUT/w1-stacks.txt).
 set -uo pipefail
@@ -19,6 +21,7 @@ if has tests; then
     tests/test_e2e_transformers.py -k "llama-gqa4 or qwen3 or race or staging or packed or download or skinny or qk_norm or decode" \
     tests/test_scheduling_e2e.py::test_overlap_on_and_off_give_the_same_outputs 2>&1 | tail -3
 fi
+if has ragged; then log ragged; timeout 200 python3 bench/kernels.py --ragged 2>&1 | tail -16; fi
 if has tp; then   # NCCL tensor parallelism on every GPU the machine has (2 or 4 ranks)
   log tp-nccl; nvidia-smi -L
   HEADRACE_TEST_DEVICE=cuda HEADRACE_TP_LOG_DIR=$OUT/tp-logs timeout 400 python3 -m pytest -q -x \

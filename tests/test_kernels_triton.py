@@ -197,6 +197,14 @@ def test_num_decode_splits_from_shapes():
         assert triton_attention.num_decode_splits(1, 8, 256, gpu) == 1
 
 
+def test_num_decode_splits_on_an_h200(monkeypatch):
+    monkeypatch.setattr(triton_attention, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    splits = {b: triton_attention.num_decode_splits(b, 8, 40960, cpu) for b in (1, 4, 32, 33, 256)}
+    assert splits == {1: 32, 4: 16, 32: 4, 33: 1, 256: 1}
+    assert triton_attention.num_decode_splits(1, 8, 3000, cpu) == 4   # >= 256 keys per split
+
+
 def test_dispatch_resolves_from_environment():
     """HEADRACE_KERNELS=triton sends CPU tensors to the Triton ops (here under the interpreter);
     the default keeps this process's CPU tensors on the reference."""
