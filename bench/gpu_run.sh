@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout on the H200): GPU correctness, then the serving workloads
 # through the gRPC planes and in one process. Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 hf spy kern ragged tp
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 w3tp hf spy kern ragged tp
 #   (default: tests w2 w1 w1o w3)
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # ragged: decode attention on W1's ragged batches, by KV split count and program start order.
@@ -24,9 +24,15 @@ fi
 if has ragged; then log ragged; timeout 200 python3 bench/kernels.py --ragged 2>&1 | tail -16; fi
 if has tp; then   # NCCL tensor parallelism on every GPU the machine has (2 or 4 ranks)
   log tp-nccl; nvidia-smi -L
-  HEADRACE_TEST_DEVICE=cuda HEADRACE_TP_LOG_DIR=$OUT/tp-logs timeout 400 python3 -m pytest -q -x \
-    -p no:cacheprovider tests/test_tensor_parallel.py -k "tp2 or tp4" 2>&1 | tail -15
-  tail -n 20 "$OUT"/tp-logs/*/rank-*.log 2>/dev/null | cut -c1-300
+  HEADRACE_TEST_DEVICE=cuda HEADRACE_TP_LOG_DIR=$OUT/tp-logs timeout 300 python3 -m pytest -q -x \
+    -p no:cacheprovider tests/test_tensor_parallel.py -k "tp2 or tp4" > "$OUT/tp-pytest.txt" 2>&1 &
+  tp_pid=$!
+  for _ in $(seq 48); do sleep 5; kill -0 $tp_pid 2>/dev/null || break; done
+  if kill -0 $tp_pid 2>/dev/null; then   # still running after 4 minutes: where is everyone?
+    for p in $(pgrep -f "controlplane.cli dataplane"); do py-spy dump --pid "$p" | head -40; done
+  fi
+  wait $tp_pid; tail -15 "$OUT/tp-pytest.txt"
+  tail -n 8 "$OUT"/tp-logs/*/rank-*.log 2>/dev/null | cut -c1-300
 fi
 if has w1 || has w1o || has w2 || has hf || has spy || has kern; then
   log ckpt; python3 bench/random_checkpoint.py qwen3-0.6b /tmp/qwen3 --device cuda
@@ -54,10 +60,13 @@ if has spy; then
     | tee -a "$OUT/results.jsonl"
 fi
 if has hf; then log hf; timeout 120 python3 -P bench/hf_reference.py /tmp/qwen3 | tee -a "$OUT/results.jsonl"; fi
-if has w3; then
+if has w3 || has w3tp; then   # w3tp: the same with the model split over two GPUs (NCCL)
   log ckpt8b; rm -rf /tmp/qwen3; python3 bench/random_checkpoint.py llama-3.1-8b /tmp/llama8b --device cuda
-  log w3; timeout 200 python3 -P bench/serving_bench.py --model /tmp/llama8b --workload w3 --num-seqs 256 \
-    --serve-args "--device cuda --max-running 256 --max-batched-tokens 8192 --max-model-len 4096" \
-    | tee -a "$OUT/results.jsonl"
+  w3args="--device cuda --max-running 256 --max-batched-tokens 8192 --max-model-len 4096"
+  for tp in 1 2; do
+    { [ $tp = 1 ] && has w3; } || { [ $tp = 2 ] && has w3tp; } || continue
+    log "w3 tp$tp"; timeout 240 python3 -P bench/serving_bench.py --model /tmp/llama8b --workload w3 \
+      --num-seqs 256 --serve-args "$w3args --tensor-parallel-size $tp" | tee -a "$OUT/results.jsonl"
+  done
 fi
 log done; cat "$OUT/results.jsonl" 2>/dev/null
