@@ -39,6 +39,8 @@ class LocalWorkers:
         self.launch_ms: dict[int, float] = {}   # step id -> host time of the runner's launch
         self.launch_profile: cProfile.Profile | None = None   # profiles launches while set
         self.launch_profile_steps = 0
+        self.timeline: list = []      # (host start, host end, Launched) of the first launches
+        self.timeline_steps = 0
         launch = worker.runner.launch
 
         def timed_launch(step):
@@ -48,7 +50,10 @@ class LocalWorkers:
                 launched = self.launch_profile.runcall(launch, step)
             else:
                 launched = launch(step)
-            self.launch_ms[step.step_id] = (time.perf_counter() - t0) * 1e3
+            t1 = time.perf_counter()
+            self.launch_ms[step.step_id] = (t1 - t0) * 1e3
+            if len(self.timeline) < self.timeline_steps:
+                self.timeline.append((t0, t1, launched))
             return launched
         worker.runner.launch = timed_launch
         self.pipeline = StepPipeline(worker.runner)
@@ -119,6 +124,29 @@ class KernelWindow:
             self.prof = None
 
 
+class Timeline:
+    """Host and device times of the first launches on one clock: a reference CUDA event is
+    recorded on an idle device at a known host time, and every step's begin/done events are
+    read against it (ms since the reference)."""
+
+    def __init__(self):
+        import torch
+        torch.cuda.synchronize()
+        self.ref = torch.cuda.Event(enable_timing=True)
+        self.ref.record()
+        torch.cuda.synchronize()
+        self.host0 = time.perf_counter()
+
+    def print(self, rows) -> None:
+        print("step  host_launch_start  host_launch_end  device_begin  device_end  (ms since start)")
+        for i, (t0, t1, launched) in enumerate(rows):
+            if launched.begin is None:
+                continue
+            launched.done.synchronize()
+            print(f"{i:4d} {1e3 * (t0 - self.host0):18.1f} {1e3 * (t1 - self.host0):16.1f} "
+                  f"{self.ref.elapsed_time(launched.begin):13.1f} {self.ref.elapsed_time(launched.done):11.1f}")
+
+
 def print_step_table(steps: list[tuple[int, float, float, float]]) -> None:
     """Device time, device idle (the gap before each step) and the host time of the runner's
     launch over ranges of the timed steps (the first twelve, where W1 prefills, one by one)."""
@@ -164,6 +192,9 @@ async def run(args) -> dict:
         window.offset = local.steps_sent
     if args.launch_profile_steps:
         local.launch_profile, local.launch_profile_steps = cProfile.Profile(), args.launch_profile_steps
+    timeline = None
+    if args.timeline_steps:
+        timeline, local.timeline_steps = Timeline(), args.timeline_steps
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
@@ -188,6 +219,8 @@ async def run(args) -> dict:
     if profiler:
         profiler.disable()
         profiler.dump_stats(args.profile)
+    if timeline is not None:
+        timeline.print(local.timeline)
     if local.launch_profile is not None:
         print(f"host profile of the runner's launch over the first {args.launch_profile_steps} steps:")
         pstats.Stats(local.launch_profile).sort_stats("tottime").print_stats(28)
@@ -212,6 +245,8 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="write cProfile stats of the timed part here")
     ap.add_argument("--launch-profile-steps", type=int, default=0, metavar="N",
                     help="cProfile the runner's launch of the first N timed steps (host hot spots)")
+    ap.add_argument("--timeline-steps", type=int, default=0, metavar="N",
+                    help="host launch and device begin/end times of the first N steps, one clock")
     ap.add_argument("--kernel-window", dest="kernel_windows", action="append", default=[],
                     metavar="FIRST:LAST", help="profile device kernels over these steps of the run")
     ap.add_argument("--out-dir", default=".", help="where kernel window tables go")
