@@ -12,8 +12,8 @@ the environment variable ``HEADRACE_KERNELS``:
 * ``reference``: the reference everywhere.
 
 ``paged_attention`` always accepts the Triton version's optional host-side hints
-(``max_query_len``, ``decode_only``, ``num_decodes``, ``decode_order``); the reference ignores them. ``copy_blocks`` (copy on
-write, rare) is plain torch indexing on every device.
+(``max_query_len``, ``decode_only``, ``num_decodes``, ``decode_order``); the reference ignores
+them. ``copy_blocks`` (copy on write, rare) is plain torch indexing on every device.
 """
 
 from __future__ import annotations

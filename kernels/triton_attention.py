@@ -197,7 +197,7 @@ def num_decode_splits(batch: int, kv_heads: int, max_context: int, device: torch
     """Fewest KV splits among 1, 4, 16, MAX_SPLITS that give every SM two programs, while each
     split keeps at least MIN_SPLIT_TOKENS of the longest possible context. Depends on shapes
     only. Two splits are skipped: on W1's ragged batches of 23 and 48 sequences (H200) they
-    were 8-30% slower than one or four (bench/kernels.py --ragged)."""
+    were up to 29% slower than one or four (bench/kernels.py --ragged)."""
     splits, target = 1, 2 * _sm_count(device)
     while splits < MAX_SPLITS and batch * kv_heads * splits < target:
         more = min(MAX_SPLITS, 4 * splits)

@@ -153,7 +153,8 @@ def test_decode_attention(heads, kv_heads, head_dim, block_size, dtype, splits):
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,dtype", LAYOUTS[:3])
 @pytest.mark.parametrize("splits", [None, 4])
 def test_decode_attention_in_a_start_order(heads, kv_heads, head_dim, block_size, dtype, splits):
-    # The start order (longest context first) only schedules programs: same output per row.
+    # A start order (any permutation; the engine passes longest context first) only schedules
+    # programs: the same output per row.
     ctx_lens = [45, 1, 300, 2 * block_size, 7]
     order = torch.tensor([2, 0, 3, 4, 1], dtype=torch.int32, device=DEVICE)
     _check_attention([1] * 5, ctx_lens, heads, kv_heads, head_dim, block_size, dtype,
