@@ -2,7 +2,7 @@
 # One device call (run from a checkout on the H200): GPU correctness, then the serving workloads
 # through the gRPC planes and in one process. Usage:
 #   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 w3tp hf spy kern ragged tp
-#   (default: tests w2 w1 w1o w3)
+#   (default: tests w2 w1 w1o w3); TP_WATCH_S: seconds the tp section waits before dumping stacks
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # ragged: decode attention on W1's ragged batches, by KV split count and program start order.
 # w1o: W1 through the gRPC planes with one message per request (an offline client).
@@ -27,9 +27,10 @@ if has tp; then   # NCCL tensor parallelism on every GPU the machine has (2 or 4
   HEADRACE_TEST_DEVICE=cuda HEADRACE_TP_LOG_DIR=$OUT/tp-logs timeout 300 python3 -m pytest -q -x \
     -p no:cacheprovider tests/test_tensor_parallel.py -k "tp2 or tp4" > "$OUT/tp-pytest.txt" 2>&1 &
   tp_pid=$!
-  for _ in $(seq 48); do sleep 5; kill -0 $tp_pid 2>/dev/null || break; done
-  if kill -0 $tp_pid 2>/dev/null; then   # still running after 4 minutes: where is everyone?
+  for _ in $(seq $(( ${TP_WATCH_S:-240} / 5 ))); do sleep 5; kill -0 $tp_pid 2>/dev/null || break; done
+  if kill -0 $tp_pid 2>/dev/null; then   # still running after TP_WATCH_S: where is everyone?
     for p in $(pgrep -f "controlplane.cli dataplane"); do py-spy dump --pid "$p" | head -40; done
+    kill $tp_pid 2>/dev/null; pkill -f "controlplane.cli dataplane"
   fi
   wait $tp_pid; tail -15 "$OUT/tp-pytest.txt"
   tail -n 8 "$OUT"/tp-logs/*/rank-*.log 2>/dev/null | cut -c1-300
