@@ -9,126 +9,16 @@ import argparse
 import asyncio
 import logging
 import os
-import secrets
 import pathlib
+import secrets
 import signal
 import sys
 import tempfile
 
-from controlplane.engine import EngineConfig
-from controlplane.logs import LOG_FORMATS, configure_logging
-from controlplane.policy import POLICIES, Policy
-
-
-def _default_model() -> str:
-    """$HEADRACE_MODEL (containers), else the embedded tiny model."""
-    if os.environ.get("HEADRACE_MODEL"):
-        return os.environ["HEADRACE_MODEL"]
-    from dataplane.default_model import default_model_dir
-
-    return str(default_model_dir())
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _add_worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--dtype", default=None, help="float32|bfloat16|float16 (default fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size instead of measuring")
-    p.add_argument("--cpu-kv-cache-gib", type=float, default=1.0, help="KV cache size on CPU")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--max-running", type=int, default=256, help="sequences per step at most")
-    p.add_argument("--max-batched-tokens", type=int, default=2048,
-                   help="tokens per step at most; longer prompts are prefilled in chunks")
-    p.add_argument("--policy", choices=POLICIES, default="fifo", help="scheduling policy")
-    p.add_argument("--aging-rate", type=float, default=None,
-                   help="rank units a second of waiting is worth (default per policy)")
-    p.add_argument("--max-queue-delay", type=float, default=None,
-                   help="seconds after which a waiting request is admitted ahead of the policy order")
-    p.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
-    p.add_argument("--watermark", type=float, default=0.01,
-                   help="fraction of KV blocks that admission leaves free for running requests")
-
-
-def _add_tls_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
-    p.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
-    p.add_argument("--tls-client-ca", default=None,
-                   help="require client certificates signed by this CA (mutual TLS)")
-
-
-def _add_security_args(p: argparse.ArgumentParser) -> None:
-    _add_tls_args(p)
-    p.add_argument("--api-token", default=None,
-                   help="require 'authorization: Bearer TOKEN' on the public API (default $HEADRACE_API_TOKEN)")
-    p.add_argument("--worker-secret", default=None,
-                   help="shared secret presented to the data planes (default $HEADRACE_WORKER_SECRET)")
-    p.add_argument("--worker-ca", default=None, help="verify the data planes' TLS certificates with this CA")
-    p.add_argument("--worker-cert", default=None, help="client certificate for data planes with mutual TLS")
-    p.add_argument("--worker-key", default=None, help="its private key")
-
-
-def _add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -> None:
-    p.add_argument("--metrics-port", type=int, default=metrics_port,
-                   help=f"Prometheus /metrics HTTP port (0 disables; default {metrics_port})")
-    p.add_argument("--log-format", choices=LOG_FORMATS, default=None,
-                   help="json or console (default: console on a terminal, json otherwise)")
-    if control:
-        p.add_argument("--max-queued", type=int, default=0,
-                       help="waiting sequences at most; beyond, RESOURCE_EXHAUSTED (0: unbounded)")
-        p.add_argument("--outage-deadline", type=float, default=60.0,
-                       help="seconds requests wait for a lost data plane before UNAVAILABLE")
-        p.add_argument("--stream-interval", type=_positive_int, default=1,
-                       help="tokens per streamed message at least, for requests that do not set "
-                            "stream_interval (default 1: every token as it is sampled)")
-        p.add_argument("--pipeline-depth", type=_positive_int, default=3,
-                       help="steps in flight (default 3: the data plane always holds the next "
-                            "step; 2 while a running request has stop strings)")
-        p.add_argument("--no-overlap", action="store_true",
-                       help="one step in flight (no overlapped scheduling)")
-        p.add_argument("--admin-token", default=None,
-                       help="bearer token for the Admin service (default $HEADRACE_ADMIN_TOKEN; "
-                            "without one, Admin serves local callers only)")
-        p.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
-        p.add_argument("--disable-log-requests", action="store_true",
-                       help="no log line per finished request")
-
-
-def _plane_options(args) -> dict:
-    """ControlPlane keyword options from the command line."""
-    from controlplane import security
-
-    return dict(metrics_port=args.metrics_port or None,
-                admin_token=args.admin_token or os.environ.get("HEADRACE_ADMIN_TOKEN") or None,
-                log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
-                api_token=args.api_token or os.environ.get("HEADRACE_API_TOKEN") or None,
-                tls=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
-                worker_credentials=security.channel_credentials(args.worker_ca, args.worker_cert,
-                                                                args.worker_key),
-                worker_secret=args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or None)
-
-
-def _engine_config(args) -> EngineConfig:
-    return EngineConfig(max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
-                        max_model_len=getattr(args, "max_model_len", None),
-                        policy=Policy(args.policy, args.aging_rate, args.max_queue_delay),
-                        enable_prefix_cache=not args.no_prefix_cache, watermark=args.watermark,
-                        max_queued=args.max_queued, outage_deadline_s=args.outage_deadline,
-                        pipeline_depth=1 if args.no_overlap else args.pipeline_depth,
-                        stream_interval=args.stream_interval)
+from controlplane.cli_options import (add_engine_args, add_ops_args, add_security_args,
+                                      add_tls_args, add_worker_args, default_model, engine_config,
+                                      plane_options)
+from controlplane.logs import configure_logging
 
 
 def _free_port() -> int:
@@ -168,7 +58,7 @@ def cmd_serve(args) -> int:
     from controlplane.server import serve_until_signal
     from controlplane.supervisor import DataPlaneChildren
 
-    args.model = args.model or _default_model()
+    args.model = args.model or default_model()
     sock_dir = tempfile.mkdtemp(prefix="headrace-")
     world = args.tensor_parallel_size
     listens = [f"unix:{sock_dir}/dataplane-{r}.sock" for r in range(world)]
@@ -184,7 +74,7 @@ def cmd_serve(args) -> int:
     tracing.setup_tracing("headrace-controlplane")
     try:
         asyncio.run(serve_until_signal(args.model, listens, f"{args.host}:{args.port}",
-                                       _engine_config(args), **_plane_options(args)))
+                                       engine_config(args), **plane_options(args)))
     finally:
         tracing.shutdown_tracing()
         children.stop()
@@ -197,9 +87,9 @@ def cmd_controlplane(args) -> int:
 
     tracing.setup_tracing("headrace-controlplane")
     try:
-        asyncio.run(serve_until_signal(args.model or _default_model(), args.workers.split(","),
-                                       f"{args.host}:{args.port}", _engine_config(args),
-                                       **_plane_options(args)))
+        asyncio.run(serve_until_signal(args.model or default_model(), args.workers.split(","),
+                                       f"{args.host}:{args.port}", engine_config(args),
+                                       **plane_options(args)))
     finally:
         tracing.shutdown_tracing()
     return 0
@@ -217,7 +107,7 @@ def cmd_dataplane(args) -> int:
     if world > 1 and not args.dist_init:
         raise SystemExit("--world-size > 1 needs --dist-init tcp://MASTER_HOST:PORT")
     device = f"cuda:{rank}" if world > 1 and args.device == "cuda" else args.device
-    opts = WorkerOptions(model=args.model or _default_model(), device=device, dtype=args.dtype,
+    opts = WorkerOptions(model=args.model or default_model(), device=device, dtype=args.dtype,
                          block_size=args.block_size, max_model_len=args.max_model_len,
                          num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gib=args.cpu_kv_cache_gib,
                          gpu_memory_utilization=args.gpu_memory_utilization,
@@ -282,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("serve", help="serve a model: control plane plus a data plane child process")
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded tiny model)")
-    _add_engine_args(p)
-    _add_worker_args(p)
-    _add_ops_args(p, 9400, control=True)
-    _add_security_args(p)
+    add_engine_args(p)
+    add_worker_args(p)
+    add_ops_args(p, 9400, control=True)
+    add_security_args(p)
     p.add_argument("--dataplane-metrics-port", type=int, default=9401,
                    help="the data plane child's /metrics port, rank r on port + r (0 disables)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -298,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                    required=not os.environ.get("HEADRACE_WORKERS"),
                    help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
     p.add_argument("--max-model-len", type=int, default=None)
-    _add_engine_args(p)
-    _add_ops_args(p, 9400, control=True)
-    _add_security_args(p)
+    add_engine_args(p)
+    add_ops_args(p, 9400, control=True)
+    add_security_args(p)
     p.set_defaults(func=cmd_controlplane)
 
     p = sub.add_parser("dataplane", help="run one data plane worker alone")
@@ -314,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="process group rendezvous, tcp://MASTER_HOST:PORT (rank 0 listens there)")
     p.add_argument("--dist-timeout", type=float, default=300.0,
                    help="seconds the rendezvous and each collective may take before failing")
-    _add_worker_args(p)
-    _add_ops_args(p, 9401, control=False)
-    _add_tls_args(p)
+    add_worker_args(p)
+    add_ops_args(p, 9401, control=False)
+    add_tls_args(p)
     p.add_argument("--secret", default=None,
                    help="serve only callers presenting this shared secret (default $HEADRACE_WORKER_SECRET)")
     p.set_defaults(func=cmd_dataplane)
