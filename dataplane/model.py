@@ -12,7 +12,6 @@ config (its heads, KV heads and MLP columns): ``qkv_proj``/``gate_up_proj`` are 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 from torch import nn
@@ -21,9 +20,6 @@ import kernels
 from dataplane import parallel
 from dataplane.config import ModelConfig
 from dataplane.rotary import cos_sin_cache
-
-
-FUSED_DECODE_PROLOGUE = os.environ.get("HEADRACE_FUSED_PROLOGUE", "1") != "0"   # A/B switch
 
 
 @dataclasses.dataclass
@@ -106,7 +102,7 @@ class Attention(nn.Module):
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         q_weight = self.q_norm.weight if cfg.qk_norm else None
         k_weight = self.k_norm.weight if cfg.qk_norm else None
-        if meta.decode_only and FUSED_DECODE_PROLOGUE:   # one kernel: the prologue runs inside the decode attention
+        if meta.decode_only:   # one kernel: the prologue runs inside the decode attention
             o = kernels.decode_attention_with_prologue(
                 q, k, v, positions, self.cos_sin, q_weight, k_weight, cfg.rms_norm_eps, kv_cache,
                 meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
