@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_pdl import launch_options, wait_for_predecessor
-
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
     """x itself when its last dimension is contiguous, else a contiguous copy."""
@@ -34,8 +32,7 @@ def _warps(block: int) -> int:
 
 @triton.jit
 def _rms_norm_kernel(X, R, W, OUT, RES_OUT, n_inner, stride_xa, stride_xb, stride_ra, stride_rb,
-                     N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_predecessor(PDL)
+                     N, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     a, b = row // n_inner, row % n_inner
     cols = tl.arange(0, BLOCK)
@@ -69,8 +66,7 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     _rms_norm_kernel[(x3.shape[0] * x3.shape[1],)](
         x3, r3, weight, out, out if res_out is None else res_out, x3.shape[1],
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), n, eps,
-        HAS_RESIDUAL=res_out is not None, BLOCK=block, num_warps=_warps(block),
-        **launch_options(x.device))
+        HAS_RESIDUAL=res_out is not None, BLOCK=block, num_warps=_warps(block))
     return out, res_out
 
 
@@ -86,8 +82,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, OUT, stride_x, D, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    wait_for_predecessor(PDL)
+def _silu_and_mul_kernel(X, OUT, stride_x, D, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -105,7 +100,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((*gate_up.shape[:-1], d), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](
-        x, out, x.stride(0), d, BLOCK=block, num_warps=_warps(block), **launch_options(x.device))
+        x, out, x.stride(0), d, BLOCK=block, num_warps=_warps(block))
     return out
 
 

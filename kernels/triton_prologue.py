@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_pdl import launch_options, wait_for_predecessor
-
 
 @triton.jit
 def _norm_rope(x1, x2, W, cos, sin, HAS_NORM: tl.constexpr, HALF: tl.constexpr, eps, dtype):
@@ -38,8 +36,7 @@ def _prologue_kernel(Q, K, V, POS, COS_SIN, QW, KW, OUT_Q, CACHE, SLOTS, eps,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
                      stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, block_size,
                      H, KVH, HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_KVH: tl.constexpr, PDL: tl.constexpr):
-    wait_for_predecessor(PDL)
+                     BLOCK_KVH: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(POS + t)
     dtype = OUT_Q.dtype.element_ty
@@ -99,5 +96,5 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
         v.stride(0), v.stride(1), cos_sin.stride(0), kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3), kv_cache.shape[2], heads, kv_heads,
         HAS_NORM=has_norm, HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_KVH=block_kvh,
-        num_warps=4 if block_h * head_dim <= 4096 else 8, **launch_options(q.device))
+        num_warps=4 if block_h * head_dim <= 4096 else 8)
     return out
