@@ -227,12 +227,61 @@ def ragged_sweep(device) -> None:
               + " ".join(cells))
 
 
+def w1_prefill_lengths(tokens: int = 16384) -> list[int]:
+    """W1's first prompts (REFERENCE.md: random.seed(0)), whole, up to one step's token budget:
+    the prefill kernel's share of W1's first step."""
+    rng, lengths = random.Random(0), []
+    for _ in range(256):
+        n = rng.randint(100, 1024)
+        for _ in range(n):
+            rng.randint(0, 10000)
+        if sum(lengths) + n > tokens:
+            break
+        lengths.append(n)
+    return lengths
+
+
+def prefill_w1_sweep(device) -> None:
+    """The prefill kernel on W1's first step (Qwen3-0.6B heads, ~29 prompts of 100-1024 tokens),
+    cache slot-major and head-major, over launch configurations: TFLOP/s and µs per call."""
+    heads, kv_heads, head_dim = LAYOUTS["qwen3-0.6b"]
+    lengths = w1_prefill_lengths()
+    blocks = sum(-(-n // BLOCK) for n in lengths) + 8
+    caches = {"slot-major": torch.randn(2, blocks, BLOCK, kv_heads, head_dim, dtype=DTYPE,
+                                        device=device),
+              "head-major": torch.randn(2, blocks, kv_heads, BLOCK, head_dim, dtype=DTYPE,
+                                        device=device).transpose(2, 3)}
+    starts, seq_lens, tables = _metadata(lengths, lengths, blocks, device)
+    query = torch.randn(sum(lengths), heads, head_dim, dtype=DTYPE, device=device)
+    flops = sum(4 * heads * head_dim * n * (n + 1) / 2 for n in lengths)
+    print(f"\nW1 prefill step: {len(lengths)} prompts, {sum(lengths)} tokens; "
+          "layout block_m block_n warps stages -> TFLOP/s (us)")
+    ta = triton_attention
+    for name, cache in caches.items():
+        for block_m, block_n, warps, stages in itertools.product(
+                (64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4)):
+            if name == "head-major" and (block_m, block_n, warps, stages) != (256, 64, 8, 3):
+                continue   # the layout at today's configuration only
+            ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N = block_m, block_n
+            ta.PREFILL_WARPS, ta.PREFILL_STAGES = warps, stages
+            try:
+                ms = _time_ms(lambda c=cache: ta.paged_attention(
+                    query, c, starts, seq_lens, tables, head_dim ** -0.5,
+                    max_query_len=max(lengths)))
+            except OutOfResources:
+                continue
+            print(name, block_m, block_n, warps, stages,
+                  f"{flops / ms / 1e9:6.1f} ({ms * 1e3:7.1f})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller grid")
     parser.add_argument("--sweep", action="store_true", help="time launch configurations instead")
     parser.add_argument("--ragged", action="store_true",
                         help="W1's ragged decode batches at forced KV split counts")
+    parser.add_argument("--prefill-w1", action="store_true",
+                        help="the prefill kernel on W1's first step, by launch configuration")
     parser.add_argument("--layout", action="store_true",
                         help="W1's decode shapes: cache layouts x launch configurations")
     args = parser.parse_args()
@@ -243,6 +292,8 @@ def main() -> None:
     check(device)
     if args.ragged:
         ragged_sweep(device)
+    elif args.prefill_w1:
+        prefill_w1_sweep(device)
     elif args.layout:
         layout_sweep(device)
     elif args.sweep:
