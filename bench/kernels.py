@@ -274,53 +274,6 @@ def prefill_w1_sweep(device) -> None:
                   f"{flops / ms / 1e9:6.1f} ({ms * 1e3:7.1f})", flush=True)
 
 
-def prologue_sweep(device) -> None:
-    """W1's decode batches (Qwen3-0.6B: q/k norms, rotary) as the engine ran them before
-    (prologue kernel, then decode attention) and with the prologue inside the decode kernel
-    (decode_attention_with_prologue); µs per layer from CUDA graphs."""
-    from dataplane.rotary import cos_sin_cache
-    from kernels import triton_prologue
-    kv_heads, head_dim, heads = 8, 128, 16
-    steps = [50, 500, 850, 950]
-    width = 40960 // BLOCK
-    cache = torch.randn(2, 256 * 2100 // BLOCK, BLOCK, kv_heads, head_dim, dtype=DTYPE,
-                        device=device)
-    cos_sin = cos_sin_cache(head_dim, 4096, 1e6, None).to(device)
-    qw, kw = (torch.rand(head_dim, dtype=DTYPE, device=device) + 0.5 for _ in range(2))
-    print("\nprologue + decode: step batch -> separate us, fused us (per layer)")
-    for step, ctx in zip(steps, w1_decode_batches(steps)):
-        starts, seq_lens, tables = _metadata([1] * len(ctx), ctx, cache.shape[1], device)
-        wide = torch.zeros(len(ctx), width, dtype=torch.int32, device=device)
-        wide[:, :tables.shape[1]] = tables
-        order = torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
-        positions = (seq_lens - 1).long()
-        slots = (wide.gather(1, (positions // BLOCK)[:, None].long())[:, 0].long() * BLOCK
-                 + positions % BLOCK)
-        times = []
-        for fused in (False, True):
-            calls = []
-            for _ in range(4):
-                qkv = torch.randn(len(ctx), (heads + 2 * kv_heads) * head_dim, dtype=DTYPE,
-                                  device=device)
-                q, k, v = (x.view(len(ctx), -1, head_dim) for x in qkv.split(
-                    [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
-                meta = (starts, seq_lens, wide, head_dim ** -0.5)
-                if fused:
-                    calls.append(lambda q=q, k=k, v=v, m=meta:
-                                 triton_attention.decode_attention_with_prologue(
-                                     q, k, v, positions, cos_sin, qw, kw, 1e-6, cache, slots, *m,
-                                     decode_order=order))
-                else:
-                    def call(q=q, k=k, v=v, m=meta):
-                        query = triton_prologue.qk_norm_rope_write_kv(
-                            q, k, v, positions, cos_sin, qw, kw, 1e-6, cache, slots)
-                        triton_attention.paged_attention(query, cache, *m, decode_only=True,
-                                                         decode_order=order)
-                    calls.append(call)
-            times.append(graph_ms(calls) * 1e3)
-        print(f"{step:5d} {len(ctx):4d} {times[0]:8.1f} {times[1]:8.1f}", flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller grid")
@@ -329,8 +282,6 @@ def main() -> None:
                         help="W1's ragged decode batches at forced KV split counts")
     parser.add_argument("--prefill-w1", action="store_true",
                         help="the prefill kernel on W1's first step, by launch configuration")
-    parser.add_argument("--prologue", action="store_true",
-                        help="W1's decode batches: the prologue kernel apart or inside attention")
     parser.add_argument("--layout", action="store_true",
                         help="W1's decode shapes: cache layouts x launch configurations")
     args = parser.parse_args()
@@ -341,8 +292,6 @@ def main() -> None:
     check(device)
     if args.ragged:
         ragged_sweep(device)
-    elif args.prologue:
-        prologue_sweep(device)
     elif args.prefill_w1:
         prefill_w1_sweep(device)
     elif args.layout:
