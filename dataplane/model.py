@@ -100,16 +100,10 @@ class Attention(nn.Module):
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q_weight = self.q_norm.weight if cfg.qk_norm else None
-        k_weight = self.k_norm.weight if cfg.qk_norm else None
-        if meta.decode_only:   # one kernel: the prologue runs inside the decode attention
-            o = kernels.decode_attention_with_prologue(
-                q, k, v, positions, self.cos_sin, q_weight, k_weight, cfg.rms_norm_eps, kv_cache,
-                meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                self.scale, decode_order=meta.decode_order)
-            return self.o_proj(o.reshape(-1, cfg.q_size))
-        q = kernels.qk_norm_rope_write_kv(q, k, v, positions, self.cos_sin, q_weight, k_weight,
-                                          cfg.rms_norm_eps, kv_cache, meta.slot_mapping)
+        q = kernels.qk_norm_rope_write_kv(
+            q, k, v, positions, self.cos_sin, self.q_norm.weight if cfg.qk_norm else None,
+            self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps, kv_cache,
+            meta.slot_mapping)
         o = kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                     meta.block_tables, self.scale,
                                     max_query_len=meta.max_query_len, decode_only=meta.decode_only,

@@ -13,8 +13,7 @@ the environment variable ``HEADRACE_KERNELS``:
 
 ``paged_attention`` always accepts the Triton version's optional host-side hints
 (``max_query_len``, ``decode_only``, ``num_decodes``, ``decode_order``); the reference ignores
-them, as ``decode_attention_with_prologue`` (the prologue and a decode step's attention in one
-kernel) does its ``num_kv_splits`` and ``decode_order``. ``copy_blocks`` (copy on write, rare) is plain torch indexing on every device.
+them. ``copy_blocks`` (copy on write, rare) is plain torch indexing on every device.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ def _load_triton():
             raise
         return None
     return {"paged_attention": triton_attention, "sample_race": triton_sampling,
-            "decode_attention_with_prologue": triton_attention,
             "qk_norm_rope_write_kv": triton_prologue, "linear": triton_linear}, triton_ops
 
 
@@ -50,15 +48,6 @@ def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_table
     """kernels.reference.paged_attention, taking (and ignoring) the Triton version's hints."""
     return reference.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables,
                                      scale)
-
-
-def _reference_decode_attention(q, k, v, positions, cos_sin, q_weight, k_weight, eps, kv_cache,
-                                slot_mapping, query_start_loc, seq_lens, block_tables, scale, *,
-                                num_kv_splits=None, decode_order=None):
-    """kernels.reference.decode_attention_with_prologue, taking (and ignoring) the hints."""
-    return reference.decode_attention_with_prologue(
-        q, k, v, positions, cos_sin, q_weight, k_weight, eps, kv_cache, slot_mapping,
-        query_start_loc, seq_lens, block_tables, scale)
 
 
 def _on_cuda(fast, slow):
@@ -85,8 +74,6 @@ silu_and_mul = _select(reference.silu_and_mul, "silu_and_mul")
 apply_rotary = _select(reference.apply_rotary, "apply_rotary")
 write_kv = _select(reference.write_kv, "write_kv")
 paged_attention = _select(_reference_attention, "paged_attention")
-decode_attention_with_prologue = _select(_reference_decode_attention,
-                                         "decode_attention_with_prologue")
 sample_race = _select(reference.sample_race, "sample_race")
 qk_norm_rope_write_kv = _select(reference.qk_norm_rope_write_kv, "qk_norm_rope_write_kv")
 linear = _select(reference.linear, "linear")

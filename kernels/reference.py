@@ -112,19 +112,6 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     return out
 
 
-def decode_attention_with_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                   positions: torch.Tensor, cos_sin: torch.Tensor,
-                                   q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                                   eps: float, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                                   block_tables: torch.Tensor, scale: float) -> torch.Tensor:
-    """A decode step's attention from the raw q/k/v projections: qk_norm_rope_write_kv, then
-    paged_attention (every sequence has one query token)."""
-    query = qk_norm_rope_write_kv(q, k, v, positions, cos_sin, q_weight, k_weight, eps, kv_cache,
-                                  slot_mapping)
-    return paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale)
-
-
 # splitmix64 constants as signed 64-bit integers (torch has no uint64 arithmetic)
 GOLDEN = -7046029254386353131      # 0x9E3779B97F4A7C15
 MIX1 = -4658895280553007687        # 0xBF58476D1CE4E5B9

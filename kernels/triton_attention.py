@@ -85,36 +85,13 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
 
 # Block-table widths vary from step to step in eager (mixed) steps: no specialisation on them,
 # or every new width divisibility would compile a variant in the middle of serving.
-@triton.jit
-def _norm_rope_rows(X, mask, W, CS, eps, HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, dtype):
-    """Rows X [R, 1] (pointers to whole heads) -> RMS-normed (optional) and rotated heads
-    [R, HEAD_DIM] in ``dtype``, rounded exactly where kernels.triton_prologue rounds. The
-    rotated half is read through a permuted index, so the heads stay whole tiles."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    rot = (d + HALF) % HEAD_DIM
-    x = tl.load(X + d, mask=mask, other=0.0).to(tl.float32)
-    xr = tl.load(X + rot, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-        x = ((x * rstd).to(dtype).to(tl.float32) * tl.load(W + d).to(tl.float32))
-        xr = ((xr * rstd).to(dtype).to(tl.float32) * tl.load(W + rot).to(tl.float32))
-        x, xr = x.to(dtype).to(tl.float32), xr.to(dtype).to(tl.float32)
-    cos = tl.load(CS + d % HALF).to(dtype).to(tl.float32)
-    sin = tl.load(CS + HALF + d % HALF).to(dtype).to(tl.float32)
-    sign = tl.where(d < HALF, -1.0, 1.0)
-    return ((x * cos).to(dtype).to(tl.float32) + sign * (xr * sin).to(dtype).to(tl.float32)).to(dtype)
-
-
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale, stride_qt,
                    stride_qh, stride_ot, stride_oh, stride_bt, stride_block, stride_slot,
-                   stride_head, K_NEW, V_NEW, POS, COS_SIN, QW, KW, SLOTS, eps, stride_kt,
-                   stride_kh, stride_vt, stride_vh, stride_cs, NUM_SPLITS: tl.constexpr,
+                   stride_head, NUM_SPLITS: tl.constexpr,
                    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-                   DOT_F32: tl.constexpr, HAS_ORDER: tl.constexpr, PROLOGUE: tl.constexpr,
-                   HAS_NORM: tl.constexpr, G_P2: tl.constexpr):
+                   DOT_F32: tl.constexpr, HAS_ORDER: tl.constexpr):
     # Programs start in grid order, all of one sequence's (kv head, split) programs together;
     # with ORDER (sequences by context, longest first) the long ones start first and the short
     # ones fill in behind them: the last wave is short.
@@ -126,35 +103,11 @@ def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale
     rows = tl.arange(0, G_PAD)
     heads = kv_head * G + rows
     d = tl.arange(0, HEAD_DIM)
+    q = _operand(tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                         mask=(rows < G)[:, None], other=0.0), DOT_F32)
     chunk = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(ctx, lo + chunk)
-    if PROLOGUE:   # Q/K_NEW/V_NEW: the qkv projection's raw heads; normed and rotated here
-        # The G real rows only (the tile below is padded to G_PAD >= 16 rows for tl.dot), parked
-        # in this program's own rows of OUT (overwritten later by it or by the combine).
-        dtype = OUT.dtype.element_ty
-        cs = COS_SIN + tl.load(POS + seq) * stride_cs
-        g = tl.arange(0, G_P2)
-        q_rows = OUT + seq * stride_ot + (kv_head * G + g)[:, None] * stride_oh
-        q_new = _norm_rope_rows(Q + seq * stride_qt + (kv_head * G + g)[:, None] * stride_qh,
-                                (g < G)[:, None], QW, cs, eps, HAS_NORM, HEAD_DIM, dtype)
-        tl.store(q_rows + d[None, :], q_new, mask=(g < G)[:, None])
-        slot = tl.load(SLOTS + seq).to(tl.int64)
-        if (slot >= 0) & (lo <= ctx - 1) & (ctx - 1 < hi):   # the program that reads the new key
-            one = tl.zeros([1, 1], tl.int32)
-            k = _norm_rope_rows(K_NEW + seq * stride_kt + kv_head * stride_kh + one, one == 0, KW,
-                                cs, eps, HAS_NORM, HEAD_DIM, dtype)
-            v = tl.load(V_NEW + seq * stride_vt + kv_head * stride_vh + one + d[None, :])
-            dst = (slot // BLOCK_SIZE) * stride_block + (slot % BLOCK_SIZE) * stride_slot \
-                + kv_head * stride_head + one + d[None, :]
-            tl.store(K + dst, k.to(K.dtype.element_ty))
-            tl.store(V + dst, v.to(V.dtype.element_ty))
-        tl.debug_barrier()   # the block's loads below (q, the new key's slot) see the stores
-        q = _operand(tl.load(OUT + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                             mask=(rows < G)[:, None], other=0.0), DOT_F32)
-    else:
-        q = _operand(tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                             mask=(rows < G)[:, None], other=0.0), DOT_F32)
     acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
@@ -292,35 +245,6 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     return out
 
 
-def decode_attention_with_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                   positions: torch.Tensor, cos_sin: torch.Tensor,
-                                   q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                                   eps: float, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                                   block_tables: torch.Tensor, scale: float, *,
-                                   num_kv_splits: int | None = None,
-                                   decode_order: torch.Tensor | None = None) -> torch.Tensor:
-    """kernels.reference.decode_attention_with_prologue for a batch of one-token sequences:
-    the decode kernel norms and rotates q/k itself and writes the new K/V (the program whose
-    share of the context holds the new position does, before reading it), so the prologue
-    kernel and the q round trip through memory are gone."""
-    tokens, heads, head_dim = q.shape
-    if (tokens != seq_lens.shape[0] or (q_weight is not None and q_weight.dtype != q.dtype)
-            or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1):
-        from kernels.triton_prologue import qk_norm_rope_write_kv
-        query = qk_norm_rope_write_kv(q, k, v, positions, cos_sin, q_weight, k_weight, eps,
-                                      kv_cache, slot_mapping)
-        return paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale,
-                               decode_only=True, num_kv_splits=num_kv_splits,
-                               decode_order=decode_order)
-    out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
-    if tokens:
-        _Launch(q, kv_cache, block_tables, scale).decode(
-            seq_lens, block_tables, out, num_kv_splits, decode_order,
-            prologue=(k, v, positions, cos_sin, q_weight, k_weight, eps, slot_mapping))
-    return out
-
-
 class _Launch:
     """What the decode and prefill launches of one attention call share."""
 
@@ -334,10 +258,7 @@ class _Launch:
         self.qk_scale = scale * _LOG2E
 
     def decode(self, seq_lens: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
-               num_kv_splits: int | None, order: torch.Tensor | None,
-               prologue: tuple | None = None) -> None:
-        """prologue: (k, v, positions, cos_sin, q_weight, k_weight, eps, slot_mapping) when
-        the query is the projection's raw q (decode_attention_with_prologue)."""
+               num_kv_splits: int | None, order: torch.Tensor | None) -> None:
         query, (keys, values) = self.query, (self.kv_cache[0], self.kv_cache[1])
         batch, (_, heads, head_dim) = seq_lens.shape[0], query.shape
         kv_heads, block_size = keys.shape[2], keys.shape[1]
@@ -350,25 +271,14 @@ class _Launch:
                                  device=query.device)
             part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
         group = heads // kv_heads
-        if prologue is None:   # unused pointer arguments: any tensor
-            k_new = v_new = positions = cos_sin = q_weight = k_weight = slots = seq_lens
-            eps, has_norm, new_strides = 0.0, False, (0, 0, 0, 0, 0)
-        else:
-            k_new, v_new, positions, cos_sin, q_weight, k_weight, eps, slots = prologue
-            has_norm = q_weight is not None
-            q_weight, k_weight = (q_weight, k_weight) if has_norm else (query, query)
-            new_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-                           cos_sin.stride(0))
         _decode_kernel[(kv_heads * splits, batch)](
             query, keys, values, seq_lens, block_tables, seq_lens if order is None else order,
             part_o, part_lse, out, self.qk_scale,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
-            k_new, v_new, positions, cos_sin, q_weight, k_weight, slots, eps, *new_strides,
             NUM_SPLITS=splits, G=group,
             G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=block_size, PRECISION=self.precision,
-            DOT_F32=self.dot_f32, HAS_ORDER=order is not None, PROLOGUE=prologue is not None,
-            HAS_NORM=has_norm, G_P2=triton.next_power_of_2(group), num_warps=DECODE_WARPS,
+            DOT_F32=self.dot_f32, HAS_ORDER=order is not None, num_warps=DECODE_WARPS,
             num_stages=DECODE_STAGES)
         if splits > 1:
             _combine_kernel[(batch, heads)](part_o, part_lse, out, out.stride(0), out.stride(1),

@@ -270,48 +270,6 @@ def test_qk_norm_rope_write_kv(heads, kv_heads, head_dim, norm, dtype):
     assert (caches[0][:, 0, 2] == 7.0).all()   # a slot no token maps to stays as it was
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,norm,dtype", [
-    (4, 2, 64, 16, True, torch.bfloat16), (8, 2, 128, 32, False, torch.float16),
-    (8, 1, 128, 16, True, torch.float32)])
-@pytest.mark.parametrize("splits,ordered", [(None, False), (4, True)])
-def test_decode_attention_with_prologue(heads, kv_heads, head_dim, block_size, norm, dtype, splits,
-                                        ordered):
-    """The decode kernel that norms, rotates and writes the new K/V itself against the
-    reference's prologue + attention: outputs and cache contents (a padded row with slot -1
-    writes nothing; with 4 splits the new key may sit in any split)."""
-    torch.manual_seed(0)
-    ctx_lens = [1, 2 * block_size, 45, 300, 3]
-    _, cache, starts, seq_lens, tables = _paged_batch([1] * 5, ctx_lens, heads, kv_heads,
-                                                      head_dim, block_size, dtype)
-    qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim).to(dtype)
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q, k, v = (x.view(5, -1, head_dim) for x in (q, k, v))
-    positions = torch.tensor([c - 1 for c in ctx_lens])
-    slots = torch.tensor([int(tables[i, p // block_size]) * block_size + p % block_size
-                          for i, p in enumerate(positions.tolist())])
-    slots[4] = -1   # a padded row of a CUDA graph: attends to what is cached, writes nothing
-    cos_sin = cos_sin_cache(head_dim, 512, 10000.0, None)
-    qw = (1 + 0.1 * torch.randn(head_dim)).to(dtype) if norm else None
-    kw = (1 + 0.1 * torch.randn(head_dim)).to(dtype) if norm else None
-    want_cache = cache.clone()
-    want = ref.decode_attention_with_prologue(q, k, v, positions, cos_sin, qw, kw, 1e-6,
-                                              want_cache, slots, starts, seq_lens, tables,
-                                              head_dim ** -0.5)
-    dev = [x.to(DEVICE) if x is not None else None
-           for x in (q, k, v, positions, cos_sin, qw, kw)]
-    got_cache = cache.to(DEVICE)
-    order = torch.tensor([3, 2, 1, 4, 0], dtype=torch.int32, device=DEVICE) if ordered else None
-    got = triton_attention.decode_attention_with_prologue(
-        *dev, 1e-6, got_cache, slots.to(DEVICE), starts.to(DEVICE), seq_lens.to(DEVICE),
-        tables.to(DEVICE), head_dim ** -0.5, num_kv_splits=splits, decode_order=order)
-    assert not got.isnan().any()
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    _close(got, want, **tol)
-    written = want_cache.isnan() == got_cache.cpu().isnan()
-    assert written.all()   # the same slots written (unwritten ones stay NaN)
-    _close(got_cache.cpu().nan_to_num(), want_cache.nan_to_num(), **tol)
-
-
 @pytest.mark.parametrize("rows,n,k,bias,dtype", [(1, 96, 64, False, torch.bfloat16),
                                                  (5, 4100, 48, True, torch.float16),
                                                  (3, 6150, 40, False, torch.bfloat16),
