@@ -3,8 +3,10 @@
 Prints achieved TB/s of paged decode attention (bytes = all K/V of the batch + q + out) and
 TFLOP/s of causal prefill attention (4 * H * D * causal score count), after checking both
 kernels against ``kernels.reference`` on small ragged cases. bf16, block size 16, KV blocks in
-shuffled order. Not a test: ``python bench/kernels.py [--quick | --sweep | --layout]`` on the GPU;
---sweep times the launch configurations at the top of kernels/triton_attention.py.
+shuffled order. Not a test: ``python bench/kernels.py [--quick | --sweep | --layout | --ragged |
+--prefill-w1]`` on the GPU; --sweep times the launch configurations at the top of
+kernels/triton_attention.py, --ragged and --prefill-w1 use W1's own decode batches and first
+prefill step.
 """
 
 from __future__ import annotations
