@@ -145,7 +145,7 @@ def _sequence(i: int, r: TraceRequest) -> Sequence:
     req = Request(request_id=str(i), arrival=r.arrival)
     req.sequences.append(Sequence(
         request=req, seq_id=i + 1, index=0, prompt_token_ids=[1] * r.prompt_len,
-        sampling=wpb.Sampling(), max_tokens=r.max_tokens, min_tokens=0, stop_token_ids=frozenset(),
+        sampling=wpb.Sampling(), max_tokens=r.max_tokens,
         output=OutputText(None, []), priority=r.priority, arrival=r.arrival))
     return req.sequences[0]
 

@@ -273,8 +273,7 @@ class Engine:
             msg.new_seqs.add(seq_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
                              output_token_ids=seq.output_token_ids,
                              block_ids=tables[seq.seq_id], num_computed_tokens=seq.num_computed,
-                             num_scheduled_tokens=n, sampling=seq.sampling,
-                             stop_token_ids=seq.stop_token_ids)
+                             num_scheduled_tokens=n, sampling=seq.sampling)
         for seq, n, new_blocks in step.running:
             msg.running_seq_ids.append(seq.seq_id)
             msg.running_num_scheduled.append(n)
@@ -286,6 +285,7 @@ class Engine:
         """Folds a step's sampled tokens into its sequences; returns how many were kept."""
         by_seq = {s.seq_id: s for s, _ in step.scheduled()}
         top_pos, max_len, kept = 0, self.max_model_len, 0
+        stopped = set(result.stopped_seq_ids)
         for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
             seq = by_seq.get(seq_id)
             k = seq.sampling.logprobs if seq is not None else 0
@@ -301,7 +301,7 @@ class Engine:
                                      result.top_logprobs[top_pos:top_pos + k]))
                 top_pos += k
             kept += 1
-            reason = seq.check_stop(token, max_len)
+            reason = seq.check_stop(seq_id in stopped, max_len)
             if reason != pb.FINISH_REASON_UNSPECIFIED:
                 self._finish(seq, reason)
                 self._to_wake.append(seq.request)

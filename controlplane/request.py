@@ -4,8 +4,9 @@
 rules and text. ``Request`` is what the client sees: one response stream shared by its
 sequences, which finishes when every sequence has.
 
-The engine only appends sampled tokens and checks stop rules (detokenizing per token only
-for sequences with stop strings), then wakes the request's handler; the handler builds one
+The engine only appends sampled tokens and checks stop rules (stop tokens as the worker
+reports them; stop strings and lengths here, detokenizing per token only for sequences with
+stop strings), then wakes the request's handler; the handler builds one
 response per sample from everything that arrived since its last one, so a client that falls
 behind gets fewer, larger messages and the engine's per-token work stays small.
 """
@@ -80,10 +81,8 @@ class Sequence:
     seq_id: int
     index: int
     prompt_token_ids: list[int]
-    sampling: wpb.Sampling
+    sampling: wpb.Sampling   # with the stop rule (stop_token_ids, min_tokens) the worker applies
     max_tokens: int
-    min_tokens: int
-    stop_token_ids: frozenset[int]
     output: OutputText
     priority: int = 0
     arrival: float = dataclasses.field(default_factory=time.monotonic)
@@ -132,10 +131,11 @@ class Sequence:
         tokens known and in flight."""
         return len(self.output_token_ids) + self.num_inflight < self.max_tokens
 
-    def check_stop(self, token_id: int, max_model_len: int) -> int:
-        """Finish reason after ``token_id`` was appended (UNSPECIFIED to go on)."""
+    def check_stop(self, stopped: bool, max_model_len: int) -> int:
+        """Finish reason after a token was appended (UNSPECIFIED to go on). ``stopped``: the
+        worker found it a stop token (it alone applies ``sampling``'s stop rule: worker.proto)."""
         n_out = len(self.output_token_ids)
-        if n_out >= self.min_tokens and token_id in self.stop_token_ids:
+        if stopped:
             return pb.FINISH_REASON_STOP
         if self.output.has_stop and self._feed_text(n_out):
             return pb.FINISH_REASON_STOP_STRING

@@ -114,8 +114,7 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids
     stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(eos_token_ids))
     sampling.logprobs = req.logprobs
     sampling.min_tokens = req.min_tokens
-    if req.min_tokens:
-        sampling.suppress_token_ids.extend(sorted(stop_ids))
+    sampling.stop_token_ids.extend(sorted(stop_ids))
     request = Request(request_id=rid, n=max(1, req.n), stream_interval=req.stream_interval)
     for index in range(request.n):
         seq_sampling = wpb.Sampling()
@@ -124,7 +123,6 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids
             seq_sampling.seed = (sampling.seed + index) % (1 << 64)
         request.sequences.append(Sequence(
             request=request, seq_id=next(seq_ids), index=index, prompt_token_ids=ids,
-            sampling=seq_sampling, max_tokens=max_tokens, min_tokens=req.min_tokens,
-            stop_token_ids=frozenset(stop_ids), priority=req.priority, arrival=request.arrival,
+            sampling=seq_sampling, max_tokens=max_tokens, priority=req.priority, arrival=request.arrival,
             output=OutputText(tokenizer.decode_stream(ids), list(req.stop))))
     return request

@@ -92,8 +92,7 @@ class InputBatch:
         self.block_table[row, start:end] = ids
         self.num_table[row] = end
 
-    def add(self, seq_id: int, row_state: SamplingRow, block_ids, num_computed: int,
-            stop_token_ids=()) -> int:
+    def add(self, seq_id: int, row_state: SamplingRow, block_ids, num_computed: int) -> int:
         if seq_id in self.rows:
             raise BatchError(f"sequence {seq_id} is already running")
         if not self._free_rows:
@@ -114,7 +113,7 @@ class InputBatch:
         self.uses_history[row] = r.uses_history
         self.num_history_rows += int(r.uses_history)
         self.min_tokens[row] = r.min_tokens
-        self.stop_ids[row] = frozenset(stop_token_ids) or None
+        self.stop_ids[row] = frozenset(r.stop_token_ids) or None
         self.has_stops[row] = self.stop_ids[row] is not None
         self._set_blocks(row, 0, block_ids)
         return row
@@ -153,17 +152,24 @@ class InputBatch:
         keep = self.uses_history[rows]
         return [self.sampling[int(r)] for r in rows[keep]] if keep.any() else []
 
+    # The stop rule (worker.proto, Sampling): a sampled token finishes its sequence when it is
+    # one of the sequence's stop ids and at least min_tokens outputs, that token included, are
+    # out. It is evaluated here only, in two halves: ``stop_watch`` picks the rows that may
+    # stop when a step is launched, ``mark_stopped`` checks their tokens once they are known;
+    # the StepResult reports the verdict and the control plane follows it.
+
     def stop_watch(self, rows: np.ndarray, seq_ids: list[int]) -> list[tuple[int, int, frozenset[int]]]:
         """For rows that just counted a sample (``count_sampled``) and may stop on it: (index in
         ``rows``, seq id, stop tokens), for ``mark_stopped`` once the sampled values are known."""
         watch = np.flatnonzero(self.has_stops[rows] & (self.num_output[rows] >= self.min_tokens[rows]))
         return [(int(i), seq_ids[i], self.stop_ids[int(rows[i])]) for i in watch]
 
-    def mark_stopped(self, watch: list[tuple[int, int, frozenset[int]]], tokens: list[int]) -> None:
-        """Remembers the watched sequences (still held) whose sampled token finishes them."""
-        for i, seq_id, stops in watch:
-            if tokens[i] in stops and seq_id in self.rows:
-                self.stopped.add(seq_id)
+    def mark_stopped(self, watch: list[tuple[int, int, frozenset[int]]], tokens: list[int]) -> list[int]:
+        """The watched sequences whose sampled token finishes them; those still held are left
+        out of the steps that run next (``stopped``)."""
+        done = [seq_id for i, seq_id, stops in watch if tokens[i] in stops]
+        self.stopped.update(s for s in done if s in self.rows)
+        return done
 
     def history_mask(self, rows: np.ndarray) -> np.ndarray:
         return self.uses_history[rows]

@@ -31,17 +31,15 @@ from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.sampler import SampleOutput, SamplingBatch, SamplingRow, device_arrays, sample
 from headrace.dataplane.v1 import worker_pb2 as pb
 
-StepError = BatchError
-
 
 def _row(seq: pb.NewSequence) -> SamplingRow:
+    """The sequence's sampling parameters as sent (the control plane filled the defaults)."""
     s = seq.sampling
     return SamplingRow(
-        temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k, min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty or 1.0, presence_penalty=s.presence_penalty,
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, seed=s.seed if s.has_seed else None,
-        logprobs=s.logprobs, min_tokens=s.min_tokens,
-        suppress_token_ids=list(s.suppress_token_ids),
+        logprobs=s.logprobs, min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
         prompt_token_ids=list(seq.prompt_token_ids), output_token_ids=list(seq.output_token_ids))
 
 
@@ -94,8 +92,7 @@ class ModelRunner:
         rows, counts, last = [], [], []
         for new in step.new_seqs:
             row_state = _row(new)
-            row = batch.add(new.seq_id, row_state, new.block_ids, new.num_computed_tokens,
-                            new.stop_token_ids)
+            row = batch.add(new.seq_id, row_state, new.block_ids, new.num_computed_tokens)
             self.seq_of_row[row] = new.seq_id
             rows.append(row)
             counts.append(new.num_scheduled_tokens)
@@ -105,13 +102,13 @@ class ModelRunner:
         n_blocks = np.asarray(step.running_new_block_counts, dtype=np.int64)
         if len(n_blocks) and n_blocks.any():
             if len(n_blocks) > len(running) or n_blocks.sum() != len(step.running_new_block_ids):
-                raise StepError("running_new_block_counts does not match running_new_block_ids")
+                raise BatchError("running_new_block_counts does not match running_new_block_ids")
             nz = np.flatnonzero(n_blocks)
             batch.append_blocks(np.asarray(running, dtype=np.int64)[nz], n_blocks[nz],
                                 np.asarray(step.running_new_block_ids, dtype=np.int64))
         every = rows + running
         if len(step.running_num_scheduled) != len(running) or len(set(every)) != len(every):
-            raise StepError("running_num_scheduled does not match running_seq_ids, or a sequence repeats")
+            raise BatchError("running_num_scheduled does not match running_seq_ids, or a sequence repeats")
         scheduled = step.running_num_scheduled
         if batch.stopped:   # sent before the control plane saw their stop token: not run
             keep = [i for i, s in enumerate(step.running_seq_ids) if s not in batch.stopped]
@@ -120,7 +117,7 @@ class ModelRunner:
         counts.extend(scheduled)
         src, dst = step.copy_src_blocks, step.copy_dst_blocks
         if len(src) != len(dst) or any(b >= self.num_blocks for b in list(src) + list(dst)):
-            raise StepError("copy_src_blocks/copy_dst_blocks: mismatched or out of range")
+            raise BatchError("copy_src_blocks/copy_dst_blocks: mismatched or out of range")
         return (np.asarray(rows, dtype=np.int64), np.asarray(counts, dtype=np.int64), new_rows, last)
 
     def _host_arrays(self, step: pb.StepRequest, prep: PreparedBatch, new_rows: list, new_last: list,
@@ -246,7 +243,7 @@ class ModelRunner:
             tokens, logprobs, top_ids, top_vals = launched.out.to_host()
             for i, row_state in launched.histories:
                 row_state.output_token_ids.append(tokens[i])
-            self.batch.mark_stopped(launched.stop_watch, tokens)
+            result.stopped_seq_ids.extend(self.batch.mark_stopped(launched.stop_watch, tokens))
             result.seq_ids.extend(launched.seq_ids)
             result.token_ids.extend(tokens)
             if logprobs is not None:

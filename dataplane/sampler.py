@@ -39,7 +39,7 @@ class SamplingRow:
     seed: int | None
     logprobs: int
     min_tokens: int
-    suppress_token_ids: list[int]
+    stop_token_ids: list[int]   # masked while fewer than min_tokens outputs exist
     prompt_token_ids: list[int]
     output_token_ids: list[int]
 
@@ -47,7 +47,7 @@ class SamplingRow:
     def uses_history(self) -> bool:
         """Penalties need the token history; rows without them keep none."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or (bool(self.suppress_token_ids) and self.min_tokens > 0))
+                or self.frequency_penalty != 0.0 or (bool(self.stop_token_ids) and self.min_tokens > 0))
 
 
 @dataclasses.dataclass
@@ -122,8 +122,8 @@ def _apply_penalties(logits: torch.Tensor, penalized: list[tuple[int, SamplingRo
             out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
             counts = torch.bincount(out, minlength=logits.shape[1]).to(logits.dtype)
             logits[i] -= r.frequency_penalty * counts + r.presence_penalty * (counts > 0)
-        if r.suppress_token_ids and len(r.output_token_ids) < r.min_tokens:
-            logits[i, r.suppress_token_ids] = _MASK
+        if r.stop_token_ids and len(r.output_token_ids) < r.min_tokens:
+            logits[i, r.stop_token_ids] = _MASK
 
 
 def _filters(b: SamplingBatch) -> tuple[bool, bool, bool]:

@@ -20,7 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from controlplane import tracing
 from controlplane import security
-from dataplane.runner import StepError, StepPipeline
+from dataplane.input_batch import BatchError
+from dataplane.runner import StepPipeline
 from dataplane.telemetry import DataPlaneMetrics, StepTracer
 from dataplane.worker import Worker
 from headrace.dataplane.v1 import worker_pb2 as pb
@@ -105,7 +106,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 try:
                     started[step.step_id] = (span, clock())
                     ready = pipeline.submit(step)
-                except StepError as exc:
+                except BatchError as exc:
                     tracer.end(span, error=exc)
                     metrics.errors.labels("INVALID_ARGUMENT").inc()
                     self.worker.runner.reset()

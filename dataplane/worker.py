@@ -98,7 +98,7 @@ class Worker:
         rows = min(n, self.opts.max_num_seqs)
         worst = SamplingRow(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.0,
                             presence_penalty=0.0, frequency_penalty=0.0, seed=1, logprobs=20,
-                            min_tokens=0, suppress_token_ids=[], prompt_token_ids=[0],
+                            min_tokens=0, stop_token_ids=[], prompt_token_ids=[0],
                             output_token_ids=[])
         logits = model.logits(hidden[:rows])
         sample(logits, SamplingBatch.of_rows([worst] * rows))

@@ -44,7 +44,7 @@ def test_describe_reports_model_and_kv(worker_stub):
 def _prefill(seq_id=1, blocks=(0,)):
     step = wpb.StepRequest(step_id=1)
     step.new_seqs.add(seq_id=seq_id, prompt_token_ids=[5, 6, 7], block_ids=list(blocks),
-                      num_scheduled_tokens=3, sampling=wpb.Sampling())
+                      num_scheduled_tokens=3, sampling=wpb.Sampling(top_p=1, repetition_penalty=1))
     return step
 
 
@@ -118,20 +118,23 @@ def test_requests_fail_with_unavailable_after_the_outage_deadline(model_dir):
 
 @pytest.mark.parametrize("min_tokens", [0, 2])
 def test_a_stop_token_leaves_the_sequence_out_of_steps_sent_before_it_was_seen(model_dir, min_tokens):
-    """Three steps in flight: step 3 was sent before the control plane saw step 1's token. If
-    that token stops the sequence (every id is a stop token here, once min_tokens are out), the
-    worker runs step 2 (the one wasted slot: it was launched before step 1 finished) but leaves
-    the sequence out of step 3."""
+    """Three steps in flight: step 3 was sent before the control plane saw step 1's token. Every
+    id is a stop token here: the worker reports the sequence stopped (stopped_seq_ids) by the
+    first token that is out once min_tokens outputs are, and leaves it out of step 3. Without
+    min_tokens, step 2 runs too (the one wasted slot: it was launched before step 1 finished);
+    with it, the stop ids are masked until then, a penalty that makes each step wait for the
+    one before, so the verdict comes at step 2 before step 3 starts."""
     from dataplane.runner import StepPipeline
 
     worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=32))
     pipeline = StepPipeline(worker.runner)
     first = _prefill()
-    first.new_seqs[0].stop_token_ids.extend(range(384))
+    first.new_seqs[0].sampling.stop_token_ids.extend(range(384))
     first.new_seqs[0].sampling.min_tokens = min_tokens
     decode = [wpb.StepRequest(step_id=i, running_seq_ids=[1], running_num_scheduled=[1],
                               running_new_block_counts=[0]) for i in (2, 3)]
     results = [r for step in [first, *decode] for r in pipeline.submit(step)] + pipeline.drain()
     assert [r.step_id for r in results] == [1, 2, 3]
-    expect_last = [] if min_tokens == 0 else [1]
-    assert [list(r.seq_ids) for r in results] == [[1], [1], expect_last]
+    assert [list(r.seq_ids) for r in results] == [[1], [1], []]
+    stopped = [[1], [1], []] if min_tokens == 0 else [[], [1], []]
+    assert [list(r.stopped_seq_ids) for r in results] == stopped

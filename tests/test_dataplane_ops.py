@@ -26,7 +26,7 @@ def models(tmp_path_factory):
 def _prefill(step_id=1):
     step = wpb.StepRequest(step_id=step_id)
     step.new_seqs.add(seq_id=1, prompt_token_ids=[5, 6, 7], block_ids=[0], num_scheduled_tokens=3,
-                      sampling=wpb.Sampling())
+                      sampling=wpb.Sampling(top_p=1, repetition_penalty=1))
     return step
 
 

@@ -12,7 +12,7 @@ from dataplane.sampler import SamplingRow
 def srow(prompt, output=()):
     return SamplingRow(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
                        presence_penalty=0.0, frequency_penalty=0.0, seed=None, logprobs=0,
-                       min_tokens=0, suppress_token_ids=[], prompt_token_ids=list(prompt),
+                       min_tokens=0, stop_token_ids=[], prompt_token_ids=list(prompt),
                        output_token_ids=list(output))
 
 

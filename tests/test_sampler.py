@@ -23,7 +23,7 @@ def sample(logits, rows):
 def row(**kw) -> SamplingRow:
     base = dict(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
                 presence_penalty=0.0, frequency_penalty=0.0, seed=None, logprobs=0, min_tokens=0,
-                suppress_token_ids=[], prompt_token_ids=[1], output_token_ids=[])
+                stop_token_ids=[], prompt_token_ids=[1], output_token_ids=[])
     base.update(kw)
     return SamplingRow(**base)
 
@@ -81,8 +81,8 @@ def test_penalties():
 
 def test_min_tokens_suppresses_stop_ids():
     logits = torch.tensor([[5.0, 1.0, 0.0]])
-    assert sample(logits.clone(), [row(min_tokens=2, suppress_token_ids=[0])]).token_ids == [1]
-    done = row(min_tokens=2, suppress_token_ids=[0], output_token_ids=[1, 1])
+    assert sample(logits.clone(), [row(min_tokens=2, stop_token_ids=[0])]).token_ids == [1]
+    done = row(min_tokens=2, stop_token_ids=[0], output_token_ids=[1, 1])
     assert sample(logits.clone(), [done]).token_ids == [0]
 
 

@@ -44,8 +44,7 @@ def make_request(prompt, max_tokens=8, priority=0, n=1, arrival=0.0) -> Request:
     for i in range(n):
         req.sequences.append(Sequence(
             request=req, seq_id=next(_ids), index=i, prompt_token_ids=prompt, sampling=wpb.Sampling(),
-            max_tokens=max_tokens, min_tokens=0, stop_token_ids=frozenset(),
-            output=OutputText(_NoText(), []), priority=priority, arrival=arrival))
+            max_tokens=max_tokens, output=OutputText(_NoText(), []), priority=priority, arrival=arrival))
     return req
 
 

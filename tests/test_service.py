@@ -119,6 +119,21 @@ def test_stop_token_and_eos(llama_planes):
     assert stop_at not in l_ids[:first + 2]
 
 
+
+@pytest.mark.parametrize("min_tokens", [0, 1, 3])
+def test_the_worker_alone_decides_a_stop_token_and_min_tokens(llama_planes, min_tokens):
+    """Every id of the vocabulary is a stop token: the worker finds the first token out once
+    min_tokens outputs are (itself included) a stop token, and the control plane finishes the
+    request there (FINISH_REASON_STOP, the stop token's text not returned) on that verdict
+    alone. Had the two planes disagreed, the sequence would run on (or hang) past it."""
+    vocab = llama_planes.stub.GetModelInfo(pb.GetModelInfoRequest()).vocab_size
+    responses = llama_planes.generate(prompt="the quick", max_tokens=10, ignore_eos=True,
+                                      stop_token_ids=list(range(vocab)), min_tokens=min_tokens,
+                                      sampling=GREEDY)
+    ids, _, reason = completion(responses)
+    assert reason == pb.FINISH_REASON_STOP and len(ids) == max(1, min_tokens)
+    assert responses[-1].usage.completion_tokens == len(ids)
+
 def test_stop_string_is_cut_across_chunks(llama_planes):
     base = llama_planes.generate(prompt="the quick", max_tokens=12, ignore_eos=True, sampling=GREEDY)
     _, text, _ = completion(base)
