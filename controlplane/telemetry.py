@@ -92,10 +92,6 @@ class EngineTelemetry:
             "headrace.queue", context=trace.set_span_in_context(span),
             start_time=epoch_ns(request.arrival))
 
-    def request_trace_id(self, request_id: str) -> str:
-        st = self._reqs.get(request_id)
-        return st.trace_id if st is not None else ""
-
     def first_token(self, seq) -> None:
         """A sequence sampled its first token (called before the token is appended)."""
         self._firsts += 1

@@ -145,12 +145,6 @@ class WorkerGroup:
             raise WorkerError("data plane closed its step stream")
         return results[0]
 
-    async def step(self, request: pb.StepRequest) -> pb.StepResult:
-        """One step, answered at once (``flush``)."""
-        request.flush = True
-        await self.send(request)
-        return await self.receive()
-
     async def close(self) -> None:
         await self.close_streams()
         for channel in self._channels:

@@ -1,8 +1,9 @@
 """Hot kernels of the data plane: the functions exported here are what the model calls.
 
 Each op has a plain-torch reference in ``kernels.reference`` and a Triton version (in
-``kernels.triton_ops``, ``kernels.triton_attention``, ``kernels.triton_prologue``,
-``kernels.triton_linear`` or ``kernels.triton_sampling``) that must match it. The choice is resolved once, at import, from
+``kernels.triton_ops``, ``kernels.triton_attention`` (with ``kernels.triton_decode`` and
+``kernels.triton_flash``), ``kernels.triton_prologue``, ``kernels.triton_linear`` or
+``kernels.triton_sampling``) that must match it. The choice is resolved once, at import, from
 the environment variable ``HEADRACE_KERNELS``:
 
 * ``auto`` (default): Triton for CUDA tensors when CUDA is available and triton imports, the
@@ -71,8 +72,6 @@ _triton = _load_triton()
 rms_norm = _select(reference.rms_norm, "rms_norm")
 fused_add_rms_norm = _select(reference.fused_add_rms_norm, "fused_add_rms_norm")
 silu_and_mul = _select(reference.silu_and_mul, "silu_and_mul")
-apply_rotary = _select(reference.apply_rotary, "apply_rotary")
-write_kv = _select(reference.write_kv, "write_kv")
 paged_attention = _select(_reference_attention, "paged_attention")
 sample_race = _select(reference.sample_race, "sample_race")
 qk_norm_rope_write_kv = _select(reference.qk_norm_rope_write_kv, "qk_norm_rope_write_kv")

@@ -1,10 +1,11 @@
-"""Triton versions of the data plane's row-wise kernels: write_kv, rms_norm, fused_add_rms_norm,
-apply_rotary and silu_and_mul (paged attention lives in ``kernels.triton_attention``).
+"""Triton versions of the data plane's row-wise kernels: rms_norm, fused_add_rms_norm and
+silu_and_mul (paged attention lives in ``kernels.triton_attention``; rotary and the KV write run
+fused with the q/k norms in ``kernels.triton_prologue``).
 
 Each function has the signature and semantics of its twin in ``kernels.reference``, including
 the points where the reference rounds to the activation dtype, so results agree to the last bit
 or so. Inputs may be strided views (the q/k/v splits of ``qkv_proj``) as long as their last
-dimension is contiguous; outputs are new contiguous tensors, except write_kv which writes the cache.
+dimension is contiguous; outputs are new contiguous tensors.
 """
 
 from __future__ import annotations
@@ -102,75 +103,3 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](
         x, out, x.stride(0), d, BLOCK=block, num_warps=_warps(block))
     return out
-
-
-@triton.jit
-def _rotary_kernel(X, POS, COS_SIN, OUT, stride_xt, stride_xh, stride_cs, H,
-                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0)
-    pos = tl.load(POS + t)
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, HALF)[None, :]
-    mask = heads < H
-    dtype = OUT.dtype.element_ty
-    # As the reference: cos/sin are cast to x's dtype and every product and sum is rounded to it.
-    cos = tl.load(COS_SIN + pos * stride_cs + d).to(dtype).to(tl.float32)
-    sin = tl.load(COS_SIN + pos * stride_cs + HALF + d).to(dtype).to(tl.float32)
-    x_ptr = X + t * stride_xt + heads * stride_xh + d
-    x1 = tl.load(x_ptr, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
-    o2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
-    out_ptr = OUT + (t * H + heads) * (2 * HALF) + d
-    tl.store(out_ptr, o1.to(dtype), mask=mask)
-    tl.store(out_ptr + HALF, o2.to(dtype), mask=mask)
-
-
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """Neox-style rotary embedding of x [tokens, heads, head_dim] (head_dim / 2 a power of two);
-    cos_sin is [max_pos, head_dim] float32, cos first. Returns a new tensor."""
-    x = _unit_last(x)
-    tokens, heads, head_dim = x.shape
-    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype, device=x.device)
-    if tokens:
-        block_h = triton.next_power_of_2(heads)
-        _rotary_kernel[(tokens,)](x, positions, cos_sin, out, x.stride(0), x.stride(1),
-                                  cos_sin.stride(0), heads, HALF=head_dim // 2, BLOCK_H=block_h,
-                                  num_warps=_warps(block_h * head_dim // 2))
-    return out
-
-
-@triton.jit
-def _write_kv_kernel(KEY, VALUE, CACHE, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, block_size, H,
-                     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(SLOTS + t).to(tl.int64)
-    if slot < 0:  # padded token: nothing to write
-        return
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    mask = heads < H
-    dst = CACHE + (slot // block_size) * stride_c_block + (slot % block_size) * stride_c_slot \
-        + heads * stride_c_head + d
-    dtype = CACHE.dtype.element_ty
-    k = tl.load(KEY + t * stride_kt + heads * stride_kh + d, mask=mask)
-    v = tl.load(VALUE + t * stride_vt + heads * stride_vh + d, mask=mask)
-    tl.store(dst, k.to(dtype), mask=mask)
-    tl.store(dst + stride_c_kv, v.to(dtype), mask=mask)
-
-
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Stores key/value [tokens, kv_heads, head_dim] at their slots; slot -1 is skipped.
-    kv_cache is [2, blocks, block_size, kv_heads, head_dim] with a contiguous last dimension."""
-    key, value = _unit_last(key), _unit_last(value)
-    tokens, heads, head_dim = key.shape
-    if tokens == 0:
-        return
-    block_h = triton.next_power_of_2(heads)
-    _write_kv_kernel[(tokens,)](
-        key, value, kv_cache, slot_mapping, key.stride(0), key.stride(1), value.stride(0),
-        value.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        kv_cache.stride(3), kv_cache.shape[2], heads, HEAD_DIM=head_dim, BLOCK_H=block_h,
-        num_warps=_warps(block_h * head_dim))
