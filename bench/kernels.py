@@ -5,7 +5,7 @@ TFLOP/s of causal prefill attention (4 * H * D * causal score count), after chec
 kernels against ``kernels.reference`` on small ragged cases. bf16, block size 16, KV blocks in
 shuffled order. Not a test: ``python bench/kernels.py [--quick | --sweep | --layout | --ragged |
 --prefill-w1]`` on the GPU; --sweep times the launch configurations at the top of
-kernels/triton_attention.py, --ragged and --prefill-w1 use W1's own decode batches and first
+kernels/triton_attention.py and kernels/triton_decode.py, --ragged and --prefill-w1 use W1's own decode batches and first
 prefill step.
 """
 
@@ -24,7 +24,7 @@ from triton.runtime.errors import OutOfResources
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from graph_timing import graph_ms  # noqa: E402
-from kernels import reference, triton_attention  # noqa: E402
+from kernels import reference, triton_attention, triton_decode  # noqa: E402
 
 LAYOUTS = {"qwen3-0.6b": (16, 8, 128), "llama3.1-8b": (32, 8, 128)}  # q heads, kv heads, head_dim
 BLOCK = 16
@@ -133,8 +133,8 @@ def sweep(device) -> None:
     for block_n in (32, 64, 128):
         for warps in (2, 4, 8):
             for stages in (1, 2, 3):
-                triton_attention.DECODE_BLOCK_N = block_n
-                triton_attention.DECODE_WARPS, triton_attention.DECODE_STAGES = warps, stages
+                triton_decode.DECODE_BLOCK_N = block_n
+                triton_decode.DECODE_WARPS, triton_decode.DECODE_STAGES = warps, stages
                 tbps = [decode_point(cache, 32, b, min(c, 64 * 8192 // b))[0] for b, c in points]
                 print(block_n, warps, stages, " ".join(f"{t:6.2f}" for t in tbps))
     del cache
@@ -165,7 +165,7 @@ def layout_sweep(device) -> None:
               "head-major": torch.randn(2, blocks, 8, BLOCK, 128, dtype=DTYPE,
                                         device=device).transpose(2, 3)}
     print("\ndecode layout sweep: layout block_n warps stages -> TB/s at (batch, context)", points)
-    ta = triton_attention
+    ta = triton_decode
     for name, cache in caches.items():
         for block_n in (32, 64, 128):
             for warps in (4, 8):

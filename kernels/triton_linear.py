@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_attention import _INTERPRETED   # bfloat16 tl.dot operands widened there
+from kernels.triton_flash import INTERPRETED   # bfloat16 tl.dot operands widened there
 
 MAX_ROWS = 16
 
@@ -69,7 +69,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    dot_f32 = _INTERPRETED and x.dtype == torch.bfloat16
+    dot_f32 = INTERPRETED and x.dtype == torch.bfloat16
     precision = "ieee" if x.dtype == torch.float32 or dot_f32 else "tf32"
     _skinny_kernel[(triton.cdiv(n, block_n),)](
         x2, weight, bias if bias is not None else weight, out, rows, n, k, x2.stride(0),

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.triton_attention import _INTERPRETED   # no fast log in Triton's CPU interpreter
+from kernels.triton_flash import INTERPRETED   # no fast log in Triton's CPU interpreter
 
 _CHUNK = 4096
 
@@ -87,7 +87,7 @@ def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
         return out
     _race_chunk_kernel[(rows, n_chunks)](logits, logits.stride(0), temperature, seeds, counters,
                                          best_val, best_idx, vocab, n_chunks, BLOCK=_CHUNK,
-                                         FAST_LOG=not _INTERPRETED, num_warps=8)
+                                         FAST_LOG=not INTERPRETED, num_warps=8)
     _race_reduce_kernel[(rows,)](best_val, best_idx, out, n_chunks,
                                  BLOCK=max(16, triton.next_power_of_2(n_chunks)), num_warps=1)
     return out

@@ -23,7 +23,7 @@ if DEVICE == "cpu":
     # runs Triton on CPU (HEADRACE_KERNELS stays unset, so the model keeps the reference).
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="triton is not installed: no Triton kernels to test")
-from kernels import triton_attention, triton_ops  # noqa: E402
+from kernels import triton_attention, triton_decode, triton_ops  # noqa: E402
 import kernels.reference as ref  # noqa: E402
 from dataplane.rotary import cos_sin_cache  # noqa: E402
 
@@ -66,34 +66,6 @@ def test_silu_and_mul(dtype):
     _close(triton_ops.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
     batched = _randn(2, 3, 2 * 40, dtype=dtype)
     _close(triton_ops.silu_and_mul(batched), ref.silu_and_mul(batched))
-
-
-@pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (128, torch.float16),
-                                            (128, torch.float32)])
-def test_apply_rotary(head_dim, dtype):
-    torch.manual_seed(0)
-    cos_sin = cos_sin_cache(head_dim, 4096, 10000.0, None, DEVICE)
-    positions = torch.randint(0, 4096, (9,)).to(DEVICE)
-    qkv = _randn(9, (6 + 2 * 2) * head_dim, dtype=dtype)
-    q = qkv[:, :6 * head_dim].view(9, 6, head_dim)  # strided, 6 heads (not a power of two)
-    _close(triton_ops.apply_rotary(q, positions, cos_sin), ref.apply_rotary(q, positions, cos_sin))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_write_kv_skips_padded_slots(dtype):
-    torch.manual_seed(0)
-    blocks, block_size, kv_heads, head_dim, tokens = 6, 16, 2, 64, 10
-    kv = _randn(tokens, 2 * kv_heads * head_dim, dtype=dtype)
-    key, value = kv.view(tokens, 2, kv_heads, head_dim).unbind(1)  # strided views
-    slots = torch.randperm(blocks * block_size)[:tokens]
-    slots[[2, 7]] = -1
-    slots = slots.to(DEVICE)
-    expect = _randn(2, blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    expect[0, 1] = float("nan")
-    actual = expect.clone()
-    ref.write_kv(expect, key, value, slots)
-    triton_ops.write_kv(actual, key, value, slots)
-    _close(actual, expect, atol=0, rtol=0, equal_nan=True)
 
 
 # --------------------------------------------------------------------------- paged attention
@@ -199,7 +171,7 @@ def test_num_decode_splits_from_shapes():
 
 
 def test_num_decode_splits_on_an_h200(monkeypatch):
-    monkeypatch.setattr(triton_attention, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(triton_decode, "_sm_count", lambda device: 132)
     cpu = torch.device("cpu")
     splits = {b: triton_attention.num_decode_splits(b, 8, 40960, cpu) for b in (1, 4, 32, 33, 256)}
     assert splits == {1: 32, 4: 16, 32: 4, 33: 1, 256: 1}
@@ -215,7 +187,7 @@ def test_dispatch_resolves_from_environment():
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6),
                                atol=0, rtol=0)
     code = ("import kernels, kernels.triton_ops as t, kernels.triton_attention as a;"
-            "assert kernels.rms_norm is t.rms_norm and kernels.write_kv is t.write_kv;"
+            "assert kernels.rms_norm is t.rms_norm and kernels.silu_and_mul is t.silu_and_mul;"
             "assert kernels.paged_attention is a.paged_attention")
     env = dict(os.environ, HEADRACE_KERNELS="triton", TRITON_INTERPRET="1")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)

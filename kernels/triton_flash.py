@@ -1,0 +1,75 @@
+"""The inner loop both Triton paged-attention kernels share (``kernels.triton_decode`` and
+``kernels.triton_attention``'s prefill), and what every Triton module needs to know about
+running under Triton's CPU interpreter.
+
+``_attend`` gathers a tile of keys through the block table, scores it with tl.dot (tensor
+cores), folds it into an online softmax in float32 in the log2 domain (exp2 is the hardware's
+native exponential) and accumulates P @ V; decode and prefill differ only in the tile of query
+rows they hold and in how they split the context over programs. ``Launch`` holds the
+per-call parameters both launches derive from the query and the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Triton's CPU interpreter multiplies bfloat16 tl.dot operands as raw bits (triton issue 11584),
+# so under it bfloat16 operands are widened to float32 first (DOT_F32); compiled kernels never are.
+INTERPRETED = triton.knobs.runtime.interpret
+
+
+@triton.jit
+def _operand(x, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale,
+            stride_block, stride_slot, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+            DOT_F32: tl.constexpr):
+    """Folds keys [lo, hi) into the running (acc, l_i, m_i). MASKED: a tile may run past hi or
+    past a row's query position; otherwise every tile is full and visible to every row."""
+    d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        if MASKED:  # keys past hi are never loaded: unwritten slots may hold NaN
+            live = k_pos < hi
+            block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
+            off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
+            k = tl.load(K + off[:, None] + d[None, :], mask=live[:, None], other=0.0)
+            v = tl.load(V + off[:, None] + d[None, :], mask=live[:, None], other=0.0)
+        else:
+            block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
+            off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
+            k = tl.load(K + off[:, None] + d[None, :])
+            v = tl.load(V + off[:, None] + d[None, :])
+        s = tl.dot(q, tl.trans(_operand(k, DOT_F32)), input_precision=PRECISION)
+        if MASKED:
+            s = tl.where(live[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # m, p in the scaled log2 domain
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = _operand(p.to(V.dtype.element_ty), DOT_F32)
+        acc = tl.dot(p, _operand(v, DOT_F32), acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+class Launch:
+    """What the decode and prefill launches of one attention call share."""
+
+    def __init__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 scale: float):
+        self.query, self.kv_cache = query, kv_cache
+        self.dot_f32 = INTERPRETED and query.dtype == torch.bfloat16
+        self.precision = "ieee" if query.dtype == torch.float32 or self.dot_f32 else "tf32"
+        keys = kv_cache[0]
+        self.cache_strides = (block_tables.stride(0), keys.stride(0), keys.stride(1), keys.stride(2))
+        self.qk_scale = scale * LOG2E
