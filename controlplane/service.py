@@ -11,11 +11,12 @@ from controlplane.engine import Engine
 from controlplane.logs import get_logger
 from controlplane.metrics import rpc_status
 from controlplane.tokenizer import ModelTokenizer
-from controlplane.validation import MAX_PROMPT_CHARS, ValidationError, build_request
+from controlplane.validation import ValidationError, build_request, check_text
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
 log = get_logger("headrace.service")
+NOT_READY = "model is not ready (loading or data plane down)"
 
 
 class InferenceService(pb_grpc.InferenceServicer):
@@ -30,7 +31,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         if self.engine.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
         if not self.engine.healthy:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
 
     async def Generate(self, request: pb.GenerateRequest, context):
         trace_id = tracing.request_trace_id(context.invocation_metadata())
@@ -73,15 +74,16 @@ class InferenceService(pb_grpc.InferenceServicer):
             raise
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
-        if len(request.text) > MAX_PROMPT_CHARS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"text is longer than {MAX_PROMPT_CHARS} characters")
+        try:
+            check_text("text", request.text)
+        except ValidationError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
         return pb.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.tokens(ids))
 
     async def GetModelInfo(self, request, context):
         if not self.engine.healthy:   # answers while draining: the model is still there
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
         info, blocks = self.engine.info, self.engine.scheduler.blocks
         return pb.ModelInfo(model_name=info.model_name, architecture=info.architecture,
                             max_model_len=self.engine.max_model_len, vocab_size=info.vocab_size,

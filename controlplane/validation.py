@@ -37,6 +37,16 @@ def _finite(name: str, value: float) -> None:
     _check(math.isfinite(value), f"{name} must be a finite number, got {value}")
 
 
+def _in_vocab(name: str, ids, vocab_size: int) -> None:
+    bad = next((t for t in ids if t >= vocab_size), None)
+    _check(bad is None, f"{name}: token id {bad} is out of vocabulary (size {vocab_size})")
+
+
+def check_text(name: str, text: str) -> None:
+    """A text to tokenize (a prompt, a Tokenize request) is at most MAX_PROMPT_CHARS long."""
+    _check(len(text) <= MAX_PROMPT_CHARS, f"{name} is longer than {MAX_PROMPT_CHARS} characters")
+
+
 def _sampling(s: pb.SamplingParams, vocab_size: int) -> wpb.Sampling:
     temperature = s.temperature if s.HasField("temperature") else 1.0
     top_p = s.top_p if s.HasField("top_p") else 1.0
@@ -66,14 +76,13 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: ModelTokenizer, vocab_size: i
     _check(kind is not None, "prompt: set either prompt or prompt_token_ids")
     if kind == "prompt":
         _check(req.prompt != "", "prompt must not be empty")
-        _check(len(req.prompt) <= MAX_PROMPT_CHARS, f"prompt is longer than {MAX_PROMPT_CHARS} characters")
+        check_text("prompt", req.prompt)
         ids = tokenizer.encode(req.prompt)
         _check(len(ids) > 0, "prompt tokenizes to no tokens")
         return ids
     ids = list(req.prompt_token_ids.ids)
     _check(len(ids) > 0, "prompt_token_ids must not be empty")
-    bad = next((t for t in ids if t >= vocab_size), None)
-    _check(bad is None, f"prompt_token_ids: token id {bad} is out of vocabulary (size {vocab_size})")
+    _in_vocab("prompt_token_ids", ids, vocab_size)
     return ids
 
 
@@ -88,8 +97,7 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids
            f"stop: each stop string must have 1 to {MAX_STOP_LEN} characters")
     _check(len(req.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
            f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
-    bad = next((t for t in req.stop_token_ids if t >= vocab_size), None)
-    _check(bad is None, f"stop_token_ids: token id {bad} is out of vocabulary (size {vocab_size})")
+    _in_vocab("stop_token_ids", req.stop_token_ids, vocab_size)
     _check(0 <= req.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
     _check(req.n <= MAX_N, f"n must be in [1, {MAX_N}], got {req.n}")
     _check(req.min_tokens >= 0, f"min_tokens must be >= 0, got {req.min_tokens}")

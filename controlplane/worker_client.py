@@ -44,6 +44,13 @@ def _tracing_interceptors() -> list:
                                    filter_=filters.negate(filters.method_name("Execute")))
 
 
+def _one_model(infos: list[pb.WorkerInfo]) -> list[pb.WorkerInfo]:
+    """The workers' infos, when they all serve one model with one block size."""
+    if len({(i.model_name, i.block_size, i.vocab_size) for i in infos}) > 1:
+        raise WorkerError("workers of one group serve different models or block sizes")
+    return infos
+
+
 class WorkerGroup:
     def __init__(self, addresses: list[str], credentials: grpc.ChannelCredentials | None = None,
                  secret: str | None = None):
@@ -79,13 +86,8 @@ class WorkerGroup:
                                           grpc.StatusCode.DEADLINE_EXCEEDED):
                         raise WorkerError(f"Describe on {addr}: {exc.details()}") from exc
                     await asyncio.sleep(0.2)
-        first = infos[0]
-        for info in infos[1:]:
-            if (info.model_name, info.block_size, info.vocab_size) != (
-                    first.model_name, first.block_size, first.vocab_size):
-                raise WorkerError("workers of one group serve different models or block sizes")
-        self.infos = infos
-        return infos
+        self.infos = _one_model(infos)
+        return self.infos
 
     async def reload(self, model: str, timeout: float = 1800.0) -> list[pb.WorkerInfo]:
         """Asks every worker to load ``model`` (in parallel); a worker that fails puts its
@@ -98,12 +100,7 @@ class WorkerGroup:
                 raise WorkerError(f"Reload on {addr}: {exc.code().name}: {exc.details()}") from exc
 
         infos = await asyncio.gather(*(one(a, s) for a, s in zip(self.addresses, self._stubs)))
-        first = infos[0]
-        for info in infos[1:]:
-            if (info.model_name, info.block_size, info.vocab_size) != (
-                    first.model_name, first.block_size, first.vocab_size):
-                raise WorkerError("workers of one group loaded different models")
-        self.infos = list(infos)
+        self.infos = _one_model(list(infos))
         return self.infos
 
     @property
