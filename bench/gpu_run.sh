@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (run from a checkout on the H200): GPU correctness, then the serving workloads
-# through the gRPC planes and in one process. Usage:
+# One device call (run from a checkout's root on the H200): GPU correctness, then the serving
+# workloads through the gRPC planes and in one process (bench/README.md). Usage:
 #   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 w3tp hf spy kern ragged tp
 #   (default: tests w2 w1 w1o w3); TP_WATCH_S: seconds the tp section waits before dumping stacks
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
@@ -9,7 +9,7 @@
 # spy: W1 through the gRPC planes again, sampled by py-spy (raw stacks in $OUT/w1-stacks.txt).
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD:$PWD/protos:$PWD/bench:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONPATH=$PWD:$PWD/protos:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 SECTIONS=${*:-tests w2 w1 w1o w3}
 log() { echo "== $* ($(date +%T))"; }
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
@@ -21,52 +21,53 @@ if has tests; then
     tests/test_e2e_transformers.py -k "llama-gqa4 or qwen3 or race or staging or packed or download or skinny or qk_norm or decode" \
     tests/test_scheduling_e2e.py::test_overlap_on_and_off_give_the_same_outputs 2>&1 | tail -3
 fi
-if has ragged; then log ragged; timeout 200 python3 bench/kernels.py --ragged 2>&1 | tail -16; fi
+if has ragged; then log ragged; timeout 200 python3 -m bench.kernels --ragged 2>&1 | tail -16; fi
 if has tp; then   # NCCL tensor parallelism on every GPU the machine has (2 or 4 ranks)
   log tp-nccl; nvidia-smi -L
-  HEADRACE_TEST_DEVICE=cuda HEADRACE_TP_LOG_DIR=$OUT/tp-logs timeout 300 python3 -m pytest -q -x \
+  # in a process group of its own (setsid: its PID is the group's id), with the ranks it starts
+  HEADRACE_TEST_DEVICE=cuda HEADRACE_TP_LOG_DIR=$OUT/tp-logs setsid timeout 300 python3 -m pytest -q -x \
     -p no:cacheprovider tests/test_tensor_parallel.py -k "tp2 or tp4" > "$OUT/tp-pytest.txt" 2>&1 &
   tp_pid=$!
   for _ in $(seq $(( ${TP_WATCH_S:-240} / 5 ))); do sleep 5; kill -0 $tp_pid 2>/dev/null || break; done
   if kill -0 $tp_pid 2>/dev/null; then   # still running after TP_WATCH_S: where is everyone?
-    for p in $(pgrep -f "controlplane.cli dataplane"); do py-spy dump --pid "$p" | head -40; done
-    kill $tp_pid 2>/dev/null; pkill -f "controlplane.cli dataplane"
+    for p in $(pgrep -g "$tp_pid"); do py-spy dump --pid "$p" 2>/dev/null | head -40; done
+    kill -- -"$tp_pid" 2>/dev/null   # the group: pytest and the ranks it started
   fi
   wait $tp_pid; tail -15 "$OUT/tp-pytest.txt"
   tail -n 8 "$OUT"/tp-logs/*/rank-*.log 2>/dev/null | cut -c1-300
 fi
 if has w1 || has w1o || has w2 || has hf || has spy || has kern; then
-  log ckpt; python3 bench/random_checkpoint.py qwen3-0.6b /tmp/qwen3 --device cuda
+  log ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda
 fi
 for w in w2 w1; do
   has $w || continue
-  log "$w grpc"; timeout 150 python3 -P bench/serving_bench.py --model /tmp/qwen3 --workload $w | tee -a "$OUT/results.jsonl"
-  log "$w in one process"; timeout 150 python3 -P bench/inprocess_bench.py --model /tmp/qwen3 --workload $w | tee -a "$OUT/results.jsonl"
+  log "$w grpc"; timeout 150 python3 -m bench.serving_bench --model /tmp/qwen3 --workload $w | tee -a "$OUT/results.jsonl"
+  log "$w in one process"; timeout 150 python3 -m bench.inprocess_bench --model /tmp/qwen3 --workload $w | tee -a "$OUT/results.jsonl"
 done
 if has w1o; then
   log "w1 grpc, one message per request"
-  timeout 150 python3 -P bench/serving_bench.py --model /tmp/qwen3 --workload w1 --stream-interval 100000 \
+  timeout 150 python3 -m bench.serving_bench --model /tmp/qwen3 --workload w1 --stream-interval 100000 \
     | tee -a "$OUT/results.jsonl"
 fi
 if has kern; then
   log "kernel windows"
-  timeout 150 python3 -P bench/inprocess_bench.py --model /tmp/qwen3 --workload w1 --out-dir "$OUT" \
+  timeout 150 python3 -m bench.inprocess_bench --model /tmp/qwen3 --workload w1 --out-dir "$OUT" \
     --kernel-window 2:12 --kernel-window 150:170 --kernel-window 600:620 --kernel-window 950:970
-  timeout 150 python3 -P bench/inprocess_bench.py --model /tmp/qwen3 --workload w2 --out-dir "$OUT" \
+  timeout 150 python3 -m bench.inprocess_bench --model /tmp/qwen3 --workload w2 --out-dir "$OUT" \
     --kernel-window 100:120
 fi
 if has spy; then
   log "w1 grpc, py-spy"
-  timeout 150 python3 -P bench/serving_bench.py --model /tmp/qwen3 --workload w1 --py-spy "$OUT/w1-stacks.txt" \
+  timeout 150 python3 -m bench.serving_bench --model /tmp/qwen3 --workload w1 --py-spy "$OUT/w1-stacks.txt" \
     | tee -a "$OUT/results.jsonl"
 fi
-if has hf; then log hf; timeout 120 python3 -P bench/hf_reference.py /tmp/qwen3 | tee -a "$OUT/results.jsonl"; fi
+if has hf; then log hf; timeout 120 python3 -m bench.hf_reference /tmp/qwen3 | tee -a "$OUT/results.jsonl"; fi
 if has w3 || has w3tp; then   # w3tp: the same with the model split over two GPUs (NCCL)
-  log ckpt8b; rm -rf /tmp/qwen3; python3 bench/random_checkpoint.py llama-3.1-8b /tmp/llama8b --device cuda
+  log ckpt8b; rm -rf /tmp/qwen3; python3 -m bench.random_checkpoint llama-3.1-8b /tmp/llama8b --device cuda
   w3args="--device cuda --max-running 256 --max-batched-tokens 8192 --max-model-len 4096"
   for tp in 1 2; do
     { [ $tp = 1 ] && has w3; } || { [ $tp = 2 ] && has w3tp; } || continue
-    log "w3 tp$tp"; timeout 240 python3 -P bench/serving_bench.py --model /tmp/llama8b --workload w3 \
+    log "w3 tp$tp"; timeout 240 python3 -m bench.serving_bench --model /tmp/llama8b --workload w3 \
       --num-seqs 256 --serve-args "$w3args --tensor-parallel-size $tp" | tee -a "$OUT/results.jsonl"
   done
 fi

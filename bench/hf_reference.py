@@ -1,7 +1,7 @@
 """transformers on the same GPU, as the reference for W1: static `generate` (sdpa, batch 64) on
 W1's first 64 prompts, sampling at temperature 0.6, ignoring EOS.
 
-    python bench/hf_reference.py MODEL_DIR [--new-tokens 128]
+    python -m bench.hf_reference MODEL_DIR [--new-tokens 128]
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import torch
 import transformers
 
-from serving_bench import w1_requests
+from bench.serving_bench import w1_requests
 
 
 def main() -> None:

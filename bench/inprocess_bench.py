@@ -1,8 +1,9 @@
 """Benchmark-only path: the control plane's engine (scheduler, block manager, stop checks,
 detokenization) drives the data plane's runner in ONE process, with no gRPC between them and
 no client streams. Compared with bench/serving_bench.py it shows what the plane split costs.
+The bench sits above both planes and composes them (``dataplane.inprocess``).
 
-    python bench/inprocess_bench.py --model DIR --workload w1|w2 [--device cuda] [--profile FILE]
+    python -m bench.inprocess_bench --model DIR --workload w1|w2 [--device cuda] [--profile FILE]
 
 Prints a JSON line: throughput (w1) or per-token latency (w2), plus the share of wall time
 spent inside the runner (`runner_s`) against the engine's own Python work.
@@ -12,28 +13,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import cProfile
 import json
 import pstats
 import random
 import time
 
+from bench.serving_bench import w1_requests
 from controlplane.engine import Engine, EngineConfig
 from controlplane.tokenizer import ModelTokenizer
 from controlplane.validation import build_request
-from dataplane.runner import StepPipeline
+from dataplane.inprocess import InProcessWorkerGroup
 from dataplane.worker import Worker, WorkerOptions
 from headrace.v1 import inference_pb2 as pb
-from serving_bench import w1_requests
 
 
-class LocalWorkers:
-    """The WorkerGroup interface over a runner in this process, with the same step pipeline
-    as the data plane server (step N+1 launched before step N is finished)."""
+class TimedWorkers(InProcessWorkerGroup):
+    """The in-process worker group, timed: host time inside the runner, device time and idle
+    of every step, and (on request) a profile or a timeline of the first launches."""
 
     def __init__(self, worker: Worker):
-        self.worker, self.infos, self.runner_s, self.step_ends = worker, [], 0.0, []
+        super().__init__(worker, launch_hook=self._timed_launch)
+        self.runner_s, self.step_ends = 0.0, []
         self.device_s = self.device_idle_s = 0.0
         self.steps_sent, self.windows, self.steps = 0, [], []
         self.launch_ms: dict[int, float] = {}   # step id -> host time of the runner's launch
@@ -41,42 +42,26 @@ class LocalWorkers:
         self.launch_profile_steps = 0
         self.timeline: list = []      # (host start, host end, Launched) of the first launches
         self.timeline_steps = 0
-        launch = worker.runner.launch
 
-        def timed_launch(step):
-            t0 = time.perf_counter()
-            if self.launch_profile is not None and self.launch_profile_steps > 0:
-                self.launch_profile_steps -= 1
-                launched = self.launch_profile.runcall(launch, step)
-            else:
-                launched = launch(step)
-            t1 = time.perf_counter()
-            self.launch_ms[step.step_id] = (t1 - t0) * 1e3
-            if len(self.timeline) < self.timeline_steps:
-                self.timeline.append((t0, t1, launched))
-            return launched
-        worker.runner.launch = timed_launch
-        self.pipeline = StepPipeline(worker.runner)
-        self.ready: collections.deque = collections.deque()
+    def _timed_launch(self, step, launch):
+        t0 = time.perf_counter()
+        if self.launch_profile is not None and self.launch_profile_steps > 0:
+            self.launch_profile_steps -= 1
+            launched = self.launch_profile.runcall(launch)
+        else:
+            launched = launch()
+        t1 = time.perf_counter()
+        self.launch_ms[step.step_id] = (t1 - t0) * 1e3
+        if len(self.timeline) < self.timeline_steps:
+            self.timeline.append((t0, t1, launched))
+        return launched
 
-    async def describe(self, timeout: float):
-        self.infos = [self.worker.describe()]
-        return self.infos
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.infos[0].num_kv_blocks
-
-    async def open(self) -> None:
-        self.worker.runner.reset()
-        self.pipeline = StepPipeline(self.worker.runner)
-
-    async def send(self, request) -> None:
+    async def send(self, request):
         self.steps_sent += 1
         for window in self.windows:
             window.at_step(self.steps_sent)
         t0 = time.perf_counter()
-        ready = self.pipeline.submit(request)
+        ready = await super().send(request)
         now = time.perf_counter()
         self.runner_s += now - t0
         self.step_ends += [now] * sum(1 for r in ready if r.token_ids)
@@ -84,14 +69,7 @@ class LocalWorkers:
         self.device_idle_s += sum(r.device_idle_ms for r in ready) / 1e3
         self.steps += [(len(r.seq_ids), r.device_ms, r.device_idle_ms, self.launch_ms.pop(r.step_id, 0.0))
                        for r in ready]
-        self.ready.extend(ready)
-
-    async def receive(self):
-        await asyncio.sleep(0)   # let consumers run, as they would while a remote step is in flight
-        return self.ready.popleft()
-
-    async def close(self) -> None:
-        pass
+        return ready
 
 
 class KernelWindow:
@@ -171,7 +149,7 @@ async def consume(request) -> int:
 async def run(args) -> dict:
     worker = Worker(WorkerOptions(model=args.model, device=args.device, max_num_seqs=256,
                                   max_batched_tokens=args.max_batched_tokens))
-    local = LocalWorkers(worker)
+    local = TimedWorkers(worker)
     engine = Engine(local, EngineConfig(max_running=256, max_batched_tokens=args.max_batched_tokens))
     await engine.start()
     tok = ModelTokenizer(args.model)

@@ -1,30 +1,23 @@
-"""Benchmark of the Triton paged attention kernels on a CUDA GPU (written for the H200).
+"""Benchmark of the engine's Triton paged attention kernels on a CUDA GPU (written for the H200).
 
 Prints achieved TB/s of paged decode attention (bytes = all K/V of the batch + q + out) and
-TFLOP/s of causal prefill attention (4 * H * D * causal score count), after checking both
-kernels against ``kernels.reference`` on small ragged cases. bf16, block size 16, KV blocks in
-shuffled order. Not a test: ``python bench/kernels.py [--quick | --sweep | --layout | --ragged |
---prefill-w1]`` on the GPU; --sweep times the launch configurations at the top of
-kernels/triton_attention.py and kernels/triton_decode.py, --ragged and --prefill-w1 use W1's own decode batches and first
-prefill step.
+TFLOP/s of causal prefill attention (4 * H * D * causal score count) against torch's SDPA,
+after checking both kernels against ``kernels.reference`` on small ragged cases. bf16, block
+size 16, KV blocks in shuffled order; decode is timed from CUDA graphs, as the engine runs it.
+Not a test: ``python -m bench.kernels [--quick | --ragged]`` on the GPU; --ragged replays W1's
+own decode batches at forced KV split counts, programs in row order and longest context first.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import random
-import sys
 
 import torch
 import triton
-from triton.runtime.errors import OutOfResources
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from graph_timing import graph_ms  # noqa: E402
-from kernels import reference, triton_attention, triton_decode  # noqa: E402
+from bench.serving_bench import w1_requests
+from kernels import reference, triton_attention
 
 LAYOUTS = {"qwen3-0.6b": (16, 8, 128), "llama3.1-8b": (32, 8, 128)}  # q heads, kv heads, head_dim
 BLOCK = 16
@@ -59,6 +52,26 @@ def check(device) -> None:
             torch.testing.assert_close(triton_attention.paged_attention(*args),
                                        reference.paged_attention(*args), atol=2e-2, rtol=2e-2)
         print(f"check {name}: decode and mixed prefill match the reference")
+
+
+def graph_ms(calls, replays: int = 10) -> float:
+    """Milliseconds per call when the calls replay from one CUDA graph (no launch overhead);
+    when their inputs differ (distinct batches), the L2 cache cannot serve repeats."""
+    for call in calls:
+        call()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays / len(calls)
 
 
 def _time_ms(fn) -> float:
@@ -125,72 +138,11 @@ def bench_prefill(lengths, tokens, device) -> None:
             print(f"{n:7d} {batch:5d} {ours:8.1f} {sdpa:8.1f}")
 
 
-def sweep(device) -> None:
-    """Launch configurations of both kernels at representative points (Llama-3.1-8B layout)."""
-    cache = torch.randn(2, 64 * 8192 // BLOCK, BLOCK, 8, 128, dtype=DTYPE, device=device)
-    points = [(1, 32768), (16, 8192), (64, 4096), (256, 1024)]
-    print("\ndecode sweep: block_n warps stages -> TB/s at (batch, context)", points)
-    for block_n in (32, 64, 128):
-        for warps in (2, 4, 8):
-            for stages in (1, 2, 3):
-                triton_decode.DECODE_BLOCK_N = block_n
-                triton_decode.DECODE_WARPS, triton_decode.DECODE_STAGES = warps, stages
-                tbps = [decode_point(cache, 32, b, min(c, 64 * 8192 // b))[0] for b, c in points]
-                print(block_n, warps, stages, " ".join(f"{t:6.2f}" for t in tbps))
-    del cache
-    print("\nprefill sweep: block_m block_n warps stages -> TFLOP/s at lengths 2048, 8192")
-    for block_m in (64, 128, 256):
-        for block_n in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3, 4):
-                    ta = triton_attention
-                    ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N = block_m, block_n
-                    ta.PREFILL_WARPS, ta.PREFILL_STAGES = warps, stages
-                    try:
-                        tf = [prefill_point(32, 8, 128, n, 16384 // n, device)
-                              for n in (2048, 8192)]
-                    except OutOfResources as e:  # shared memory
-                        print(block_m, block_n, warps, stages, type(e).__name__)
-                        continue
-                    print(block_m, block_n, warps, stages, " ".join(f"{t:7.1f}" for t in tf))
-
-
-def layout_sweep(device) -> None:
-    """W1's decode shapes (Qwen3-0.6B heads, block 16) with the cache slot-major (the engine's
-    [2, blocks, block_size, kv_heads, head_dim]) and head-major (a block's slots of one head
-    contiguous; the same logical shape through a transposed view), over launch configurations."""
-    points = [(256, 700), (128, 1000), (32, 1500)]
-    blocks = 256 * 1024 // BLOCK
-    caches = {"slot-major": torch.randn(2, blocks, BLOCK, 8, 128, dtype=DTYPE, device=device),
-              "head-major": torch.randn(2, blocks, 8, BLOCK, 128, dtype=DTYPE,
-                                        device=device).transpose(2, 3)}
-    print("\ndecode layout sweep: layout block_n warps stages -> TB/s at (batch, context)", points)
-    ta = triton_decode
-    for name, cache in caches.items():
-        for block_n in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3, 4):
-                    ta.DECODE_BLOCK_N, ta.DECODE_WARPS, ta.DECODE_STAGES = block_n, warps, stages
-                    try:
-                        tbps = [decode_point(cache, 16, b, c)[0] for b, c in points]
-                    except OutOfResources as e:
-                        print(name, block_n, warps, stages, type(e).__name__)
-                        continue
-                    print(name, block_n, warps, stages, " ".join(f"{t:6.2f}" for t in tbps))
-
-
 def w1_decode_batches(steps) -> list[list[int]]:
-    """Context lengths of W1's running sequences at decode step s (REFERENCE.md's W1: prompts
-    and output lengths from random.seed(0)); a sequence runs while s < its output length."""
-    rng = random.Random(0)
-    prompts = []
-    for _ in range(256):
-        n = rng.randint(100, 1024)
-        for _ in range(n):
-            rng.randint(0, 10000)
-        prompts.append(n)
-    outputs = [rng.randint(100, 1024) for _ in range(256)]
-    return [[p + s for p, o in zip(prompts, outputs) if o > s] for s in steps]
+    """Context lengths of W1's running sequences at decode step s (a sequence runs while s is
+    below its output length)."""
+    requests = w1_requests()
+    return [[len(p) + s for p, out, _ in requests if out > s] for s in steps]
 
 
 def ragged_sweep(device) -> None:
@@ -229,63 +181,11 @@ def ragged_sweep(device) -> None:
               + " ".join(cells))
 
 
-def w1_prefill_lengths(tokens: int = 16384) -> list[int]:
-    """W1's first prompts (REFERENCE.md: random.seed(0)), whole, up to one step's token budget:
-    the prefill kernel's share of W1's first step."""
-    rng, lengths = random.Random(0), []
-    for _ in range(256):
-        n = rng.randint(100, 1024)
-        for _ in range(n):
-            rng.randint(0, 10000)
-        if sum(lengths) + n > tokens:
-            break
-        lengths.append(n)
-    return lengths
-
-
-def prefill_w1_sweep(device) -> None:
-    """The prefill kernel on W1's first step (Qwen3-0.6B heads, 31 prompts, 15,705 tokens),
-    cache slot-major and head-major, over launch configurations: TFLOP/s and µs per call."""
-    heads, kv_heads, head_dim = LAYOUTS["qwen3-0.6b"]
-    lengths = w1_prefill_lengths()
-    blocks = sum(-(-n // BLOCK) for n in lengths) + 8
-    caches = {"slot-major": torch.randn(2, blocks, BLOCK, kv_heads, head_dim, dtype=DTYPE,
-                                        device=device),
-              "head-major": torch.randn(2, blocks, kv_heads, BLOCK, head_dim, dtype=DTYPE,
-                                        device=device).transpose(2, 3)}
-    starts, seq_lens, tables = _metadata(lengths, lengths, blocks, device)
-    query = torch.randn(sum(lengths), heads, head_dim, dtype=DTYPE, device=device)
-    flops = sum(4 * heads * head_dim * n * (n + 1) / 2 for n in lengths)
-    print(f"\nW1 prefill step: {len(lengths)} prompts, {sum(lengths)} tokens; "
-          "layout block_m block_n warps stages -> TFLOP/s (us)")
-    ta = triton_attention
-    for name, cache in caches.items():
-        for block_m, block_n, warps, stages in itertools.product(
-                (64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4)):
-            if name == "head-major" and (block_m, block_n, warps, stages) != (256, 64, 8, 3):
-                continue   # the layout at today's configuration only
-            ta.PREFILL_BLOCK_M, ta.PREFILL_BLOCK_N = block_m, block_n
-            ta.PREFILL_WARPS, ta.PREFILL_STAGES = warps, stages
-            try:
-                ms = _time_ms(lambda c=cache: ta.paged_attention(
-                    query, c, starts, seq_lens, tables, head_dim ** -0.5,
-                    max_query_len=max(lengths)))
-            except OutOfResources:
-                continue
-            print(name, block_m, block_n, warps, stages,
-                  f"{flops / ms / 1e9:6.1f} ({ms * 1e3:7.1f})", flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller grid")
-    parser.add_argument("--sweep", action="store_true", help="time launch configurations instead")
     parser.add_argument("--ragged", action="store_true",
                         help="W1's ragged decode batches at forced KV split counts")
-    parser.add_argument("--prefill-w1", action="store_true",
-                        help="the prefill kernel on W1's first step, by launch configuration")
-    parser.add_argument("--layout", action="store_true",
-                        help="W1's decode shapes: cache layouts x launch configurations")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -294,12 +194,6 @@ def main() -> None:
     check(device)
     if args.ragged:
         ragged_sweep(device)
-    elif args.prefill_w1:
-        prefill_w1_sweep(device)
-    elif args.layout:
-        layout_sweep(device)
-    elif args.sweep:
-        sweep(device)
     elif args.quick:
         bench_decode([1, 64, 256], [1024, 8192], device)
         bench_prefill([2048, 8192], 16384, device)

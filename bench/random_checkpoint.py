@@ -1,7 +1,7 @@
 """Writes Hugging Face checkpoints of real architectures with random bf16 weights (no model hub
 is reachable) plus a word-level tokenizer covering the whole vocabulary, for benchmarks.
 
-    python bench/random_checkpoint.py qwen3-0.6b /tmp/qwen3-0.6b [--device cuda]
+    python -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3-0.6b [--device cuda]
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def write_checkpoint(name: str, out: pathlib.Path, device: str = "cpu", seed: in
     return out
 
 
-if __name__ == "__main__":
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("name", choices=sorted(CONFIGS))
     ap.add_argument("out", type=pathlib.Path)
@@ -97,3 +97,7 @@ if __name__ == "__main__":
     args = ap.parse_args()
     write_checkpoint(args.name, args.out, args.device)
     print(f"wrote {args.name} to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

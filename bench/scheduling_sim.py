@@ -11,7 +11,7 @@ scheduled), TTFT (arrival -> end of the step that sampled its first token), E2E 
 Not modelled: (de)tokenization, network, the control plane's CPU time, sampling, stop
 strings, prefix sharing, parallel samples, aborts, step-time noise. See docs/scheduling.md.
 
-    python bench/scheduling_sim.py --out docs --seed 0      # tables on stdout, docs/scheduling.png
+    python -m bench.scheduling_sim --out docs --seed 0      # tables on stdout, docs/scheduling.png
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ import math
 import os
 import pathlib
 import random
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from controlplane.block_manager import BlockManager
 from controlplane.output import OutputText

@@ -1,12 +1,13 @@
 """End-to-end serving benchmarks through the gRPC planes (client -> control plane -> data plane).
 
-    python bench/serving_bench.py --model DIR --workload w1   # nano-vllm's offline throughput
-    python bench/serving_bench.py --model DIR --workload w2   # single-stream TTFT / ITL
-    python bench/serving_bench.py --model DIR --workload w3   # 1000-in / 1000-out throughput
+    python -m bench.serving_bench --model DIR --workload w1   # nano-vllm's offline throughput
+    python -m bench.serving_bench --model DIR --workload w2   # single-stream TTFT / ITL
+    python -m bench.serving_bench --model DIR --workload w3   # 1000-in / 1000-out throughput
 
-Starts `headrace serve` (unless --address is given), waits until it is SERVING (reports the
-seconds to ready), runs the workload from an asyncio gRPC client and prints a JSON line.
-Workloads are defined in shared/REFERENCE.md.
+Starts `headrace serve` (unless --address is given) in its own process group, waits until it
+is SERVING (reports the seconds to ready), runs the workload from an asyncio gRPC client and
+prints a JSON line; then stops the server by its PID (its process group if it does not exit).
+The workloads are defined in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def w3_requests(n: int):
 
 
 STREAM_INTERVAL = 0   # per request; 0 = the server's default (every token)
+SERVE = ["-m", "controlplane.cli", "serve"]   # the `headrace serve` command line, as a module
 
 
 def device_seconds(port: int = 9401) -> tuple[float, float, float]:
@@ -160,16 +162,21 @@ def main() -> None:
     STREAM_INTERVAL = args.stream_interval
     if args.address is None:
         args.address = f"127.0.0.1:{args.port}"
-        cmd = [sys.executable, "-m", "controlplane.cli", "serve", "--model", args.model,
+        cmd = [sys.executable, *SERVE, "--model", args.model,
                "--host", "127.0.0.1", "--port", str(args.port), *args.serve_args.split()]
-        server = subprocess.Popen(cmd, env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"))
+        server = subprocess.Popen(cmd, env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"),
+                                  start_new_session=True)
         args.server_pid = server.pid
     try:
         print(json.dumps(asyncio.run(main_async(args))), flush=True)
     finally:
         if server is not None:
             server.send_signal(signal.SIGTERM)
-            server.wait(60)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:   # the server and the data planes it started
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
 
 
 if __name__ == "__main__":

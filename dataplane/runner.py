@@ -260,18 +260,20 @@ class StepPipeline:
     """Feeds steps to a runner the way the step protocol allows: each step is launched before
     the one before it is finished, unless it asks for ``flush`` (or samples nothing, or the
     next step's penalties need the previous token). ``submit`` returns the results that are
-    ready, in step order; ``drain`` finishes what is left."""
+    ready, in step order; ``drain`` finishes what is left. ``launch`` and ``finish`` replace
+    the runner's own calls (to time or trace each step around them)."""
 
-    def __init__(self, runner: ModelRunner, finish=None):
+    def __init__(self, runner: ModelRunner, finish=None, launch=None):
         self.runner = runner
         self._finish = finish or (lambda step, launched: runner.finish(launched))
+        self._launch = launch or runner.launch
         self._pending: tuple[pb.StepRequest, Launched] | None = None
 
     def submit(self, step: pb.StepRequest) -> list[pb.StepResult]:
         ready = []
         if self._pending is not None and self.runner.needs_history(step):
             ready.append(self._done())
-        launched = self.runner.launch(step)
+        launched = self._launch(step)
         if self._pending is not None:
             ready.append(self._done())
         self._pending = (step, launched)

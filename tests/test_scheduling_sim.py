@@ -5,17 +5,10 @@ should, and the queue-delay guarantee bounds the wait of a request sjf would sta
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import pathlib
-import sys
 
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "scheduling_sim.py"
-_spec = importlib.util.spec_from_file_location("scheduling_sim", _PATH)
-sim = importlib.util.module_from_spec(_spec)
-sys.modules["scheduling_sim"] = sim          # dataclasses resolve annotations through it
-_spec.loader.exec_module(sim)
+from bench import scheduling_sim as sim
 
 TINY = sim.TraceConfig(duration=3.0, calm_rate=40.0, burst_rate=200.0, calm_s=0.8, burst_s=0.4,
                        prompt_mean=40.0, output_mean=30.0, max_model_len=256)

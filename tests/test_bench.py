@@ -1,0 +1,46 @@
+"""bench/: every benchmark a user runs parses ``--help`` as ``python -m bench.NAME`` (so its
+imports resolve without path hacks), and bench/gpu_run.sh runs only modules that exist, by
+``-m``, and stops processes by their PID or process group, never by name."""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_reference",
+           "random_checkpoint"]
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_bench_parses_help(name, monkeypatch, capsys):
+    module = importlib.import_module(f"bench.{name}")
+    monkeypatch.setattr(sys, "argv", [f"bench.{name}", "--help"])
+    with pytest.raises(SystemExit) as done:
+        module.main()
+    assert done.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_bench_holds_only_the_benchmarks_and_their_readme():
+    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")} - {"__init__"}
+    assert scripts == set(BENCHES)
+    readme = (ROOT / "bench" / "README.md").read_text()
+    for name in BENCHES:
+        assert f"python -m bench.{name}" in readme, name
+
+
+def test_gpu_run_script_is_valid_and_runs_benches_as_modules():
+    script = (ROOT / "bench" / "gpu_run.sh").read_text()
+    subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_run.sh")], check=True)
+    modules = set(re.findall(r"python3 -m bench\.(\w+)", script))
+    assert {"serving_bench", "inprocess_bench", "random_checkpoint", "kernels"} <= modules <= set(BENCHES)
+    assert not re.search(r"python3? (-P )?bench/", script)      # no script paths: no sys.path games
+    assert "pkill" not in script and "killall" not in script and "pgrep -f" not in script
+    for section in ("tests", "w1", "w1o", "w2", "w3", "tp"):
+        assert f"has {section}" in script, section
