@@ -29,7 +29,8 @@ from controlplane.block_manager import BlockManager
 from controlplane.output import OutputText
 from controlplane.policy import Policy
 from controlplane.request import Request, Sequence
-from controlplane.scheduler import ScheduledStep, Scheduler
+from controlplane.scheduler import Scheduler
+from controlplane.step import ScheduledStep
 from headrace.dataplane.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
 
@@ -174,11 +175,11 @@ def simulate(trace: list[TraceRequest], cfg: SimConfig) -> SimResult:
                 head.head_at = now if head.head_at is None else head.head_at
         step = sched.schedule()
         spins = spins + 1 if step.empty else 0
-        if spins:           # the engine sleeps 1 ms and retries; should not happen here
+        if spins:           # the engine would wait for an event; should not happen here
             assert spins < 100_000, "the scheduler makes no progress with work queued"
             clock.now += 0.001
             continue
-        for seq, _ in step.new:
+        for seq in (r.seq for r in step.new):
             rec = records[seq.seq_id]
             rec.max_wait = max(rec.max_wait, now - seq.waiting_since)
             if rec.head_at is not None:

@@ -38,7 +38,7 @@ class BlockManager:
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}                 # chain hash -> block id
-        self.tables: dict[int, list[int]] = {}           # seq id -> block ids
+        self._tables: dict[int, list[int]] = {}          # seq id -> block ids
         self._chain: dict[int, list[int]] = {}           # seq id -> hashes of its leading full blocks
         self.prefix_queries = 0                          # tokens looked up / found (metrics)
         self.prefix_hits = 0
@@ -56,12 +56,30 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def block_ids(self, seq_id: int) -> tuple[int, ...]:
+        """The sequence's block table (empty when it holds no blocks)."""
+        return tuple(self._tables.get(seq_id, ()))
+
+    def num_slots(self, seq_id: int) -> int:
+        """Tokens the sequence's blocks can hold."""
+        return len(self._tables.get(seq_id, ())) * self.block_size
+
+    def needs_blocks(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether covering ``num_tokens`` tokens takes new blocks (a decode mostly does not);
+        runs per sequence and step, so it is kept to one lookup."""
+        table = self._tables.get(seq_id)
+        return num_tokens > (len(table) * self.block_size if table else 0)
+
     def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
         """New blocks a sequence needs so that its table covers ``num_tokens`` tokens."""
-        return max(0, self.blocks_for(num_tokens) - len(self.tables.get(seq_id, ())))
+        return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
 
     def can_grow(self, seq_id: int, num_tokens: int, reserve: int = 0) -> bool:
         return self.blocks_needed(seq_id, num_tokens) + reserve <= len(self._free)
+
+    def max_tokens_growable(self, seq_id: int) -> int:
+        """Tokens the sequence's table could cover if it took every free block."""
+        return (len(self._tables.get(seq_id, ())) + len(self._free)) * self.block_size
 
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """Cached blocks holding the longest prefix of ``token_ids``, leaving at least the last
@@ -78,6 +96,10 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def cached_tokens(self, hits: list[int]) -> int:
+        """Tokens that the prefix hits ``hits`` hold."""
+        return len(hits) * self.block_size
+
     def cost(self, hits: list[int], num_tokens: int) -> int:
         """Free-pool blocks that adopting ``hits`` and covering ``num_tokens`` would take."""
         return sum(1 for b in hits if self.ref[b] == 0) + max(0, self.blocks_for(num_tokens) - len(hits))
@@ -86,12 +108,12 @@ class BlockManager:
     def adopt(self, seq_id: int, hits: list[int], num_tokens: int) -> None:
         """Starts a sequence's table with cached blocks (shared: reference counted); counts
         the admission's ``num_tokens`` as prefix-cache queries and the hits' tokens as hits."""
-        assert seq_id not in self.tables, f"sequence {seq_id} already has blocks"
+        assert seq_id not in self._tables, f"sequence {seq_id} already has blocks"
         for b in hits:
             if self.ref[b] == 0:
                 del self._free[b]
             self.ref[b] += 1
-        self.tables[seq_id] = list(hits)
+        self._tables[seq_id] = list(hits)
         self._chain[seq_id] = [self._hash[b] for b in hits]
         if self.enable_prefix_cache:
             self.prefix_queries += num_tokens
@@ -99,11 +121,22 @@ class BlockManager:
 
     def share(self, parent: int, child: int, num_blocks: int) -> None:
         """Gives ``child`` the first ``num_blocks`` blocks of ``parent`` (parallel sampling)."""
-        shared = self.tables[parent][:num_blocks]
+        assert child not in self._tables, f"sequence {child} already has blocks"
+        shared = self._tables[parent][:num_blocks]
         for b in shared:
             self.ref[b] += 1
-        self.tables[child] = list(shared)
+        self._tables[child] = list(shared)
         self._chain[child] = self._chain.get(parent, [])[:num_blocks]
+
+    def fork(self, parent: int, child: int, position: int) -> tuple[tuple[int, int], int]:
+        """Copy on write for a parallel sample that recomputes token ``position`` of its
+        parent's: ``child`` shares the parent's blocks before the one holding that token and
+        gets a fresh block for it (needs one free block). Returns the (parent's block, child's
+        block) pair for the workers to copy and the tokens the shared blocks hold."""
+        shared = position // self.block_size
+        self.share(parent, child, shared)
+        (dst,) = self.grow(child, position + 1)
+        return (self._tables[parent][shared], dst), shared * self.block_size
 
     def _take(self) -> int:
         block, _ = self._free.popitem(last=False)
@@ -121,13 +154,13 @@ class BlockManager:
         if need > len(self._free):
             raise MemoryError(f"sequence {seq_id} needs {need} blocks, {len(self._free)} free")
         new = [self._take() for _ in range(need)]
-        self.tables.setdefault(seq_id, []).extend(new)
+        self._tables.setdefault(seq_id, []).extend(new)
         return new
 
     def register(self, seq_id: int, token_ids: Callable[[], list[int]], num_tokens: int) -> None:
         """Publishes the sequence's blocks that ``num_tokens`` tokens fill completely.
         ``token_ids`` is called only when a block boundary was crossed."""
-        chain, table, bs = self._chain.setdefault(seq_id, []), self.tables[seq_id], self.block_size
+        chain, table, bs = self._chain.setdefault(seq_id, []), self._tables[seq_id], self.block_size
         if not self.enable_prefix_cache or num_tokens // bs <= len(chain):
             return
         token_ids = token_ids()
@@ -144,7 +177,7 @@ class BlockManager:
         """Drops a sequence's references. Its blocks stay cached; tail blocks, and blocks that
         hold nothing reusable, are evicted first."""
         self._chain.pop(seq_id, None)
-        for b in reversed(self.tables.pop(seq_id, ())):
+        for b in reversed(self._tables.pop(seq_id, ())):
             self.ref[b] -= 1
             if self.ref[b] == 0:
                 self._free[b] = None

@@ -9,7 +9,7 @@ request that cannot go on gets a ``Failure``.
 from __future__ import annotations
 
 import asyncio
-import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -17,10 +17,13 @@ import time
 
 import grpc
 
+from controlplane import step_codec
 from controlplane.block_manager import BlockManager
+from controlplane.inflight import InFlightSteps
 from controlplane.policy import Policy
-from controlplane.request import Failure, Request, Sequence, Status
-from controlplane.scheduler import ScheduledStep, Scheduler
+from controlplane.request import Failure, Request, Sequence
+from controlplane.scheduler import Scheduler
+from controlplane.step import ScheduledStep
 from controlplane.telemetry import EngineTelemetry
 from controlplane.worker_client import WorkerError, WorkerGroup
 from headrace.dataplane.v1 import worker_pb2 as wpb
@@ -44,7 +47,6 @@ class EngineConfig:
     stream_interval: int = 1           # tokens per streamed message at least, unless a request says
 
 
-
 class Engine:
     def __init__(self, workers: WorkerGroup, config: EngineConfig,
                  telemetry: EngineTelemetry | None = None):
@@ -65,6 +67,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._outage_since: float | None = None
         self._to_wake: list[Request] = []   # requests with news, woken once the next step is sent
+        self._inflight: InFlightSteps | None = None   # the loop's, new each time it starts
 
     async def start(self, timeout: float = 600.0) -> None:
         self._build(await self.workers.describe(timeout))
@@ -98,12 +101,15 @@ class Engine:
         if changed and self.on_health_change is not None:
             self.on_health_change()
 
-    async def pause(self) -> None:
-        """Stops the engine loop and the step streams (Admin reload; nothing in flight)."""
+    async def _stop_loop(self) -> None:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+
+    async def pause(self) -> None:
+        """Stops the engine loop and the step streams (Admin reload; nothing in flight)."""
+        await self._stop_loop()
         await self.workers.close_streams()
         self._set_healthy(False)
 
@@ -111,7 +117,7 @@ class Engine:
         """Rebuilds for what the workers now serve and starts the loop again; with no
         ``infos`` (workers unreachable) keeps the scheduler and lets the loop reconnect."""
         if infos is None:
-            self.scheduler.blocks.reset_cache()
+            self.scheduler.reset()
         else:
             self._build(infos)
             await self.workers.open()
@@ -121,29 +127,21 @@ class Engine:
     def abort_in_flight(self) -> int:
         """Ends every request with a last FINISH_REASON_ABORTED response (drain, reload);
         returns how many requests were ended."""
-        ended = 0
-        for request in list(self.requests.values()):
-            ended += 1
-            for seq in request.sequences:
-                if not seq.finished:
-                    self._finish(seq, pb.FINISH_REASON_ABORTED)
+        requests = list(self.requests.values())
+        for request in requests:
+            self.abort(request)
             request.notify()
-        self._wake.set()
-        return ended
+        return len(requests)
 
     def reconfigure(self, *, policy: Policy | None = None, max_running: int | None = None,
                     max_batched_tokens: int | None = None) -> None:
-        """Live changes; they take effect from the next step."""
-        if max_running is not None and max_running < 1:
-            raise ValueError("max_running must be >= 1")
-        if max_batched_tokens is not None and max_batched_tokens < 1:
-            raise ValueError("max_batched_tokens must be >= 1")
-        if policy is not None:
-            self.config.policy = self.scheduler.policy = policy
-        if max_running is not None:
-            self.config.max_running = self.scheduler.max_running = max_running
-        if max_batched_tokens is not None:
-            self.config.max_batched_tokens = self.scheduler.max_batched_tokens = max_batched_tokens
+        """Live changes (kept across a reload); they take effect from the next step."""
+        changes = dict(policy=policy, max_running=max_running, max_batched_tokens=max_batched_tokens)
+        self.scheduler.reconfigure(**changes)
+        for name, value in changes.items():
+            if value is not None:
+                setattr(self.config, name, value)
+        self._wake.set()   # a larger cap or budget may let waiting work in
 
     def submit(self, request: Request) -> None:
         if request.stream_interval <= 0:
@@ -157,16 +155,13 @@ class Engine:
         """Client left (cancel, deadline): drop the request; its blocks are free at once."""
         for seq in request.sequences:
             if not seq.finished:
-                self.scheduler.finish(seq, pb.FINISH_REASON_ABORTED)
-                self.telemetry.seq_finished(seq, pb.FINISH_REASON_ABORTED)
+                self._finish(seq, pb.FINISH_REASON_ABORTED)
         if self.requests.pop(request.request_id, None) is not None:
             self.telemetry.request_done(request)
         self._wake.set()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._stop_loop()
         self.fail_all(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         await self.workers.close()
 
@@ -176,76 +171,82 @@ class Engine:
             request.fail(Failure(code, message))
         self.requests.clear()
 
+    # -- the loop: schedule -> send -> fold results ----------------------------------------
     async def _loop(self) -> None:
-        """Schedules and sends up to ``pipeline_depth`` steps before waiting for the oldest
-        one's result (overlapped scheduling: the device computes step N+1 while this process
-        handles step N's tokens); a step the workers may hold back (no ``flush``) is always
-        followed by another, if need be an empty flushing one."""
-        tel, clock = self.telemetry, time.perf_counter
-        depth = max(1, self.config.pipeline_depth)
-        inflight: collections.deque = collections.deque()   # (step, traced, sent at)
-        last_flushed = True
+        """Schedules and sends steps while ``InFlightSteps`` has room (overlapped scheduling:
+        the device computes step N+1 while this process handles step N's tokens), then folds
+        the oldest step's result. With nothing in flight and nothing to send it sleeps until an
+        event (``_wake``) can change that."""
+        self._inflight = inflight = InFlightSteps(self.workers, self.telemetry,
+                                                  self.config.pipeline_depth, self._step_ids)
         while True:
             if not self.healthy:
                 self._wake_requests()
-                inflight.clear()
                 await self._reconnect()
                 continue
             try:
-                if len(inflight) < self._depth_now(depth):
-                    t0 = clock()
+                step = None
+                if inflight.has_room(self.scheduler.running):
+                    t0 = time.perf_counter()
                     step = self.scheduler.schedule()
                     if not step.empty:
-                        msg = self._to_proto(step)
-                        msg.flush = depth == 1
-                        traced = tel.step_scheduled(step, msg, clock() - t0, msg.step_id)
-                        await self.workers.send(msg)
-                        last_flushed = msg.flush
+                        await inflight.send(step, time.perf_counter() - t0)
                         self.scheduler.after_step(step)
-                        inflight.append((step, traced, clock()))
                         continue
                 self._wake_requests()   # after the send: the device is fed before clients are
-                if not inflight:
-                    tel.idle()
-                    self._wake.clear()
-                    if not self.scheduler.has_work:
-                        await self._wake.wait()
-                    else:  # waiting sequences that cannot be admitted yet and nothing runs
-                        await asyncio.sleep(0.001)
-                    continue
-                if len(inflight) == 1 and not last_flushed:   # the worker holds it back: flush
-                    await self.workers.send(wpb.StepRequest(step_id=next(self._step_ids), flush=True))
-                    last_flushed = True
-                    inflight.append((ScheduledStep(), None, clock()))
-                step, traced, sent = inflight.popleft()
-                result = await self.workers.receive()
+                if inflight:
+                    await self._fold_oldest()
+                else:
+                    await self._idle(step)
             except WorkerError as exc:
-                for _, traced, _ in inflight:
-                    tel.step_failed(traced, exc)
-                inflight.clear()
-                log.error("worker group failed: %s; keeping %d requests for recompute",
-                          exc, len(self.requests))
-                self._set_healthy(False)
-                self._outage_since = time.monotonic()
-                self.scheduler.requeue_all()          # they resume by recompute when it is back
-                self.scheduler.blocks.reset_cache()   # KV contents are gone with the worker
-                continue
-            t2 = clock()
-            if traced is not None or not step.empty:
-                emitted = self._process(step, result)
-                tel.step_done(result, traced, t2 - sent, clock() - t2, emitted)
+                self._workers_lost(exc)
 
-    def _depth_now(self, depth: int) -> int:
-        """Steps allowed in flight. Two hide the device's step from this process's work; a
-        third hides the gRPC round trip too, which decides latency at small batches. A finished
-        sequence costs one slot per step sent before its last token came back, so beyond two
-        only sequences whose end the worker can see itself may run: a sampled stop token
-        (the worker then leaves them out of the steps it already holds) or max_tokens (never
-        scheduled past). Stop strings match detokenized text here: while a sequence has some,
-        two steps at most."""
-        if depth <= 2 or not any(s.output.has_stop for s in self.scheduler.running):
-            return depth
-        return 2
+    async def _fold_oldest(self) -> None:
+        sent, result = await self._inflight.receive()
+        t2 = time.perf_counter()
+        if sent.traced is not None or not sent.step.empty:
+            emitted = self._fold(sent.step, result)
+            self.telemetry.step_done(result, sent.traced, t2 - sent.at, time.perf_counter() - t2, emitted)
+
+    def _fold(self, step: ScheduledStep, result: wpb.StepResult) -> int:
+        """Applies the stop rules to a step's sampled tokens and queues the requests to wake;
+        returns how many tokens reached their sequences."""
+        received = step_codec.decode(step, result)
+        max_len, to_wake = self.max_model_len, self._to_wake
+        stopped = set(result.stopped_seq_ids)   # the worker alone applies the stop-token rule
+        for seq in received:
+            out = seq.output_token_ids
+            if len(out) == 1:
+                self.telemetry.first_token(seq)
+            reason = seq.check_stop(seq.seq_id in stopped, max_len)
+            if reason != pb.FINISH_REASON_UNSPECIFIED:
+                self._finish(seq, reason)
+                to_wake.append(seq.request)
+            elif len(out) - seq.delivered >= seq.request.stream_interval:
+                to_wake.append(seq.request)   # woken once per stream_interval tokens
+        return len(received)
+
+    async def _idle(self, step: ScheduledStep) -> None:
+        """Nothing in flight and ``step``, just scheduled, empty. A step that only preempted
+        changed the state: the next one admits again. Otherwise only an event changes what
+        can run (a submit; an abort, drain or shutdown that frees blocks; a reconfigure), and
+        each sets ``_wake``; time matters only to a policy that ages or bounds the queue delay
+        (``Scheduler.retry_after``)."""
+        self.telemetry.idle()
+        if step.num_preempted:
+            await asyncio.sleep(0)
+            return
+        self._wake.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), self.scheduler.retry_after)
+
+    # -- outages ------------------------------------------------------------------------------
+    def _workers_lost(self, exc: WorkerError) -> None:
+        self._inflight.fail(exc)
+        log.error("worker group failed: %s; keeping %d requests for recompute", exc, len(self.requests))
+        self._set_healthy(False)
+        self._outage_since = time.monotonic()
+        self.scheduler.reset()   # they resume by recompute when it is back
 
     async def _reconnect(self) -> None:
         """Waits for the workers to come back; requests kept through the outage fail with
@@ -263,51 +264,6 @@ class Engine:
                               f"data plane unavailable for more than {self.config.outage_deadline_s:.0f}s")
                 self._outage_since = None
             await asyncio.sleep(self.config.reconnect_interval_s)
-
-    def _to_proto(self, step: ScheduledStep) -> wpb.StepRequest:
-        msg = wpb.StepRequest(step_id=next(self._step_ids), finished_seq_ids=step.forget,
-                              copy_src_blocks=[s for s, _ in step.copies],
-                              copy_dst_blocks=[d for _, d in step.copies])
-        tables = self.scheduler.blocks.tables
-        for seq, n in step.new:
-            msg.new_seqs.add(seq_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
-                             output_token_ids=seq.output_token_ids,
-                             block_ids=tables[seq.seq_id], num_computed_tokens=seq.num_computed,
-                             num_scheduled_tokens=n, sampling=seq.sampling)
-        for seq, n, new_blocks in step.running:
-            msg.running_seq_ids.append(seq.seq_id)
-            msg.running_num_scheduled.append(n)
-            msg.running_new_block_counts.append(len(new_blocks))
-            msg.running_new_block_ids.extend(new_blocks)
-        return msg
-
-    def _process(self, step: ScheduledStep, result: wpb.StepResult) -> int:
-        """Folds a step's sampled tokens into its sequences; returns how many were kept."""
-        by_seq = {s.seq_id: s for s, _ in step.scheduled()}
-        top_pos, max_len, kept = 0, self.max_model_len, 0
-        stopped = set(result.stopped_seq_ids)
-        for i, (seq_id, token) in enumerate(zip(result.seq_ids, result.token_ids)):
-            seq = by_seq.get(seq_id)
-            k = seq.sampling.logprobs if seq is not None else 0
-            if seq is None or seq.status is Status.FINISHED:
-                top_pos += k
-                continue  # finished or aborted while the step was in flight: wasted slot
-            seq.num_inflight -= 1   # a preempted sequence keeps the token it was computing
-            if not seq.output_token_ids:
-                self.telemetry.first_token(seq)
-            seq.output_token_ids.append(token)
-            if k:
-                seq.logprobs.append((result.logprobs[i], result.top_token_ids[top_pos:top_pos + k],
-                                     result.top_logprobs[top_pos:top_pos + k]))
-                top_pos += k
-            kept += 1
-            reason = seq.check_stop(seq_id in stopped, max_len)
-            if reason != pb.FINISH_REASON_UNSPECIFIED:
-                self._finish(seq, reason)
-                self._to_wake.append(seq.request)
-            elif len(seq.output_token_ids) - seq.delivered >= seq.request.stream_interval:
-                self._to_wake.append(seq.request)   # woken once per stream_interval tokens
-        return kept
 
     def _wake_requests(self) -> None:
         for request in self._to_wake:

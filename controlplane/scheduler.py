@@ -13,31 +13,14 @@ sharing its blocks and copying the block they will write into (copy on write).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from controlplane.block_manager import BlockManager
 from controlplane.policy import Policy
 from controlplane.request import Sequence, Status
+from controlplane.step import NewSeq, ScheduledStep
 
-
-@dataclasses.dataclass
-class ScheduledStep:
-    new: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
-    running: list[tuple[Sequence, int, list[int]]] = dataclasses.field(default_factory=list)
-    forget: list[int] = dataclasses.field(default_factory=list)
-    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) blocks
-
-    @property
-    def empty(self) -> bool:
-        return not self.new and not self.running
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.new) + sum(n for _, n, _ in self.running)
-
-    def scheduled(self) -> list[tuple[Sequence, int]]:
-        return self.new + [(s, n) for s, n, _ in self.running]
+TIME_RECHECK_S = 0.01   # how often waiting work is looked at again while only time can let it in
 
 
 class Scheduler:
@@ -70,9 +53,30 @@ class Scheduler:
         if children:
             self._pending_forks[parent.seq_id] = children
 
+    def reconfigure(self, *, policy: Policy | None = None, max_running: int | None = None,
+                    max_batched_tokens: int | None = None) -> None:
+        """Live changes (None keeps a value); they take effect from the next step."""
+        if max_running is not None and max_running < 1:
+            raise ValueError("max_running must be >= 1")
+        if max_batched_tokens is not None and max_batched_tokens < 1:
+            raise ValueError("max_batched_tokens must be >= 1")
+        self.policy = self.policy if policy is None else policy
+        self.max_running = self.max_running if max_running is None else max_running
+        self.max_batched_tokens = self.max_batched_tokens if max_batched_tokens is None else max_batched_tokens
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def retry_after(self) -> float | None:
+        """After a step that scheduled nothing: seconds after which time alone may change that
+        (the policy ages waiting work or bounds its queue delay), or None when only an event
+        can (a request added, finished or aborted; a new cap or budget)."""
+        p = self.policy
+        if not self.waiting or (not p.aging and p.max_queue_delay is None):
+            return None
+        return TIME_RECHECK_S
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
@@ -98,12 +102,13 @@ class Scheduler:
         seq.status, seq.num_computed, seq.waiting_since = Status.WAITING, 0, self.clock()
         self.waiting.append(seq)
 
-    def requeue_all(self) -> None:
-        """The workers lost their state (a data plane died): every running sequence waits again
-        to be recomputed from its prompt and the tokens it already has; tokens that were in
-        flight are lost and computed again. Nothing needs forgetting on a fresh stream."""
-        for seq in list(self.running):
-            self.running.remove(seq)
+    def reset(self) -> None:
+        """The workers lost their state (a data plane died, a reload failed): every running
+        sequence waits again to be recomputed from its prompt and the tokens it already has;
+        tokens that were in flight are lost and computed again; the prefix cache forgets every
+        block (their KV contents are gone). Nothing needs forgetting on a fresh stream."""
+        running, self.running = self.running, []
+        for seq in running:
             self.blocks.free(seq.seq_id)
             seq.on_worker = False
             seq.num_inflight = 0
@@ -113,6 +118,7 @@ class Scheduler:
         self._forget.clear()
         self._copies.clear()
         self._forked.clear()
+        self.blocks.reset_cache()
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -145,12 +151,15 @@ class Scheduler:
         while self._forked and budget >= 1:
             child = self._forked.pop(0)
             if child.status is Status.RUNNING:
-                step.new.append((child, 1))
+                step.new.append(NewSeq(child, 1, self.blocks.block_ids(child.seq_id)))
                 scheduled.add(child.seq_id)
                 budget -= 1
         unsent = {s.seq_id for s in self._forked}
         skip = scheduled | unsent
-        tables, bs = self.blocks.tables, self.blocks.block_size
+        blocks, bs = self.blocks, self.blocks.block_size
+        needs_blocks = blocks.needs_blocks
+        running = step.running   # its columns, appended to without a call per sequence:
+        add_seq, add_n, add_count = running.seqs.append, running.num_tokens.append, running.new_block_counts.append
         order = [s for s in self.running if s.seq_id not in skip and s.may_sample_more]
         if not self._fits_unordered(order, budget):
             order.sort(key=lambda s: (s.in_prefill, self.policy.rank(s, now)))
@@ -164,18 +173,21 @@ class Scheduler:
             if n < 1:
                 continue   # its last token is still in flight
             new_blocks: list[int] | tuple = ()
-            if start + n > len(tables[seq.seq_id]) * bs:   # needs blocks (the common decode does not)
+            if needs_blocks(seq.seq_id, start + n):   # the common decode does not
                 if not self._make_room(seq, start + n, scheduled):
                     if not seq.in_prefill:
                         self._preempt(seq)   # a decode that cannot grow gives its blocks back
                         continue
-                    n = (len(tables[seq.seq_id]) + self.blocks.num_free) * bs - start
+                    n = blocks.max_tokens_growable(seq.seq_id) - start
                     if n < 1:
                         continue
-                new_blocks = self.blocks.grow(seq.seq_id, start + n)
+                new_blocks = blocks.grow(seq.seq_id, start + n)
+                running.new_block_ids.extend(new_blocks)
             if (start + n) // bs > start // bs:   # a block fills up: publish it
                 self._register(seq, start + n)
-            step.running.append((seq, n, new_blocks))
+            add_seq(seq)
+            add_n(n)
+            add_count(len(new_blocks))
             scheduled.add(seq.seq_id)
             budget -= n
         # A step that had to preempt admits nothing: the victims would be readmitted at once
@@ -189,11 +201,12 @@ class Scheduler:
             n = self._admit(seq, budget)
             if n == 0:
                 break   # strict order: the next in line waits for blocks
-            step.new.append((seq, n))
+            step.new.append(NewSeq(seq, n, self.blocks.block_ids(seq.seq_id)))
             scheduled.add(seq.seq_id)
             budget -= n
+        step.num_preempted = self.num_preemptions - preemptions_before
         if not step.empty:   # an empty step is not sent: what workers must drop waits for the next
-            step.forget, self._forget = self._forget, []
+            step.finished_seq_ids, self._forget = self._forget, []
             step.copies, self._copies = self._copies, []
         return step
 
@@ -207,7 +220,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         hits = self.blocks.match_prefix(seq.token_ids)
-        cached = len(hits) * self.blocks.block_size
+        cached = self.blocks.cached_tokens(hits)
         n = min(seq.num_tokens - cached, budget)
         reserve = self.watermark_blocks if self.running else 0
         if self.blocks.cost(hits, cached + n) + reserve > self.blocks.num_free:
@@ -240,15 +253,13 @@ class Scheduler:
         """Children share the parent's prompt blocks except the one holding the last prompt
         token, which each copies and recomputes that token into (its first sample is its own)."""
         last = len(parent.prompt_token_ids) - 1
-        shared = last // self.blocks.block_size
         for child in children:
             if len(self.running) >= self.max_running or self.blocks.num_free < 1:
                 self._enqueue(child)
                 continue
-            self.blocks.share(parent.seq_id, child.seq_id, shared)
-            (dst,) = self.blocks.grow(child.seq_id, last + 1)
-            self._copies.append((self.blocks.tables[parent.seq_id][shared], dst))
-            child.num_computed, child.num_cached_prompt_tokens = last, shared * self.blocks.block_size
+            copy, child.num_cached_prompt_tokens = self.blocks.fork(parent.seq_id, child.seq_id, last)
+            self._copies.append(copy)
+            child.num_computed = last
             child.status, child.on_worker = Status.RUNNING, True
             self.running.append(child)
             self._forked.append(child)

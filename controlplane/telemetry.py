@@ -93,7 +93,7 @@ class EngineTelemetry:
             start_time=epoch_ns(request.arrival))
 
     def first_token(self, seq) -> None:
-        """A sequence sampled its first token (called before the token is appended)."""
+        """A sequence sampled its first token (called once it is appended)."""
         self._firsts += 1
         st = self._reqs.get(seq.request_id)
         if st is None:
@@ -177,8 +177,8 @@ class EngineTelemetry:
         """After scheduling, before the step goes out; returns the step's tracing state."""
         self.metrics.step_schedule.observe(schedule_s)
         now = None
-        for seq, _ in step.new:
-            st = self._reqs.get(seq.request_id)
+        for new in step.new:
+            st = self._reqs.get(new.seq.request_id)
             if st is not None and st.first_sched is None:
                 if now is None:
                     now = time.monotonic()
@@ -190,7 +190,7 @@ class EngineTelemetry:
 
     def _trace_step(self, step, msg, schedule_s: float, step_id: int):
         tracer, seqs = self.tracer, self._seqs
-        new_ids = {s.seq_id for s, _ in step.new}
+        new_ids = {r.seq.seq_id for r in step.new}
         chunks, served, parent = [], [], None
         for seq, n in step.scheduled():
             t = seqs.get(seq.seq_id)
@@ -233,7 +233,7 @@ class EngineTelemetry:
         links = [Link(c) for c in served if c is not parent[0].get_span_context()]
         step_span = tracer.start_span(
             "headrace.step", context=trace.set_span_in_context(parent[0]), links=links,
-            attributes={"headrace.step_id": step_id, "headrace.seqs": len(step.new) + len(step.running),
+            attributes={"headrace.step_id": step_id, "headrace.seqs": len(step.new) + len(step.running.seqs),
                         "headrace.new_seqs": len(step.new),
                         "headrace.schedule_ms": schedule_s * 1e3})
         msg.trace_context.update(inject(step_span))

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from controlplane.block_manager import BlockManager
 from controlplane.output import OutputText
 from controlplane.policy import Policy
-from controlplane.request import Request, Sequence
-from controlplane.scheduler import Scheduler
+from controlplane.request import Request, Sequence, Status
+from controlplane.scheduler import TIME_RECHECK_S, Scheduler
 from headrace.dataplane.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
 
@@ -78,7 +78,7 @@ def sched_of(blocks=100, bs=4, cap=8, budget=64, policy=None, clock=None, prefix
 
 
 def admitted(step):
-    return [s.request_id for s, _ in step.new]
+    return [r.seq.request_id for r in step.new]
 
 
 def test_fifo_admission_respects_budget_and_cap():
@@ -97,16 +97,18 @@ def test_long_prompt_is_chunked_and_does_not_block_short_ones():
     sched.add(long.sequences)
     sched.add(short.sequences)
     first = sched.schedule()
-    assert [(s.request_id, n) for s, n in first.new] == [(long.request_id, 16)]
+    assert [(r.seq.request_id, r.num_tokens) for r in first.new] == [(long.request_id, 16)]
     sched.after_step(first)
     second = sched.schedule()
-    assert [(s.request_id, n) for s, n, _ in second.running] == [(long.request_id, 16)]
+    assert [(s.request_id, n) for s, n in zip(second.running.seqs, second.running.num_tokens)] \
+        == [(long.request_id, 16)]
     assert not second.new  # budget spent on the long prompt's chunk, in order
     sched.after_step(second)
     sched.max_batched_tokens = 20
     third = sched.schedule()
-    assert [(s.request_id, n) for s, n, _ in third.running] == [(long.request_id, 18)]
-    assert [(s.request_id, n) for s, n in third.new] == [(short.request_id, 2)]
+    assert [(s.request_id, n) for s, n in zip(third.running.seqs, third.running.num_tokens)] \
+        == [(long.request_id, 18)]
+    assert [(r.seq.request_id, r.num_tokens) for r in third.new] == [(short.request_id, 2)]
 
 
 def test_priority_policy_orders_admission_and_keeps_priority_on_preemption():
@@ -184,8 +186,8 @@ def test_same_prefix_admitted_in_one_step_shares_blocks():
     sched.add(a.sequences)
     sched.add(b.sequences)
     step = sched.schedule()
-    (sa, na), (sb, nb) = step.new
-    ta, tb = sched.blocks.tables[sa.seq_id], sched.blocks.tables[sb.seq_id]
+    (sa, na, ta), (sb, nb, tb) = ((r.seq, r.num_tokens, r.block_ids) for r in step.new)
+    assert (ta, tb) == (sched.blocks.block_ids(sa.seq_id), sched.blocks.block_ids(sb.seq_id))
     assert ta[:3] == tb[:3] and ta[3] != tb[3]
     assert (na, nb) == (13, 1) and sb.num_cached_prompt_tokens == 12
     assert sched.blocks.num_free == 20 - 5
@@ -200,7 +202,7 @@ def test_freed_prefix_stays_cached_until_evicted():
     again = make_request(prompt, max_tokens=1)
     sched.add(again.sequences)
     step = sched.schedule()
-    assert step.new[0][1] == 1 and again.sequences[0].num_cached_prompt_tokens == 8
+    assert step.new[0].num_tokens == 1 and again.sequences[0].num_cached_prompt_tokens == 8
     drain(sched)
     other = make_request(list(range(100, 132)), max_tokens=1)   # needs all 8 blocks: evicts
     sched.add(other.sequences)
@@ -216,7 +218,7 @@ def test_prefix_cache_can_be_disabled():
     a, b = make_request(list(range(13))), make_request(list(range(13)))
     sched.add(a.sequences)
     sched.add(b.sequences)
-    assert [n for _, n in sched.schedule().new] == [13, 13]
+    assert [r.num_tokens for r in sched.schedule().new] == [13, 13]
 
 
 def test_parallel_samples_fork_with_copy_on_write():
@@ -224,17 +226,19 @@ def test_parallel_samples_fork_with_copy_on_write():
     req = make_request(list(range(10)), n=3, max_tokens=2)     # last prompt token in block 2
     sched.add(req.sequences)
     first = run_step(sched)
-    assert [s.index for s, _ in first.new] == [0]
+    assert [r.seq.index for r in first.new] == [0]
     second = sched.schedule()
     parent = req.sequences[0]
-    children = [s for s, _ in second.new]
-    assert [c.index for c in children] == [1, 2] and [n for _, n in second.new] == [1, 1]
-    ptable = sched.blocks.tables[parent.seq_id]
-    for child in children:
-        table = sched.blocks.tables[child.seq_id]
+    children = [r.seq for r in second.new]
+    assert [c.index for c in children] == [1, 2] and [r.num_tokens for r in second.new] == [1, 1]
+    ptable = sched.blocks.block_ids(parent.seq_id)
+    for child, record in zip(children, second.new):
+        table = sched.blocks.block_ids(child.seq_id)
+        assert record.block_ids == table
+        assert child.num_cached_prompt_tokens == 8
         assert table[:2] == ptable[:2] and table[2] != ptable[2]
         assert child.num_computed == 9
-    assert second.copies == [(ptable[2], sched.blocks.tables[c.seq_id][2]) for c in children]
+    assert second.copies == [(ptable[2], sched.blocks.block_ids(c.seq_id)[2]) for c in children]
     sched.after_step(second)
     for seq, _ in second.scheduled():
         assert seq.num_inflight == 1
@@ -275,8 +279,19 @@ def test_random_workload_invariants(seed, num_blocks, budget, cap, policy, prefi
         overdue = [s for s in sched.waiting if delay and clock.now - s.waiting_since >= delay]
         step = run_step(sched)
         if not step.empty:   # the worker's mirror changes only with the steps it is sent
-            mirror -= set(step.forget)
-            mirror |= {s.seq_id for s, _ in step.new}
+            mirror -= set(step.finished_seq_ids)
+            mirror |= {r.seq.seq_id for r in step.new}
+            for r in step.new:   # a new sequence arrives with its whole table
+                if r.seq.status is Status.RUNNING:   # (not finished by this step)
+                    assert r.block_ids == bm.block_ids(r.seq.seq_id)
+            running = step.running
+            assert len(running.seqs) == len(running.num_tokens) == len(running.new_block_counts)
+            assert sum(running.new_block_counts) == len(running.new_block_ids)
+            at = 0
+            for seq, count in zip(running.seqs, running.new_block_counts):   # tables only grow at the end
+                if count and seq.status is Status.RUNNING:
+                    assert bm.block_ids(seq.seq_id)[-count:] == tuple(running.new_block_ids[at:at + count])
+                at += count
         running_ids = {s.seq_id for s in sched.running}
         assert mirror <= running_ids | set(sched._forget), "a worker would hold a dropped sequence"
         assert running_ids - {s.seq_id for s in sched._forked} <= mirror
@@ -285,21 +300,22 @@ def test_random_workload_invariants(seed, num_blocks, budget, cap, policy, prefi
         assert step.num_tokens <= budget and len(sched.running) <= cap
         # an overdue sequence is never passed over by one that is not
         if overdue and step.new:
-            first_new = step.new[0][0]
+            first_new = step.new[0].seq
             assert first_new in overdue or first_new.num_computed == first_new.num_tokens - 1
         # reference counts equal owners; nothing is both free and owned; nothing is lost
         owners = {}
-        for table in bm.tables.values():
-            for b in table:
+        all_seqs = [seq for req in live for seq in req.sequences]
+        for seq in all_seqs:
+            for b in bm.block_ids(seq.seq_id):
                 owners[b] = owners.get(b, 0) + 1
         assert all(bm.ref[b] == owners.get(b, 0) for b in range(num_blocks))
         assert set(bm._free) == {b for b in range(num_blocks) if bm.ref[b] == 0}
         for seq in sched.running:
-            assert len(bm.tables[seq.seq_id]) * 4 >= seq.num_computed
+            assert bm.num_slots(seq.seq_id) >= seq.num_computed
         for req in live:
             for seq in req.sequences:
                 if seq.finished:
-                    assert seq.seq_id not in bm.tables
+                    assert bm.block_ids(seq.seq_id) == ()
     for req in live:
         for seq in req.sequences:
             if not seq.finished:
@@ -315,7 +331,7 @@ def test_sequences_to_forget_wait_for_a_step_that_is_sent():
     assert sched.schedule().empty         # nothing to run: this step is not sent
     other = make_request(4, max_tokens=1)
     sched.add(other.sequences)
-    assert sched.schedule().forget == [req.sequences[0].seq_id]
+    assert sched.schedule().finished_seq_ids == [req.sequences[0].seq_id]
 
 
 def test_a_step_that_preempts_admits_nobody():
@@ -331,3 +347,41 @@ def test_a_step_that_preempts_admits_nobody():
             assert not step.new, "a victim was readmitted in the step that preempted it"
     drain(sched)
     assert sched.blocks.num_free == 18
+
+
+def test_retry_after_is_set_only_when_time_can_let_waiting_work_in():
+    for policy, expect in [(Policy("fifo"), None), (Policy("priority"), TIME_RECHECK_S),
+                           (Policy("fifo", max_queue_delay=2.0), TIME_RECHECK_S),
+                           (Policy("sjf", aging_rate=0.0), None)]:
+        sched = sched_of(policy=policy)
+        assert sched.retry_after is None   # nothing waits
+        sched.add(make_request(4).sequences)
+        assert sched.retry_after == expect
+
+
+def test_reset_requeues_running_work_and_forgets_the_prefix_cache():
+    sched = sched_of(blocks=20, bs=4)
+    prompt = list(range(10, 23))
+    req = make_request(prompt, max_tokens=4)
+    sched.add(req.sequences)
+    run_step(sched)
+    seq = req.sequences[0]
+    assert seq in sched.running and seq.output_token_ids == [7]
+    sched.reset()
+    assert sched.running == [] and sched.waiting == [seq] and sched.blocks.num_free == 20
+    assert seq.num_computed == 0 and not seq.on_worker and seq.num_inflight == 0
+    assert sched.blocks.match_prefix(prompt) == []
+    step = sched.schedule()   # recomputes prompt and generated token; the workers forget nothing
+    assert [(r.seq, r.num_tokens) for r in step.new] == [(seq, 14)] and step.finished_seq_ids == []
+
+
+def test_reconfigure_validates_and_keeps_what_is_not_given():
+    sched = sched_of(cap=3, budget=20)
+    with pytest.raises(ValueError):
+        sched.reconfigure(max_running=0)
+    with pytest.raises(ValueError):
+        sched.reconfigure(max_batched_tokens=0)
+    sched.reconfigure(max_running=5)
+    assert (sched.max_running, sched.max_batched_tokens) == (5, 20)
+    sched.reconfigure(policy=Policy("sjf"), max_batched_tokens=7)
+    assert (sched.policy.name, sched.max_running, sched.max_batched_tokens) == ("sjf", 5, 7)
