@@ -29,8 +29,8 @@ if has tp; then   # NCCL tensor parallelism on every GPU the machine has (2 or 4
   tp_pid=$!
   for _ in $(seq $(( ${TP_WATCH_S:-240} / 5 ))); do sleep 5; kill -0 $tp_pid 2>/dev/null || break; done
   if kill -0 $tp_pid 2>/dev/null; then   # still running after TP_WATCH_S: where is everyone?
-    for p in $(pgrep -f "controlplane.cli dataplane"); do py-spy dump --pid "$p" | head -40; done
-    kill $tp_pid 2>/dev/null; pkill -f "controlplane.cli dataplane"
+    for p in $(pgrep -f -- "-m cli dataplane"); do py-spy dump --pid "$p" | head -40; done
+    kill $tp_pid 2>/dev/null; pkill -f -- "-m cli dataplane"
   fi
   wait $tp_pid; tail -15 "$OUT/tp-pytest.txt"
   tail -n 8 "$OUT"/tp-logs/*/rank-*.log 2>/dev/null | cut -c1-300

@@ -32,7 +32,7 @@ def run_worker(address: str, vocab: int) -> None:
 
 
 async def measure(address: str) -> dict:
-    from controlplane.client import wait_until_serving
+    from cli.client import wait_until_serving
     from headrace.v1 import inference_pb2_grpc as pb_grpc
     from serving_bench import latency
 
@@ -64,7 +64,7 @@ def main() -> None:
     env = dict(os.environ, HEADRACE_LOG_LEVEL="WARNING")
     worker = subprocess.Popen([sys.executable, "-P", __file__, "--role", "worker", "--address", sock,
                                "--vocab", str(vocab)], env=env)
-    control = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "controlplane", "--model", model,
+    control = subprocess.Popen([sys.executable, "-m", "cli", "controlplane", "--model", model,
                                 "--workers", sock, "--port", str(args.port), "--metrics-port", "0"], env=env)
     try:
         time.sleep(1)

@@ -24,7 +24,7 @@ import time
 
 import grpc
 
-from controlplane.client import wait_until_serving
+from cli.client import wait_until_serving
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
@@ -160,7 +160,7 @@ def main() -> None:
     STREAM_INTERVAL = args.stream_interval
     if args.address is None:
         args.address = f"127.0.0.1:{args.port}"
-        cmd = [sys.executable, "-m", "controlplane.cli", "serve", "--model", args.model,
+        cmd = [sys.executable, "-m", "cli", "serve", "--model", args.model,
                "--host", "127.0.0.1", "--port", str(args.port), *args.serve_args.split()]
         server = subprocess.Popen(cmd, env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"))
         args.server_pid = server.pid

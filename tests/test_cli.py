@@ -23,12 +23,12 @@ def _free_port() -> int:
 def test_serve_without_arguments_then_generate_streams_text():
     port = _free_port()
     env = dict(os.environ, HEADRACE_LOG_LEVEL="WARNING")
-    server = subprocess.Popen([sys.executable, "-m", "controlplane.cli", "serve", "--port", str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port)],
                               env=env, start_new_session=True)
     children: list[int] = []
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "controlplane.cli", "generate", "hello", "--address",
+            [sys.executable, "-m", "cli", "generate", "hello", "--address",
              f"127.0.0.1:{port}", "--max-tokens", "24", "--wait", "120"],
             capture_output=True, text=True, timeout=150, env=env)
         assert out.returncode == 0, out.stderr
@@ -49,7 +49,7 @@ def test_serve_without_arguments_then_generate_streams_text():
 
 
 def test_stream_interval_below_one_is_refused_at_parse_time():
-    out = subprocess.run([sys.executable, "-m", "controlplane.cli", "controlplane", "--workers",
+    out = subprocess.run([sys.executable, "-m", "cli", "controlplane", "--workers",
                           "127.0.0.1:1", "--stream-interval", "0"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "--stream-interval: must be >= 1, got 0" in out.stderr
