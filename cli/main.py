@@ -19,6 +19,7 @@ import signal
 import sys
 import tempfile
 
+from cli.admin import add_admin_parser
 from cli.options import (add_engine_args, add_ops_args, add_security_args, add_tls_args,
                          default_model, engine_config, plane_options)
 from common.logs import configure_logging
@@ -163,7 +164,7 @@ def cmd_health(args) -> int:
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="headrace", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -210,8 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the server to be ready")
     p.set_defaults(func=cmd_generate)
 
-    from cli.admin import add_admin_parser
-
     add_admin_parser(sub)
 
     p = sub.add_parser("health", help="check a server's grpc.health.v1 status (exit 0 when SERVING)")
@@ -220,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3.0)
     p.set_defaults(func=cmd_health)
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command not in ("health", "generate", "admin"):
         configure_logging(getattr(args, "log_format", None))
     return args.func(args)
