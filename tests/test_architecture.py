@@ -109,3 +109,11 @@ def test_the_probe_would_notice_a_torch_import():
     out = subprocess.run([sys.executable, "-c", BLOCK_TORCH + "import dataplane.worker\n"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode != 0 and "import of torch refused" in out.stderr
+
+
+def test_every_top_level_package_is_installed_and_copied_into_the_image():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    packages = pyproject[pyproject.index("packages = ["):pyproject.index("]", pyproject.index("packages = ["))]
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for package in ("cli", "common", "controlplane", "dataplane", "kernels"):
+        assert f'"{package}"' in packages and f"COPY {package} ./{package}" in dockerfile, package
