@@ -24,6 +24,8 @@ RUN python3 -m venv --system-site-packages /opt/venv \
 WORKDIR /opt/headrace
 COPY pyproject.toml README.md ./
 COPY protos ./protos
+COPY cli ./cli
+COPY common ./common
 COPY controlplane ./controlplane
 COPY dataplane ./dataplane
 COPY kernels ./kernels

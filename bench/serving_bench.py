@@ -25,7 +25,7 @@ import time
 
 import grpc
 
-from controlplane.client import wait_until_serving
+from cli.client import wait_until_serving
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
@@ -42,7 +42,7 @@ def w3_requests(n: int):
 
 
 STREAM_INTERVAL = 0   # per request; 0 = the server's default (every token)
-SERVE = ["-m", "controlplane.cli", "serve"]   # the `headrace serve` command line, as a module
+SERVE = ["-m", "cli", "serve"]   # the `headrace serve` command line, as a module
 
 
 def device_seconds(port: int = 9401) -> tuple[float, float, float]:

@@ -1,7 +1,7 @@
 """Prometheus metrics of the control plane (prometheus-client), in the style of vLLM's with
-the ``headrace:`` prefix. ``docs/operations.md`` lists them all.
+the ``headrace:`` prefix (the exporter base is ``common.metrics``). ``docs/operations.md``
+lists them all.
 
-Each plane has its own registry and its own exporter port (no multiprocess mode needed).
 What the scheduler and block manager already count (running / waiting sequences, free
 blocks, preemptions, prefix-cache lookups) is read when Prometheus scrapes, so the engine
 step pays nothing for it; per-request histograms are observed once per request and the
@@ -10,19 +10,14 @@ inter-token latency once per step, weighted by the step's decode tokens.
 
 from __future__ import annotations
 
-import bisect
-
 import grpc
-import prometheus_client
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from common.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Exporter, Histogram
 from headrace.v1 import inference_pb2 as pb
 
-PREFIX = "headrace:"
-prometheus_client.disable_created_metrics()   # no *_created series next to counters
-
-# Buckets (seconds / tokens). Latency buckets reach down to a fast GPU's sub-ms steps.
+# Buckets (seconds) of the request latencies; common.metrics has the step and token ones.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04,
@@ -30,9 +25,6 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0
                40.0, 80.0)
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05,
-                0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))   # 1 .. 5M
 
 FINISH_REASONS = {
     pb.FINISH_REASON_LENGTH: "length",
@@ -41,18 +33,6 @@ FINISH_REASONS = {
     pb.FINISH_REASON_ABORTED: "aborted",
 }
 STEP_PHASES = ("schedule", "transport", "execute", "process", "device", "sample")
-
-
-class Histogram(prometheus_client.Histogram):
-    """prometheus-client's histogram plus ``observe_n``: one value seen ``n`` times, in
-    one bucket increment (the per-step inter-token latency of every decode token)."""
-
-    def observe_n(self, amount: float, n: int) -> None:
-        if n <= 0:
-            return
-        self._raise_if_not_observable()
-        self._sum.inc(amount * n)
-        self._buckets[bisect.bisect_left(self._upper_bounds, amount)].inc(n)
 
 
 class _EngineState:
@@ -102,22 +82,6 @@ class _EngineState:
         in_flight.add_metric([], len(engine.requests) if engine is not None else 0)
         ready.add_metric([], 1.0 if engine is not None and engine.ready else 0.0)
         yield from (running, waiting, usage, free, total, in_flight, ready, preempt, queries, hits)
-
-
-class Exporter:
-    """Serves a plane's ``registry`` as /metrics over HTTP (one exporter per plane process)."""
-
-    registry: CollectorRegistry
-    _http = None
-
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Serves /metrics on an HTTP port (0: an ephemeral one); returns the port."""
-        self._http = start_http(self.registry, port, host)
-        return self._http.server_port
-
-    def close(self) -> None:
-        stop_http(self._http)
-        self._http = None
 
 
 class ControlPlaneMetrics(Exporter):
@@ -170,7 +134,6 @@ class ControlPlaneMetrics(Exporter):
         self.errors = Counter(p + "request_errors", "RPCs that ended with an error status, by "
                               "method and gRPC status code.", ["method", "code"], registry=r)
         self.registry.register(_EngineState(self))
-        self._http = None
 
     def bind(self, engine) -> None:
         self.engine = engine
@@ -183,18 +146,6 @@ class ControlPlaneMetrics(Exporter):
 
     def rpc_error(self, method: str, code: grpc.StatusCode) -> None:
         self.errors.labels(method, code.name).inc()
-
-
-
-def start_http(registry: CollectorRegistry, port: int, host: str = "0.0.0.0"):
-    server, _thread = prometheus_client.start_http_server(port, addr=host, registry=registry)
-    return server
-
-
-def stop_http(server) -> None:
-    if server is not None:
-        server.shutdown()       # stops serve_forever (within its 0.5 s poll)
-        server.server_close()
 
 
 def rpc_status(context, exc: BaseException) -> grpc.StatusCode:

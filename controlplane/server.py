@@ -15,7 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from controlplane import security, tracing
+from common import security, tracing
+from common.grpc_options import PUBLIC_MAX_MESSAGE_BYTES, server_options
 from controlplane.admin import AdminService, wait_until
 from controlplane.engine import Engine, EngineConfig
 from controlplane.metrics import ControlPlaneMetrics, MetricsInterceptor
@@ -32,14 +33,6 @@ log = logging.getLogger("headrace.controlplane")
 
 INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 ADMIN = apb.DESCRIPTOR.services_by_name["Admin"].full_name
-SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.keepalive_time_ms", 60_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ("grpc.http2.max_ping_strikes", 0),
-]
 
 
 class ControlPlane:
@@ -77,7 +70,8 @@ class ControlPlane:
             quiet = filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection"))
             interceptors.insert(0, aio_server_interceptor(tracer_provider=provider,
                                                           filter_=filters.negate(quiet)))
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        self.server = grpc.aio.server(options=server_options(PUBLIC_MAX_MESSAGE_BYTES),
+                                      interceptors=interceptors)
         self.inference = InferenceService(self.engine, self.tokenizer, len(worker_addresses),
                                           log_prompts=log_prompts)
         pb_grpc.add_InferenceServicer_to_server(self.inference, self.server)

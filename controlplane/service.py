@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 import structlog
 
-from controlplane import tracing
+from common import tracing
 from controlplane.engine import Engine
-from controlplane.logs import get_logger
+from common.logs import get_logger
 from controlplane.metrics import rpc_status
 from controlplane.tokenizer import ModelTokenizer
 from controlplane.validation import ValidationError, build_request, check_text

@@ -1,5 +1,5 @@
 """The engine's telemetry hooks: Prometheus metrics, request log lines and (when
-``controlplane.tracing`` is on) the spans of each request and step.
+``common.tracing`` is on) the spans of each request and step.
 
 One trace per request: the gRPC server span of ``Generate`` (opentelemetry-instrumentation-
 grpc, which honours the caller's ``traceparent``) has children ``headrace.queue`` (waiting
@@ -20,9 +20,9 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import Link
 
-from controlplane.logs import get_logger
+from common.logs import get_logger
 from controlplane.metrics import ControlPlaneMetrics
-from controlplane.tracing import epoch_ns, get_tracer, inject, traceparent
+from common.tracing import epoch_ns, get_tracer, inject, traceparent
 from headrace.v1 import inference_pb2 as pb
 
 

@@ -8,22 +8,12 @@ import time
 
 import grpc
 
-from controlplane import security
-
+from common import security
+from common.grpc_options import channel_options
 from headrace.dataplane.v1 import worker_pb2 as pb
 from headrace.dataplane.v1 import worker_pb2_grpc as pb_grpc
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.max_send_message_length", 256 << 20),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    # reconnect quickly to a worker that is still starting or restarting
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
+CHANNEL_OPTIONS = channel_options()
 
 
 class WorkerError(RuntimeError):
@@ -33,7 +23,7 @@ class WorkerError(RuntimeError):
 def _tracing_interceptors() -> list:
     """OpenTelemetry client interceptors for Describe/Reload (the Execute stream carries its
     trace context per step instead); none when tracing is off."""
-    from controlplane import tracing
+    from common import tracing
 
     provider = tracing.tracer_provider()
     if provider is None:

@@ -18,8 +18,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from controlplane import tracing
-from controlplane import security
+from common import security, tracing
+from common.grpc_options import STEP_MAX_MESSAGE_BYTES, server_options
 from dataplane.input_batch import BatchError
 from dataplane.runner import StepPipeline
 from dataplane.telemetry import DataPlaneMetrics, StepTracer
@@ -28,15 +28,6 @@ from headrace.dataplane.v1 import worker_pb2 as pb
 from headrace.dataplane.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("headrace.dataplane")
-
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 256 << 20),
-    ("grpc.max_send_message_length", 256 << 20),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-]
-
 
 WORKER = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 
@@ -181,8 +172,8 @@ def serve(worker: Worker | None, address: str, *, metrics_port: int | None = Non
 
         quiet = filters.any_of(filters.method_name("Execute"), filters.health_check())
         interceptors.append(server_interceptor(tracer_provider=provider, filter_=filters.negate(quiet)))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_OPTIONS,
-                         interceptors=interceptors)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
+                         options=server_options(STEP_MAX_MESSAGE_BYTES), interceptors=interceptors)
     health_servicer = health.HealthServicer()
     service = WorkerService(None, health_servicer)
     service.set_serving(False)

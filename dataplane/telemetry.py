@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 from opentelemetry.trace import Link, Status, StatusCode
 
-from controlplane import tracing
-from controlplane.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Exporter, Histogram
+from common import tracing
+from common.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Exporter, Histogram
 
 P = PREFIX + "dataplane_"
 

@@ -3,7 +3,8 @@ peak memory, sizes and allocates the KV cache from what is left, captures decode
 and answers ``Describe``.
 
 Under tensor parallelism (``dataplane.parallel.init`` first) a worker is one rank: it loads its
-shard of the checkpoint and sizes its KV cache for its own KV heads."""
+shard of the checkpoint and sizes its KV cache for its own KV heads. Its options,
+``WorkerOptions``, are defined once in ``common.worker_options`` (the command line's too)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 import torch
 
 import kernels
+from common.worker_options import WorkerOptions
 from dataplane import kv_cache, parallel
 from dataplane.config import ModelConfig, load_model_config
 from dataplane.cuda_graphs import DecodeGraphs
@@ -25,22 +27,6 @@ from headrace.dataplane.v1 import worker_pb2 as pb
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-@dataclasses.dataclass
-class WorkerOptions:
-    model: str
-    device: str = "cpu"
-    dtype: str | None = None          # default: fp32 on CPU, bf16 on CUDA
-    block_size: int = 16
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    num_kv_blocks: int | None = None  # default: sized from memory
-    max_num_seqs: int = 256
-    max_batched_tokens: int = 2048
-    cpu_kv_cache_gib: float = 1.0
-    gpu_memory_utilization: float = 0.9
-    cuda_graphs: bool = True
-    seed: int = 0
 
 
 class Worker:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controlplane import security
+from common import security
 from dataplane.server import serve
 from tests.checkpoints import make_checkpoint
 from tests.harness import Planes, completion

@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 
-from controlplane.cli import _free_port
+from cli.main import _free_port
 from dataplane.config import load_model_config
 from dataplane.parallel import Shard
 from tests.checkpoints import make_checkpoint
@@ -47,7 +47,7 @@ def _start_ranks(model: pathlib.Path, world: int) -> tuple[list[subprocess.Popen
     procs, addresses = [], []
     for r in range(world):
         address = f"unix:{tmp}/dp-{r}.sock"
-        argv = [sys.executable, "-m", "controlplane.cli", "dataplane", "--model", str(model),
+        argv = [sys.executable, "-m", "cli", "dataplane", "--model", str(model),
                 "--listen", address, "--rank", str(r), "--world-size", str(world),
                 "--dist-init", dist_init, "--dist-timeout", "60", "--num-kv-blocks", "64",
                 "--max-num-seqs", "16", "--max-batched-tokens", "256", "--metrics-port", "0",

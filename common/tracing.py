@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import format_span_id, format_trace_id
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from controlplane.logs import get_logger
+from common.logs import get_logger
 
 _W3C = TraceContextTextMapPropagator()
 _provider = None   # the SDK TracerProvider when tracing is on

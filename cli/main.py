@@ -1,12 +1,16 @@
 """The ``headrace`` command: ``serve`` (control plane plus data plane children), ``controlplane``
 and ``dataplane`` (each plane alone), ``generate`` (a streaming client), ``admin`` (the Admin
 service: configuration, drain, resume, reload) and ``health`` (a grpc.health.v1 probe for
-container health checks)."""
+container health checks).
+
+Only ``dataplane`` imports the data plane (and torch); ``serve`` and ``controlplane`` run the
+control plane in a torch-free process and start data planes as ``python -m cli dataplane``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import pathlib
@@ -15,10 +19,15 @@ import signal
 import sys
 import tempfile
 
-from controlplane.cli_options import (add_engine_args, add_ops_args, add_security_args,
-                                      add_tls_args, add_worker_args, default_model, engine_config,
-                                      plane_options)
-from controlplane.logs import configure_logging
+from cli.admin import add_admin_parser
+from cli.options import (add_engine_args, add_ops_args, add_security_args, add_tls_args,
+                         default_model, engine_config, plane_options)
+from common.logs import configure_logging
+from common.options import add_arguments, from_args, to_argv
+from common.worker_options import ParallelOptions, WorkerOptions
+
+# what the control plane alone needs of the worker's options (its step limits, the tokenizer)
+CONTROL_PLANE_WORKER_OPTIONS = ("model", "max_model_len", "max_num_seqs", "max_batched_tokens")
 
 
 def _free_port() -> int:
@@ -29,34 +38,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_argv(args, listen: str, rank: int = 0, dist_init: str | None = None) -> list[str]:
-    world, device, metrics = args.tensor_parallel_size, args.device, args.dataplane_metrics_port
-    if world > 1 and device.startswith("cuda"):
-        device = f"cuda:{rank}"
-    argv = [sys.executable, "-m", "controlplane.cli", "dataplane", "--model", args.model,
-            "--listen", listen, "--device", device, "--block-size", str(args.block_size),
-            "--cpu-kv-cache-gib", str(args.cpu_kv_cache_gib),
-            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-            "--max-num-seqs", str(args.max_running),
-            "--max-batched-tokens", str(args.max_batched_tokens),
-            "--metrics-port", str(metrics + rank if metrics else 0)]
-    if world > 1:
-        argv += ["--rank", str(rank), "--world-size", str(world), "--dist-init", dist_init]
-    if args.log_format:
-        argv += ["--log-format", args.log_format]
-    if args.no_cuda_graphs:
-        argv.append("--no-cuda-graphs")
-    for flag, value in (("--dtype", args.dtype), ("--num-kv-blocks", args.num_kv_blocks),
-                        ("--max-model-len", args.max_model_len)):
-        if value is not None:
-            argv += [flag, str(value)]
-    return argv
+def dataplane_argv(opts: WorkerOptions, par: ParallelOptions, listen: str, metrics_port: int,
+                   log_format: str | None = None) -> list[str]:
+    """The command line of a data plane child process running ``opts`` as rank ``par.rank``."""
+    argv = [sys.executable, "-m", "cli", "dataplane", *to_argv(opts), *to_argv(par),
+            "--listen", listen, "--metrics-port", str(metrics_port)]
+    return argv + (["--log-format", log_format] if log_format else [])
+
+
+def serve_children_argvs(args, listens: list[str]) -> list[list[str]]:
+    """``headrace serve``'s data plane children: one per rank (``cuda:r`` for rank r under
+    tensor parallelism on CUDA), with a fresh rendezvous port each time the group starts."""
+    world, opts, metrics = args.tensor_parallel_size, from_args(WorkerOptions, args), args.dataplane_metrics_port
+    dist_init = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else None
+    argvs = []
+    for rank, listen in enumerate(listens):
+        rank_opts = opts
+        if world > 1 and opts.device.startswith("cuda"):
+            rank_opts = dataclasses.replace(opts, device=f"cuda:{rank}")
+        argvs.append(dataplane_argv(rank_opts, ParallelOptions(rank, world, dist_init), listen,
+                                    metrics + rank if metrics else 0, args.log_format))
+    return argvs
 
 
 def cmd_serve(args) -> int:
-    from controlplane import tracing
+    from cli.supervisor import DataPlaneChildren
+    from common import tracing
     from controlplane.server import serve_until_signal
-    from controlplane.supervisor import DataPlaneChildren
 
     args.model = args.model or default_model()
     sock_dir = tempfile.mkdtemp(prefix="headrace-")
@@ -66,11 +74,7 @@ def cmd_serve(args) -> int:
     args.worker_secret = args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or secrets.token_hex(16)
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=args.worker_secret)
 
-    def argvs() -> list[list[str]]:   # a fresh rendezvous port each time the group starts
-        dist_init = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else None
-        return [_worker_argv(args, listen, r, dist_init) for r, listen in enumerate(listens)]
-
-    children = DataPlaneChildren(argvs, env)
+    children = DataPlaneChildren(lambda: serve_children_argvs(args, listens), env)
     tracing.setup_tracing("headrace-controlplane")
     try:
         asyncio.run(serve_until_signal(args.model, listens, f"{args.host}:{args.port}",
@@ -82,7 +86,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_controlplane(args) -> int:
-    from controlplane import tracing
+    from common import tracing
     from controlplane.server import serve_until_signal
 
     tracing.setup_tracing("headrace-controlplane")
@@ -98,28 +102,22 @@ def cmd_controlplane(args) -> int:
 def cmd_dataplane(args) -> int:
     import threading
 
-    from controlplane import tracing
+    from common import security, tracing
     from dataplane import parallel
     from dataplane.server import serve
-    from dataplane.worker import Worker, WorkerOptions
+    from dataplane.worker import Worker
 
-    rank, world = args.rank, args.world_size
-    if world > 1 and not args.dist_init:
+    par = from_args(ParallelOptions, args)
+    rank, world = par.rank, par.world_size
+    if world > 1 and not par.dist_init:
         raise SystemExit("--world-size > 1 needs --dist-init tcp://MASTER_HOST:PORT")
     device = f"cuda:{rank}" if world > 1 and args.device == "cuda" else args.device
-    opts = WorkerOptions(model=args.model or default_model(), device=device, dtype=args.dtype,
-                         block_size=args.block_size, max_model_len=args.max_model_len,
-                         num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gib=args.cpu_kv_cache_gib,
-                         gpu_memory_utilization=args.gpu_memory_utilization,
-                         max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-                         cuda_graphs=not args.no_cuda_graphs)
+    opts = from_args(WorkerOptions, args, model=args.model or default_model(), device=device)
     tracing.setup_tracing("headrace-dataplane")
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     # listen at once (health NOT_SERVING) so probes see the model loading, not a closed port
-    from controlplane import security
-
     server = serve(None, args.listen, metrics_port=args.metrics_port or None,
                    credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
                    secret=args.secret or os.environ.get("HEADRACE_WORKER_SECRET") or None)
@@ -128,7 +126,7 @@ def cmd_dataplane(args) -> int:
     def make_worker():
         import torch
 
-        parallel.init(rank, world, args.dist_init, torch.device(device), args.dist_timeout)
+        parallel.init(rank, world, par.dist_init, torch.device(device), par.dist_timeout)
         return Worker(opts, rank, world)
 
     worker = server.worker_service.load(make_worker)
@@ -144,7 +142,7 @@ def cmd_dataplane(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from controlplane.client import stream_generate
+    from cli.client import stream_generate
 
     return asyncio.run(stream_generate(args))
 
@@ -166,14 +164,13 @@ def cmd_health(args) -> int:
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="headrace", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("serve", help="serve a model: control plane plus a data plane child process")
-    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded tiny model)")
+    add_arguments(p, WorkerOptions)
     add_engine_args(p)
-    add_worker_args(p)
     add_ops_args(p, 9400, control=True)
     add_security_args(p)
     p.add_argument("--dataplane-metrics-port", type=int, default=9401,
@@ -183,28 +180,19 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("controlplane", help="run the control plane alone")
-    p.add_argument("--model", default=None, help="model directory (for the tokenizer)")
+    add_arguments(p, WorkerOptions, only=CONTROL_PLANE_WORKER_OPTIONS)
     p.add_argument("--workers", default=os.environ.get("HEADRACE_WORKERS"),
                    required=not os.environ.get("HEADRACE_WORKERS"),
                    help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
-    p.add_argument("--max-model-len", type=int, default=None)
     add_engine_args(p)
     add_ops_args(p, 9400, control=True)
     add_security_args(p)
     p.set_defaults(func=cmd_controlplane)
 
     p = sub.add_parser("dataplane", help="run one data plane worker alone")
-    p.add_argument("--model", default=None)
+    add_arguments(p, WorkerOptions)
+    add_arguments(p, ParallelOptions)
     p.add_argument("--listen", default="127.0.0.1:50061", help="host:port or unix:/path (default private)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences one step may hold")
-    p.add_argument("--max-batched-tokens", type=int, default=2048, help="tokens one step may compute")
-    p.add_argument("--rank", type=int, default=0, help="this worker's tensor-parallel rank")
-    p.add_argument("--world-size", type=int, default=1, help="tensor-parallel ranks of the group")
-    p.add_argument("--dist-init", default=None,
-                   help="process group rendezvous, tcp://MASTER_HOST:PORT (rank 0 listens there)")
-    p.add_argument("--dist-timeout", type=float, default=300.0,
-                   help="seconds the rendezvous and each collective may take before failing")
-    add_worker_args(p)
     add_ops_args(p, 9401, control=False)
     add_tls_args(p)
     p.add_argument("--secret", default=None,
@@ -223,8 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the server to be ready")
     p.set_defaults(func=cmd_generate)
 
-    from controlplane.admin import add_admin_parser
-
     add_admin_parser(sub)
 
     p = sub.add_parser("health", help="check a server's grpc.health.v1 status (exit 0 when SERVING)")
@@ -233,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=3.0)
     p.set_defaults(func=cmd_health)
 
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command not in ("health", "generate", "admin"):
         configure_logging(getattr(args, "log_format", None))
     return args.func(args)

@@ -1,18 +1,20 @@
-"""The ``headrace`` command line's options: the argument groups the commands share (worker,
-engine, TLS and security, operations) and the configuration objects built from them."""
+"""The ``headrace`` command line's options: the argument groups the commands share (engine,
+TLS and security, operations) and the configuration objects built from them. The worker's
+options are generated from ``common.worker_options`` (``common.options.add_arguments``)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
+from common.logs import LOG_FORMATS
 from controlplane.engine import EngineConfig
-from controlplane.logs import LOG_FORMATS
 from controlplane.policy import POLICIES, Policy
 
 
 def default_model() -> str:
-    """$HEADRACE_MODEL (containers), else the embedded tiny model."""
+    """$HEADRACE_MODEL (containers), else the embedded tiny model. Only its path is read: the
+    ``dataplane.default_model`` package imports neither torch nor the rest of the data plane."""
     if os.environ.get("HEADRACE_MODEL"):
         return os.environ["HEADRACE_MODEL"]
     from dataplane.default_model import default_model_dir
@@ -27,23 +29,11 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--dtype", default=None, help="float32|bfloat16|float16 (default fp32 on CPU, bf16 on CUDA)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size instead of measuring")
-    p.add_argument("--cpu-kv-cache-gib", type=float, default=1.0, help="KV cache size on CPU")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
-
-
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The scheduler's options (its step limits, ``--max-num-seqs`` and
+    ``--max-batched-tokens``, are the worker options of that name)."""
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--max-running", type=int, default=256, help="sequences per step at most")
-    p.add_argument("--max-batched-tokens", type=int, default=2048,
-                   help="tokens per step at most; longer prompts are prefilled in chunks")
     p.add_argument("--policy", choices=POLICIES, default="fifo", help="scheduling policy")
     p.add_argument("--aging-rate", type=float, default=None,
                    help="rank units a second of waiting is worth (default per policy)")
@@ -100,7 +90,7 @@ def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -
 
 def plane_options(args) -> dict:
     """ControlPlane keyword options from the command line."""
-    from controlplane import security
+    from common import security
 
     return dict(metrics_port=args.metrics_port or None,
                 admin_token=args.admin_token or os.environ.get("HEADRACE_ADMIN_TOKEN") or None,
@@ -113,7 +103,7 @@ def plane_options(args) -> dict:
 
 
 def engine_config(args) -> EngineConfig:
-    return EngineConfig(max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
+    return EngineConfig(max_running=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                         max_model_len=getattr(args, "max_model_len", None),
                         policy=Policy(args.policy, args.aging_rate, args.max_queue_delay),
                         enable_prefix_cache=not args.no_prefix_cache, watermark=args.watermark,

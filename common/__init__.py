@@ -1,0 +1,3 @@
+"""The layer both planes share: tracing, structured logs, transport security, the Prometheus
+exporter base, the gRPC server/channel settings, and the data plane worker's options (which
+the command line serialises to a child's argv). Nothing here imports either plane or torch."""

@@ -1,0 +1,43 @@
+"""The gRPC settings of every server and channel headrace opens, in one place: message size
+limits, keepalive (both ends agree: a client pings no more often than a server accepts) and
+the reconnect backoff of the control plane's channels to its data planes."""
+
+from __future__ import annotations
+
+# Message size limits: the public API takes prompts (64 MiB is far beyond any context); the
+# step protocol carries whole prompts and block tables of a step's new sequences.
+PUBLIC_MAX_MESSAGE_BYTES = 64 << 20
+STEP_MAX_MESSAGE_BYTES = 256 << 20
+
+KEEPALIVE_TIME_MS = 30_000      # ping a connection idle this long (dead peers, idle NATs)
+KEEPALIVE_TIMEOUT_MS = 10_000   # and drop it when the ping goes unanswered this long
+MIN_PING_INTERVAL_MS = 5_000    # a server accepts a client's pings this often at most
+
+# reconnect quickly to a data plane that is still starting or restarting
+RECONNECT_BACKOFF_MS = (100, 1000)   # first and longest
+
+
+def _common(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 1)]
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Options of a gRPC server (either plane's)."""
+    return _common(max_message_bytes) + [
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 0),   # never close a connection for its pings
+    ]
+
+
+def channel_options(max_message_bytes: int = STEP_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Options of a channel from the control plane to a data plane."""
+    first, longest = RECONNECT_BACKOFF_MS
+    return _common(max_message_bytes) + [
+        ("grpc.initial_reconnect_backoff_ms", first),
+        ("grpc.min_reconnect_backoff_ms", first),
+        ("grpc.max_reconnect_backoff_ms", longest),
+    ]

@@ -1,0 +1,42 @@
+"""What a data plane worker is built from (``WorkerOptions``) and where it sits in a
+tensor-parallel group (``ParallelOptions``): the one definition behind the ``--model``,
+``--device``, ``--max-num-seqs``, ... options of ``headrace serve`` and ``headrace
+dataplane``, the argv with which ``serve`` starts its children, and ``dataplane.worker``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.options import option
+
+
+@dataclasses.dataclass
+class WorkerOptions:
+    model: str = option(help="Hugging Face model directory (default: the embedded tiny model)")
+    device: str = option("cpu", "cpu or cuda[:N] (default cpu)")
+    dtype: str | None = option(None, "float32|bfloat16|float16 (default fp32 on CPU, bf16 on CUDA)")
+    block_size: int = option(16, "tokens per KV block")
+    max_model_len: int | None = option(None, "longest sequence, prompt and output (default: the "
+                                             "model's max_position_embeddings)")
+    num_kv_blocks: int | None = option(None, "fix the KV pool size instead of measuring")
+    max_num_seqs: int = option(256, "sequences one step may hold: the scheduler runs at most this "
+                                    "many, the worker sizes its batch and CUDA graphs for it",
+                               aliases=("--max-running",))
+    max_batched_tokens: int = option(2048, "tokens one step may compute; longer prompts are "
+                                           "prefilled in chunks (the worker warms up with it)")
+    cpu_kv_cache_gib: float = option(1.0, "KV cache size on CPU (GiB)")
+    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory for weights, "
+                                                 "activations and the KV cache")
+    cuda_graphs: bool = option(True, "capture decode steps in CUDA graphs (default; "
+                                     "--no-cuda-graphs runs them eagerly)")
+    seed: int = option(0, "the worker's random seed (requests without a seed)")
+
+
+@dataclasses.dataclass
+class ParallelOptions:
+    rank: int = option(0, "this worker's tensor-parallel rank")
+    world_size: int = option(1, "tensor-parallel ranks of the group")
+    dist_init: str | None = option(None, "process group rendezvous, tcp://MASTER_HOST:PORT "
+                                         "(rank 0 listens there)")
+    dist_timeout: float = option(300.0, "seconds the rendezvous and each collective may take "
+                                        "before failing")

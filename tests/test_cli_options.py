@@ -1,0 +1,116 @@
+"""Worker options are defined once (``common.worker_options``): the ``headrace`` flags are
+generated from them, an instance serialises itself to argv and parses back equal, ``serve``
+hands its children every worker option, and ``--max-running`` is only a hidden alias of
+``--max-num-seqs``. Plus the gRPC settings both planes share agree with each other."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cli.main import CONTROL_PLANE_WORKER_OPTIONS, build_parser, serve_children_argvs
+from cli.options import engine_config
+from common import grpc_options
+from common.options import from_args, to_argv
+from common.worker_options import ParallelOptions, WorkerOptions
+from dataplane.worker import WorkerOptions as DataPlaneWorkerOptions
+
+# a value unlike the default for every field (None where the default is a value, and back)
+CHANGED = WorkerOptions(model="/models/x", device="cuda:1", dtype="float16", block_size=32,
+                        max_model_len=4096, num_kv_blocks=123, max_num_seqs=77,
+                        max_batched_tokens=999, cpu_kv_cache_gib=2.5,
+                        gpu_memory_utilization=0.55, cuda_graphs=False, seed=7)
+
+
+def _dataplane(argv: list[str]):
+    return build_parser().parse_args(["dataplane", *argv])
+
+
+def test_changed_differs_from_the_defaults_in_every_field():
+    default = WorkerOptions(model="m")
+    for field in dataclasses.fields(WorkerOptions):
+        assert getattr(CHANGED, field.name) != getattr(default, field.name), field.name
+
+
+def test_the_data_plane_builds_workers_from_the_one_definition():
+    assert DataPlaneWorkerOptions is WorkerOptions
+
+
+@pytest.mark.parametrize("opts", [CHANGED, WorkerOptions(model="/m"),
+                                  dataclasses.replace(CHANGED, dtype=None, num_kv_blocks=None,
+                                                      max_model_len=None, cuda_graphs=True)])
+def test_worker_options_round_trip_through_argv(opts):
+    assert from_args(WorkerOptions, _dataplane(to_argv(opts))) == opts
+
+
+def test_parallel_options_round_trip_through_argv():
+    par = ParallelOptions(rank=3, world_size=4, dist_init="tcp://10.0.0.1:2345", dist_timeout=12.5)
+    assert from_args(ParallelOptions, _dataplane(to_argv(par))) == par
+
+
+def _serve(*flags: str):
+    args = build_parser().parse_args(["serve", *flags])
+    args.model = args.model or "/models/x"
+    return args
+
+
+def test_serve_passes_every_worker_option_to_its_children():
+    args = _serve(*to_argv(CHANGED), "--dataplane-metrics-port", "9500")
+    (argv,) = serve_children_argvs(args, ["unix:/tmp/dp.sock"])
+    assert argv[1:4] == ["-m", "cli", "dataplane"]
+    child = _dataplane(argv[4:])
+    assert from_args(WorkerOptions, child) == CHANGED
+    assert (child.listen, child.metrics_port) == ("unix:/tmp/dp.sock", 9500)
+    assert from_args(ParallelOptions, child) == ParallelOptions()
+
+
+def test_serve_gives_each_tensor_parallel_rank_its_device_and_rank():
+    args = _serve("--device", "cuda", "-tp", "2", "--max-num-seqs", "64")
+    children = [_dataplane(argv[4:]) for argv in serve_children_argvs(args, ["unix:/a", "unix:/b"])]
+    pars = [from_args(ParallelOptions, c) for c in children]
+    assert [(p.rank, p.world_size) for p in pars] == [(0, 2), (1, 2)]
+    assert pars[0].dist_init == pars[1].dist_init and pars[0].dist_init.startswith("tcp://127.0.0.1:")
+    opts = [from_args(WorkerOptions, c) for c in children]
+    assert [o.device for o in opts] == ["cuda:0", "cuda:1"] and {o.max_num_seqs for o in opts} == {64}
+    assert [c.metrics_port for c in children] == [9401, 9402]
+
+
+def test_max_num_seqs_limits_the_scheduler_and_the_worker_alike():
+    args = _serve("--max-num-seqs", "48", "--max-batched-tokens", "512")
+    assert from_args(WorkerOptions, args).max_num_seqs == 48
+    assert (engine_config(args).max_running, engine_config(args).max_batched_tokens) == (48, 512)
+    control = build_parser().parse_args(["controlplane", "--workers", "x:1", "--max-num-seqs", "5"])
+    assert engine_config(control).max_running == 5
+    not_its_own = {f.name for f in dataclasses.fields(WorkerOptions)} - set(CONTROL_PLANE_WORKER_OPTIONS)
+    assert not not_its_own & set(vars(control))   # the control plane alone takes only its share
+
+
+@pytest.mark.parametrize("command", ["serve", "dataplane", "controlplane"])
+def test_max_running_is_a_hidden_alias_of_max_num_seqs(command, capsys):
+    extra = ["--workers", "x:1"] if command == "controlplane" else []
+    args = build_parser().parse_args([command, *extra, "--max-running", "9"])
+    assert args.max_num_seqs == 9 and not hasattr(args, "max_running")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    out = capsys.readouterr().out
+    assert "--max-num-seqs" in out and "--max-running" not in out
+
+
+def test_cuda_graphs_flag_pair():
+    assert _dataplane([]).cuda_graphs is True
+    assert _dataplane(["--no-cuda-graphs"]).cuda_graphs is False
+
+
+def test_grpc_keepalive_settings_agree_across_the_planes():
+    server = dict(grpc_options.server_options(grpc_options.STEP_MAX_MESSAGE_BYTES))
+    public = dict(grpc_options.server_options(grpc_options.PUBLIC_MAX_MESSAGE_BYTES))
+    channel = dict(grpc_options.channel_options())
+    # a channel never pings more often than a server accepts (else: GOAWAY too_many_pings)
+    assert channel["grpc.keepalive_time_ms"] >= server["grpc.http2.min_ping_interval_without_data_ms"]
+    for key in ("grpc.keepalive_time_ms", "grpc.keepalive_timeout_ms",
+                "grpc.keepalive_permit_without_calls"):
+        assert server[key] == public[key] == channel[key]
+    # the channel takes any message a data plane server may send
+    assert channel["grpc.max_receive_message_length"] >= server["grpc.max_send_message_length"]
+    assert public["grpc.max_receive_message_length"] == 64 << 20
