@@ -259,7 +259,7 @@ def test_admin_token(planes):
         cfg = planes.admin.GetConfig(apb.GetConfigRequest(), metadata=[("authorization", "Bearer s3cret")])
         assert cfg.ready
         errors = planes.plane.metrics.registry.get_sample_value(
-            "headrace:request_errors_total", {"method": "Drain", "code": "UNAUTHENTICATED"})
+            "headrace:request_errors_total", {"method": "Drain", "code": "UNAUTHENTICATED", "api": "grpc"})
         assert errors == 1
     finally:
         planes.plane.admin.token = None
