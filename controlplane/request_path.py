@@ -134,12 +134,12 @@ class RequestPath:
 
     # -- generation ------------------------------------------------------------------------
     async def generate(self, request: pb.GenerateRequest, *, api: str = "grpc",
-                       metadata: Iterable[tuple[str, str]] = (), span_name: str | None = None
-                       ) -> AsyncIterator[pb.GenerateResponse]:
-        """Streams the request's responses. ``metadata``: the caller's headers (``traceparent``);
-        ``span_name``: open a server span (front ends without tracing instrumentation)."""
-        metrics = self.engine.telemetry.metrics
-        metrics.api_request(api, "Generate")
+                       method: str = "Generate", metadata: Iterable[tuple[str, str]] = (),
+                       span_name: str | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        """Streams the request's responses. ``api``/``method`` label the metrics; ``metadata``:
+        the caller's headers (``traceparent``); ``span_name``: open a server span (front ends
+        without tracing instrumentation)."""
+        self.engine.telemetry.metrics.api_request(api, method)
         tracer = tracing.get_tracer("headrace.controlplane") if span_name else None
         with contextlib.ExitStack() as stack:
             if tracer is not None:
@@ -151,7 +151,7 @@ class RequestPath:
             try:
                 req = self._admit(request)
             except RequestError as exc:
-                self._failed(api, exc)
+                self._failed(api, method, exc)
                 raise
             try:
                 while not req.delivered:
@@ -161,7 +161,7 @@ class RequestPath:
                     for msg in responses:
                         yield msg
             except RequestError as exc:
-                self._failed(api, exc)
+                self._failed(api, method, exc)
                 raise
             finally:
                 self.engine.abort(req)   # no-op when finished; frees the blocks when the client left
@@ -190,7 +190,7 @@ class RequestPath:
         engine.submit(req)
         return req
 
-    def _failed(self, api: str, exc: RequestError) -> None:
-        self.engine.telemetry.metrics.rpc_error("Generate", exc.code, api)
+    def _failed(self, api: str, method: str, exc: RequestError) -> None:
+        self.engine.telemetry.metrics.rpc_error(method, exc.code, api)
         tracing.mark_span_failed(exc.code)
         log.info("request failed", code=exc.code.name, details=exc.message)

@@ -83,9 +83,10 @@ class Api:
     def gone(self, method: str):
         return lambda: self.metrics.rpc_error(method, grpc.StatusCode.CANCELLED, "http")
 
-    def streams(self, request: Request, reqs, route: str):
+    def streams(self, request: Request, reqs, route: str, method: str):
         meta = list(request.headers.items())
-        return [self.path.generate(r, api="http", metadata=meta, span_name=f"POST {route}") for r in reqs]
+        return [self.path.generate(r, api="http", method=method, metadata=meta,
+                                   span_name=f"POST {route}") for r in reqs]
 
     # -- generation ------------------------------------------------------------------------
     async def generate(self, request: Request, chat: bool):
@@ -97,17 +98,12 @@ class Api:
             body = await self.body(request, ChatCompletionRequest if chat else CompletionRequest)
             self.check_model(body.model)
             reqs = [convert.chat_request(body)] if chat else convert.completion_requests(body)
-            self.path.check_ready()
-        except RequestError as exc:
-            exc = HttpError.from_request_error(exc, chat)
-            on_error(exc)
-            return JSONResponse(exc.body(), exc.status)
         except HttpError as exc:
             on_error(exc)
             return JSONResponse(exc.body(), exc.status)
         top_n = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs
         fmt = streaming.Formatter(chat, body.model or self.path.model_name, body.n, top_n, self.token_text)
-        streams = self.streams(request, reqs, route)
+        streams = self.streams(request, reqs, route, method)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return responses.event_stream(streaming.sse_chunks(fmt, streams, usage, chat),

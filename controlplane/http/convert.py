@@ -35,7 +35,9 @@ class HttpError(Exception):
             param = m.group(1)
             if param in ("prompt", "prompt_token_ids") and chat:
                 param = "messages"
-        return cls(status, exc.message, param)
+        error = cls(status, exc.message, param)
+        error.counted = True   # the request path counted it
+        return error
 
     def body(self) -> dict:
         return error_body(self.message, TYPES.get(self.status, "server_error"), self.param, self.code)
