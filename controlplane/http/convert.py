@@ -33,8 +33,8 @@ class HttpError(Exception):
         param = None
         if status == 400 and (m := _PARAM.match(exc.message)):
             param = m.group(1)
-            if param in ("prompt", "prompt_token_ids") and chat:
-                param = "messages"
+            if param in ("prompt", "prompt_token_ids"):
+                param = "messages" if chat else "prompt"
         error = cls(status, exc.message, param)
         error.counted = True   # the request path counted it
         return error
