@@ -62,6 +62,7 @@ class RequestPath:
         self.log_prompts = log_prompts
         self.chat_template_file = chat_template
         self.generation_config = generation_config
+        self.tracer = tracing.get_tracer("headrace.controlplane")   # None: tracing off
         self.set_model(model_dir, tokenizer)
 
     def set_model(self, model_dir: str, tokenizer: ModelTokenizer) -> None:
@@ -140,7 +141,7 @@ class RequestPath:
         the caller's headers (``traceparent``); ``span_name``: open a server span (front ends
         without tracing instrumentation)."""
         self.engine.telemetry.metrics.api_request(api, method)
-        tracer = tracing.get_tracer("headrace.controlplane") if span_name else None
+        tracer = self.tracer if span_name else None
         with contextlib.ExitStack() as stack:
             if tracer is not None:
                 stack.enter_context(tracer.start_as_current_span(

@@ -137,3 +137,55 @@ def test_generation_config_sets_default_sampling(tmp_path):
         assert hot[0] != hot[1]   # an explicit temperature wins over the default
     finally:
         planes.close()
+
+
+def test_a_failure_mid_stream_is_an_error_event_then_done(planes, http):
+    import grpc
+
+    body = {"model": "tiny", "prompt": "It is a truth", "max_tokens": 900, "ignore_eos": True,
+            "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+        planes._loop.call_soon_threadsafe(planes.engine.fail_all, grpc.StatusCode.UNAVAILABLE,
+                                          "data plane lost")
+        events = [line for line in lines if line]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["message"] == "data plane lost" and error["type"] == "service_unavailable"
+
+
+def test_http_requests_join_the_callers_trace(tmp_path):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from controlplane import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.enable_tracing(provider)
+    try:
+        traced = Planes(default_model_dir(), num_kv_blocks=64, plane_options={"http_port": 0})
+    finally:
+        tracing.disable_tracing()
+    try:
+        trace_id, parent = 0x4bf92f3577b34da6a3ce929d0e0e4736, 0x00f067aa0ba902b7
+        r = httpx.post(f"http://127.0.0.1:{traced.plane.http.port}/v1/completions", timeout=60,
+                       json={"prompt": "Mr Darcy", "max_tokens": 3},
+                       headers={"traceparent": f"00-{trace_id:032x}-{parent:016x}-01"})
+        assert r.status_code == 200
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+            if any(s.name == "POST /v1/completions" for s in spans):
+                break
+            time.sleep(0.02)
+        (server,) = [s for s in spans if s.name == "POST /v1/completions"]
+        assert server.parent.span_id == parent and server.parent.is_remote
+        assert server.attributes["headrace.completion_tokens"] == 3
+        children = {s.name for s in spans if s.parent and s.parent.span_id == server.context.span_id}
+        assert {"headrace.queue", "headrace.decode"} <= children
+    finally:
+        traced.close()
