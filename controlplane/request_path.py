@@ -65,13 +65,18 @@ class RequestPath:
         self.tracer = tracing.get_tracer("headrace.controlplane")   # None: tracing off
         self.set_model(model_dir, tokenizer)
 
-    def set_model(self, model_dir: str, tokenizer: ModelTokenizer) -> None:
+    def load_assets(self, model_dir: str) -> tuple[ChatTemplate | None, SamplingDefaults]:
+        """The model's chat template and sampling defaults; ValueError when the template is
+        unreadable or does not compile (Admin reload checks this before draining)."""
         try:
             template = ChatTemplate.load(model_dir, self.chat_template_file)
         except (OSError, ChatTemplateError) as exc:
             raise ValueError(f"chat template of {model_dir}: {exc}") from exc
-        self.model_dir, self.tokenizer, self.chat_template = model_dir, tokenizer, template
-        self.defaults = SamplingDefaults.load(model_dir, self.generation_config)
+        return template, SamplingDefaults.load(model_dir, self.generation_config)
+
+    def set_model(self, model_dir: str, tokenizer: ModelTokenizer) -> None:
+        self.chat_template, self.defaults = self.load_assets(model_dir)
+        self.model_dir, self.tokenizer = model_dir, tokenizer
         self.model_name = pathlib.Path(model_dir).resolve().name
 
     # -- readiness -------------------------------------------------------------------------

@@ -7,11 +7,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from typing import AsyncIterator, Awaitable, Callable
 
 from starlette.responses import Response
 
 from controlplane.http.convert import HttpError
+from controlplane.http.protocol import error_body
+
+log = logging.getLogger("headrace.http")
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
@@ -54,6 +58,10 @@ class Watched(Response):
                 if self.on_error is not None:
                     self.on_error(exc)
                 await send_json(send, exc.status, exc.body())
+            except Exception:   # a bug: logged here, never shown to the client
+                log.exception("unexpected error while answering")
+                if not started:
+                    await send_json(send, 500, error_body("internal server error", "server_error"))
 
         task = asyncio.ensure_future(run())
         watcher = asyncio.ensure_future(_disconnected(receive))
