@@ -189,3 +189,13 @@ def test_http_requests_join_the_callers_trace(tmp_path):
         assert {"headrace.queue", "headrace.decode"} <= children
     finally:
         traced.close()
+
+
+def test_connections_disable_nagle(planes):
+    """asyncio sets TCP_NODELAY only on sockets created with proto TCP; with Nagle on, the
+    first SSE chunk waited ~40 ms for the client's delayed ACK."""
+    import socket
+
+    (listener,) = planes.plane.http.server.servers[0].sockets
+    assert listener.proto == socket.IPPROTO_TCP
+    assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
