@@ -3,6 +3,7 @@
     python -m bench.serving_bench --model DIR --workload w1   # nano-vllm's offline throughput
     python -m bench.serving_bench --model DIR --workload w2   # single-stream TTFT / ITL
     python -m bench.serving_bench --model DIR --workload w3   # 1000-in / 1000-out throughput
+    python -m bench.serving_bench --model DIR --workload w1 --api http   # the same through HTTP SSE
 
 Starts `headrace serve` (unless --address is given) in its own process group, waits until it
 is SERVING (reports the seconds to ready), runs the workload from an asyncio gRPC client and
@@ -25,6 +26,7 @@ import time
 
 import grpc
 
+from bench.serving_http import HttpTarget, run_one_http
 from cli.client import wait_until_serving
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
@@ -64,6 +66,8 @@ def device_seconds(port: int = 9401) -> tuple[float, float, float]:
 
 
 async def run_one(stub, prompt, max_tokens, temperature, stamps: list | None = None) -> int:
+    if isinstance(stub, HttpTarget):   # --api http
+        return await run_one_http(stub, prompt, max_tokens, temperature, stamps)
     req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
                              ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature),
                              stream_interval=STREAM_INTERVAL)
@@ -131,6 +135,8 @@ async def main_async(args) -> dict:
             raise SystemExit("server never became ready")
         ready = time.perf_counter() - t0
         stub = pb_grpc.InferenceStub(channel)
+        if args.api == "http":
+            stub = HttpTarget(args.http_url)
         profile = lambda: start_py_spy(args.server_pid, args.py_spy, args.py_spy_seconds)  # noqa: E731
         if args.workload == "w1":
             out = await throughput(stub, w1_requests(), profile)
@@ -138,7 +144,9 @@ async def main_async(args) -> dict:
             out = await throughput(stub, w3_requests(args.num_seqs), profile)
         else:
             out = await latency(stub)
-        out.update(workload=args.workload, seconds_to_ready=round(ready, 1))
+        if args.api == "http":
+            await stub.close()
+        out.update(workload=args.workload, seconds_to_ready=round(ready, 1), api=args.api)
         return out
 
 
@@ -154,6 +162,10 @@ def main() -> None:
     ap.add_argument("--stream-interval", type=int, default=0,
                     help="tokens per streamed message the requests ask for (0: server default; "
                          "100000: one message per request, an offline client)")
+    ap.add_argument("--api", choices=["grpc", "http"], default="grpc",
+                    help="http: the same requests through /v1/completions with SSE streaming")
+    ap.add_argument("--http-url", default=None,
+                    help="--api http with --address: the server's HTTP base URL (default port 8000)")
     ap.add_argument("--py-spy", default=None, help="w1/w3: write py-spy raw stacks of the server here")
     ap.add_argument("--py-spy-seconds", type=float, default=8)
     args = ap.parse_args()
@@ -163,10 +175,14 @@ def main() -> None:
     if args.address is None:
         args.address = f"127.0.0.1:{args.port}"
         cmd = [sys.executable, *SERVE, "--model", args.model,
-               "--host", "127.0.0.1", "--port", str(args.port), *args.serve_args.split()]
+               "--host", "127.0.0.1", "--port", str(args.port), "--http-port", str(args.port + 1),
+               *args.serve_args.split()]
+        args.http_url = args.http_url or f"http://127.0.0.1:{args.port + 1}"
         server = subprocess.Popen(cmd, env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"),
                                   start_new_session=True)
         args.server_pid = server.pid
+    if args.http_url is None:
+        args.http_url = f"http://{args.address.rsplit(':', 1)[0]}:8000"
     try:
         print(json.dumps(asyncio.run(main_async(args))), flush=True)
     finally:

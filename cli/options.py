@@ -86,6 +86,18 @@ def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -
         p.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
         p.add_argument("--disable-log-requests", action="store_true",
                        help="no log line per finished request")
+        add_api_args(p)
+
+
+def add_api_args(p: argparse.ArgumentParser) -> None:
+    """The public APIs beside gRPC: OpenAI-compatible HTTP, chat templates, sampling defaults."""
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API port on the gRPC host (0 disables; default 8000)")
+    p.add_argument("--chat-template", default=None,
+                   help="jinja chat template file (default: the model's own)")
+    p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
+                   help="auto: the model's generation_config.json sets default sampling "
+                        "parameters; vllm: ignore it")
 
 
 def plane_options(args) -> dict:
@@ -99,7 +111,10 @@ def plane_options(args) -> dict:
                 tls=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
                 worker_credentials=security.channel_credentials(args.worker_ca, args.worker_cert,
                                                                 args.worker_key),
-                worker_secret=args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or None)
+                worker_secret=args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or None,
+                http_port=args.http_port or None, chat_template=args.chat_template,
+                generation_config=args.generation_config,
+                http_tls=(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None)
 
 
 def engine_config(args) -> EngineConfig:

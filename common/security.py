@@ -51,10 +51,17 @@ def bearer_metadata(token: str | None) -> tuple:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
+def bearer_ok(value: str | None, token: str) -> bool:
+    """Whether an ``authorization`` value is ``Bearer TOKEN`` (gRPC metadata, HTTP header)."""
+    if not value or not value.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(value[7:].encode(), token.encode())
+
+
 def _authorized(metadata, token: str) -> bool:
     for key, value in metadata or ():
-        if key == "authorization" and value.startswith("Bearer "):
-            return hmac.compare_digest(value[7:].encode(), token.encode())
+        if key == "authorization":
+            return bearer_ok(value, token)
     return False
 
 

@@ -164,9 +164,10 @@ class AdminService(apb_grpc.AdminServicer):
             model = request.model or self.plane.model_dir
             try:
                 tokenizer = await asyncio.to_thread(ModelTokenizer, model)
+                await asyncio.to_thread(self.plane.requests.load_assets, model)   # its chat template
             except Exception as exc:  # noqa: BLE001 - a bad directory, on this plane
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"cannot load the tokenizer of {model!r}: {exc}")
+                                    f"cannot load the tokenizer or chat template of {model!r}: {exc}")
             try:
                 aborted, seconds = await self.plane.reload(model, tokenizer, request.drain_timeout_s)
             except WorkerError as exc:

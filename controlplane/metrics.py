@@ -131,8 +131,11 @@ class ControlPlaneMetrics(Exporter):
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of admitted requests "
                                      "(counted at their first token).", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
-        self.errors = Counter(p + "request_errors", "RPCs that ended with an error status, by "
-                              "method and gRPC status code.", ["method", "code"], registry=r)
+        self.errors = Counter(p + "request_errors", "Requests that ended with an error status, by "
+                              "method, gRPC status code (HTTP errors by their gRPC equivalent) "
+                              "and API (grpc, http).", ["method", "code", "api"], registry=r)
+        self.api_requests = Counter(p + "api_requests", "Requests received, by API (grpc, http) "
+                                    "and method.", ["api", "method"], registry=r)
         self.registry.register(_EngineState(self))
 
     def bind(self, engine) -> None:
@@ -144,8 +147,11 @@ class ControlPlaneMetrics(Exporter):
         self.carried[1] += scheduler.blocks.prefix_queries
         self.carried[2] += scheduler.blocks.prefix_hits
 
-    def rpc_error(self, method: str, code: grpc.StatusCode) -> None:
-        self.errors.labels(method, code.name).inc()
+    def rpc_error(self, method: str, code: grpc.StatusCode, api: str = "grpc") -> None:
+        self.errors.labels(method, code.name, api).inc()
+
+    def api_request(self, api: str, method: str) -> None:
+        self.api_requests.labels(api, method).inc()
 
 
 def rpc_status(context, exc: BaseException) -> grpc.StatusCode:

@@ -1,6 +1,6 @@
 """Assembles the control plane's gRPC server: Inference, Admin, grpc.health.v1 (per service)
 and reflection, with deliberate message-size and keepalive settings, tracing and metrics
-interceptors and the Prometheus exporter; drains, resumes and reloads; runs until told to
+interceptors and the Prometheus exporter, and the OpenAI-compatible HTTP front end beside it; drains, resumes and reloads; runs until told to
 stop."""
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from common import security, tracing
 from common.grpc_options import PUBLIC_MAX_MESSAGE_BYTES, server_options
 from controlplane.admin import AdminService, wait_until
 from controlplane.engine import Engine, EngineConfig
+from controlplane.http.server import HttpFrontEnd, http_host
 from controlplane.metrics import ControlPlaneMetrics, MetricsInterceptor
+from controlplane.request_path import RequestPath
 from controlplane.service import InferenceService
 from controlplane.telemetry import EngineTelemetry
 from controlplane.tokenizer import ModelTokenizer
@@ -39,8 +41,9 @@ class ControlPlane:
     """The public server and its engine. ``start`` returns once the port is bound; the
     model becomes ready (health SERVING) when the workers have answered.
 
-    ``metrics_port``: None serves no /metrics, 0 an ephemeral port (``self.metrics_port``
-    tells which). ``admin_token``: see ``controlplane.admin``."""
+    ``metrics_port`` and ``http_port``: None serves none, 0 an ephemeral port
+    (``self.metrics_port`` / ``self.http.port`` tell which). ``admin_token``: see
+    ``controlplane.admin``."""
 
     def __init__(self, model_dir: str, worker_addresses: list[str], address: str,
                  config: EngineConfig | None = None, *, metrics_port: int | None = None,
@@ -48,7 +51,9 @@ class ControlPlane:
                  log_requests: bool = True, log_prompts: bool = False,
                  api_token: str | None = None, tls: grpc.ServerCredentials | None = None,
                  worker_credentials: grpc.ChannelCredentials | None = None,
-                 worker_secret: str | None = None):
+                 worker_secret: str | None = None, http_port: int | None = None,
+                 chat_template: str | None = None, generation_config: str = "auto",
+                 http_tls: tuple | None = None):
         self.model_dir = model_dir
         self.tokenizer = ModelTokenizer(model_dir)
         self.metrics = ControlPlaneMetrics()
@@ -70,10 +75,13 @@ class ControlPlane:
             quiet = filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection"))
             interceptors.insert(0, aio_server_interceptor(tracer_provider=provider,
                                                           filter_=filters.negate(quiet)))
-        self.server = grpc.aio.server(options=server_options(PUBLIC_MAX_MESSAGE_BYTES),
-                                      interceptors=interceptors)
-        self.inference = InferenceService(self.engine, self.tokenizer, len(worker_addresses),
-                                          log_prompts=log_prompts)
+        self.server = grpc.aio.server(options=server_options(PUBLIC_MAX_MESSAGE_BYTES), interceptors=interceptors)
+        self.requests = RequestPath(self.engine, model_dir, self.tokenizer, chat_template=chat_template,
+                                    generation_config=generation_config, log_prompts=log_prompts)
+        self.inference = InferenceService(self.requests, len(worker_addresses))
+        self.http = None if http_port is None else HttpFrontEnd(
+            self.requests, http_host(address), http_port, api_token,
+            tensor_parallel_size=len(worker_addresses), ssl=http_tls)
         pb_grpc.add_InferenceServicer_to_server(self.inference, self.server)
         self.admin = AdminService(self, admin_token)
         apb_grpc.add_AdminServicer_to_server(self.admin, self.server)
@@ -103,6 +111,9 @@ class ControlPlane:
         if self.port == 0:
             raise RuntimeError(f"cannot bind {self.address}")
         await self.server.start()
+        if self.http is not None:
+            await self.http.start()
+            log.info("OpenAI-compatible HTTP API on http://%s:%d", self.http.host, self.http.port)
         if self.metrics_port is not None:
             try:
                 self.metrics_port = self.metrics.serve(self.metrics_port, self.metrics_host)
@@ -163,7 +174,7 @@ class ControlPlane:
             raise
         await self.engine.restart(infos)
         self.model_dir, self.tokenizer = model, tokenizer
-        self.inference.tokenizer = tokenizer
+        self.requests.set_model(model, tokenizer)
         self.engine.draining = was_draining
         await self.sync_health()
         seconds = time.monotonic() - start
@@ -175,7 +186,10 @@ class ControlPlane:
         """Graceful: NOT_SERVING, refuse new calls, let in-flight ones finish within ``grace``."""
         self.engine.draining = True
         await self.sync_health()
-        await self.server.stop(grace)
+        if self.http is not None:
+            await asyncio.gather(self.server.stop(grace), self.http.stop(grace))
+        else:
+            await self.server.stop(grace)
         await self.engine.stop()
         self.metrics.close()
 

@@ -71,9 +71,15 @@ def _sampling(s: pb.SamplingParams, vocab_size: int) -> wpb.Sampling:
                         seed=s.seed)
 
 
-def prompt_ids(req: pb.GenerateRequest, tokenizer: ModelTokenizer, vocab_size: int) -> list[int]:
+def prompt_ids(req: pb.GenerateRequest, tokenizer: ModelTokenizer, vocab_size: int,
+               render_chat=None) -> list[int]:
     kind = req.WhichOneof("input")
-    _check(kind is not None, "prompt: set either prompt or prompt_token_ids")
+    _check(kind is not None, "prompt: set one of prompt, prompt_token_ids or messages")
+    if kind == "messages":
+        _check(render_chat is not None, "messages: chat is not available here")
+        ids = render_chat(req.messages)
+        _check(len(ids) > 0, "messages: the chat template rendered no tokens")
+        return ids
     if kind == "prompt":
         _check(req.prompt != "", "prompt must not be empty")
         check_text("prompt", req.prompt)
@@ -87,8 +93,11 @@ def prompt_ids(req: pb.GenerateRequest, tokenizer: ModelTokenizer, vocab_size: i
 
 
 def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids,
-                  vocab_size: int, max_model_len: int, eos_token_ids: list[int]) -> Request:
-    """A validated Request with its ``n`` sequences (ids drawn from the ``seq_ids`` iterator)."""
+                  vocab_size: int, max_model_len: int, eos_token_ids: list[int],
+                  render_chat=None, default_max_tokens: int | None = None) -> Request:
+    """A validated Request with its ``n`` sequences (ids drawn from the ``seq_ids`` iterator).
+    ``render_chat(pb.ChatMessages) -> ids`` serves ``messages``; ``default_max_tokens`` (the
+    model's max_new_tokens) applies, capped by the room left, when max_tokens is unset."""
     rid = req.request_id or uuid.uuid4().hex
     _check(len(rid) <= MAX_REQUEST_ID_LEN, f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
     # Cheap checks first so absurd requests cost no tokenization.
@@ -110,12 +119,12 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids
         _check(n < max_model_len,
                f"prompt_token_ids has {n} tokens; max_model_len is {max_model_len}")
     sampling = _sampling(req.sampling, vocab_size)
-    ids = prompt_ids(req, tokenizer, vocab_size)
+    ids = prompt_ids(req, tokenizer, vocab_size, render_chat)
     _check(len(ids) < max_model_len,
            f"prompt has {len(ids)} tokens; max_model_len is {max_model_len} "
            "(the KV pool and the model's context bound it; at least one output token must fit)")
     room = max_model_len - len(ids)
-    max_tokens = req.max_tokens if req.HasField("max_tokens") else room
+    max_tokens = req.max_tokens if req.HasField("max_tokens") else min(room, default_max_tokens or room)
     _check(max_tokens <= room, f"max_tokens {max_tokens} plus the prompt's {len(ids)} tokens "
                                f"exceeds max_model_len {max_model_len}")
     _check(req.min_tokens <= max_tokens, f"min_tokens {req.min_tokens} exceeds max_tokens {max_tokens}")

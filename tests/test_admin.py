@@ -238,6 +238,13 @@ def test_reload_of_a_bad_directory_keeps_serving(planes, tmp_path):
     broken.mkdir()
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(pathlib.Path(planes.plane.model_dir) / f, broken / f)
+    bad_template = tmp_path / "bad-template"   # refused before anything is drained
+    shutil.copytree(broken, bad_template)
+    (bad_template / "chat_template.jinja").write_text("{% for %}")
+    with pytest.raises(grpc.RpcError) as info:
+        planes.admin.ReloadModel(apb.ReloadModelRequest(model=str(bad_template)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "chat template" in info.value.details() and _status(planes) == SERVING
     with pytest.raises(grpc.RpcError) as info:
         planes.admin.ReloadModel(apb.ReloadModelRequest(model=str(broken)))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -259,7 +266,7 @@ def test_admin_token(planes):
         cfg = planes.admin.GetConfig(apb.GetConfigRequest(), metadata=[("authorization", "Bearer s3cret")])
         assert cfg.ready
         errors = planes.plane.metrics.registry.get_sample_value(
-            "headrace:request_errors_total", {"method": "Drain", "code": "UNAUTHENTICATED"})
+            "headrace:request_errors_total", {"method": "Drain", "code": "UNAUTHENTICATED", "api": "grpc"})
         assert errors == 1
     finally:
         planes.plane.admin.token = None

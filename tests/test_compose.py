@@ -30,10 +30,11 @@ def test_compose_declares_the_operations_stack():
     (device,) = gpu["dataplane"]["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
     assert "cuda" in gpu["dataplane"]["command"]
-    for name, port in (("controlplane", "50051"), ("dataplane", "50061")):
+    for name, port in (("controlplane", "8000/ready"), ("dataplane", "50061")):
         service = gpu[name]
         check = service["healthcheck"]
-        assert check["test"][:3] == ["CMD", "headrace", "health"] and port in check["test"][-1]
+        probe = ["CMD", "python", "-c"] if name == "controlplane" else ["CMD", "headrace", "health"]
+        assert check["test"][:3] == probe and port in check["test"][-1]
         assert check["start_period"].endswith("m")       # model loading takes minutes
         assert any(v.endswith(":/models:ro") for v in service["volumes"])   # model weights
         env = service["environment"]
@@ -43,6 +44,7 @@ def test_compose_declares_the_operations_stack():
     prom = _load(ROOT / "deploy" / "prometheus.yml")
     targets = {t for job in prom["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
     assert targets == {"controlplane:9400", "dataplane:9401"}
+    assert gpu["controlplane"]["ports"][-1].endswith("8000}:8000") and "8000" in gpu["controlplane"]["command"]
     assert "--metrics-port" in gpu["controlplane"]["command"] and "9400" in gpu["controlplane"]["command"]
     assert "9401" in gpu["dataplane"]["command"]
     otel = _load(ROOT / "deploy" / "otel-collector.yaml")

@@ -90,12 +90,12 @@ def test_requests_without_traceparent_get_a_trace_id(llama_planes, captured):
 
 def test_prompts_are_logged_only_when_asked(llama_planes, captured):
     configure_logging("json", stream=captured, cache_loggers=False)
-    llama_planes.plane.inference.log_prompts = True
+    llama_planes.plane.requests.log_prompts = True
     try:
         list(llama_planes.stub.Generate(pb.GenerateRequest(prompt="the lazy dog", max_tokens=2,
                                                            request_id="log-4"), timeout=60))
     finally:
-        llama_planes.plane.inference.log_prompts = False
+        llama_planes.plane.requests.log_prompts = False
     (received,) = [x for x in _lines(captured) if x["event"] == "request received"]
     assert received["prompt"] == "the lazy dog" and received["request_id"] == "log-4"
     assert received["prompt_token_ids"]

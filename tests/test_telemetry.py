@@ -250,8 +250,8 @@ def test_every_metric_moves_as_expected(planes):
             "queries": cp(P + "prefix_cache_queries_total"),
             "hits": cp(P + "prefix_cache_hits_total"),
             "preemptions": cp(P + "num_preemptions_total"),
-            "invalid": cp(P + "request_errors_total", method="Generate", code="INVALID_ARGUMENT"),
-            "cancelled": cp(P + "request_errors_total", method="Generate", code="CANCELLED"),
+            "invalid": cp(P + "request_errors_total", method="Generate", code="INVALID_ARGUMENT", api="grpc"),
+            "cancelled": cp(P + "request_errors_total", method="Generate", code="CANCELLED", api="grpc"),
             **{f"step_{ph}": cp(P + "step_time_seconds_count", phase=ph)
                for ph in ("schedule", "transport", "execute", "process")},
             "dp_steps": dp(P + "dataplane_steps_total"),

@@ -50,6 +50,11 @@ HERE = Path(__file__).resolve().parent
 BOS, EOS = "<s>", "</s>"
 BOS_ID, EOS_ID = 0, 1
 MAX_POSITIONS = 1024
+# A plain-text chat format ("User: ...\nAssistant:") so chat requests work out of the box.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}"
+                 "{% if message.role == 'system' %}{{ message.content | trim }}\n\n"
+                 "{% else %}{{ message.role | capitalize }}: {{ message.content | trim }}\n{% endif %}"
+                 "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
 # Pre-token pattern: a word, a contraction suffix, up to 3 digits or a run of
 # punctuation, each with at most one trailing space; other whitespace alone.
 PIECES = r"'(?:s|t|re|ve|m|ll|d) ?|\p{L}+ ?|\p{N}{1,3} ?|[^\s\p{L}\p{N}]+ ?|\s+"
@@ -230,7 +235,7 @@ def main() -> None:
     tok.save(str(args.out / "tokenizer.json"))
     tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
                   "pad_token": EOS, "model_max_length": MAX_POSITIONS,
-                  "clean_up_tokenization_spaces": False}
+                  "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
     (args.out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     size = sum(f.stat().st_size for f in args.out.iterdir())
     print(f"saved {sorted(f.name for f in args.out.iterdir())} to {args.out} ({size / 2**20:.2f} MiB)")

@@ -1,0 +1,158 @@
+"""OpenAI-compatible request bodies -> ``GenerateRequest`` (one per prompt), and the mapping of
+the request path's errors (gRPC status codes) to HTTP statuses and OpenAI error objects."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import grpc
+
+from controlplane.http.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest, error_body
+from headrace.v1 import inference_pb2 as pb
+
+STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+          grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+          grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+GRPC_CODE = {v: k for k, v in STATUS.items()} | {413: grpc.StatusCode.INVALID_ARGUMENT}
+FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
+          pb.FINISH_REASON_STOP_STRING: "stop", pb.FINISH_REASON_ABORTED: "abort"}
+_PARAM = re.compile(r"^(?:sampling\.)?([a-z_]+)")
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @classmethod
+    def from_request_error(cls, exc, chat: bool = False) -> "HttpError":
+        status = STATUS.get(exc.code, 500)
+        param = None
+        if status == 400 and (m := _PARAM.match(exc.message)):
+            param = m.group(1)
+            if param in ("prompt", "prompt_token_ids"):
+                param = "messages" if chat else "prompt"
+        error = cls(status, exc.message, param)
+        error.counted = True   # the request path counted it
+        return error
+
+    def body(self) -> dict:
+        return error_body(self.message, TYPES.get(self.status, "server_error"), self.param, self.code)
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return GRPC_CODE.get(self.status, grpc.StatusCode.INTERNAL)
+
+
+def _unsupported(param: str, what: str = "") -> HttpError:
+    return HttpError(400, f"{param} is not supported{what}", param)
+
+
+def _common(body, max_tokens: int | None, logprobs: int) -> pb.GenerateRequest:
+    if body.logit_bias:
+        raise _unsupported("logit_bias")
+    if body.stream_options is not None and not body.stream:
+        raise HttpError(400, "stream_options is only allowed when stream is true", "stream_options")
+    req = pb.GenerateRequest(request_id=body.request_id or "", n=body.n, min_tokens=body.min_tokens,
+                             ignore_eos=body.ignore_eos, priority=body.priority, logprobs=logprobs,
+                             stop=[body.stop] if isinstance(body.stop, str) else (body.stop or []),
+                             stop_token_ids=body.stop_token_ids or [])
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    s = req.sampling
+    for field in ("temperature", "top_p", "repetition_penalty", "seed"):
+        if (value := getattr(body, field)) is not None:
+            setattr(s, field, value)
+    s.top_k = 0 if body.top_k in (None, -1) else body.top_k   # vLLM: -1 disables
+    s.min_p = body.min_p or 0.0
+    s.presence_penalty, s.frequency_penalty = body.presence_penalty, body.frequency_penalty
+    return req
+
+
+def completion_requests(body: CompletionRequest) -> list[pb.GenerateRequest]:
+    if body.echo:
+        raise _unsupported("echo")
+    if body.suffix:
+        raise _unsupported("suffix")
+    if body.best_of not in (None, body.n):
+        raise _unsupported("best_of", " (other than equal to n)")
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise HttpError(400, "prompt must not be empty", "prompt")
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens   # OpenAI's default here
+    out = []
+    for i, p in enumerate(prompts):
+        req = _common(body, max_tokens, 0 if body.logprobs is None else max(body.logprobs, 1))
+        if len(prompts) > 1 and req.request_id:
+            req.request_id = f"{req.request_id}-{i}"
+        if isinstance(p, str):
+            req.prompt = p
+        else:
+            if any(t < 0 for t in p):
+                raise HttpError(400, "prompt: token ids must be >= 0", "prompt")
+            req.prompt_token_ids.ids.extend(p)
+        out.append(req)
+    return out
+
+
+def _message(m: ChatMessageIn, i: int) -> pb.ChatMessage:
+    if m.content is None:
+        content = ""
+    elif isinstance(m.content, str):
+        content = m.content
+    else:
+        if any(p.type != "text" or p.text is None for p in m.content):
+            raise HttpError(400, f"messages[{i}].content: only text parts are supported", "messages")
+        content = "\n".join(p.text for p in m.content)
+    extra = dict(m.model_extra or {})
+    for call in extra.get("tool_calls") or ():   # templates expect arguments as a dict (as vLLM)
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                pass
+    msg = pb.ChatMessage(role=m.role, content=content, extra_json=json.dumps(extra) if extra else "")
+    if m.name is not None:
+        msg.name = m.name
+    return msg
+
+
+def chat_messages(messages: list[ChatMessageIn], *, add_generation_prompt: bool = True,
+                  continue_final_message: bool = False, tools=None, documents=None,
+                  kwargs=None) -> pb.ChatMessages:
+    chat = pb.ChatMessages(messages=[_message(m, i) for i, m in enumerate(messages)],
+                           add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message)
+    if tools:
+        chat.tools_json = json.dumps(tools)
+    if documents:
+        chat.documents_json = json.dumps(documents)
+    if kwargs:
+        chat.template_kwargs_json = json.dumps(kwargs)
+    return chat
+
+
+def chat_request(body: ChatCompletionRequest) -> pb.GenerateRequest:
+    if body.tool_choice not in (None, "none", "auto"):
+        raise _unsupported("tool_choice", " (other than 'none' and 'auto': no tool-call parsing)")
+    if body.response_format and body.response_format.get("type") != "text":
+        raise _unsupported("response_format", " (other than {'type': 'text'})")
+    if body.top_logprobs and not body.logprobs:
+        raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    # logprobs without top_logprobs still return the sampled token's logprob: ask for one
+    logprobs = max(body.top_logprobs or 0, 1) if body.logprobs else 0
+    req = _common(body, max_tokens, logprobs)
+    req.messages.CopyFrom(chat_messages(
+        body.messages, add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message, tools=body.tools,
+        documents=body.documents, kwargs=body.chat_template_kwargs))
+    return req

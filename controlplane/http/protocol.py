@@ -1,0 +1,99 @@
+"""Pydantic models of the OpenAI-compatible request bodies (completions, chat completions,
+tokenize, detokenize) with vLLM's sampling extras, and the OpenAI error object. Unknown fields
+are ignored, as OpenAI's and vLLM's servers do; fields headrace cannot honour are refused by
+``convert`` with a 400 naming them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(1, ge=1, le=64)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 64)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    priority: int = 0
+    stop_token_ids: list[int] | None = None
+    request_id: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(_Body):
+    model_config = ConfigDict(extra="allow")   # tool_calls, tool_call_id, reasoning_content, ...
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's chat extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error",
+                    "rate_limit_error", "server_error", "service_unavailable"]
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,79 @@
+"""Runs the HTTP front end with uvicorn inside the control plane's asyncio loop, beside the
+gRPC aio server: binds its socket at start (so a taken port fails start-up), leaves signal
+handling to the control plane, and stops gracefully with it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import uvicorn
+
+from controlplane.http.app import build_app
+from controlplane.request_path import RequestPath
+
+
+def http_host(grpc_address: str) -> str:
+    """The host of the gRPC address (HTTP binds the same one); loopback for unix sockets."""
+    if grpc_address.startswith("unix:"):
+        return "127.0.0.1"
+    host = grpc_address.rsplit(":", 1)[0]
+    return host.strip("[]") or "0.0.0.0"
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):   # the control plane owns SIGINT/SIGTERM
+        yield
+
+
+class HttpFrontEnd:
+    """``port`` 0 binds an ephemeral port (``self.port`` says which after ``start``).
+    ``ssl``: (certfile, keyfile, client CA or None) to serve HTTPS."""
+
+    def __init__(self, path: RequestPath, host: str, port: int, api_token: str | None = None, *,
+                 tensor_parallel_size: int = 1, ssl: tuple | None = None):
+        self.host, self.port = host, port
+        self.app = build_app(path, api_token, tensor_parallel_size)
+        options = {}
+        if ssl is not None:
+            import ssl as ssl_module
+
+            cert, key, ca = ssl
+            options = dict(ssl_certfile=cert, ssl_keyfile=key, ssl_ca_certs=ca,
+                           ssl_cert_reqs=ssl_module.CERT_REQUIRED if ca else ssl_module.CERT_NONE)
+        self.config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
+                                     timeout_keep_alive=30, server_header=False, **options)
+        self.server: _Server | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and
+        # without it Nagle's algorithm holds the first SSE chunk back ~40 ms (delayed ACK)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            raise RuntimeError(f"cannot bind HTTP {self.host}:{self.port}: {exc}") from exc
+        sock.listen(2048)
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        self.server = _Server(self.config)
+        self._task = asyncio.create_task(self.server.serve(sockets=[sock]), name="headrace-http")
+        while not self.server.started and not self._task.done():
+            await asyncio.sleep(0.01)
+        if self._task.done():
+            self._task.result()   # raise its start-up error
+
+    async def stop(self, grace: float = 10.0) -> None:
+        if self.server is None:
+            return
+        self.server.config.timeout_graceful_shutdown = grace
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(self._task, grace + 5)

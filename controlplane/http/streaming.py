@@ -1,0 +1,189 @@
+"""OpenAI's response shapes from the request path's ``GenerateResponse`` streams: SSE chunks
+(``chat.completion.chunk`` / ``text_completion``, ``data: [DONE]`` at the end, a usage chunk with
+``stream_options.include_usage``) and whole responses, with logprobs in chat style or
+completions style. Several prompts of one completions body run concurrently; their choices are
+numbered prompt-major (``prompt * n + sample``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import AsyncIterator, Callable
+
+from controlplane.http.convert import FINISH, HttpError
+from controlplane.request_path import RequestError
+from headrace.v1 import inference_pb2 as pb
+
+MIN_LOGPROB = -9999.0   # JSON has no -inf (vLLM clamps the same way)
+DONE = b"data: [DONE]\n\n"
+
+
+async def _merged(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    """(prompt index, response) from every stream as they come."""
+    if len(streams) == 1:
+        async for msg in streams[0]:
+            yield 0, msg
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for msg in stream:
+                queue.put_nowait((i, msg, None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, None, exc))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, msg, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if msg is None:
+                left -= 1
+            else:
+                yield i, msg
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Formatter:
+    """Turns responses into OpenAI dicts for one endpoint (``chat`` or completions)."""
+
+    def __init__(self, chat: bool, model: str, n: int, top_logprobs: int | None,
+                 token_text: Callable[[int], str]):
+        self.chat, self.model, self.n, self.top_n = chat, model, n, top_logprobs
+        self.token_text = token_text
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self.offsets: dict[int, int] = {}   # completions' text_offset per choice
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0,
+                      "prompt_tokens_details": {"cached_tokens": 0}}
+
+    def index(self, prompt: int, msg: pb.GenerateResponse) -> int:
+        return prompt * self.n + msg.index
+
+    def count(self, msg: pb.GenerateResponse) -> None:
+        if not msg.finish_reason:
+            return
+        u = self.usage
+        if msg.index == 0:   # the prompt once per prompt, however many samples
+            u["prompt_tokens"] += msg.usage.prompt_tokens
+            u["prompt_tokens_details"]["cached_tokens"] += msg.usage.cached_prompt_tokens
+        u["completion_tokens"] += msg.usage.completion_tokens
+        u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+
+    def _entry(self, tid: int, value: float) -> tuple[str, float]:
+        return self.token_text(tid), max(value, MIN_LOGPROB)
+
+    def logprobs(self, index: int, msg: pb.GenerateResponse):
+        if self.top_n is None or not msg.logprobs:
+            return None
+        if self.chat:
+            content = []
+            for lp in msg.logprobs:
+                token, value = self._entry(lp.token_id, lp.logprob)
+                top = [self._entry(t.token_id, t.logprob) for t in lp.top[:self.top_n]]
+                content.append({"token": token, "logprob": value, "bytes": list(token.encode()),
+                                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
+                                                 for t, v in top]})
+            return {"content": content}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = self.offsets.get(index, 0)
+        for lp in msg.logprobs:
+            token, value = self._entry(lp.token_id, lp.logprob)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(value)
+            out["top_logprobs"].append(dict(self._entry(t.token_id, t.logprob)
+                                            for t in lp.top[:self.top_n]) if self.top_n else None)
+            out["text_offset"].append(offset)
+            offset += len(token)
+        self.offsets[index] = offset
+        return out
+
+    def chunk(self, prompt: int, msg: pb.GenerateResponse, first: bool) -> dict:
+        index = self.index(prompt, msg)
+        choice = {"index": index, "logprobs": self.logprobs(index, msg),
+                  "finish_reason": FINISH.get(msg.finish_reason)}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": msg.text} if first else \
+                ({"content": msg.text} if msg.text or not msg.finish_reason else {})
+        else:
+            choice["text"] = msg.text
+        return {"id": self.id, "object": self.object + (".chunk" if self.chat else ""),
+                "created": self.created, "model": self.model, "choices": [choice]}
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def sse_chunks(fmt: Formatter, streams: list[AsyncIterator], include_usage: bool,
+                     chat: bool) -> AsyncIterator[bytes]:
+    """The SSE body. A refusal before the first chunk raises ``HttpError`` (an HTTP status);
+    one after it is sent as an error event, then ``[DONE]``."""
+    seen: set[int] = set()
+    sent = False
+    try:
+        async for prompt, msg in _merged(streams):
+            fmt.count(msg)
+            index = fmt.index(prompt, msg)
+            chunk = fmt.chunk(prompt, msg, first=chat and index not in seen)
+            seen.add(index)
+            if include_usage:
+                chunk["usage"] = None
+            sent = True
+            yield _sse(chunk)
+    except RequestError as exc:
+        error = HttpError.from_request_error(exc, chat)
+        if not sent:
+            raise error from None
+        yield _sse(error.body())
+        yield DONE
+        return
+    if include_usage:
+        yield _sse({"id": fmt.id, "object": fmt.object + (".chunk" if chat else ""),
+                    "created": fmt.created, "model": fmt.model, "choices": [], "usage": fmt.usage})
+    yield DONE
+
+
+async def whole(fmt: Formatter, streams: list[AsyncIterator], chat: bool) -> dict:
+    """The non-streaming response: every choice's text, logprobs and finish reason."""
+    choices: dict[int, dict] = {}
+    try:
+        async for prompt, msg in _merged(streams):
+            fmt.count(msg)
+            index = fmt.index(prompt, msg)
+            c = choices.setdefault(index, {"index": index, "text": [], "logprobs": None,
+                                           "finish_reason": None})
+            c["text"].append(msg.text)
+            lp = fmt.logprobs(index, msg)
+            if lp is not None:
+                if c["logprobs"] is None:
+                    c["logprobs"] = lp
+                else:
+                    for key, values in lp.items():
+                        c["logprobs"][key].extend(values)
+            if msg.finish_reason:
+                c["finish_reason"] = FINISH.get(msg.finish_reason)
+    except RequestError as exc:
+        raise HttpError.from_request_error(exc, chat) from None
+    out = []
+    for index in sorted(choices):
+        c = choices[index]
+        text = "".join(c.pop("text"))
+        if chat:
+            c["message"] = {"role": "assistant", "content": text}
+        else:
+            c["text"] = text
+        out.append(c)
+    return {"id": fmt.id, "object": fmt.object, "created": fmt.created, "model": fmt.model,
+            "choices": out, "usage": fmt.usage}
