@@ -30,6 +30,11 @@ class WorkerOptions:
     cuda_graphs: bool = option(True, "capture decode steps in CUDA graphs (default; "
                                      "--no-cuda-graphs runs them eagerly)")
     seed: int = option(0, "the worker's random seed (requests without a seed)")
+    speculative_config: str | None = option(
+        None, 'speculative decoding, as JSON (vLLM\'s): {"method": "ngram", '
+              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}; '
+              '"disable_by_batch_size" (default 32) and "min_acceptance" (default 0.15) tune '
+              'the back-off (default: off; docs/speculative.md)')
 
 
 @dataclasses.dataclass

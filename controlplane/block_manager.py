@@ -173,11 +173,25 @@ class BlockManager:
                 self._hash[block], self._tokens[block] = h, tokens
                 self.cached[h] = block
 
+    def truncate(self, seq_id: int, num_tokens: int) -> int | None:
+        """Gives back the blocks of the table beyond what ``num_tokens`` tokens need (the
+        rejected positions of a speculative step: never registered, so never shared); returns
+        the table's new length when it shrank, else None."""
+        table, keep = self._tables.get(seq_id), self.blocks_for(num_tokens)
+        if table is None or len(table) <= keep:
+            return None
+        self._unref(table[keep:])
+        del table[keep:]
+        return keep
+
     def free(self, seq_id: int) -> None:
         """Drops a sequence's references. Its blocks stay cached; tail blocks, and blocks that
         hold nothing reusable, are evicted first."""
         self._chain.pop(seq_id, None)
-        for b in reversed(self._tables.pop(seq_id, ())):
+        self._unref(self._tables.pop(seq_id, ()))
+
+    def _unref(self, blocks) -> None:
+        for b in reversed(blocks):
             self.ref[b] -= 1
             if self.ref[b] == 0:
                 self._free[b] = None

@@ -17,12 +17,14 @@ import time
 
 import grpc
 
+from common import speculative
 from controlplane import step_codec
 from controlplane.block_manager import BlockManager
 from controlplane.inflight import InFlightSteps
 from controlplane.policy import Policy
 from controlplane.request import Failure, Request, Sequence
 from controlplane.scheduler import Scheduler
+from controlplane.speculation import Speculation
 from controlplane.step import ScheduledStep
 from controlplane.telemetry import EngineTelemetry
 from controlplane.worker_client import WorkerError, WorkerGroup
@@ -89,7 +91,9 @@ class Engine:
         max_running = min([cfg.max_running] + [i.max_num_seqs for i in infos if i.max_num_seqs])
         max_tokens = min([cfg.max_batched_tokens] + [i.max_batched_tokens for i in infos
                                                       if i.max_batched_tokens])
-        self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark)
+        spec = speculative.from_proto(self.info.speculative)   # the worker's configuration
+        self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark,
+                                   speculation=spec and Speculation(spec, self.max_model_len))
 
     @property
     def ready(self) -> bool:
@@ -186,9 +190,11 @@ class Engine:
                 continue
             try:
                 step = None
-                if inflight.has_room(self.scheduler.running):
+                # a speculating step runs alone: the sequences' tokens must all be known
+                speculate = self.scheduler.may_speculate()
+                if inflight.has_room(self.scheduler.running) and not (speculate and inflight):
                     t0 = time.perf_counter()
-                    step = self.scheduler.schedule()
+                    step = self.scheduler.schedule(speculate)
                     if not step.empty:
                         await inflight.send(step, time.perf_counter() - t0)
                         self.scheduler.after_step(step)
@@ -211,6 +217,8 @@ class Engine:
     def _fold(self, step: ScheduledStep, result: wpb.StepResult) -> int:
         """Applies the stop rules to a step's sampled tokens and queues the requests to wake;
         returns how many tokens reached their sequences."""
+        if result.num_tokens:
+            return self._fold_verified(step, result)
         received = step_codec.decode(step, result)
         max_len, to_wake = self.max_model_len, self._to_wake
         stopped = set(result.stopped_seq_ids)   # the worker alone applies the stop-token rule
@@ -225,6 +233,33 @@ class Engine:
             elif len(out) - seq.delivered >= seq.request.stream_interval:
                 to_wake.append(seq.request)   # woken once per stream_interval tokens
         return len(received)
+
+    def _fold_verified(self, step: ScheduledStep, result: wpb.StepResult) -> int:
+        """``_fold`` for a speculating step: each sequence's tokens are appended one by one
+        with every stop rule checked after each (what follows a stop is dropped)."""
+        stopped, emitted = set(result.stopped_seq_ids), 0
+        for v in step_codec.decode_verified(step, result):
+            seq, out = v.seq, v.seq.output_token_ids
+            reason = pb.FINISH_REASON_UNSPECIFIED
+            for j, token in enumerate(v.tokens):
+                out.append(token)
+                if v.logprobs:
+                    seq.logprobs.append(v.logprobs[j])
+                emitted += 1
+                if len(out) == 1:
+                    self.telemetry.first_token(seq)
+                last = j == len(v.tokens) - 1
+                reason = seq.check_stop(last and seq.seq_id in stopped, self.max_model_len)
+                if reason != pb.FINISH_REASON_UNSPECIFIED:
+                    break
+            if reason != pb.FINISH_REASON_UNSPECIFIED:
+                self._finish(seq, reason)
+                self._to_wake.append(seq.request)
+            elif len(out) - seq.delivered >= seq.request.stream_interval:
+                self._to_wake.append(seq.request)
+            # after the tokens are in (or the sequence is released): KV, blocks, back-off
+            self.scheduler.verified(seq, v.given, v.drafts, len(v.tokens) - 1)
+        return emitted
 
     async def _idle(self, step: ScheduledStep) -> None:
         """Nothing in flight and ``step``, just scheduled, empty. A step that only preempted

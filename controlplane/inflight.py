@@ -45,12 +45,14 @@ class InFlightSteps:
         max_tokens (never scheduled past). Stop strings match detokenized text here: while a
         running sequence has some, two steps at most."""
         n, depth = len(self._sent), self.depth
+        if n and self._sent[-1].step.speculative:   # answered before anything else goes out
+            return False
         if n < 2 or depth <= 2:
             return n < depth
         return n < depth and not any(s.output.has_stop for s in running)
 
     async def send(self, step: ScheduledStep, schedule_s: float) -> None:
-        msg = step_codec.encode(step, next(self._step_ids), flush=self.depth == 1)
+        msg = step_codec.encode(step, next(self._step_ids), flush=self.depth == 1 or step.speculative)
         traced = self.telemetry.step_scheduled(step, msg, schedule_s, msg.step_id)
         await self.workers.send(msg)
         self._last_flushed = msg.flush

@@ -9,6 +9,12 @@ blocks. When a running sequence needs blocks that are not there, the policy's vi
 freed and they wait again with their generated tokens; the sequence preempts itself when
 it is the worst. A step that preempted admits nobody (no readmission thrash). Parallel samples fork from their parent once its prompt is computed,
 sharing its blocks and copying the block they will write into (copy on write).
+
+Speculative decoding (``speculation``): in a speculating step a decode may also get k
+positions for drafts, budgeted as tokens and covered by blocks taken only when free (never
+by preempting); ``verified`` folds a verify's result back: the accepted drafts' KV counts as
+computed (full blocks registered then, so rejected K/V are never shared) and the blocks of
+rejected positions go back to the pool, the workers' tables cut with the next step.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import time
 from controlplane.block_manager import BlockManager
 from controlplane.policy import Policy
 from controlplane.request import Sequence, Status
+from controlplane.speculation import Speculation
 from controlplane.step import NewSeq, ScheduledStep
 
 TIME_RECHECK_S = 0.01   # how often waiting work is looked at again while only time can let it in
@@ -26,7 +33,7 @@ TIME_RECHECK_S = 0.01   # how often waiting work is looked at again while only t
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int,
                  policy: Policy | None = None, watermark: float = 0.01,
-                 clock=time.monotonic):
+                 clock=time.monotonic, speculation: Speculation | None = None):
         self.blocks = blocks
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
@@ -40,6 +47,8 @@ class Scheduler:
         self._copies: list[tuple[int, int]] = []
         self._forked: list[Sequence] = []   # running children the workers do not know yet
         self.num_preemptions = 0
+        self.speculation = speculation
+        self._truncations: list[tuple[int, int]] = []   # (seq id, blocks) for the workers
 
     # -- membership ---------------------------------------------------------------------
     def add(self, seqs: list[Sequence]) -> None:
@@ -80,6 +89,9 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
+        if self.speculation is not None:
+            self.speculation.forget(seq.seq_id)
+            self._truncations = [t for t in self._truncations if t[0] != seq.seq_id]
         if seq in self._forked:
             self._forked.remove(seq)
         if seq.on_worker:
@@ -118,6 +130,7 @@ class Scheduler:
         self._forget.clear()
         self._copies.clear()
         self._forked.clear()
+        self._truncations.clear()
         self.blocks.reset_cache()
 
     def _preempt(self, seq: Sequence) -> None:
@@ -142,7 +155,13 @@ class Scheduler:
     def _register(self, seq: Sequence, end: int) -> None:
         self.blocks.register(seq.seq_id, lambda: seq.token_ids, end)
 
-    def schedule(self) -> ScheduledStep:
+    def may_speculate(self) -> bool:
+        """Whether the next step should speculate (then nothing else may be in flight)."""
+        return self.speculation is not None and self.speculation.active(self.running)
+
+    def schedule(self, speculate: bool = False) -> ScheduledStep:
+        """The next step; ``speculate``: its decodes may get speculative positions (the
+        engine asks only with nothing in flight: the sequences' tokens are all known)."""
         now = self.clock()
         step = ScheduledStep()
         budget = self.max_batched_tokens
@@ -160,6 +179,8 @@ class Scheduler:
         needs_blocks = blocks.needs_blocks
         running = step.running   # its columns, appended to without a call per sequence:
         add_seq, add_n, add_count = running.seqs.append, running.num_tokens.append, running.new_block_counts.append
+        spec = self.speculation
+        add_spec = running.num_spec.append if speculate and spec is not None else None
         order = [s for s in self.running if s.seq_id not in skip and s.may_sample_more]
         if not self._fits_unordered(order, budget):
             order.sort(key=lambda s: (s.in_prefill, self.policy.rank(s, now)))
@@ -185,11 +206,23 @@ class Scheduler:
                 running.new_block_ids.extend(new_blocks)
             if (start + n) // bs > start // bs:   # a block fills up: publish it
                 self._register(seq, start + n)
+            k = 0
+            if spec is not None and n == 1 and seq.num_total - start == 1:   # a decode
+                if add_spec is None:
+                    spec.pause_tick(seq)
+                else:
+                    k = min(spec.positions(seq, budget), blocks.max_tokens_growable(seq.seq_id) - start - n)
+                    if k > 0 and needs_blocks(seq.seq_id, start + n + k):
+                        more = blocks.grow(seq.seq_id, start + n + k)
+                        running.new_block_ids.extend(more)
+                        new_blocks = list(new_blocks) + more
+            if add_spec is not None:
+                add_spec(max(0, k))
             add_seq(seq)
             add_n(n)
             add_count(len(new_blocks))
             scheduled.add(seq.seq_id)
-            budget -= n
+            budget -= n + max(0, k)
         # A step that had to preempt admits nothing: the victims would be readmitted at once
         # and throw their KV away again (thrashing) while running work still needs blocks.
         admit = self.waiting if self.num_preemptions == preemptions_before else []
@@ -208,6 +241,7 @@ class Scheduler:
         if not step.empty:   # an empty step is not sent: what workers must drop waits for the next
             step.finished_seq_ids, self._forget = self._forget, []
             step.copies, self._copies = self._copies, []
+            step.truncations, self._truncations = self._truncations, []
         return step
 
     def _fits_unordered(self, order: list[Sequence], budget: int) -> bool:
@@ -235,6 +269,20 @@ class Scheduler:
         seq.status, seq.on_worker = Status.RUNNING, True
         self.running.append(seq)
         return n
+
+    def verified(self, seq: Sequence, given: int, drafts: int, accepted: int) -> None:
+        """A verify's result for ``seq`` (its tokens appended): ``accepted`` drafts' KV is
+        valid, full blocks up to there are published, the blocks beyond the next token's go
+        back (the workers cut their table with the next step)."""
+        if self.speculation is not None:
+            self.speculation.observe(seq, given, drafts, accepted)
+        if seq.status is not Status.RUNNING:
+            return
+        seq.num_computed += accepted
+        self._register(seq, seq.num_computed)
+        kept = self.blocks.truncate(seq.seq_id, seq.num_total)
+        if kept is not None:
+            self._truncations.append((seq.seq_id, kept))
 
     def after_step(self, step: ScheduledStep) -> None:
         """Called once the step is sent: advances every sequence it computes, counts the token

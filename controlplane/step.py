@@ -27,6 +27,8 @@ class RunningSeqs:
     num_tokens: list[int] = dataclasses.field(default_factory=list)        # tokens each computes
     new_block_counts: list[int] = dataclasses.field(default_factory=list)  # blocks each table gained
     new_block_ids: list[int] = dataclasses.field(default_factory=list)     # those blocks, in order
+    num_spec: list[int] = dataclasses.field(default_factory=list)   # speculative positions each
+                                                                    # (empty: a step without)
 
 
 @dataclasses.dataclass(slots=True)
@@ -37,6 +39,12 @@ class ScheduledStep:
     finished_seq_ids: list[int] = dataclasses.field(default_factory=list)  # the workers drop these
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) blocks
     num_preempted: int = 0   # sequences this step preempted (they wait again)
+    truncations: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (seq, blocks)
+
+    @property
+    def speculative(self) -> bool:
+        """Some sequence verifies drafts in this step (it runs alone: flushed at once)."""
+        return any(self.running.num_spec)
 
     @property
     def empty(self) -> bool:

@@ -5,6 +5,8 @@ sequences it sampled for (their tokens and logprobs). What a token means to its 
 
 from __future__ import annotations
 
+import typing
+
 from controlplane.request import Sequence, Status
 from controlplane.step import ScheduledStep
 from headrace.dataplane.v1 import worker_pb2 as wpb
@@ -28,6 +30,10 @@ def encode(step: ScheduledStep, step_id: int, flush: bool) -> wpb.StepRequest:
         msg.running_num_scheduled.extend(running.num_tokens)
         msg.running_new_block_counts.extend(running.new_block_counts)
         msg.running_new_block_ids.extend(running.new_block_ids)
+        msg.running_num_spec.extend(running.num_spec)
+    if step.truncations:
+        msg.truncate_seq_ids.extend([s for s, _ in step.truncations])
+        msg.truncate_num_blocks.extend([n for _, n in step.truncations])
     return msg
 
 
@@ -58,3 +64,36 @@ def decode(step: ScheduledStep, result: wpb.StepResult) -> list[Sequence]:
             top_pos += k
         received.append(seq)
     return received
+
+
+class Verified(typing.NamedTuple):
+    """A sequence's share of a speculating step's result (tokens not yet appended)."""
+    seq: Sequence
+    tokens: list[int]
+    logprobs: list       # (logprob, top ids, top values) per token, when it asked
+    given: int           # speculative positions it was given
+    drafts: int          # drafts the worker proposed
+
+
+def decode_verified(step: ScheduledStep, result: wpb.StepResult) -> list[Verified]:
+    """The result of a speculating step (``result.num_tokens`` set), per sequence (several
+    tokens each); the engine appends them one at a time so that a stop drops what follows."""
+    by_seq = {s.seq_id: s for s, _ in step.scheduled()}
+    given = dict(zip((s.seq_id for s in step.running.seqs), step.running.num_spec))
+    out: list[Verified] = []
+    pos = top_pos = 0
+    for seq_id, n, drafts in zip(result.seq_ids, result.num_tokens, result.num_draft_tokens):
+        seq = by_seq.get(seq_id)
+        k = seq.sampling.logprobs if seq is not None else 0
+        tokens, lps = list(result.token_ids[pos:pos + n]), []
+        if k:
+            for i in range(pos, pos + n):
+                lps.append((result.logprobs[i], result.top_token_ids[top_pos:top_pos + k],
+                            result.top_logprobs[top_pos:top_pos + k]))
+                top_pos += k
+        pos += n
+        if seq is None or seq.status is Status.FINISHED:
+            continue
+        seq.num_inflight -= 1
+        out.append(Verified(seq, tokens, lps, given.get(seq_id, 0), drafts))
+    return out

@@ -18,7 +18,8 @@ import asyncio
 import collections
 from typing import Callable
 
-from dataplane.runner import Launched, StepPipeline
+from dataplane.pipeline import StepPipeline
+from dataplane.runner import Launched
 from dataplane.worker import Worker
 from headrace.dataplane.v1 import worker_pb2 as pb
 

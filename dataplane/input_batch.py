@@ -35,6 +35,8 @@ class PreparedBatch:
     last_rows: np.ndarray        # ... from these rows (the device keeps them: maybe just sampled)
     num_decodes: int = 0         # mixed batches: the first num_decodes rows compute one token
     decode_order: np.ndarray | None = None   # [decode rows] int32: longest context first
+    num_drafts: np.ndarray | None = None     # [sampling seqs] speculative drafts each verifies:
+                                             # its logits_indices are its last 1 + drafts tokens
 
 
 def longest_first(seq_lens: np.ndarray) -> np.ndarray:
@@ -43,7 +45,8 @@ def longest_first(seq_lens: np.ndarray) -> np.ndarray:
 
 
 class InputBatch:
-    def __init__(self, max_seqs: int, max_model_len: int, block_size: int, num_blocks: int):
+    def __init__(self, max_seqs: int, max_model_len: int, block_size: int, num_blocks: int,
+                 keep_tokens: bool = False):
         self.max_seqs, self.block_size, self.num_blocks = max_seqs, block_size, num_blocks
         self.max_blocks = -(-max_model_len // block_size)
         self.block_table = np.zeros((max_seqs, self.max_blocks), dtype=np.int32)
@@ -67,6 +70,8 @@ class InputBatch:
         self.rows: dict[int, int] = {}
         self.sampling: list[SamplingRow | None] = [None] * max_seqs
         self._free_rows = list(range(max_seqs - 1, -1, -1))
+        # every row's known tokens, when speculation proposes from them (``record``)
+        self.tokens = np.zeros((max_seqs, max_model_len), np.int32) if keep_tokens else None
 
     def clear(self) -> None:
         for seq_id in list(self.rows):
@@ -116,7 +121,22 @@ class InputBatch:
         self.stop_ids[row] = frozenset(r.stop_token_ids) or None
         self.has_stops[row] = self.stop_ids[row] is not None
         self._set_blocks(row, 0, block_ids)
+        if self.tokens is not None:
+            self.tokens[row, :n] = r.prompt_token_ids + r.output_token_ids
         return row
+
+    def truncate(self, seq_ids, num_blocks) -> None:
+        """Cuts block tables back (the control plane took back speculative blocks); sequences
+        no longer held are skipped (they were forgotten before this step)."""
+        for seq_id, n in zip(seq_ids, num_blocks):
+            row = self.rows.get(seq_id)
+            if row is not None:
+                self.num_table[row] = min(int(self.num_table[row]), n)
+
+    def record(self, rows: np.ndarray, positions: np.ndarray, tokens) -> None:
+        """Writes sampled tokens into the token mirror (kept only for speculation)."""
+        if self.tokens is not None and len(rows):
+            self.tokens[rows, positions] = tokens
 
     def row_of(self, seq_id: int) -> int:
         row = self.rows.get(seq_id)
@@ -181,8 +201,11 @@ class InputBatch:
             self.seed[rows], self.has_seed[rows], self.num_output[rows], self.logprobs[rows],
             [(int(i), self.sampling[int(rows[i])]) for i in np.flatnonzero(keep)])
 
-    def prepare(self, rows: np.ndarray, num_scheduled: np.ndarray) -> PreparedBatch:
-        """Flat inputs for the rows scheduled in a step (validated against the mirror)."""
+    def prepare(self, rows: np.ndarray, num_scheduled: np.ndarray,
+                drafts: np.ndarray | None = None) -> PreparedBatch:
+        """Flat inputs for the rows scheduled in a step (validated against the mirror).
+        ``drafts``: speculative tokens per row, already in ``tokens`` and counted as known
+        (``dataplane.spec_decode``); a row's logits are then taken at its last 1 + drafts."""
         computed = self.num_computed[rows]
         ends = computed + num_scheduled
         known = self.num_tokens[rows]
@@ -213,6 +236,7 @@ class InputBatch:
             rows, num_scheduled, computed, ends = (rows[order], num_scheduled[order],
                                                    computed[order], ends[order])
             sampling = sampling[order]
+            drafts = None if drafts is None else drafts[order]
         total = int(num_scheduled.sum())
         starts = np.zeros(len(rows) + 1, dtype=np.int32)
         np.cumsum(num_scheduled, out=starts[1:])
@@ -226,13 +250,23 @@ class InputBatch:
             s = self.sampling[int(rows[i])]
             prompt = s.prompt_token_ids
             lo, hi = int(computed[i]), int(ends[i])
-            chunk = prompt[lo:hi] if hi <= len(prompt) else (prompt + s.output_token_ids)[lo:hi]
+            if drafts is not None and drafts[i]:   # a verify: its tokens are in the mirror only
+                chunk = self.tokens[int(rows[i]), lo:hi]
+            else:
+                chunk = prompt[lo:hi] if hi <= len(prompt) else (prompt + s.output_token_ids)[lo:hi]
             input_ids[starts[i]:starts[i + 1]] = chunk
         slots = self.block_table[row_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        logits_indices, num_drafts = (starts[1:] - 1)[sampling].astype(np.int64), None
+        if drafts is not None:   # a verifying row's logits: its last 1 + drafts tokens
+            num_drafts = drafts[sampling].astype(np.int64)
+            first = np.repeat(logits_indices - num_drafts, num_drafts + 1)
+            group = np.repeat(np.cumsum(num_drafts + 1) - (num_drafts + 1), num_drafts + 1)
+            logits_indices = first + np.arange(len(first)) - group
         return PreparedBatch(
             input_ids=input_ids, positions=positions, slot_mapping=slots, query_start_loc=starts,
             seq_lens=ends.astype(np.int32), block_tables=self.block_table[rows, :width],
-            logits_indices=(starts[1:] - 1)[sampling].astype(np.int64), sample_rows=rows[sampling],
+            logits_indices=logits_indices, sample_rows=rows[sampling],
             max_query_len=int(num_scheduled.max()), decode_only=False,
             last_index=starts[:-1][at_end].astype(np.int64), last_rows=rows[at_end],
-            num_decodes=num_decodes, decode_order=longest_first(ends[:num_decodes]))
+            num_decodes=num_decodes, decode_order=longest_first(ends[:num_decodes]),
+            num_drafts=num_drafts)

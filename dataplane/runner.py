@@ -29,6 +29,7 @@ from dataplane import parallel, staging
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.sampler import SampleOutput, SamplingBatch, SamplingRow, device_arrays, sample
+from dataplane.spec_decode import SpecDecoder, Verified, verify
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 
@@ -58,19 +59,24 @@ class Launched:
     previous: torch.cuda.Event | None = None   # the last op of the step launched before
     sample_begin: torch.cuda.Event | None = None   # sampling's first op (GPU)
     sample_ms: float = 0.0                         # sampling's host time (CPU)
+    verified: Verified | None = None               # a speculative verify (spec_decode)
+    token_rows: np.ndarray | None = None           # the rows that sampled, and where their
+    token_pos: np.ndarray | None = None            # tokens go in the token mirror
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
-                 graphs=None, rank: int = 0, seed: int | None = None):
+                 graphs=None, rank: int = 0, seed: int | None = None, spec: SpecDecoder | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.num_blocks = kv_caches[0].shape[1]
         self.device = device
         self.max_model_len = max_model_len
-        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.num_blocks)
+        self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.num_blocks,
+                                keep_tokens=spec is not None)
+        self.spec = spec
         self.seq_of_row = np.zeros(max_num_seqs, dtype=np.int64)
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.graphs = graphs   # dataplane.cuda_graphs.DecodeGraphs or None
@@ -83,12 +89,14 @@ class ModelRunner:
         """Forgets every sequence (a new control plane stream starts from nothing)."""
         self.batch.clear()
 
-    def _apply_diff(self, step: pb.StepRequest) -> tuple[np.ndarray, np.ndarray, list, list]:
-        """Updates the mirror; returns the step's (rows, tokens scheduled) and the new rows with
-        their last known token (the device's last-token table learns them from the upload)."""
+    def _apply_diff(self, step: pb.StepRequest) -> tuple[np.ndarray, np.ndarray, list, list, np.ndarray]:
+        """Updates the mirror; returns the step's (rows, tokens scheduled), the new rows with
+        their last known token (the device's last-token table learns them from the upload) and
+        the speculative positions per row (zeros when the worker does not speculate)."""
         batch = self.batch
         for sid in step.finished_seq_ids:
             batch.remove(sid)
+        batch.truncate(step.truncate_seq_ids, step.truncate_num_blocks)
         rows, counts, last = [], [], []
         for new in step.new_seqs:
             row_state = _row(new)
@@ -109,16 +117,21 @@ class ModelRunner:
         every = rows + running
         if len(step.running_num_scheduled) != len(running) or len(set(every)) != len(every):
             raise BatchError("running_num_scheduled does not match running_seq_ids, or a sequence repeats")
-        scheduled = step.running_num_scheduled
+        scheduled, spec = step.running_num_scheduled, step.running_num_spec
+        if len(spec) not in (0, len(running)):
+            raise BatchError("running_num_spec does not match running_seq_ids")
+        spec = list(spec) if len(spec) and self.spec is not None else [0] * len(running)
         if batch.stopped:   # sent before the control plane saw their stop token: not run
             keep = [i for i, s in enumerate(step.running_seq_ids) if s not in batch.stopped]
-            running, scheduled = [running[i] for i in keep], [scheduled[i] for i in keep]
+            running, scheduled, spec = ([running[i] for i in keep], [scheduled[i] for i in keep],
+                                        [spec[i] for i in keep])
         rows += running
         counts.extend(scheduled)
         src, dst = step.copy_src_blocks, step.copy_dst_blocks
         if len(src) != len(dst) or any(b >= self.num_blocks for b in list(src) + list(dst)):
             raise BatchError("copy_src_blocks/copy_dst_blocks: mismatched or out of range")
-        return (np.asarray(rows, dtype=np.int64), np.asarray(counts, dtype=np.int64), new_rows, last)
+        return (np.asarray(rows, dtype=np.int64), np.asarray(counts, dtype=np.int64), new_rows, last,
+                np.asarray([0] * len(new_rows) + spec, dtype=np.int64))
 
     def _host_arrays(self, step: pb.StepRequest, prep: PreparedBatch, new_rows: list, new_last: list,
                      sampling: SamplingBatch | None) -> dict[str, np.ndarray]:
@@ -138,6 +151,8 @@ class ModelRunner:
                           copy_dst=np.asarray(step.copy_dst_blocks, dtype=np.int64))
         if sampling is not None and self.rank == 0:
             arrays.update({"s_" + k: v for k, v in device_arrays(sampling, self.rng).items()})
+        if prep.num_drafts is not None:
+            arrays.update(self.spec.verify_arrays(prep))
         return arrays
 
     def _logits(self, prep: PreparedBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -168,12 +183,23 @@ class ModelRunner:
         """Enqueues the step's device work (inputs in one upload, forward, sampling, the copy of
         the sampled ids to the host) without waiting for the device."""
         launched = Launched(step.step_id, time.perf_counter())
-        rows, counts, new_rows, new_last = self._apply_diff(step)
+        rows, counts, new_rows, new_last, spec = self._apply_diff(step)
         if len(rows) == 0:
             return launched
-        prep = self.batch.prepare(rows, counts)
+        batch = self.batch
+        drafts = self.spec.propose(batch, rows, spec) if spec.any() else None
+        prep = batch.prepare(rows, counts if drafts is None else counts + drafts, drafts)
         sample_rows = prep.sample_rows
-        sampling = self.batch.sampling_batch(sample_rows) if len(sample_rows) else None
+        if drafts is not None:
+            SpecDecoder.unpropose(batch, rows, drafts)
+        if prep.num_drafts is not None:
+            sampling = self.spec.sampling_batch(batch, prep)
+            launched.verified = Verified(sample_rows, prep.num_drafts,
+                                         batch.num_output[sample_rows].copy(), None)
+        else:
+            sampling = batch.sampling_batch(sample_rows) if len(sample_rows) else None
+        if batch.tokens is not None:
+            launched.token_rows, launched.token_pos = sample_rows, batch.num_tokens[sample_rows].copy()
         dev = staging.upload(self._host_arrays(step, prep, new_rows, new_last, sampling), self.device)
         if self.device.type == "cuda":   # after the upload is queued: host packing is not device time
             launched.begin, launched.previous = torch.cuda.Event(enable_timing=True), self._last_done
@@ -191,7 +217,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         out = self._sample(logits, sampling,
                            {k[2:]: v for k, v in dev.items() if k.startswith("s_")})
-        self.last_token[dev.get("sample_rows", dev["last_rows"])] = out.token_ids
+        last = out.token_ids
+        if launched.verified is not None:
+            accepted, last = verify(out.token_ids, dev["spec_index"], dev["spec_drafts"])
+            launched.verified.accepted = staging.download(accepted)
+        self.last_token[dev.get("sample_rows", dev["last_rows"])] = last
         out.start_download()
         launched.sample_ms = (time.perf_counter() - t0) * 1e3   # CPU: the sampling itself
         launched.out = out
@@ -220,8 +250,11 @@ class ModelRunner:
         return out
 
     def needs_history(self, step: pb.StepRequest) -> bool:
-        """Whether the step may sample a sequence whose penalties need its token history
-        (then the step before must be finished first, so that history is complete)."""
+        """Whether the step may sample a sequence whose penalties need its token history, or
+        may speculate (drafts come from the token mirror): then the step before must be
+        finished first, so that history is complete."""
+        if self.spec is not None and any(step.running_num_spec):
+            return True
         if self.batch.num_history_rows == 0:   # the common case costs nothing per step
             return False
         rows = [self.batch.rows.get(s) for s in step.running_seq_ids]
@@ -241,11 +274,23 @@ class ModelRunner:
             else:
                 result.sample_ms = launched.sample_ms
             tokens, logprobs, top_ids, top_vals = launched.out.to_host()
-            for i, row_state in launched.histories:
-                row_state.output_token_ids.append(tokens[i])
-            result.stopped_seq_ids.extend(self.batch.mark_stopped(launched.stop_watch, tokens))
-            result.seq_ids.extend(launched.seq_ids)
-            result.token_ids.extend(tokens)
+            if launched.verified is not None:
+                done = SpecDecoder.finish(self.batch, launched.verified, launched.seq_ids, tokens,
+                                          logprobs, top_ids, top_vals, result)
+                rows = launched.verified.rows
+                for i, emitted in done:
+                    self.batch.sampling[int(rows[i])].output_token_ids.extend(emitted)
+                logprobs = None
+            else:
+                for i, row_state in launched.histories:
+                    row_state.output_token_ids.append(tokens[i])
+                result.stopped_seq_ids.extend(self.batch.mark_stopped(launched.stop_watch, tokens))
+                result.seq_ids.extend(launched.seq_ids)
+                result.token_ids.extend(tokens)
+                if launched.token_pos is not None:   # rows still held by the same sequences
+                    rows = launched.token_rows
+                    same = self.seq_of_row[rows] == np.asarray(launched.seq_ids, dtype=np.int64)
+                    self.batch.record(rows[same], launched.token_pos[same], np.asarray(tokens)[same])
             if logprobs is not None:
                 result.logprobs.extend(logprobs)
                 for ids, vals in zip(top_ids, top_vals):
@@ -253,37 +298,3 @@ class ModelRunner:
                     result.top_logprobs.extend(vals)
         result.execute_ms = (time.perf_counter() - launched.started) * 1e3
         return result
-
-
-
-class StepPipeline:
-    """Feeds steps to a runner the way the step protocol allows: each step is launched before
-    the one before it is finished, unless it asks for ``flush`` (or samples nothing, or the
-    next step's penalties need the previous token). ``submit`` returns the results that are
-    ready, in step order; ``drain`` finishes what is left. ``launch`` and ``finish`` replace
-    the runner's own calls (to time or trace each step around them)."""
-
-    def __init__(self, runner: ModelRunner, finish=None, launch=None):
-        self.runner = runner
-        self._finish = finish or (lambda step, launched: runner.finish(launched))
-        self._launch = launch or runner.launch
-        self._pending: tuple[pb.StepRequest, Launched] | None = None
-
-    def submit(self, step: pb.StepRequest) -> list[pb.StepResult]:
-        ready = []
-        if self._pending is not None and self.runner.needs_history(step):
-            ready.append(self._done())
-        launched = self._launch(step)
-        if self._pending is not None:
-            ready.append(self._done())
-        self._pending = (step, launched)
-        if step.flush or launched.out is None:
-            ready.append(self._done())
-        return ready
-
-    def drain(self) -> list[pb.StepResult]:
-        return [self._done()] if self._pending is not None else []
-
-    def _done(self) -> pb.StepResult:
-        (step, launched), self._pending = self._pending, None
-        return self._finish(step, launched)

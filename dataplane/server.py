@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common import security, tracing
 from common.grpc_options import STEP_MAX_MESSAGE_BYTES, server_options
 from dataplane.input_batch import BatchError
-from dataplane.runner import StepPipeline
+from dataplane.pipeline import StepPipeline
 from dataplane.telemetry import DataPlaneMetrics, StepTracer
 from dataplane.worker import Worker
 from headrace.dataplane.v1 import worker_pb2 as pb

@@ -15,6 +15,7 @@ import time
 import torch
 
 import kernels
+from common import speculative
 from common.worker_options import WorkerOptions
 from dataplane import kv_cache, parallel
 from dataplane.config import ModelConfig, load_model_config
@@ -23,6 +24,7 @@ from dataplane.loader import load_model
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.runner import ModelRunner
 from dataplane.sampler import SamplingBatch, SamplingRow, sample
+from dataplane.spec_decode import SpecDecoder
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -43,6 +45,8 @@ class Worker:
         if world_size != parallel.world_size() or rank != parallel.rank():
             raise RuntimeError(f"rank {rank} of {world_size}: the process group is not initialised "
                                f"(dataplane.parallel.init)")
+        self.speculative = speculative.parse(opts.speculative_config)
+        spec = SpecDecoder(self.speculative) if self.speculative is not None else None
         self.cfg: ModelConfig = load_model_config(opts.model)
         self.shard = parallel.Shard.of(self.cfg, rank, world_size)
         self.local_cfg = self.shard.local_config(self.cfg)   # this rank's heads and MLP columns
@@ -62,7 +66,7 @@ class Worker:
                                   -(-self.max_model_len // opts.block_size), self.device)
             graphs.capture()
         self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,
-                                  opts.max_num_seqs, graphs, rank=rank, seed=opts.seed)
+                                  opts.max_num_seqs, graphs, rank=rank, seed=opts.seed, spec=spec)
         self.startup_seconds = time.perf_counter() - start
 
     @torch.inference_mode()
@@ -124,7 +128,7 @@ class Worker:
 
     def describe(self) -> pb.WorkerInfo:
         cfg = self.cfg
-        return pb.WorkerInfo(
+        info = pb.WorkerInfo(
             model_name=cfg.name, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
             max_model_len=self.max_model_len, dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device), rank=self.rank, world_size=self.world_size,
@@ -132,3 +136,5 @@ class Worker:
             kv_bytes_per_block=self.block_bytes, eos_token_ids=list(cfg.eos_token_ids),
             max_num_seqs=self.opts.max_num_seqs, max_batched_tokens=self.opts.max_batched_tokens,
             startup_seconds=self.startup_seconds)
+        speculative.to_proto(self.speculative, info.speculative)
+        return info

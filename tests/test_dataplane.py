@@ -124,7 +124,7 @@ def test_a_stop_token_leaves_the_sequence_out_of_steps_sent_before_it_was_seen(m
     min_tokens, step 2 runs too (the one wasted slot: it was launched before step 1 finished);
     with it, the stop ids are masked until then, a penalty that makes each step wait for the
     one before, so the verdict comes at step 2 before step 3 starts."""
-    from dataplane.runner import StepPipeline
+    from dataplane.pipeline import StepPipeline
 
     worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=32))
     pipeline = StepPipeline(worker.runner)

@@ -106,9 +106,9 @@ def _count_schedules(engine: Engine) -> list[int]:
     calls = [0]
     schedule = engine.scheduler.schedule
 
-    def counted():
+    def counted(*args):
         calls[0] += 1
-        return schedule()
+        return schedule(*args)
     engine.scheduler.schedule = counted
     return calls
 

@@ -17,7 +17,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "dtype", "device", "rank", "world_size", "block_size", "num_kv_blocks", "kv_bytes_per_block", "eos_token_ids", "max_num_seqs", "max_batched_tokens", "startup_seconds")
+    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "dtype", "device", "rank", "world_size", "block_size", "num_kv_blocks", "kv_bytes_per_block", "eos_token_ids", "max_num_seqs", "max_batched_tokens", "startup_seconds", "speculative")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class WorkerInfo(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STARTUP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -48,7 +49,26 @@ class WorkerInfo(_message.Message):
     max_num_seqs: int
     max_batched_tokens: int
     startup_seconds: float
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., startup_seconds: _Optional[float] = ...) -> None: ...
+    speculative: Speculative
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., startup_seconds: _Optional[float] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ...) -> None: ...
+
+class Speculative(_message.Message):
+    __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "disable_by_batch_size", "min_acceptance")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_BY_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    model: str
+    disable_by_batch_size: int
+    min_acceptance: float
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., model: _Optional[str] = ..., disable_by_batch_size: _Optional[int] = ..., min_acceptance: _Optional[float] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "has_seed", "seed", "logprobs", "min_tokens", "stop_token_ids")
@@ -97,7 +117,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "running_seq_ids", "running_num_scheduled", "running_new_block_counts", "running_new_block_ids", "finished_seq_ids", "copy_src_blocks", "copy_dst_blocks", "flush", "trace_context", "trace_links")
+    __slots__ = ("step_id", "new_seqs", "running_seq_ids", "running_num_scheduled", "running_new_block_counts", "running_new_block_ids", "finished_seq_ids", "copy_src_blocks", "copy_dst_blocks", "flush", "running_num_spec", "truncate_seq_ids", "truncate_num_blocks", "trace_context", "trace_links")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +135,9 @@ class StepRequest(_message.Message):
     COPY_SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COPY_DST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FLUSH_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_NUM_SPEC_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TRACE_LINKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
@@ -127,12 +150,15 @@ class StepRequest(_message.Message):
     copy_src_blocks: _containers.RepeatedScalarFieldContainer[int]
     copy_dst_blocks: _containers.RepeatedScalarFieldContainer[int]
     flush: bool
+    running_num_spec: _containers.RepeatedScalarFieldContainer[int]
+    truncate_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    truncate_num_blocks: _containers.RepeatedScalarFieldContainer[int]
     trace_context: _containers.ScalarMap[str, str]
     trace_links: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_seq_ids: _Optional[_Iterable[int]] = ..., running_num_scheduled: _Optional[_Iterable[int]] = ..., running_new_block_counts: _Optional[_Iterable[int]] = ..., running_new_block_ids: _Optional[_Iterable[int]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., flush: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_seq_ids: _Optional[_Iterable[int]] = ..., running_num_scheduled: _Optional[_Iterable[int]] = ..., running_new_block_counts: _Optional[_Iterable[int]] = ..., running_new_block_ids: _Optional[_Iterable[int]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., flush: _Optional[bool] = ..., running_num_spec: _Optional[_Iterable[int]] = ..., truncate_seq_ids: _Optional[_Iterable[int]] = ..., truncate_num_blocks: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "execute_ms", "device_ms", "device_idle_ms", "sample_ms", "stopped_seq_ids")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "execute_ms", "device_ms", "device_idle_ms", "sample_ms", "stopped_seq_ids", "num_tokens", "num_draft_tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +170,8 @@ class StepResult(_message.Message):
     DEVICE_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_MS_FIELD_NUMBER: _ClassVar[int]
     STOPPED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -155,4 +183,6 @@ class StepResult(_message.Message):
     device_idle_ms: float
     sample_ms: float
     stopped_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., execute_ms: _Optional[float] = ..., device_ms: _Optional[float] = ..., device_idle_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., stopped_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., execute_ms: _Optional[float] = ..., device_ms: _Optional[float] = ..., device_idle_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., stopped_seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...

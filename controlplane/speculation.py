@@ -1,0 +1,95 @@
+"""Speculative decoding as the control plane runs it: which running decodes speculate in a
+step and how many positions each gets, the back-off, and the counters behind the
+``spec_decode_*`` metrics. The worker proposes and verifies (``WorkerInfo.speculative`` says
+how it is configured); the scheduler budgets the positions and their blocks from here.
+
+Back-off: no sequence speculates while more than ``disable_by_batch_size`` decodes run (the
+step is then a throughput step and keeps its pipeline of steps in flight). Each sequence
+keeps an EWMA of its acceptance (accepted drafts / positions given); below
+``min_acceptance`` it stops speculating for ``PROBE_TOKENS`` decodes, then probes once;
+each failed probe doubles the pause (up to ``MAX_PAUSE``), a good one resets it.
+"""
+
+from __future__ import annotations
+
+from common.speculative import SpeculativeConfig
+from controlplane.request import Sequence
+
+EWMA_WEIGHT = 0.3     # weight of the newest observation
+PROBE_TOKENS = 16     # decodes without speculation after a back-off (doubling per failed probe)
+MAX_PAUSE = 256
+
+
+def uses_history(seq: Sequence) -> bool:
+    """Penalties (and min_tokens with stop ids) need the token history: the worker does not
+    speculate for such sequences (its sampler applies them per row, not per position)."""
+    s = seq.sampling
+    return (s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
+            or (bool(s.stop_token_ids) and s.min_tokens > 0))
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self._state: dict[int, list] = {}   # seq id -> [acceptance EWMA, decodes paused, pause]
+        self.num_drafts = 0                 # verify steps of a sequence with drafts
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.k
+
+    def active(self, running: list[Sequence]) -> bool:
+        """Whether the next step may speculate: few enough decodes run and one of them is
+        not paused (then the engine runs that step alone, with nothing else in flight)."""
+        if len(running) > self.config.disable_by_batch_size:
+            return False
+        state = self._state
+        return any(not s.in_prefill and (s.seq_id not in state or not state[s.seq_id][1])
+                   and not uses_history(s) and self._left(s) > 0 for s in running)
+
+    @staticmethod
+    def _left(seq: Sequence) -> int:
+        """Tokens ``seq`` may still get beyond the next one."""
+        return seq.max_tokens - len(seq.output_token_ids) - seq.num_inflight - 1
+
+    def positions(self, seq: Sequence, budget: int) -> int:
+        """Speculative positions for a decode of ``seq`` in a speculating step (0: none); a
+        paused sequence counts one decode of its pause."""
+        state = self._state.get(seq.seq_id)
+        if state is None:
+            state = self._state[seq.seq_id] = [1.0, 0, PROBE_TOKENS]
+        if state[1]:
+            state[1] -= 1
+            return 0
+        if uses_history(seq):
+            return 0
+        return max(0, min(self.k, self._left(seq), self.max_model_len - seq.num_total, budget - 1))
+
+    def pause_tick(self, seq: Sequence) -> None:
+        """A decode of ``seq`` in a step that does not speculate counts towards its pause."""
+        state = self._state.get(seq.seq_id)
+        if state is not None and state[1]:
+            state[1] -= 1
+
+    def observe(self, seq: Sequence, given: int, drafts: int, accepted: int) -> None:
+        """A verified step of ``seq``: ``given`` positions, ``drafts`` proposed, ``accepted``."""
+        if drafts:
+            self.num_drafts += 1
+            self.num_draft_tokens += drafts
+            self.num_accepted_tokens += accepted
+            for j in range(accepted):
+                self.accepted_per_pos[j] += 1
+        state = self._state.get(seq.seq_id)
+        if state is None:   # finished or forgotten meanwhile
+            return
+        rate = accepted / given if given else 0.0
+        state[0] = (1 - EWMA_WEIGHT) * state[0] + EWMA_WEIGHT * rate
+        floor = self.config.min_acceptance
+        if state[0] < floor:   # back off; the probe after the pause starts at the floor
+            state[0], state[1], state[2] = floor, state[2], min(MAX_PAUSE, 2 * state[2])
+        elif rate >= floor:
+            state[2] = PROBE_TOKENS
+
+    def forget(self, seq_id: int) -> None:
+        self._state.pop(seq_id, None)

@@ -1,0 +1,41 @@
+"""The order in which a worker launches and finishes steps (the step protocol's pipelining):
+``StepPipeline`` holds at most one launched step back while it launches the next."""
+
+from __future__ import annotations
+
+from dataplane.runner import Launched, ModelRunner
+from headrace.dataplane.v1 import worker_pb2 as pb
+
+
+class StepPipeline:
+    """Feeds steps to a runner the way the step protocol allows: each step is launched before
+    the one before it is finished, unless it asks for ``flush`` (or samples nothing, or the
+    next step's penalties need the previous token, or it verifies speculative drafts).
+    ``submit`` returns the results that are ready, in step order; ``drain`` finishes what is
+    left. ``launch`` and ``finish`` replace the runner's own calls (to time or trace each
+    step around them)."""
+
+    def __init__(self, runner: ModelRunner, finish=None, launch=None):
+        self.runner = runner
+        self._finish = finish or (lambda step, launched: runner.finish(launched))
+        self._launch = launch or runner.launch
+        self._pending: tuple[pb.StepRequest, Launched] | None = None
+
+    def submit(self, step: pb.StepRequest) -> list[pb.StepResult]:
+        ready = []
+        if self._pending is not None and self.runner.needs_history(step):
+            ready.append(self._done())
+        launched = self._launch(step)
+        if self._pending is not None:
+            ready.append(self._done())
+        self._pending = (step, launched)
+        if step.flush or launched.out is None or launched.verified is not None:
+            ready.append(self._done())
+        return ready
+
+    def drain(self) -> list[pb.StepResult]:
+        return [self._done()] if self._pending is not None else []
+
+    def _done(self) -> pb.StepResult:
+        (step, launched), self._pending = self._pending, None
+        return self._finish(step, launched)
