@@ -74,5 +74,6 @@ def to_proto(config: SpeculativeConfig | None, message) -> None:
 def from_proto(message) -> SpeculativeConfig | None:
     if not message.method:
         return None
-    return SpeculativeConfig(**{f.name: getattr(message, f.name)
-                                for f in dataclasses.fields(SpeculativeConfig)})
+    values = {f.name: getattr(message, f.name) for f in dataclasses.fields(SpeculativeConfig)}
+    values["min_acceptance"] = round(values["min_acceptance"], 6)   # a float32 on the wire
+    return SpeculativeConfig(**values)

@@ -82,6 +82,26 @@ class _EngineState:
         in_flight.add_metric([], len(engine.requests) if engine is not None else 0)
         ready.add_metric([], 1.0 if engine is not None and engine.ready else 0.0)
         yield from (running, waiting, usage, free, total, in_flight, ready, preempt, queries, hits)
+        yield from self._speculation(getattr(sched, "speculation", None))
+
+    def _speculation(self, spec):
+        """vLLM's spec_decode counters (only when the workers speculate)."""
+        if spec is None:
+            return
+        p = PREFIX + "spec_decode_"
+        for name, value, doc in (
+                ("num_drafts", spec.num_drafts, "Verify steps of a sequence that had drafts."),
+                ("num_draft_tokens", spec.num_draft_tokens, "Draft tokens proposed."),
+                ("num_accepted_tokens", spec.num_accepted_tokens, "Draft tokens accepted.")):
+            c = CounterMetricFamily(p + name, doc)
+            c.add_metric([], value)
+            yield c
+        per_pos = CounterMetricFamily(p + "num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      labels=["position"])
+        for pos, value in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric([str(pos)], value)
+        yield per_pos
 
 
 class ControlPlaneMetrics(Exporter):

@@ -1,0 +1,221 @@
+"""Speculative decoding (n-gram): the config as vLLM spells it, the proposer, exactness of
+greedy output against speculation off (prefix hits, chunked prefill, preemption, n > 1, stop
+strings and tokens, max_tokens boundaries, logprobs) with acceptance actually measured, the
+rejection rule's distribution (chi-square), back-off, metrics, and no leaked blocks after
+random cancels."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from common import speculative
+from controlplane.engine import EngineConfig
+from controlplane.metrics import ControlPlaneMetrics
+from controlplane.speculation import PROBE_TOKENS, Speculation
+from dataplane.default_model import default_model_dir
+from dataplane.sampler import SamplingBatch, sample
+from dataplane.spec_decode import ngram_propose, verify
+from headrace.v1 import inference_pb2 as pb
+from tests.spec_harness import NGRAM, run, worker
+
+MODEL = str(default_model_dir())
+PASSAGE = ("It is a truth universally acknowledged, that a single man in possession of a good "
+           "fortune, must be in want of a wife. ")
+GREEDY = pb.SamplingParams(temperature=0.0)
+
+
+# -- configuration ----------------------------------------------------------------------------
+def test_config_follows_vllm_spelling_and_defaults():
+    cfg = speculative.parse('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (5, 5)   # vLLM's default
+    cfg = speculative.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}')
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (4, 4)
+    assert speculative.parse(None) is None and speculative.parse("") is None
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "not JSON"), ("[1]", "JSON object"), ('{"method": "eagle", "num_speculative_tokens": 2}', "method"),
+    ('{"method": "ngram"}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}', "unknown keys"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "min >"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs a model"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "min_acceptance": 2}', "min_acceptance"),
+])
+def test_bad_config_is_rejected_with_a_clear_message(text, message):
+    with pytest.raises(ValueError, match=message):
+        speculative.parse(text)
+
+
+def test_the_worker_reports_its_config_and_the_cli_parses_it():
+    from cli.main import build_parser
+
+    args = build_parser().parse_args(["dataplane", "--speculative-config", '{"method": "ngram", '
+                                      '"num_speculative_tokens": 2}'])
+    assert speculative.parse(args.speculative_config).num_speculative_tokens == 2
+    info = worker(MODEL, NGRAM).describe()
+    assert speculative.from_proto(info.speculative) == speculative.parse(str(NGRAM).replace("'", '"'))
+    assert not worker(MODEL, None).describe().speculative.method
+
+
+def test_ngram_proposes_what_followed_the_longest_earliest_match():
+    t = np.array([1, 2, 3, 4, 9, 2, 3, 5, 7, 1, 2, 3])
+    assert ngram_propose(t, 3, 1, 3).tolist() == [4, 9, 2]      # "1 2 3" matches at 0
+    assert ngram_propose(t, 2, 1, 2).tolist() == [4, 9]         # "2 3": first occurrence
+    assert ngram_propose(np.array([1, 2, 3]), 2, 1, 3).tolist() == []
+    assert ngram_propose(np.array([5, 6, 5]), 4, 1, 2).tolist() == [6, 5]   # up to the end
+
+
+# -- exactness --------------------------------------------------------------------------------
+def _requests() -> list[dict]:
+    doc = PASSAGE * 3
+    return [
+        dict(prompt=doc, max_tokens=32, ignore_eos=True, sampling=GREEDY, logprobs=2),
+        dict(prompt=doc, max_tokens=23, ignore_eos=True, sampling=GREEDY),          # prefix hit
+        dict(prompt=doc + "Mr. Bennet", max_tokens=1, ignore_eos=True, sampling=GREEDY),
+        dict(prompt=doc + "She", max_tokens=17, n=2, ignore_eos=True, sampling=GREEDY),
+        dict(prompt=PASSAGE + PASSAGE[:40], max_tokens=30, ignore_eos=True, sampling=GREEDY,
+             stop=["in the world"]),
+        dict(prompt=doc + "But", max_tokens=30, ignore_eos=True, sampling=GREEDY,
+             stop_token_ids=[408]),
+        dict(prompt=doc + "But", max_tokens=12, ignore_eos=True, sampling=GREEDY, min_tokens=4,
+             stop_token_ids=[545, 408]),
+        dict(prompt=PASSAGE * 2, max_tokens=16, ignore_eos=True, sampling=pb.SamplingParams(
+            temperature=0.9, seed=11)),
+    ]
+
+
+def _completions(results):
+    return [[(tokens, text, reason, lps) for tokens, text, reason, lps in r] for r in results]
+
+
+def _assert_same(off, on):
+    for a, b in zip(off, on):
+        for (ta, xa, ra, la), (tb, xb, rb, lb) in zip(a, b):
+            assert (ta, xa, ra) == (tb, xb, rb)
+            assert [t for t, _ in la] == [t for t, _ in lb]
+            assert np.allclose([v for _, v in la], [v for _, v in lb], atol=2e-3)
+
+
+def test_greedy_output_with_speculation_is_identical_to_without():
+    """One run each way through a tight pool (preemption) with a small token budget (chunked
+    prefill) and shared prompts (prefix hits)."""
+    blocks, budget = 44, 48
+    cfg = EngineConfig(max_running=16, max_batched_tokens=budget)
+    reqs = _requests()
+    off, _ = asyncio.run(run(MODEL, worker(MODEL, None, num_kv_blocks=blocks, max_batched_tokens=budget), reqs, cfg))
+    on, engine = asyncio.run(run(MODEL, worker(MODEL, NGRAM, num_kv_blocks=blocks, max_batched_tokens=budget),
+                                 reqs, cfg))
+    _assert_same(_completions(off), _completions(on))
+    spec, sched = engine.scheduler.speculation, engine.scheduler
+    assert spec.num_accepted_tokens > 0 and spec.num_draft_tokens > spec.num_accepted_tokens
+    assert off[4][0][2] == pb.FINISH_REASON_STOP_STRING and off[5][0][2] == pb.FINISH_REASON_STOP
+    assert sched.num_preemptions > 0 and sched.blocks.prefix_hits > 0
+    assert sched.blocks.num_free == sched.blocks.num_blocks and not any(sched.blocks.ref)
+
+
+def test_no_blocks_leak_after_random_cancels():
+    rng = random.Random(3)
+    reqs = [dict(prompt=PASSAGE + str(i), max_tokens=20, ignore_eos=True, sampling=GREEDY)
+            for i in range(6)]
+    aborts = {i: rng.randint(1, 12) for i in rng.sample(range(6), 4)}
+    _, engine = asyncio.run(run(MODEL, worker(MODEL, NGRAM, num_kv_blocks=60), reqs,
+                                abort_after=aborts))
+    blocks = engine.scheduler.blocks
+    assert engine.scheduler.speculation.num_drafts > 0
+    assert blocks.num_free == blocks.num_blocks and not any(blocks.ref)
+
+
+# -- the rejection rule -----------------------------------------------------------------------
+def _rows(n: int, temperature: float, seeded: bool) -> SamplingBatch:
+    return SamplingBatch(np.full(n, temperature, np.float32), np.zeros(n, np.int64),
+                         np.ones(n, np.float32), np.zeros(n, np.float32),
+                         np.arange(n, dtype=np.int64), np.full(n, seeded), np.zeros(n, np.int64),
+                         np.zeros(n, np.int64), [])
+
+
+@pytest.mark.parametrize("draft, seeded", [(0, False), (3, False), (1, True)])
+def test_emitted_tokens_follow_the_target_distribution(draft, seeded):
+    """k = 1: position 0 verifies ``draft``, position 1 is the bonus. The first emitted token
+    must follow p0 whatever the draft, the second (after an accept) p1."""
+    n, vocab = 20000, 5
+    p0 = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    p1 = torch.tensor([0.1, 0.1, 0.2, 0.3, 0.3])
+    logits = torch.stack([p0.log(), p1.log()]).repeat(n, 1)   # rows: (seq 0 pos 0, pos 1, ...)
+    b = _rows(2 * n, 1.0, seeded)
+    b.num_output = np.tile([0, 1], n)
+    if seeded:
+        b.seed = np.repeat(np.arange(n, dtype=np.int64), 2)
+    y = sample(logits, b, rng=np.random.default_rng(0)).token_ids
+    index = torch.arange(2 * n).view(n, 2)
+    accepted, last = verify(y, index, torch.full((n, 1), draft))
+    first = torch.where(accepted == 1, torch.full_like(last, draft), last)
+    counts = torch.bincount(first, minlength=vocab).numpy()
+    expected = lambda p, total: p.double().numpy() / p.double().sum().item() * total  # noqa: E731
+    assert stats.chisquare(counts, expected(p0, counts.sum())).pvalue > 1e-3
+    assert abs(accepted.float().mean().item() - p0[draft].item()) < 0.02
+    bonus = torch.bincount(last[accepted == 1], minlength=vocab).numpy()
+    assert stats.chisquare(bonus, expected(p1, bonus.sum())).pvalue > 1e-3
+
+
+def test_greedy_accepts_exactly_the_matching_prefix():
+    y = torch.tensor([4, 7, 2, 9, 5, 5])
+    index = torch.tensor([[0, 1, 2, 3], [4, 5, 5, 5]])
+    drafts = torch.tensor([[4, 7, 3], [6, -1, -1]])
+    accepted, last = verify(y, index, drafts)
+    assert accepted.tolist() == [2, 0] and last.tolist() == [2, 5]
+
+
+# -- back-off and metrics -----------------------------------------------------------------------
+class _Seq:
+    def __init__(self, seq_id):
+        self.seq_id, self.max_tokens, self.output_token_ids, self.num_inflight = seq_id, 100, [], 0
+        self.num_total, self.in_prefill = 10, False
+        self.sampling = _Sampling()
+
+
+class _Sampling:
+    repetition_penalty, presence_penalty, frequency_penalty, min_tokens = 1.0, 0.0, 0.0, 0
+    stop_token_ids = ()
+
+
+def test_back_off_pauses_a_sequence_with_low_acceptance_and_probes_again():
+    spec = Speculation(speculative.parse('{"method": "ngram", "num_speculative_tokens": 4, '
+                                         '"disable_by_batch_size": 2}'), 1000)
+    seq = _Seq(1)
+    assert spec.active([seq]) and spec.positions(seq, 100) == 4
+    rounds = 0
+    while spec.positions(seq, 100):
+        spec.observe(seq, 4, 4, 0)
+        rounds += 1
+    assert 1 < rounds < 10 and not spec.active([seq])
+    for _ in range(PROBE_TOKENS - 1):
+        assert spec.positions(seq, 100) == 0
+    assert spec.active([seq]) and spec.positions(seq, 100) == 4   # the probe
+    spec.observe(seq, 4, 4, 0)                                    # fails: a longer pause
+    assert sum(spec.positions(seq, 100) == 0 for _ in range(2 * PROBE_TOKENS)) == 2 * PROBE_TOKENS
+    assert not spec.active([_Seq(2), _Seq(3), _Seq(4)])           # more decodes than 2
+    assert spec.positions(_Seq(5), 3) == 2                        # the token budget caps it
+
+
+def test_large_batches_do_not_speculate_and_metrics_are_exported():
+    reqs = [dict(prompt=PASSAGE * 2 + str(i), max_tokens=8, ignore_eos=True, sampling=GREEDY)
+            for i in range(4)]
+    cfg = dict(NGRAM, disable_by_batch_size=2)
+    _, engine = asyncio.run(run(MODEL, worker(MODEL, cfg), reqs))
+    assert engine.scheduler.speculation.num_drafts == 0   # 4 decodes run until the end
+    _, engine = asyncio.run(run(MODEL, worker(MODEL, NGRAM), reqs))
+    assert engine.scheduler.speculation.num_drafts > 0
+    metrics = ControlPlaneMetrics()
+    metrics.bind(engine)
+    names = {s.name: s for m in metrics.registry.collect() for s in m.samples}
+    spec = engine.scheduler.speculation
+    assert names["headrace:spec_decode_num_accepted_tokens_total"].value == spec.num_accepted_tokens
+    assert names["headrace:spec_decode_num_draft_tokens_total"].value == spec.num_draft_tokens
+    assert names["headrace:spec_decode_num_drafts_total"].value == spec.num_drafts
+    assert "headrace:spec_decode_num_accepted_tokens_per_pos_total" in names
