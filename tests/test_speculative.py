@@ -219,3 +219,57 @@ def test_large_batches_do_not_speculate_and_metrics_are_exported():
     assert names["headrace:spec_decode_num_draft_tokens_total"].value == spec.num_draft_tokens
     assert names["headrace:spec_decode_num_drafts_total"].value == spec.num_drafts
     assert "headrace:spec_decode_num_accepted_tokens_per_pos_total" in names
+
+
+# -- the scheduler's side ---------------------------------------------------------------------
+def _spec_sched(blocks: int, max_tokens: int = 50):
+    from tests.test_scheduler import make_request, run_step, sched_of
+
+    sched = sched_of(blocks=blocks, bs=4, budget=64)
+    sched.speculation = Speculation(speculative.parse('{"method": "ngram", "num_speculative_tokens": 4}'), 1000)
+    req = make_request(6, max_tokens=max_tokens)
+    req.sequences[0].sampling.repetition_penalty = 1.0   # as validation fills it in
+    sched.add(req.sequences)
+    run_step(sched)   # prefill: one token sampled
+    return sched, req.sequences[0]
+
+
+def test_a_speculating_decode_is_budgeted_k_plus_one_and_rolls_back_rejected_blocks():
+    sched, seq = _spec_sched(blocks=20)
+    assert seq.num_computed == 6 and seq.num_total == 7 and len(sched.blocks.block_ids(seq.seq_id)) == 2
+    assert sched.may_speculate()
+    step = sched.schedule(speculate=True)
+    assert step.speculative and step.running.num_spec == [4] and step.running.num_tokens == [1]
+    assert len(sched.blocks.block_ids(seq.seq_id)) == 3 == 2 + step.running.new_block_counts[0]  # 11 slots
+    sched.after_step(step)
+    cached_before = len(sched.blocks.cached)
+    seq.num_inflight -= 1
+    seq.output_token_ids += [7, 8]   # one draft accepted, then the target's token
+    sched.verified(seq, 4, 4, 1)
+    assert seq.num_computed == 8 and seq.num_total == 9
+    assert len(sched.blocks.block_ids(seq.seq_id)) == 3                  # 9 tokens need 3 blocks
+    assert len(sched.blocks.cached) == cached_before + 1                 # tokens 4..7 verified
+    step = sched.schedule(speculate=True)   # 8 + 1 + 4 = 13 slots: 4 blocks
+    assert step.running.num_spec == [4] and len(sched.blocks.block_ids(seq.seq_id)) == 4
+    sched.after_step(step)
+    seq.num_inflight -= 1
+    seq.output_token_ids.append(5)     # nothing accepted: only the target's token
+    sched.verified(seq, 4, 4, 0)
+    assert len(sched.blocks.block_ids(seq.seq_id)) == 3                  # the 4th block goes back
+    nxt = sched.schedule()
+    assert nxt.truncations == [(seq.seq_id, 3)]
+    assert sched.speculation.num_draft_tokens == 8 and sched.speculation.accepted_per_pos[0] == 1
+
+
+def test_speculative_positions_never_preempt_and_respect_max_tokens():
+    sched, seq = _spec_sched(blocks=3)           # 2 blocks held, 1 free: 12 slots in all
+    step = sched.schedule(speculate=True)
+    assert step.running.num_spec == [4] and sched.blocks.num_free == 0
+    sched.after_step(step)
+    seq.num_inflight -= 1
+    seq.output_token_ids += [1, 2, 3, 4]           # 3 accepted: 11 tokens, 10 computed
+    sched.verified(seq, 4, 4, 3)
+    step = sched.schedule(speculate=True)           # 1 slot left beyond the next token
+    assert step.running.num_spec == [1] and sched.num_preemptions == 0
+    sched2, seq2 = _spec_sched(blocks=20, max_tokens=3)
+    assert sched2.schedule(speculate=True).running.num_spec == [1]   # 1 sampled, 1 + 1 left
