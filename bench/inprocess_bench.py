@@ -4,9 +4,12 @@ no client streams. Compared with bench/serving_bench.py it shows what the plane 
 The bench sits above both planes and composes them (``dataplane.inprocess``).
 
     python -m bench.inprocess_bench --model DIR --workload w1|w2 [--device cuda] [--profile FILE]
+        [--speculative-config JSON [--grounded]]
 
 Prints a JSON line: throughput (w1) or per-token latency (w2), plus the share of wall time
-spent inside the runner (`runner_s`) against the engine's own Python work.
+spent inside the runner (`runner_s`) against the engine's own Python work. With
+``--speculative-config`` it adds the measured acceptance; ``--grounded`` makes W2's prompts
+input-grounded (a passage given twice, so n-gram proposals can hit) instead of random.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class TimedWorkers(InProcessWorkerGroup):
         ready = await super().send(request)
         now = time.perf_counter()
         self.runner_s += now - t0
-        self.step_ends += [now] * sum(1 for r in ready if r.token_ids)
+        self.step_ends += [(now, len(r.token_ids)) for r in ready if r.token_ids]
         self.device_s += sum(r.device_ms for r in ready) / 1e3
         self.device_idle_s += sum(r.device_idle_ms for r in ready) / 1e3
         self.steps += [(len(r.seq_ids), r.device_ms, r.device_idle_ms, self.launch_ms.pop(r.step_id, 0.0))
@@ -148,7 +151,8 @@ async def consume(request) -> int:
 
 async def run(args) -> dict:
     worker = Worker(WorkerOptions(model=args.model, device=args.device, max_num_seqs=256,
-                                  max_batched_tokens=args.max_batched_tokens))
+                                  max_batched_tokens=args.max_batched_tokens,
+                                  speculative_config=args.speculative_config))
     local = TimedWorkers(worker)
     engine = Engine(local, EngineConfig(max_running=256, max_batched_tokens=args.max_batched_tokens))
     await engine.start()
@@ -185,10 +189,12 @@ async def run(args) -> dict:
         out = {"output_tokens": tokens, "wall_s": round(wall, 3), "output_tok_per_s": round(tokens / wall, 1)}
     else:
         rng, itls = random.Random(0), []
-        for _ in range(5):   # one sequence: each step yields one token; ITL = step to step
+        for _ in range(5):   # one sequence: ITL = step to step, per token the step yielded
             local.step_ends = []
-            await consume(submit([rng.randint(0, 10000) for _ in range(128)], 256, 0.0))
-            itls += [b - a for a, b in zip(local.step_ends[1:], local.step_ends[2:])]
+            prompt = [rng.randint(0, 10000) for _ in range(64 if args.grounded else 128)]
+            await consume(submit(prompt * 2 if args.grounded else prompt, 256, 0.0))
+            for (a, _), (b, n) in zip(local.step_ends[1:], local.step_ends[2:]):
+                itls += [(b - a) / n] * n
         wall = time.perf_counter() - start
         itls.sort()
         out = {"itl_ms_p50": round(itls[len(itls) // 2] * 1e3, 3),
@@ -207,7 +213,13 @@ async def run(args) -> dict:
         import torch
         stats = torch.cuda.memory_stats()
         out.update(alloc_retries=stats["num_alloc_retries"], cuda_mallocs=stats["num_device_alloc"])
-    out.update(workload=f"{args.workload}-in-process", runner_s=round(local.runner_s, 3),
+    spec = engine.scheduler.speculation
+    if spec is not None:   # the measured acceptance (the warm-up's included)
+        out.update(spec_draft_tokens=spec.num_draft_tokens, spec_accepted_tokens=spec.num_accepted_tokens,
+                   spec_acceptance=round(spec.num_accepted_tokens / max(1, spec.num_draft_tokens), 3),
+                   spec_accepted_per_pos=spec.accepted_per_pos)
+    out.update(workload=f"{args.workload}{'-grounded' if args.grounded else ''}"
+                        f"{'-spec' if spec is not None else ''}-in-process", runner_s=round(local.runner_s, 3),
                device_s=round(local.device_s, 3), device_idle_s=round(local.device_idle_s, 3),
                wall_s=round(wall, 3), startup_s=round(worker.startup_seconds, 1))
     await engine.stop()
@@ -229,6 +241,9 @@ def main() -> None:
     ap.add_argument("--kernel-window", dest="kernel_windows", action="append", default=[],
                     metavar="FIRST:LAST", help="profile device kernels over these steps of the run")
     ap.add_argument("--out-dir", default=".", help="where kernel window tables go")
+    ap.add_argument("--speculative-config", default=None, help="the worker's speculative decoding (JSON)")
+    ap.add_argument("--grounded", action="store_true",
+                    help="w2: each prompt is a random passage given twice (n-gram proposals can hit)")
     ap.add_argument("--step-table", action="store_true",
                     help="print device time and idle over ranges of the timed steps")
     args = ap.parse_args()
