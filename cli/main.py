@@ -61,11 +61,23 @@ def serve_children_argvs(args, listens: list[str]) -> list[list[str]]:
     return argvs
 
 
+def check_speculative_config(args) -> None:
+    """A bad ``--speculative-config`` stops the command with its message (not a child's
+    traceback)."""
+    from common import speculative
+
+    try:
+        speculative.parse(args.speculative_config)
+    except ValueError as exc:
+        raise SystemExit(f"headrace: {exc}") from None
+
+
 def cmd_serve(args) -> int:
     from cli.supervisor import DataPlaneChildren
     from common import tracing
     from controlplane.server import serve_until_signal
 
+    check_speculative_config(args)
     args.model = args.model or default_model()
     sock_dir = tempfile.mkdtemp(prefix="headrace-")
     world = args.tensor_parallel_size
@@ -107,6 +119,7 @@ def cmd_dataplane(args) -> int:
     from dataplane.server import serve
     from dataplane.worker import Worker
 
+    check_speculative_config(args)
     par = from_args(ParallelOptions, args)
     rank, world = par.rank, par.world_size
     if world > 1 and not par.dist_init:

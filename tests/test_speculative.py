@@ -53,7 +53,10 @@ def test_bad_config_is_rejected_with_a_clear_message(text, message):
 
 
 def test_the_worker_reports_its_config_and_the_cli_parses_it():
-    from cli.main import build_parser
+    from cli.main import build_parser, main
+
+    with pytest.raises(SystemExit, match="unknown keys"):
+        main(["dataplane", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "k": 1}'])
 
     args = build_parser().parse_args(["dataplane", "--speculative-config", '{"method": "ngram", '
                                       '"num_speculative_tokens": 2}'])
