@@ -217,49 +217,46 @@ class Engine:
     def _fold(self, step: ScheduledStep, result: wpb.StepResult) -> int:
         """Applies the stop rules to a step's sampled tokens and queues the requests to wake;
         returns how many tokens reached their sequences."""
-        if result.num_tokens:
-            return self._fold_verified(step, result)
-        received = step_codec.decode(step, result)
-        max_len, to_wake = self.max_model_len, self._to_wake
         stopped = set(result.stopped_seq_ids)   # the worker alone applies the stop-token rule
+        if result.num_tokens:
+            return self._fold_verified(step, result, stopped)
+        received = step_codec.decode(step, result)
+        max_len = self.max_model_len
         for seq in received:
-            out = seq.output_token_ids
-            if len(out) == 1:
+            if len(seq.output_token_ids) == 1:
                 self.telemetry.first_token(seq)
-            reason = seq.check_stop(seq.seq_id in stopped, max_len)
-            if reason != pb.FINISH_REASON_UNSPECIFIED:
-                self._finish(seq, reason)
-                to_wake.append(seq.request)
-            elif len(out) - seq.delivered >= seq.request.stream_interval:
-                to_wake.append(seq.request)   # woken once per stream_interval tokens
+            self._settle(seq, seq.check_stop(seq.seq_id in stopped, max_len))
         return len(received)
 
-    def _fold_verified(self, step: ScheduledStep, result: wpb.StepResult) -> int:
-        """``_fold`` for a speculating step: each sequence's tokens are appended one by one
-        with every stop rule checked after each (what follows a stop is dropped)."""
-        stopped, emitted = set(result.stopped_seq_ids), 0
+    def _fold_verified(self, step: ScheduledStep, result: wpb.StepResult, stopped: set) -> int:
+        """``_fold`` for a speculating step: a sequence's tokens are appended one by one, every
+        stop rule checked after each (what follows a stop is dropped)."""
+        emitted = 0
         for v in step_codec.decode_verified(step, result):
-            seq, out = v.seq, v.seq.output_token_ids
-            reason = pb.FINISH_REASON_UNSPECIFIED
+            seq, last = v.seq, len(v.tokens) - 1
             for j, token in enumerate(v.tokens):
-                out.append(token)
+                seq.output_token_ids.append(token)
                 if v.logprobs:
                     seq.logprobs.append(v.logprobs[j])
                 emitted += 1
-                if len(out) == 1:
+                if len(seq.output_token_ids) == 1:
                     self.telemetry.first_token(seq)
-                last = j == len(v.tokens) - 1
-                reason = seq.check_stop(last and seq.seq_id in stopped, self.max_model_len)
+                reason = seq.check_stop(j == last and seq.seq_id in stopped, self.max_model_len)
                 if reason != pb.FINISH_REASON_UNSPECIFIED:
                     break
-            if reason != pb.FINISH_REASON_UNSPECIFIED:
-                self._finish(seq, reason)
-                self._to_wake.append(seq.request)
-            elif len(out) - seq.delivered >= seq.request.stream_interval:
-                self._to_wake.append(seq.request)
-            # after the tokens are in (or the sequence is released): KV, blocks, back-off
-            self.scheduler.verified(seq, v.given, v.drafts, len(v.tokens) - 1)
+            self._settle(seq, reason)
+            # after its tokens are in (or it is released): KV, blocks and back-off
+            self.scheduler.verified(seq, v.given, v.drafts, last)
         return emitted
+
+    def _settle(self, seq: Sequence, reason: int) -> None:
+        """Finishes ``seq`` for ``reason`` (UNSPECIFIED: it goes on) and queues its request to
+        wake: at its end, or once per stream_interval tokens."""
+        if reason != pb.FINISH_REASON_UNSPECIFIED:
+            self._finish(seq, reason)
+            self._to_wake.append(seq.request)
+        elif len(seq.output_token_ids) - seq.delivered >= seq.request.stream_interval:
+            self._to_wake.append(seq.request)
 
     async def _idle(self, step: ScheduledStep) -> None:
         """Nothing in flight and ``step``, just scheduled, empty. A step that only preempted

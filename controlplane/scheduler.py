@@ -10,11 +10,9 @@ freed and they wait again with their generated tokens; the sequence preempts its
 it is the worst. A step that preempted admits nobody (no readmission thrash). Parallel samples fork from their parent once its prompt is computed,
 sharing its blocks and copying the block they will write into (copy on write).
 
-Speculative decoding (``speculation``): in a speculating step a decode may also get k
-positions for drafts, budgeted as tokens and covered by blocks taken only when free (never
-by preempting); ``verified`` folds a verify's result back: the accepted drafts' KV counts as
-computed (full blocks registered then, so rejected K/V are never shared) and the blocks of
-rejected positions go back to the pool, the workers' tables cut with the next step.
+Speculating steps give decodes k draft positions, budgeted as tokens, with blocks taken only
+when free (never by preempting); ``verified`` registers the accepted drafts' full blocks (so
+rejected K/V is never shared) and gives the rejected positions' blocks back.
 """
 
 from __future__ import annotations
