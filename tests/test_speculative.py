@@ -276,3 +276,38 @@ def test_speculative_positions_never_preempt_and_respect_max_tokens():
     assert step.running.num_spec == [1] and sched.num_preemptions == 0
     sched2, seq2 = _spec_sched(blocks=20, max_tokens=3)
     assert sched2.schedule(speculate=True).running.num_spec == [1]   # 1 sampled, 1 + 1 left
+
+
+def test_the_worker_cuts_accepted_drafts_after_a_stop_token_and_rewinds_its_mirror():
+    from dataplane.input_batch import InputBatch
+    from dataplane.sampler import SamplingRow
+    from dataplane.spec_decode import SpecDecoder, Verified
+    from headrace.dataplane.v1 import worker_pb2 as wpb
+
+    def state(stops):
+        return SamplingRow(0.0, 1.0, 0, 0.0, 1.0, 0.0, 0.0, None, 0, 0, stops, [1, 2, 3, 1, 2], [])
+
+    batch = InputBatch(4, 64, 4, 16, keep_tokens=True)
+    a, b = batch.add(7, state([3]), [0, 1], 4), batch.add(8, state([]), [2, 3], 4)
+    spec = SpecDecoder(speculative.parse('{"method": "ngram", "num_speculative_tokens": 3, '
+                                         '"prompt_lookup_min": 1, "prompt_lookup_max": 2}'))
+    rows = np.array([a, b])
+    drafts = spec.propose(batch, rows, np.array([3, 3]))
+    assert drafts.tolist() == [3, 3] and batch.tokens[a, 5:8].tolist() == [3, 1, 2]   # "1 2" -> 3 1 2
+    prep = batch.prepare(rows, 1 + drafts, drafts)
+    SpecDecoder.unpropose(batch, rows, drafts)
+    batch.count_sampled(prep.sample_rows)
+    assert prep.logits_indices.tolist() == list(range(8)) and prep.max_query_len == 4
+    arrays = spec.verify_arrays(prep)
+    y = torch.tensor([3, 9, 0, 0, 3, 1, 7, 0])
+    accepted, last = verify(y, torch.from_numpy(arrays["spec_index"]), torch.from_numpy(arrays["spec_drafts"]))
+    assert accepted.tolist() == [1, 2] and last.tolist() == [9, 7]
+    v = Verified(prep.sample_rows, prep.num_drafts, np.array([0, 0]), accepted)
+    result = wpb.StepResult()
+    SpecDecoder.finish(batch, v, [7, 8], y.tolist(), None, None, None, result)
+    # row a accepted 3 then drew 9, but 3 is its stop token: 9 is dropped
+    assert list(result.num_tokens) == [1, 3] and list(result.token_ids) == [3, 3, 1, 7]
+    assert list(result.num_draft_tokens) == [3, 3]
+    assert list(result.stopped_seq_ids) == [7] and 7 in batch.stopped
+    assert batch.num_tokens[b] == 8 and batch.num_computed[b] == 7
+    assert batch.tokens[b, :8].tolist() == [1, 2, 3, 1, 2, 3, 1, 7]
