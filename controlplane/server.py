@@ -13,10 +13,10 @@ import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from common import security, tracing
 from common.grpc_options import PUBLIC_MAX_MESSAGE_BYTES, server_options
+from controlplane import reflection
 from controlplane.admin import AdminService, wait_until
 from controlplane.engine import Engine, EngineConfig
 from controlplane.metrics import ControlPlaneMetrics, MetricsInterceptor
@@ -78,8 +78,7 @@ class ControlPlane:
         self.admin = AdminService(self, admin_token)
         apb_grpc.add_AdminServicer_to_server(self.admin, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (INFERENCE, ADMIN, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        reflection.enable_server_reflection((INFERENCE, ADMIN, health.SERVICE_NAME), self.server)
         self.port = 0
         self._background: set[asyncio.Task] = set()
 
