@@ -141,8 +141,9 @@ class WorkerService(pb_grpc.WorkerServicer):
                               f"cannot load {new_opts.model!r}: {exc!r}; {opts.model!r} is loaded again")
             self.set_serving(True)
             self.metrics.reloads.labels("ok").inc()
-            log.info("model %s loaded in %.1fs: %d KV blocks", self.worker.cfg.name,
-                     time.perf_counter() - start, self.worker.runner.num_blocks)
+            log.info("model %s loaded in %.1fs (%s): %d KV blocks", self.worker.cfg.name,
+                     time.perf_counter() - start, self.worker.phases.summary(),
+                     self.worker.runner.num_blocks)
             return self.worker.describe()
 
 

@@ -21,6 +21,7 @@ from dataplane.config import ModelConfig, load_model_config
 from dataplane.cuda_graphs import DecodeGraphs
 from dataplane.loader import load_model
 from dataplane.model import AttentionMetadata, CausalLM
+from dataplane.progress import Phases, Progress
 from dataplane.runner import ModelRunner
 from dataplane.sampler import SamplingBatch, SamplingRow, sample
 from headrace.dataplane.v1 import worker_pb2 as pb
@@ -47,20 +48,30 @@ class Worker:
         self.shard = parallel.Shard.of(self.cfg, rank, world_size)
         self.local_cfg = self.shard.local_config(self.cfg)   # this rank's heads and MLP columns
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
+        self.phases = phases = Phases()
         model = load_model(pathlib.Path(opts.model), self.cfg, self.device, self.dtype,
                            self.max_model_len, self.shard)
+        phases.mark("weights")
         self.block_bytes = kv_cache.bytes_per_block(self.local_cfg, opts.block_size, self.dtype)
         if self.device.type == "cuda":
             self._warm_up(model)
+            phases.mark("warm-up")
         num_blocks = opts.num_kv_blocks or self._blocks_from_memory()
         if num_blocks < 1:
             raise RuntimeError("no memory left for the KV cache")
-        caches = kv_cache.allocate(self.local_cfg, num_blocks, opts.block_size, self.dtype, self.device)
+        with Progress(f"allocating KV cache ({num_blocks} blocks, "
+                      f"{num_blocks * self.block_bytes / kv_cache.GiB:.2f} GiB)",
+                      self.local_cfg.num_layers, "layers", rank=rank) as progress:
+            caches = kv_cache.allocate(self.local_cfg, num_blocks, opts.block_size, self.dtype,
+                                       self.device, progress)
+        phases.mark("KV cache")
         graphs = None
         if self.device.type == "cuda" and opts.cuda_graphs:
             graphs = DecodeGraphs(model, caches, opts.max_num_seqs,
                                   -(-self.max_model_len // opts.block_size), self.device)
-            graphs.capture()
+            with Progress("capturing CUDA graphs", len(graphs.sizes), "graphs", rank=rank) as progress:
+                graphs.capture(progress)
+            phases.mark("CUDA graphs")
         self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,
                                   opts.max_num_seqs, graphs, rank=rank, seed=opts.seed)
         self.startup_seconds = time.perf_counter() - start
