@@ -14,7 +14,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common import security, tracing
+from common import net, security, tracing
 from common.grpc_options import PUBLIC_MAX_MESSAGE_BYTES, server_options
 from controlplane import reflection
 from controlplane.admin import AdminService, wait_until
@@ -44,7 +44,7 @@ class ControlPlane:
 
     def __init__(self, model_dir: str, worker_addresses: list[str], address: str,
                  config: EngineConfig | None = None, *, metrics_port: int | None = None,
-                 metrics_host: str = "0.0.0.0", admin_token: str | None = None,
+                 metrics_host: str = "127.0.0.1", admin_token: str | None = None,
                  log_requests: bool = True, log_prompts: bool = False,
                  api_token: str | None = None, tls: grpc.ServerCredentials | None = None,
                  worker_credentials: grpc.ChannelCredentials | None = None,
@@ -53,7 +53,7 @@ class ControlPlane:
         self.tokenizer = ModelTokenizer(model_dir)
         self.metrics = ControlPlaneMetrics()
         self.workers = WorkerGroup(worker_addresses, worker_credentials, worker_secret)
-        self.tls = tls
+        self.tls, self.api_token = tls, api_token
         self.engine = Engine(self.workers, config or EngineConfig(),
                              EngineTelemetry(self.metrics, log_requests=log_requests))
         self.engine.on_health_change = self._health_changed
@@ -98,9 +98,8 @@ class ControlPlane:
     async def start(self, ready_timeout: float = 600.0) -> None:
         await self.sync_health()
         await self.health.set(ADMIN, health_pb2.HealthCheckResponse.SERVING)
-        self.port = security.bind(self.server, self.address, self.tls)
-        if self.port == 0:
-            raise RuntimeError(f"cannot bind {self.address}")
+        self.port = net.bind_exclusive(self.server, self.address,
+                                       lambda server, address: security.bind(server, address, self.tls))
         await self.server.start()
         if self.metrics_port is not None:
             try:
@@ -111,6 +110,11 @@ class ControlPlane:
                 log.error("cannot serve metrics on port %s: %s", self.metrics_port, exc)
                 self.metrics_port = None
         log.info("control plane listening on %s; waiting for the data plane", self.address)
+        parts = net.split_address(self.address)
+        if parts is not None and not net.is_loopback(parts[0]):
+            log.warning("the API on %s is open to the network (%s, %s)", self.address,
+                        "TLS" if self.tls else "plaintext",
+                        "API token required" if self.api_token else "no API token")
         await self.engine.start(ready_timeout)
         await self.sync_health()
         log.info("model %s ready: %d KV blocks of %d tokens, max_model_len %d",
