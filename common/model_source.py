@@ -78,3 +78,20 @@ def _snapshot(repo_id: str, revision: str | None, token: str | None, cache_dir: 
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelSourceError(f"--model {where}: cannot fetch it from the Hugging Face Hub: "
                                f"{first}") from None
+
+
+def check_checkpoint(model_dir: str, *, weights: bool = True, tokenizer: bool = True) -> None:
+    """ModelSourceError naming the first file serving needs that ``model_dir`` lacks:
+    config.json, tokenizer.json (``tokenizer``), *.safetensors (``weights``)."""
+    path = pathlib.Path(model_dir)
+    if not path.is_dir():
+        raise ModelSourceError(f"--model {model_dir}: no such directory")
+    what = "a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+    if not (path / "config.json").is_file():
+        raise ModelSourceError(f"--model {model_dir}: no config.json; point --model at {what}")
+    if tokenizer and not (path / "tokenizer.json").is_file():
+        raise ModelSourceError(f"--model {model_dir}: no tokenizer.json (headrace reads the tokenizers "
+                               f"library's tokenizer.json; save one with AutoTokenizer.save_pretrained)")
+    if weights and not any(path.glob("*.safetensors")):
+        raise ModelSourceError(f"--model {model_dir}: no *.safetensors weights (convert .bin / .pt "
+                               f"weights with save_pretrained(safe_serialization=True))")

@@ -30,9 +30,38 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+def check_device(device: str) -> None:
+    """ValueError (one line, saying what to do) unless ``device`` is cpu or a visible GPU."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device}: not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise ValueError(f"--device {device}: headrace runs on cpu or cuda[:N]")
+    if not torch.cuda.is_available():
+        why = "this torch is a CPU-only build" if torch.version.cuda is None else "no GPU or driver found"
+        raise ValueError(f"--device {device}: no CUDA GPU is visible ({why}); use --device cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+
+
+def load_failure(exc: BaseException, opts: "WorkerOptions") -> str:
+    """One line for a model that failed to load: what failed, which path, what to do."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return (f"cannot load {opts.model} on {opts.device}: out of memory; lower "
+                f"--gpu-memory-utilization or --max-model-len, or shard it (--tensor-parallel-size)")
+    if isinstance(exc, ValueError) and str(exc).startswith("--"):
+        return str(exc)   # an option's own message
+    detail = (str(exc).strip().splitlines() or [""])[0] or type(exc).__name__
+    return f"cannot load the model in {opts.model} on {opts.device}: {detail}"
+
+
 class Worker:
     def __init__(self, opts: WorkerOptions, rank: int = 0, world_size: int = 1):
         start = time.perf_counter()
+        check_device(opts.device)
         self.opts = opts
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(opts.device)

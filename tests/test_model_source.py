@@ -86,3 +86,22 @@ def test_local_directories_win_and_bad_paths_are_named(tmp_path, monkeypatch):
         resolve_model("org/bad name!")
     assert split_model_id("org/name@rev") == ("org/name", "rev")
     assert split_model_id("org/name") == ("org/name", None)
+
+
+def test_check_checkpoint_names_the_missing_file(tmp_path):
+    from common.model_source import check_checkpoint
+
+    with pytest.raises(ModelSourceError, match="no such directory"):
+        check_checkpoint(str(tmp_path / "absent"))
+    with pytest.raises(ModelSourceError, match="no config.json"):
+        check_checkpoint(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelSourceError, match="no tokenizer.json"):
+        check_checkpoint(str(tmp_path))
+    check_checkpoint(str(tmp_path), tokenizer=False, weights=False)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ModelSourceError, match=r"no \*.safetensors"):
+        check_checkpoint(str(tmp_path))
+    check_checkpoint(str(tmp_path), weights=False)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    check_checkpoint(str(tmp_path))

@@ -1,6 +1,6 @@
-"""Progress while a data plane loads: log lines (not a terminal) or a tqdm bar (a terminal)
-for the weights, the KV cache and CUDA-graph capture, and each phase's duration for the
-ready line."""
+"""A data plane's start-up: progress while it loads (log lines, or a tqdm bar on a terminal)
+for the weights, the KV cache and CUDA-graph capture, each phase's duration for the
+ready line, and one-line messages for a model or device that cannot load."""
 
 from __future__ import annotations
 
@@ -51,3 +51,28 @@ def test_phases_add_up_in_order():
     phases.mark("KV cache")
     phases.mark("weights")
     assert list(phases.seconds) == ["weights", "KV cache"]
+
+
+def test_load_failures_are_one_line_saying_what_to_do(tmp_path):
+    import pytest
+    import torch
+
+    from dataplane.worker import check_device, load_failure
+
+    check_device("cpu")
+    for device, message in (("meta", "cpu or cuda"), ("nonsense", "not a device")):
+        with pytest.raises(ValueError, match=message):
+            check_device(device)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU is visible.*use --device cpu"):
+            Worker(WorkerOptions(model=str(tmp_path), device="cuda"))
+    model = make_checkpoint(tmp_path / "m", "llama", heads=4, kv_heads=2, head_dim=32)
+    for weights in model.glob("*.safetensors"):
+        weights.unlink()
+    opts = WorkerOptions(model=str(model), num_kv_blocks=8)
+    with pytest.raises(Exception) as info:
+        Worker(opts)
+    line = load_failure(info.value, opts)
+    assert line == f"cannot load the model in {model} on cpu: no *.safetensors files in {model}"
+    assert load_failure(ValueError("--device cuda: no CUDA GPU"), opts) == "--device cuda: no CUDA GPU"
+    assert "out of memory" in load_failure(torch.OutOfMemoryError("CUDA out of memory"), opts)
