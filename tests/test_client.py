@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from controlplane import security
+from common import security
 from controlplane.server import ControlPlane
 from headrace.v1 import inference_pb2 as pb
 from headrace_client import (AsyncClient, Client, Completion, InvalidRequest, NotReady, ServerBusy,
