@@ -11,7 +11,7 @@ inter-token latency once per step, weighted by the step's decode tokens.
 from __future__ import annotations
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Exporter, Histogram
@@ -133,6 +133,11 @@ class ControlPlaneMetrics(Exporter):
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", registry=r)
         self.errors = Counter(p + "request_errors", "RPCs that ended with an error status, by "
                               "method and gRPC status code.", ["method", "code"], registry=r)
+        self.dataplane_restarts = Counter(p + "dataplane_restarts", "Data plane restarts by `headrace serve`, by "
+            "cause (crash: it had served; load_failure: it died loading).", ["cause"], registry=r)
+        self.dataplane_given_up = Gauge(p + "dataplane_given_up", "1 once `headrace serve` stopped "
+                                        "restarting its data plane after repeated load failures.",
+                                        registry=r)
         self.registry.register(_EngineState(self))
 
     def bind(self, engine) -> None:

@@ -48,10 +48,10 @@ class ControlPlane:
                  log_requests: bool = True, log_prompts: bool = False,
                  api_token: str | None = None, tls: grpc.ServerCredentials | None = None,
                  worker_credentials: grpc.ChannelCredentials | None = None,
-                 worker_secret: str | None = None):
+                 worker_secret: str | None = None, metrics: ControlPlaneMetrics | None = None):
         self.model_dir = model_dir
         self.tokenizer = ModelTokenizer(model_dir)
-        self.metrics = ControlPlaneMetrics()
+        self.metrics = metrics or ControlPlaneMetrics()
         self.workers = WorkerGroup(worker_addresses, worker_credentials, worker_secret)
         self.tls, self.api_token = tls, api_token
         self.engine = Engine(self.workers, config or EngineConfig(),
@@ -184,14 +184,18 @@ class ControlPlane:
 
 
 async def serve_until_signal(model_dir: str, worker_addresses: list[str], address: str,
-                             config: EngineConfig, grace: float = 10.0, **options) -> None:
-    """Runs a control plane (built inside the running event loop) until SIGINT/SIGTERM;
-    ``options`` go to ``ControlPlane``."""
+                             config: EngineConfig, grace: float = 10.0, stop_hook=None,
+                             **options) -> None:
+    """Runs a control plane (built inside the running event loop) until SIGINT/SIGTERM, or
+    until the function ``stop_hook`` is handed is called (from any thread); ``options`` go to
+    ``ControlPlane``."""
     plane = ControlPlane(model_dir, worker_addresses, address, config, **options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if stop_hook is not None:
+        stop_hook(lambda: loop.call_soon_threadsafe(stop.set))
     starting = asyncio.create_task(plane.start())
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({starting, waiter}, return_when=asyncio.FIRST_COMPLETED)
