@@ -51,3 +51,26 @@ def test_recovery_is_said_once(caplog):
             exporter.export([])
     messages = [r.getMessage() for r in caplog.records if r.name == "headrace.telemetry"]
     assert len(messages) == 2 and "works again" in messages[1]
+
+
+def test_tracing_set_up_against_an_absent_collector_warns_once(monkeypatch, caplog):
+    from common import tracing
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    assert tracing.setup_tracing("headrace-test", set_global=False)
+    try:
+        provider = tracing.tracer_provider()
+        with caplog.at_level(logging.INFO):
+            for _ in range(3):
+                with provider.get_tracer("t").start_as_current_span("s"):
+                    pass
+                provider.force_flush(5000)
+    finally:
+        tracing.shutdown_tracing()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.name for r in warnings] == ["headrace.telemetry"], [r.getMessage() for r in warnings]
