@@ -11,6 +11,7 @@ NOT_SERVING; a log line; the ``headrace:dataplane_given_up`` gauge)."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import signal
 import subprocess
@@ -57,6 +58,7 @@ class DataPlaneChildren:
         self._stop = threading.Event()
         self.children: list[subprocess.Popen] = []
         self.restarts = 0
+        self.delays: collections.deque[float] = collections.deque(maxlen=32)   # before each restart
         self.served = False               # some group has served
         self.load_failures = 0            # failed loads in a row since the last group served
         self.given_up: str | None = None  # why the supervisor stopped restarting
@@ -133,6 +135,7 @@ class DataPlaneChildren:
             first, longest = self.backoff
             delay = min(longest, first * 2 ** self._delays)
             self._delays += 1
+            self.delays.append(delay)
             log.error("data plane child %s exited with %s (%s); restarting its group in %.1fs",
                       dead[0].pid, code, cause.replace("_", " "), delay)
             if self.metrics is not None:
