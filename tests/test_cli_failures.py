@@ -151,11 +151,18 @@ def _listening(port: int) -> set[str]:
 
 @pytest.mark.timeout(180)
 def test_serve_listens_on_loopback_by_default_and_leaves_no_temporary_directory(model_dir, tmp_path):
+    """Also: ``--model org/name`` is served from a Hugging Face cache (offline)."""
+    snapshot = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots" / ("c" * 40)
+    shutil.copytree(model_dir, snapshot)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("c" * 40)
     port, metrics = _free_port(), _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--model", str(model_dir),
+    server = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--model", "org/tiny",
                                "--port", str(port), "--metrics-port", str(metrics),
                                "--dataplane-metrics-port", "0"],
-                              env=_env(TMPDIR=str(tmp_path)), cwd=ROOT, start_new_session=True)
+                              env=_env(TMPDIR=str(tmp_path), HF_HOME=str(tmp_path / "hf"),
+                                       HF_HUB_OFFLINE="1"),
+                              cwd=tmp_path, start_new_session=True)
     try:
         out = _headrace("generate", "hello", "--address", f"127.0.0.1:{port}", "--max-tokens", "4",
                         "--connect-timeout", "120", timeout=150)
@@ -168,6 +175,9 @@ def test_serve_listens_on_loopback_by_default_and_leaves_no_temporary_directory(
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=60) == 0
     assert not list(tmp_path.glob("headrace-*"))
+    out = _headrace("serve", "--model", "org/absent", HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    assert out.returncode == 2
+    _one_line(out, "org/absent", "not in the Hugging Face cache")
 
 
 def test_generate_with_an_api_token(model_dir):
