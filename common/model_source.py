@@ -80,6 +80,16 @@ def _snapshot(repo_id: str, revision: str | None, token: str | None, cache_dir: 
                                f"{first}") from None
 
 
+def model_name(model_dir: str | pathlib.Path) -> str:
+    """A model's name: ``org/name`` for a snapshot in the Hugging Face cache
+    (``models--org--name/snapshots/<commit>``), else the directory's name."""
+    path = pathlib.Path(model_dir).resolve()
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return path.name
+
+
 def check_checkpoint(model_dir: str, *, weights: bool = True, tokenizer: bool = True) -> None:
     """ModelSourceError naming the first file serving needs that ``model_dir`` lacks:
     config.json, tokenizer.json (``tokenizer``), *.safetensors (``weights``)."""

@@ -168,6 +168,10 @@ def test_serve_listens_on_loopback_by_default_and_leaves_no_temporary_directory(
                         "--connect-timeout", "120", timeout=150)
         assert out.returncode == 0, out.stderr
         assert out.stdout.endswith("\n") and "[length: 4 tokens]" in out.stderr
+        from headrace_client import Client
+
+        with Client(f"127.0.0.1:{port}") as client:
+            assert client.model_info().model_name == "org/tiny"
         for bound in (port, metrics):   # 127.0.0.1 (maybe v4-mapped), never 0.0.0.0 or ::
             assert _listening(bound) and _listening(bound) <= LOOPBACK, _listening(bound)
         assert list(tmp_path.glob("headrace-*")), "serve's socket directory exists while it runs"

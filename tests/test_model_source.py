@@ -105,3 +105,10 @@ def test_check_checkpoint_names_the_missing_file(tmp_path):
     check_checkpoint(str(tmp_path), weights=False)
     (tmp_path / "model.safetensors").write_bytes(b"")
     check_checkpoint(str(tmp_path))
+
+
+def test_a_cached_snapshot_is_named_after_its_repository(hf_home, tmp_path):
+    from common.model_source import model_name
+
+    assert model_name(hf_home / "hub" / "models--org--tiny" / "snapshots" / MAIN) == "org/tiny"
+    assert model_name(tmp_path) == tmp_path.name
