@@ -56,9 +56,9 @@ def run_generate(args) -> int:
                     connect_timeout=args.connect_timeout) as client:
             for chunk in client.stream(args.prompt, **params):
                 if chunk.text:
+                    last = chunk.text[-1]   # first: Ctrl-C may come during the write
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
-                    last = chunk.text[-1]
                 if chunk.finish_reason:
                     last = _newline(last)
                     print(f"[{chunk.finish_reason}: {chunk.usage.completion_tokens} tokens]", file=sys.stderr)

@@ -291,3 +291,29 @@ def test_every_option_has_help_with_its_default():
                                      else p._get_formatter()._get_help_string(action)), \
                     f"{name} {action.option_strings[0]} does not show its default"
         assert "`" not in text, name
+
+
+def test_ctrl_c_in_the_middle_of_a_stream_ends_the_line_quietly(model_dir):
+    planes = Planes(model_dir, num_kv_blocks=32)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "hi", "--address", planes.address,
+                                 "--ignore-eos", "--max-tokens", "250"], env=_env(), cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        first = proc.stdout.read(1)
+        proc.send_signal(signal.SIGINT)
+        rest, stderr = proc.communicate(timeout=30)
+        assert first and proc.returncode == 130, stderr
+        assert (first + rest).endswith(b"\n") and stderr == b""
+        assert planes.wait_for_free_blocks(32) == 32   # the request was cancelled, its blocks freed
+    finally:
+        planes.close()
+
+
+def test_compose_and_the_image_open_the_api_and_the_checkout_has_models():
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    command = compose["controlplane"]["command"]
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert '"--host", "0.0.0.0"' in (ROOT / "Dockerfile").read_text()
+    assert (ROOT / "models").is_dir()   # so Docker does not create a root-owned ./models
