@@ -10,16 +10,17 @@ import sys
 import grpc
 from google.protobuf import json_format
 
+from cli.client import add_address_args, channel
 from controlplane.policy import POLICIES
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 
 
 def _connection_args(p: argparse.ArgumentParser, defaults: bool) -> None:
-    """--address/--token/--timeout: on ``admin`` with their defaults, and again on each
+    """--address and TLS/--token/--timeout: on ``admin`` with their defaults, and again on each
     subcommand without (so they may come before or after it)."""
     value = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
-    p.add_argument("--address", default=value("localhost:50051"), help="the server, host:port")
+    add_address_args(p, suppress=not defaults)
     p.add_argument("--token", default=value(None), help="admin token (default $HEADRACE_ADMIN_TOKEN)")
     p.add_argument("--timeout", type=float, default=value(3600.0), help="seconds to wait for the call")
 
@@ -59,8 +60,9 @@ def add_admin_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
 def run_admin_command(args) -> int:
     token = args.token or os.environ.get("HEADRACE_ADMIN_TOKEN")
     metadata = [("authorization", f"Bearer {token}")] if token else None
-    with grpc.insecure_channel(args.address) as channel:
-        stub = apb_grpc.AdminStub(channel)
+    _, chan = channel(args)
+    with chan:
+        stub = apb_grpc.AdminStub(chan)
         call = dict(metadata=metadata, timeout=args.timeout)
         op = args.admin_command
         try:

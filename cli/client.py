@@ -25,20 +25,42 @@ def add_generate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None,
                    help="stop string, not returned (repeat for several)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    p.add_argument("--address", default=None,
-                   help="the server, host:port (default $HEADRACE_ADDRESS, else localhost:50051)")
+    add_address_args(p)
     p.add_argument("--api-token", default=None,
                    help="bearer token of a server started with --api-token (default $HEADRACE_API_TOKEN)")
-    p.add_argument("--tls", action="store_true",
-                   help="connect with TLS, verifying the server with the system's CAs")
-    p.add_argument("--tls-ca", default=None,
-                   help="connect with TLS, verifying the server with this CA (default $HEADRACE_TLS_CA)")
-    p.add_argument("--tls-cert", default=None,
-                   help="client certificate for mutual TLS (default $HEADRACE_TLS_CERT)")
-    p.add_argument("--tls-key", default=None, help="its private key (default $HEADRACE_TLS_KEY)")
     p.add_argument("--connect-timeout", "--wait", type=float, default=None,
                    help="seconds to wait for the server to be ready (default $HEADRACE_CONNECT_TIMEOUT, else 5)")
     p.set_defaults(func=run_generate)
+
+
+def add_address_args(p: argparse.ArgumentParser, suppress: bool = False) -> None:
+    """--address and the TLS options every command that talks to a server takes (the client
+    library's, with the same ``HEADRACE_*`` variables). ``suppress``: no defaults, for the copy
+    of them on a subcommand (so they may come before or after it)."""
+    default = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
+    p.add_argument("--address", default=default(None),
+                   help="the server, host:port (default $HEADRACE_ADDRESS, else localhost:50051)")
+    p.add_argument("--tls", action="store_true", default=default(False),
+                   help="connect with TLS, verifying the server with the system's CAs")
+    p.add_argument("--tls-ca", default=default(None),
+                   help="connect with TLS, verifying the server with this CA (default $HEADRACE_TLS_CA)")
+    p.add_argument("--tls-cert", default=default(None),
+                   help="client certificate for mutual TLS (default $HEADRACE_TLS_CERT)")
+    p.add_argument("--tls-key", default=default(None), help="its private key (default $HEADRACE_TLS_KEY)")
+
+
+def channel(args):
+    """A gRPC channel to ``args.address`` with the TLS options of ``add_address_args``; raises
+    SystemExit with one line when they are inconsistent (a certificate without its key, a
+    missing file)."""
+    from headrace_client.connection import ConnectionOptions
+
+    try:
+        opts = ConnectionOptions.resolve(args.address, tls=args.tls, tls_ca=args.tls_ca,
+                                         tls_cert=args.tls_cert, tls_key=args.tls_key)
+    except ValueError as exc:
+        raise SystemExit(f"headrace: {exc}") from None
+    return opts.address, opts.channel()
 
 
 def run_generate(args) -> int:

@@ -23,7 +23,7 @@ import sys
 import tempfile
 
 from cli.admin import add_admin_parser
-from cli.client import add_generate_parser
+from cli.client import add_address_args, add_generate_parser
 from cli.options import (HelpFormatter, add_engine_args, add_ops_args, add_security_args,
                          add_tls_args, check_device_name, default_model, engine_config,
                          plane_options)
@@ -195,15 +195,18 @@ def cmd_health(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from cli.client import channel
+
+    address, chan = channel(args)
     try:
-        with grpc.insecure_channel(args.address) as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(
+        with chan:
+            status = health_pb2_grpc.HealthStub(chan).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout).status
     except grpc.RpcError as exc:
-        print(f"{args.address}: {exc.code().name}", file=sys.stderr)
+        print(f"{address}: {exc.code().name}", file=sys.stderr)
         return 1
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
-    print(f"{args.address} {args.service or '(server)'}: {name}")
+    print(f"{address} {args.service or '(server)'}: {name}")
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
@@ -258,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_admin_parser(sub, HelpFormatter)
 
     p = command("health", "check a server's grpc.health.v1 status (exit 0 when SERVING)")
-    p.add_argument("--address", default="localhost:50051", help="the server, host:port")
+    add_address_args(p)
     p.add_argument("--service", default="", help="service name (default: the server as a whole)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     p.set_defaults(func=cmd_health)

@@ -317,3 +317,31 @@ def test_compose_and_the_image_open_the_api_and_the_checkout_has_models():
     assert command[command.index("--host") + 1] == "0.0.0.0"
     assert '"--host", "0.0.0.0"' in (ROOT / "Dockerfile").read_text()
     assert (ROOT / "models").is_dir()   # so Docker does not create a root-owned ./models
+
+
+def test_health_and_admin_over_mutual_tls(model_dir, certs):  # noqa: F811
+    """Every command that talks to a server speaks TLS/mTLS with the same flags and variables
+    (a TLS deployment's compose health checks and admin calls keep working)."""
+    c = lambda n: str(certs / n)  # noqa: E731
+    tls = security.server_credentials(c("server.pem"), c("server.key"), c("ca.pem"))
+    planes = Planes(model_dir, num_kv_blocks=32, plane_options={"tls": tls},
+                    secure_channel=security.channel_credentials(c("ca.pem"), c("client.pem"), c("client.key")))
+    flags = ("--tls-ca", c("ca.pem"), "--tls-cert", c("client.pem"), "--tls-key", c("client.key"))
+    env = dict(HEADRACE_TLS_CA=c("ca.pem"), HEADRACE_TLS_CERT=c("client.pem"), HEADRACE_TLS_KEY=c("client.key"))
+    try:
+        out = _headrace("health", "--address", planes.address, *flags)
+        assert out.returncode == 0 and "SERVING" in out.stdout, out.stderr
+        out = _headrace("health", "--address", planes.address, **env)
+        assert out.returncode == 0 and "SERVING" in out.stdout, out.stderr
+        out = _headrace("health", "--address", planes.address, "--timeout", "2")   # plaintext: refused
+        assert out.returncode == 1
+        for args in (("admin", "--address", planes.address, *flags, "config"),
+                     ("admin", "config", "--address", planes.address, *flags)):
+            out = _headrace(*args)
+            assert out.returncode == 0, out.stderr
+            assert '"policy"' in out.stdout
+        out = _headrace("health", "--address", planes.address, "--tls-cert", c("client.pem"))
+        assert out.returncode != 0
+        _one_line(out, "needs its key")
+    finally:
+        planes.close()
