@@ -199,3 +199,22 @@ def test_connections_disable_nagle(planes):
     (listener,) = planes.plane.http.server.servers[0].sockets
     assert listener.proto == socket.IPPROTO_TCP
     assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+def test_a_whole_response_is_built_from_one_message_per_sample(planes, http, monkeypatch):
+    from controlplane.request import Request
+
+    seen = []
+    original = Request.next_responses
+
+    async def spy(self):
+        responses = await original(self)
+        seen.append(len(responses))
+        return responses
+
+    monkeypatch.setattr(Request, "next_responses", spy)
+    r = http.post("/v1/completions", json={"prompt": "It is", "max_tokens": 12, "n": 2,
+                                           "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
+    # the engine woke the handler when a sample finished (not per token: that were ~24 messages)
+    assert len(seen) <= 2 and sum(seen) <= 4
