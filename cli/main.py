@@ -85,6 +85,8 @@ def cmd_serve(args) -> int:
     args.model = _model_for_the_control_plane(args, weights=True)
     address = f"{args.host}:{args.port}"
     net.check_port(address)   # before any child starts loading
+    if args.http_port:
+        net.check_port(f"{args.host}:{args.http_port}", "--http-port")
     world = args.tensor_parallel_size
     sock_dir = tempfile.mkdtemp(prefix="headrace-")
     try:
@@ -119,6 +121,8 @@ def cmd_controlplane(args) -> int:
     model = _model_for_the_control_plane(args, weights=False)
     address = f"{args.host}:{args.port}"
     net.check_port(address)
+    if args.http_port:
+        net.check_port(f"{args.host}:{args.http_port}", "--http-port")
     tracing.setup_tracing("headrace-controlplane")
     try:
         asyncio.run(serve_until_signal(model, args.workers.split(","), address,

@@ -1,6 +1,7 @@
 """Runs the HTTP front end with uvicorn inside the control plane's asyncio loop, beside the
 gRPC aio server: binds its socket at start (so a taken port fails start-up), leaves signal
-handling to the control plane, and stops gracefully with it."""
+handling to the control plane, and stops gracefully with it. A port in use is ``PortInUse``
+(one line from the command line, as for the gRPC port)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import socket
 
 import uvicorn
 
+from common import net
 from controlplane.http.app import build_app
 from controlplane.request_path import RequestPath
 
@@ -59,7 +61,9 @@ class HttpFrontEnd:
             sock.bind((self.host, self.port))
         except OSError as exc:
             sock.close()
-            raise RuntimeError(f"cannot bind HTTP {self.host}:{self.port}: {exc}") from exc
+            raise net.PortInUse(f"cannot listen on {self.host}:{self.port} for HTTP: "
+                                f"{(exc.strerror or str(exc)).lower()} (another server on port "
+                                f"{self.port}? choose another --http-port, or 0 to disable)") from None
         sock.listen(2048)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
