@@ -15,13 +15,14 @@ import logging
 import os
 import pathlib
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
 
 from cli.admin import add_admin_parser
 from cli.options import (add_engine_args, add_ops_args, add_security_args, add_tls_args,
-                         default_model, engine_config, plane_options)
+                         default_model, engine_config, plane_options, positive_int)
 from common.logs import configure_logging
 from common.options import add_arguments, from_args, to_argv
 from common.worker_options import ParallelOptions, WorkerOptions
@@ -62,11 +63,12 @@ def serve_children_argvs(args, listens: list[str]) -> list[list[str]]:
 
 
 def cmd_serve(args) -> int:
+    from cli.processes import refuse_taken_port, run_control_plane
     from cli.supervisor import DataPlaneChildren
-    from common import tracing
-    from controlplane.server import serve_until_signal
 
     args.model = args.model or default_model()
+    refuse_taken_port(args.host, args.port, "gRPC")   # before any child starts
+    refuse_taken_port(args.host, args.http_port, "HTTP")
     sock_dir = tempfile.mkdtemp(prefix="headrace-")
     world = args.tensor_parallel_size
     listens = [f"unix:{sock_dir}/dataplane-{r}.sock" for r in range(world)]
@@ -75,25 +77,65 @@ def cmd_serve(args) -> int:
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=args.worker_secret)
 
     children = DataPlaneChildren(lambda: serve_children_argvs(args, listens), env)
-    tracing.setup_tracing("headrace-controlplane")
     try:
-        asyncio.run(serve_until_signal(args.model, listens, f"{args.host}:{args.port}",
-                                       engine_config(args), **plane_options(args)))
+        run_control_plane(args, controlplane_parser(), listens, sock_dir, env)
     finally:
-        tracing.shutdown_tracing()
         children.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
     return 0
 
 
 def cmd_controlplane(args) -> int:
+    from cli.processes import run_control_plane
+
+    args.model = args.model or default_model()
+    private_dir = tempfile.mkdtemp(prefix="headrace-")
+    try:
+        run_control_plane(args, controlplane_parser(), args.workers.split(","), private_dir,
+                          dict(os.environ))
+    finally:
+        shutil.rmtree(private_dir, ignore_errors=True)
+    return 0
+
+
+def cmd_core(args) -> int:
     from common import tracing
-    from controlplane.server import serve_until_signal
+    from controlplane.core.server import CoreServer
+    from controlplane.server import run_until_signal
+
+    opts = plane_options(args)
+    keys = ("metrics_port", "admin_token", "log_requests", "log_prompts", "worker_credentials",
+            "worker_secret", "chat_template", "generation_config")
+
+    async def run():
+        await run_until_signal(CoreServer(args.model or default_model(), args.workers.split(","),
+                                          args.core_address, engine_config(args),
+                                          **{k: opts[k] for k in keys}))
 
     tracing.setup_tracing("headrace-controlplane")
     try:
-        asyncio.run(serve_until_signal(args.model or default_model(), args.workers.split(","),
-                                       f"{args.host}:{args.port}", engine_config(args),
-                                       **plane_options(args)))
+        asyncio.run(run())
+    finally:
+        tracing.shutdown_tracing()
+    return 0
+
+
+def cmd_frontend(args) -> int:
+    from common import tracing
+    from controlplane.frontend.server import FrontEnd
+    from controlplane.server import run_until_signal
+
+    opts = plane_options(args)
+    keys = ("api_token", "tls", "admin_token", "http_port", "http_tls", "chat_template",
+            "generation_config", "log_prompts")
+
+    async def run():
+        await run_until_signal(FrontEnd(args.index, args.core_address, args.model or default_model(),
+                                        f"{args.host}:{args.port}", **{k: opts[k] for k in keys}))
+
+    tracing.setup_tracing("headrace-controlplane")
+    try:
+        asyncio.run(run())
     finally:
         tracing.shutdown_tracing()
     return 0
@@ -164,30 +206,65 @@ def cmd_health(args) -> int:
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _add_workers(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", default=os.environ.get("HEADRACE_WORKERS"),
+                   required=not os.environ.get("HEADRACE_WORKERS"),
+                   help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
+
+
+def add_controlplane_args(p: argparse.ArgumentParser, supervisor: bool = False) -> None:
+    """What the engine core and the front ends take (serve and controlplane forward them)."""
+    add_engine_args(p)
+    add_ops_args(p, 9400, control=True)
+    add_security_args(p)
+    if supervisor:   # serve, controlplane
+        p.add_argument("--api-server-count", type=positive_int, default=None,
+                       help="API front-end processes sharing the public ports (default: 1 below "
+                            "4 CPU cores, else min(4, cores // 2))")
+        p.add_argument("--core-address", default=None,
+                       help="where the engine core serves its front ends (default: a unix socket "
+                            "in the server's private directory; host:port for TCP)")
+
+
+def controlplane_parser() -> argparse.ArgumentParser:
+    """The options the core and front-end processes share (the parent of their parsers)."""
+    p = argparse.ArgumentParser(add_help=False, prog="headrace-controlplane")
+    add_arguments(p, WorkerOptions, only=CONTROL_PLANE_WORKER_OPTIONS)
+    add_controlplane_args(p)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="headrace", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="serve a model: control plane plus a data plane child process")
+    p = sub.add_parser("serve", help="serve a model: an engine core, API front ends and data plane "
+                                     "child processes")
     add_arguments(p, WorkerOptions)
-    add_engine_args(p)
-    add_ops_args(p, 9400, control=True)
-    add_security_args(p)
+    add_controlplane_args(p, supervisor=True)
     p.add_argument("--dataplane-metrics-port", type=int, default=9401,
                    help="the data plane child's /metrics port, rank r on port + r (0 disables)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="data plane processes (ranks) sharing the model; cuda:r for rank r")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("controlplane", help="run the control plane alone")
+    p = sub.add_parser("controlplane", help="run the control plane alone (core and front ends)")
     add_arguments(p, WorkerOptions, only=CONTROL_PLANE_WORKER_OPTIONS)
-    p.add_argument("--workers", default=os.environ.get("HEADRACE_WORKERS"),
-                   required=not os.environ.get("HEADRACE_WORKERS"),
-                   help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
-    add_engine_args(p)
-    add_ops_args(p, 9400, control=True)
-    add_security_args(p)
+    add_controlplane_args(p, supervisor=True)
+    _add_workers(p)
     p.set_defaults(func=cmd_controlplane)
+
+    p = sub.add_parser("core", parents=[controlplane_parser()],
+                       help="the engine core alone (started by serve / controlplane)")
+    _add_workers(p)
+    p.add_argument("--core-address", required=True, help="where front ends connect: unix:PATH or host:port")
+    p.set_defaults(func=cmd_core, role="core")
+
+    p = sub.add_parser("frontend", parents=[controlplane_parser()],
+                       help="one API front end alone (started by serve / controlplane)")
+    p.add_argument("--index", type=int, default=0, help="which front end (logs, process list)")
+    p.add_argument("--core-address", required=True, help="the engine core: unix:PATH or host:port")
+    p.set_defaults(func=cmd_frontend, role="frontend")
 
     p = sub.add_parser("dataplane", help="run one data plane worker alone")
     add_arguments(p, WorkerOptions)
@@ -222,10 +299,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def bind_role(args) -> None:
+    """Every log line of this process names its role (core, frontend N, dataplane rank r)."""
+    import structlog
+
+    role = {"serve": "supervisor", "controlplane": "supervisor"}.get(args.command, args.command)
+    extra = {}
+    if args.command == "frontend":
+        extra["frontend"] = args.index
+    elif args.command == "dataplane":
+        extra["rank"] = args.rank
+    structlog.contextvars.bind_contextvars(role=role, **extra)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command not in ("health", "generate", "admin"):
         configure_logging(getattr(args, "log_format", None))
+        bind_role(args)
     return args.func(args)
 
 

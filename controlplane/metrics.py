@@ -84,6 +84,11 @@ class _EngineState:
         yield from (running, waiting, usage, free, total, in_flight, ready, preempt, queries, hits)
 
 
+def engine_state_collector(metrics: "ControlPlaneMetrics") -> _EngineState:
+    """The live engine gauges, to register beside a multiprocess collector."""
+    return _EngineState(metrics)
+
+
 class ControlPlaneMetrics(Exporter):
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
