@@ -64,6 +64,7 @@ class CoreClient:
         self._up = cpb.Up()
         self._up_ready = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     # -- what the request path reads -----------------------------------------------------------
     @property
@@ -112,6 +113,7 @@ class CoreClient:
         self._task = asyncio.create_task(self._run(), name=f"headrace-core-client-{self.index}")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -123,7 +125,10 @@ class CoreClient:
             try:
                 async with grpc.aio.insecure_channel(
                         self.address, options=channel_options(PUBLIC_MAX_MESSAGE_BYTES)) as channel:
-                    call = cpb_grpc.EngineCoreStub(channel).Connect(self._messages(), wait_for_ready=True)
+                    # a fresh event per stream: an ended stream's sender must not take messages
+                    self._up, self._up_ready = cpb.Up(), asyncio.Event()
+                    call = cpb_grpc.EngineCoreStub(channel).Connect(self._messages(self._up_ready),
+                                                                    wait_for_ready=True)
                     async for down in call:
                         if not self.connected:
                             self.connected = True
@@ -135,11 +140,11 @@ class CoreClient:
                 self._lost()
             await asyncio.sleep(0.2)
 
-    async def _messages(self):
+    async def _messages(self, ready: asyncio.Event):
         yield cpb.Up(hello=cpb.Hello(frontend_index=self.index, pid=os.getpid()))
         while True:
-            await self._up_ready.wait()
-            self._up_ready.clear()
+            await ready.wait()
+            ready.clear()
             msg, self._up = self._up, cpb.Up()
             yield msg
 
@@ -154,8 +159,9 @@ class CoreClient:
         self._by_handle.clear()
         for request in requests:
             request.fail(Failure(grpc.StatusCode.UNAVAILABLE, CORE_DOWN))
+        if was and not self._stopping:
+            log.error("lost the engine core", failed_requests=len(requests))
         if was:
-            log.error("lost the engine core; failed %d requests", len(requests))
             self._changed()
 
     def _changed(self) -> None:
