@@ -14,7 +14,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_reference",
-           "random_checkpoint"]
+           "random_checkpoint", "w4_bench"]
 
 
 @pytest.mark.parametrize("name", BENCHES)
@@ -42,5 +42,18 @@ def test_gpu_run_script_is_valid_and_runs_benches_as_modules():
     assert {"serving_bench", "inprocess_bench", "random_checkpoint", "kernels"} <= modules <= set(BENCHES)
     assert not re.search(r"python3? (-P )?bench/", script)      # no script paths: no sys.path games
     assert "pkill" not in script and "killall" not in script and "pgrep -f" not in script
-    for section in ("tests", "w1", "w1o", "w2", "w3", "tp"):
+    for section in ("tests", "w1", "w1o", "w2", "w3", "w4", "tp"):
         assert f"has {section}" in script, section
+
+
+def test_w4_workload_is_seeded_poisson_with_long_tailed_lengths():
+    from bench.w4_bench import workload
+
+    items = workload(rate=100, duration=20, seed=0, prompt_mean=200, output_mean=180)
+    assert items == workload(rate=100, duration=20, seed=0, prompt_mean=200, output_mean=180)
+    prompts, outputs = [len(p) for _, p, _ in items], [m for _, _, m in items]
+    assert len(items) == 2000 and 170 < sum(prompts) / len(prompts) < 230
+    assert 150 < sum(outputs) / len(outputs) < 210
+    assert max(prompts) > 5 * 200   # long tail
+    gaps = [b[0] - a[0] for a, b in zip(items, items[1:])]
+    assert 0.009 < sum(gaps) / len(gaps) < 0.011   # 100 per second on average
