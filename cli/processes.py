@@ -4,11 +4,13 @@ serve`` / ``headrace controlplane``.
 
 - ``--api-server-count N``: front ends sharing the public gRPC and HTTP ports (SO_REUSEPORT);
   by default 1 below 4 CPU cores, else min(4, cores // 2) (``default_api_server_count``).
-- The ports are test-bound first without SO_REUSEPORT, so a port another server holds is
-  refused at start although the front ends share it among themselves.
+- The ports are test-bound first without SO_REUSEPORT (``common.net.check_port``, by the
+  command), so a port another server holds is refused at start although the front ends share
+  it among themselves.
 - A child that dies is started again on its own (a front end alone; the core alone, whose
   front ends answer UNAVAILABLE meanwhile and reconnect), after a back-off that grows while
-  it keeps dying young.
+  it keeps dying young; one that exits with the command line's usage-error status (2: a bad
+  option or file, already explained on stderr) ends the server instead.
 - The children share a private directory: the core's unix socket and, as
   ``PROMETHEUS_MULTIPROC_DIR``, the metric files the core's one /metrics sums.
 - Secrets (API, admin and worker tokens) reach the children by environment, not argv.
@@ -19,15 +21,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 log = logging.getLogger("headrace.supervisor")
+EXIT_USAGE = 2   # cli.main: a user's mistake, said in one line
 SECRETS = {"api_token": "HEADRACE_API_TOKEN", "admin_token": "HEADRACE_ADMIN_TOKEN",
            "worker_secret": "HEADRACE_WORKER_SECRET"}
 
@@ -35,22 +36,6 @@ SECRETS = {"api_token": "HEADRACE_API_TOKEN", "admin_token": "HEADRACE_ADMIN_TOK
 def default_api_server_count(cpus: int | None = None) -> int:
     cpus = cpus or os.cpu_count() or 1
     return 1 if cpus < 4 else min(4, cpus // 2)
-
-
-def refuse_taken_port(host: str, port: int, what: str) -> None:
-    """Raises SystemExit when another server listens on ``host:port`` (bound here without
-    SO_REUSEPORT, which fails on a port held by anyone, SO_REUSEPORT or not)."""
-    if not port:
-        return
-    host = host.strip("[]") or "0.0.0.0"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # TIME_WAIT is no owner
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise SystemExit(f"cannot serve {what} on {host}:{port}: {exc.strerror} "
-                             "(another server holds the port?)") from None
 
 
 def forward_argv(parser: argparse.ArgumentParser, args: argparse.Namespace,
@@ -93,8 +78,10 @@ class Child:
 class RoleProcesses:
     """Starts ``children`` and restarts each one that dies, on its own."""
 
-    def __init__(self, children: list[Child], env: dict, poll_s: float = 0.1):
+    def __init__(self, children: list[Child], env: dict, poll_s: float = 0.1, on_fatal=None):
         self.children, self._env, self._poll_s = children, env, poll_s
+        self._on_fatal = on_fatal
+        self.fatal: Child | None = None
         self._stop = threading.Event()
         for child in children:
             self._start(child)
@@ -110,6 +97,12 @@ class RoleProcesses:
             for child in self.children:
                 if child.proc.poll() is None or self._stop.is_set():
                     continue
+                if child.proc.returncode == EXIT_USAGE:
+                    log.error("%s exited with a usage error; stopping", child.role)
+                    self.fatal = child
+                    if self._on_fatal is not None:
+                        self._on_fatal()
+                    return
                 lived = time.monotonic() - child.started
                 child.backoff = 0.0 if lived > 30 else min(10.0, max(0.25, child.backoff * 2))
                 log.error("%s (pid %d) exited with %s; restarting it in %.2fs", child.role,
@@ -150,13 +143,13 @@ def control_plane_children(args, parser: argparse.ArgumentParser, workers: list[
 
 
 def run_control_plane(args, parser: argparse.ArgumentParser, workers: list[str], private_dir: str,
-                      env: dict) -> None:
-    """Runs the core and the front ends until SIGINT/SIGTERM (in this thread)."""
-    refuse_taken_port(args.host, args.port, "gRPC")
-    refuse_taken_port(args.host, args.http_port, "HTTP")
-    metrics_dir = pathlib.Path(private_dir, "metrics")
-    metrics_dir.mkdir(exist_ok=True)
-    env = dict(env, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), **secrets_env(args))
+                      env: dict, stop_hook=None) -> bool:
+    """Runs the core and the front ends until SIGINT/SIGTERM, ``stop_hook``'s function is
+    called, or a child fails for good; returns whether one did. ``args.host``/``args.port``
+    must have been checked free (``common.net.check_port``)."""
+    env = dict(env, **secrets_env(args))
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):   # common.metrics.enable_multiprocess
+        env["PROMETHEUS_MULTIPROC_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
     core_address = args.core_address or f"unix:{private_dir}/core.sock"
     children = control_plane_children(args, parser, workers, core_address)
     log.info("control plane: engine core on %s, %d API front ends on port %d", core_address,
@@ -164,8 +157,11 @@ def run_control_plane(args, parser: argparse.ArgumentParser, workers: list[str],
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    roles = RoleProcesses(children, env)
+    if stop_hook is not None:
+        stop_hook(done.set)
+    roles = RoleProcesses(children, env, on_fatal=done.set)
     try:
         done.wait()
     finally:
         roles.stop()
+    return roles.fatal is not None

@@ -4,6 +4,8 @@ the reconnect backoff of the control plane's channels to its data planes."""
 
 from __future__ import annotations
 
+from common import net
+
 # Message size limits: the public API takes prompts (64 MiB is far beyond any context); the
 # step protocol carries whole prompts and block tables of a step's new sequences.
 PUBLIC_MAX_MESSAGE_BYTES = 64 << 20
@@ -26,10 +28,11 @@ def _common(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Options of a gRPC server (either plane's)."""
+    """Options of a gRPC server (either plane's); its port is its own (``common.net``)."""
     return _common(max_message_bytes) + [
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 0),   # never close a connection for its pings
+        net.GRPC_EXCLUSIVE_PORT,              # a port in use fails the bind
     ]
 
 

@@ -36,6 +36,20 @@ class Histogram(prometheus_client.Histogram):
         self._buckets[bisect.bisect_left(self._upper_bounds, amount)].inc(n)
 
 
+def enable_multiprocess(directory: str) -> None:
+    """Multiprocess mode for this process and the children it starts from now on: metric values
+    go to files in ``directory`` (``PROMETHEUS_MULTIPROC_DIR``). prometheus-client picks its
+    value class when imported, from the environment; a process that imported it before (the
+    ``headrace`` command) switches the class its metrics are created with from now on."""
+    import os
+
+    from prometheus_client import values
+
+    os.makedirs(directory, exist_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    values.ValueClass = values.MultiProcessValue()
+
+
 def multiprocess_registry(*collectors) -> CollectorRegistry | None:
     """With ``PROMETHEUS_MULTIPROC_DIR`` set: a registry of every process's metrics summed
     (prometheus-client's multiprocess collector) plus ``collectors`` (live gauges); else None."""

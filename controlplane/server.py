@@ -15,10 +15,10 @@ import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from common import security, tracing
+from common import net, security, tracing
 from common.grpc_options import PUBLIC_MAX_MESSAGE_BYTES, server_options
+from controlplane import reflection
 from controlplane.admin import AdminService
 from controlplane.core.plane import EnginePlane
 from controlplane.engine import EngineConfig
@@ -37,9 +37,10 @@ ADMIN = apb.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
 def public_server(metrics: ControlPlaneMetrics, inference, admin, health_servicer, *,
-                  api_token: str | None = None, options: list | None = None) -> grpc.aio.Server:
+                  api_token: str | None = None, shared_port: bool = False) -> grpc.aio.Server:
     """The public gRPC server with its interceptors (tracing, bearer token, error counts) and
-    services: ``inference`` (Inference), ``admin`` (Admin), health and reflection."""
+    services: ``inference`` (Inference), ``admin`` (Admin), health and reflection.
+    ``shared_port``: bind with SO_REUSEPORT (API front ends), else exclusively."""
     interceptors = [MetricsInterceptor(metrics, skip=(f"/{INFERENCE}/Generate",))]
     if api_token:   # the Admin service checks its own token
         interceptors.insert(0, security.BearerTokenInterceptor(api_token, exempt=(f"/{ADMIN}/",)))
@@ -50,13 +51,14 @@ def public_server(metrics: ControlPlaneMetrics, inference, admin, health_service
         quiet = filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection"))
         interceptors.insert(0, aio_server_interceptor(tracer_provider=provider,
                                                       filter_=filters.negate(quiet)))
-    server = grpc.aio.server(options=server_options(PUBLIC_MAX_MESSAGE_BYTES) + (options or []),
-                             interceptors=interceptors)
+    options = server_options(PUBLIC_MAX_MESSAGE_BYTES)
+    if shared_port:
+        options = [o for o in options if o != net.GRPC_EXCLUSIVE_PORT] + [net.GRPC_SHARED_PORT]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     pb_grpc.add_InferenceServicer_to_server(inference, server)
     apb_grpc.add_AdminServicer_to_server(admin, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (INFERENCE, ADMIN, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection((INFERENCE, ADMIN, health.SERVICE_NAME), server)
     return server
 
 
@@ -65,6 +67,13 @@ async def set_health(servicer: health.aio.HealthServicer, ready: bool) -> None:
     status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", INFERENCE):
         await servicer.set(name, status)
+
+
+def warn_if_open(address: str, tls, api_token: str | None) -> None:
+    parts = net.split_address(address)
+    if parts is not None and not net.is_loopback(parts[0]):
+        log.warning("the API on %s is open to the network (%s, %s)", address,
+                    "TLS" if tls else "plaintext", "API token required" if api_token else "no API token")
 
 
 class BackgroundTasks:
@@ -89,20 +98,21 @@ class ControlPlane:
 
     def __init__(self, model_dir: str, worker_addresses: list[str], address: str,
                  config: EngineConfig | None = None, *, metrics_port: int | None = None,
-                 metrics_host: str = "0.0.0.0", admin_token: str | None = None,
+                 metrics_host: str = "127.0.0.1", admin_token: str | None = None,
                  log_requests: bool = True, log_prompts: bool = False,
                  api_token: str | None = None, tls: grpc.ServerCredentials | None = None,
                  worker_credentials: grpc.ChannelCredentials | None = None,
                  worker_secret: str | None = None, http_port: int | None = None,
                  chat_template: str | None = None, generation_config: str = "auto",
-                 http_tls: tuple | None = None):
-        self.core = EnginePlane(model_dir, worker_addresses, config, log_requests=log_requests,
+                 http_tls: tuple | None = None, metrics: ControlPlaneMetrics | None = None):
+        self.core = EnginePlane(model_dir, worker_addresses, config, metrics=metrics,
+                                log_requests=log_requests,
                                 log_prompts=log_prompts, worker_credentials=worker_credentials,
                                 worker_secret=worker_secret, chat_template=chat_template,
                                 generation_config=generation_config)
         self.metrics, self.workers, self.engine = self.core.metrics, self.core.workers, self.core.engine
         self.requests = self.core.requests
-        self.tls = tls
+        self.tls, self.api_token = tls, api_token
         self.address = address
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
         self.health = health.aio.HealthServicer()
@@ -133,9 +143,8 @@ class ControlPlane:
     async def start(self, ready_timeout: float = 600.0) -> None:
         await self.sync_health()
         await self.health.set(ADMIN, health_pb2.HealthCheckResponse.SERVING)
-        self.port = security.bind(self.server, self.address, self.tls)
-        if self.port == 0:
-            raise RuntimeError(f"cannot bind {self.address}")
+        self.port = net.bind_exclusive(self.server, self.address,
+                                       lambda server, address: security.bind(server, address, self.tls))
         await self.server.start()
         if self.http is not None:
             await self.http.start()
@@ -149,6 +158,7 @@ class ControlPlane:
                 log.error("cannot serve metrics on port %s: %s", self.metrics_port, exc)
                 self.metrics_port = None
         log.info("control plane listening on %s; waiting for the data plane", self.address)
+        warn_if_open(self.address, self.tls, self.api_token)
         await self.core.start(ready_timeout)
         await self.sync_health()
 
@@ -169,13 +179,16 @@ class ControlPlane:
         await self.core.stop()
 
 
-async def run_until_signal(server, grace: float = 10.0) -> None:
+async def run_until_signal(server, grace: float = 10.0, stop_hook=None) -> None:
     """Starts ``server`` (anything with ``start()`` and ``stop(grace)``) and runs it until
-    SIGINT/SIGTERM; start-up errors are raised."""
+    SIGINT/SIGTERM, or until the function ``stop_hook`` is handed is called (from any thread);
+    start-up errors are raised."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if stop_hook is not None:
+        stop_hook(lambda: loop.call_soon_threadsafe(stop.set))
     starting = asyncio.create_task(server.start())
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({starting, waiter}, return_when=asyncio.FIRST_COMPLETED)
@@ -189,7 +202,9 @@ async def run_until_signal(server, grace: float = 10.0) -> None:
 
 
 async def serve_until_signal(model_dir: str, worker_addresses: list[str], address: str,
-                             config: EngineConfig, grace: float = 10.0, **options) -> None:
-    """Runs a control plane (built inside the running event loop) until SIGINT/SIGTERM;
-    ``options`` go to ``ControlPlane``."""
-    await run_until_signal(ControlPlane(model_dir, worker_addresses, address, config, **options), grace)
+                             config: EngineConfig, grace: float = 10.0, stop_hook=None,
+                             **options) -> None:
+    """Runs a control plane (built inside the running event loop) until SIGINT/SIGTERM or
+    ``stop_hook`` (see ``run_until_signal``); ``options`` go to ``ControlPlane``."""
+    await run_until_signal(ControlPlane(model_dir, worker_addresses, address, config, **options),
+                           grace, stop_hook)

@@ -29,7 +29,7 @@ log = logging.getLogger("headrace.core")
 class CoreServer:
     def __init__(self, model_dir: str, worker_addresses: list[str], address: str,
                  config: EngineConfig | None = None, *, metrics_port: int | None = None,
-                 metrics_host: str = "0.0.0.0", admin_token: str | None = None, **plane_options):
+                 metrics_host: str = "127.0.0.1", admin_token: str | None = None, **plane_options):
         self.plane = EnginePlane(model_dir, worker_addresses, config, **plane_options)
         self.engine = self.plane.engine
         self.address = address

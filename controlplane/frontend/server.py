@@ -22,7 +22,7 @@ from controlplane.frontend.client import CoreClient
 from controlplane.http.server import HttpFrontEnd, http_host
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.request_path import RequestPath
-from controlplane.server import ADMIN, BackgroundTasks, public_server, set_health
+from controlplane.server import ADMIN, BackgroundTasks, public_server, set_health, warn_if_open
 from controlplane.service import NOT_READY, InferenceService
 from controlplane.tokenizer import ModelTokenizer
 
@@ -44,7 +44,7 @@ class FrontEnd:
                  admin_token: str | None = None, http_port: int | None = None,
                  http_tls: tuple | None = None, chat_template: str | None = None,
                  generation_config: str = "auto", log_prompts: bool = False, reuse_port: bool = True):
-        self.index, self.address, self.tls = index, address, tls
+        self.index, self.address, self.tls, self.api_token = index, address, tls, api_token
         self.metrics = ControlPlaneMetrics()
         self._background = BackgroundTasks()
         self.client = CoreClient(core_address, index, self.metrics,
@@ -56,9 +56,8 @@ class FrontEnd:
         self.admin_channel = grpc.aio.insecure_channel(core_address, options=channel_options(PUBLIC_MAX_MESSAGE_BYTES))
         self.admin = AdminProxy(self.admin_channel, admin_token)
         self.health = health.aio.HealthServicer()
-        options = [("grpc.so_reuseport", 1 if reuse_port else 0)]
         self.server = public_server(self.metrics, self.inference, self.admin, self.health,
-                                    api_token=api_token, options=options)
+                                    api_token=api_token, shared_port=reuse_port)
         self.http = None if http_port is None else HttpFrontEnd(
             self.requests, http_host(address), http_port, api_token, ssl=http_tls, reuse_port=reuse_port)
         self.port = 0
@@ -80,6 +79,7 @@ class FrontEnd:
         if self.http is not None:
             await self.http.start()
         self.client.start()
+        warn_if_open(self.address, self.tls, self.api_token)
         log.info("front end %d listening on %s%s", self.index, self.address,
                  f" and HTTP {self.http.host}:{self.http.port}" if self.http else "")
 
