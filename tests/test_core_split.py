@@ -7,9 +7,11 @@ another front end)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import grpc
+import httpx
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -38,7 +40,7 @@ REQUESTS = {
 
 @pytest.fixture(scope="module")
 def pair():
-    whole, split = Planes(MODEL), Planes(MODEL, split=True)
+    whole, split = Planes(MODEL), Planes(MODEL, split=True, plane_options={"http_port": 0})
     yield whole, split
     whole.close()
     split.close()
@@ -67,6 +69,19 @@ def test_split_stops_on_a_stop_token_as_one_process(pair):
     REQUESTS["stop token"] = dict(REQUESTS["greedy"], stop_token_ids=[ids[6]])
     expected, got = _answer(whole, "stop token"), _answer(split, "stop token")
     assert got[-1].finish_reason == pb.FINISH_REASON_STOP and got == expected
+
+
+def test_http_streams_through_the_front_end(pair):
+    _, split = pair
+    expected = "".join(r.text for r in _answer(split, "greedy"))
+    body = {"prompt": "The river", "max_tokens": 20, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{split.plane.http.port}/v1/completions", json=body,
+                      timeout=60) as response:
+        assert response.status_code == 200
+        chunks = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    text = "".join(c["text"] for chunk in chunks[:-1] for c in json.loads(chunk)["choices"])
+    assert text == expected
 
 
 def test_a_request_id_in_use_on_another_front_end_is_refused_by_the_core(pair):
