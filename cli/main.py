@@ -61,6 +61,17 @@ def serve_children_argvs(args, listens: list[str]) -> list[list[str]]:
     return argvs
 
 
+# the control plane's own secrets: a data plane child never needs them
+CONTROL_PLANE_SECRETS = ("HEADRACE_API_TOKEN", "HEADRACE_API_TOKENS", "HEADRACE_ADMIN_TOKEN")
+
+
+def child_env(environ, worker_secret: str) -> dict:
+    """A data plane child's environment: this one without the control plane's secrets, with
+    the worker secret (how it accepts only this control plane)."""
+    env = {k: v for k, v in environ.items() if k not in CONTROL_PLANE_SECRETS}
+    return dict(env, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=worker_secret)
+
+
 def cmd_serve(args) -> int:
     from cli.supervisor import DataPlaneChildren
     from common import tracing
@@ -72,9 +83,8 @@ def cmd_serve(args) -> int:
     listens = [f"unix:{sock_dir}/dataplane-{r}.sock" for r in range(world)]
     # the children accept only this control plane: a fresh shared secret, passed by environment
     args.worker_secret = args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or secrets.token_hex(16)
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=args.worker_secret)
-
-    children = DataPlaneChildren(lambda: serve_children_argvs(args, listens), env)
+    children = DataPlaneChildren(lambda: serve_children_argvs(args, listens),
+                                 child_env(os.environ, args.worker_secret))
     tracing.setup_tracing("headrace-controlplane")
     try:
         asyncio.run(serve_until_signal(args.model, listens, f"{args.host}:{args.port}",
@@ -119,6 +129,7 @@ def cmd_dataplane(args) -> int:
         signal.signal(sig, lambda *_: done.set())
     # listen at once (health NOT_SERVING) so probes see the model loading, not a closed port
     server = serve(None, args.listen, metrics_port=args.metrics_port or None,
+                   metrics_host=args.metrics_host or security.host_of(args.listen),
                    credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
                    secret=args.secret or os.environ.get("HEADRACE_WORKER_SECRET") or None)
     log = logging.getLogger("headrace.dataplane")

@@ -136,6 +136,10 @@ class ControlPlaneMetrics(Exporter):
                               "and API (grpc, http).", ["method", "code", "api"], registry=r)
         self.api_requests = Counter(p + "api_requests", "Requests received, by API (grpc, http) "
                                     "and method.", ["api", "method"], registry=r)
+        self.abandoned_streams = Counter(
+            p + "request_abandoned", "Response streams that ended before their last response, by "
+            "reason: client_cancel, deadline, disconnect (the client left), server_abort (drain, "
+            "reload, data plane lost, shutdown).", ["reason"], registry=r)
         self.registry.register(_EngineState(self))
 
     def bind(self, engine) -> None:
@@ -149,6 +153,9 @@ class ControlPlaneMetrics(Exporter):
 
     def rpc_error(self, method: str, code: grpc.StatusCode, api: str = "grpc") -> None:
         self.errors.labels(method, code.name, api).inc()
+
+    def abandoned(self, reason: str) -> None:
+        self.abandoned_streams.labels(reason).inc()
 
     def api_request(self, api: str, method: str) -> None:
         self.api_requests.labels(api, method).inc()

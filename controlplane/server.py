@@ -1,7 +1,8 @@
 """Assembles the control plane's gRPC server: Inference, Admin, grpc.health.v1 (per service)
 and reflection, with deliberate message-size and keepalive settings, tracing and metrics
 interceptors and the Prometheus exporter, and the OpenAI-compatible HTTP front end beside it; drains, resumes and reloads; runs until told to
-stop."""
+stop. The receive limit (and the HTTP body limit) is the largest valid request of the model
+served at start (``controlplane.limits``), not a fixed size."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import security, tracing
-from common.grpc_options import PUBLIC_MAX_MESSAGE_BYTES, server_options
-from controlplane.admin import AdminService, wait_until
+from common.grpc_options import PUBLIC_MAX_SEND_BYTES, server_options
+from controlplane import limits
+from controlplane.admin import AdminService, admin_access, wait_until
 from controlplane.engine import Engine, EngineConfig
 from controlplane.http.server import HttpFrontEnd, http_host
 from controlplane.metrics import ControlPlaneMetrics, MetricsInterceptor
@@ -42,14 +44,17 @@ class ControlPlane:
     model becomes ready (health SERVING) when the workers have answered.
 
     ``metrics_port`` and ``http_port``: None serves none, 0 an ephemeral port
-    (``self.metrics_port`` / ``self.http.port`` tell which). ``admin_token``: see
-    ``controlplane.admin``."""
+    (``self.metrics_port`` / ``self.http.port`` tell which); ``metrics_host`` defaults to the
+    API's host. ``admin_token``: see ``controlplane.admin``. ``api_token``: a token, a list of
+    ``[TENANT=]TOKEN`` entries or ``security.ApiTokens``; ``trust_tenant_header``: take the
+    tenant from ``x-headrace-tenant`` (a gateway in front sets it); ``max_n``: the cap on n."""
 
     def __init__(self, model_dir: str, worker_addresses: list[str], address: str,
                  config: EngineConfig | None = None, *, metrics_port: int | None = None,
-                 metrics_host: str = "0.0.0.0", admin_token: str | None = None,
+                 metrics_host: str | None = None, admin_token: str | None = None,
                  log_requests: bool = True, log_prompts: bool = False,
-                 api_token: str | None = None, tls: grpc.ServerCredentials | None = None,
+                 api_token=None, trust_tenant_header: bool = False,
+                 max_n: int = limits.DEFAULT_MAX_N, tls: grpc.ServerCredentials | None = None,
                  worker_credentials: grpc.ChannelCredentials | None = None,
                  worker_secret: str | None = None, http_port: int | None = None,
                  chat_template: str | None = None, generation_config: str = "auto",
@@ -63,11 +68,12 @@ class ControlPlane:
                              EngineTelemetry(self.metrics, log_requests=log_requests))
         self.engine.on_health_change = self._health_changed
         self.address = address
-        self.metrics_port, self.metrics_host = metrics_port, metrics_host
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host or http_host(address)
         self.health = health.aio.HealthServicer()
+        tokens = security.as_tokens(api_token)
         interceptors = [MetricsInterceptor(self.metrics, skip=(f"/{INFERENCE}/Generate",))]
-        if api_token:   # the Admin service checks its own token
-            interceptors.insert(0, security.BearerTokenInterceptor(api_token, exempt=(f"/{ADMIN}/",)))
+        if tokens:   # the Admin service checks its own token
+            interceptors.insert(0, security.BearerTokenInterceptor(tokens, exempt=(f"/{ADMIN}/",)))
         provider = tracing.tracer_provider()
         if provider is not None:
             from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
@@ -75,15 +81,21 @@ class ControlPlane:
             quiet = filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection"))
             interceptors.insert(0, aio_server_interceptor(tracer_provider=provider,
                                                           filter_=filters.negate(quiet)))
-        self.server = grpc.aio.server(options=server_options(PUBLIC_MAX_MESSAGE_BYTES), interceptors=interceptors)
+        context = limits.context_bound(model_dir, self.engine.config.max_model_len)
+        text = limits.max_text_bytes(context, self.tokenizer.max_token_bytes)
+        self.max_message_bytes = limits.max_request_bytes(text, context)
+        self.server = grpc.aio.server(options=server_options(self.max_message_bytes, PUBLIC_MAX_SEND_BYTES),
+                                      interceptors=interceptors)
         self.requests = RequestPath(self.engine, model_dir, self.tokenizer, chat_template=chat_template,
-                                    generation_config=generation_config, log_prompts=log_prompts)
+                                    generation_config=generation_config, log_prompts=log_prompts,
+                                    tokens=tokens, trust_tenant_header=trust_tenant_header, max_n=max_n)
         self.inference = InferenceService(self.requests, len(worker_addresses))
         self.http = None if http_port is None else HttpFrontEnd(
-            self.requests, http_host(address), http_port, api_token,
-            tensor_parallel_size=len(worker_addresses), ssl=http_tls)
+            self.requests, http_host(address), http_port, tokens,
+            tensor_parallel_size=len(worker_addresses), ssl=http_tls,
+            max_body=limits.max_http_body_bytes(text, context))
         pb_grpc.add_InferenceServicer_to_server(self.inference, self.server)
-        self.admin = AdminService(self, admin_token)
+        self.admin = AdminService(self, admin_token, enabled=admin_access(address, admin_token))
         apb_grpc.add_AdminServicer_to_server(self.admin, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -122,7 +134,8 @@ class ControlPlane:
             except OSError as exc:   # serve anyway: a taken metrics port must not stop inference
                 log.error("cannot serve metrics on port %s: %s", self.metrics_port, exc)
                 self.metrics_port = None
-        log.info("control plane listening on %s; waiting for the data plane", self.address)
+        log.info("control plane listening on %s (requests up to %d bytes); waiting for the data "
+                 "plane", self.address, self.max_message_bytes)
         await self.engine.start(ready_timeout)
         await self.sync_health()
         log.info("model %s ready: %d KV blocks of %d tokens, max_model_len %d",

@@ -10,16 +10,14 @@ import socket
 
 import uvicorn
 
-from controlplane.http.app import build_app
+from common.security import host_of
+from controlplane.http.app import MAX_BODY_BYTES, build_app
 from controlplane.request_path import RequestPath
 
 
 def http_host(grpc_address: str) -> str:
     """The host of the gRPC address (HTTP binds the same one); loopback for unix sockets."""
-    if grpc_address.startswith("unix:"):
-        return "127.0.0.1"
-    host = grpc_address.rsplit(":", 1)[0]
-    return host.strip("[]") or "0.0.0.0"
+    return host_of(grpc_address)
 
 
 class _Server(uvicorn.Server):
@@ -32,10 +30,11 @@ class HttpFrontEnd:
     """``port`` 0 binds an ephemeral port (``self.port`` says which after ``start``).
     ``ssl``: (certfile, keyfile, client CA or None) to serve HTTPS."""
 
-    def __init__(self, path: RequestPath, host: str, port: int, api_token: str | None = None, *,
-                 tensor_parallel_size: int = 1, ssl: tuple | None = None):
+    def __init__(self, path: RequestPath, host: str, port: int, api_token=None, *,
+                 tensor_parallel_size: int = 1, ssl: tuple | None = None,
+                 max_body: int = MAX_BODY_BYTES):
         self.host, self.port = host, port
-        self.app = build_app(path, api_token, tensor_parallel_size)
+        self.app = build_app(path, api_token, tensor_parallel_size, max_body)
         options = {}
         if ssl is not None:
             import ssl as ssl_module
