@@ -311,3 +311,27 @@ def test_admin_beyond_loopback_needs_the_token():
                 assert admin.GetConfig(apb.GetConfigRequest(), metadata=bearer_metadata(token)).ready
         finally:
             planes.close()
+
+
+def test_http_takes_every_tenant_token_and_bounds_bodies_like_grpc():
+    import httpx
+
+    planes = Planes(MODEL, num_kv_blocks=64, plane_options=dict(api_token=TOKENS, http_port=0))
+    try:
+        api = planes.plane.http.app.state.api
+        bound = planes.plane.requests.max_text_bytes
+        assert api.max_body == limits.max_http_body_bytes(
+            limits.max_text_bytes(1024, planes.plane.tokenizer.max_token_bytes), 1024)
+        url = f"http://127.0.0.1:{planes.plane.http.port}/v1/completions"
+        body = {"prompt": "It is", "max_tokens": 2}
+        for token in ("token-a", "token-b"):
+            r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+            assert r.status_code == 200, r.text
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer x"}).status_code == 401
+        auth = {"Authorization": "Bearer token-a"}
+        r = httpx.post(url, json={"prompt": "x" * (bound + 1), "max_tokens": 1}, headers=auth, timeout=60)
+        assert r.status_code == 400 and "longer than any prompt" in r.json()["error"]["message"]
+        r = httpx.post(url, content=b" " * (api.max_body + 1), headers=auth, timeout=60)
+        assert r.status_code == 413 and str(api.max_body) in r.json()["error"]["message"]
+    finally:
+        planes.close()
