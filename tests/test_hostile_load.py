@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import io
-import json
-import logging
 import statistics
 import subprocess
 import sys
@@ -24,13 +21,14 @@ import grpc
 import psutil
 import pytest
 
-from common.logs import configure_library_default, configure_logging
+from common.logs import configure_logging
 from common.security import bearer_metadata
 from controlplane import limits
 from controlplane.engine import EngineConfig
 from controlplane.tokenizer import ModelTokenizer
 from dataplane.default_model import default_model_dir
 from tests.harness import Planes, completion
+from tests.test_logs import _lines, captured  # noqa: F401  (a fixture)
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 from headrace.v1 import inference_pb2 as pb
@@ -250,22 +248,8 @@ def _abandoned(planes, reason: str) -> float:
         "headrace:request_abandoned_total", {"reason": reason}) or 0.0
 
 
-@pytest.fixture
-def log_lines():
-    """The JSON log lines written during a test."""
-    root = logging.getLogger()
-    handlers, level, buf = list(root.handlers), root.level, io.StringIO()
-    configure_logging("json", stream=buf, cache_loggers=False)
-    yield lambda: [json.loads(line) for line in buf.getvalue().splitlines() if line.strip()]
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    for h in handlers:
-        root.addHandler(h)
-    root.setLevel(level)
-    configure_library_default()
-
-
-def test_every_abandoned_stream_is_logged_and_counted(planes, log_lines):
+def test_every_abandoned_stream_is_logged_and_counted(planes, captured):
+    configure_logging("json", stream=captured, cache_loggers=False)
     before = {r: _abandoned(planes, r) for r in ("client_cancel", "deadline", "server_abort")}
     stream = planes.stub.Generate(pb.GenerateRequest(prompt="It is", max_tokens=500, ignore_eos=True),
                                   metadata=A, timeout=60)
@@ -289,7 +273,7 @@ def test_every_abandoned_stream_is_logged_and_counted(planes, log_lines):
     planes.call(planes.plane.resume())
     assert list(stream)[-1].finish_reason == pb.FINISH_REASON_ABORTED
     assert _abandoned(planes, "server_abort") == before["server_abort"] + 1
-    lines = [line for line in log_lines() if line.get("event") == "request abandoned"]
+    lines = [line for line in _lines(captured) if line.get("event") == "request abandoned"]
     assert sorted(line["reason"] for line in lines) == ["client_cancel", "deadline", "server_abort"]
     assert all(line["tenant"] == "alpha" and line["request_id"] for line in lines), lines
 
