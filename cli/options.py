@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from common.logs import LOG_FORMATS
 from controlplane.engine import EngineConfig
@@ -23,6 +24,26 @@ def default_model() -> str:
     return str(default_model_dir())
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help shows its default, unless it says it itself or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, "", argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_device_name(device: str) -> None:
+    """ValueError unless ``device`` is cpu, cuda or cuda:N (whether that GPU exists is the
+    data plane's check: the control plane's process has no torch)."""
+    if not _DEVICE.fullmatch(device):
+        raise ValueError(f"--device {device}: not a device; use cpu, cuda or cuda:N")
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -33,8 +54,10 @@ def positive_int(text: str) -> int:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The scheduler's options (its step limits, ``--max-num-seqs`` and
     ``--max-batched-tokens``, are the worker options of that name)."""
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface of the API and /metrics: 127.0.0.1 serves this machine only, "
+                        "0.0.0.0 every interface (then protect it with --api-token and TLS)")
+    p.add_argument("--port", type=int, default=50051, help="port of the gRPC API")
     p.add_argument("--policy", choices=POLICIES, default="fifo", help="scheduling policy")
     p.add_argument("--aging-rate", type=float, default=None,
                    help="rank units a second of waiting is worth (default per policy)")
@@ -78,11 +101,11 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
 def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -> None:
     p.add_argument("--metrics-port", type=int, default=metrics_port,
                    help=f"Prometheus /metrics HTTP port (0 disables; default {metrics_port})")
-    p.add_argument("--metrics-host", default=None,
-                   help="the address /metrics binds (default: where the API listens)")
     p.add_argument("--log-format", choices=LOG_FORMATS, default=None,
                    help="json or console (default: console on a terminal, json otherwise)")
     if control:
+        p.add_argument("--metrics-host", default=None,
+                       help="the address /metrics binds (default: --host, where the API listens)")
         p.add_argument("--max-queued", type=int, default=None,
                        help="waiting sequences at most; beyond, RESOURCE_EXHAUSTED (HTTP 429) "
                             f"(default {QUEUE_PER_SLOT} x --max-num-seqs; 0: unbounded)")
@@ -121,7 +144,7 @@ def plane_options(args) -> dict:
     """ControlPlane keyword options from the command line."""
     from common import security
 
-    return dict(metrics_port=args.metrics_port or None, metrics_host=args.metrics_host,
+    return dict(metrics_port=args.metrics_port or None, metrics_host=args.metrics_host or args.host,
                 admin_token=args.admin_token or os.environ.get("HEADRACE_ADMIN_TOKEN") or None,
                 log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
                 api_token=security.ApiTokens.load(args.api_token, args.api_tokens_file),

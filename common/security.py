@@ -112,14 +112,6 @@ def as_tokens(tokens) -> ApiTokens:
     return ApiTokens([tokens] if isinstance(tokens, str) else (tokens or ()))
 
 
-def host_of(address: str) -> str:
-    """The host part of a listening address, where a side port (HTTP, /metrics) binds beside
-    it: loopback for a unix socket, the wildcard for an empty host."""
-    if address.startswith("unix:"):
-        return "127.0.0.1"
-    return address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
-
-
 def bearer_metadata(token: str | None) -> tuple:
     return (("authorization", f"Bearer {token}"),) if token else ()
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import time
 
 import grpc
 
+from common import net
 from common.logs import get_logger
 from controlplane.policy import POLICIES, Policy
 from controlplane.tokenizer import ModelTokenizer
@@ -36,15 +36,8 @@ def is_local_peer(peer: str) -> bool:
 def is_loopback_address(address: str) -> bool:
     """Whether a listening address (``host:port``, ``[v6]:port``, ``unix:path``) is reachable
     from this machine only."""
-    if address.startswith(("unix:", "unix-abstract:")):
-        return True
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False   # a host name, 0.0.0.0, ::
+    parts = net.split_address(address)
+    return parts is None or net.is_loopback(parts[0])
 
 
 def admin_access(address: str, token: str | None) -> bool:

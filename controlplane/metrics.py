@@ -11,7 +11,7 @@ inter-token latency once per step, weighted by the step's decode tokens.
 from __future__ import annotations
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Exporter, Histogram
@@ -136,6 +136,11 @@ class ControlPlaneMetrics(Exporter):
                               "and API (grpc, http).", ["method", "code", "api"], registry=r)
         self.api_requests = Counter(p + "api_requests", "Requests received, by API (grpc, http) "
                                     "and method.", ["api", "method"], registry=r)
+        self.dataplane_restarts = Counter(p + "dataplane_restarts", "Data plane restarts by `headrace serve`, by "
+            "cause (crash: it had served; load_failure: it died loading).", ["cause"], registry=r)
+        self.dataplane_given_up = Gauge(p + "dataplane_given_up", "1 once `headrace serve` stopped "
+                                        "restarting its data plane after repeated load failures.",
+                                        registry=r)
         self.abandoned_streams = Counter(
             p + "request_abandoned", "Response streams that ended before their last response, by "
             "reason: client_cancel, deadline, disconnect (the client left), server_abort (drain, "

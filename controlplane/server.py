@@ -14,11 +14,10 @@ import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from common import security, tracing
+from common import net, security, tracing
 from common.grpc_options import PUBLIC_MAX_SEND_BYTES, server_options
-from controlplane import limits
+from controlplane import limits, reflection
 from controlplane.admin import AdminService, admin_access, wait_until
 from controlplane.engine import Engine, EngineConfig
 from controlplane.http.server import HttpFrontEnd, http_host
@@ -58,12 +57,12 @@ class ControlPlane:
                  worker_credentials: grpc.ChannelCredentials | None = None,
                  worker_secret: str | None = None, http_port: int | None = None,
                  chat_template: str | None = None, generation_config: str = "auto",
-                 http_tls: tuple | None = None):
+                 http_tls: tuple | None = None, metrics: ControlPlaneMetrics | None = None):
         self.model_dir = model_dir
         self.tokenizer = ModelTokenizer(model_dir)
-        self.metrics = ControlPlaneMetrics()
+        self.metrics = metrics or ControlPlaneMetrics()
         self.workers = WorkerGroup(worker_addresses, worker_credentials, worker_secret)
-        self.tls = tls
+        self.tls, self.api_token = tls, api_token
         self.engine = Engine(self.workers, config or EngineConfig(),
                              EngineTelemetry(self.metrics, log_requests=log_requests))
         self.engine.on_health_change = self._health_changed
@@ -98,8 +97,7 @@ class ControlPlane:
         self.admin = AdminService(self, admin_token, enabled=admin_access(address, admin_token))
         apb_grpc.add_AdminServicer_to_server(self.admin, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (INFERENCE, ADMIN, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        reflection.enable_server_reflection((INFERENCE, ADMIN, health.SERVICE_NAME), self.server)
         self.port = 0
         self._background: set[asyncio.Task] = set()
 
@@ -119,9 +117,8 @@ class ControlPlane:
     async def start(self, ready_timeout: float = 600.0) -> None:
         await self.sync_health()
         await self.health.set(ADMIN, health_pb2.HealthCheckResponse.SERVING)
-        self.port = security.bind(self.server, self.address, self.tls)
-        if self.port == 0:
-            raise RuntimeError(f"cannot bind {self.address}")
+        self.port = net.bind_exclusive(self.server, self.address,
+                                       lambda server, address: security.bind(server, address, self.tls))
         await self.server.start()
         if self.http is not None:
             await self.http.start()
@@ -136,6 +133,11 @@ class ControlPlane:
                 self.metrics_port = None
         log.info("control plane listening on %s (requests up to %d bytes); waiting for the data "
                  "plane", self.address, self.max_message_bytes)
+        parts = net.split_address(self.address)
+        if parts is not None and not net.is_loopback(parts[0]):
+            log.warning("the API on %s is open to the network (%s, %s)", self.address,
+                        "TLS" if self.tls else "plaintext",
+                        "API token required" if self.api_token else "no API token")
         await self.engine.start(ready_timeout)
         await self.sync_health()
         log.info("model %s ready: %d KV blocks of %d tokens, max_model_len %d",
@@ -208,14 +210,18 @@ class ControlPlane:
 
 
 async def serve_until_signal(model_dir: str, worker_addresses: list[str], address: str,
-                             config: EngineConfig, grace: float = 10.0, **options) -> None:
-    """Runs a control plane (built inside the running event loop) until SIGINT/SIGTERM;
-    ``options`` go to ``ControlPlane``."""
+                             config: EngineConfig, grace: float = 10.0, stop_hook=None,
+                             **options) -> None:
+    """Runs a control plane (built inside the running event loop) until SIGINT/SIGTERM, or
+    until the function ``stop_hook`` is handed is called (from any thread); ``options`` go to
+    ``ControlPlane``."""
     plane = ControlPlane(model_dir, worker_addresses, address, config, **options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if stop_hook is not None:
+        stop_hook(lambda: loop.call_soon_threadsafe(stop.set))
     starting = asyncio.create_task(plane.start())
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({starting, waiter}, return_when=asyncio.FIRST_COMPLETED)

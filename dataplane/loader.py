@@ -16,6 +16,7 @@ from safetensors import safe_open
 from dataplane.config import ModelConfig
 from dataplane.model import CausalLM
 from dataplane.parallel import Shard
+from dataplane.progress import Progress
 from dataplane.rotary import cos_sin_cache
 
 # HF projection name -> (merged parameter name, index of the shard inside it)
@@ -117,12 +118,18 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.de
     params = dict(model.named_parameters())
     expected = {_target(cfg, shard, params, n).key for n in _hf_names(cfg)}
     loaded: set[str] = set()
-    with torch.no_grad():
-        for path in checkpoint_files(model_dir):
+    files = checkpoint_files(model_dir)
+    total = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            total += len(f.keys())
+    with torch.no_grad(), Progress("loading weights", total, "tensors", rank=shard.rank) as progress:
+        for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     plan = _target(cfg, shard, params, name)
                     if plan is None:
+                        progress.update()
                         continue
                     if plan.param is None:
                         raise CheckpointError(f"unexpected tensor {name!r} in {path.name}")
@@ -134,6 +141,7 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.de
                             f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
                     dest.copy_(tensor)
                     loaded.add(plan.key)
+                    progress.update()
     missing = sorted(expected - loaded)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")

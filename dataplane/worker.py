@@ -21,6 +21,7 @@ from dataplane.config import ModelConfig, load_model_config
 from dataplane.cuda_graphs import DecodeGraphs
 from dataplane.loader import load_model
 from dataplane.model import AttentionMetadata, CausalLM
+from dataplane.progress import Phases, Progress
 from dataplane.runner import ModelRunner
 from dataplane.sampler import SamplingBatch, SamplingRow, sample
 from headrace.dataplane.v1 import worker_pb2 as pb
@@ -29,9 +30,38 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+def check_device(device: str) -> None:
+    """ValueError (one line, saying what to do) unless ``device`` is cpu or a visible GPU."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device}: not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise ValueError(f"--device {device}: headrace runs on cpu or cuda[:N]")
+    if not torch.cuda.is_available():
+        why = "this torch is a CPU-only build" if torch.version.cuda is None else "no GPU or driver found"
+        raise ValueError(f"--device {device}: no CUDA GPU is visible ({why}); use --device cpu")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+
+
+def load_failure(exc: BaseException, opts: "WorkerOptions") -> str:
+    """One line for a model that failed to load: what failed, which path, what to do."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return (f"cannot load {opts.model} on {opts.device}: out of memory; lower "
+                f"--gpu-memory-utilization or --max-model-len, or shard it (--tensor-parallel-size)")
+    if isinstance(exc, ValueError) and str(exc).startswith("--"):
+        return str(exc)   # an option's own message
+    detail = (str(exc).strip().splitlines() or [""])[0] or type(exc).__name__
+    return f"cannot load the model in {opts.model} on {opts.device}: {detail}"
+
+
 class Worker:
     def __init__(self, opts: WorkerOptions, rank: int = 0, world_size: int = 1):
         start = time.perf_counter()
+        check_device(opts.device)
         self.opts = opts
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(opts.device)
@@ -47,20 +77,30 @@ class Worker:
         self.shard = parallel.Shard.of(self.cfg, rank, world_size)
         self.local_cfg = self.shard.local_config(self.cfg)   # this rank's heads and MLP columns
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
+        self.phases = phases = Phases()
         model = load_model(pathlib.Path(opts.model), self.cfg, self.device, self.dtype,
                            self.max_model_len, self.shard)
+        phases.mark("weights")
         self.block_bytes = kv_cache.bytes_per_block(self.local_cfg, opts.block_size, self.dtype)
         if self.device.type == "cuda":
             self._warm_up(model)
+            phases.mark("warm-up")
         num_blocks = opts.num_kv_blocks or self._blocks_from_memory()
         if num_blocks < 1:
             raise RuntimeError("no memory left for the KV cache")
-        caches = kv_cache.allocate(self.local_cfg, num_blocks, opts.block_size, self.dtype, self.device)
+        with Progress(f"allocating KV cache ({num_blocks} blocks, "
+                      f"{num_blocks * self.block_bytes / kv_cache.GiB:.2f} GiB)",
+                      self.local_cfg.num_layers, "layers", rank=rank) as progress:
+            caches = kv_cache.allocate(self.local_cfg, num_blocks, opts.block_size, self.dtype,
+                                       self.device, progress)
+        phases.mark("KV cache")
         graphs = None
         if self.device.type == "cuda" and opts.cuda_graphs:
             graphs = DecodeGraphs(model, caches, opts.max_num_seqs,
                                   -(-self.max_model_len // opts.block_size), self.device)
-            graphs.capture()
+            with Progress("capturing CUDA graphs", len(graphs.sizes), "graphs", rank=rank) as progress:
+                graphs.capture(progress)
+            phases.mark("CUDA graphs")
         self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,
                                   opts.max_num_seqs, graphs, rank=rank, seed=opts.seed)
         self.startup_seconds = time.perf_counter() - start

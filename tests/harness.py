@@ -55,7 +55,7 @@ class Planes:
 
         async def build():
             plane = ControlPlane(str(model_dir), workers, f"{host}:0", config, **(plane_options or {}))
-            await plane.start(ready_timeout=60)
+            await plane.start(ready_timeout=180)   # several ranks load at once on 2 cores
             return plane
 
         self.plane: ControlPlane = self.call(build())

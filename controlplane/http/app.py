@@ -25,6 +25,7 @@ from common.security import as_tokens
 
 log = logging.getLogger("headrace.http")
 MAX_BODY_BYTES = 32 << 20
+WHOLE = 1 << 30   # stream_interval of non-streaming requests (more than any max_tokens)
 
 
 class Api:
@@ -104,6 +105,9 @@ class Api:
             return JSONResponse(exc.body(), exc.status)
         top_n = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs
         fmt = streaming.Formatter(chat, body.model or self.path.model_name, body.n, top_n, self.token_text)
+        if not body.stream:   # one message per sample at its end: no per-token wake-ups
+            for r in reqs:
+                r.stream_interval = WHOLE
         streams = self.streams(request, reqs, route, method)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)

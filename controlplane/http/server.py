@@ -1,6 +1,7 @@
 """Runs the HTTP front end with uvicorn inside the control plane's asyncio loop, beside the
 gRPC aio server: binds its socket at start (so a taken port fails start-up), leaves signal
-handling to the control plane, and stops gracefully with it."""
+handling to the control plane, and stops gracefully with it. A port in use is ``PortInUse``
+(one line from the command line, as for the gRPC port)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,17 @@ import socket
 
 import uvicorn
 
-from common.security import host_of
+from common import net
 from controlplane.http.app import MAX_BODY_BYTES, build_app
 from controlplane.request_path import RequestPath
 
 
 def http_host(grpc_address: str) -> str:
     """The host of the gRPC address (HTTP binds the same one); loopback for unix sockets."""
-    return host_of(grpc_address)
+    if grpc_address.startswith("unix:"):
+        return "127.0.0.1"
+    host = grpc_address.rsplit(":", 1)[0]
+    return host.strip("[]") or "0.0.0.0"
 
 
 class _Server(uvicorn.Server):
@@ -58,7 +62,9 @@ class HttpFrontEnd:
             sock.bind((self.host, self.port))
         except OSError as exc:
             sock.close()
-            raise RuntimeError(f"cannot bind HTTP {self.host}:{self.port}: {exc}") from exc
+            raise net.PortInUse(f"cannot listen on {self.host}:{self.port} for HTTP: "
+                                f"{(exc.strerror or str(exc)).lower()} (another server on port "
+                                f"{self.port}? choose another --http-port, or 0 to disable)") from None
         sock.listen(2048)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
