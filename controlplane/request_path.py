@@ -235,9 +235,9 @@ class RequestPath:
                     self._abandoned(req, api, reason)
                 self.engine.abort(req)   # no-op when finished; frees the blocks when the client left
 
-    def _check_queue(self, n: int) -> None:
+    def _check_queue(self) -> None:
         bound = self.engine.max_queued
-        if bound and len(self.engine.scheduler.waiting) + n > bound:
+        if bound and len(self.engine.scheduler.waiting) >= bound:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"queue is full ({bound} waiting sequences at most, the server's "
                                "--max-queued); retry later")
@@ -245,14 +245,14 @@ class RequestPath:
     async def _admit(self, request: pb.GenerateRequest, tenant: str):
         engine = self.engine
         self.check_ready()
-        self._check_queue(max(1, request.n))
+        self._check_queue()
         request = self.defaults.apply(request)
         try:   # every cheap check first: refused requests cost no tokenization
             check_request(request, vocab_size=engine.info.vocab_size, max_model_len=engine.max_model_len,
                           max_n=self.max_n, max_text_bytes=self.max_text_bytes)
             ids = await self._prompt_ids(request)
             self.check_ready()   # a drain or reload may have begun meanwhile
-            self._check_queue(max(1, request.n))
+            self._check_queue()
             req = build_request(request, self.tokenizer, seq_ids=engine.seq_ids, ids=ids,
                                 vocab_size=engine.info.vocab_size, max_model_len=engine.max_model_len,
                                 eos_token_ids=list(engine.info.eos_token_ids), max_n=self.max_n,
