@@ -12,7 +12,7 @@ import socket
 import uvicorn
 
 from common import net
-from controlplane.http.app import build_app
+from controlplane.http.app import MAX_BODY_BYTES, build_app
 from controlplane.request_path import RequestPath
 
 
@@ -35,10 +35,11 @@ class HttpFrontEnd:
     ``ssl``: (certfile, keyfile, client CA or None) to serve HTTPS. ``reuse_port``: bind
     with SO_REUSEPORT (several front-end processes serve one port)."""
 
-    def __init__(self, path: RequestPath, host: str, port: int, api_token: str | None = None, *,
-                 tensor_parallel_size: int = 1, ssl: tuple | None = None, reuse_port: bool = False):
+    def __init__(self, path: RequestPath, host: str, port: int, api_token=None, *,
+                 tensor_parallel_size: int = 1, ssl: tuple | None = None, reuse_port: bool = False,
+                 max_body: int = MAX_BODY_BYTES):
         self.host, self.port, self.reuse_port = host, port, reuse_port
-        self.app = build_app(path, api_token, tensor_parallel_size)
+        self.app = build_app(path, api_token, tensor_parallel_size, max_body)
         options = {}
         if ssl is not None:
             import ssl as ssl_module
