@@ -22,6 +22,7 @@ import structlog
 from opentelemetry import trace
 
 from common import tracing
+from controlplane.request_path import queue_full
 from controlplane.request import Request, Sequence
 from controlplane.service import model_info
 from headrace.core.v1 import core_pb2 as cpb
@@ -197,9 +198,9 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
             return grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica"
         if not engine.healthy or engine.scheduler is None:
             return grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)"
-        queued = engine.config.max_queued
-        if queued and len(engine.scheduler.waiting) >= queued:
-            return grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue is full ({queued} waiting); retry later"
+        problem = queue_full(engine.max_queued, len(engine.scheduler.waiting))
+        if problem:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, problem
         if submit.request_id in engine.requests:
             return grpc.StatusCode.INVALID_ARGUMENT, f"request_id {submit.request_id!r} is already in use"
         if not submit.sampling or len(submit.prompt_token_ids) + submit.max_tokens > engine.max_model_len:

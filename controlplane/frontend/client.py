@@ -58,6 +58,7 @@ class CoreClient:
         self.info = None
         self.max_model_len = 0
         self.scheduler = None                # a view with ``waiting`` while the model is loaded
+        self.max_queued = 0                  # the core enforces the queue bound (it owns the queue)
         self._waiting = _Waiting()
         self._by_handle: dict[int, Request] = {}
         self._handles = itertools.count(1)
