@@ -1,0 +1,123 @@
+"""The quantized-linear kernels (``kernels.triton_quant``) against their plain-torch references
+(``kernels.reference_quant``), on random data at small shapes.
+
+Under Triton's CPU interpreter here (TRITON_INTERPRET=1, switched on before triton is imported);
+with HEADRACE_TEST_DEVICE=cuda (or any CUDA machine) compiled on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if (os.environ.get("HEADRACE_TEST_DEVICE", "").startswith("cuda")
+                    or torch.cuda.is_available()) else "cpu"
+if DEVICE == "cpu":
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported earlier without TRITON_INTERPRET=1", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed: no Triton kernels to test")
+from kernels import reference_quant as ref  # noqa: E402
+from kernels import triton_quant  # noqa: E402
+
+
+def _fp8_close(actual_q, actual_s, expect_q, expect_s):
+    """Same scales; quantised values equal up to one e4m3 step (the interpreter rounds ties
+    away from zero and flushes subnormals, the GPU and torch round to nearest even)."""
+    torch.testing.assert_close(actual_s.cpu(), expect_s.cpu(), rtol=1e-6, atol=0)
+    a, e = actual_q.cpu().float(), expect_q.cpu().float()
+    step = torch.maximum(e.abs() / 8, torch.full_like(e, 2.0 ** -9))
+    assert ((a - e).abs() <= step).all(), (a - e).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("static", [False, True])
+def test_per_token_fp8(dtype, static):
+    torch.manual_seed(0)
+    x = (torch.randn(5, 1100) * torch.tensor([0.01, 1.0, 30.0, 300.0, 1e-9])[:, None]).to(dtype)
+    x = x.to(DEVICE)
+    s_in = torch.tensor([0.05], device=DEVICE) if static else None
+    q, s = triton_quant.per_token_fp8(x, s_in)
+    eq, es = ref.per_token_fp8(x, s_in)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 1)
+    _fp8_close(q, s, eq, es)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("static,bias", [(False, False), (True, True)])
+def test_fp8_linear(dtype, static, bias):
+    torch.manual_seed(0)
+    w = torch.randn(48, 64) * 0.1
+    wq, ws = ref.quantize_fp8_weight(w)
+    x = torch.randn(3, 4, 64).to(dtype)
+    b = torch.randn(48).to(dtype) if bias else None
+    s_in = torch.tensor([0.01]) if static else None
+    expect = ref.fp8_linear(x, wq, ws, s_in, b)
+    dev = [t.to(DEVICE) if t is not None else None for t in (x, wq, ws, s_in, b)]
+    actual = triton_quant.fp8_linear(*dev)
+    assert actual.shape == (3, 4, 48) and actual.dtype == dtype
+    # bf16 output of _scaled_mm, and one e4m3 step of slack in the quantised inputs
+    torch.testing.assert_close(actual.cpu().float(), expect.float(), atol=0.05, rtol=0.05)
+    # and the quantised product is near the unquantised one (the quantiser is sane)
+    dense = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
+    assert (actual.cpu().float() - dense).abs().max() < 0.1 * dense.abs().max()
+
+
+def _random_wna16(n, k, bits, group_size, act_order, seed=0):
+    """Random unsigned values, scales and zeros; act_order shuffles which columns share a group."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.int32).to(torch.uint8)
+    gs = k if group_size <= 0 else group_size
+    groups = -(-k // gs)
+    scales = torch.rand(groups, n, generator=g) * 0.02 + 0.001
+    zeros = torch.randint(0, 1 << bits, (groups, n), generator=g, dtype=torch.int32).to(torch.uint8)
+    g_idx = (torch.arange(k) // gs).to(torch.int32)
+    perm = torch.randperm(k, generator=g) if act_order else None
+    return q, scales, zeros, g_idx, perm
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 5, 40, 130])
+@pytest.mark.parametrize("group_size,act_order", [(32, False), (128, True), (-1, False), (64, False)])
+def test_wna16_linear(bits, m, group_size, act_order):
+    torch.manual_seed(0)
+    n, k = 96, 256
+    dtype = torch.bfloat16 if m % 2 else torch.float32
+    q, scales, zeros, g_idx, perm = _random_wna16(n, k, bits, group_size, act_order)
+    qweight = ref.pack_along_k(q, bits)
+    assert torch.equal(ref.unpack_along_k(qweight, bits), q)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n).to(dtype) if m == 5 else None
+    args = (qweight, scales.to(dtype), zeros, g_idx, perm, bits)
+    expect = ref.wna16_linear(x, *args, group_size if group_size > 0 else k, bias)
+    dev = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in (x,) + args]
+    actual = triton_quant.wna16_linear(*dev, group_size if group_size > 0 else k,
+                                       None if bias is None else bias.to(DEVICE))
+    # bfloat16: a few ulps of the output's scale (the interpreter truncates float32 -> bfloat16
+    # casts of the dequantised weights, the GPU and torch round to nearest)
+    scale = expect.float().abs().max().item()
+    tol = (dict(atol=1e-2 * scale, rtol=1e-2) if dtype == torch.bfloat16
+           else dict(atol=1e-5 * scale, rtol=1e-4))
+    torch.testing.assert_close(actual.cpu(), expect, **tol)
+    # the per-column group index path (group_size 0) gives the same result
+    gathered = triton_quant.wna16_linear(*dev, 0, None if bias is None else bias.to(DEVICE))
+    torch.testing.assert_close(gathered.cpu(), expect, **tol)
+
+
+def test_wna16_ragged_groups_read_g_idx():
+    """A row-parallel act-order shard: after sorting, groups have unequal sizes."""
+    torch.manual_seed(0)
+    n, k, bits = 64, 96, 4
+    q, scales, zeros, _, _ = _random_wna16(n, k, bits, 32, False)
+    g_idx = torch.sort(torch.randint(0, 3, (k,))).values.to(torch.int32)
+    qweight = ref.pack_along_k(q, bits)
+    x = torch.randn(3, k)
+    expect = ref.wna16_linear(x, qweight, scales, zeros, g_idx, None, bits, 0)
+    dense = x @ ((q.float() - zeros.float()[g_idx.long()].t()) * scales[g_idx.long()].t()).t()
+    torch.testing.assert_close(expect, dense, atol=1e-4, rtol=1e-4)
+    dev = [a.to(DEVICE) for a in (x, qweight, scales, zeros, g_idx)]
+    actual = triton_quant.wna16_linear(*dev[:5], None, bits, 0)
+    torch.testing.assert_close(actual.cpu(), expect, atol=1e-3, rtol=1e-3)
