@@ -47,7 +47,9 @@ def _worker_argv(args, listen: str, rank: int = 0, dist_init: str | None = None)
     if args.no_cuda_graphs:
         argv.append("--no-cuda-graphs")
     for flag, value in (("--dtype", args.dtype), ("--num-kv-blocks", args.num_kv_blocks),
-                        ("--max-model-len", args.max_model_len)):
+                        ("--max-model-len", args.max_model_len),
+                        ("--quantization", args.quantization),
+                        ("--kv-cache-dtype", args.kv_cache_dtype)):
         if value is not None:
             argv += [flag, str(value)]
     return argv
@@ -112,7 +114,8 @@ def cmd_dataplane(args) -> int:
                          num_kv_blocks=args.num_kv_blocks, cpu_kv_cache_gib=args.cpu_kv_cache_gib,
                          gpu_memory_utilization=args.gpu_memory_utilization,
                          max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-                         cuda_graphs=not args.no_cuda_graphs)
+                         cuda_graphs=not args.no_cuda_graphs, quantization=args.quantization,
+                         kv_cache_dtype=args.kv_cache_dtype)
     tracing.setup_tracing("headrace-dataplane")
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -36,6 +36,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
+    p.add_argument("--quantization", default=None,
+                   choices=["fp8", "int8", "gptq", "awq", "compressed-tensors"],
+                   help="weight quantization (default: the checkpoint's quantization_config); fp8 "
+                        "and int8 quantize a float checkpoint at load")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="KV cache element type: auto (the model dtype) or fp8 (e4m3, twice the tokens)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -87,4 +87,5 @@ class InferenceService(pb_grpc.InferenceServicer):
                             max_model_len=self.engine.max_model_len, vocab_size=info.vocab_size,
                             dtype=info.dtype, device=info.device, tensor_parallel_size=self.tp,
                             kv_block_size=blocks.block_size, num_kv_blocks=blocks.num_blocks,
-                            eos_token_ids=list(info.eos_token_ids))
+                            eos_token_ids=list(info.eos_token_ids),
+                            kv_cache_dtype=info.kv_cache_dtype, quantization=info.quantization)

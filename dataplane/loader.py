@@ -16,6 +16,7 @@ from safetensors import safe_open
 from dataplane.config import ModelConfig
 from dataplane.model import CausalLM
 from dataplane.parallel import Shard
+from dataplane.quantization import QuantConfig, loading as quant_loading
 from dataplane.rotary import cos_sin_cache
 
 # HF projection name -> (merged parameter name, index of the shard inside it)
@@ -102,11 +103,16 @@ def checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.device,
-               dtype: torch.dtype, max_positions: int, shard: Shard | None = None) -> CausalLM:
+               dtype: torch.dtype, max_positions: int, shard: Shard | None = None,
+               quant: QuantConfig | None = None) -> CausalLM:
+    """``quant``: the projections' quantization (``dataplane.quantization``), None for none."""
     model_dir = pathlib.Path(model_dir)
     shard = shard or Shard.of(cfg)
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions, shard)
+        if quant is not None and quant.fmt != "online":
+            quant_loading.prepare(model, quant)
+    qload = quant_loading.QuantLoader(quant, cfg, shard, model) if quant is not None else None
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():   # padded vocabulary rows stay zero
         for p in model.parameters():
@@ -115,12 +121,16 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.de
                                         cfg.rope_scaling, device)
     model.rebind_rotary()
     params = dict(model.named_parameters())
-    expected = {_target(cfg, shard, params, n).key for n in _hf_names(cfg)}
+    expected = {_target(cfg, shard, params, n).key for n in _hf_names(cfg)
+                if qload is None or not qload.owns(n)}
     loaded: set[str] = set()
     with torch.no_grad():
         for path in checkpoint_files(model_dir):
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
+                    if qload is not None and qload.owns(name):
+                        qload.take(name, f.get_tensor)
+                        continue
                     plan = _target(cfg, shard, params, name)
                     if plan is None:
                         continue
@@ -137,6 +147,11 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.de
     missing = sorted(expected - loaded)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    if quant is not None:
+        with torch.no_grad():
+            qload.finish(dtype, device)
+            if quant.fmt == "online":
+                quant_loading.quantize_online(model, quant, dtype)
     return model.eval()
 
 

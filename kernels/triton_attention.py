@@ -53,9 +53,11 @@ def _operand(x, DOT_F32: tl.constexpr):
 def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale,
             stride_block, stride_slot, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-            DOT_F32: tl.constexpr):
+            DOT_F32: tl.constexpr, dtype: tl.constexpr):
     """Folds keys [lo, hi) into the running (acc, l_i, m_i). MASKED: a tile may run past hi or
-    past a row's query position; otherwise every tile is full and visible to every row."""
+    past a row's query position; otherwise every tile is full and visible to every row.
+    K/V are read as ``dtype`` (the query's: an FP8 cache is widened, its scales applied by the
+    caller: k_scale in qk_scale, v_scale on the output)."""
     d = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
@@ -63,13 +65,13 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
             live = k_pos < hi
             block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
             off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
-            k = tl.load(K + off[:, None] + d[None, :], mask=live[:, None], other=0.0)
-            v = tl.load(V + off[:, None] + d[None, :], mask=live[:, None], other=0.0)
+            k = tl.load(K + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(dtype)
+            v = tl.load(V + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(dtype)
         else:
             block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
             off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
-            k = tl.load(K + off[:, None] + d[None, :])
-            v = tl.load(V + off[:, None] + d[None, :])
+            k = tl.load(K + off[:, None] + d[None, :]).to(dtype)
+            v = tl.load(V + off[:, None] + d[None, :]).to(dtype)
         s = tl.dot(q, tl.trans(_operand(k, DOT_F32)), input_precision=PRECISION)
         if MASKED:
             s = tl.where(live[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -77,7 +79,7 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = _operand(p.to(V.dtype.element_ty), DOT_F32)
+        p = _operand(p.to(dtype), DOT_F32)
         acc = tl.dot(p, _operand(v, DOT_F32), acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -86,7 +88,7 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
 # Block-table widths vary from step to step in eager (mixed) steps: no specialisation on them,
 # or every new width divisibility would compile a variant in the middle of serving.
 @triton.jit(do_not_specialize=["stride_bt"])
-def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale, stride_qt,
+def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale, v_scale, stride_qt,
                    stride_qh, stride_ot, stride_oh, stride_bt, stride_block, stride_slot,
                    stride_head, NUM_SPLITS: tl.constexpr,
                    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -114,7 +116,9 @@ def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale
     q_pos = tl.full([G_PAD], ctx - 1, tl.int32)  # the one query sees every key below ctx
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, BT + seq * stride_bt, kv_head * stride_head,
                             lo, hi, q_pos, qk_scale, stride_block,
-                            stride_slot, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, PRECISION, DOT_F32)
+                            stride_slot, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, PRECISION, DOT_F32,
+                            Q.dtype.element_ty)
+    acc = acc * v_scale
     if NUM_SPLITS == 1:   # the whole context in one program: the output itself, no combine
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(OUT + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -146,7 +150,7 @@ def _combine_kernel(PART_O, PART_LSE, OUT, stride_ot, stride_oh, NUM_SPLITS: tl.
 
 
 @triton.jit(do_not_specialize=["seq0", "stride_bt"])   # both vary per step: one variant
-def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, seq0, qk_scale, stride_qt, stride_qh, stride_ot,
+def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, seq0, qk_scale, v_scale, stride_qt, stride_qh, stride_ot,
                     stride_oh, stride_bt, stride_block, stride_slot, stride_head,
                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -177,11 +181,11 @@ def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, seq0, qk_scale, stride_qt, 
     bt_row = BT + seq * stride_bt
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, 0, below,
                             q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
-                            HEAD_DIM, False, PRECISION, DOT_F32)
+                            HEAD_DIM, False, PRECISION, DOT_F32, Q.dtype.element_ty)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, below, end,
                             q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
-                            HEAD_DIM, True, PRECISION, DOT_F32)
-    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+                            HEAD_DIM, True, PRECISION, DOT_F32, Q.dtype.element_ty)
+    out = acc * v_scale / tl.where(row_ok, l_i, 1.0)[:, None]
     tl.store(OUT + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
@@ -215,7 +219,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                     max_query_len: int | None = None, decode_only: bool | None = None,
                     num_kv_splits: int | None = None, num_decodes: int = 0,
-                    decode_order: torch.Tensor | None = None) -> torch.Tensor:
+                    decode_order: torch.Tensor | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of variable-length queries over paged KV; see
     kernels.reference.paged_attention. Host-side hints avoid a device sync: ``decode_only=True``
     promises every sequence has exactly one query token; otherwise ``max_query_len`` (the longest
@@ -234,7 +239,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     if not decode_only:
         max_query_len = max_query_len or _max_query_len(query_start_loc)
         decode_only = tokens == batch and max_query_len == 1
-    launch = _Launch(query, kv_cache, block_tables, scale)
+    launch = _Launch(query, kv_cache, block_tables, scale, k_scale, v_scale)
     if decode_only:
         launch.decode(seq_lens, block_tables, out, num_kv_splits, decode_order)
         return out
@@ -249,13 +254,15 @@ class _Launch:
     """What the decode and prefill launches of one attention call share."""
 
     def __init__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 scale: float):
+                 scale: float, k_scale: float = 1.0, v_scale: float = 1.0):
         self.query, self.kv_cache = query, kv_cache
         self.dot_f32 = _INTERPRETED and query.dtype == torch.bfloat16
         self.precision = "ieee" if query.dtype == torch.float32 or self.dot_f32 else "tf32"
         keys = kv_cache[0]
         self.cache_strides = (block_tables.stride(0), keys.stride(0), keys.stride(1), keys.stride(2))
-        self.qk_scale = scale * _LOG2E
+        fp8 = kv_cache.dtype == torch.float8_e4m3fn   # an FP8 cache holds k / k_scale, v / v_scale
+        self.qk_scale = scale * _LOG2E * (k_scale if fp8 else 1.0)
+        self.v_scale = v_scale if fp8 else 1.0
 
     def decode(self, seq_lens: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
                num_kv_splits: int | None, order: torch.Tensor | None) -> None:
@@ -273,7 +280,7 @@ class _Launch:
         group = heads // kv_heads
         _decode_kernel[(kv_heads * splits, batch)](
             query, keys, values, seq_lens, block_tables, seq_lens if order is None else order,
-            part_o, part_lse, out, self.qk_scale,
+            part_o, part_lse, out, self.qk_scale, self.v_scale,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), *self.cache_strides,
             NUM_SPLITS=splits, G=group,
             G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
@@ -299,7 +306,7 @@ class _Launch:
         grid = (triton.cdiv(max_query_len, block_q), kv_heads, seq_lens.shape[0] - seq0)
         _prefill_kernel[grid](
             query, keys, values, out, query_start_loc, seq_lens, block_tables,
-            seq0, self.qk_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            seq0, self.qk_scale, self.v_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             *self.cache_strides, G=group, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
             BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=block_size, PRECISION=self.precision,
             DOT_F32=self.dot_f32, num_warps=PREFILL_WARPS if block_m >= 128 else 4,

@@ -39,6 +39,12 @@ def to_e4m3(x, dtype, ROUND_FIRST: tl.constexpr):
 
 
 @triton.jit
+def scaled_e4m3(x, scale, dtype, ROUND_FIRST: tl.constexpr):
+    """x / scale saturated to +-448, as e4m3 (an FP8 KV cache's store)."""
+    return to_e4m3(tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0), dtype, ROUND_FIRST)
+
+
+@triton.jit
 def _per_token_fp8_kernel(X, XQ, SCALE, S_IN, K, stride_xm, stride_qm, STATIC: tl.constexpr,
                           FMAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK_K: tl.constexpr,
                           ROUND_FIRST: tl.constexpr):
