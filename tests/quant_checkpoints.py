@@ -29,22 +29,23 @@ INPUT_OF = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o", "g
 SHARED_INPUT = ("qkv", "o", "mlp", "down")
 
 
-def float_model(path: pathlib.Path, **opts):
+def float_model(path: pathlib.Path, src: pathlib.Path | None = None, **opts):
+    """(checkpoint dir, its HF model in float32): ``src``, or a new tiny random Llama."""
     import transformers
 
-    src = make_checkpoint(path, "llama", **opts)
+    src = src or make_checkpoint(path, "llama", **opts)
     return src, transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
 
 
 def compressed_tensors_checkpoint(path: pathlib.Path, preset: str, fmt: str, group_size: int = 0,
-                                  static_input: float | None = None, **opts):
+                                  static_input: float | None = None, src=None, **opts):
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationConfig, apply_quantization_config,
                                                  preset_name_to_scheme)
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    _, model = float_model(path / "float", **opts)
+    src, model = float_model(path / "float", src, **opts)
     ref = copy.deepcopy(model)
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if group_size:
@@ -80,7 +81,7 @@ def compressed_tensors_checkpoint(path: pathlib.Path, preset: str, fmt: str, gro
     out = path / "quantized"
     model.save_pretrained(out)
     compressor.update_config(out)
-    _copy_tokenizer(path / "float", out)
+    _copy_tokenizer(src, out)
     return out, ref
 
 
@@ -183,13 +184,16 @@ def awq_tensors(w: torch.Tensor, group_size: int, seed: int):
 
 
 def packed_checkpoint(path: pathlib.Path, method: str, *, bits: int = 4, group_size: int = 32,
-                      sym: bool = True, act_order: bool = False, v1: bool = True, **opts):
+                      sym: bool = True, act_order: bool = False, v1: bool = True, src=None,
+                      **opts):
     """A GPTQ or AWQ checkpoint of a tiny random Llama (every projection quantized)."""
     from safetensors.torch import save_file
 
-    src, ref = float_model(path / "float", **opts)
+    src, ref = float_model(path / "float", src, **opts)
     tensors = {}
     for name, param in ref.state_dict().items():
+        if name == "lm_head.weight" and ref.config.tie_word_embeddings:
+            continue
         parts = name.split(".")
         if len(parts) > 2 and parts[-2] in PROJS and parts[-1] == "weight":
             prefix = ".".join(parts[:-1])

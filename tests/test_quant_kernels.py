@@ -121,3 +121,73 @@ def test_wna16_ragged_groups_read_g_idx():
     dev = [a.to(DEVICE) for a in (x, qweight, scales, zeros, g_idx)]
     actual = triton_quant.wna16_linear(*dev[:5], None, bits, 0)
     torch.testing.assert_close(actual.cpu(), expect, atol=1e-3, rtol=1e-3)
+
+
+# --------------------------------------------------------------------------- FP8 KV cache
+
+from kernels import reference as kref  # noqa: E402
+from kernels import triton_attention, triton_prologue  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, k_scale, v_scale):
+    """Queries (bf16) and an FP8 paged cache written by the reference (k / k_scale); slots outside
+    every context hold NaN. Also returns the same cache dequantised into float32."""
+    num_blocks = sum(-(-c // block_size) for c in ctx_lens) + 2
+    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan")).to(FP8)
+    free = torch.randperm(num_blocks).tolist()
+    width = max(-(-c // block_size) for c in ctx_lens) + 1
+    tables = []
+    for ctx in ctx_lens:
+        table = [free.pop() for _ in range(-(-ctx // block_size))]
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size
+                              for p in range(ctx)])
+        kv = torch.randn(2, ctx, kv_heads, head_dim) * 3
+        kref.write_kv(cache, kv[0], kv[1], slots, k_scale, v_scale)
+        tables.append(table + [0] * (width - len(table)))
+    query = torch.randn(sum(q_lens), heads, head_dim).to(torch.bfloat16)
+    starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    deq = cache.float() * torch.tensor([k_scale, v_scale]).view(2, 1, 1, 1, 1)
+    return (query, cache, starts, torch.tensor(ctx_lens, dtype=torch.int32),
+            torch.tensor(tables, dtype=torch.int32)), deq
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens", [([1, 1, 1], [5, 70, 33]), ([1, 7, 20], [40, 7, 90])])
+def test_fp8_kv_attention(q_lens, ctx_lens):
+    """Attention over an FP8 cache (k_scale 0.02, v_scale 0.05) equals attention over the
+    dequantised float cache, in the reference and in the Triton kernels (decode and mixed)."""
+    torch.manual_seed(0)
+    args, deq = _fp8_paged_batch(q_lens, ctx_lens, 8, 2, 64, 16, 0.02, 0.05)
+    scale = 64 ** -0.5
+    expect = kref.paged_attention(args[0], deq, *args[2:], scale)
+    fp8_ref = kref.paged_attention(*args, scale, k_scale=0.02, v_scale=0.05)
+    torch.testing.assert_close(fp8_ref.float(), expect.float(), atol=1e-2, rtol=1e-2)
+    hints = dict(decode_only=True) if max(q_lens) == 1 else dict(max_query_len=max(q_lens),
+                                                                 num_decodes=1)
+    actual = triton_attention.paged_attention(*(a.to(DEVICE) for a in args), scale,
+                                              k_scale=0.02, v_scale=0.05, **hints)
+    assert not actual.isnan().any()
+    torch.testing.assert_close(actual.cpu().float(), expect.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_fp8_kv_prologue_writes_scaled_e4m3():
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, hd = 6, 4, 2, 64
+    from dataplane.rotary import cos_sin_cache
+    cos_sin = cos_sin_cache(hd, 256, 10000.0, None, "cpu")
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * hd) * 4
+    q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], -1)
+    q, k, v = (t.reshape(tokens, -1, hd) for t in (q, k, v))
+    positions = torch.randint(0, 256, (tokens,))
+    slots = torch.tensor([3, 17, -1, 40, 41, 8])
+    expect = torch.zeros(2, 4, 16, kv_heads, hd, dtype=FP8)
+    actual = expect.clone().to(DEVICE)
+    q_ref = kref.qk_norm_rope_write_kv(q, k, v, positions, cos_sin, None, None, 1e-6, expect,
+                                       slots, k_scale=0.05, v_scale=0.1)
+    dev = [t.to(DEVICE) for t in (q, k, v, positions, cos_sin)]
+    q_out = triton_prologue.qk_norm_rope_write_kv(*dev, None, None, 1e-6, actual,
+                                                  slots.to(DEVICE), k_scale=0.05, v_scale=0.1)
+    torch.testing.assert_close(q_out.cpu(), q_ref, atol=1e-4, rtol=1e-4)
+    assert expect.float().abs().max() > 100      # the scales matter: values use e4m3's range
+    _fp8_close(actual.float(), torch.ones(1), expect.float(), torch.ones(1))
