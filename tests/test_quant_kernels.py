@@ -132,25 +132,15 @@ FP8 = torch.float8_e4m3fn
 
 
 def _fp8_paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, k_scale, v_scale):
-    """Queries (bf16) and an FP8 paged cache written by the reference (k / k_scale); slots outside
-    every context hold NaN. Also returns the same cache dequantised into float32."""
-    num_blocks = sum(-(-c // block_size) for c in ctx_lens) + 2
-    cache = torch.full((2, num_blocks, block_size, kv_heads, head_dim), float("nan")).to(FP8)
-    free = torch.randperm(num_blocks).tolist()
-    width = max(-(-c // block_size) for c in ctx_lens) + 1
-    tables = []
-    for ctx in ctx_lens:
-        table = [free.pop() for _ in range(-(-ctx // block_size))]
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size
-                              for p in range(ctx)])
-        kv = torch.randn(2, ctx, kv_heads, head_dim) * 3
-        kref.write_kv(cache, kv[0], kv[1], slots, k_scale, v_scale)
-        tables.append(table + [0] * (width - len(table)))
-    query = torch.randn(sum(q_lens), heads, head_dim).to(torch.bfloat16)
-    starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    deq = cache.float() * torch.tensor([k_scale, v_scale]).view(2, 1, 1, 1, 1)
-    return (query, cache, starts, torch.tensor(ctx_lens, dtype=torch.int32),
-            torch.tensor(tables, dtype=torch.int32)), deq
+    """test_kernels_triton's paged batch (NaN outside every context) with its cache stored as
+    FP8 (k / k_scale, v / v_scale); also returns that cache dequantised into float32."""
+    from tests.test_kernels_triton import _paged_batch
+
+    query, cache, *rest = _paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size,
+                                       torch.float32)
+    scales = torch.tensor([k_scale, v_scale]).view(2, 1, 1, 1, 1)
+    cache = ref.to_fp8(cache * 3 / scales)
+    return (query.to(torch.bfloat16), cache, *rest), cache.float() * scales
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens", [([1, 1, 1], [5, 70, 33]), ([1, 7, 20], [40, 7, 90])])
