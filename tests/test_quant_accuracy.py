@@ -18,9 +18,11 @@ import tempfile
 import pytest
 import torch
 
+from dataplane import kv_cache
 from dataplane.config import load_model_config
 from dataplane.default_model import train
 from dataplane.loader import load_model
+from dataplane.model import AttentionMetadata
 from dataplane.quantization import resolve
 from tests import quant_checkpoints as qc
 from tests.test_quant_loading import forward_logits
@@ -102,10 +104,24 @@ def measure(scheme: str) -> tuple[float, float]:
 
 
 def _greedy(model, prompt, kv) -> list[int]:
-    ids = list(prompt)
-    for _ in range(NEW):
-        ids.append(int(forward_logits(model, ids, kv)[-1].argmax()))
-    return ids[len(prompt):]
+    """NEW greedy tokens: one prefill, then one decode step per token over the paged cache."""
+    total, bs = len(prompt) + NEW, 16
+    blocks = -(-total // bs)
+    caches = kv_cache.allocate(model.cfg, blocks, bs, kv, torch.device("cpu"))
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    ids, out, done = torch.tensor(prompt), [], 0
+    with torch.inference_mode():
+        for _ in range(NEW):
+            n = len(ids)
+            meta = AttentionMetadata(slot_mapping=torch.arange(done, done + n),
+                                     query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                                     seq_lens=torch.tensor([done + n], dtype=torch.int32),
+                                     block_tables=table)
+            hidden = model(ids, torch.arange(done, done + n), caches, meta)
+            done += n
+            out.append(int(model.logits(hidden[-1:])[0].argmax()))
+            ids = torch.tensor(out[-1:])
+    return out
 
 
 @functools.lru_cache(maxsize=None)
