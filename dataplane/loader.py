@@ -149,9 +149,9 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.de
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     if quant is not None:
         with torch.no_grad():
-            qload.finish(dtype, device)
+            qload.finish(device)
             if quant.fmt == "online":
-                quant_loading.quantize_online(model, quant, dtype)
+                quant_loading.quantize_online(model, quant)
     return model.eval()
 
 

@@ -188,4 +188,6 @@ def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
 def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copies whole KV blocks src[i] -> dst[i] in every layer's cache (copy on write)."""
     for cache in kv_caches:
+        if cache.dtype == torch.float8_e4m3fn:   # float8 index_put is not on every device
+            cache = cache.view(torch.uint8)
         cache[:, dst] = cache[:, src]

@@ -181,3 +181,10 @@ def test_fp8_kv_prologue_writes_scaled_e4m3():
     torch.testing.assert_close(q_out.cpu(), q_ref, atol=1e-4, rtol=1e-4)
     assert expect.float().abs().max() > 100      # the scales matter: values use e4m3's range
     _fp8_close(actual.float(), torch.ones(1), expect.float(), torch.ones(1))
+
+
+def test_copy_blocks_copies_fp8_caches():
+    cache = ref.to_fp8(torch.randn(2, 4, 16, 2, 8) * 10).to(DEVICE)
+    kref.copy_blocks([cache], torch.tensor([1, 2], device=DEVICE), torch.tensor([3, 0], device=DEVICE))
+    assert torch.equal(cache[:, 3].float(), cache[:, 1].float())
+    assert torch.equal(cache[:, 0].float(), cache[:, 2].float())

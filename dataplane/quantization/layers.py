@@ -89,7 +89,7 @@ def _sorted_groups(g_idx: torch.Tensor, groups: int):
 
 
 def build(w: QWeight, bits: int, row_parallel: bool, bias: torch.Tensor | None,
-          dtype: torch.dtype, device: torch.device) -> nn.Module:
+          device: torch.device) -> nn.Module:
     """The layer for ``w`` (this rank's part), its tensors on ``device``."""
     if w.zero is None:   # FP8
         cls = RowParallelFp8Linear if row_parallel else Fp8Linear
@@ -101,6 +101,7 @@ def build(w: QWeight, bits: int, row_parallel: bool, bias: torch.Tensor | None,
     qweight = reference_quant.pack_along_k(q.cpu(), bits)
     cls = RowParallelWNA16Linear if row_parallel else WNA16Linear
     kept = kept.to(w.scale.device)
-    return cls(qweight.to(device), w.scale[kept].to(dtype).to(device).contiguous(),
+    # scales stay float32: a checkpoint's fp16 scales would lose bits as bfloat16
+    return cls(qweight.to(device), w.scale[kept].float().to(device).contiguous(),
                w.zero[kept].to(device).contiguous(), g_idx.to(torch.int32).to(device),
                None if perm is None else perm.to(device), bits, group_size, bias)

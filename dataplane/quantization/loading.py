@@ -134,7 +134,7 @@ class QuantLoader:
         m = _PROJ.match(name)
         self.tensors.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = tensor_of(name)
 
-    def finish(self, dtype: torch.dtype, device: torch.device) -> None:
+    def finish(self, device: torch.device) -> None:
         read = formats.READERS.get(self.qc.fmt)
         for i, merged, parent in _projections(self.model):
             pending = getattr(parent, merged)
@@ -150,16 +150,16 @@ class QuantLoader:
                 parts.append(_shard(self.cfg, self.shard, proj, w))
             w = _merge(parts, f"model.layers.{i}.{merged}")
             setattr(parent, merged, layers.build(w, self.qc.bits, merged in ("o_proj", "down_proj"),
-                                                 pending.bias, dtype, device))
+                                                 pending.bias, device))
         if self.tensors:
             raise QuantizationError(f"unexpected quantized tensors for {sorted(self.tensors)[:3]}")
 
 
-def quantize_online(model, qc: QuantConfig, dtype: torch.dtype) -> None:
+def quantize_online(model, qc: QuantConfig) -> None:
     """Replaces every projection of a loaded float model by its FP8 / INT8 version."""
     for _, merged, parent in _projections(model):
         old = getattr(parent, merged)
         w = formats.online(old.weight.detach(), qc)
         setattr(parent, merged, layers.build(w, qc.bits, merged in ("o_proj", "down_proj"),
-                                             old.bias, dtype, old.weight.device))
+                                             old.bias, old.weight.device))
         del old
