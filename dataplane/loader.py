@@ -112,7 +112,7 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.de
         model = CausalLM(cfg, max_positions, shard)
         if quant is not None and quant.fmt != "online":
             quant_loading.prepare(model, quant)
-    qload = quant_loading.QuantLoader(quant, cfg, shard, model) if quant is not None else None
+    qload = quant_loading.QuantLoader(quant, cfg, shard, model)
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():   # padded vocabulary rows stay zero
         for p in model.parameters():
@@ -122,13 +122,13 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.de
     model.rebind_rotary()
     params = dict(model.named_parameters())
     expected = {_target(cfg, shard, params, n).key for n in _hf_names(cfg)
-                if qload is None or not qload.owns(n)}
+                if not qload.owns(n)}
     loaded: set[str] = set()
     with torch.no_grad():
         for path in checkpoint_files(model_dir):
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    if qload is not None and qload.owns(name):
+                    if qload.owns(name):
                         qload.take(name, f.get_tensor)
                         continue
                     plan = _target(cfg, shard, params, name)

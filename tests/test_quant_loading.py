@@ -21,11 +21,14 @@ from tests import quant_checkpoints as qc
 IDS = [3, 17, 200, 45, 9, 310, 77, 5, 120, 64, 33, 250, 8, 199, 42, 2]
 
 
-def forward_logits(model, ids, kv_dtype=torch.float32):
-    """Logits of every position of one prefill over a fresh paged cache."""
+def forward_logits(model, ids, kv_dtype=torch.float32, keep: list | None = None):
+    """Logits of every position of one prefill over a fresh paged cache (its per-layer tensors
+    appended to ``keep`` when given)."""
     n, bs = len(ids), 16
     blocks = -(-n // bs)
     caches = kv_cache.allocate(model.cfg, blocks, bs, kv_dtype, torch.device("cpu"))
+    if keep is not None:
+        keep.extend(caches)
     meta = AttentionMetadata(slot_mapping=torch.arange(n),
                              query_start_loc=torch.tensor([0, n], dtype=torch.int32),
                              seq_lens=torch.tensor([n], dtype=torch.int32),
@@ -224,3 +227,34 @@ def test_tensor_parallel_shards_recombine(tmp_path, kind):
                 partial = sum(m.matmul(xin[:, r * width:(r + 1) * width], None)
                               for r, m in enumerate(mods[1:]))
                 torch.testing.assert_close(partial, mods[0](xin), atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- FP8 KV cache
+
+
+def test_checkpoint_kv_scales_serve_the_fp8_cache(tmp_path):
+    """k_scale / v_scale (vLLM's and compressed-tensors' names, and the older k_proj /
+    v_proj.output_scale) land on the attention layers, and the FP8 cache stores k / k_scale:
+    layer 0's cache (its inputs do not depend on the cache) is the float run's divided by the
+    scales, in e4m3; the logits stay near the float cache's."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = qc.float_model(tmp_path)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.2)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.1)
+    tensors["model.layers.1.self_attn.k_proj.output_scale"] = torch.tensor([0.3])
+    tensors["model.layers.1.self_attn.v_proj.output_scale"] = torch.tensor([0.15])
+    save_file(tensors, str(src / "model.safetensors"))
+    model = load(src)
+    scales = [s for layer in model.model.layers for s in (layer.self_attn.k_scale,
+                                                           layer.self_attn.v_scale)]
+    assert scales == pytest.approx([0.2, 0.1, 0.3, 0.15])
+    caches = {}
+    logits = {dt: forward_logits(model, IDS, dt, caches.setdefault(dt, []))
+              for dt in (torch.float32, torch.float8_e4m3fn)}
+    expect = reference_quant.to_fp8(caches[torch.float32][0] / torch.tensor([0.2, 0.1]).view(
+        2, 1, 1, 1, 1))
+    assert torch.equal(caches[torch.float8_e4m3fn][0].float(), expect.float())
+    base, fp8 = logits[torch.float32], logits[torch.float8_e4m3fn]
+    assert (fp8.argmax(-1) == base.argmax(-1)).float().mean() >= 0.6   # a random model: fragile

@@ -39,7 +39,6 @@ class QuantConfig:
     zero_offset: int = 0        # GPTQ v1 stores zero - 1: the loader adds this back
     static_input: bool = False  # FP8: a checkpoint input_scale instead of dynamic per-token
     ignore: tuple[str, ...] = ()
-    kv_fp8: bool = False        # the checkpoint's kv_cache_scheme asks for an FP8 KV cache
 
     @property
     def fp8(self) -> bool:
@@ -118,9 +117,8 @@ def _compressed_tensors(q: dict) -> QuantConfig:
     w, a = group.get("weights") or {}, group.get("input_activations")
     fmt = group.get("format") or q.get("format")
     ignore = tuple(q.get("ignore") or ())
-    kv = q.get("kv_cache_scheme")
-    kv_fp8 = bool(kv) and kv.get("type") == "float" and kv.get("num_bits") == 8
-    if kv and not kv_fp8:
+    kv = q.get("kv_cache_scheme")   # its k_scale / v_scale serve --kv-cache-dtype fp8
+    if kv and not (kv.get("type") == "float" and kv.get("num_bits") == 8):
         raise QuantizationError(f"compressed-tensors: kv_cache_scheme {kv} is not supported (fp8)")
     if q.get("sparsity_config") or group.get("output_activations"):
         raise QuantizationError("compressed-tensors: sparsity and output activation quantization "
@@ -134,8 +132,7 @@ def _compressed_tensors(q: dict) -> QuantConfig:
                               or a.get("strategy") not in ("token", "tensor")):
             raise QuantizationError(f"compressed-tensors fp8: input activations {a} not supported")
         static = a is not None and not a.get("dynamic", True)
-        return QuantConfig("compressed-tensors", "ct-float", static_input=static, ignore=ignore,
-                           kv_fp8=kv_fp8)
+        return QuantConfig("compressed-tensors", "ct-float", static_input=static, ignore=ignore)
     if fmt in ("pack-quantized", "int-quantized", "naive-quantized") and kind == "int":
         if a is not None:
             raise QuantizationError(f"compressed-tensors: integer weights with quantized input "
@@ -152,7 +149,7 @@ def _compressed_tensors(q: dict) -> QuantConfig:
             raise QuantizationError(f"compressed-tensors: actorder {order!r} is not supported")
         return QuantConfig("compressed-tensors", "ct-pack" if fmt == "pack-quantized" else "ct-int",
                            bits, _group(gs, "compressed-tensors"), bool(w.get("symmetric", True)),
-                           order == "group", ignore=ignore, kv_fp8=kv_fp8)
+                           order == "group", ignore=ignore)
     raise QuantizationError(f"compressed-tensors: format {fmt!r} with {kind}{bits} weights is not "
                             f"supported (float-quantized fp8, pack-quantized int4/int8, "
                             f"int-quantized int8)")

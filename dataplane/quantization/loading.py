@@ -110,7 +110,8 @@ def prepare(model, qc: QuantConfig) -> None:
 
 
 class QuantLoader:
-    def __init__(self, qc: QuantConfig, cfg: ModelConfig, shard: Shard, model):
+    def __init__(self, qc: QuantConfig | None, cfg: ModelConfig, shard: Shard, model):
+        """``qc`` None: an unquantized checkpoint (only KV-cache scales are read here)."""
         self.qc, self.cfg, self.shard, self.model = qc, cfg, shard, model
         self.tensors: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
 
@@ -119,7 +120,7 @@ class QuantLoader:
         if _KV_SCALE.match(name):
             return True
         m = _PROJ.match(name)
-        if m is None or m.group(4) == "bias" or self.qc.fmt == "online":
+        if m is None or m.group(4) == "bias" or self.qc is None or self.qc.fmt == "online":
             return False
         return _quantized(self.qc, int(m.group(1)), _merged_of(m.group(3))[0])
 
