@@ -164,6 +164,8 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     block_m, block_n, block_k, warps = _tiles(m, n)
+    if 16 <= group_size < block_k and group_size & (group_size - 1) == 0:   # one scale row a tile
+        block_k = group_size
     dot_f32 = _INTERPRETED and x.dtype == torch.bfloat16
     precision = "ieee" if x.dtype == torch.float32 or dot_f32 else "tf32"
     _wna16_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
