@@ -8,7 +8,9 @@
 #   python3 -P bench/serving_bench.py --model /tmp/llama8b --workload w3 --num-seqs 256 \
 #     --serve-args "--device cuda --max-running 256 --max-batched-tokens 8192 --max-model-len 4096 \
 #                   --quantization fp8 --kv-cache-dtype fp8"
-#   (W1 with --kv-cache-dtype fp8; W2 with an INT4 checkpoint: --quantization gptq|awq|compressed-tensors)
+#   (W1 with --kv-cache-dtype fp8; W2 with an INT4 checkpoint, made from the random bf16 one by
+#    python3 bench/quantize_checkpoint.py /tmp/llama8b /tmp/llama8b-w4a16 --device cuda
+#    (compressed-tensors W4A16 g128, round-to-nearest; detected from its config.json))
 set -uo pipefail
 export PYTHONPATH=$PWD:$PWD/protos:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 echo "== quant kernel tests on cuda ($(date +%T))"

@@ -258,3 +258,21 @@ def test_checkpoint_kv_scales_serve_the_fp8_cache(tmp_path):
     assert torch.equal(caches[torch.float8_e4m3fn][0].float(), expect.float())
     base, fp8 = logits[torch.float32], logits[torch.float8_e4m3fn]
     assert (fp8.argmax(-1) == base.argmax(-1)).float().mean() >= 0.6   # a random model: fragile
+
+
+def test_bench_quantize_checkpoint_writes_a_loadable_w4a16_copy(tmp_path):
+    """bench/quantize_checkpoint.py (the GPU benchmarks' INT4 checkpoint): every projection
+    round-to-nearest within half a quantisation step of the float weight."""
+    import subprocess
+    import sys
+
+    src, ref = qc.float_model(tmp_path / "float")
+    subprocess.run([sys.executable, "bench/quantize_checkpoint.py", str(src), str(tmp_path / "q")],
+                   check=True, capture_output=True)
+    model = load(tmp_path / "q", "compressed-tensors")
+    layer, ref_layer = model.model.layers[1], ref.model.layers[1]
+    w = ref_layer.mlp.down_proj.weight.detach()
+    step = w.reshape(w.shape[0], -1, 128).abs().amax(-1) / 7.5     # symmetric int4: 15 steps
+    err = (dense(layer.mlp.down_proj) - w).abs().reshape(w.shape[0], -1, 128)
+    assert isinstance(layer.mlp.down_proj, WNA16Linear)
+    assert (err <= step[..., None] / 2 + 1e-6).all()
