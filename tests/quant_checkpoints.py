@@ -48,7 +48,9 @@ def compressed_tensors_checkpoint(path: pathlib.Path, preset: str, fmt: str, gro
     src, model = float_model(path / "float", src, **opts)
     ref = copy.deepcopy(model)
     scheme = preset_name_to_scheme(preset, ["Linear"])
-    if group_size:
+    if group_size == -1:   # one group per output channel
+        scheme.weights.strategy, scheme.weights.group_size = "channel", None
+    elif group_size:
         scheme.weights.group_size = group_size
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme},
                                                         ignore=["lm_head"]))

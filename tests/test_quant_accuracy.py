@@ -40,14 +40,14 @@ SCHEMES = {
     "gptq int4 g128 sym": ("gptq", torch.float32),
     "gptq int4 g128 act-order asym": ("gptq-act", torch.float32),
     "awq int4 g64": ("awq", torch.float32),
-    "compressed-tensors w4a16 g128": ("ct-w4a16", torch.float32),
+    "compressed-tensors w4a16 per-channel": ("ct-w4a16", torch.float32),
     "compressed-tensors fp8 dynamic": ("ct-fp8", torch.float32),
 }
 # (max perplexity ratio to float, min greedy agreement) per scheme, from the measured table
 BOUNDS = {"fp8 w8a8 (online)": (1.03, 0.7), "int8 w8a16 (online)": (1.005, 0.9),
           "fp8 kv cache": (1.02, 0.7), "fp8 w8a8 + fp8 kv": (1.04, 0.6),
           "gptq int4 g128 sym": (1.25, 0.3), "gptq int4 g128 act-order asym": (1.2, 0.3),
-          "awq int4 g64": (1.2, 0.3), "compressed-tensors w4a16 g128": (1.25, 0.3),
+          "awq int4 g64": (1.2, 0.3), "compressed-tensors w4a16 per-channel": (1.25, 0.3),
           "compressed-tensors fp8 dynamic": (1.03, 0.7)}
 
 
@@ -79,7 +79,7 @@ def weights(kind: str):
         src, _ = qc.packed_checkpoint(path, "awq", group_size=64, src=TINY)
         method = None
     else:
-        preset, fmt, group = (("W4A16", "pack-quantized", 128) if kind == "ct-w4a16"
+        preset, fmt, group = (("W4A16", "pack-quantized", -1) if kind == "ct-w4a16"
                               else ("FP8_DYNAMIC", "float-quantized", 0))
         src, _ = qc.compressed_tensors_checkpoint(path, preset, fmt, group, src=TINY)
         method = None

@@ -46,10 +46,19 @@ class WNA16Linear(nn.Module):
                         ("g_idx", g_idx), ("perm", perm)):
             self.register_buffer(name, t)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._dense: torch.Tensor | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return kernels.wna16_linear(x, self.qweight, self.scales, self.zeros, self.g_idx,
-                                    self.perm, self.bits, self.group_size, bias)
+        if x.is_cuda:
+            return kernels.wna16_linear(x, self.qweight, self.scales, self.zeros, self.g_idx,
+                                        self.perm, self.bits, self.group_size, bias)
+        # CPU (CI, the tiny default model): the reference, its dequantised weight made once
+        if self._dense is None or self._dense.dtype != x.dtype:
+            self._dense = reference_quant.dequantize_wna16(self.qweight, self.scales, self.zeros,
+                                                           self.g_idx, self.bits, x.dtype)
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        return torch.nn.functional.linear(x, self._dense, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
