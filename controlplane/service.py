@@ -72,4 +72,5 @@ def model_info(engine, tensor_parallel_size: int) -> pb.ModelInfo:
                         max_model_len=engine.max_model_len, vocab_size=info.vocab_size,
                         dtype=info.dtype, device=info.device, tensor_parallel_size=tensor_parallel_size,
                         kv_block_size=blocks.block_size, num_kv_blocks=blocks.num_blocks,
-                        eos_token_ids=list(info.eos_token_ids))
+                        eos_token_ids=list(info.eos_token_ids),
+                        kv_cache_dtype=info.kv_cache_dtype, quantization=info.quantization)
