@@ -29,10 +29,11 @@ COPY common ./common
 COPY controlplane ./controlplane
 COPY dataplane ./dataplane
 COPY kernels ./kernels
+COPY headrace_client ./headrace_client
 RUN python -m pip install . && headrace --help > /dev/null
 
 # 50051 public gRPC (Inference, Admin, health, reflection); 50061 data plane step protocol;
 # 9400 / 9401 Prometheus /metrics of the control plane / data plane.
 EXPOSE 50051 50061 9400 9401
 ENTRYPOINT ["headrace"]
-CMD ["serve"]
+CMD ["serve", "--host", "0.0.0.0"]   # in a container the API must be reachable from outside it

@@ -27,7 +27,7 @@ import time
 import grpc
 
 from bench.serving_http import HttpTarget, run_one_http
-from cli.client import wait_until_serving
+from headrace_client import AsyncClient, NotReady
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
@@ -131,8 +131,10 @@ async def main_async(args) -> dict:
     async with grpc.aio.insecure_channel(args.address, options=[
             ("grpc.max_receive_message_length", 64 << 20)]) as channel:
         t0 = time.perf_counter()
-        if not await wait_until_serving(channel, 900):
-            raise SystemExit("server never became ready")
+        try:
+            await AsyncClient(args.address).wait_ready(900)
+        except NotReady as exc:
+            raise SystemExit(str(exc)) from None
         ready = time.perf_counter() - t0
         stub = pb_grpc.InferenceStub(channel)
         if args.api == "http":

@@ -3,37 +3,53 @@ change the live configuration, drain, resume, reload the model)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 import grpc
 from google.protobuf import json_format
 
+from cli.client import add_address_args, channel
 from controlplane.policy import POLICIES
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 
 
-def add_admin_parser(sub) -> None:
-    p = sub.add_parser("admin", help="read or change a running server's configuration, drain, "
-                                     "resume, reload the model (the Admin service)")
-    p.add_argument("--address", default="localhost:50051")
-    p.add_argument("--token", default=None, help="admin token (default $HEADRACE_ADMIN_TOKEN)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the call")
+def _connection_args(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """--address and TLS/--token/--timeout: on ``admin`` with their defaults, and again on each
+    subcommand without (so they may come before or after it)."""
+    value = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
+    add_address_args(p, suppress=not defaults)
+    p.add_argument("--token", default=value(None), help="admin token (default $HEADRACE_ADMIN_TOKEN)")
+    p.add_argument("--timeout", type=float, default=value(3600.0), help="seconds to wait for the call")
+
+
+def add_admin_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
+    text = "read or change a running server's configuration, drain, resume, reload the model (the Admin service)"
+    p = sub.add_parser("admin", help=text, description=text, formatter_class=formatter_class)
+    _connection_args(p, defaults=True)
     ops = p.add_subparsers(dest="admin_command", required=True)
-    ops.add_parser("config", help="print the live configuration")
-    s = ops.add_parser("set", help="change scheduling settings (from the next step)")
-    s.add_argument("--policy", choices=POLICIES)
+    connection = argparse.ArgumentParser(add_help=False)
+    _connection_args(connection, defaults=False)
+
+    def op(name: str, help: str) -> argparse.ArgumentParser:
+        return ops.add_parser(name, help=help, description=help, parents=[connection],
+                              formatter_class=formatter_class)
+
+    op("config", "print the live configuration")
+    s = op("set", "change scheduling settings (from the next step)")
+    s.add_argument("--policy", choices=POLICIES, help="scheduling policy (unset: unchanged)")
     s.add_argument("--aging-rate", type=float, help="rank units per second waited (< 0: default)")
     s.add_argument("--max-queue-delay", type=float, help="seconds (0: no guarantee)")
-    s.add_argument("--max-running", type=int)
-    s.add_argument("--max-batched-tokens", type=int)
+    s.add_argument("--max-running", type=int, help="sequences per step at most (unset: unchanged)")
+    s.add_argument("--max-batched-tokens", type=int, help="tokens per step at most (unset: unchanged)")
     s.add_argument("--max-queued", type=int, help="waiting sequences at most (0: unbounded)")
-    d = ops.add_parser("drain", help="stop admitting requests; wait for in-flight ones")
+    d = op("drain", "stop admitting requests; wait for in-flight ones")
     d.add_argument("--wait", type=float, default=0.0, help="seconds to wait for in-flight requests")
     d.add_argument("--abort", action="store_true", help="then abort what is left")
-    ops.add_parser("resume", help="admit requests again")
-    r = ops.add_parser("reload", help="reload the model (or load another) on every worker")
+    op("resume", "admit requests again")
+    r = op("reload", "reload the model (or load another) on every worker")
     r.add_argument("--model", default="", help="checkpoint directory seen by both planes "
                                                "(default: the current one)")
     r.add_argument("--drain-timeout", type=float, default=30.0,
@@ -44,8 +60,9 @@ def add_admin_parser(sub) -> None:
 def run_admin_command(args) -> int:
     token = args.token or os.environ.get("HEADRACE_ADMIN_TOKEN")
     metadata = [("authorization", f"Bearer {token}")] if token else None
-    with grpc.insecure_channel(args.address) as channel:
-        stub = apb_grpc.AdminStub(channel)
+    _, chan = channel(args)
+    with chan:
+        stub = apb_grpc.AdminStub(chan)
         call = dict(metadata=metadata, timeout=args.timeout)
         op = args.admin_command
         try:

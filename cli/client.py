@@ -1,53 +1,103 @@
-"""A small streaming client for ``headrace generate``: waits for the server to be SERVING,
-then prints text as it arrives."""
+"""``headrace generate``: streams a completion from a running server through the client library
+(``headrace_client``), with the server's connection options (address, API token, TLS, the
+``HEADRACE_*`` variables), a short connect timeout that names the server's state (down,
+loading, draining), the API's sampling defaults, and a quiet exit on Ctrl-C."""
 
 from __future__ import annotations
 
-import asyncio
+import argparse
 import sys
-import time
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from headrace.v1 import inference_pb2 as pb
-from headrace.v1 import inference_pb2_grpc as pb_grpc
-
-
-async def wait_until_serving(channel: grpc.aio.Channel, timeout: float) -> bool:
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-            if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                return True
-        except grpc.aio.AioRpcError:
-            pass
-        await asyncio.sleep(0.25)
-    return False
+# option -> GenerateRequest field; unset options take the server's defaults (see the API)
+SAMPLING = (("max_tokens", int, "tokens to generate at most (default: the server's, up to max_model_len)"),
+            ("temperature", float, "sampling temperature, 0 = greedy (default: the server's, 1.0)"),
+            ("top_p", float, "nucleus sampling mass in (0, 1] (default: the server's, 1.0 = off)"),
+            ("top_k", int, "sample from the k most likely tokens (default: the server's, 0 = off)"),
+            ("min_p", float, "drop tokens below min_p x the top probability (default: 0 = off)"),
+            ("repetition_penalty", float, "penalty on tokens already seen (default: 1.0 = off)"),
+            ("seed", int, "makes the completion reproducible (default: none)"))
 
 
-async def stream_generate(args) -> int:
-    async with grpc.aio.insecure_channel(args.address) as channel:
-        if not await wait_until_serving(channel, args.wait):
-            print(f"headrace: server at {args.address} not ready after {args.wait:.0f}s", file=sys.stderr)
-            return 2
-        sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k)
-        if args.top_p is not None:
-            sampling.top_p = args.top_p
-        if args.seed is not None:
-            sampling.seed = args.seed
-        request = pb.GenerateRequest(prompt=args.prompt, sampling=sampling,
-                                     max_tokens=args.max_tokens, stop=args.stop)
-        try:
-            async for resp in pb_grpc.InferenceStub(channel).Generate(request):
-                sys.stdout.write(resp.text)
-                sys.stdout.flush()
-                if resp.finish_reason:
-                    reason = pb.FinishReason.Name(resp.finish_reason).removeprefix("FINISH_REASON_")
-                    print(f"\n[{reason.lower()}: {resp.usage.completion_tokens} tokens]", file=sys.stderr)
-        except grpc.aio.AioRpcError as exc:
-            print(f"\nheadrace: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
+def add_generate_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt text")
+    for name, kind, help in SAMPLING:
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help)
+    p.add_argument("--stop", action="append", default=None,
+                   help="stop string, not returned (repeat for several)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    add_address_args(p)
+    p.add_argument("--api-token", default=None,
+                   help="bearer token of a server started with --api-token (default $HEADRACE_API_TOKEN)")
+    p.add_argument("--connect-timeout", "--wait", type=float, default=None,
+                   help="seconds to wait for the server to be ready (default $HEADRACE_CONNECT_TIMEOUT, else 5)")
+    p.set_defaults(func=run_generate)
+
+
+def add_address_args(p: argparse.ArgumentParser, suppress: bool = False) -> None:
+    """--address and the TLS options every command that talks to a server takes (the client
+    library's, with the same ``HEADRACE_*`` variables). ``suppress``: no defaults, for the copy
+    of them on a subcommand (so they may come before or after it)."""
+    default = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
+    p.add_argument("--address", default=default(None),
+                   help="the server, host:port (default $HEADRACE_ADDRESS, else localhost:50051)")
+    p.add_argument("--tls", action="store_true", default=default(False),
+                   help="connect with TLS, verifying the server with the system's CAs")
+    p.add_argument("--tls-ca", default=default(None),
+                   help="connect with TLS, verifying the server with this CA (default $HEADRACE_TLS_CA)")
+    p.add_argument("--tls-cert", default=default(None),
+                   help="client certificate for mutual TLS (default $HEADRACE_TLS_CERT)")
+    p.add_argument("--tls-key", default=default(None), help="its private key (default $HEADRACE_TLS_KEY)")
+
+
+def channel(args):
+    """A gRPC channel to ``args.address`` with the TLS options of ``add_address_args``; raises
+    SystemExit with one line when they are inconsistent (a certificate without its key, a
+    missing file)."""
+    from headrace_client.connection import ConnectionOptions
+
+    try:
+        opts = ConnectionOptions.resolve(args.address, tls=args.tls, tls_ca=args.tls_ca,
+                                         tls_cert=args.tls_cert, tls_key=args.tls_key)
+    except ValueError as exc:
+        raise SystemExit(f"headrace: {exc}") from None
+    return opts.address, opts.channel()
+
+
+def run_generate(args) -> int:
+    from headrace_client import Client, HeadraceError
+
+    params = {name: getattr(args, name) for name, _, _ in SAMPLING if getattr(args, name) is not None}
+    if args.stop:
+        params["stop"] = args.stop
+    if args.ignore_eos:
+        params["ignore_eos"] = True
+    last = "\n"   # the last character written to stdout
+    try:
+        with Client(args.address, api_token=args.api_token, tls=args.tls, tls_ca=args.tls_ca,
+                    tls_cert=args.tls_cert, tls_key=args.tls_key,
+                    connect_timeout=args.connect_timeout) as client:
+            for chunk in client.stream(args.prompt, **params):
+                if chunk.text:
+                    last = chunk.text[-1]   # first: Ctrl-C may come during the write
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                if chunk.finish_reason:
+                    last = _newline(last)
+                    print(f"[{chunk.finish_reason}: {chunk.usage.completion_tokens} tokens]", file=sys.stderr)
+    except KeyboardInterrupt:
+        _newline(last)
+        return 130
+    except HeadraceError as exc:
+        _newline(last)
+        print(f"headrace generate: {exc}", file=sys.stderr)
+        return 1
+    _newline(last)
     return 0
+
+
+def _newline(last: str) -> str:
+    """Ends stdout's line (so a shell prompt starts on its own line)."""
+    if last != "\n":
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    return "\n"

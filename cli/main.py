@@ -1,10 +1,13 @@
 """The ``headrace`` command: ``serve`` (control plane plus data plane children), ``controlplane``
-and ``dataplane`` (each plane alone), ``generate`` (a streaming client), ``admin`` (the Admin
+and ``dataplane`` (each plane alone; the control plane is an engine core and N API front ends,
+``core`` and ``frontend``, which ``cli.processes`` starts and keeps alive), ``generate`` (a streaming client), ``admin`` (the Admin
 service: configuration, drain, resume, reload) and ``health`` (a grpc.health.v1 probe for
 container health checks).
 
 Only ``dataplane`` imports the data plane (and torch); ``serve`` and ``controlplane`` run the
-control plane in a torch-free process and start data planes as ``python -m cli dataplane``."""
+control plane in a torch-free process and start data planes as ``python -m cli dataplane``.
+A user's mistake (a missing model, a port in use, a bad option) ends the command with one line
+on stderr and a non-zero status, never a traceback."""
 
 from __future__ import annotations
 
@@ -15,13 +18,16 @@ import logging
 import os
 import pathlib
 import secrets
+import shutil
 import signal
 import sys
 import tempfile
 
 from cli.admin import add_admin_parser
-from cli.options import (add_engine_args, add_ops_args, add_security_args, add_tls_args,
-                         default_model, engine_config, plane_options)
+from cli.client import add_address_args, add_generate_parser
+from cli.options import (HelpFormatter, add_engine_args, add_ops_args, add_security_args,
+                         add_tls_args, check_device_name, default_model, engine_config,
+                         plane_options, positive_int)
 from common.logs import configure_logging
 from common.options import add_arguments, from_args, to_argv
 from common.worker_options import ParallelOptions, WorkerOptions
@@ -39,10 +45,10 @@ def _free_port() -> int:
 
 
 def dataplane_argv(opts: WorkerOptions, par: ParallelOptions, listen: str, metrics_port: int,
-                   log_format: str | None = None) -> list[str]:
+                   log_format: str | None = None, metrics_host: str = "127.0.0.1") -> list[str]:
     """The command line of a data plane child process running ``opts`` as rank ``par.rank``."""
     argv = [sys.executable, "-m", "cli", "dataplane", *to_argv(opts), *to_argv(par),
-            "--listen", listen, "--metrics-port", str(metrics_port)]
+            "--listen", listen, "--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
     return argv + (["--log-format", log_format] if log_format else [])
 
 
@@ -57,7 +63,7 @@ def serve_children_argvs(args, listens: list[str]) -> list[list[str]]:
         if world > 1 and opts.device.startswith("cuda"):
             rank_opts = dataclasses.replace(opts, device=f"cuda:{rank}")
         argvs.append(dataplane_argv(rank_opts, ParallelOptions(rank, world, dist_init), listen,
-                                    metrics + rank if metrics else 0, args.log_format))
+                                    metrics + rank if metrics else 0, args.log_format, args.host))
     return argvs
 
 
@@ -70,94 +76,186 @@ def check_speculative_config(args) -> None:
         speculative.parse(args.speculative_config)
     except ValueError as exc:
         raise SystemExit(f"headrace: {exc}") from None
+# the control plane's own secrets: a data plane child never needs them
+CONTROL_PLANE_SECRETS = ("HEADRACE_API_TOKEN", "HEADRACE_API_TOKENS", "HEADRACE_ADMIN_TOKEN")
+
+
+def child_env(environ, worker_secret: str) -> dict:
+    """A data plane child's environment: this one without the control plane's secrets, with
+    the worker secret (how it accepts only this control plane)."""
+    env = {k: v for k, v in environ.items() if k not in CONTROL_PLANE_SECRETS}
+    return dict(env, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=worker_secret)
+
+
+def _model_for_the_control_plane(args, weights: bool) -> str:
+    """The checkpoint directory (a Hub id resolved), checked for the files serving needs."""
+    from common.model_source import check_checkpoint, resolve_model
+
+    model = resolve_model(args.model or default_model())
+    check_checkpoint(model, weights=weights)
+    return model
+
+
+def check_public_ports(args) -> None:
+    """The gRPC and HTTP ports are free (before any child starts; the front ends then share
+    them with SO_REUSEPORT, which would not refuse another server's port)."""
+    from common import net
+
+    net.check_port(f"{args.host}:{args.port}")
+    if args.http_port:
+        net.check_port(f"{args.host}:{args.http_port}", "--http-port")
 
 
 def cmd_serve(args) -> int:
-    from cli.supervisor import DataPlaneChildren
-    from common import tracing
-    from controlplane.server import serve_until_signal
+    from cli.processes import run_control_plane
+    from cli.supervisor import EXIT_LOAD_FAILED, DataPlaneChildren, health_probe
+    from common.metrics import enable_multiprocess
 
     check_speculative_config(args)
-    args.model = args.model or default_model()
-    sock_dir = tempfile.mkdtemp(prefix="headrace-")
+    check_device_name(args.device)
+    args.model = _model_for_the_control_plane(args, weights=True)
+    check_public_ports(args)
     world = args.tensor_parallel_size
-    listens = [f"unix:{sock_dir}/dataplane-{r}.sock" for r in range(world)]
-    # the children accept only this control plane: a fresh shared secret, passed by environment
-    args.worker_secret = args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or secrets.token_hex(16)
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=args.worker_secret)
-
-    children = DataPlaneChildren(lambda: serve_children_argvs(args, listens), env)
-    tracing.setup_tracing("headrace-controlplane")
+    sock_dir = tempfile.mkdtemp(prefix="headrace-")
     try:
-        asyncio.run(serve_until_signal(args.model, listens, f"{args.host}:{args.port}",
-                                       engine_config(args), **plane_options(args)))
+        listens = [f"unix:{sock_dir}/dataplane-{r}.sock" for r in range(world)]
+        # the children accept only this control plane: a fresh shared secret, passed by environment
+        args.worker_secret = args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or secrets.token_hex(16)
+        env = child_env(os.environ, args.worker_secret)
+        enable_multiprocess(os.path.join(sock_dir, "metrics"))   # the supervisor's metrics too
+        from controlplane.metrics import ControlPlaneMetrics
+
+        children = DataPlaneChildren(lambda: serve_children_argvs(args, listens), env,
+                                     ready=health_probe(listens), metrics=ControlPlaneMetrics())
+        try:
+            failed = run_control_plane(args, controlplane_parser(), listens, sock_dir, env,
+                                       stop_hook=children.when_fatal)
+        finally:
+            children.stop()
+        if children.fatal:
+            if children.exit_status != EXIT_LOAD_FAILED:   # the child did not say why itself
+                print(f"headrace serve: {children.given_up}", file=sys.stderr)
+            return 1
+        return 1 if failed else 0
     finally:
-        tracing.shutdown_tracing()
-        children.stop()
-    return 0
+        shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def cmd_controlplane(args) -> int:
+    from cli.processes import run_control_plane
+    from common.metrics import enable_multiprocess
+
+    args.model = _model_for_the_control_plane(args, weights=False)
+    check_public_ports(args)
+    private_dir = tempfile.mkdtemp(prefix="headrace-")
+    try:
+        enable_multiprocess(os.path.join(private_dir, "metrics"))
+        failed = run_control_plane(args, controlplane_parser(), args.workers.split(","), private_dir,
+                                   dict(os.environ))
+        return 1 if failed else 0
+    finally:
+        shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def _run_role(server_factory) -> int:
+    """Runs the server ``server_factory()`` builds (inside the event loop) until a signal."""
     from common import tracing
-    from controlplane.server import serve_until_signal
+    from controlplane.server import run_until_signal
+
+    async def run():
+        await run_until_signal(server_factory())
 
     tracing.setup_tracing("headrace-controlplane")
     try:
-        asyncio.run(serve_until_signal(args.model or default_model(), args.workers.split(","),
-                                       f"{args.host}:{args.port}", engine_config(args),
-                                       **plane_options(args)))
+        asyncio.run(run())
     finally:
         tracing.shutdown_tracing()
     return 0
+
+
+def cmd_core(args) -> int:
+    from controlplane.core.server import CoreServer
+
+    opts = plane_options(args)
+    keys = ("metrics_port", "metrics_host", "admin_token", "log_requests", "log_prompts",
+            "worker_credentials", "worker_secret", "chat_template", "generation_config")
+    return _run_role(lambda: CoreServer(args.model or default_model(), args.workers.split(","),
+                                        args.core_address, engine_config(args),
+                                        **{k: opts[k] for k in keys}))
+
+
+def cmd_frontend(args) -> int:
+    from controlplane.frontend.server import FrontEnd
+
+    opts = plane_options(args)
+    keys = ("api_token", "tls", "admin_token", "http_port", "http_tls", "chat_template",
+            "generation_config", "log_prompts", "trust_tenant_header", "max_n")
+    return _run_role(lambda: FrontEnd(args.index, args.core_address, args.model or default_model(),
+                                      f"{args.host}:{args.port}", max_model_len=getattr(args, "max_model_len", None),
+                                      **{k: opts[k] for k in keys}))
 
 
 def cmd_dataplane(args) -> int:
     import threading
 
-    from common import security, tracing
+    from cli.supervisor import EXIT_LOAD_FAILED
+    from common import net, security, tracing
+    from common.model_source import check_checkpoint, resolve_model
     from dataplane import parallel
     from dataplane.server import serve
-    from dataplane.worker import Worker
+    from dataplane.worker import Worker, check_device, load_failure
 
     check_speculative_config(args)
     par = from_args(ParallelOptions, args)
     rank, world = par.rank, par.world_size
     if world > 1 and not par.dist_init:
-        raise SystemExit("--world-size > 1 needs --dist-init tcp://MASTER_HOST:PORT")
+        raise ValueError("--world-size > 1 needs --dist-init tcp://MASTER_HOST:PORT")
     device = f"cuda:{rank}" if world > 1 and args.device == "cuda" else args.device
     opts = from_args(WorkerOptions, args, model=args.model or default_model(), device=device)
+    try:   # what cannot load is one line and EXIT_LOAD_FAILED (``serve`` then says no more)
+        check_device(device)
+        opts = dataclasses.replace(opts, model=resolve_model(opts.model))
+        check_checkpoint(opts.model, tokenizer=False)
+    except ValueError as exc:
+        print(f"headrace dataplane: {exc}", file=sys.stderr)
+        return EXIT_LOAD_FAILED
     tracing.setup_tracing("headrace-dataplane")
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
+    parts = net.split_address(args.listen)
+    metrics_host = args.metrics_host or (parts[0] if parts else "127.0.0.1")
     # listen at once (health NOT_SERVING) so probes see the model loading, not a closed port
-    server = serve(None, args.listen, metrics_port=args.metrics_port or None,
+    server = serve(None, args.listen, metrics_port=args.metrics_port or None, metrics_host=metrics_host,
                    credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
                    secret=args.secret or os.environ.get("HEADRACE_WORKER_SECRET") or None)
     log = logging.getLogger("headrace.dataplane")
     log.info("data plane on %s: loading %s", args.listen, opts.model)
+
     def make_worker():
         import torch
 
         parallel.init(rank, world, par.dist_init, torch.device(device), par.dist_timeout)
         return Worker(opts, rank, world)
 
-    worker = server.worker_service.load(make_worker)
-    log.info("data plane on %s: %s ready, %d KV blocks (%.1fs)", args.listen, worker.cfg.name,
-             worker.runner.num_blocks, worker.startup_seconds)
-    done.wait()
-    server.stop(grace=2).wait()
+    try:
+        worker = server.worker_service.load(make_worker)
+    except Exception as exc:  # noqa: BLE001 - any load failure is one line, not a traceback
+        log.debug("loading failed", exc_info=True)
+        print(f"headrace dataplane: {load_failure(exc, opts)}", file=sys.stderr)
+        worker, code = None, EXIT_LOAD_FAILED
+    else:
+        log.info("data plane on %s: %s ready in %.1fs (%s), %d KV blocks", args.listen,
+                 worker.cfg.name, worker.startup_seconds, worker.phases.summary(),
+                 worker.runner.num_blocks)
+        done.wait()
+        code = 0
+    server.stop(grace=2 if worker else 0).wait()
     server.worker_service.metrics.close()
     tracing.shutdown_tracing()
     if args.listen.startswith("unix:"):
         pathlib.Path(args.listen[5:]).unlink(missing_ok=True)
-    return 0
-
-
-def cmd_generate(args) -> int:
-    from cli.client import stream_generate
-
-    return asyncio.run(stream_generate(args))
+    return code
 
 
 def cmd_health(args) -> int:
@@ -165,81 +263,140 @@ def cmd_health(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from cli.client import channel
+
+    address, chan = channel(args)
     try:
-        with grpc.insecure_channel(args.address) as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(
+        with chan:
+            status = health_pb2_grpc.HealthStub(chan).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout).status
     except grpc.RpcError as exc:
-        print(f"{args.address}: {exc.code().name}", file=sys.stderr)
+        print(f"{address}: {exc.code().name}", file=sys.stderr)
         return 1
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
-    print(f"{args.address} {args.service or '(server)'}: {name}")
+    print(f"{address} {args.service or '(server)'}: {name}")
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="headrace", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+DESCRIPTION = """headrace serves LLMs over gRPC with a separated control plane and data plane.
+'headrace serve' runs both (the data plane as a child process); 'controlplane' and
+'dataplane' run one plane alone; 'generate', 'admin' and 'health' talk to a running server."""
 
-    p = sub.add_parser("serve", help="serve a model: control plane plus a data plane child process")
-    add_arguments(p, WorkerOptions)
+
+def _add_workers(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", default=os.environ.get("HEADRACE_WORKERS"),
+                   required=not os.environ.get("HEADRACE_WORKERS"),
+                   help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
+
+
+def add_controlplane_args(p: argparse.ArgumentParser, supervisor: bool = False) -> None:
+    """What the engine core and the front ends take (serve and controlplane forward them)."""
     add_engine_args(p)
     add_ops_args(p, 9400, control=True)
     add_security_args(p)
+    if supervisor:   # serve, controlplane
+        p.add_argument("--api-server-count", type=positive_int, default=None,
+                       help="API front-end processes sharing the public ports (default: 1 below "
+                            "4 CPU cores, else min(4, cores // 2))")
+        p.add_argument("--core-address", default=None,
+                       help="where the engine core serves its front ends (default: a unix socket "
+                            "in the server's private directory; host:port for TCP)")
+
+
+def controlplane_parser() -> argparse.ArgumentParser:
+    """The options the core and front-end processes share (the parent of their parsers)."""
+    p = argparse.ArgumentParser(add_help=False, prog="headrace-controlplane")
+    add_arguments(p, WorkerOptions, only=CONTROL_PLANE_WORKER_OPTIONS)
+    add_controlplane_args(p)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="headrace", description=DESCRIPTION,
+                                     formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+
+    p = command("serve", "serve a model: an engine core, API front ends and data plane child "
+                         "processes")
+    add_arguments(p, WorkerOptions)
+    add_controlplane_args(p, supervisor=True)
     p.add_argument("--dataplane-metrics-port", type=int, default=9401,
                    help="the data plane child's /metrics port, rank r on port + r (0 disables)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="data plane processes (ranks) sharing the model; cuda:r for rank r")
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("controlplane", help="run the control plane alone")
+    p = command("controlplane", "run the control plane alone (an engine core and API front ends)")
     add_arguments(p, WorkerOptions, only=CONTROL_PLANE_WORKER_OPTIONS)
-    p.add_argument("--workers", default=os.environ.get("HEADRACE_WORKERS"),
-                   required=not os.environ.get("HEADRACE_WORKERS"),
-                   help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
-    add_engine_args(p)
-    add_ops_args(p, 9400, control=True)
-    add_security_args(p)
+    add_controlplane_args(p, supervisor=True)
+    _add_workers(p)
     p.set_defaults(func=cmd_controlplane)
 
-    p = sub.add_parser("dataplane", help="run one data plane worker alone")
+    p = sub.add_parser("core", parents=[controlplane_parser()], formatter_class=HelpFormatter,
+                       help="the engine core alone (serve and controlplane start it)")
+    _add_workers(p)
+    p.add_argument("--core-address", required=True, help="where front ends connect: unix:PATH or host:port")
+    p.set_defaults(func=cmd_core)
+
+    p = sub.add_parser("frontend", parents=[controlplane_parser()], formatter_class=HelpFormatter,
+                       help="one API front end alone (serve and controlplane start them)")
+    p.add_argument("--index", type=int, default=0, help="which front end (logs, process list)")
+    p.add_argument("--core-address", required=True, help="the engine core: unix:PATH or host:port")
+    p.set_defaults(func=cmd_frontend)
+
+    p = command("dataplane", "run one data plane worker alone")
     add_arguments(p, WorkerOptions)
     add_arguments(p, ParallelOptions)
-    p.add_argument("--listen", default="127.0.0.1:50061", help="host:port or unix:/path (default private)")
+    p.add_argument("--listen", default="127.0.0.1:50061",
+                   help="host:port or unix:/path to serve the step protocol on")
     add_ops_args(p, 9401, control=False)
+    p.add_argument("--metrics-host", default=None,
+                   help="interface of /metrics (default: the --listen host; 127.0.0.1 for a unix socket)")
     add_tls_args(p)
     p.add_argument("--secret", default=None,
                    help="serve only callers presenting this shared secret (default $HEADRACE_WORKER_SECRET)")
     p.set_defaults(func=cmd_dataplane)
 
-    p = sub.add_parser("generate", help="stream a completion from a running server")
-    p.add_argument("prompt")
-    p.add_argument("--address", default="localhost:50051")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the server to be ready")
-    p.set_defaults(func=cmd_generate)
+    add_generate_parser(command("generate", "stream a completion from a running server"))
+    add_admin_parser(sub, HelpFormatter)
 
-    add_admin_parser(sub)
-
-    p = sub.add_parser("health", help="check a server's grpc.health.v1 status (exit 0 when SERVING)")
-    p.add_argument("--address", default="localhost:50051")
+    p = command("health", "check a server's grpc.health.v1 status (exit 0 when SERVING)")
+    add_address_args(p)
     p.add_argument("--service", default="", help="service name (default: the server as a whole)")
-    p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     p.set_defaults(func=cmd_health)
 
     return parser
 
 
+def bind_role(args) -> None:
+    """Every log line of this process names its role (core, frontend N, dataplane rank r)."""
+    import structlog
+
+    role = {"serve": "supervisor", "controlplane": "supervisor"}.get(args.command, args.command)
+    extra = {"frontend": args.index} if args.command == "frontend" else \
+        {"rank": args.rank} if args.command == "dataplane" else {}
+    structlog.contextvars.bind_contextvars(role=role, **extra)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from common.net import PortInUse
+
     args = build_parser().parse_args(argv)
     if args.command not in ("health", "generate", "admin"):
         configure_logging(getattr(args, "log_format", None))
-    return args.func(args)
+        bind_role(args)
+    try:
+        return args.func(args)
+    except (ValueError, PortInUse, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        # a user's mistake (model, port, option, certificate file): one line, no traceback
+        print(f"headrace {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

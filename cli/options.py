@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from common.logs import LOG_FORMATS
 from controlplane.engine import EngineConfig
+from controlplane.limits import DEFAULT_MAX_N, QUEUE_PER_SLOT
 from controlplane.policy import POLICIES, Policy
 
 
@@ -22,6 +24,26 @@ def default_model() -> str:
     return str(default_model_dir())
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help shows its default, unless it says it itself or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, "", argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_device_name(device: str) -> None:
+    """ValueError unless ``device`` is cpu, cuda or cuda:N (whether that GPU exists is the
+    data plane's check: the control plane's process has no torch)."""
+    if not _DEVICE.fullmatch(device):
+        raise ValueError(f"--device {device}: not a device; use cpu, cuda or cuda:N")
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -32,8 +54,10 @@ def positive_int(text: str) -> int:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The scheduler's options (its step limits, ``--max-num-seqs`` and
     ``--max-batched-tokens``, are the worker options of that name)."""
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface of the API and /metrics: 127.0.0.1 serves this machine only, "
+                        "0.0.0.0 every interface (then protect it with --api-token and TLS)")
+    p.add_argument("--port", type=int, default=50051, help="port of the gRPC API")
     p.add_argument("--policy", choices=POLICIES, default="fifo", help="scheduling policy")
     p.add_argument("--aging-rate", type=float, default=None,
                    help="rank units a second of waiting is worth (default per policy)")
@@ -42,6 +66,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
     p.add_argument("--watermark", type=float, default=0.01,
                    help="fraction of KV blocks that admission leaves free for running requests")
+    p.add_argument("--no-fair-share", action="store_true",
+                   help="no fair share of running slots and KV blocks between tenants "
+                        "(docs/scheduling.md)")
+    p.add_argument("--max-n", type=positive_int, default=DEFAULT_MAX_N,
+                   help=f"parallel samples (n) a request may ask for at most (default {DEFAULT_MAX_N})")
 
 
 def add_tls_args(p: argparse.ArgumentParser) -> None:
@@ -53,8 +82,15 @@ def add_tls_args(p: argparse.ArgumentParser) -> None:
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
     add_tls_args(p)
-    p.add_argument("--api-token", default=None,
-                   help="require 'authorization: Bearer TOKEN' on the public API (default $HEADRACE_API_TOKEN)")
+    p.add_argument("--api-token", action="append", default=None, metavar="[TENANT=]TOKEN",
+                   help="require 'authorization: Bearer TOKEN' on the public API; repeat for "
+                        "several tokens, each naming its tenant (default $HEADRACE_API_TOKENS, "
+                        "comma-separated, and $HEADRACE_API_TOKEN)")
+    p.add_argument("--api-tokens-file", default=None,
+                   help="a file of [TENANT=]TOKEN lines, beside or instead of --api-token")
+    p.add_argument("--trust-tenant-header", action="store_true",
+                   help="take the tenant from the x-headrace-tenant header (only behind a "
+                        "gateway that sets it)")
     p.add_argument("--worker-secret", default=None,
                    help="shared secret presented to the data planes (default $HEADRACE_WORKER_SECRET)")
     p.add_argument("--worker-ca", default=None, help="verify the data planes' TLS certificates with this CA")
@@ -68,8 +104,11 @@ def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -
     p.add_argument("--log-format", choices=LOG_FORMATS, default=None,
                    help="json or console (default: console on a terminal, json otherwise)")
     if control:
-        p.add_argument("--max-queued", type=int, default=0,
-                       help="waiting sequences at most; beyond, RESOURCE_EXHAUSTED (0: unbounded)")
+        p.add_argument("--metrics-host", default=None,
+                       help="the address /metrics binds (default: --host, where the API listens)")
+        p.add_argument("--max-queued", type=int, default=None,
+                       help="waiting sequences at most; beyond, RESOURCE_EXHAUSTED (HTTP 429) "
+                            f"(default {QUEUE_PER_SLOT} x --max-num-seqs; 0: unbounded)")
         p.add_argument("--outage-deadline", type=float, default=60.0,
                        help="seconds requests wait for a lost data plane before UNAVAILABLE")
         p.add_argument("--stream-interval", type=positive_int, default=1,
@@ -82,7 +121,8 @@ def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -
                        help="one step in flight (no overlapped scheduling)")
         p.add_argument("--admin-token", default=None,
                        help="bearer token for the Admin service (default $HEADRACE_ADMIN_TOKEN; "
-                            "without one, Admin serves local callers only)")
+                            "without one, Admin serves loopback callers of a server bound to "
+                            "loopback, and is disabled on a server bound beyond it)")
         p.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
         p.add_argument("--disable-log-requests", action="store_true",
                        help="no log line per finished request")
@@ -104,10 +144,11 @@ def plane_options(args) -> dict:
     """ControlPlane keyword options from the command line."""
     from common import security
 
-    return dict(metrics_port=args.metrics_port or None,
+    return dict(metrics_port=args.metrics_port or None, metrics_host=args.metrics_host or args.host,
                 admin_token=args.admin_token or os.environ.get("HEADRACE_ADMIN_TOKEN") or None,
                 log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
-                api_token=args.api_token or os.environ.get("HEADRACE_API_TOKEN") or None,
+                api_token=security.ApiTokens.load(args.api_token, args.api_tokens_file),
+                trust_tenant_header=args.trust_tenant_header, max_n=args.max_n,
                 tls=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
                 worker_credentials=security.channel_credentials(args.worker_ca, args.worker_cert,
                                                                 args.worker_key),
@@ -123,5 +164,6 @@ def engine_config(args) -> EngineConfig:
                         policy=Policy(args.policy, args.aging_rate, args.max_queue_delay),
                         enable_prefix_cache=not args.no_prefix_cache, watermark=args.watermark,
                         max_queued=args.max_queued, outage_deadline_s=args.outage_deadline,
+                        fair_share=not args.no_fair_share,
                         pipeline_depth=1 if args.no_overlap else args.pipeline_depth,
                         stream_interval=args.stream_interval)

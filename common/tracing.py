@@ -73,7 +73,11 @@ def setup_tracing(default_service_name: str, set_global: bool = True) -> bool:
                 get_logger("headrace.telemetry").warning(
                     "only OTLP over gRPC is installed; ignoring the requested protocol",
                     protocol=protocol)
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            from common.trace_export import OneWarningExporter
+
+            endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "")
+            provider.add_span_processor(BatchSpanProcessor(OneWarningExporter(OTLPSpanExporter(), endpoint)))
         elif name and name != "none":
             get_logger("headrace.telemetry").warning("unknown OTEL_TRACES_EXPORTER", exporter=name)
     enable_tracing(provider, set_global=set_global)

@@ -35,6 +35,11 @@ class WorkerOptions:
               '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}; '
               '"disable_by_batch_size" (default 32) and "min_acceptance" (default 0.15) tune '
               'the back-off (default: off; docs/speculative.md)')
+    quantization: str | None = option(
+        None, "weight quantization (default: the checkpoint's quantization_config); fp8 and int8 "
+        "quantize a float checkpoint at load", choices=("fp8", "int8", "gptq", "awq", "compressed-tensors"))
+    kv_cache_dtype: str = option("auto", "KV cache element type: auto (the model dtype) or fp8 "
+                                 "(e4m3 with per-tensor scales: twice the tokens)", choices=("auto", "fp8"))
 
 
 @dataclasses.dataclass

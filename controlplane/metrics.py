@@ -11,7 +11,7 @@ inter-token latency once per step, weighted by the step's decode tokens.
 from __future__ import annotations
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Exporter, Histogram
@@ -104,6 +104,11 @@ class _EngineState:
         yield per_pos
 
 
+def engine_state_collector(metrics: "ControlPlaneMetrics") -> _EngineState:
+    """The live engine gauges, to register beside a multiprocess collector."""
+    return _EngineState(metrics)
+
+
 class ControlPlaneMetrics(Exporter):
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -156,6 +161,15 @@ class ControlPlaneMetrics(Exporter):
                               "and API (grpc, http).", ["method", "code", "api"], registry=r)
         self.api_requests = Counter(p + "api_requests", "Requests received, by API (grpc, http) "
                                     "and method.", ["api", "method"], registry=r)
+        self.dataplane_restarts = Counter(p + "dataplane_restarts", "Data plane restarts by `headrace serve`, by "
+            "cause (crash: it had served; load_failure: it died loading).", ["cause"], registry=r)
+        self.dataplane_given_up = Gauge(p + "dataplane_given_up", "1 once `headrace serve` stopped "
+                                        "restarting its data plane after repeated load failures.",
+                                        multiprocess_mode="max", registry=r)
+        self.abandoned_streams = Counter(
+            p + "request_abandoned", "Response streams that ended before their last response, by "
+            "reason: client_cancel, deadline, disconnect (the client left), server_abort (drain, "
+            "reload, data plane lost, shutdown).", ["reason"], registry=r)
         self.registry.register(_EngineState(self))
 
     def bind(self, engine) -> None:
@@ -169,6 +183,9 @@ class ControlPlaneMetrics(Exporter):
 
     def rpc_error(self, method: str, code: grpc.StatusCode, api: str = "grpc") -> None:
         self.errors.labels(method, code.name, api).inc()
+
+    def abandoned(self, reason: str) -> None:
+        self.abandoned_streams.labels(reason).inc()
 
     def api_request(self, api: str, method: str) -> None:
         self.api_requests.labels(api, method).inc()

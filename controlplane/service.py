@@ -19,6 +19,12 @@ log = get_logger("headrace.service")
 NOT_READY = "model is not ready (loading or data plane down)"
 
 
+def _gone_reason(context) -> str:
+    """Why a Generate stream stopped early on the client's side: its deadline or a cancel."""
+    remaining = context.time_remaining()
+    return "deadline" if remaining is not None and remaining <= 0.001 else "client_cancel"
+
+
 class InferenceService(pb_grpc.InferenceServicer):
     """The gRPC front end of ``RequestPath``."""
 
@@ -31,7 +37,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         error = None
         try:
             async with contextlib.aclosing(self.path.generate(
-                    request, api="grpc", metadata=context.invocation_metadata())) as responses:
+                    request, api="grpc", metadata=context.invocation_metadata() or (),
+                    gone_reason=lambda: _gone_reason(context))) as responses:
                 async for msg in responses:
                     yield msg
         except RequestError as exc:   # counted and logged by the request path
@@ -47,7 +54,7 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         try:
-            ids = self.path.tokenize(request.text, request.add_special_tokens)
+            ids = await self.path.tokenize(request.text, request.add_special_tokens)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
         return pb.TokenizeResponse(token_ids=ids, tokens=self.path.tokenizer.tokens(ids))
@@ -55,9 +62,15 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def GetModelInfo(self, request, context):
         if not self.engine.healthy:   # answers while draining: the model is still there
             await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
-        info, blocks = self.engine.info, self.engine.scheduler.blocks
-        return pb.ModelInfo(model_name=info.model_name, architecture=info.architecture,
-                            max_model_len=self.engine.max_model_len, vocab_size=info.vocab_size,
-                            dtype=info.dtype, device=info.device, tensor_parallel_size=self.tp,
-                            kv_block_size=blocks.block_size, num_kv_blocks=blocks.num_blocks,
-                            eos_token_ids=list(info.eos_token_ids))
+        return model_info(self.engine, self.tp)
+
+
+def model_info(engine, tensor_parallel_size: int) -> pb.ModelInfo:
+    """What ``GetModelInfo`` answers for a loaded engine."""
+    info, blocks = engine.info, engine.scheduler.blocks
+    return pb.ModelInfo(model_name=info.model_name, architecture=info.architecture,
+                        max_model_len=engine.max_model_len, vocab_size=info.vocab_size,
+                        dtype=info.dtype, device=info.device, tensor_parallel_size=tensor_parallel_size,
+                        kv_block_size=blocks.block_size, num_kv_blocks=blocks.num_blocks,
+                        eos_token_ids=list(info.eos_token_ids),
+                        kv_cache_dtype=info.kv_cache_dtype, quantization=info.quantization)

@@ -6,6 +6,8 @@ import dataclasses
 import json
 import pathlib
 
+from common.model_source import model_name
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -87,7 +89,7 @@ def load_model_config(model_dir: str | pathlib.Path) -> ModelConfig:
     attention_bias = bool(raw.get("attention_bias", False))
     theta, scaling = _rope(raw)
     return ModelConfig(
-        name=path.resolve().name,
+        name=model_name(path),
         architecture=arch,
         vocab_size=raw["vocab_size"],
         hidden_size=hidden,

@@ -54,7 +54,8 @@ class DecodeGraphs:
         return self.model.logits(hidden)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, progress=None) -> None:
+        """Captures every batch size; ``progress`` (``dataplane.progress.Progress``) counts them."""
         start = time.perf_counter()
         pool = None
         for size in reversed(self.sizes):       # largest first: smaller ones reuse its memory
@@ -65,6 +66,8 @@ class DecodeGraphs:
                 self.outputs[size] = self._forward(size)
             pool = graph.pool()
             self.graphs[size] = graph
+            if progress is not None:
+                progress.update()
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
 

@@ -32,6 +32,12 @@ def host_budget_bytes(cpu_kv_gib: float) -> int:
 
 
 def allocate(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-             device: torch.device) -> list[torch.Tensor]:
+             device: torch.device, progress=None) -> list[torch.Tensor]:
+    """One zeroed tensor per layer; ``progress`` (a ``dataplane.progress.Progress``) counts layers."""
     shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+    caches = []
+    for _ in range(cfg.num_layers):
+        caches.append(torch.zeros(shape, dtype=dtype, device=device))
+        if progress is not None:
+            progress.update()
+    return caches

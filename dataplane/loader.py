@@ -16,6 +16,8 @@ from safetensors import safe_open
 from dataplane.config import ModelConfig
 from dataplane.model import CausalLM
 from dataplane.parallel import Shard
+from dataplane.progress import Progress
+from dataplane.quantization import QuantConfig, loading as quant_loading
 from dataplane.rotary import cos_sin_cache
 
 # HF projection name -> (merged parameter name, index of the shard inside it)
@@ -102,11 +104,16 @@ def checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.device,
-               dtype: torch.dtype, max_positions: int, shard: Shard | None = None) -> CausalLM:
+               dtype: torch.dtype, max_positions: int, shard: Shard | None = None,
+               quant: QuantConfig | None = None) -> CausalLM:
+    """``quant``: the projections' quantization (``dataplane.quantization``), None for none."""
     model_dir = pathlib.Path(model_dir)
     shard = shard or Shard.of(cfg)
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions, shard)
+        if quant is not None and quant.fmt != "online":
+            quant_loading.prepare(model, quant)
+    qload = quant_loading.QuantLoader(quant, cfg, shard, model)
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():   # padded vocabulary rows stay zero
         for p in model.parameters():
@@ -115,14 +122,24 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.de
                                         cfg.rope_scaling, device)
     model.rebind_rotary()
     params = dict(model.named_parameters())
-    expected = {_target(cfg, shard, params, n).key for n in _hf_names(cfg)}
+    expected = {_target(cfg, shard, params, n).key for n in _hf_names(cfg)
+                if not qload.owns(n)}
     loaded: set[str] = set()
-    with torch.no_grad():
-        for path in checkpoint_files(model_dir):
+    files = checkpoint_files(model_dir)
+    total = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            total += len(f.keys())
+    with torch.no_grad(), Progress("loading weights", total, "tensors", rank=shard.rank) as progress:
+        for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
+                    if qload.owns(name):
+                        qload.take(name, f.get_tensor)
+                        continue
                     plan = _target(cfg, shard, params, name)
                     if plan is None:
+                        progress.update()
                         continue
                     if plan.param is None:
                         raise CheckpointError(f"unexpected tensor {name!r} in {path.name}")
@@ -134,9 +151,15 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.de
                             f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
                     dest.copy_(tensor)
                     loaded.add(plan.key)
+                    progress.update()
     missing = sorted(expected - loaded)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    if quant is not None:
+        with torch.no_grad():
+            qload.finish(device)
+            if quant.fmt == "online":
+                quant_loading.quantize_online(model, quant)
     return model.eval()
 
 

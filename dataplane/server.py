@@ -18,7 +18,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common import security, tracing
+from common import net, security, tracing
 from common.grpc_options import STEP_MAX_MESSAGE_BYTES, server_options
 from dataplane.input_batch import BatchError
 from dataplane.pipeline import StepPipeline
@@ -141,8 +141,9 @@ class WorkerService(pb_grpc.WorkerServicer):
                               f"cannot load {new_opts.model!r}: {exc!r}; {opts.model!r} is loaded again")
             self.set_serving(True)
             self.metrics.reloads.labels("ok").inc()
-            log.info("model %s loaded in %.1fs: %d KV blocks", self.worker.cfg.name,
-                     time.perf_counter() - start, self.worker.runner.num_blocks)
+            log.info("model %s loaded in %.1fs (%s): %d KV blocks", self.worker.cfg.name,
+                     time.perf_counter() - start, self.worker.phases.summary(),
+                     self.worker.runner.num_blocks)
             return self.worker.describe()
 
 
@@ -158,7 +159,7 @@ def _free_device_memory() -> None:
 
 
 def serve(worker: Worker | None, address: str, *, metrics_port: int | None = None,
-          metrics_host: str = "0.0.0.0", credentials: grpc.ServerCredentials | None = None,
+          metrics_host: str = "127.0.0.1", credentials: grpc.ServerCredentials | None = None,
           secret: str | None = None) -> grpc.Server:
     """Starts serving on ``address`` (``host:port`` or ``unix:/path``) and returns the server;
     ``server.worker_service`` is the ``WorkerService``. With no ``worker`` yet, health is
@@ -181,9 +182,8 @@ def serve(worker: Worker | None, address: str, *, metrics_port: int | None = Non
         service.worker = worker
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.worker_port = security.bind(server, address, credentials)   # the bound port
-    if server.worker_port == 0 and not address.startswith("unix:"):
-        raise RuntimeError(f"cannot bind {address}")
+    server.worker_port = net.bind_exclusive(   # the bound port
+        server, address, lambda srv, addr: security.bind(srv, addr, credentials))
     if metrics_port is not None:
         try:
             service.metrics_port = service.metrics.serve(metrics_port, metrics_host)

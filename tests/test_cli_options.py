@@ -21,7 +21,8 @@ CHANGED = WorkerOptions(model="/models/x", device="cuda:1", dtype="float16", blo
                         max_model_len=4096, num_kv_blocks=123, max_num_seqs=77,
                         max_batched_tokens=999, cpu_kv_cache_gib=2.5,
                         gpu_memory_utilization=0.55, cuda_graphs=False, seed=7,
-                        speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+                        speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
+                        quantization="gptq", kv_cache_dtype="fp8")
 
 
 def _dataplane(argv: list[str]):
@@ -105,7 +106,7 @@ def test_cuda_graphs_flag_pair():
 
 def test_grpc_keepalive_settings_agree_across_the_planes():
     server = dict(grpc_options.server_options(grpc_options.STEP_MAX_MESSAGE_BYTES))
-    public = dict(grpc_options.server_options(grpc_options.PUBLIC_MAX_MESSAGE_BYTES))
+    public = dict(grpc_options.server_options(1 << 20, grpc_options.PUBLIC_MAX_SEND_BYTES))
     channel = dict(grpc_options.channel_options())
     # a channel never pings more often than a server accepts (else: GOAWAY too_many_pings)
     assert channel["grpc.keepalive_time_ms"] >= server["grpc.http2.min_ping_interval_without_data_ms"]
@@ -114,4 +115,5 @@ def test_grpc_keepalive_settings_agree_across_the_planes():
         assert server[key] == public[key] == channel[key]
     # the channel takes any message a data plane server may send
     assert channel["grpc.max_receive_message_length"] >= server["grpc.max_send_message_length"]
-    assert public["grpc.max_receive_message_length"] == 64 << 20
+    assert public["grpc.max_receive_message_length"] == 1 << 20
+    assert public["grpc.max_send_message_length"] == grpc_options.PUBLIC_MAX_SEND_BYTES

@@ -49,7 +49,7 @@ def _start_ranks(model: pathlib.Path, world: int) -> tuple[list[subprocess.Popen
         address = f"unix:{tmp}/dp-{r}.sock"
         argv = [sys.executable, "-m", "cli", "dataplane", "--model", str(model),
                 "--listen", address, "--rank", str(r), "--world-size", str(world),
-                "--dist-init", dist_init, "--dist-timeout", "60", "--num-kv-blocks", "64",
+                "--dist-init", dist_init, "--dist-timeout", "180", "--num-kv-blocks", "64",
                 "--max-num-seqs", "16", "--max-batched-tokens", "256", "--metrics-port", "0",
                 "--dtype", "float32", "--log-format", "json",
                 "--device", DEVICE]   # cuda: rank r on GPU r, NCCL

@@ -1,0 +1,92 @@
+"""The asyncio client: the same calls as ``Client``, awaited (``stream`` is an async iterator).
+Readiness is checked once, in a worker thread, with ``headrace_client.connection``'s probe."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Sequence
+
+from headrace.v1 import inference_pb2 as pb
+from headrace.v1 import inference_pb2_grpc as pb_grpc
+from headrace_client import connection
+from headrace_client.connection import ConnectionOptions, mapped_errors
+from headrace_client.types import (Chunk, Collector, Completion, ModelInfo, Tokens, build_request,
+                                   to_chunk, to_model_info, whole)
+
+
+class AsyncClient:
+    """``async with AsyncClient(address, ...) as client: await client.generate(...)``; see
+    ``Client`` for the options."""
+
+    def __init__(self, address: str | None = None, **connection_options):
+        self.options = ConnectionOptions.resolve(address, **connection_options)
+        self._channel = None
+        self._ready = False
+
+    @property
+    def _stub(self) -> pb_grpc.InferenceStub:
+        if self._channel is None:   # made inside the running event loop
+            self._channel = self.options.aio_channel()
+        return pb_grpc.InferenceStub(self._channel)
+
+    def _with_sync_channel(self, fn, *args):
+        with self.options.channel() as channel:
+            return fn(channel, self.options, *args)
+
+    async def health(self) -> str:
+        """The server's state: serving, loading, draining or down."""
+        return (await asyncio.to_thread(self._with_sync_channel, connection.probe))[0]
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        await asyncio.to_thread(self._with_sync_channel, connection.wait_ready, timeout)
+        self._ready = True
+
+    async def _call_options(self, timeout: float | None) -> dict:
+        if not self._ready:
+            await self.wait_ready()
+        return {"metadata": self.options.metadata, "timeout": timeout}
+
+    async def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
+                       timeout: float | None = None, **params) -> Completion | list[Completion]:
+        request = whole(build_request(prompt, token_ids, **params))
+        collector = Collector()
+        options = await self._call_options(timeout)
+        with mapped_errors():
+            async for msg in self._stub.Generate(request, **options):
+                collector.add(to_chunk(msg))
+        return collector.result(request.n)
+
+    async def stream(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
+                     timeout: float | None = None, **params) -> AsyncIterator[Chunk]:
+        request = build_request(prompt, token_ids, **params)
+        options = await self._call_options(timeout)
+        call = self._stub.Generate(request, **options)
+        try:
+            with mapped_errors():
+                async for msg in call:
+                    yield to_chunk(msg)
+        finally:
+            call.cancel()
+
+    async def tokenize(self, text: str, add_special_tokens: bool = False,
+                       timeout: float | None = None) -> Tokens:
+        options = await self._call_options(timeout)
+        with mapped_errors():
+            resp = await self._stub.Tokenize(
+                pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens), **options)
+        return Tokens(list(resp.token_ids), list(resp.tokens))
+
+    async def model_info(self, timeout: float | None = None) -> ModelInfo:
+        options = await self._call_options(timeout)
+        with mapped_errors():
+            return to_model_info(await self._stub.GetModelInfo(pb.GetModelInfoRequest(), **options))
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

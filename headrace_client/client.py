@@ -1,0 +1,93 @@
+"""The synchronous client: ``Client(address, api_token=..., tls_ca=...)`` then ``generate``,
+``stream``, ``tokenize``, ``model_info`` and ``health``. The first call waits (up to the
+connect timeout) for the server to be ready and raises ``NotReady`` naming its state."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+
+from headrace.v1 import inference_pb2 as pb
+from headrace.v1 import inference_pb2_grpc as pb_grpc
+from headrace_client import connection
+from headrace_client.connection import ConnectionOptions, mapped_errors
+from headrace_client.types import (Chunk, Collector, Completion, ModelInfo, Tokens, build_request,
+                                   to_chunk, to_model_info, whole)
+
+
+class Client:
+    """A connection to one headrace server. Options: ``address`` (``host:port``), ``api_token``,
+    ``tls`` / ``tls_ca`` / ``tls_cert`` / ``tls_key``, ``connect_timeout``; unset ones come
+    from ``HEADRACE_*`` environment variables (see ``headrace_client.connection``).
+    Sampling options of ``generate``/``stream`` are ``GenerateRequest``'s fields; an option
+    not given takes the server's default."""
+
+    def __init__(self, address: str | None = None, **connection_options):
+        self.options = ConnectionOptions.resolve(address, **connection_options)
+        self._channel = self.options.channel()
+        self._stub = pb_grpc.InferenceStub(self._channel)
+        self._ready = False
+
+    # -- connection --------------------------------------------------------------------------
+    def health(self) -> str:
+        """The server's state: serving, loading, draining or down."""
+        return connection.probe(self._channel, self.options)[0]
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Waits for the server to serve; NotReady (with ``state``) after ``timeout``."""
+        connection.wait_ready(self._channel, self.options, timeout)
+        self._ready = True
+
+    def _call_options(self, timeout: float | None) -> dict:
+        if not self._ready:
+            self.wait_ready()
+        return {"metadata": self.options.metadata, "timeout": timeout}
+
+    # -- calls -------------------------------------------------------------------------------
+    def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
+                 timeout: float | None = None, **params) -> Completion | list[Completion]:
+        """The whole completion (one message from the server); a list of ``n`` when n > 1."""
+        request = whole(build_request(prompt, token_ids, **params))
+        collector = Collector()
+        with mapped_errors():
+            for msg in self._stub.Generate(request, **self._call_options(timeout)):
+                collector.add(to_chunk(msg))
+        return collector.result(request.n)
+
+    def stream(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
+               timeout: float | None = None, **params) -> Iterator[Chunk]:
+        """Chunks as the server sends them; leaving the loop early cancels the request."""
+        request = build_request(prompt, token_ids, **params)
+        call = None
+        try:
+            with mapped_errors():
+                call = self._stub.Generate(request, **self._call_options(timeout))
+                for msg in call:
+                    yield to_chunk(msg)
+        finally:
+            if call is not None:
+                call.cancel()
+
+    def tokenize(self, text: str, add_special_tokens: bool = False,
+                 timeout: float | None = None) -> Tokens:
+        with mapped_errors():
+            resp = self._stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens),
+                                       **self._call_options(timeout))
+        return Tokens(list(resp.token_ids), list(resp.tokens))
+
+    def model_info(self, timeout: float | None = None) -> ModelInfo:
+        with mapped_errors():
+            return to_model_info(self._stub.GetModelInfo(pb.GetModelInfoRequest(),
+                                                         **self._call_options(timeout)))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["Client"]

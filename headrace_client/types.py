@@ -1,0 +1,164 @@
+"""Typed requests and results of the client library: ``build_request`` turns keyword sampling
+options into a ``GenerateRequest`` (unset options stay unset, so the server's defaults apply),
+and the streamed responses become ``Chunk``s and, put together, ``Completion``s."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+from headrace.v1 import inference_pb2 as pb
+
+# for generate(): one message with the whole completion (see GenerateRequest.stream_interval)
+WHOLE_COMPLETION = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int                  # the sampled token
+    logprob: float                 # its log-probability
+    top: tuple[tuple[int, float], ...] = ()   # (token id, logprob) of the top-k alternatives
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One streamed message: new tokens of sample ``index``; the last one of each sample has
+    ``finish_reason`` (length, stop, stop_string, aborted) and ``usage``."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: Usage | None
+    logprobs: list[TokenLogprob]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    device: str
+    tensor_parallel_size: int
+    kv_block_size: int
+    num_kv_blocks: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    token_ids: list[int]
+    tokens: list[str]
+
+
+def build_request(prompt: str | None = None, token_ids: Sequence[int] | None = None, *,
+                  temperature: float | None = None, top_p: float | None = None,
+                  top_k: int | None = None, min_p: float | None = None,
+                  repetition_penalty: float | None = None, presence_penalty: float | None = None,
+                  frequency_penalty: float | None = None, seed: int | None = None,
+                  max_tokens: int | None = None, min_tokens: int | None = None,
+                  stop: str | Iterable[str] | None = None,
+                  stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
+                  priority: int | None = None, logprobs: int | None = None, n: int | None = None,
+                  stream_interval: int | None = None, request_id: str | None = None
+                  ) -> pb.GenerateRequest:
+    """A GenerateRequest of exactly the options given (None: the server's default)."""
+    if (prompt is None) == (token_ids is None):
+        raise TypeError("give either a prompt or token_ids")
+    req = pb.GenerateRequest(request_id=request_id or "", ignore_eos=ignore_eos)
+    if prompt is not None:
+        req.prompt = prompt
+    else:
+        req.prompt_token_ids.ids.extend(token_ids)
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
+                        ("min_p", min_p), ("repetition_penalty", repetition_penalty),
+                        ("presence_penalty", presence_penalty),
+                        ("frequency_penalty", frequency_penalty), ("seed", seed)):
+        if value is not None:
+            setattr(req.sampling, name, value)
+    for name, value in (("max_tokens", max_tokens), ("min_tokens", min_tokens),
+                        ("priority", priority), ("logprobs", logprobs), ("n", n),
+                        ("stream_interval", stream_interval)):
+        if value is not None:
+            setattr(req, name, value)
+    if stop is not None:
+        req.stop.extend([stop] if isinstance(stop, str) else stop)
+    if stop_token_ids is not None:
+        req.stop_token_ids.extend(stop_token_ids)
+    return req
+
+
+def whole(req: pb.GenerateRequest) -> pb.GenerateRequest:
+    """Asks for one message per sample when the caller did not choose a stream interval."""
+    if not req.stream_interval:
+        req.stream_interval = WHOLE_COMPLETION
+    return req
+
+
+def finish_reason_name(value: int) -> str | None:
+    if not value:
+        return None
+    return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
+def to_chunk(msg: pb.GenerateResponse) -> Chunk:
+    logprobs = tuple(TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+                     for lp in msg.logprobs)
+    usage = None
+    if msg.finish_reason:
+        usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens,
+                      msg.usage.cached_prompt_tokens)
+    return Chunk(msg.request_id, msg.index, msg.text, tuple(msg.token_ids), logprobs,
+                 finish_reason_name(msg.finish_reason), usage)
+
+
+class Collector:
+    """Puts chunks together into one Completion per sample (by index)."""
+
+    def __init__(self):
+        self._parts: dict[int, list[Chunk]] = {}
+
+    def add(self, chunk: Chunk) -> None:
+        self._parts.setdefault(chunk.index, []).append(chunk)
+
+    def completions(self) -> list[Completion]:
+        out = []
+        for index in sorted(self._parts):
+            parts = self._parts[index]
+            last = parts[-1]
+            out.append(Completion(last.request_id, index, "".join(c.text for c in parts),
+                                  [t for c in parts for t in c.token_ids], last.finish_reason,
+                                  last.usage, [lp for c in parts for lp in c.logprobs]))
+        return out
+
+    def result(self, n: int | None):
+        """One Completion when one sample was asked for, else the list in index order."""
+        done = self.completions()
+        return done if (n or 1) > 1 else done[0]
+
+
+def to_model_info(msg: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(msg.model_name, msg.architecture, msg.max_model_len, msg.vocab_size, msg.dtype,
+                     msg.device, msg.tensor_parallel_size, msg.kv_block_size, msg.num_kv_blocks,
+                     tuple(msg.eos_token_ids))
