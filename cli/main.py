@@ -1,5 +1,6 @@
 """The ``headrace`` command: ``serve`` (control plane plus data plane children), ``controlplane``
-and ``dataplane`` (each plane alone), ``generate`` (a streaming client), ``admin`` (the Admin
+and ``dataplane`` (each plane alone; the control plane is an engine core and N API front ends,
+``core`` and ``frontend``, which ``cli.processes`` starts and keeps alive), ``generate`` (a streaming client), ``admin`` (the Admin
 service: configuration, drain, resume, reload) and ``health`` (a grpc.health.v1 probe for
 container health checks).
 
@@ -26,7 +27,7 @@ from cli.admin import add_admin_parser
 from cli.client import add_address_args, add_generate_parser
 from cli.options import (HelpFormatter, add_engine_args, add_ops_args, add_security_args,
                          add_tls_args, check_device_name, default_model, engine_config,
-                         plane_options)
+                         plane_options, positive_int)
 from common.logs import configure_logging
 from common.options import add_arguments, from_args, to_argv
 from common.worker_options import ParallelOptions, WorkerOptions
@@ -86,18 +87,24 @@ def _model_for_the_control_plane(args, weights: bool) -> str:
     return model
 
 
+def check_public_ports(args) -> None:
+    """The gRPC and HTTP ports are free (before any child starts; the front ends then share
+    them with SO_REUSEPORT, which would not refuse another server's port)."""
+    from common import net
+
+    net.check_port(f"{args.host}:{args.port}")
+    if args.http_port:
+        net.check_port(f"{args.host}:{args.http_port}", "--http-port")
+
+
 def cmd_serve(args) -> int:
+    from cli.processes import run_control_plane
     from cli.supervisor import EXIT_LOAD_FAILED, DataPlaneChildren, health_probe
-    from common import net, tracing
-    from controlplane.metrics import ControlPlaneMetrics
-    from controlplane.server import serve_until_signal
+    from common.metrics import enable_multiprocess
 
     check_device_name(args.device)
     args.model = _model_for_the_control_plane(args, weights=True)
-    address = f"{args.host}:{args.port}"
-    net.check_port(address)   # before any child starts loading
-    if args.http_port:
-        net.check_port(f"{args.host}:{args.http_port}", "--http-port")
+    check_public_ports(args)
     world = args.tensor_parallel_size
     sock_dir = tempfile.mkdtemp(prefix="headrace-")
     try:
@@ -105,42 +112,77 @@ def cmd_serve(args) -> int:
         # the children accept only this control plane: a fresh shared secret, passed by environment
         args.worker_secret = args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or secrets.token_hex(16)
         env = child_env(os.environ, args.worker_secret)
-        metrics = ControlPlaneMetrics()
+        enable_multiprocess(os.path.join(sock_dir, "metrics"))   # the supervisor's metrics too
+        from controlplane.metrics import ControlPlaneMetrics
+
         children = DataPlaneChildren(lambda: serve_children_argvs(args, listens), env,
-                                     ready=health_probe(listens), metrics=metrics)
-        tracing.setup_tracing("headrace-controlplane")
+                                     ready=health_probe(listens), metrics=ControlPlaneMetrics())
         try:
-            asyncio.run(serve_until_signal(args.model, listens, address, engine_config(args),
-                                           stop_hook=children.when_fatal, metrics=metrics,
-                                           **plane_options(args)))
+            failed = run_control_plane(args, controlplane_parser(), listens, sock_dir, env,
+                                       stop_hook=children.when_fatal)
         finally:
-            tracing.shutdown_tracing()
             children.stop()
         if children.fatal:
             if children.exit_status != EXIT_LOAD_FAILED:   # the child did not say why itself
                 print(f"headrace serve: {children.given_up}", file=sys.stderr)
             return 1
-        return 0
+        return 1 if failed else 0
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
 
 
 def cmd_controlplane(args) -> int:
-    from common import net, tracing
-    from controlplane.server import serve_until_signal
+    from cli.processes import run_control_plane
+    from common.metrics import enable_multiprocess
 
-    model = _model_for_the_control_plane(args, weights=False)
-    address = f"{args.host}:{args.port}"
-    net.check_port(address)
-    if args.http_port:
-        net.check_port(f"{args.host}:{args.http_port}", "--http-port")
+    args.model = _model_for_the_control_plane(args, weights=False)
+    check_public_ports(args)
+    private_dir = tempfile.mkdtemp(prefix="headrace-")
+    try:
+        enable_multiprocess(os.path.join(private_dir, "metrics"))
+        failed = run_control_plane(args, controlplane_parser(), args.workers.split(","), private_dir,
+                                   dict(os.environ))
+        return 1 if failed else 0
+    finally:
+        shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def _run_role(server_factory) -> int:
+    """Runs the server ``server_factory()`` builds (inside the event loop) until a signal."""
+    from common import tracing
+    from controlplane.server import run_until_signal
+
+    async def run():
+        await run_until_signal(server_factory())
+
     tracing.setup_tracing("headrace-controlplane")
     try:
-        asyncio.run(serve_until_signal(model, args.workers.split(","), address,
-                                       engine_config(args), **plane_options(args)))
+        asyncio.run(run())
     finally:
         tracing.shutdown_tracing()
     return 0
+
+
+def cmd_core(args) -> int:
+    from controlplane.core.server import CoreServer
+
+    opts = plane_options(args)
+    keys = ("metrics_port", "metrics_host", "admin_token", "log_requests", "log_prompts",
+            "worker_credentials", "worker_secret", "chat_template", "generation_config")
+    return _run_role(lambda: CoreServer(args.model or default_model(), args.workers.split(","),
+                                        args.core_address, engine_config(args),
+                                        **{k: opts[k] for k in keys}))
+
+
+def cmd_frontend(args) -> int:
+    from controlplane.frontend.server import FrontEnd
+
+    opts = plane_options(args)
+    keys = ("api_token", "tls", "admin_token", "http_port", "http_tls", "chat_template",
+            "generation_config", "log_prompts", "trust_tenant_header", "max_n")
+    return _run_role(lambda: FrontEnd(args.index, args.core_address, args.model or default_model(),
+                                      f"{args.host}:{args.port}", max_model_len=getattr(args, "max_model_len", None),
+                                      **{k: opts[k] for k in keys}))
 
 
 def cmd_dataplane(args) -> int:
@@ -230,6 +272,34 @@ DESCRIPTION = """headrace serves LLMs over gRPC with a separated control plane a
 'dataplane' run one plane alone; 'generate', 'admin' and 'health' talk to a running server."""
 
 
+def _add_workers(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", default=os.environ.get("HEADRACE_WORKERS"),
+                   required=not os.environ.get("HEADRACE_WORKERS"),
+                   help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
+
+
+def add_controlplane_args(p: argparse.ArgumentParser, supervisor: bool = False) -> None:
+    """What the engine core and the front ends take (serve and controlplane forward them)."""
+    add_engine_args(p)
+    add_ops_args(p, 9400, control=True)
+    add_security_args(p)
+    if supervisor:   # serve, controlplane
+        p.add_argument("--api-server-count", type=positive_int, default=None,
+                       help="API front-end processes sharing the public ports (default: 1 below "
+                            "4 CPU cores, else min(4, cores // 2))")
+        p.add_argument("--core-address", default=None,
+                       help="where the engine core serves its front ends (default: a unix socket "
+                            "in the server's private directory; host:port for TCP)")
+
+
+def controlplane_parser() -> argparse.ArgumentParser:
+    """The options the core and front-end processes share (the parent of their parsers)."""
+    p = argparse.ArgumentParser(add_help=False, prog="headrace-controlplane")
+    add_arguments(p, WorkerOptions, only=CONTROL_PLANE_WORKER_OPTIONS)
+    add_controlplane_args(p)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="headrace", description=DESCRIPTION,
                                      formatter_class=HelpFormatter)
@@ -238,26 +308,33 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, help: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
 
-    p = command("serve", "serve a model: control plane plus a data plane child process")
+    p = command("serve", "serve a model: an engine core, API front ends and data plane child "
+                         "processes")
     add_arguments(p, WorkerOptions)
-    add_engine_args(p)
-    add_ops_args(p, 9400, control=True)
-    add_security_args(p)
+    add_controlplane_args(p, supervisor=True)
     p.add_argument("--dataplane-metrics-port", type=int, default=9401,
                    help="the data plane child's /metrics port, rank r on port + r (0 disables)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="data plane processes (ranks) sharing the model; cuda:r for rank r")
     p.set_defaults(func=cmd_serve)
 
-    p = command("controlplane", "run the control plane alone")
+    p = command("controlplane", "run the control plane alone (an engine core and API front ends)")
     add_arguments(p, WorkerOptions, only=CONTROL_PLANE_WORKER_OPTIONS)
-    p.add_argument("--workers", default=os.environ.get("HEADRACE_WORKERS"),
-                   required=not os.environ.get("HEADRACE_WORKERS"),
-                   help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
-    add_engine_args(p)
-    add_ops_args(p, 9400, control=True)
-    add_security_args(p)
+    add_controlplane_args(p, supervisor=True)
+    _add_workers(p)
     p.set_defaults(func=cmd_controlplane)
+
+    p = sub.add_parser("core", parents=[controlplane_parser()], formatter_class=HelpFormatter,
+                       help="the engine core alone (serve and controlplane start it)")
+    _add_workers(p)
+    p.add_argument("--core-address", required=True, help="where front ends connect: unix:PATH or host:port")
+    p.set_defaults(func=cmd_core)
+
+    p = sub.add_parser("frontend", parents=[controlplane_parser()], formatter_class=HelpFormatter,
+                       help="one API front end alone (serve and controlplane start them)")
+    p.add_argument("--index", type=int, default=0, help="which front end (logs, process list)")
+    p.add_argument("--core-address", required=True, help="the engine core: unix:PATH or host:port")
+    p.set_defaults(func=cmd_frontend)
 
     p = command("dataplane", "run one data plane worker alone")
     add_arguments(p, WorkerOptions)
@@ -284,12 +361,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def bind_role(args) -> None:
+    """Every log line of this process names its role (core, frontend N, dataplane rank r)."""
+    import structlog
+
+    role = {"serve": "supervisor", "controlplane": "supervisor"}.get(args.command, args.command)
+    extra = {"frontend": args.index} if args.command == "frontend" else \
+        {"rank": args.rank} if args.command == "dataplane" else {}
+    structlog.contextvars.bind_contextvars(role=role, **extra)
+
+
 def main(argv: list[str] | None = None) -> int:
     from common.net import PortInUse
 
     args = build_parser().parse_args(argv)
     if args.command not in ("health", "generate", "admin"):
         configure_logging(getattr(args, "log_format", None))
+        bind_role(args)
     try:
         return args.func(args)
     except (ValueError, PortInUse, FileNotFoundError, IsADirectoryError, PermissionError) as exc:

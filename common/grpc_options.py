@@ -10,9 +10,12 @@ from common import net
 # it serves, computed at server start (``controlplane.limits.max_request_bytes``: the text a
 # max_model_len prompt can be, or its token ids, plus fixed overhead) and given to
 # ``server_options``; it sends up to PUBLIC_MAX_SEND_BYTES (a Tokenize answer of a long text).
-# The step protocol carries whole prompts and block tables of a step's new sequences.
+# The step protocol carries whole prompts and block tables of a step's new sequences; the
+# private stream between the API front ends and the engine core carries batches of submissions
+# (token ids) and of every new token of a step.
 PUBLIC_MAX_SEND_BYTES = 64 << 20
 STEP_MAX_MESSAGE_BYTES = 256 << 20
+CORE_MAX_MESSAGE_BYTES = 256 << 20
 
 KEEPALIVE_TIME_MS = 30_000      # ping a connection idle this long (dead peers, idle NATs)
 KEEPALIVE_TIMEOUT_MS = 10_000   # and drop it when the ping goes unanswered this long

@@ -2,8 +2,11 @@
 prefix, the buckets both planes use, a histogram that can observe one value n times, and the
 exporter that serves a plane's registry as /metrics over HTTP.
 
-Each plane has its own registry and its own exporter port (no multiprocess mode needed);
-``controlplane.metrics`` and ``dataplane.telemetry`` define what each one records."""
+Each plane has its own registry and its own exporter port; the control plane's processes (an
+engine core and its API front ends) write theirs to files under ``PROMETHEUS_MULTIPROC_DIR``
+(prometheus-client's multiprocess mode) and the core serves their sum
+(``multiprocess_registry``). ``controlplane.metrics`` and ``dataplane.telemetry`` define what
+each one records."""
 
 from __future__ import annotations
 
@@ -33,16 +36,47 @@ class Histogram(prometheus_client.Histogram):
         self._buckets[bisect.bisect_left(self._upper_bounds, amount)].inc(n)
 
 
+def enable_multiprocess(directory: str) -> None:
+    """Multiprocess mode for this process and the children it starts from now on: metric values
+    go to files in ``directory`` (``PROMETHEUS_MULTIPROC_DIR``). prometheus-client picks its
+    value class when imported, from the environment; a process that imported it before (the
+    ``headrace`` command) switches the class its metrics are created with from now on."""
+    import os
+
+    from prometheus_client import values
+
+    os.makedirs(directory, exist_ok=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    values.ValueClass = values.MultiProcessValue()
+
+
+def multiprocess_registry(*collectors) -> CollectorRegistry | None:
+    """With ``PROMETHEUS_MULTIPROC_DIR`` set: a registry of every process's metrics summed
+    (prometheus-client's multiprocess collector) plus ``collectors`` (live gauges); else None."""
+    import os
+
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return None
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    for collector in collectors:
+        registry.register(collector)
+    return registry
+
+
 class Exporter:
     """Serves a plane's ``registry`` as /metrics over HTTP (one exporter per plane process)."""
 
     registry: CollectorRegistry
     _http = None
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
-        """Serves /metrics on an HTTP port (0: an ephemeral one); returns the port."""
-        self._http, _thread = prometheus_client.start_http_server(port, addr=host,
-                                                                  registry=self.registry)
+    def serve(self, port: int, host: str = "0.0.0.0", registry: CollectorRegistry | None = None) -> int:
+        """Serves /metrics (``registry``, default the plane's own) on an HTTP port (0: an
+        ephemeral one); returns the port."""
+        self._http, _thread = prometheus_client.start_http_server(
+            port, addr=host, registry=registry if registry is not None else self.registry)
         return self._http.server_port
 
     def close(self) -> None:

@@ -3,7 +3,9 @@
 and whether a host is loopback-only or open to the network.
 
 ``check_port`` and ``GRPC_EXCLUSIVE_PORT`` are the one place that decides whether a port may
-be shared; several front-end processes sharing one port by design would adapt them here."""
+be shared. The API front ends of one server share its ports by design (``GRPC_SHARED_PORT``,
+SO_REUSEPORT on the HTTP socket): their supervisor runs ``check_port`` once before starting
+them, so a port another server holds is still refused."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import socket
 
 # gRPC server option: no SO_REUSEPORT, so binding a port in use fails
 GRPC_EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+# gRPC server option of API front ends sharing one port (the kernel spreads the connections)
+GRPC_SHARED_PORT = ("grpc.so_reuseport", 1)
 
 
 class PortInUse(OSError):

@@ -18,11 +18,12 @@ _BOOL = argparse.BooleanOptionalAction
 
 
 def option(default=dataclasses.MISSING, help: str = "", *, aliases: tuple[str, ...] = (),
-           short: str | None = None):
+           short: str | None = None, choices: tuple | None = None):
     """A dataclass field that is also a command-line option. ``aliases``: deprecated flags
-    parsed into the same field and hidden from ``--help``; ``short``: e.g. ``-tp``."""
-    return dataclasses.field(default=default,
-                             metadata={"help": help, "aliases": aliases, "short": short})
+    parsed into the same field and hidden from ``--help``; ``short``: e.g. ``-tp``;
+    ``choices``: the values the command line accepts."""
+    return dataclasses.field(default=default, metadata={"help": help, "aliases": aliases,
+                                                        "short": short, "choices": choices})
 
 
 def flag(field: dataclasses.Field) -> str:
@@ -53,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls, *, only=None, skip=()) -
         default = None if f.default is dataclasses.MISSING else f.default
         names = [flag(f)] + ([meta["short"]] if meta.get("short") else [])
         kwargs = dict(dest=f.name, default=default, help=meta.get("help", ""))
+        if meta.get("choices"):
+            kwargs["choices"] = meta["choices"]
         if kind is bool:
             parser.add_argument(*names, action=_BOOL, **kwargs)
         else:

@@ -30,6 +30,11 @@ class WorkerOptions:
     cuda_graphs: bool = option(True, "capture decode steps in CUDA graphs (default; "
                                      "--no-cuda-graphs runs them eagerly)")
     seed: int = option(0, "the worker's random seed (requests without a seed)")
+    quantization: str | None = option(
+        None, "weight quantization (default: the checkpoint's quantization_config); fp8 and int8 "
+        "quantize a float checkpoint at load", choices=("fp8", "int8", "gptq", "awq", "compressed-tensors"))
+    kv_cache_dtype: str = option("auto", "KV cache element type: auto (the model dtype) or fp8 "
+                                 "(e4m3 with per-tensor scales: twice the tokens)", choices=("auto", "fp8"))
 
 
 @dataclasses.dataclass

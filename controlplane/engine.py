@@ -171,6 +171,11 @@ class Engine:
             self.telemetry.request_done(request)
         self._wake.set()
 
+    def finish_sequence(self, seq: Sequence, reason: int) -> None:
+        """Ends one sequence (an API front end matched a stop string); its blocks are free."""
+        self._finish(seq, reason)
+        self._wake.set()
+
     async def stop(self) -> None:
         await self._stop_loop()
         self.fail_all(grpc.StatusCode.UNAVAILABLE, "server is shutting down")

@@ -84,6 +84,11 @@ class _EngineState:
         yield from (running, waiting, usage, free, total, in_flight, ready, preempt, queries, hits)
 
 
+def engine_state_collector(metrics: "ControlPlaneMetrics") -> _EngineState:
+    """The live engine gauges, to register beside a multiprocess collector."""
+    return _EngineState(metrics)
+
+
 class ControlPlaneMetrics(Exporter):
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -140,7 +145,7 @@ class ControlPlaneMetrics(Exporter):
             "cause (crash: it had served; load_failure: it died loading).", ["cause"], registry=r)
         self.dataplane_given_up = Gauge(p + "dataplane_given_up", "1 once `headrace serve` stopped "
                                         "restarting its data plane after repeated load failures.",
-                                        registry=r)
+                                        multiprocess_mode="max", registry=r)
         self.abandoned_streams = Counter(
             p + "request_abandoned", "Response streams that ended before their last response, by "
             "reason: client_cancel, deadline, disconnect (the client left), server_abort (drain, "

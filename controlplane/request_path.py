@@ -61,6 +61,14 @@ def _json(field: str, text: str, kind: type):
     return value
 
 
+def queue_full(bound: int, waiting: int) -> str | None:
+    """The refusal when ``waiting`` sequences already fill the queue bound (0: unbounded)."""
+    if bound and waiting >= bound:
+        return (f"queue is full ({bound} waiting sequences at most, the server's --max-queued); "
+                "retry later")
+    return None
+
+
 class RequestPath:
     """What the front ends call. ``set_model`` swaps tokenizer, chat template and sampling
     defaults together (start-up, Admin reload)."""
@@ -236,11 +244,9 @@ class RequestPath:
                 self.engine.abort(req)   # no-op when finished; frees the blocks when the client left
 
     def _check_queue(self) -> None:
-        bound = self.engine.max_queued
-        if bound and len(self.engine.scheduler.waiting) >= bound:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"queue is full ({bound} waiting sequences at most, the server's "
-                               "--max-queued); retry later")
+        problem = queue_full(self.engine.max_queued, len(self.engine.scheduler.waiting))
+        if problem:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, problem)
 
     async def _admit(self, request: pb.GenerateRequest, tenant: str):
         engine = self.engine

@@ -62,9 +62,15 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def GetModelInfo(self, request, context):
         if not self.engine.healthy:   # answers while draining: the model is still there
             await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
-        info, blocks = self.engine.info, self.engine.scheduler.blocks
-        return pb.ModelInfo(model_name=info.model_name, architecture=info.architecture,
-                            max_model_len=self.engine.max_model_len, vocab_size=info.vocab_size,
-                            dtype=info.dtype, device=info.device, tensor_parallel_size=self.tp,
-                            kv_block_size=blocks.block_size, num_kv_blocks=blocks.num_blocks,
-                            eos_token_ids=list(info.eos_token_ids))
+        return model_info(self.engine, self.tp)
+
+
+def model_info(engine, tensor_parallel_size: int) -> pb.ModelInfo:
+    """What ``GetModelInfo`` answers for a loaded engine."""
+    info, blocks = engine.info, engine.scheduler.blocks
+    return pb.ModelInfo(model_name=info.model_name, architecture=info.architecture,
+                        max_model_len=engine.max_model_len, vocab_size=info.vocab_size,
+                        dtype=info.dtype, device=info.device, tensor_parallel_size=tensor_parallel_size,
+                        kv_block_size=blocks.block_size, num_kv_blocks=blocks.num_blocks,
+                        eos_token_ids=list(info.eos_token_ids),
+                        kv_cache_dtype=info.kv_cache_dtype, quantization=info.quantization)

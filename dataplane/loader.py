@@ -17,6 +17,7 @@ from dataplane.config import ModelConfig
 from dataplane.model import CausalLM
 from dataplane.parallel import Shard
 from dataplane.progress import Progress
+from dataplane.quantization import QuantConfig, loading as quant_loading
 from dataplane.rotary import cos_sin_cache
 
 # HF projection name -> (merged parameter name, index of the shard inside it)
@@ -103,11 +104,16 @@ def checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.device,
-               dtype: torch.dtype, max_positions: int, shard: Shard | None = None) -> CausalLM:
+               dtype: torch.dtype, max_positions: int, shard: Shard | None = None,
+               quant: QuantConfig | None = None) -> CausalLM:
+    """``quant``: the projections' quantization (``dataplane.quantization``), None for none."""
     model_dir = pathlib.Path(model_dir)
     shard = shard or Shard.of(cfg)
     with torch.device("meta"):
         model = CausalLM(cfg, max_positions, shard)
+        if quant is not None and quant.fmt != "online":
+            quant_loading.prepare(model, quant)
+    qload = quant_loading.QuantLoader(quant, cfg, shard, model)
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():   # padded vocabulary rows stay zero
         for p in model.parameters():
@@ -116,7 +122,8 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.de
                                         cfg.rope_scaling, device)
     model.rebind_rotary()
     params = dict(model.named_parameters())
-    expected = {_target(cfg, shard, params, n).key for n in _hf_names(cfg)}
+    expected = {_target(cfg, shard, params, n).key for n in _hf_names(cfg)
+                if not qload.owns(n)}
     loaded: set[str] = set()
     files = checkpoint_files(model_dir)
     total = 0
@@ -127,6 +134,9 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.de
         for path in files:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
+                    if qload.owns(name):
+                        qload.take(name, f.get_tensor)
+                        continue
                     plan = _target(cfg, shard, params, name)
                     if plan is None:
                         progress.update()
@@ -145,6 +155,11 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.de
     missing = sorted(expected - loaded)
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    if quant is not None:
+        with torch.no_grad():
+            qload.finish(device)
+            if quant.fmt == "online":
+                quant_loading.quantize_online(model, quant)
     return model.eval()
 
 

@@ -92,6 +92,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.cos_sin = cos_sin
         self.scale = cfg.head_dim ** -0.5
+        self.k_scale = self.v_scale = 1.0   # FP8 KV cache: stored = k / k_scale (the loader's)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -103,11 +104,12 @@ class Attention(nn.Module):
         q = kernels.qk_norm_rope_write_kv(
             q, k, v, positions, self.cos_sin, self.q_norm.weight if cfg.qk_norm else None,
             self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps, kv_cache,
-            meta.slot_mapping)
+            meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
         o = kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                     meta.block_tables, self.scale,
                                     max_query_len=meta.max_query_len, decode_only=meta.decode_only,
-                                    num_decodes=meta.num_decodes, decode_order=meta.decode_order)
+                                    num_decodes=meta.num_decodes, decode_order=meta.decode_order,
+                                    k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(o.reshape(-1, cfg.q_size))
 
 

@@ -9,6 +9,7 @@ shard of the checkpoint and sizes its KV cache for its own KV heads. Its options
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pathlib
 import time
 
@@ -22,10 +23,12 @@ from dataplane.cuda_graphs import DecodeGraphs
 from dataplane.loader import load_model
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.progress import Phases, Progress
+from dataplane.quantization import KV_CACHE_DTYPES, resolve as resolve_quantization
 from dataplane.runner import ModelRunner
 from dataplane.sampler import SamplingBatch, SamplingRow, sample
 from headrace.dataplane.v1 import worker_pb2 as pb
 
+log = logging.getLogger("headrace.dataplane")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -78,10 +81,16 @@ class Worker:
         self.local_cfg = self.shard.local_config(self.cfg)   # this rank's heads and MLP columns
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
         self.phases = phases = Phases()
+        self.quant = resolve_quantization(opts.model, opts.quantization)
+        if opts.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {opts.kv_cache_dtype!r}: choose from {KV_CACHE_DTYPES}")
+        self.kv_dtype = torch.float8_e4m3fn if opts.kv_cache_dtype == "fp8" else self.dtype
         model = load_model(pathlib.Path(opts.model), self.cfg, self.device, self.dtype,
-                           self.max_model_len, self.shard)
+                           self.max_model_len, self.shard, self.quant)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()   # an on-the-fly quantization's float weights
         phases.mark("weights")
-        self.block_bytes = kv_cache.bytes_per_block(self.local_cfg, opts.block_size, self.dtype)
+        self.block_bytes = kv_cache.bytes_per_block(self.local_cfg, opts.block_size, self.kv_dtype)
         if self.device.type == "cuda":
             self._warm_up(model)
             phases.mark("warm-up")
@@ -91,9 +100,12 @@ class Worker:
         with Progress(f"allocating KV cache ({num_blocks} blocks, "
                       f"{num_blocks * self.block_bytes / kv_cache.GiB:.2f} GiB)",
                       self.local_cfg.num_layers, "layers", rank=rank) as progress:
-            caches = kv_cache.allocate(self.local_cfg, num_blocks, opts.block_size, self.dtype,
+            caches = kv_cache.allocate(self.local_cfg, num_blocks, opts.block_size, self.kv_dtype,
                                        self.device, progress)
         phases.mark("KV cache")
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes per block; weights: %s",
+                 num_blocks, opts.block_size, num_blocks * opts.block_size, self.kv_dtype_name,
+                 self.block_bytes, self.quant.describe() if self.quant else self.dtype_name)
         graphs = None
         if self.device.type == "cuda" and opts.cuda_graphs:
             graphs = DecodeGraphs(model, caches, opts.max_num_seqs,
@@ -110,7 +122,7 @@ class Worker:
         """Runs the largest step (max_batched_tokens tokens, max_num_seqs sampled with every
         filter on) against a one-block cache, so peak activation memory can be measured."""
         n, dev = self.opts.max_batched_tokens, self.device
-        cache = kv_cache.allocate(self.local_cfg, 1, self.opts.block_size, self.dtype, dev)
+        cache = kv_cache.allocate(self.local_cfg, 1, self.opts.block_size, self.kv_dtype, dev)
         torch.cuda.reset_peak_memory_stats(dev)
         meta = AttentionMetadata(
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
@@ -140,7 +152,7 @@ class Worker:
         cfg, dev, bs = self.local_cfg, self.device, self.opts.block_size
         longest = 512   # tiles stop growing at 256 query rows
         blocks = -(-longest // bs)
-        cache = kv_cache.allocate(cfg, blocks, bs, self.dtype, dev)[0]
+        cache = kv_cache.allocate(cfg, blocks, bs, self.kv_dtype, dev)[0]
         tables = torch.arange(blocks, dtype=torch.int32, device=dev)[None, :]
         q_len = 1
         while q_len <= longest:
@@ -162,11 +174,20 @@ class Worker:
             budget = kv_cache.host_budget_bytes(self.opts.cpu_kv_cache_gib)
         return max(0, budget) // self.block_bytes
 
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return str(self.kv_dtype).removeprefix("torch.")
+
     def describe(self) -> pb.WorkerInfo:
         cfg = self.cfg
         return pb.WorkerInfo(
             model_name=cfg.name, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
-            max_model_len=self.max_model_len, dtype=str(self.dtype).removeprefix("torch."),
+            max_model_len=self.max_model_len, dtype=self.dtype_name, kv_cache_dtype=self.kv_dtype_name,
+            quantization=self.quant.describe() if self.quant else "",
             device=str(self.device), rank=self.rank, world_size=self.world_size,
             block_size=self.opts.block_size, num_kv_blocks=self.runner.num_blocks,
             kv_bytes_per_block=self.block_bytes, eos_token_ids=list(cfg.eos_token_ids),

@@ -3,7 +3,8 @@
 Each op has a plain-torch reference in ``kernels.reference`` and a Triton version (in
 ``kernels.triton_ops``, ``kernels.triton_attention`` (with ``kernels.triton_decode`` and
 ``kernels.triton_flash``), ``kernels.triton_prologue``, ``kernels.triton_linear`` or
-``kernels.triton_sampling``) that must match it. The choice is resolved once, at import, from
+``kernels.triton_sampling``; the quantized linears ``fp8_linear`` and ``wna16_linear``:
+``kernels.reference_quant`` and ``kernels.triton_quant``) that must match it. The choice is resolved once, at import, from
 the environment variable ``HEADRACE_KERNELS``:
 
 * ``auto`` (default): Triton for CUDA tensors when CUDA is available and triton imports, the
@@ -23,7 +24,7 @@ import os
 
 import torch
 
-from kernels import reference
+from kernels import reference, reference_quant
 
 MODE = os.environ.get("HEADRACE_KERNELS", "auto")
 if MODE not in ("auto", "triton", "reference"):
@@ -35,20 +36,22 @@ def _load_triton():
         return None
     try:
         from kernels import (triton_attention, triton_linear, triton_ops, triton_prologue,
-                             triton_sampling)
+                             triton_quant, triton_sampling)
     except ImportError:
         if MODE == "triton":
             raise
         return None
     return {"paged_attention": triton_attention, "sample_race": triton_sampling,
-            "qk_norm_rope_write_kv": triton_prologue, "linear": triton_linear}, triton_ops
+            "qk_norm_rope_write_kv": triton_prologue, "linear": triton_linear,
+            "fp8_linear": triton_quant, "wna16_linear": triton_quant}, triton_ops
 
 
 def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
-                         max_query_len=None, decode_only=None, num_decodes=0, decode_order=None):
+                         max_query_len=None, decode_only=None, num_decodes=0, decode_order=None,
+                         k_scale=1.0, v_scale=1.0):
     """kernels.reference.paged_attention, taking (and ignoring) the Triton version's hints."""
     return reference.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables,
-                                     scale)
+                                     scale, k_scale, v_scale)
 
 
 def _on_cuda(fast, slow):
@@ -76,4 +79,6 @@ paged_attention = _select(_reference_attention, "paged_attention")
 sample_race = _select(reference.sample_race, "sample_race")
 qk_norm_rope_write_kv = _select(reference.qk_norm_rope_write_kv, "qk_norm_rope_write_kv")
 linear = _select(reference.linear, "linear")
+fp8_linear = _select(reference_quant.fp8_linear, "fp8_linear")
+wna16_linear = _select(reference_quant.wna16_linear, "wna16_linear")
 copy_blocks = reference.copy_blocks   # one indexed copy per layer: torch is the kernel

@@ -6,6 +6,8 @@ data plane runs them on CPU, and tests compare the Triton kernels against them.
 Paged KV layout (per layer): ``kv_cache[0]`` holds keys and ``kv_cache[1]`` values,
 each ``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's slot is
 ``block_id * block_size + offset``; slot ``-1`` marks a padded token that is not written.
+An FP8 cache (float8_e4m3fn) stores ``k / k_scale`` and ``v / v_scale`` (per-tensor scales,
+saturated at +-448) and attention reads them back times the scale; other caches ignore them.
 """
 
 from __future__ import annotations
@@ -50,28 +52,35 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def _to_cache(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    if dtype != torch.float8_e4m3fn:
+        return x.to(dtype)
+    return (x.float() / scale).clamp(-448.0, 448.0).to(dtype)
+
+
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Stores key/value [tokens, kv_heads, head_dim] at their slots; slot -1 is skipped."""
     block_size = kv_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[0, blocks, offsets] = key[keep]
-    kv_cache[1, blocks, offsets] = value[keep]
+    kv_cache[0, blocks, offsets] = _to_cache(key[keep], k_scale, kv_cache.dtype)
+    kv_cache[1, blocks, offsets] = _to_cache(value[keep], v_scale, kv_cache.dtype)
 
 
 def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                           cos_sin: torch.Tensor, q_weight: torch.Tensor | None,
                           k_weight: torch.Tensor | None, eps: float, kv_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> torch.Tensor:
+                          slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                          v_scale: float = 1.0) -> torch.Tensor:
     """The attention prologue: per-head RMSNorm of q and k (when the model has one, as Qwen3),
     rotary embedding of both, k and v stored at their slots; returns q [tokens, heads, head_dim].
     q/k/v may be strided views of the qkv projection."""
     if q_weight is not None:
         q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
     q = apply_rotary(q, positions, cos_sin)
-    write_kv(kv_cache, apply_rotary(k, positions, cos_sin), v, slot_mapping)
+    write_kv(kv_cache, apply_rotary(k, positions, cos_sin), v, slot_mapping, k_scale, v_scale)
     return q
 
 
@@ -83,7 +92,8 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, ctx: int) ->
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of variable-length queries over their sequences' paged KV.
 
     query: [tokens, heads, head_dim], packed by sequence (query_start_loc is [B+1]);
@@ -96,6 +106,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     group = heads // kv_heads
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    if kv_cache.dtype != torch.float8_e4m3fn:
+        k_scale = v_scale = 1.0
     for i, ctx in enumerate(lens):
         q = query[starts[i]:starts[i + 1]].float()  # [n, H, D]
         n = q.shape[0]
@@ -103,6 +115,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
             continue
         k = _gather_context(kv_cache[0], block_tables[i], ctx).float().repeat_interleave(group, 1)
         v = _gather_context(kv_cache[1], block_tables[i], ctx).float().repeat_interleave(group, 1)
+        k, v = k * k_scale, v * v_scale
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(ctx - n, ctx)[:, None]
         k_pos = torch.arange(ctx)[None, :]
@@ -175,4 +188,6 @@ def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
 def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copies whole KV blocks src[i] -> dst[i] in every layer's cache (copy on write)."""
     for cache in kv_caches:
+        if cache.dtype == torch.float8_e4m3fn:   # float8 index_put is not on every device
+            cache = cache.view(torch.uint8)
         cache[:, dst] = cache[:, src]

@@ -32,7 +32,7 @@ PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 64, 8, 3
 
 
 @triton.jit(do_not_specialize=["seq0", "stride_bt"])   # both vary per step: one variant
-def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, seq0, qk_scale, stride_qt, stride_qh, stride_ot,
+def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, seq0, qk_scale, v_scale, stride_qt, stride_qh, stride_ot,
                     stride_oh, stride_bt, stride_block, stride_slot, stride_head,
                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -63,11 +63,11 @@ def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, seq0, qk_scale, stride_qt, 
     bt_row = BT + seq * stride_bt
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, 0, below,
                             q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
-                            HEAD_DIM, False, PRECISION, DOT_F32)
+                            HEAD_DIM, False, PRECISION, DOT_F32, Q.dtype.element_ty)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, below, end,
                             q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
-                            HEAD_DIM, True, PRECISION, DOT_F32)
-    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+                            HEAD_DIM, True, PRECISION, DOT_F32, Q.dtype.element_ty)
+    out = acc * v_scale / tl.where(row_ok, l_i, 1.0)[:, None]
     tl.store(OUT + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
@@ -80,7 +80,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                     max_query_len: int | None = None, decode_only: bool | None = None,
                     num_kv_splits: int | None = None, num_decodes: int = 0,
-                    decode_order: torch.Tensor | None = None) -> torch.Tensor:
+                    decode_order: torch.Tensor | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of variable-length queries over paged KV; see
     kernels.reference.paged_attention. Host-side hints avoid a device sync: ``decode_only=True``
     promises every sequence has exactly one query token; otherwise ``max_query_len`` (the longest
@@ -99,7 +100,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     if not decode_only:
         max_query_len = max_query_len or _max_query_len(query_start_loc)
         decode_only = tokens == batch and max_query_len == 1
-    launch = Launch(query, kv_cache, block_tables, scale)
+    launch = Launch(query, kv_cache, block_tables, scale, k_scale, v_scale)
     if decode_only:
         triton_decode.decode(launch, seq_lens, block_tables, out, num_kv_splits, decode_order)
         return out
@@ -125,7 +126,7 @@ def prefill(launch: Launch, query_start_loc: torch.Tensor, seq_lens: torch.Tenso
     grid = (triton.cdiv(max_query_len, block_q), kv_heads, seq_lens.shape[0] - seq0)
     _prefill_kernel[grid](
         query, keys, values, out, query_start_loc, seq_lens, block_tables,
-        seq0, launch.qk_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        seq0, launch.qk_scale, launch.v_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         *launch.cache_strides, G=group, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=block_size, PRECISION=launch.precision,
         DOT_F32=launch.dot_f32, num_warps=PREFILL_WARPS if block_m >= 128 else 4,

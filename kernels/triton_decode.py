@@ -32,7 +32,7 @@ MAX_SPLITS = 32
 # Block-table widths vary from step to step in eager (mixed) steps: no specialisation on them,
 # or every new width divisibility would compile a variant in the middle of serving.
 @triton.jit(do_not_specialize=["stride_bt"])
-def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale, stride_qt,
+def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale, v_scale, stride_qt,
                    stride_qh, stride_ot, stride_oh, stride_bt, stride_block, stride_slot,
                    stride_head, NUM_SPLITS: tl.constexpr,
                    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -60,7 +60,9 @@ def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale
     q_pos = tl.full([G_PAD], ctx - 1, tl.int32)  # the one query sees every key below ctx
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, BT + seq * stride_bt, kv_head * stride_head,
                             lo, hi, q_pos, qk_scale, stride_block,
-                            stride_slot, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, PRECISION, DOT_F32)
+                            stride_slot, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, PRECISION, DOT_F32,
+                            Q.dtype.element_ty)
+    acc = acc * v_scale
     if NUM_SPLITS == 1:   # the whole context in one program: the output itself, no combine
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(OUT + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -129,7 +131,7 @@ def decode(launch: Launch, seq_lens: torch.Tensor, block_tables: torch.Tensor, o
     group = heads // kv_heads
     _decode_kernel[(kv_heads * splits, batch)](
         query, keys, values, seq_lens, block_tables, seq_lens if order is None else order,
-        part_o, part_lse, out, launch.qk_scale,
+        part_o, part_lse, out, launch.qk_scale, launch.v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *launch.cache_strides,
         NUM_SPLITS=splits, G=group,
         G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,

@@ -32,9 +32,11 @@ def _operand(x, DOT_F32: tl.constexpr):
 def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale,
             stride_block, stride_slot, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-            DOT_F32: tl.constexpr):
+            DOT_F32: tl.constexpr, dtype: tl.constexpr):
     """Folds keys [lo, hi) into the running (acc, l_i, m_i). MASKED: a tile may run past hi or
-    past a row's query position; otherwise every tile is full and visible to every row."""
+    past a row's query position; otherwise every tile is full and visible to every row.
+    K/V are read as ``dtype`` (the query's: an FP8 cache is widened, its scales applied by the
+    caller: k_scale in qk_scale, v_scale on the output)."""
     d = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
@@ -42,13 +44,13 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
             live = k_pos < hi
             block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
             off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
-            k = tl.load(K + off[:, None] + d[None, :], mask=live[:, None], other=0.0)
-            v = tl.load(V + off[:, None] + d[None, :], mask=live[:, None], other=0.0)
+            k = tl.load(K + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(dtype)
+            v = tl.load(V + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(dtype)
         else:
             block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
             off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
-            k = tl.load(K + off[:, None] + d[None, :])
-            v = tl.load(V + off[:, None] + d[None, :])
+            k = tl.load(K + off[:, None] + d[None, :]).to(dtype)
+            v = tl.load(V + off[:, None] + d[None, :]).to(dtype)
         s = tl.dot(q, tl.trans(_operand(k, DOT_F32)), input_precision=PRECISION)
         if MASKED:
             s = tl.where(live[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -56,7 +58,7 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = _operand(p.to(V.dtype.element_ty), DOT_F32)
+        p = _operand(p.to(dtype), DOT_F32)
         acc = tl.dot(p, _operand(v, DOT_F32), acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -66,10 +68,12 @@ class Launch:
     """What the decode and prefill launches of one attention call share."""
 
     def __init__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 scale: float):
+                 scale: float, k_scale: float = 1.0, v_scale: float = 1.0):
         self.query, self.kv_cache = query, kv_cache
         self.dot_f32 = INTERPRETED and query.dtype == torch.bfloat16
         self.precision = "ieee" if query.dtype == torch.float32 or self.dot_f32 else "tf32"
         keys = kv_cache[0]
         self.cache_strides = (block_tables.stride(0), keys.stride(0), keys.stride(1), keys.stride(2))
-        self.qk_scale = scale * LOG2E
+        fp8 = kv_cache.dtype == torch.float8_e4m3fn   # an FP8 cache holds k / k_scale, v / v_scale
+        self.qk_scale = scale * LOG2E * (k_scale if fp8 else 1.0)
+        self.v_scale = v_scale if fp8 else 1.0

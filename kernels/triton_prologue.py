@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_quant import _INTERPRETED, scaled_e4m3
+
 
 @triton.jit
 def _norm_rope(x1, x2, W, cos, sin, HAS_NORM: tl.constexpr, HALF: tl.constexpr, eps, dtype):
@@ -35,8 +37,9 @@ def _norm_rope(x1, x2, W, cos, sin, HAS_NORM: tl.constexpr, HALF: tl.constexpr, 
 def _prologue_kernel(Q, K, V, POS, COS_SIN, QW, KW, OUT_Q, CACHE, SLOTS, eps,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
                      stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, block_size,
-                     H, KVH, HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_KVH: tl.constexpr):
+                     H, KVH, k_scale, v_scale, HAS_NORM: tl.constexpr, HALF: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, FP8: tl.constexpr,
+                     ROUND_FIRST: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(POS + t)
     dtype = OUT_Q.dtype.element_ty
@@ -63,6 +66,9 @@ def _prologue_kernel(Q, K, V, POS, COS_SIN, QW, KW, OUT_Q, CACHE, SLOTS, eps,
         k2 = tl.load(k_ptr + HALF, mask=kv_mask, other=0.0).to(tl.float32)
         k1, k2 = _norm_rope(k1, k2, KW, cos, sin, HAS_NORM, HALF, eps, dtype)
         cache_dtype = CACHE.dtype.element_ty
+        if FP8:   # an FP8 cache holds k / k_scale, v / v_scale
+            k1 = scaled_e4m3(k1, k_scale, cache_dtype, ROUND_FIRST)
+            k2 = scaled_e4m3(k2, k_scale, cache_dtype, ROUND_FIRST)
         dst = CACHE + (slot // block_size) * stride_c_block + (slot % block_size) * stride_c_slot \
             + kv_heads * stride_c_head + d
         tl.store(dst, k1.to(cache_dtype), mask=kv_mask)
@@ -70,6 +76,9 @@ def _prologue_kernel(Q, K, V, POS, COS_SIN, QW, KW, OUT_Q, CACHE, SLOTS, eps,
         v_ptr = V + t * stride_vt + kv_heads * stride_vh + d
         v1 = tl.load(v_ptr, mask=kv_mask, other=0.0)
         v2 = tl.load(v_ptr + HALF, mask=kv_mask, other=0.0)
+        if FP8:
+            v1 = scaled_e4m3(v1, v_scale, cache_dtype, ROUND_FIRST)
+            v2 = scaled_e4m3(v2, v_scale, cache_dtype, ROUND_FIRST)
         tl.store(dst + stride_c_kv, v1.to(cache_dtype), mask=kv_mask)
         tl.store(dst + stride_c_kv + HALF, v2.to(cache_dtype), mask=kv_mask)
 
@@ -77,7 +86,8 @@ def _prologue_kernel(Q, K, V, POS, COS_SIN, QW, KW, OUT_Q, CACHE, SLOTS, eps,
 def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                           cos_sin: torch.Tensor, q_weight: torch.Tensor | None,
                           k_weight: torch.Tensor | None, eps: float, kv_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> torch.Tensor:
+                          slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                          v_scale: float = 1.0) -> torch.Tensor:
     tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     has_norm = q_weight is not None
@@ -85,7 +95,7 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
         # mixed-dtype norm weights promote the reference's output: keep its exact semantics
         from kernels import reference
         return reference.qk_norm_rope_write_kv(q, k, v, positions, cos_sin, q_weight, k_weight,
-                                               eps, kv_cache, slot_mapping)
+                                               eps, kv_cache, slot_mapping, k_scale, v_scale)
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
@@ -94,7 +104,8 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
         q, k, v, positions, cos_sin, q_weight if has_norm else q, k_weight if has_norm else k,
         out, kv_cache, slot_mapping, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), cos_sin.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        kv_cache.stride(2), kv_cache.stride(3), kv_cache.shape[2], heads, kv_heads,
-        HAS_NORM=has_norm, HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_KVH=block_kvh,
+        kv_cache.stride(2), kv_cache.stride(3), kv_cache.shape[2], heads, kv_heads, k_scale,
+        v_scale, HAS_NORM=has_norm, HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_KVH=block_kvh,
+        FP8=kv_cache.dtype == torch.float8_e4m3fn, ROUND_FIRST=_INTERPRETED,
         num_warps=4 if block_h * head_dim <= 4096 else 8)
     return out

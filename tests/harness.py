@@ -1,5 +1,7 @@
 """Runs both planes inside the test process over real gRPC: a data plane worker on a unix
-socket and a control plane (in its own event-loop thread) on a TCP port of 127.0.0.1.
+socket and a control plane (in its own event-loop thread) on a TCP port of 127.0.0.1: in one
+piece (``ControlPlane``), or split as ``headrace serve`` runs it, an engine core and an API
+front end talking over the core's stream (``split=True``).
 
 HEADRACE_TEST_DEVICE=cuda runs the worker on the GPU (fp32, Triton kernels, CUDA graphs), so
 the same end-to-end tests check the GPU path against transformers on the device machine.
@@ -17,7 +19,9 @@ import time
 
 import grpc
 
+from controlplane.core.server import CoreServer
 from controlplane.engine import EngineConfig
+from controlplane.frontend.server import FrontEnd
 from controlplane.server import ControlPlane
 from dataplane.server import serve
 from dataplane.worker import Worker, WorkerOptions
@@ -33,10 +37,14 @@ class Planes:
                  block_size: int = 16, config: EngineConfig | None = None,
                  workers: list[str] | None = None, worker_address: str | None = None,
                  worker_options: dict | None = None, plane_options: dict | None = None,
-                 secure_channel: grpc.ChannelCredentials | None = None, host: str = "127.0.0.1"):
+                 secure_channel: grpc.ChannelCredentials | None = None, split: bool = False,
+                 host: str = "127.0.0.1"):
         """``worker_options`` go to the data plane's ``serve`` (credentials, secret),
-        ``plane_options`` to ``ControlPlane`` (api_token, tls, worker_credentials, ...);
-        ``host``: where the control plane listens (clients connect on 127.0.0.1)."""
+        ``plane_options`` to ``ControlPlane`` (api_token, tls, worker_credentials, ...).
+        ``split``: an engine core and one API front end (the layout of ``headrace serve``, here
+        in one event loop over the core's unix socket) instead of ``ControlPlane``; then
+        ``self.plane`` is the front end and ``self.core`` the core. ``host``: where the control
+        plane listens (clients connect on 127.0.0.1)."""
         self._tmp = tempfile.mkdtemp(prefix="headrace-test-")
         self.worker = self.worker_server = None
         self.worker_options = worker_options or {}
@@ -58,7 +66,19 @@ class Planes:
             await plane.start(ready_timeout=180)   # several ranks load at once on 2 cores
             return plane
 
-        self.plane: ControlPlane = self.call(build())
+        async def build_split():
+            core_address = f"unix:{self._tmp}/core.sock"
+            self.core = CoreServer(str(model_dir), workers, core_address, config)
+            await self.core.start(ready_timeout=180)
+            frontend = FrontEnd(0, core_address, str(model_dir), "127.0.0.1:0", reuse_port=False,
+                                **(plane_options or {}))
+            await frontend.start()
+            while not frontend.client.ready:
+                await asyncio.sleep(0.01)
+            return frontend
+
+        self.core = None
+        self.plane = self.call(build_split() if split else build())
         self.address = f"127.0.0.1:{self.plane.port}"
         self.channel = (grpc.secure_channel(self.address, secure_channel) if secure_channel
                         else grpc.insecure_channel(self.address))
@@ -69,7 +89,7 @@ class Planes:
 
     @property
     def engine(self):
-        return self.plane.engine
+        return self.core.engine if self.core is not None else self.plane.engine
 
     @property
     def free_blocks(self) -> int:
@@ -88,6 +108,9 @@ class Planes:
         self.channel.close()
         with contextlib.suppress(Exception):
             self.call(self.plane.stop(grace=1))
+        if self.core is not None:
+            with contextlib.suppress(Exception):
+                self.call(self.core.stop(grace=1))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         if self.worker_server is not None:

@@ -32,12 +32,13 @@ class _Server(uvicorn.Server):
 
 class HttpFrontEnd:
     """``port`` 0 binds an ephemeral port (``self.port`` says which after ``start``).
-    ``ssl``: (certfile, keyfile, client CA or None) to serve HTTPS."""
+    ``ssl``: (certfile, keyfile, client CA or None) to serve HTTPS. ``reuse_port``: bind
+    with SO_REUSEPORT (several front-end processes serve one port)."""
 
     def __init__(self, path: RequestPath, host: str, port: int, api_token=None, *,
-                 tensor_parallel_size: int = 1, ssl: tuple | None = None,
+                 tensor_parallel_size: int = 1, ssl: tuple | None = None, reuse_port: bool = False,
                  max_body: int = MAX_BODY_BYTES):
-        self.host, self.port = host, port
+        self.host, self.port, self.reuse_port = host, port, reuse_port
         self.app = build_app(path, api_token, tensor_parallel_size, max_body)
         options = {}
         if ssl is not None:
@@ -58,6 +59,8 @@ class HttpFrontEnd:
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.reuse_port:   # API front ends share the port (the kernel spreads connections)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((self.host, self.port))
         except OSError as exc:

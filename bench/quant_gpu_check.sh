@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Quantization on the GPU (one device call, under 3 minutes on an H200), from a checkout:
+#   bash bench/quant_gpu_check.sh
+# 1. the quant kernels (FP8 per-token quant + _scaled_mm, W4A16/W8A16 GEMM, FP8 KV attention and
+#    prologue) against their plain-torch references, compiled on the GPU;
+# 2. bench/quant_kernels.py: each GEMM beside bf16 torch at Llama-3.1-8B's shapes, M = 1..256.
+# The serving benchmarks are bench/serving_bench.py with the new flags, beside bf16 in the same run:
+#   python3 -P bench/serving_bench.py --model /tmp/llama8b --workload w3 --num-seqs 256 \
+#     --serve-args "--device cuda --max-running 256 --max-batched-tokens 8192 --max-model-len 4096 \
+#                   --quantization fp8 --kv-cache-dtype fp8"
+#   (W1 with --kv-cache-dtype fp8; W2 with an INT4 checkpoint, made from the random bf16 one by
+#    python3 bench/quantize_checkpoint.py /tmp/llama8b /tmp/llama8b-w4a16 --device cuda
+#    (compressed-tensors W4A16 g128, round-to-nearest; detected from its config.json))
+set -uo pipefail
+export PYTHONPATH=$PWD:$PWD/protos:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+echo "== quant kernel tests on cuda ($(date +%T))"
+HEADRACE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider \
+  tests/test_quant_kernels.py 2>&1 | tail -5
+echo "== quant kernel micro-benchmark ($(date +%T))"
+timeout 120 python3 -m bench.quant_kernels --m 1,16,64,256 2>&1 | tail -20
+echo "== done ($(date +%T))"

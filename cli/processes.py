@@ -1,0 +1,176 @@
+"""The control plane as processes (issue 18): one engine core (``python -m cli core``) and N
+API front ends (``python -m cli frontend --index i``), started and kept alive by ``headrace
+serve`` / ``headrace controlplane``.
+
+- ``--api-server-count N``: front ends sharing the public gRPC and HTTP ports (SO_REUSEPORT);
+  by default 1 below 4 CPU cores, else min(4, cores // 2) (``default_api_server_count``).
+- The ports are test-bound first without SO_REUSEPORT (``common.net.check_port``, by the
+  command), so a port another server holds is refused at start although the front ends share
+  it among themselves.
+- A child that dies is started again on its own (a front end alone; the core alone, whose
+  front ends answer UNAVAILABLE meanwhile and reconnect), after a back-off that grows while
+  it keeps dying young; one that exits with the command line's usage-error status (2: a bad
+  option or file, already explained on stderr) ends the server instead.
+- The children share a private directory: the core's unix socket and, as
+  ``PROMETHEUS_MULTIPROC_DIR``, the metric files the core's one /metrics sums.
+- Secrets (API, admin and worker tokens) reach the children by environment, not argv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+log = logging.getLogger("headrace.supervisor")
+EXIT_USAGE = 2   # cli.main: a user's mistake, said in one line
+SECRETS = {"api_token": "HEADRACE_API_TOKEN", "admin_token": "HEADRACE_ADMIN_TOKEN",
+           "worker_secret": "HEADRACE_WORKER_SECRET"}
+
+
+def default_api_server_count(cpus: int | None = None) -> int:
+    cpus = cpus or os.cpu_count() or 1
+    return 1 if cpus < 4 else min(4, cpus // 2)
+
+
+def forward_argv(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                 skip: tuple[str, ...] = ()) -> list[str]:
+    """The options of ``parser`` that ``args`` sets to other than their defaults, as argv."""
+    argv = []
+    for action in parser._actions:
+        dest = action.dest
+        if not action.option_strings or dest in skip or dest in SECRETS or not hasattr(args, dest):
+            continue
+        value = getattr(args, dest)
+        if value == action.default or value is None:
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif action.nargs == 0:
+            argv.append(flag)
+        elif isinstance(value, list):
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def secrets_env(args) -> dict[str, str]:
+    """The secrets the control plane's children need, by environment (never on a command line,
+    where ``ps`` shows them); several ``--api-token`` entries travel as HEADRACE_API_TOKENS."""
+    env = {}
+    for dest, name in SECRETS.items():
+        value = getattr(args, dest, None)
+        if isinstance(value, list):
+            name, value = "HEADRACE_API_TOKENS", ",".join(value)
+        if value:
+            env[name] = value
+    return env
+
+
+class Child:
+    def __init__(self, role: str, argv: list[str]):
+        self.role, self.argv = role, argv
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0
+        self.backoff = 0.0
+        self.restarts = 0
+
+
+class RoleProcesses:
+    """Starts ``children`` and restarts each one that dies, on its own."""
+
+    def __init__(self, children: list[Child], env: dict, poll_s: float = 0.1, on_fatal=None):
+        self.children, self._env, self._poll_s = children, env, poll_s
+        self._on_fatal = on_fatal
+        self.fatal: Child | None = None
+        self._stop = threading.Event()
+        for child in children:
+            self._start(child)
+        self._thread = threading.Thread(target=self._watch, name="headrace-roles", daemon=True)
+        self._thread.start()
+
+    def _start(self, child: Child) -> None:
+        child.proc = subprocess.Popen(child.argv, env=self._env, start_new_session=True)
+        child.started = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            for child in self.children:
+                if child.proc.poll() is None or self._stop.is_set():
+                    continue
+                if child.proc.returncode == EXIT_USAGE:
+                    log.error("%s exited with a usage error; stopping", child.role)
+                    self.fatal = child
+                    if self._on_fatal is not None:
+                        self._on_fatal()
+                    return
+                lived = time.monotonic() - child.started
+                child.backoff = 0.0 if lived > 30 else min(10.0, max(0.25, child.backoff * 2))
+                log.error("%s (pid %d) exited with %s; restarting it in %.2fs", child.role,
+                          child.proc.pid, child.proc.returncode, child.backoff)
+                if self._stop.wait(child.backoff):
+                    return
+                child.restarts += 1
+                self._start(child)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, front ends first (they finish their streams), then the core."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for group in (self.children[1:], self.children[:1]):
+            for child in group:
+                if child.proc.poll() is None:
+                    child.proc.send_signal(signal.SIGTERM)
+            for child in group:
+                try:
+                    child.proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait()
+
+
+def control_plane_children(args, parser: argparse.ArgumentParser, workers: list[str],
+                           core_address: str) -> list[Child]:
+    """The engine core first, then the front ends."""
+    common = forward_argv(parser, args, skip=("workers", "core_address", "api_server_count",
+                                              "tensor_parallel_size", "dataplane_metrics_port"))
+    python = [sys.executable, "-m", "cli"]
+    core = Child("core", python + ["core", *common, "--workers", ",".join(workers),
+                                   "--core-address", core_address])
+    count = args.api_server_count or default_api_server_count()
+    return [core] + [Child(f"frontend {i}", python + ["frontend", "--index", str(i), *common,
+                                                      "--core-address", core_address])
+                     for i in range(count)]
+
+
+def run_control_plane(args, parser: argparse.ArgumentParser, workers: list[str], private_dir: str,
+                      env: dict, stop_hook=None) -> bool:
+    """Runs the core and the front ends until SIGINT/SIGTERM, ``stop_hook``'s function is
+    called, or a child fails for good; returns whether one did. ``args.host``/``args.port``
+    must have been checked free (``common.net.check_port``)."""
+    env = dict(env, **secrets_env(args))
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):   # common.metrics.enable_multiprocess
+        env["PROMETHEUS_MULTIPROC_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    core_address = args.core_address or f"unix:{private_dir}/core.sock"
+    children = control_plane_children(args, parser, workers, core_address)
+    log.info("control plane: engine core on %s, %d API front ends on port %d", core_address,
+             len(children) - 1, args.port)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    if stop_hook is not None:
+        stop_hook(done.set)
+    roles = RoleProcesses(children, env, on_fatal=done.set)
+    try:
+        done.wait()
+    finally:
+        roles.stop()
+    return roles.fatal is not None

@@ -1,0 +1,71 @@
+"""The engine-core process (``headrace core``): one ``EnginePlane`` and a private gRPC server
+(a unix socket under the serve's private directory by default; TCP possible) with the
+``EngineCore`` stream the front ends hold, the Admin service they proxy to, and health. It also
+serves the control plane's one Prometheus /metrics: with ``PROMETHEUS_MULTIPROC_DIR`` set (as
+``headrace serve`` sets it for all its control-plane processes) the counters and histograms of
+every front end are summed in, beside the core's live gauges."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common.grpc_options import CORE_MAX_MESSAGE_BYTES, server_options
+from common.metrics import multiprocess_registry
+from controlplane.admin import AdminService
+from controlplane.core.plane import EnginePlane
+from controlplane.core.service import EngineCoreService
+from controlplane.engine import EngineConfig
+from controlplane.metrics import engine_state_collector
+from controlplane.server import BackgroundTasks, set_health
+from headrace.core.v1 import core_pb2_grpc as cpb_grpc
+from headrace.v1 import admin_pb2_grpc as apb_grpc
+
+log = logging.getLogger("headrace.core")
+
+
+class CoreServer:
+    def __init__(self, model_dir: str, worker_addresses: list[str], address: str,
+                 config: EngineConfig | None = None, *, metrics_port: int | None = None,
+                 metrics_host: str = "127.0.0.1", admin_token: str | None = None, **plane_options):
+        self.plane = EnginePlane(model_dir, worker_addresses, config, **plane_options)
+        self.engine = self.plane.engine
+        self.address = address
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host
+        self.service = EngineCoreService(self.plane, len(worker_addresses))
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=server_options(CORE_MAX_MESSAGE_BYTES))
+        cpb_grpc.add_EngineCoreServicer_to_server(self.service, self.server)
+        apb_grpc.add_AdminServicer_to_server(AdminService(self.plane, admin_token), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._background = BackgroundTasks()
+        self.plane.on_change.append(
+            lambda: self._background.spawn(set_health(self.health, self.engine.ready)))
+        self.port = 0
+
+    async def start(self, ready_timeout: float = 600.0) -> None:
+        await set_health(self.health, False)
+        self.port = self.server.add_insecure_port(self.address)
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind {self.address}")
+        await self.server.start()
+        if self.metrics_port is not None:
+            metrics = self.plane.metrics
+            registry = multiprocess_registry(engine_state_collector(metrics))
+            try:
+                self.metrics_port = metrics.serve(self.metrics_port, self.metrics_host, registry)
+                log.info("control plane metrics on http://%s:%d/metrics", self.metrics_host,
+                         self.metrics_port)
+            except OSError as exc:   # serve anyway: a taken metrics port must not stop inference
+                log.error("cannot serve metrics on port %s: %s", self.metrics_port, exc)
+                self.metrics_port = None
+        log.info("engine core listening on %s; waiting for the data plane", self.address)
+        await self.plane.start(ready_timeout)
+        await set_health(self.health, self.engine.ready)
+
+    async def stop(self, grace: float = 10.0) -> None:
+        await set_health(self.health, False)
+        await self.plane.stop()
+        await self.server.stop(grace)

@@ -1,0 +1,247 @@
+"""``headrace.core.v1.EngineCore``: the engine core's side of the front-end streams.
+
+Each front end holds one ``Connect`` stream. Up come its submissions (validated, tokenised)
+and aborts, which become ``CoreRequest``s in the engine. The engine appends sampled tokens to
+the sequences as always and wakes requests with news (``Request.notify``); a ``CoreRequest``
+wakes by marking itself on its front end's ``FrontendLink``, and the link, once per batch of
+wake-ups (one engine step), appends every new token of its requests to one pending ``Down``
+message. The stream's sender takes the whole pending message when gRPC lets it write, so a
+front end that reads slowly gets fewer, larger messages and the engine never waits on it.
+When a stream ends (front end gone), every request it submitted is aborted: blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+
+import grpc
+import structlog
+from opentelemetry import trace
+
+from common import tracing
+from controlplane.request_path import queue_full
+from controlplane.request import Request, Sequence
+from controlplane.service import model_info
+from headrace.core.v1 import core_pb2 as cpb
+from headrace.core.v1 import core_pb2_grpc as cpb_grpc
+from headrace.v1 import inference_pb2 as pb
+
+log = logging.getLogger("headrace.core")
+
+
+class CoreText:
+    """Stands in for ``OutputText`` in the core: the front end detokenises and matches stop
+    strings; ``has_stop`` only keeps the pipeline at two steps (``InFlightSteps.has_room``)."""
+
+    def __init__(self, has_stop: bool):
+        self.has_stop = has_stop
+
+    def add(self, token_id: int) -> bool:
+        return False
+
+
+@dataclasses.dataclass(eq=False)
+class CoreRequest(Request):
+    link: "FrontendLink | None" = None
+    handle: int = 0
+    span: object = None
+
+    def notify(self) -> None:
+        self.link.mark(self)
+
+
+class FrontendLink:
+    """One front end's stream: its requests by handle and the ``Down`` message being built."""
+
+    def __init__(self, core: "EngineCoreService"):
+        self.core = core
+        self.index = -1
+        self.requests: dict[int, CoreRequest] = {}
+        self._dirty: dict[CoreRequest, None] = {}
+        self._pending = cpb.Down()
+        self._ready = asyncio.Event()
+        self._flush_scheduled = False
+        self.closed = False
+
+    def mark(self, request: CoreRequest) -> None:
+        self._dirty[request] = None
+        if not self._flush_scheduled:   # once all of this step's wake-ups are in
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def fail(self, handle: int, code: grpc.StatusCode, message: str) -> None:
+        self._pending.failed.add(handle=handle, code=code.value[0], message=message)
+        self._ready.set()
+
+    def push_state(self, state: cpb.CoreState) -> None:
+        self._pending.state.CopyFrom(state)
+        self._ready.set()
+
+    def flush(self) -> None:
+        """Appends the new tokens of every request woken since the last flush."""
+        self._flush_scheduled = False
+        dirty, self._dirty = self._dirty, {}
+        if self.closed:
+            return
+        deltas, done = self._pending.deltas, []
+        for req in dirty:
+            if req.failure is not None:
+                self.fail(req.handle, req.failure.code, req.failure.message)
+                done.append(req)
+                continue
+            for seq in req.sequences:
+                n, final = len(seq.output_token_ids), seq.finished and not seq.final_sent
+                if seq.delivered == n and not final:
+                    continue
+                d = deltas.add(handle=req.handle, index=seq.index,
+                               token_ids=seq.output_token_ids[seq.delivered:n])
+                if seq.logprobs:
+                    for token, (value, top_ids, top_values) in zip(
+                            d.token_ids, seq.logprobs[seq.delivered:n]):
+                        lp = d.logprobs.add(token_id=token, logprob=value)
+                        for tid, val in zip(top_ids, top_values):
+                            lp.top.add(token_id=tid, logprob=val)
+                seq.delivered = n
+                if final:
+                    seq.final_sent = True
+                    d.finish_reason = seq.finish_reason
+                    d.cached_prompt_tokens = seq.num_cached_prompt_tokens
+            if req.finished and all(s.final_sent for s in req.sequences):
+                done.append(req)
+        for req in done:
+            self.forget(req)
+        self._ready.set()
+
+    def forget(self, req: CoreRequest) -> None:
+        if self.requests.pop(req.handle, None) is not None and req.span is not None:
+            req.span.end()
+
+    async def next_message(self) -> cpb.Down:
+        """Everything pending, as one message (waits for something to send)."""
+        await self._ready.wait()
+        self._ready.clear()
+        msg, self._pending = self._pending, cpb.Down()
+        sched = self.core.plane.engine.scheduler
+        msg.num_waiting = len(sched.waiting) if sched is not None else 0
+        return msg
+
+    def close(self) -> int:
+        """The front end is gone: aborts its requests (their blocks are free at once)."""
+        self.closed = True
+        engine, requests = self.core.plane.engine, list(self.requests.values())
+        for req in requests:
+            engine.abort(req)
+            self.forget(req)
+        return len(requests)
+
+
+class EngineCoreService(cpb_grpc.EngineCoreServicer):
+    def __init__(self, plane, tensor_parallel_size: int = 1):
+        self.plane = plane   # controlplane.core.plane.EnginePlane
+        self.tp = tensor_parallel_size
+        self.links: set[FrontendLink] = set()
+        self.tracer = tracing.get_tracer("headrace.core")
+        plane.on_change.append(self.broadcast_state)
+
+    def state(self) -> cpb.CoreState:
+        plane, engine = self.plane, self.plane.engine
+        msg = cpb.CoreState(healthy=engine.healthy, draining=engine.draining,
+                            loaded=engine.scheduler is not None and engine.info is not None,
+                            model_dir=plane.model_dir, max_model_len=engine.max_model_len,
+                            max_queued=engine.config.max_queued,
+                            default_stream_interval=engine.config.stream_interval)
+        if msg.loaded:
+            msg.info.CopyFrom(engine.info)
+            msg.model_info.CopyFrom(model_info(engine, self.tp))
+        return msg
+
+    def broadcast_state(self) -> None:
+        state = self.state()
+        for link in self.links:
+            link.push_state(state)
+
+    async def Connect(self, request_iterator, context):
+        link = FrontendLink(self)
+        self.links.add(link)
+        reader = asyncio.create_task(self._read(request_iterator, link))
+        reader.add_done_callback(lambda _: link._ready.set())
+        link.push_state(self.state())
+        try:
+            while not reader.done():
+                msg = await link.next_message()
+                if reader.done():
+                    break
+                yield msg
+        finally:
+            reader.cancel()
+            self.links.discard(link)
+            aborted = link.close()
+            log.info("front end %d disconnected; aborted its %d requests", link.index, aborted)
+
+    async def _read(self, request_iterator, link: FrontendLink) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            async for up in request_iterator:
+                if up.HasField("hello"):
+                    link.index = up.hello.frontend_index
+                    log.info("front end %d connected (pid %d)", link.index, up.hello.pid)
+                for submit in up.submits:
+                    self.submit(link, submit)
+                for abort in up.aborts:
+                    self.abort(link, abort)
+
+    def _refusal(self, submit: cpb.Submit) -> tuple[grpc.StatusCode, str] | None:
+        engine = self.plane.engine
+        if engine.draining:
+            return grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica"
+        if not engine.healthy or engine.scheduler is None:
+            return grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)"
+        problem = queue_full(engine.max_queued, len(engine.scheduler.waiting))
+        if problem:
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, problem
+        if submit.request_id in engine.requests:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"request_id {submit.request_id!r} is already in use"
+        if not submit.sampling or len(submit.prompt_token_ids) + submit.max_tokens > engine.max_model_len:
+            return grpc.StatusCode.INVALID_ARGUMENT, "request does not fit max_model_len (model reloaded?)"
+        return None
+
+    def submit(self, link: FrontendLink, s: cpb.Submit) -> None:
+        refusal = self._refusal(s)
+        if refusal is not None:
+            link.fail(s.handle, *refusal)
+            return
+        engine = self.plane.engine
+        req = CoreRequest(request_id=s.request_id, n=len(s.sampling), stream_interval=s.stream_interval,
+                          arrival=s.arrival, link=link, handle=s.handle, tenant=s.tenant)
+        prompt, text = list(s.prompt_token_ids), CoreText(s.has_stop_strings)
+        req.sequences = [Sequence(request=req, seq_id=next(engine.seq_ids), index=i,
+                                  prompt_token_ids=prompt, sampling=sampling, max_tokens=s.max_tokens,
+                                  priority=s.priority, arrival=s.arrival, output=text)
+                         for i, sampling in enumerate(s.sampling)]
+        link.requests[s.handle] = req
+        with contextlib.ExitStack() as stack:
+            if self.tracer is not None and s.trace_context:
+                req.span = self.tracer.start_span("headrace.core.request",
+                                                  context=tracing.extract(dict(s.trace_context)))
+                stack.enter_context(trace.use_span(req.span, end_on_exit=False))
+            stack.enter_context(structlog.contextvars.bound_contextvars(
+                request_id=s.request_id, trace_id=s.trace_id))
+            engine.submit(req)
+
+    def abort(self, link: FrontendLink, a: cpb.Abort) -> None:
+        req = link.requests.get(a.handle)
+        if req is None:
+            return
+        engine = self.plane.engine
+        if a.reason == pb.FINISH_REASON_STOP_STRING and a.index < len(req.sequences):
+            seq = req.sequences[a.index]
+            if not seq.finished:
+                engine.finish_sequence(seq, pb.FINISH_REASON_STOP_STRING)
+            seq.final_sent = True   # the front end has finished it
+            if req.finished and all(s.final_sent for s in req.sequences):
+                link.forget(req)
+            return
+        engine.abort(req)
+        link.forget(req)

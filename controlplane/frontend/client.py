@@ -1,0 +1,238 @@
+"""``CoreClient``: a front end's end of its ``EngineCore.Connect`` stream to the engine core.
+
+It stands where the ``Engine`` stands for ``controlplane.request_path`` (``submit``, ``abort``,
+``requests``, readiness, the model's limits), so the request path, the gRPC service and the
+HTTP API run unchanged in a front end. Requests keep their local ``Sequence``s: tokens coming
+down are appended to them, stop strings are matched here (a match finishes the sample here and
+in the core), and the client's handler builds its responses from them as in one process.
+
+Submissions and aborts are batched into one ``Up`` message per event-loop turn. While the core
+is unreachable every request fails UNAVAILABLE and ``healthy`` is False; the stream is opened
+again (``wait_for_ready``) as soon as the core answers."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import types
+
+import grpc
+import structlog
+from opentelemetry import trace
+
+from common import tracing
+from common.grpc_options import CORE_MAX_MESSAGE_BYTES, channel_options
+from common.logs import get_logger
+from controlplane.request import Failure, Request, Sequence, Status
+from headrace.core.v1 import core_pb2 as cpb
+from headrace.core.v1 import core_pb2_grpc as cpb_grpc
+from headrace.v1 import inference_pb2 as pb
+
+log = get_logger("headrace.frontend")
+CORE_DOWN = "the engine core is unavailable (restarting?); retry"
+
+
+class _Waiting:
+    """``len()`` of the core's queue as last reported (the request path's queue limit)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self):
+        self.n = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class CoreClient:
+    def __init__(self, address: str, index: int, metrics, on_change=None):
+        self.address, self.index = address, index
+        self.telemetry = types.SimpleNamespace(metrics=metrics)
+        self.config = types.SimpleNamespace(max_queued=0, stream_interval=1)
+        self.on_change = on_change          # called when readiness or the model changed
+        self.requests: dict[str, Request] = {}
+        self.seq_ids = itertools.count(1)
+        self.connected = False
+        self.state = cpb.CoreState()
+        self.info = None
+        self.max_model_len = 0
+        self.scheduler = None                # a view with ``waiting`` while the model is loaded
+        self.max_queued = 0                  # the core enforces the queue bound (it owns the queue)
+        self._waiting = _Waiting()
+        self._by_handle: dict[int, Request] = {}
+        self._handles = itertools.count(1)
+        self._up = cpb.Up()
+        self._up_ready = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+
+    # -- what the request path reads -----------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self.connected and self.state.healthy
+
+    @property
+    def draining(self) -> bool:
+        return self.state.draining
+
+    @property
+    def ready(self) -> bool:
+        return self.healthy and not self.draining and self.scheduler is not None
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        handle = next(self._handles)
+        request.core_handle = handle
+        self.requests[request.request_id] = request
+        self._by_handle[handle] = request
+        seq0 = request.sequences[0]
+        submit = self._up.submits.add(
+            handle=handle, request_id=request.request_id, prompt_token_ids=seq0.prompt_token_ids,
+            max_tokens=seq0.max_tokens, priority=seq0.priority,
+            stream_interval=request.stream_interval, has_stop_strings=seq0.output.has_stop,
+            arrival=request.arrival, tenant=request.tenant,
+            trace_id=structlog.contextvars.get_contextvars().get("trace_id", ""))
+        submit.sampling.extend(s.sampling for s in request.sequences)
+        span = trace.get_current_span()
+        if span.get_span_context().is_valid:
+            submit.trace_context.update(tracing.inject(span))
+        self._up_ready.set()
+
+    def abort(self, request: Request) -> None:
+        """The client left (or its request ended): the core drops it, if it still runs."""
+        if self.requests.pop(request.request_id, None) is None:
+            return
+        handle = getattr(request, "core_handle", None)
+        self._by_handle.pop(handle, None)
+        if not request.finished and self.connected:
+            self._up.aborts.add(handle=handle)
+            self._up_ready.set()
+
+    # -- the stream ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"headrace-core-client-{self.index}")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        self._lost()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(
+                        self.address, options=channel_options(CORE_MAX_MESSAGE_BYTES)) as channel:
+                    # a fresh event per stream: an ended stream's sender must not take messages
+                    self._up, self._up_ready = cpb.Up(), asyncio.Event()
+                    call = cpb_grpc.EngineCoreStub(channel).Connect(self._messages(self._up_ready),
+                                                                    wait_for_ready=True)
+                    async for down in call:
+                        if not self.connected:
+                            self.connected = True
+                            log.info("connected to the engine core", address=self.address)
+                        self._apply(down)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("engine core stream ended", code=exc.code().name, details=exc.details())
+            if self.connected:
+                self._lost()
+            await asyncio.sleep(0.2)
+
+    async def _messages(self, ready: asyncio.Event):
+        yield cpb.Up(hello=cpb.Hello(frontend_index=self.index, pid=os.getpid()))
+        while True:
+            await ready.wait()
+            ready.clear()
+            msg, self._up = self._up, cpb.Up()
+            yield msg
+
+    def _lost(self) -> None:
+        """The core is gone: every request fails UNAVAILABLE (its blocks went with the core, or
+        the core aborts them when it sees the stream end)."""
+        was = self.connected
+        self.connected = False
+        self._up = cpb.Up()
+        requests = list(self.requests.values())
+        self.requests.clear()
+        self._by_handle.clear()
+        for request in requests:
+            request.fail(Failure(grpc.StatusCode.UNAVAILABLE, CORE_DOWN))
+        if was and not self._stopping:
+            log.error("lost the engine core", failed_requests=len(requests))
+        if was:
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def _apply(self, down: cpb.Down) -> None:
+        if down.HasField("state"):
+            self._set_state(down.state)
+        self._waiting.n = down.num_waiting
+        woken = {}
+        for d in down.deltas:
+            request = self._by_handle.get(d.handle)
+            if request is not None and d.index < len(request.sequences):
+                self._append(request, request.sequences[d.index], d)
+                woken[request] = None
+        for f in down.failed:
+            request = self._by_handle.pop(f.handle, None)
+            if request is not None:
+                self.requests.pop(request.request_id, None)
+                request.fail(Failure(_status(f.code), f.message))
+        for request in woken:
+            if request.finished:
+                self._by_handle.pop(request.core_handle, None)
+                self.requests.pop(request.request_id, None)
+            request.notify()
+
+    def _append(self, request: Request, seq: Sequence, d: cpb.SeqDelta) -> None:
+        if seq.finished:   # stopped here by a stop string; the core's later tokens are dropped
+            return
+        out = seq.output_token_ids
+        out.extend(d.token_ids)
+        if d.logprobs:
+            seq.logprobs.extend((lp.logprob, [t.token_id for t in lp.top], [t.logprob for t in lp.top])
+                                for lp in d.logprobs)
+        if seq.output.has_stop:   # a stop token's own text is not matched (as in Sequence.check_stop)
+            upto = len(out) - 1 if d.finish_reason == pb.FINISH_REASON_STOP else len(out)
+            if seq._feed_text(upto):
+                del out[seq.text_fed:]
+                del seq.logprobs[seq.text_fed:]
+                self._finish(seq, pb.FINISH_REASON_STOP_STRING)
+                self._up.aborts.add(handle=request.core_handle, reason=pb.FINISH_REASON_STOP_STRING,
+                                    index=seq.index)
+                self._up_ready.set()
+                return
+        if d.finish_reason:
+            seq.num_cached_prompt_tokens = d.cached_prompt_tokens
+            self._finish(seq, d.finish_reason)
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: int) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def _set_state(self, state: cpb.CoreState) -> None:
+        model_changed = state.model_dir != self.state.model_dir and bool(self.state.model_dir)
+        self.state = state
+        self.config.max_queued = state.max_queued
+        self.config.stream_interval = state.default_stream_interval
+        if state.loaded:
+            self.info, self.max_model_len = state.info, state.max_model_len
+            self.scheduler = types.SimpleNamespace(waiting=self._waiting)
+        else:
+            self.scheduler = None
+        if model_changed:
+            log.info("the engine core serves another model", model=state.model_dir)
+        self._changed()
+
+
+def _status(code: int) -> grpc.StatusCode:
+    for status in grpc.StatusCode:
+        if status.value[0] == code:
+            return status
+    return grpc.StatusCode.UNKNOWN

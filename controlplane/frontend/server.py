@@ -1,0 +1,102 @@
+"""An API front-end process (``headrace frontend --index N``): the public gRPC server
+(Inference, Admin proxied to the core, health, reflection) and the OpenAI-compatible HTTP API,
+with authentication and TLS, over a ``CoreClient``. Validation, tokenisation, chat templates,
+detokenisation, stop strings and streaming run here (``controlplane.request_path``).
+
+Front ends share the public ports: each binds them with SO_REUSEPORT and the kernel spreads
+connections over them (``headrace serve`` checks first that no other server holds the ports).
+Health is SERVING only while the core is connected, ready and not draining."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+
+from common import security
+from common.grpc_options import CORE_MAX_MESSAGE_BYTES, channel_options
+from controlplane.frontend.admin_proxy import AdminProxy
+from controlplane.frontend.client import CoreClient
+from controlplane.http.server import HttpFrontEnd, http_host
+from controlplane.metrics import ControlPlaneMetrics
+from controlplane.request_path import RequestPath
+from controlplane import limits
+from controlplane.admin import admin_access
+from controlplane.server import (ADMIN, BackgroundTasks, public_server, request_limits, set_health,
+                                 warn_if_open)
+from controlplane.service import NOT_READY, InferenceService
+from controlplane.tokenizer import ModelTokenizer
+
+log = logging.getLogger("headrace.frontend")
+
+
+class FrontEndInference(InferenceService):
+    async def GetModelInfo(self, request, context):
+        if not self.engine.healthy or not self.engine.state.loaded:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, NOT_READY)
+        return self.engine.state.model_info
+
+
+class FrontEnd:
+    """``core_address``: the engine core (unix:PATH or host:port)."""
+
+    def __init__(self, index: int, core_address: str, model_dir: str, address: str, *,
+                 api_token: str | None = None, tls: grpc.ServerCredentials | None = None,
+                 admin_token: str | None = None, http_port: int | None = None,
+                 http_tls: tuple | None = None, chat_template: str | None = None,
+                 generation_config: str = "auto", log_prompts: bool = False, reuse_port: bool = True,
+                 trust_tenant_header: bool = False, max_n: int = limits.DEFAULT_MAX_N,
+                 max_model_len: int | None = None):
+        self.index, self.address, self.tls, self.api_token = index, address, tls, api_token
+        tokens = security.as_tokens(api_token)
+        self.metrics = ControlPlaneMetrics()
+        self._background = BackgroundTasks()
+        self.client = CoreClient(core_address, index, self.metrics,
+                                 on_change=lambda: self._background.spawn(self._core_changed()))
+        tokenizer = ModelTokenizer(model_dir)
+        self.requests = RequestPath(self.client, model_dir, tokenizer,
+                                    chat_template=chat_template, generation_config=generation_config,
+                                    log_prompts=log_prompts, tokens=tokens,
+                                    trust_tenant_header=trust_tenant_header, max_n=max_n)
+        self.max_message_bytes, max_body = request_limits(model_dir, tokenizer, max_model_len)
+        self.inference = FrontEndInference(self.requests)
+        self.admin_channel = grpc.aio.insecure_channel(core_address, options=channel_options(CORE_MAX_MESSAGE_BYTES))
+        self.admin = AdminProxy(self.admin_channel, admin_token, enabled=admin_access(address, admin_token))
+        self.health = health.aio.HealthServicer()
+        self.server = public_server(self.metrics, self.inference, self.admin, self.health,
+                                    api_token=tokens, shared_port=reuse_port,
+                                    max_message_bytes=self.max_message_bytes)
+        self.http = None if http_port is None else HttpFrontEnd(
+            self.requests, http_host(address), http_port, tokens, ssl=http_tls, reuse_port=reuse_port,
+            max_body=max_body)
+        self.port = 0
+
+    async def _core_changed(self) -> None:
+        state = self.client.state
+        if state.model_dir and state.model_dir != self.requests.model_dir:
+            tokenizer = await asyncio.to_thread(ModelTokenizer, state.model_dir)
+            self.requests.set_model(state.model_dir, tokenizer)
+        await set_health(self.health, self.client.ready)
+
+    async def start(self) -> None:
+        await set_health(self.health, False)
+        await self.health.set(ADMIN, health_pb2.HealthCheckResponse.SERVING)
+        self.port = security.bind(self.server, self.address, self.tls)
+        if self.port == 0:
+            raise RuntimeError(f"cannot bind {self.address}")
+        await self.server.start()
+        if self.http is not None:
+            await self.http.start()
+        self.client.start()
+        warn_if_open(self.address, self.tls, self.api_token)
+        log.info("front end %d listening on %s%s", self.index, self.address,
+                 f" and HTTP {self.http.host}:{self.http.port}" if self.http else "")
+
+    async def stop(self, grace: float = 10.0) -> None:
+        await set_health(self.health, False)
+        stops = [self.server.stop(grace)] + ([self.http.stop(grace)] if self.http else [])
+        await asyncio.gather(*stops)
+        await self.client.stop()
+        await self.admin_channel.close()

@@ -1,0 +1,176 @@
+"""Triton twins of ``kernels.reference_quant``: the quantized linear layers on the GPU.
+
+* ``fp8_linear``: a Triton kernel quantises the activations to e4m3 (one program per row:
+  max|x| -> scale, then x / scale; or one static scale), then ``torch._scaled_mm`` runs the GEMM
+  on the FP8 tensor cores with row-wise scales (scale_a [M, 1], scale_b [1, N], float32) and a
+  bfloat16 output (cast to x's dtype when that differs).
+* ``wna16_linear``: W4A16 and W8A16 in one GEMM kernel. Each program owns a BLOCK_M x BLOCK_N
+  tile of the output and walks K: it loads the packed int32 words of a [BLOCK_K, BLOCK_N] weight
+  tile (GPTQ layout, 32 / BITS values per word along K), shifts the values out, dequantises
+  them with their group's scale and zero ((q - z) * s, rounded to x's dtype) in registers and
+  accumulates x @ w in float32. Groups are contiguous in K (act-order checkpoints are permuted
+  at load, and x's columns with them); when a group spans whole K tiles one scale row is loaded
+  per tile, otherwise (or with a per-column group index) the scales are gathered per column.
+
+Both launch a fixed grid from static shapes, with no host synchronisation: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference_quant import FP8, FP8_MAX, FP8_MIN_SCALE
+from kernels.triton_flash import INTERPRETED as _INTERPRETED   # bfloat16 tl.dot operands widened there
+
+
+@triton.jit
+def to_e4m3(x, dtype, ROUND_FIRST: tl.constexpr):
+    """float32 values in [-448, 448] -> e4m3 ``dtype``. ROUND_FIRST (the CPU interpreter, whose
+    float8 cast loses the exponent carry when a value rounds up to a power of two) rounds to
+    e4m3's grid in float32 first (3 mantissa bits, subnormal step 2^-9, ties to even through the
+    1.5 * 2^23 trick) so the cast itself is exact."""
+    if ROUND_FIRST:
+        e = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(x), 1e-30))), -6.0)
+        step = tl.exp2(e - 3.0)
+        x = ((x / step + 12582912.0) - 12582912.0) * step
+    return x.to(dtype)
+
+
+@triton.jit
+def scaled_e4m3(x, scale, dtype, ROUND_FIRST: tl.constexpr):
+    """x / scale saturated to +-448, as e4m3 (an FP8 KV cache's store)."""
+    return to_e4m3(tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0), dtype, ROUND_FIRST)
+
+
+@triton.jit
+def _per_token_fp8_kernel(X, XQ, SCALE, S_IN, K, stride_xm, stride_qm, STATIC: tl.constexpr,
+                          FMAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK_K: tl.constexpr,
+                          ROUND_FIRST: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    if STATIC:
+        s = tl.load(S_IN).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(X + row * stride_xm + k0 + cols, mask=k0 + cols < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        s = tl.maximum(tl.max(amax, axis=0) / FMAX, MIN_SCALE)
+    tl.store(SCALE + row, s)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(X + row * stride_xm + k0 + cols, mask=k0 + cols < K, other=0.0)
+        xq = tl.clamp(x.to(tl.float32) / s, -FMAX, FMAX)
+        tl.store(XQ + row * stride_qm + k0 + cols, to_e4m3(xq, XQ.dtype.element_ty, ROUND_FIRST),
+                 mask=k0 + cols < K)
+
+
+def per_token_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """See kernels.reference_quant.per_token_fp8 (x [M, K], last dim contiguous)."""
+    m, k = x.shape
+    xq = torch.empty((m, k), dtype=FP8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        _per_token_fp8_kernel[(m,)](
+            x, xq, scale, scale if input_scale is None else input_scale, k, x.stride(0),
+            xq.stride(0), STATIC=input_scale is not None, FMAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
+            BLOCK_K=min(1024, triton.next_power_of_2(k)), ROUND_FIRST=_INTERPRETED, num_warps=4)
+    return xq, scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """See kernels.reference_quant.fp8_linear. weight [N, K] e4m3 (row-major, so weight.t() is
+    the column-major operand _scaled_mm wants), weight_scale [N] float32."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    xq, sx = per_token_fp8(x2, input_scale)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=sx, scale_b=weight_scale.view(1, n),
+                           bias=None if bias is None else bias.to(torch.bfloat16),
+                           out_dtype=torch.bfloat16)
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+@triton.jit
+def _wna16_kernel(X, QW, S, Z, GIDX, B, OUT, M, N, K, stride_xm, stride_om,
+                  BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_GIDX: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    PER: tl.constexpr = 32 // BITS
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    dtype = X.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        word = tl.load(QW + (k[:, None] // PER).to(tl.int64) * N + cols[None, :],
+                       mask=k_ok[:, None] & col_ok[None, :], other=0)
+        q = (word >> ((k[:, None] % PER) * BITS)) & ((1 << BITS) - 1)
+        if HAS_GIDX or GROUP_SIZE % BLOCK_K != 0:   # a scale row per column of the tile
+            if HAS_GIDX:
+                g = tl.load(GIDX + k, mask=k_ok, other=0)
+            else:
+                g = k // GROUP_SIZE
+            sz = g[:, None].to(tl.int64) * N + cols[None, :]
+            sz_ok = k_ok[:, None] & col_ok[None, :]
+        else:                                       # the whole tile is in one group
+            sz = (k0 // GROUP_SIZE) * N + cols[None, :]
+            sz_ok = col_ok[None, :]
+        s = tl.load(S + sz, mask=sz_ok, other=0.0).to(tl.float32)
+        z = tl.load(Z + sz, mask=sz_ok, other=0).to(tl.int32)
+        w = ((q - z).to(tl.float32) * s).to(dtype)
+        if DOT_F32:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+             acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _tiles(m: int, n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps): skinny tiles for decode (many programs over N, the
+    weight streamed once), square ones for prefill. Untuned: bench/quant_kernels.py measures."""
+    if m <= 16:
+        return 16, 32 if n <= 8192 else 64, 128, 4
+    if m <= 64:
+        return 64, 64, 64, 4
+    return 128, 128, 32, 8
+
+
+def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 g_idx: torch.Tensor, perm: torch.Tensor | None, bits: int, group_size: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """See kernels.reference_quant.wna16_linear. ``group_size`` > 0 (groups contiguous and
+    equal) lets the kernel index scales by k // group_size; 0 makes it read ``g_idx``."""
+    n = qweight.shape[1]
+    k = qweight.shape[0] * (32 // bits)
+    x2 = x.reshape(-1, k)
+    if perm is not None:
+        x2 = x2.index_select(1, perm)
+    elif x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    block_m, block_n, block_k, warps = _tiles(m, n)
+    if 16 <= group_size < block_k and group_size & (group_size - 1) == 0:   # one scale row a tile
+        block_k = group_size
+    dot_f32 = _INTERPRETED and x.dtype == torch.bfloat16
+    precision = "ieee" if x.dtype == torch.float32 or dot_f32 else "tf32"
+    _wna16_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        x2, qweight, scales, zeros, g_idx, qweight if bias is None else bias, out, m, n, k,
+        x2.stride(0), out.stride(0), BITS=bits, GROUP_SIZE=max(group_size, 1),
+        HAS_GIDX=group_size <= 0, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, PRECISION=precision, DOT_F32=dot_f32, num_warps=warps, num_stages=3)
+    return out.reshape(*x.shape[:-1], n)

@@ -1,0 +1,1 @@
+"""Generated gRPC code of headrace (see protos/codegen.py)."""

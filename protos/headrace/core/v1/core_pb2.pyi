@@ -1,0 +1,132 @@
+from headrace.dataplane.v1 import worker_pb2 as _worker_pb2
+from headrace.v1 import inference_pb2 as _inference_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Hello(_message.Message):
+    __slots__ = ("frontend_index", "pid")
+    FRONTEND_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    frontend_index: int
+    pid: int
+    def __init__(self, frontend_index: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class Submit(_message.Message):
+    __slots__ = ("handle", "request_id", "prompt_token_ids", "sampling", "max_tokens", "priority", "stream_interval", "has_stop_strings", "arrival", "trace_context", "trace_id", "tenant")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    HAS_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _containers.RepeatedCompositeFieldContainer[_worker_pb2.Sampling]
+    max_tokens: int
+    priority: int
+    stream_interval: int
+    has_stop_strings: bool
+    arrival: float
+    trace_context: _containers.ScalarMap[str, str]
+    trace_id: str
+    tenant: str
+    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[_worker_pb2.Sampling, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., stream_interval: _Optional[int] = ..., has_stop_strings: _Optional[bool] = ..., arrival: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class Abort(_message.Message):
+    __slots__ = ("handle", "reason", "index")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    reason: _inference_pb2.FinishReason
+    index: int
+    def __init__(self, handle: _Optional[int] = ..., reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., index: _Optional[int] = ...) -> None: ...
+
+class Up(_message.Message):
+    __slots__ = ("hello", "submits", "aborts")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    SUBMITS_FIELD_NUMBER: _ClassVar[int]
+    ABORTS_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    submits: _containers.RepeatedCompositeFieldContainer[Submit]
+    aborts: _containers.RepeatedCompositeFieldContainer[Abort]
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., submits: _Optional[_Iterable[_Union[Submit, _Mapping]]] = ..., aborts: _Optional[_Iterable[_Union[Abort, _Mapping]]] = ...) -> None: ...
+
+class SeqDelta(_message.Message):
+    __slots__ = ("handle", "index", "token_ids", "logprobs", "finish_reason", "cached_prompt_tokens")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprob]
+    finish_reason: _inference_pb2.FinishReason
+    cached_prompt_tokens: int
+    def __init__(self, handle: _Optional[int] = ..., index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class Failed(_message.Message):
+    __slots__ = ("handle", "code", "message")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    code: int
+    message: str
+    def __init__(self, handle: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class CoreState(_message.Message):
+    __slots__ = ("healthy", "draining", "loaded", "model_dir", "max_model_len", "info", "model_info", "max_queued", "default_stream_interval")
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    MODEL_INFO_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    healthy: bool
+    draining: bool
+    loaded: bool
+    model_dir: str
+    max_model_len: int
+    info: _worker_pb2.WorkerInfo
+    model_info: _inference_pb2.ModelInfo
+    max_queued: int
+    default_stream_interval: int
+    def __init__(self, healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., loaded: _Optional[bool] = ..., model_dir: _Optional[str] = ..., max_model_len: _Optional[int] = ..., info: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ..., model_info: _Optional[_Union[_inference_pb2.ModelInfo, _Mapping]] = ..., max_queued: _Optional[int] = ..., default_stream_interval: _Optional[int] = ...) -> None: ...
+
+class Down(_message.Message):
+    __slots__ = ("deltas", "failed", "state", "num_waiting")
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    deltas: _containers.RepeatedCompositeFieldContainer[SeqDelta]
+    failed: _containers.RepeatedCompositeFieldContainer[Failed]
+    state: CoreState
+    num_waiting: int
+    def __init__(self, deltas: _Optional[_Iterable[_Union[SeqDelta, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[Failed, _Mapping]]] = ..., state: _Optional[_Union[CoreState, _Mapping]] = ..., num_waiting: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,139 @@
+"""The engine core and an API front end as ``headrace serve`` runs them, here in one event loop
+(tests.harness ``split=True``): every kind of request answers exactly as the control plane in
+one piece does (tokens, text, stop strings, logprobs, n samples, usage), one trace spans the
+front end and the core, and the core refuses what only it can know (a request id in use on
+another front end)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import grpc
+import httpx
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from common import tracing
+from controlplane.frontend.server import FrontEnd
+from dataplane.default_model import default_model_dir
+from headrace.v1 import inference_pb2 as pb
+from headrace.v1 import inference_pb2_grpc as pb_grpc
+from tests.harness import Planes
+
+MODEL = str(default_model_dir())
+REQUESTS = {
+    "greedy": dict(prompt="The river", max_tokens=20, sampling=pb.SamplingParams(temperature=0)),
+    "stop string": dict(prompt="Once upon a time", max_tokens=40, stop=[" the"],
+                        sampling=pb.SamplingParams(temperature=0)),
+    "n=3 seeded, logprobs": dict(prompt="A small boat", max_tokens=12, n=3, logprobs=2,
+                                 sampling=pb.SamplingParams(temperature=0.9, seed=7)),
+    "n=2 stop strings": dict(prompt="In the morning", max_tokens=30, n=2, stop=["e", "a"],
+                             sampling=pb.SamplingParams(temperature=0.8, seed=3)),
+    "interval 5": dict(prompt="Water runs", max_tokens=17, stream_interval=5,
+                       sampling=pb.SamplingParams(temperature=0)),
+}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    whole, split = Planes(MODEL), Planes(MODEL, split=True, plane_options={"http_port": 0})
+    yield whole, split
+    whole.close()
+    split.close()
+
+
+def _answer(planes: Planes, name: str) -> list[pb.GenerateResponse]:
+    responses = planes.generate(request_id=f"r-{name}", **REQUESTS[name])
+    for r in responses:
+        r.ClearField("request_id")
+    return responses
+
+
+@pytest.mark.parametrize("name", sorted(REQUESTS))
+def test_split_answers_exactly_as_one_process(pair, name):
+    whole, split = pair
+    expected, got = _answer(whole, name), _answer(split, name)
+    assert [r.finish_reason for r in got if r.finish_reason]   # every sample finished
+    assert got == expected
+    assert split.wait_for_free_blocks(split.engine.scheduler.blocks.num_blocks) == \
+        split.engine.scheduler.blocks.num_blocks
+
+
+def test_split_stops_on_a_stop_token_as_one_process(pair):
+    whole, split = pair
+    ids = [t for r in _answer(whole, "greedy") for t in r.token_ids]
+    REQUESTS["stop token"] = dict(REQUESTS["greedy"], stop_token_ids=[ids[6]])
+    expected, got = _answer(whole, "stop token"), _answer(split, "stop token")
+    assert got[-1].finish_reason == pb.FINISH_REASON_STOP and got == expected
+
+
+def test_http_streams_through_the_front_end(pair):
+    _, split = pair
+    expected = "".join(r.text for r in _answer(split, "greedy"))
+    body = {"prompt": "The river", "max_tokens": 20, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{split.plane.http.port}/v1/completions", json=body,
+                      timeout=60) as response:
+        assert response.status_code == 200
+        chunks = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    text = "".join(c["text"] for chunk in chunks[:-1] for c in json.loads(chunk)["choices"])
+    assert text == expected
+
+
+def test_a_request_id_in_use_on_another_front_end_is_refused_by_the_core(pair):
+    _, split = pair
+
+    async def second_front_end():
+        frontend = FrontEnd(1, split.core.address, MODEL, "127.0.0.1:0", reuse_port=False)
+        await frontend.start()
+        while not frontend.client.ready:
+            await asyncio.sleep(0.01)
+        return frontend
+
+    other = split.call(second_front_end())
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{other.port}") as channel:
+            long = split.stub.Generate(pb.GenerateRequest(
+                request_id="shared", prompt="The river", max_tokens=400, ignore_eos=True), timeout=60)
+            next(long)
+            with pytest.raises(grpc.RpcError) as err:
+                list(pb_grpc.InferenceStub(channel).Generate(pb.GenerateRequest(
+                    request_id="shared", prompt="Water", max_tokens=4), timeout=30))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "already in use" in err.value.details()
+            long.cancel()
+    finally:
+        split.call(other.stop(grace=0))
+
+
+def test_one_trace_spans_the_front_end_and_the_core():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.enable_tracing(provider)
+    try:
+        planes = Planes(MODEL, split=True)
+    finally:
+        tracing.disable_tracing()
+    try:
+        trace_id, span_id = random.Random(5).getrandbits(128), random.Random(6).getrandbits(64)
+        header = f"00-{trace_id:032x}-{span_id:016x}-01"
+        responses = list(planes.stub.Generate(pb.GenerateRequest(
+            prompt="The river", max_tokens=4, sampling=pb.SamplingParams(temperature=0)),
+            metadata=[("traceparent", header)], timeout=60))
+        assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        planes.wait_for_free_blocks(planes.engine.scheduler.blocks.num_blocks)
+        spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+        by_name = {s.name: s for s in spans}
+        server, core = by_name["/headrace.v1.Inference/Generate"], by_name["headrace.core.request"]
+        assert server.parent.span_id == span_id          # the caller's span
+        assert core.parent.span_id == server.context.span_id   # across the core stream
+        for name in ("headrace.queue", "headrace.prefill", "headrace.decode"):
+            assert by_name[name].parent.span_id == core.context.span_id, name
+        assert "headrace.dataplane.step" in by_name     # and on into the data plane
+    finally:
+        planes.close()

@@ -1,0 +1,190 @@
+"""The control plane as processes (issue 18): `headrace serve --api-server-count 2` runs one
+engine core and two API front ends on one port. Several front ends stream concurrently with
+exact token order; Admin reaches the core from every front end; a slow reader gets its tokens
+coalesced without stalling anyone; an abort frees its blocks; /metrics is one, summed over the
+processes; kill -9 of a front end mid-stream aborts its requests only and it comes back; while
+the core is down the front ends answer UNAVAILABLE (health NOT_SERVING) and recover with it.
+
+One server for the module (start-up is most of the cost); the destructive tests run last."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from headrace.v1 import admin_pb2 as apb
+from headrace.v1 import admin_pb2_grpc as apb_grpc
+from headrace.v1 import inference_pb2 as pb
+from headrace.v1 import inference_pb2_grpc as pb_grpc
+from tests.served import Served
+
+PROMPTS = ["The river", "Once upon a time", "In the morning the", "A small boat", "Water runs",
+           "The mill wheel"]
+GREEDY = pb.SamplingParams(temperature=0.0)
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    server = Served(tmp_path_factory.mktemp("served") / "serve.log", api_server_count=2)
+    try:
+        server.wait_serving()
+        yield server
+    finally:
+        server.close()
+
+
+def _generate(channel, prompt: str, max_tokens: int = 16, **fields):
+    stub = pb_grpc.InferenceStub(channel)
+    return list(stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, sampling=GREEDY,
+                                                 **fields), timeout=60))
+
+
+def _ids(responses) -> list[int]:
+    return [t for r in responses for t in r.token_ids]
+
+
+def _idle(served: Served) -> bool:
+    return (served.metric("headrace:kv_cache_usage_perc") == 0.0
+            and served.metric("headrace:num_requests_in_flight") == 0.0)
+
+
+def test_processes_name_their_roles_and_import_no_torch(served):
+    roles = served.role_pids()
+    assert {"core", "frontend 0", "frontend 1", "dataplane"} <= set(roles), roles
+    for role in ("core", "frontend 0", "frontend 1"):
+        with open(f"/proc/{roles[role]}/maps") as maps:
+            assert "libtorch" not in maps.read(), f"{role} loaded torch"
+    log = served.log_tail(10**7)
+    for field in ('"role": "core"', '"role": "frontend"', '"frontend": 1', '"role": "dataplane"'):
+        assert field in log, field
+
+
+def test_front_ends_stream_concurrently_in_exact_order(served):
+    channels = [served.channel_to(0), served.channel_to(1)]
+    reference = {p: _ids(_generate(channels[0], p)) for p in PROMPTS}   # one at a time
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        jobs = {pool.submit(_generate, channels[i % 2], p): (i, p)
+                for i, p in enumerate(PROMPTS * 2)}
+        for job in concurrent.futures.as_completed(jobs):
+            responses = job.result()
+            _, prompt = jobs[job]
+            assert _ids(responses) == reference[prompt], prompt
+            assert len(responses) > 1 and responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert responses[-1].usage.completion_tokens == 16
+            assert all(len(r.token_ids) >= 1 for r in responses)
+
+
+def test_stop_string_is_matched_at_the_front_end(served):
+    channel = served.channel_to(1)
+    full = _generate(channel, "Once upon a time", max_tokens=24)
+    text = "".join(r.text for r in full)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), text
+    cut = _generate(channel, "Once upon a time", max_tokens=24, stop=[stop])
+    assert cut[-1].finish_reason == pb.FINISH_REASON_STOP_STRING
+    assert "".join(r.text for r in cut) == text[:text.index(stop)]
+    served.wait_for(lambda: _idle(served), 10, "blocks freed after the stop string")
+
+
+def test_admin_reaches_the_core_from_every_front_end(served):
+    admins = [apb_grpc.AdminStub(served.channel_to(i)) for i in range(2)]
+    configs = [a.GetConfig(apb.GetConfigRequest(), timeout=10) for a in admins]
+    assert configs[0].num_kv_blocks == configs[1].num_kv_blocks > 0 and configs[0].ready
+    changed = admins[0].UpdateConfig(apb.UpdateConfigRequest(max_queued=77), timeout=10)
+    assert changed.max_queued == 77
+    assert admins[1].GetConfig(apb.GetConfigRequest(), timeout=10).max_queued == 77
+    admins[1].UpdateConfig(apb.UpdateConfigRequest(max_queued=0), timeout=10)
+    with pytest.raises(grpc.RpcError) as err:
+        admins[0].UpdateConfig(apb.UpdateConfigRequest(policy="nonsense"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_slow_reader_gets_coalesced_tokens_and_stalls_no_one(served):
+    # a small HTTP/2 window: the front end's writes wait on this client as soon as it stops reading
+    slow_channel = served.channel_to(0, options=[("grpc.http2.lookahead_bytes", 256),
+                                                 ("grpc.http2.bdp_probe", 0)])
+    fast_channel = served.channel_to(1)
+    reference = _ids(_generate(fast_channel, "A small boat", max_tokens=200))
+    stream = pb_grpc.InferenceStub(slow_channel).Generate(
+        pb.GenerateRequest(prompt="A small boat", max_tokens=200, sampling=GREEDY), timeout=60)
+    first = next(stream)
+    started = time.monotonic()
+    others = [_generate(fast_channel, p, max_tokens=8) for p in PROMPTS[:3]]   # meanwhile
+    assert time.monotonic() - started < 20 and all(o[-1].finish_reason for o in others)
+    time.sleep(1.0)   # the slow client reads nothing while its tokens are generated
+    rest = list(stream)
+    assert _ids([first] + rest) == reference
+    assert len(rest) < 150, "a slow reader's tokens come coalesced"
+
+
+def test_cancelled_stream_frees_its_blocks(served):
+    channel = served.channel_to(1)
+    stream = pb_grpc.InferenceStub(channel).Generate(
+        pb.GenerateRequest(prompt="The river " * 40, max_tokens=900, sampling=GREEDY), timeout=60)
+    next(stream)
+    assert served.metric("headrace:kv_cache_usage_perc") > 0
+    stream.cancel()
+    served.wait_for(lambda: _idle(served), 10, "blocks freed after the cancel")
+
+
+def test_one_metrics_endpoint_sums_every_process(served):
+    before = served.metric("headrace:api_requests_total", api="grpc", method="Generate")
+    for i in (0, 1, 1):
+        _generate(served.channel_to(i), "Water runs", max_tokens=4)
+    after = served.metric("headrace:api_requests_total", api="grpc", method="Generate")
+    assert after - before == 3   # counted by two front-end processes, served by the core
+    metrics = served.metrics()
+    assert metrics[("headrace:time_to_first_token_seconds_count", ())] >= 3
+    assert ("headrace:num_kv_blocks", ()) in metrics
+
+
+def test_kill_9_of_a_front_end_mid_stream(served):
+    victim_channel, other_channel = served.channel_to(0), served.channel_to(1)
+    victim = served.role_pids()["frontend 0"]
+    doomed = pb_grpc.InferenceStub(victim_channel).Generate(
+        pb.GenerateRequest(prompt="The river " * 40, max_tokens=900, sampling=GREEDY), timeout=60)
+    next(doomed)
+    survivor = pb_grpc.InferenceStub(other_channel).Generate(
+        pb.GenerateRequest(prompt="Once upon a time", max_tokens=64, sampling=GREEDY), timeout=60)
+    first = next(survivor)
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as err:
+        list(doomed)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    rest = list(survivor)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(_ids([first] + rest)) == 64
+    served.wait_for(lambda: _idle(served), 15, "the killed front end's blocks freed")
+    served.wait_for(lambda: served.role_pids().get("frontend 0") not in (None, victim), 30,
+                    "front end 0 restarted")
+    served.wait_for(lambda: _generate(served.channel_to(0), "Water runs", max_tokens=4), 30,
+                    "the restarted front end serving")
+
+
+def test_front_ends_stay_up_while_the_core_restarts(served):
+    channel = served.channel_to(1)
+    frontend = served.role_pids()["frontend 1"]
+    os.kill(served.role_pids()["core"], signal.SIGKILL)
+
+    def unavailable():
+        try:
+            _generate(channel, "Water runs", max_tokens=2)
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.UNAVAILABLE
+        return False
+
+    served.wait_for(unavailable, 10, "UNAVAILABLE while the core is down")
+    status = served.health(channel)
+    if status == health_pb2.HealthCheckResponse.NOT_SERVING:   # unless the core is back already
+        assert served.role_pids()["frontend 1"] == frontend
+    served.wait_for(lambda: served.health(channel) == health_pb2.HealthCheckResponse.SERVING, 60,
+                    "SERVING again with the restarted core")
+    assert served.role_pids()["frontend 1"] == frontend, "the front end stayed up"
+    assert _generate(channel, "Water runs", max_tokens=4)[-1].finish_reason == pb.FINISH_REASON_LENGTH

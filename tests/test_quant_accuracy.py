@@ -1,0 +1,158 @@
+"""Accuracy of every quantization scheme on the embedded default model (really trained on
+*Pride and Prejudice*): perplexity on held-out text (the novel's last three chapters, which
+``train.py`` keeps out of training) and greedy agreement with the unquantised model.
+
+Greedy agreement: 8 held-out paragraph openings (32 tokens each) x 24 generated tokens; the
+fraction of generated tokens equal to the float model's before the first divergence (as in
+REFERENCE.md's measurement). ``python -m tests.test_quant_accuracy`` prints the table of
+docs/quantization.md. INT4 checkpoints are round-to-nearest (not the GPTQ / AWQ algorithms) in
+GPTQ's, AWQ's and compressed-tensors' layouts: this measures the formats and kernels' path.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import tempfile
+
+import pytest
+import torch
+
+from dataplane import kv_cache
+from dataplane.config import load_model_config
+from dataplane.default_model import train
+from dataplane.loader import load_model
+from dataplane.model import AttentionMetadata
+from dataplane.quantization import resolve
+from tests import quant_checkpoints as qc
+from tests.test_quant_loading import forward_logits
+
+TINY = pathlib.Path(train.__file__).parent / "tiny"
+WINDOW, WINDOWS, PROMPTS, PROMPT_LEN, NEW = 256, 6, 8, 32, 24
+
+# scheme -> (weights: how to make/load them, KV cache dtype)
+SCHEMES = {
+    "bf16-ckpt (float32 compute)": ("float", torch.float32),
+    "fp8 w8a8 (online)": ("fp8", torch.float32),
+    "int8 w8a16 (online)": ("int8", torch.float32),
+    "fp8 kv cache": ("float", torch.float8_e4m3fn),
+    "fp8 w8a8 + fp8 kv": ("fp8", torch.float8_e4m3fn),
+    "gptq int4 g128 sym": ("gptq", torch.float32),
+    "gptq int4 g128 act-order asym": ("gptq-act", torch.float32),
+    "awq int4 g64": ("awq", torch.float32),
+    "compressed-tensors w4a16 per-channel": ("ct-w4a16", torch.float32),
+    "compressed-tensors fp8 dynamic": ("ct-fp8", torch.float32),
+}
+# (max perplexity ratio to float, min greedy agreement) per scheme, from the measured table
+BOUNDS = {"fp8 w8a8 (online)": (1.01, 0.75), "int8 w8a16 (online)": (1.005, 0.95),
+          "fp8 kv cache": (1.01, 0.8), "fp8 w8a8 + fp8 kv": (1.01, 0.7),
+          "gptq int4 g128 sym": (1.02, 0.45), "gptq int4 g128 act-order asym": (1.02, 0.35),
+          "awq int4 g64": (1.2, 0.3), "compressed-tensors w4a16 per-channel": (1.25, 0.3),
+          "compressed-tensors fp8 dynamic": (1.01, 0.75)}
+
+
+@functools.lru_cache(maxsize=None)
+def held_out() -> tuple[list[int], list[list[int]]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(TINY / "tokenizer.json"))
+    chapters = train.read_chapters(TINY.parent / "corpus.txt")[-3:]
+    stream, starts = train.encode_chapters(tok, chapters)
+    prompts = [stream[s:s + PROMPT_LEN] for s in starts[::max(1, len(starts) // PROMPTS)]][:PROMPTS]
+    return stream[:WINDOW * WINDOWS + 1], prompts
+
+
+_DIR = tempfile.TemporaryDirectory(prefix="headrace-quant-acc-")
+
+
+@functools.lru_cache(maxsize=None)
+def weights(kind: str):
+    path = pathlib.Path(_DIR.name) / kind
+    if kind in ("float", "fp8", "int8"):
+        src, method = TINY, None if kind == "float" else kind
+    elif kind.startswith("gptq"):
+        act = kind == "gptq-act"
+        src, _ = qc.packed_checkpoint(path, "gptq", group_size=128, sym=not act, act_order=act,
+                                      src=TINY)
+        method = "gptq"
+    elif kind == "awq":
+        src, _ = qc.packed_checkpoint(path, "awq", group_size=64, src=TINY)
+        method = None
+    else:
+        preset, fmt, group = (("W4A16", "pack-quantized", -1) if kind == "ct-w4a16"
+                              else ("FP8_DYNAMIC", "float-quantized", 0))
+        src, _ = qc.compressed_tensors_checkpoint(path, preset, fmt, group, src=TINY)
+        method = None
+    cfg = load_model_config(src)
+    return load_model(src, cfg, torch.device("cpu"), torch.float32, 1024, None,
+                      resolve(src, method))
+
+
+def measure(scheme: str) -> tuple[float, float]:
+    """(perplexity, greedy agreement with the float model)."""
+    kind, kv = SCHEMES[scheme]
+    model = weights(kind)
+    stream, prompts = held_out()
+    nll, count = 0.0, 0
+    for w in range(WINDOWS):
+        ids = stream[w * WINDOW:(w + 1) * WINDOW + 1]
+        logits = forward_logits(model, ids[:-1], kv).float()
+        nll += torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum").item()
+        count += len(ids) - 1
+    agree = sum(_agreement(_greedy(model, p, kv), _float_greedy(tuple(p))) for p in prompts)
+    return float(torch.exp(torch.tensor(nll / count))), agree / (len(prompts) * NEW)
+
+
+def _greedy(model, prompt, kv) -> list[int]:
+    """NEW greedy tokens: one prefill, then one decode step per token over the paged cache."""
+    total, bs = len(prompt) + NEW, 16
+    blocks = -(-total // bs)
+    caches = kv_cache.allocate(model.cfg, blocks, bs, kv, torch.device("cpu"))
+    table = torch.arange(blocks, dtype=torch.int32)[None]
+    ids, out, done = torch.tensor(prompt), [], 0
+    with torch.inference_mode():
+        for _ in range(NEW):
+            n = len(ids)
+            meta = AttentionMetadata(slot_mapping=torch.arange(done, done + n),
+                                     query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                                     seq_lens=torch.tensor([done + n], dtype=torch.int32),
+                                     block_tables=table)
+            hidden = model(ids, torch.arange(done, done + n), caches, meta)
+            done += n
+            out.append(int(model.logits(hidden[-1:])[0].argmax()))
+            ids = torch.tensor(out[-1:])
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _float_greedy(prompt: tuple[int, ...]) -> list[int]:
+    return _greedy(weights("float"), list(prompt), torch.float32)
+
+
+def _agreement(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < len(a) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@functools.lru_cache(maxsize=None)
+def _baseline() -> float:
+    return measure("bf16-ckpt (float32 compute)")[0]
+
+
+@pytest.mark.parametrize("scheme", list(BOUNDS))
+def test_accuracy_within_bounds(scheme):
+    ppl, agree = measure(scheme)
+    max_ratio, min_agree = BOUNDS[scheme]
+    assert ppl / _baseline() <= max_ratio, (scheme, ppl, _baseline())
+    assert agree >= min_agree, (scheme, agree)
+
+
+if __name__ == "__main__":
+    base = _baseline()
+    print("| scheme | held-out perplexity | vs float | greedy agreement |")
+    print("|---|---|---|---|")
+    for name in SCHEMES:
+        p, a = measure(name)
+        print(f"| {name} | {p:.3f} | {p / base:.4f} | {a:.1%} |")

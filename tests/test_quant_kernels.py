@@ -1,0 +1,190 @@
+"""The quantized-linear kernels (``kernels.triton_quant``) against their plain-torch references
+(``kernels.reference_quant``), on random data at small shapes.
+
+Under Triton's CPU interpreter here (TRITON_INTERPRET=1, switched on before triton is imported);
+with HEADRACE_TEST_DEVICE=cuda (or any CUDA machine) compiled on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if (os.environ.get("HEADRACE_TEST_DEVICE", "").startswith("cuda")
+                    or torch.cuda.is_available()) else "cpu"
+if DEVICE == "cpu":
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported earlier without TRITON_INTERPRET=1", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed: no Triton kernels to test")
+from kernels import reference_quant as ref  # noqa: E402
+from kernels import triton_quant  # noqa: E402
+
+
+def _fp8_close(actual_q, actual_s, expect_q, expect_s):
+    """Same scales; quantised values equal up to one e4m3 step (the interpreter rounds ties
+    away from zero and flushes subnormals, the GPU and torch round to nearest even)."""
+    torch.testing.assert_close(actual_s.cpu(), expect_s.cpu(), rtol=1e-6, atol=0)
+    a, e = actual_q.cpu().float(), expect_q.cpu().float()
+    step = torch.maximum(e.abs() / 8, torch.full_like(e, 2.0 ** -9))
+    assert ((a - e).abs() <= step).all(), (a - e).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("static", [False, True])
+def test_per_token_fp8(dtype, static):
+    torch.manual_seed(0)
+    x = (torch.randn(5, 1100) * torch.tensor([0.01, 1.0, 30.0, 300.0, 1e-9])[:, None]).to(dtype)
+    x = x.to(DEVICE)
+    s_in = torch.tensor([0.05], device=DEVICE) if static else None
+    q, s = triton_quant.per_token_fp8(x, s_in)
+    eq, es = ref.per_token_fp8(x, s_in)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 1)
+    _fp8_close(q, s, eq, es)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("static,bias", [(False, False), (True, True)])
+def test_fp8_linear(dtype, static, bias):
+    torch.manual_seed(0)
+    w = torch.randn(48, 64) * 0.1
+    wq, ws = ref.quantize_fp8_weight(w)
+    x = torch.randn(3, 4, 64).to(dtype)
+    b = torch.randn(48).to(dtype) if bias else None
+    s_in = torch.tensor([0.01]) if static else None
+    expect = ref.fp8_linear(x, wq, ws, s_in, b)
+    dev = [t.to(DEVICE) if t is not None else None for t in (x, wq, ws, s_in, b)]
+    actual = triton_quant.fp8_linear(*dev)
+    assert actual.shape == (3, 4, 48) and actual.dtype == dtype
+    # bf16 output of _scaled_mm, and one e4m3 step of slack in the quantised inputs
+    torch.testing.assert_close(actual.cpu().float(), expect.float(), atol=0.05, rtol=0.05)
+    # and the quantised product is near the unquantised one (the quantiser is sane)
+    dense = torch.nn.functional.linear(x.float(), w, None if b is None else b.float())
+    assert (actual.cpu().float() - dense).abs().max() < 0.1 * dense.abs().max()
+
+
+def _random_wna16(n, k, bits, group_size, act_order, seed=0):
+    """Random unsigned values, scales and zeros; act_order shuffles which columns share a group."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.int32).to(torch.uint8)
+    gs = k if group_size <= 0 else group_size
+    groups = -(-k // gs)
+    scales = torch.rand(groups, n, generator=g) * 0.02 + 0.001
+    zeros = torch.randint(0, 1 << bits, (groups, n), generator=g, dtype=torch.int32).to(torch.uint8)
+    g_idx = (torch.arange(k) // gs).to(torch.int32)
+    perm = torch.randperm(k, generator=g) if act_order else None
+    return q, scales, zeros, g_idx, perm
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 5, 40, 130])
+@pytest.mark.parametrize("group_size,act_order", [(32, False), (128, True), (-1, False), (64, False)])
+def test_wna16_linear(bits, m, group_size, act_order):
+    torch.manual_seed(0)
+    n, k = 96, 256
+    dtype = torch.bfloat16 if m % 2 else torch.float32
+    q, scales, zeros, g_idx, perm = _random_wna16(n, k, bits, group_size, act_order)
+    qweight = ref.pack_along_k(q, bits)
+    assert torch.equal(ref.unpack_along_k(qweight, bits), q)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n).to(dtype) if m == 5 else None
+    args = (qweight, scales.to(dtype), zeros, g_idx, perm, bits)
+    expect = ref.wna16_linear(x, *args, group_size if group_size > 0 else k, bias)
+    dev = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in (x,) + args]
+    actual = triton_quant.wna16_linear(*dev, group_size if group_size > 0 else k,
+                                       None if bias is None else bias.to(DEVICE))
+    # bfloat16: a few ulps of the output's scale (the interpreter truncates float32 -> bfloat16
+    # casts of the dequantised weights, the GPU and torch round to nearest)
+    scale = expect.float().abs().max().item()
+    tol = (dict(atol=1e-2 * scale, rtol=1e-2) if dtype == torch.bfloat16
+           else dict(atol=1e-5 * scale, rtol=1e-4))
+    torch.testing.assert_close(actual.cpu(), expect, **tol)
+    # the per-column group index path (group_size 0) gives the same result
+    gathered = triton_quant.wna16_linear(*dev, 0, None if bias is None else bias.to(DEVICE))
+    torch.testing.assert_close(gathered.cpu(), expect, **tol)
+
+
+def test_wna16_ragged_groups_read_g_idx():
+    """A row-parallel act-order shard: after sorting, groups have unequal sizes."""
+    torch.manual_seed(0)
+    n, k, bits = 64, 96, 4
+    q, scales, zeros, _, _ = _random_wna16(n, k, bits, 32, False)
+    g_idx = torch.sort(torch.randint(0, 3, (k,))).values.to(torch.int32)
+    qweight = ref.pack_along_k(q, bits)
+    x = torch.randn(3, k)
+    expect = ref.wna16_linear(x, qweight, scales, zeros, g_idx, None, bits, 0)
+    dense = x @ ((q.float() - zeros.float()[g_idx.long()].t()) * scales[g_idx.long()].t()).t()
+    torch.testing.assert_close(expect, dense, atol=1e-4, rtol=1e-4)
+    dev = [a.to(DEVICE) for a in (x, qweight, scales, zeros, g_idx)]
+    actual = triton_quant.wna16_linear(*dev[:5], None, bits, 0)
+    torch.testing.assert_close(actual.cpu(), expect, atol=1e-3, rtol=1e-3)
+
+
+# --------------------------------------------------------------------------- FP8 KV cache
+
+from kernels import reference as kref  # noqa: E402
+from kernels import triton_attention, triton_prologue  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, k_scale, v_scale):
+    """test_kernels_triton's paged batch (NaN outside every context) with its cache stored as
+    FP8 (k / k_scale, v / v_scale); also returns that cache dequantised into float32."""
+    from tests.test_kernels_triton import _paged_batch
+
+    query, cache, *rest = _paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size,
+                                       torch.float32)
+    scales = torch.tensor([k_scale, v_scale]).view(2, 1, 1, 1, 1)
+    cache = ref.to_fp8(cache * 3 / scales)
+    return (query.to(torch.bfloat16), cache, *rest), cache.float() * scales
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens", [([1, 1, 1], [5, 70, 33]), ([1, 7, 20], [40, 7, 90])])
+def test_fp8_kv_attention(q_lens, ctx_lens):
+    """Attention over an FP8 cache (k_scale 0.02, v_scale 0.05) equals attention over the
+    dequantised float cache, in the reference and in the Triton kernels (decode and mixed)."""
+    torch.manual_seed(0)
+    args, deq = _fp8_paged_batch(q_lens, ctx_lens, 8, 2, 64, 16, 0.02, 0.05)
+    scale = 64 ** -0.5
+    expect = kref.paged_attention(args[0], deq, *args[2:], scale)
+    fp8_ref = kref.paged_attention(*args, scale, k_scale=0.02, v_scale=0.05)
+    torch.testing.assert_close(fp8_ref.float(), expect.float(), atol=1e-2, rtol=1e-2)
+    hints = dict(decode_only=True) if max(q_lens) == 1 else dict(max_query_len=max(q_lens),
+                                                                 num_decodes=1)
+    actual = triton_attention.paged_attention(*(a.to(DEVICE) for a in args), scale,
+                                              k_scale=0.02, v_scale=0.05, **hints)
+    assert not actual.isnan().any()
+    torch.testing.assert_close(actual.cpu().float(), expect.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_fp8_kv_prologue_writes_scaled_e4m3():
+    torch.manual_seed(0)
+    tokens, heads, kv_heads, hd = 6, 4, 2, 64
+    from dataplane.rotary import cos_sin_cache
+    cos_sin = cos_sin_cache(hd, 256, 10000.0, None, "cpu")
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * hd) * 4
+    q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], -1)
+    q, k, v = (t.reshape(tokens, -1, hd) for t in (q, k, v))
+    positions = torch.randint(0, 256, (tokens,))
+    slots = torch.tensor([3, 17, -1, 40, 41, 8])
+    expect = torch.zeros(2, 4, 16, kv_heads, hd, dtype=FP8)
+    actual = expect.clone().to(DEVICE)
+    q_ref = kref.qk_norm_rope_write_kv(q, k, v, positions, cos_sin, None, None, 1e-6, expect,
+                                       slots, k_scale=0.05, v_scale=0.1)
+    dev = [t.to(DEVICE) for t in (q, k, v, positions, cos_sin)]
+    q_out = triton_prologue.qk_norm_rope_write_kv(*dev, None, None, 1e-6, actual,
+                                                  slots.to(DEVICE), k_scale=0.05, v_scale=0.1)
+    torch.testing.assert_close(q_out.cpu(), q_ref, atol=1e-4, rtol=1e-4)
+    assert expect.float().abs().max() > 100      # the scales matter: values use e4m3's range
+    _fp8_close(actual.float(), torch.ones(1), expect.float(), torch.ones(1))
+
+
+def test_copy_blocks_copies_fp8_caches():
+    cache = ref.to_fp8(torch.randn(2, 4, 16, 2, 8) * 10).to(DEVICE)
+    kref.copy_blocks([cache], torch.tensor([1, 2], device=DEVICE), torch.tensor([3, 0], device=DEVICE))
+    assert torch.equal(cache[:, 3].float(), cache[:, 1].float())
+    assert torch.equal(cache[:, 0].float(), cache[:, 2].float())

@@ -1,0 +1,51 @@
+"""Quantization through the planes: a worker with FP8 weights and an FP8 KV cache serves, says
+so in Describe / GetModelInfo, holds twice the tokens in the same KV memory, and a bad scheme
+fails at load with an error naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from dataplane.quantization import QuantizationError
+from dataplane.server import serve
+from dataplane.worker import Worker, WorkerOptions
+from headrace.v1 import inference_pb2 as pb
+from tests.harness import Planes, completion
+from tests.test_quant_accuracy import TINY
+
+
+def test_fp8_kv_cache_holds_twice_the_tokens():
+    opts = dict(model=str(TINY), dtype="bfloat16", cpu_kv_cache_gib=0.01)
+    auto = Worker(WorkerOptions(**opts))
+    fp8 = Worker(WorkerOptions(**opts, kv_cache_dtype="fp8"))
+    assert auto.block_bytes == 2 * fp8.block_bytes
+    assert fp8.runner.num_blocks // 2 == auto.runner.num_blocks   # same bytes, floor division
+    assert fp8.runner.kv_caches[0].dtype.itemsize == 1
+
+
+def test_planes_serve_fp8_weights_and_kv_and_report_them(tmp_path):
+    worker = Worker(WorkerOptions(model=str(TINY), quantization="fp8", kv_cache_dtype="fp8",
+                                  num_kv_blocks=64, dtype="float32"))
+    address = f"unix:{tmp_path}/dp.sock"
+    server = serve(worker, address)
+    planes = Planes(TINY, workers=[address])
+    try:
+        info = planes.stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert info.kv_cache_dtype == "float8_e4m3fn"
+        assert info.quantization.startswith("fp8 (fp8 w8a8, dynamic activations)")
+        ids, text, _ = completion(planes.generate(
+            prompt="It is a truth universally acknowledged", max_tokens=12,
+            sampling=pb.SamplingParams(temperature=0.0)))
+        assert len(ids) == 12 and text.strip()
+    finally:
+        planes.close()
+        server.stop(0).wait()
+
+
+def test_unsupported_scheme_fails_at_load_naming_it():
+    with pytest.raises(QuantizationError, match="--quantization awq needs a checkpoint quantized"):
+        Worker(WorkerOptions(model=str(TINY), quantization="awq"))
+    with pytest.raises(QuantizationError, match="'int4' is not supported"):
+        Worker(WorkerOptions(model=str(TINY), quantization="int4"))
+    with pytest.raises(ValueError, match="kv-cache-dtype 'int4'"):
+        Worker(WorkerOptions(model=str(TINY), kv_cache_dtype="int4"))
