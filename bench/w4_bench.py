@@ -141,16 +141,12 @@ def stop_server(server) -> None:
 
 
 def sweep(address: str, args) -> list[dict]:
-    import grpc
+    from headrace_client import AsyncClient, NotReady
 
-    from cli.client import wait_until_serving
-
-    async def ready():
-        async with grpc.aio.insecure_channel(address) as channel:
-            return await wait_until_serving(channel, 900)
-
-    if not asyncio.run(ready()):
-        raise SystemExit("server never became ready")
+    try:
+        asyncio.run(AsyncClient(address).wait_ready(900))
+    except NotReady as exc:
+        raise SystemExit(str(exc)) from None
     run_rate(address, 2.0, argparse.Namespace(**{**vars(args), "duration": 2.0}))   # warm-up
     return [run_rate(address, rate, args) for rate in args.rates]
 
