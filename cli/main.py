@@ -67,6 +67,17 @@ def serve_children_argvs(args, listens: list[str]) -> list[list[str]]:
     return argvs
 
 
+# the control plane's own secrets: a data plane child never needs them
+CONTROL_PLANE_SECRETS = ("HEADRACE_API_TOKEN", "HEADRACE_API_TOKENS", "HEADRACE_ADMIN_TOKEN")
+
+
+def child_env(environ, worker_secret: str) -> dict:
+    """A data plane child's environment: this one without the control plane's secrets, with
+    the worker secret (how it accepts only this control plane)."""
+    env = {k: v for k, v in environ.items() if k not in CONTROL_PLANE_SECRETS}
+    return dict(env, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=worker_secret)
+
+
 def _model_for_the_control_plane(args, weights: bool) -> str:
     """The checkpoint directory (a Hub id resolved), checked for the files serving needs."""
     from common.model_source import check_checkpoint, resolve_model
@@ -100,7 +111,7 @@ def cmd_serve(args) -> int:
         listens = [f"unix:{sock_dir}/dataplane-{r}.sock" for r in range(world)]
         # the children accept only this control plane: a fresh shared secret, passed by environment
         args.worker_secret = args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or secrets.token_hex(16)
-        env = dict(os.environ, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=args.worker_secret)
+        env = child_env(os.environ, args.worker_secret)
         enable_multiprocess(os.path.join(sock_dir, "metrics"))   # the supervisor's metrics too
         from controlplane.metrics import ControlPlaneMetrics
 
@@ -168,9 +179,10 @@ def cmd_frontend(args) -> int:
 
     opts = plane_options(args)
     keys = ("api_token", "tls", "admin_token", "http_port", "http_tls", "chat_template",
-            "generation_config", "log_prompts")
+            "generation_config", "log_prompts", "trust_tenant_header", "max_n")
     return _run_role(lambda: FrontEnd(args.index, args.core_address, args.model or default_model(),
-                                      f"{args.host}:{args.port}", **{k: opts[k] for k in keys}))
+                                      f"{args.host}:{args.port}", max_model_len=getattr(args, "max_model_len", None),
+                                      **{k: opts[k] for k in keys}))
 
 
 def cmd_dataplane(args) -> int:

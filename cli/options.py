@@ -10,6 +10,7 @@ import re
 
 from common.logs import LOG_FORMATS
 from controlplane.engine import EngineConfig
+from controlplane.limits import DEFAULT_MAX_N, QUEUE_PER_SLOT
 from controlplane.policy import POLICIES, Policy
 
 
@@ -65,6 +66,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
     p.add_argument("--watermark", type=float, default=0.01,
                    help="fraction of KV blocks that admission leaves free for running requests")
+    p.add_argument("--no-fair-share", action="store_true",
+                   help="no fair share of running slots and KV blocks between tenants "
+                        "(docs/scheduling.md)")
+    p.add_argument("--max-n", type=positive_int, default=DEFAULT_MAX_N,
+                   help=f"parallel samples (n) a request may ask for at most (default {DEFAULT_MAX_N})")
 
 
 def add_tls_args(p: argparse.ArgumentParser) -> None:
@@ -76,8 +82,15 @@ def add_tls_args(p: argparse.ArgumentParser) -> None:
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
     add_tls_args(p)
-    p.add_argument("--api-token", default=None,
-                   help="require 'authorization: Bearer TOKEN' on the public API (default $HEADRACE_API_TOKEN)")
+    p.add_argument("--api-token", action="append", default=None, metavar="[TENANT=]TOKEN",
+                   help="require 'authorization: Bearer TOKEN' on the public API; repeat for "
+                        "several tokens, each naming its tenant (default $HEADRACE_API_TOKENS, "
+                        "comma-separated, and $HEADRACE_API_TOKEN)")
+    p.add_argument("--api-tokens-file", default=None,
+                   help="a file of [TENANT=]TOKEN lines, beside or instead of --api-token")
+    p.add_argument("--trust-tenant-header", action="store_true",
+                   help="take the tenant from the x-headrace-tenant header (only behind a "
+                        "gateway that sets it)")
     p.add_argument("--worker-secret", default=None,
                    help="shared secret presented to the data planes (default $HEADRACE_WORKER_SECRET)")
     p.add_argument("--worker-ca", default=None, help="verify the data planes' TLS certificates with this CA")
@@ -91,8 +104,11 @@ def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -
     p.add_argument("--log-format", choices=LOG_FORMATS, default=None,
                    help="json or console (default: console on a terminal, json otherwise)")
     if control:
-        p.add_argument("--max-queued", type=int, default=0,
-                       help="waiting sequences at most; beyond, RESOURCE_EXHAUSTED (0: unbounded)")
+        p.add_argument("--metrics-host", default=None,
+                       help="the address /metrics binds (default: --host, where the API listens)")
+        p.add_argument("--max-queued", type=int, default=None,
+                       help="waiting sequences at most; beyond, RESOURCE_EXHAUSTED (HTTP 429) "
+                            f"(default {QUEUE_PER_SLOT} x --max-num-seqs; 0: unbounded)")
         p.add_argument("--outage-deadline", type=float, default=60.0,
                        help="seconds requests wait for a lost data plane before UNAVAILABLE")
         p.add_argument("--stream-interval", type=positive_int, default=1,
@@ -105,7 +121,8 @@ def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -
                        help="one step in flight (no overlapped scheduling)")
         p.add_argument("--admin-token", default=None,
                        help="bearer token for the Admin service (default $HEADRACE_ADMIN_TOKEN; "
-                            "without one, Admin serves local callers only)")
+                            "without one, Admin serves loopback callers of a server bound to "
+                            "loopback, and is disabled on a server bound beyond it)")
         p.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
         p.add_argument("--disable-log-requests", action="store_true",
                        help="no log line per finished request")
@@ -127,10 +144,11 @@ def plane_options(args) -> dict:
     """ControlPlane keyword options from the command line."""
     from common import security
 
-    return dict(metrics_port=args.metrics_port or None, metrics_host=args.host,
+    return dict(metrics_port=args.metrics_port or None, metrics_host=args.metrics_host or args.host,
                 admin_token=args.admin_token or os.environ.get("HEADRACE_ADMIN_TOKEN") or None,
                 log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
-                api_token=args.api_token or os.environ.get("HEADRACE_API_TOKEN") or None,
+                api_token=security.ApiTokens.load(args.api_token, args.api_tokens_file),
+                trust_tenant_header=args.trust_tenant_header, max_n=args.max_n,
                 tls=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
                 worker_credentials=security.channel_credentials(args.worker_ca, args.worker_cert,
                                                                 args.worker_key),
@@ -146,5 +164,6 @@ def engine_config(args) -> EngineConfig:
                         policy=Policy(args.policy, args.aging_rate, args.max_queue_delay),
                         enable_prefix_cache=not args.no_prefix_cache, watermark=args.watermark,
                         max_queued=args.max_queued, outage_deadline_s=args.outage_deadline,
+                        fair_share=not args.no_fair_share,
                         pipeline_depth=1 if args.no_overlap else args.pipeline_depth,
                         stream_interval=args.stream_interval)

@@ -65,7 +65,16 @@ def forward_argv(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 
 def secrets_env(args) -> dict[str, str]:
-    return {env: getattr(args, dest) for dest, env in SECRETS.items() if getattr(args, dest, None)}
+    """The secrets the control plane's children need, by environment (never on a command line,
+    where ``ps`` shows them); several ``--api-token`` entries travel as HEADRACE_API_TOKENS."""
+    env = {}
+    for dest, name in SECRETS.items():
+        value = getattr(args, dest, None)
+        if isinstance(value, list):
+            name, value = "HEADRACE_API_TOKENS", ",".join(value)
+        if value:
+            env[name] = value
+    return env
 
 
 class Child:

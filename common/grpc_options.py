@@ -6,10 +6,16 @@ from __future__ import annotations
 
 from common import net
 
-# Message size limits: the public API takes prompts (64 MiB is far beyond any context); the
-# step protocol carries whole prompts and block tables of a step's new sequences.
-PUBLIC_MAX_MESSAGE_BYTES = 64 << 20
+# Message size limits. The public API receives at most the largest valid request of the model
+# it serves, computed at server start (``controlplane.limits.max_request_bytes``: the text a
+# max_model_len prompt can be, or its token ids, plus fixed overhead) and given to
+# ``server_options``; it sends up to PUBLIC_MAX_SEND_BYTES (a Tokenize answer of a long text).
+# The step protocol carries whole prompts and block tables of a step's new sequences; the
+# private stream between the API front ends and the engine core carries batches of submissions
+# (token ids) and of every new token of a step.
+PUBLIC_MAX_SEND_BYTES = 64 << 20
 STEP_MAX_MESSAGE_BYTES = 256 << 20
+CORE_MAX_MESSAGE_BYTES = 256 << 20
 
 KEEPALIVE_TIME_MS = 30_000      # ping a connection idle this long (dead peers, idle NATs)
 KEEPALIVE_TIMEOUT_MS = 10_000   # and drop it when the ping goes unanswered this long
@@ -19,17 +25,19 @@ MIN_PING_INTERVAL_MS = 5_000    # a server accepts a client's pings this often a
 RECONNECT_BACKOFF_MS = (100, 1000)   # first and longest
 
 
-def _common(max_message_bytes: int) -> list[tuple[str, int]]:
+def _common(max_message_bytes: int, max_send_bytes: int | None = None) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_send_bytes or max_message_bytes),
             ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
             ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
             ("grpc.keepalive_permit_without_calls", 1)]
 
 
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Options of a gRPC server (either plane's); its port is its own (``common.net``)."""
-    return _common(max_message_bytes) + [
+def server_options(max_message_bytes: int, max_send_bytes: int | None = None) -> list[tuple[str, int]]:
+    """Options of a gRPC server (either plane's): it receives messages up to
+    ``max_message_bytes`` and sends up to ``max_send_bytes`` (default the same); its port is
+    its own (``common.net``)."""
+    return _common(max_message_bytes, max_send_bytes) + [
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 0),   # never close a connection for its pings
         net.GRPC_EXCLUSIVE_PORT,              # a port in use fails the bind

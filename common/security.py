@@ -1,12 +1,19 @@
 """Transport security and credentials shared by both planes: TLS / mutual TLS server and
 channel credentials, a bearer-token check for the public API, and the shared secret with
 which a data plane accepts only its control plane. Health checks and reflection stay open
-(orchestrators probe them); the Admin service has its own token (``controlplane.admin``)."""
+(orchestrators probe them); the Admin service has its own token (``controlplane.admin``).
+
+The public API may have several tokens, each naming a tenant (``ApiTokens``): the scheduler
+shares the server fairly between tenants. A refused call is answered without reading its
+request message (a denial handler that streams requests never asks for one), so callers
+without a token cost no more memory than the transport's flow-control window."""
 
 from __future__ import annotations
 
 import hmac
+import os
 import pathlib
+import re
 
 import grpc
 
@@ -47,6 +54,64 @@ def bind(server, address: str, credentials: grpc.ServerCredentials | None) -> in
     return server.add_insecure_port(address)
 
 
+DEFAULT_TENANT = "default"
+_TENANT = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+class ApiTokens:
+    """Bearer tokens of the public API, each naming a tenant. An entry is ``TOKEN`` (tenant
+    ``default``) or ``TENANT=TOKEN`` (TENANT: letters, digits, ``_.:-``, at most 64; a token
+    that itself contains ``=`` must be given with its tenant)."""
+
+    def __init__(self, entries=()):
+        self.entries: list[tuple[bytes, str]] = []
+        for entry in entries:
+            entry = entry.strip()
+            if not entry or entry.startswith("#"):
+                continue
+            tenant, sep, token = entry.partition("=")
+            if not sep or not _TENANT.fullmatch(tenant) or not token or token.startswith("="):
+                tenant, token = DEFAULT_TENANT, entry
+            self.entries.append((token.encode(), tenant))
+
+    @classmethod
+    def load(cls, tokens=(), file: str | None = None, environ=os.environ) -> "ApiTokens":
+        """From ``--api-token`` values, ``--api-tokens-file`` (one entry a line) and, when
+        neither is given, $HEADRACE_API_TOKENS (comma-separated) and $HEADRACE_API_TOKEN."""
+        entries = list(tokens or ())
+        if file:
+            entries += pathlib.Path(file).read_text().splitlines()
+        if not entries:
+            entries = environ.get("HEADRACE_API_TOKENS", "").split(",") + \
+                [environ.get("HEADRACE_API_TOKEN", "")]
+        return cls(entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    @property
+    def tenants(self) -> set[str]:
+        return {tenant for _, tenant in self.entries}
+
+    def tenant(self, authorization: str | None) -> str | None:
+        """The tenant of an ``authorization`` value (``Bearer TOKEN``), None if no token
+        matches (every token is compared, in constant time each)."""
+        if not authorization or not authorization.startswith("Bearer "):
+            return None
+        given, found = authorization[7:].encode(), None
+        for token, tenant in self.entries:
+            if hmac.compare_digest(given, token) and found is None:
+                found = tenant
+        return found
+
+
+def as_tokens(tokens) -> ApiTokens:
+    """``ApiTokens`` from an ``ApiTokens``, a single token string, a list of entries or None."""
+    if isinstance(tokens, ApiTokens):
+        return tokens
+    return ApiTokens([tokens] if isinstance(tokens, str) else (tokens or ()))
+
+
 def bearer_metadata(token: str | None) -> tuple:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
@@ -58,29 +123,35 @@ def bearer_ok(value: str | None, token: str) -> bool:
     return hmac.compare_digest(value[7:].encode(), token.encode())
 
 
-def _authorized(metadata, token: str) -> bool:
+def _authorized(metadata, tokens: ApiTokens) -> bool:
     for key, value in metadata or ():
         if key == "authorization":
-            return bearer_ok(value, token)
+            return tokens.tenant(value) is not None
     return False
 
 
 def _denial(handler, message: str, aio: bool):
-    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
+    """A handler answering UNAUTHENTICATED. In the aio server it takes a request stream for
+    every method (the wire is the same) so the request message is never read: an unary one
+    would first receive the whole message, up to the receive limit, into memory."""
     if aio:
-        async def deny_unary(request, context):
+        async def deny_unary(requests, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-        async def deny_stream(request, context):
+        async def deny_stream(requests, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
             yield  # pragma: no cover  (makes it an async generator)
-    else:
-        def deny_unary(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-        def deny_stream(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-            yield  # pragma: no cover
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny_stream)
+        return grpc.stream_unary_rpc_method_handler(deny_unary)
+
+    def deny_unary(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    def deny_stream(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover
     if handler.unary_unary:
         return grpc.unary_unary_rpc_method_handler(deny_unary)
     if handler.unary_stream:
@@ -92,15 +163,15 @@ def _denial(handler, message: str, aio: bool):
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Public API: every call but health and reflection needs ``authorization: Bearer TOKEN``
-    (the Admin service checks its own token)."""
+    with one of the tokens (the Admin service checks its own token)."""
 
-    def __init__(self, token: str, exempt: tuple[str, ...] = ()):
-        self.token, self.exempt = token, OPEN_PREFIXES + exempt
+    def __init__(self, tokens, exempt: tuple[str, ...] = ()):
+        self.tokens, self.exempt = as_tokens(tokens), OPEN_PREFIXES + exempt
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(self.exempt) or \
-                _authorized(details.invocation_metadata, self.token):
+                _authorized(details.invocation_metadata, self.tokens):
             return handler
         return _denial(handler, "missing or wrong bearer token", aio=True)
 
@@ -109,7 +180,7 @@ class SharedSecretInterceptor(grpc.ServerInterceptor):
     """Data plane: only a control plane that knows the shared secret may call it."""
 
     def __init__(self, secret: str):
-        self.secret = secret
+        self.secret = ApiTokens([f"{DEFAULT_TENANT}={secret}"])
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)

@@ -1,9 +1,11 @@
 """The ``headrace.v1.Admin`` service: live configuration, drain/resume and model reload.
 
-Access: with an admin token (``--admin-token`` or ``HEADRACE_ADMIN_TOKEN``) every call must
-carry ``authorization: Bearer <token>`` (UNAUTHENTICATED otherwise), from anywhere; without
-one, only callers on the loopback interface or a unix socket are served (PERMISSION_DENIED
-otherwise), so an unconfigured server never exposes its controls to the network.
+Access (``admin_access``, logged at start): with an admin token (``--admin-token`` or
+``HEADRACE_ADMIN_TOKEN``) every call must carry ``authorization: Bearer <token>``
+(UNAUTHENTICATED otherwise), from anywhere. Without one, a server bound to loopback or a unix
+socket serves callers on the loopback interface (PERMISSION_DENIED otherwise); a server bound
+beyond loopback disables Admin (every call PERMISSION_DENIED): behind a local proxy or mesh
+sidecar every remote caller would look local, so only a token can tell them apart.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import time
 
 import grpc
 
+from common import net
 from common.logs import get_logger
 from controlplane.policy import POLICIES, Policy
 from controlplane.tokenizer import ModelTokenizer
@@ -30,14 +33,39 @@ def is_local_peer(peer: str) -> bool:
     return bool(peer) and peer.startswith(_LOCAL_PEERS)
 
 
+def is_loopback_address(address: str) -> bool:
+    """Whether a listening address (``host:port``, ``[v6]:port``, ``unix:path``) is reachable
+    from this machine only."""
+    parts = net.split_address(address)
+    return parts is None or net.is_loopback(parts[0])
+
+
+def admin_access(address: str, token: str | None) -> bool:
+    """Whether the Admin service is enabled on a server bound to ``address``; logs the rule."""
+    if token:
+        log.info("Admin service: every call needs the admin token")
+        return True
+    if is_loopback_address(address):
+        log.info("Admin service: loopback callers only (no --admin-token)")
+        return True
+    log.warning(f"Admin service DISABLED: {address} is bound beyond loopback and no --admin-token "
+                "(or HEADRACE_ADMIN_TOKEN) is set; set one to use Admin")
+    return False
+
+
 class AdminService(apb_grpc.AdminServicer):
-    def __init__(self, plane, token: str | None = None):
+    def __init__(self, plane, token: str | None = None, enabled: bool = True):
         self.plane = plane          # controlplane.server.ControlPlane
         self.token = token or None
+        self.enabled = enabled
         self._reload_lock = asyncio.Lock()
 
     # -- access ------------------------------------------------------------------------------
     async def _authorize(self, context) -> None:
+        if not self.enabled:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "the Admin service is disabled: the server listens beyond loopback "
+                                "without an admin token (start it with --admin-token)")
         if self.token is None:
             if not is_local_peer(context.peer()):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
@@ -58,7 +86,7 @@ class AdminService(apb_grpc.AdminServicer):
     def config(self) -> apb.Config:
         plane, engine = self.plane, self.plane.engine
         cfg, sched = engine.config, engine.scheduler
-        msg = apb.Config(model=plane.model_dir, max_queued=cfg.max_queued,
+        msg = apb.Config(model=plane.model_dir, max_queued=engine.max_queued,
                          prefix_cache=cfg.enable_prefix_cache, watermark=cfg.watermark,
                          workers=plane.workers.addresses, draining=engine.draining,
                          ready=engine.ready, in_flight_requests=len(engine.requests))
@@ -164,6 +192,7 @@ class AdminService(apb_grpc.AdminServicer):
             model = request.model or self.plane.model_dir
             try:
                 tokenizer = await asyncio.to_thread(ModelTokenizer, model)
+                await asyncio.to_thread(lambda: tokenizer.max_token_bytes)   # off the loop
                 await asyncio.to_thread(self.plane.requests.load_assets, model)   # its chat template
             except Exception as exc:  # noqa: BLE001 - a bad directory, on this plane
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

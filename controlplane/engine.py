@@ -17,7 +17,7 @@ import time
 
 import grpc
 
-from controlplane import step_codec
+from controlplane import limits, step_codec
 from controlplane.block_manager import BlockManager
 from controlplane.inflight import InFlightSteps
 from controlplane.policy import Policy
@@ -40,7 +40,9 @@ class EngineConfig:
     policy: Policy = dataclasses.field(default_factory=Policy)
     enable_prefix_cache: bool = True
     watermark: float = 0.01            # fraction of KV blocks admission leaves free
-    max_queued: int = 0                # waiting sequences at most (0 = unbounded); RESOURCE_EXHAUSTED
+    max_queued: int | None = None      # waiting sequences at most (None: limits.default_max_queued
+                                       # of the running cap; 0: unbounded); RESOURCE_EXHAUSTED beyond
+    fair_share: bool = True            # tenants share running slots and KV blocks (controlplane.fairness)
     reconnect_interval_s: float = 1.0
     pipeline_depth: int = 3            # steps in flight; 1 = no overlap (each step answered at once)
     outage_deadline_s: float = 60.0    # requests wait this long for a lost data plane to return
@@ -89,7 +91,16 @@ class Engine:
         max_running = min([cfg.max_running] + [i.max_num_seqs for i in infos if i.max_num_seqs])
         max_tokens = min([cfg.max_batched_tokens] + [i.max_batched_tokens for i in infos
                                                       if i.max_batched_tokens])
-        self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark)
+        self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark,
+                                   fair_share=cfg.fair_share)
+
+    @property
+    def max_queued(self) -> int:
+        """Waiting sequences admitted at most (0: unbounded)."""
+        if self.config.max_queued is not None:
+            return self.config.max_queued
+        running = self.scheduler.max_running if self.scheduler is not None else self.config.max_running
+        return limits.default_max_queued(running)
 
     @property
     def ready(self) -> bool:

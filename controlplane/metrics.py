@@ -146,6 +146,10 @@ class ControlPlaneMetrics(Exporter):
         self.dataplane_given_up = Gauge(p + "dataplane_given_up", "1 once `headrace serve` stopped "
                                         "restarting its data plane after repeated load failures.",
                                         multiprocess_mode="max", registry=r)
+        self.abandoned_streams = Counter(
+            p + "request_abandoned", "Response streams that ended before their last response, by "
+            "reason: client_cancel, deadline, disconnect (the client left), server_abort (drain, "
+            "reload, data plane lost, shutdown).", ["reason"], registry=r)
         self.registry.register(_EngineState(self))
 
     def bind(self, engine) -> None:
@@ -159,6 +163,9 @@ class ControlPlaneMetrics(Exporter):
 
     def rpc_error(self, method: str, code: grpc.StatusCode, api: str = "grpc") -> None:
         self.errors.labels(method, code.name, api).inc()
+
+    def abandoned(self, reason: str) -> None:
+        self.abandoned_streams.labels(reason).inc()
 
     def api_request(self, api: str, method: str) -> None:
         self.api_requests.labels(api, method).inc()

@@ -43,6 +43,7 @@ class Request:
     request_id: str
     n: int = 1
     stream_interval: int = 0   # tokens per streamed message at least (0: the engine's default)
+    tenant: str = ""           # the client it is served for (fair share: ``controlplane.fairness``)
     sequences: list["Sequence"] = dataclasses.field(default_factory=list)
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     failure: Failure | None = None

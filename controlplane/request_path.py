@@ -1,6 +1,13 @@
 """The transport-neutral request path every public API shares (gRPC ``Inference`` and the
 OpenAI-compatible HTTP API): readiness, queue limit, sampling defaults, chat rendering,
-validation, duplicate ids, tracing, per-API metrics, submission, streaming and abort-on-exit.
+validation, duplicate ids, tracing, per-API metrics, submission, streaming and abort-on-exit;
+the per-request admission bounds (``controlplane.limits``: text size, ``n``, queue) and the
+client's tenant (its API token, or a trusted ``x-headrace-tenant`` header).
+
+Tokenization and chat rendering of long texts run off the event loop
+(``controlplane.tokenizer.off_loop``), after every cheap check passed, so one client's prompt
+never delays another's tokens. Every stream that ends before its last response (client cancel,
+deadline, disconnect, server abort) is logged and counted with its reason.
 
 ``generate`` yields ``GenerateResponse`` messages and raises ``RequestError`` (a gRPC status code
 and a message) for every refusal; each transport maps it to its own status. A consumer that stops
@@ -19,16 +26,19 @@ import structlog
 from opentelemetry import trace
 
 from common import tracing
+from common.logs import get_logger
+from common.security import DEFAULT_TENANT, ApiTokens
+from controlplane import limits
 from controlplane.chat_template import ChatTemplate, ChatTemplateError
 from controlplane.engine import Engine
-from common.logs import get_logger
 from controlplane.sampling_defaults import SamplingDefaults
-from controlplane.tokenizer import ModelTokenizer
-from controlplane.validation import MAX_PROMPT_CHARS, ValidationError, build_request, check_text
+from controlplane.tokenizer import INLINE_CHARS, ModelTokenizer, off_loop
+from controlplane.validation import ValidationError, build_request, check_request, check_text
 from headrace.v1 import inference_pb2 as pb
 
 log = get_logger("headrace.request")
 MAX_MESSAGES = 4096
+TENANT_HEADER = "x-headrace-tenant"
 
 
 class RequestError(Exception):
@@ -57,9 +67,12 @@ class RequestPath:
 
     def __init__(self, engine: Engine, model_dir: str, tokenizer: ModelTokenizer, *,
                  chat_template: str | None = None, generation_config: str = "auto",
-                 log_prompts: bool = False):
+                 log_prompts: bool = False, tokens: ApiTokens | None = None,
+                 trust_tenant_header: bool = False, max_n: int = limits.DEFAULT_MAX_N):
         self.engine = engine
         self.log_prompts = log_prompts
+        self.tokens, self.trust_tenant_header = tokens or ApiTokens(), trust_tenant_header
+        self.max_n = max_n
         self.chat_template_file = chat_template
         self.generation_config = generation_config
         self.tracer = tracing.get_tracer("headrace.controlplane")   # None: tracing off
@@ -91,10 +104,23 @@ class RequestPath:
         if not self.engine.healthy or self.engine.info is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)")
 
+    @property
+    def max_text_bytes(self) -> int:
+        """The longest text worth tokenizing for the served model (``controlplane.limits``)."""
+        return limits.max_text_bytes(self.engine.max_model_len, self.tokenizer.max_token_bytes)
+
+    def tenant_of(self, metadata: Iterable[tuple[str, str]]) -> str:
+        """The caller's tenant: a trusted ``x-headrace-tenant`` header, else its API token's."""
+        headers = dict(metadata)
+        if self.trust_tenant_header and headers.get(TENANT_HEADER):
+            return headers[TENANT_HEADER][:64]
+        if self.tokens:
+            return self.tokens.tenant(headers.get("authorization")) or DEFAULT_TENANT
+        return DEFAULT_TENANT
+
     # -- input -----------------------------------------------------------------------------
-    def render_chat(self, chat: pb.ChatMessages) -> list[int]:
-        """The prompt ids of a conversation: rendered with the chat template and tokenized
-        without adding special tokens (the template writes them)."""
+    def check_chat(self, chat: pb.ChatMessages) -> int:
+        """The cheap checks of a conversation; returns its size in characters."""
         if self.chat_template is None:
             raise ValidationError("messages: the model has no chat template (no chat_template in "
                                   "tokenizer_config.json, no chat_template.jinja); start the server "
@@ -103,10 +129,18 @@ class RequestPath:
             raise ValidationError("messages must not be empty")
         if len(chat.messages) > MAX_MESSAGES:
             raise ValidationError(f"messages: at most {MAX_MESSAGES} messages")
-        size = sum(len(m.content) + len(m.extra_json) for m in chat.messages) + len(chat.tools_json) \
+        size = sum(len(m.content) + len(m.extra_json) + len(m.role) + len(m.name)
+                   for m in chat.messages) + len(chat.tools_json) \
             + len(chat.documents_json) + len(chat.template_kwargs_json)
-        if size > MAX_PROMPT_CHARS:
-            raise ValidationError(f"messages are longer than {MAX_PROMPT_CHARS} characters")
+        if size > self.max_text_bytes:
+            raise ValidationError(f"messages are longer than any prompt the model can take: at "
+                                  f"most {self.max_text_bytes} characters in all")
+        return size
+
+    def render_chat(self, chat: pb.ChatMessages) -> list[int]:
+        """The prompt ids of a conversation: rendered with the chat template and tokenized
+        without adding special tokens (the template writes them)."""
+        self.check_chat(chat)
         messages = []
         for i, m in enumerate(chat.messages):
             if not m.role:
@@ -132,20 +166,39 @@ class RequestPath:
             raise ValidationError(f"messages: {exc}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    async def chat_ids(self, chat: pb.ChatMessages) -> list[int]:
+        """``render_chat`` off the event loop when the conversation is long (ValidationError)."""
+        if self.check_chat(chat) <= INLINE_CHARS:
+            return self.render_chat(chat)
+        return await off_loop(self.render_chat, chat)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The Tokenize RPC and HTTP /tokenize: bounded like a prompt, encoded off the loop."""
         try:
-            check_text("text", text)
+            check_text("text", text, self.max_text_bytes)
         except ValidationError as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await self.tokenizer.encode_async(text, add_special_tokens)
+
+    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int] | None:
+        kind = request.WhichOneof("input")
+        if kind == "messages":
+            return await self.chat_ids(request.messages)
+        if kind == "prompt":
+            return await self.tokenizer.encode_async(request.prompt)
+        return None   # token ids: build_request takes them as they are
 
     # -- generation ------------------------------------------------------------------------
     async def generate(self, request: pb.GenerateRequest, *, api: str = "grpc",
                        method: str = "Generate", metadata: Iterable[tuple[str, str]] = (),
-                       span_name: str | None = None) -> AsyncIterator[pb.GenerateResponse]:
+                       span_name: str | None = None,
+                       gone_reason=lambda: "disconnect") -> AsyncIterator[pb.GenerateResponse]:
         """Streams the request's responses. ``api``/``method`` label the metrics; ``metadata``:
-        the caller's headers (``traceparent``); ``span_name``: open a server span (front ends
-        without tracing instrumentation)."""
+        the caller's headers (``traceparent``, the tenant's token or header); ``span_name``:
+        open a server span (front ends without tracing instrumentation); ``gone_reason()``: why
+        the consumer stopped early, as the front end knows it (client_cancel, deadline,
+        disconnect)."""
+        metadata = list(metadata)
         self.engine.telemetry.metrics.api_request(api, method)
         tracer = self.tracer if span_name else None
         with contextlib.ExitStack() as stack:
@@ -156,10 +209,11 @@ class RequestPath:
             structlog.contextvars.bind_contextvars(request_id=request.request_id,
                                                    trace_id=tracing.request_trace_id(metadata))
             try:
-                req = self._admit(request)
+                req = await self._admit(request, self.tenant_of(metadata))
             except RequestError as exc:
                 self._failed(api, method, exc)
                 raise
+            reason = None
             try:
                 while not req.delivered:
                     responses = await req.next_responses()
@@ -168,23 +222,42 @@ class RequestPath:
                     for msg in responses:
                         yield msg
             except RequestError as exc:
+                reason = "server_abort"
                 self._failed(api, method, exc)
                 raise
             finally:
+                if reason is None and not req.delivered:
+                    reason = gone_reason()
+                elif reason is None and any(s.finish_reason == pb.FINISH_REASON_ABORTED
+                                            for s in req.sequences):
+                    reason = "server_abort"   # drained or reloaded: a last ABORTED response
+                if reason is not None:
+                    self._abandoned(req, api, reason)
                 self.engine.abort(req)   # no-op when finished; frees the blocks when the client left
 
-    def _admit(self, request: pb.GenerateRequest):
+    def _check_queue(self) -> None:
+        bound = self.engine.max_queued
+        if bound and len(self.engine.scheduler.waiting) >= bound:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"queue is full ({bound} waiting sequences at most, the server's "
+                               "--max-queued); retry later")
+
+    async def _admit(self, request: pb.GenerateRequest, tenant: str):
         engine = self.engine
         self.check_ready()
-        if engine.config.max_queued and len(engine.scheduler.waiting) >= engine.config.max_queued:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"queue is full ({engine.config.max_queued} waiting); retry later")
-        try:
-            req = build_request(self.defaults.apply(request), self.tokenizer, seq_ids=engine.seq_ids,
+        self._check_queue()
+        request = self.defaults.apply(request)
+        try:   # every cheap check first: refused requests cost no tokenization
+            check_request(request, vocab_size=engine.info.vocab_size, max_model_len=engine.max_model_len,
+                          max_n=self.max_n, max_text_bytes=self.max_text_bytes)
+            ids = await self._prompt_ids(request)
+            self.check_ready()   # a drain or reload may have begun meanwhile
+            self._check_queue()
+            req = build_request(request, self.tokenizer, seq_ids=engine.seq_ids, ids=ids,
                                 vocab_size=engine.info.vocab_size, max_model_len=engine.max_model_len,
-                                eos_token_ids=list(engine.info.eos_token_ids),
-                                render_chat=self.render_chat,
-                                default_max_tokens=self.defaults.max_tokens)
+                                eos_token_ids=list(engine.info.eos_token_ids), max_n=self.max_n,
+                                default_max_tokens=self.defaults.max_tokens, tenant=tenant,
+                                checked=True)
         except ValidationError as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         if req.request_id in engine.requests:
@@ -192,10 +265,15 @@ class RequestPath:
                                f"request_id {req.request_id!r} is already in use")
         structlog.contextvars.bind_contextvars(request_id=req.request_id)
         if self.log_prompts:
-            log.info("request received", prompt=request.prompt or None,
+            log.info("request received", prompt=request.prompt or None, tenant=tenant,
                      prompt_token_ids=list(req.sequences[0].prompt_token_ids))
         engine.submit(req)
         return req
+
+    def _abandoned(self, req, api: str, reason: str) -> None:
+        self.engine.telemetry.metrics.abandoned(reason)
+        log.info("request abandoned", reason=reason, api=api, tenant=req.tenant,
+                 completion_tokens=sum(len(s.output_token_ids) for s in req.sequences))
 
     def _failed(self, api: str, method: str, exc: RequestError) -> None:
         self.engine.telemetry.metrics.rpc_error(method, exc.code, api)

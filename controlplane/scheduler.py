@@ -8,13 +8,16 @@ blocks. When a running sequence needs blocks that are not there, the policy's vi
 (never one already scheduled in this step) are preempted by recompute: their blocks are
 freed and they wait again with their generated tokens; the sequence preempts itself when
 it is the worst. A step that preempted admits nobody (no readmission thrash). Parallel samples fork from their parent once its prompt is computed,
-sharing its blocks and copying the block they will write into (copy on write).
+sharing its blocks and copying the block they will write into (copy on write). With
+``fair_share``, tenants share the running slots and blocks while more than one has work
+(``controlplane.fairness``: the order of admission, preemption for an under-share tenant).
 """
 
 from __future__ import annotations
 
 import time
 
+from controlplane import fairness
 from controlplane.block_manager import BlockManager
 from controlplane.policy import Policy
 from controlplane.request import Sequence, Status
@@ -26,13 +29,14 @@ TIME_RECHECK_S = 0.01   # how often waiting work is looked at again while only t
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int,
                  policy: Policy | None = None, watermark: float = 0.01,
-                 clock=time.monotonic):
+                 clock=time.monotonic, fair_share: bool = True):
         self.blocks = blocks
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
         self.policy = policy or Policy()
         self.watermark_blocks = int(watermark * blocks.num_blocks)
         self.clock = clock
+        self.fair_share = fair_share
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._pending_forks: dict[int, list[Sequence]] = {}  # parent seq id -> children
@@ -120,7 +124,7 @@ class Scheduler:
         self._forked.clear()
         self.blocks.reset_cache()
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
         seq.num_preemptions += 1
@@ -128,15 +132,15 @@ class Scheduler:
         self._enqueue(seq)
 
     # -- one step -----------------------------------------------------------------------
-    def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
-        """Preempts victims until ``seq`` can cover ``num_tokens``; False if it cannot."""
-        key = self.policy.victim_key
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int], key) -> bool:
+        """Preempts victims (highest ``key`` first) until ``seq`` can cover ``num_tokens``;
+        False if it cannot."""
         while not self.blocks.can_grow(seq.seq_id, num_tokens):
             victims = [r for r in self.running if r.seq_id not in scheduled and r is not seq
                        and key(r) > key(seq)]
             if not victims:
                 return False
-            self._preempt(max(victims, key=key))
+            self.preempt(max(victims, key=key))
         return True
 
     def _register(self, seq: Sequence, end: int) -> None:
@@ -154,6 +158,11 @@ class Scheduler:
                 step.new.append(NewSeq(child, 1, self.blocks.block_ids(child.seq_id)))
                 scheduled.add(child.seq_id)
                 budget -= 1
+        shares = fairness.Shares.of(self) if self.fair_share else None
+        if shares is not None:   # under-share tenants that wait get room first
+            shares.make_room(shares.order(self.policy.order_waiting(self.waiting, now)), scheduled)
+            shares = fairness.Shares.of(self)
+        victim_key = self.policy.victim_key if shares is None else shares.victim_key
         unsent = {s.seq_id for s in self._forked}
         skip = scheduled | unsent
         blocks, bs = self.blocks, self.blocks.block_size
@@ -174,9 +183,9 @@ class Scheduler:
                 continue   # its last token is still in flight
             new_blocks: list[int] | tuple = ()
             if needs_blocks(seq.seq_id, start + n):   # the common decode does not
-                if not self._make_room(seq, start + n, scheduled):
+                if not self._make_room(seq, start + n, scheduled, victim_key):
                     if not seq.in_prefill:
-                        self._preempt(seq)   # a decode that cannot grow gives its blocks back
+                        self.preempt(seq)   # a decode that cannot grow gives its blocks back
                         continue
                     n = blocks.max_tokens_growable(seq.seq_id) - start
                     if n < 1:
@@ -193,7 +202,8 @@ class Scheduler:
         # A step that had to preempt admits nothing: the victims would be readmitted at once
         # and throw their KV away again (thrashing) while running work still needs blocks.
         admit = self.waiting if self.num_preemptions == preemptions_before else []
-        for seq in self.policy.order_waiting(admit, now):
+        ordered = self.policy.order_waiting(admit, now)
+        for seq in ordered if shares is None else shares.order(ordered):
             if budget < 1 or len(self.running) >= self.max_running:
                 break
             if seq.num_inflight:

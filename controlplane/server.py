@@ -5,7 +5,9 @@ servers, the OpenAI-compatible HTTP front end and the engine (``controlplane.cor
 
 ``headrace serve`` runs the engine core and the front ends as separate processes
 (``controlplane.core.server``, ``controlplane.frontend.server``); ``ControlPlane`` is the
-in-process composition the tests and embedders use."""
+in-process composition the tests and embedders use. The receive limit (and the HTTP body
+limit) is the largest valid request of the model served (``controlplane.limits``), not a fixed
+size."""
 
 from __future__ import annotations
 
@@ -17,9 +19,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import net, security, tracing
-from common.grpc_options import PUBLIC_MAX_MESSAGE_BYTES, server_options
-from controlplane import reflection
-from controlplane.admin import AdminService
+from common.grpc_options import PUBLIC_MAX_SEND_BYTES, server_options
+from controlplane import limits, reflection
+from controlplane.admin import AdminService, admin_access
 from controlplane.core.plane import EnginePlane
 from controlplane.engine import EngineConfig
 from controlplane.http.server import HttpFrontEnd, http_host
@@ -36,11 +38,24 @@ INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 ADMIN = apb.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
+def request_limits(model_dir: str, tokenizer, max_model_len: int | None) -> tuple[int, int]:
+    """The largest valid gRPC request and HTTP body, in bytes, for this model: bounded by the
+    text its context can need (``controlplane.limits``), so an oversized call is refused
+    before it costs memory."""
+    context = limits.context_bound(model_dir, max_model_len)
+    text = limits.max_text_bytes(context, tokenizer.max_token_bytes)
+    return limits.max_request_bytes(text, context), limits.max_http_body_bytes(text, context)
+
+
 def public_server(metrics: ControlPlaneMetrics, inference, admin, health_servicer, *,
-                  api_token: str | None = None, shared_port: bool = False) -> grpc.aio.Server:
+                  api_token=None, shared_port: bool = False,
+                  max_message_bytes: int) -> grpc.aio.Server:
     """The public gRPC server with its interceptors (tracing, bearer token, error counts) and
     services: ``inference`` (Inference), ``admin`` (Admin), health and reflection.
-    ``shared_port``: bind with SO_REUSEPORT (API front ends), else exclusively."""
+    ``api_token``: ``security.ApiTokens`` (or what ``security.as_tokens`` takes);
+    ``shared_port``: bind with SO_REUSEPORT (API front ends), else exclusively;
+    ``max_message_bytes``: the receive limit (``request_limits``)."""
+    api_token = security.as_tokens(api_token)
     interceptors = [MetricsInterceptor(metrics, skip=(f"/{INFERENCE}/Generate",))]
     if api_token:   # the Admin service checks its own token
         interceptors.insert(0, security.BearerTokenInterceptor(api_token, exempt=(f"/{ADMIN}/",)))
@@ -51,7 +66,7 @@ def public_server(metrics: ControlPlaneMetrics, inference, admin, health_service
         quiet = filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection"))
         interceptors.insert(0, aio_server_interceptor(tracer_provider=provider,
                                                       filter_=filters.negate(quiet)))
-    options = server_options(PUBLIC_MAX_MESSAGE_BYTES)
+    options = server_options(max_message_bytes, PUBLIC_MAX_SEND_BYTES)
     if shared_port:
         options = [o for o in options if o != net.GRPC_EXCLUSIVE_PORT] + [net.GRPC_SHARED_PORT]
     server = grpc.aio.server(options=options, interceptors=interceptors)
@@ -93,14 +108,17 @@ class ControlPlane:
     ready (health SERVING when the workers have answered).
 
     ``metrics_port`` and ``http_port``: None serves none, 0 an ephemeral port
-    (``self.metrics_port`` / ``self.http.port`` tell which). ``admin_token``: see
-    ``controlplane.admin``."""
+    (``self.metrics_port`` / ``self.http.port`` tell which); ``metrics_host`` defaults to the
+    API's host. ``admin_token``: see ``controlplane.admin``. ``api_token``: a token, a list of
+    ``[TENANT=]TOKEN`` entries or ``security.ApiTokens``; ``trust_tenant_header``: take the
+    tenant from ``x-headrace-tenant`` (a gateway in front sets it); ``max_n``: the cap on n."""
 
     def __init__(self, model_dir: str, worker_addresses: list[str], address: str,
                  config: EngineConfig | None = None, *, metrics_port: int | None = None,
-                 metrics_host: str = "127.0.0.1", admin_token: str | None = None,
+                 metrics_host: str | None = None, admin_token: str | None = None,
                  log_requests: bool = True, log_prompts: bool = False,
-                 api_token: str | None = None, tls: grpc.ServerCredentials | None = None,
+                 api_token=None, trust_tenant_header: bool = False,
+                 max_n: int = limits.DEFAULT_MAX_N, tls: grpc.ServerCredentials | None = None,
                  worker_credentials: grpc.ChannelCredentials | None = None,
                  worker_secret: str | None = None, http_port: int | None = None,
                  chat_template: str | None = None, generation_config: str = "auto",
@@ -109,20 +127,25 @@ class ControlPlane:
                                 log_requests=log_requests,
                                 log_prompts=log_prompts, worker_credentials=worker_credentials,
                                 worker_secret=worker_secret, chat_template=chat_template,
-                                generation_config=generation_config)
+                                generation_config=generation_config,
+                                tokens=security.as_tokens(api_token),
+                                trust_tenant_header=trust_tenant_header, max_n=max_n)
         self.metrics, self.workers, self.engine = self.core.metrics, self.core.workers, self.core.engine
         self.requests = self.core.requests
         self.tls, self.api_token = tls, api_token
         self.address = address
-        self.metrics_port, self.metrics_host = metrics_port, metrics_host
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host or http_host(address)
         self.health = health.aio.HealthServicer()
+        tokens = security.as_tokens(api_token)
+        self.max_message_bytes, max_body = request_limits(model_dir, self.core.tokenizer,
+                                                          self.engine.config.max_model_len)
         self.inference = InferenceService(self.requests, len(worker_addresses))
         self.http = None if http_port is None else HttpFrontEnd(
-            self.requests, http_host(address), http_port, api_token,
-            tensor_parallel_size=len(worker_addresses), ssl=http_tls)
-        self.admin = AdminService(self.core, admin_token)
+            self.requests, http_host(address), http_port, tokens,
+            tensor_parallel_size=len(worker_addresses), ssl=http_tls, max_body=max_body)
+        self.admin = AdminService(self.core, admin_token, enabled=admin_access(address, admin_token))
         self.server = public_server(self.metrics, self.inference, self.admin, self.health,
-                                    api_token=api_token)
+                                    api_token=tokens, max_message_bytes=self.max_message_bytes)
         self.port = 0
         self._background = BackgroundTasks()
         self.core.on_change.append(lambda: self._background.spawn(self.sync_health()))
@@ -157,7 +180,8 @@ class ControlPlane:
             except OSError as exc:   # serve anyway: a taken metrics port must not stop inference
                 log.error("cannot serve metrics on port %s: %s", self.metrics_port, exc)
                 self.metrics_port = None
-        log.info("control plane listening on %s; waiting for the data plane", self.address)
+        log.info("control plane listening on %s (requests up to %d bytes); waiting for the data "
+                 "plane", self.address, self.max_message_bytes)
         warn_if_open(self.address, self.tls, self.api_token)
         await self.core.start(ready_timeout)
         await self.sync_health()

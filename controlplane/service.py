@@ -19,6 +19,12 @@ log = get_logger("headrace.service")
 NOT_READY = "model is not ready (loading or data plane down)"
 
 
+def _gone_reason(context) -> str:
+    """Why a Generate stream stopped early on the client's side: its deadline or a cancel."""
+    remaining = context.time_remaining()
+    return "deadline" if remaining is not None and remaining <= 0.001 else "client_cancel"
+
+
 class InferenceService(pb_grpc.InferenceServicer):
     """The gRPC front end of ``RequestPath``."""
 
@@ -31,7 +37,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         error = None
         try:
             async with contextlib.aclosing(self.path.generate(
-                    request, api="grpc", metadata=context.invocation_metadata())) as responses:
+                    request, api="grpc", metadata=context.invocation_metadata() or (),
+                    gone_reason=lambda: _gone_reason(context))) as responses:
                 async for msg in responses:
                     yield msg
         except RequestError as exc:   # counted and logged by the request path
@@ -47,7 +54,7 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context):
         try:
-            ids = self.path.tokenize(request.text, request.add_special_tokens)
+            ids = await self.path.tokenize(request.text, request.add_special_tokens)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
         return pb.TokenizeResponse(token_ids=ids, tokens=self.path.tokenizer.tokens(ids))

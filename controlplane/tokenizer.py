@@ -1,7 +1,16 @@
-"""Tokenization and incremental detokenization with the Hugging Face ``tokenizers`` library."""
+"""Tokenization and incremental detokenization with the Hugging Face ``tokenizers`` library.
+
+Encoding never runs long on the event loop: texts above ``INLINE_CHARS`` are encoded in a small
+thread pool shared by every tokenizer (``TOKENIZE_THREADS`` at once, the rest queue), through
+``encode_batch``, which releases the GIL while it works (``encode`` holds it: measured, an 8 s
+stall of every other thread on a 4 MB text). ``max_token_bytes`` (the longest token's UTF-8
+text, from the vocabulary) bounds how much text a prompt of a given length can be."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import functools
 import json
 import pathlib
 
@@ -11,6 +20,14 @@ from tokenizers.decoders import DecodeStream
 # Prompt tokens given to a new decode stream so the first output token decodes in context
 # (leading-space handling of SentencePiece-style decoders).
 _CONTEXT_TOKENS = 4
+INLINE_CHARS = 1024       # shorter texts are encoded at once (well under a millisecond)
+TOKENIZE_THREADS = 2      # encodes (and chat renders) running at once; more wait their turn
+_POOL = concurrent.futures.ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="headrace-tokenize")
+
+
+async def off_loop(fn, *args, **kwargs):
+    """Runs ``fn`` in the tokenization pool; the event loop serves other clients meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(fn, *args, **kwargs))
 
 
 class ModelTokenizer:
@@ -30,7 +47,21 @@ class ModelTokenizer:
         return None if token is None else self.tokenizer.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    async def encode_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) <= INLINE_CHARS:
+            return self.encode(text, add_special_tokens)
+        return await off_loop(self.encode, text, add_special_tokens)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest token's text (special tokens included): a prompt of N
+        tokens is at most N times this long, but for text the normaliser drops (hence the
+        margin of ``controlplane.limits``)."""
+        size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        texts = self.tokenizer.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+        return max(1, max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=1))
 
     def tokens(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.id_to_token(i) or "" for i in ids]

@@ -1,7 +1,9 @@
 """Validates a ``GenerateRequest`` and turns it into a control-plane ``Request``.
 
 Every problem raises ``ValidationError`` naming the field, before any work is done; the
-service answers it with ``INVALID_ARGUMENT``.
+service answers it with ``INVALID_ARGUMENT``. ``check_request`` makes every cheap check (the
+text's size bound among them) so that the request path tokenizes only requests that can be
+served; ``build_request`` then makes the ``Request`` from the prompt's ids.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import math
 import uuid
 
+from controlplane import limits
 from controlplane.output import OutputText
 from controlplane.request import Request, Sequence
 from controlplane.tokenizer import ModelTokenizer
@@ -20,8 +23,6 @@ MAX_STOP_LEN = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
 MAX_REQUEST_ID_LEN = 256
-MAX_PROMPT_CHARS = 4 << 20
-MAX_N = 64
 
 
 class ValidationError(ValueError):
@@ -42,9 +43,10 @@ def _in_vocab(name: str, ids, vocab_size: int) -> None:
     _check(bad is None, f"{name}: token id {bad} is out of vocabulary (size {vocab_size})")
 
 
-def check_text(name: str, text: str) -> None:
-    """A text to tokenize (a prompt, a Tokenize request) is at most MAX_PROMPT_CHARS long."""
-    _check(len(text) <= MAX_PROMPT_CHARS, f"{name} is longer than {MAX_PROMPT_CHARS} characters")
+def check_text(name: str, text: str, max_bytes: int) -> None:
+    """A text to tokenize (a prompt, a Tokenize request) is at most ``max_bytes`` long."""
+    problem = limits.text_too_long(name, text, max_bytes)
+    _check(problem is None, problem or "")
 
 
 def _sampling(s: pb.SamplingParams, vocab_size: int) -> wpb.Sampling:
@@ -71,36 +73,19 @@ def _sampling(s: pb.SamplingParams, vocab_size: int) -> wpb.Sampling:
                         seed=s.seed)
 
 
-def prompt_ids(req: pb.GenerateRequest, tokenizer: ModelTokenizer, vocab_size: int,
-               render_chat=None) -> list[int]:
-    kind = req.WhichOneof("input")
-    _check(kind is not None, "prompt: set one of prompt, prompt_token_ids or messages")
-    if kind == "messages":
-        _check(render_chat is not None, "messages: chat is not available here")
-        ids = render_chat(req.messages)
-        _check(len(ids) > 0, "messages: the chat template rendered no tokens")
-        return ids
-    if kind == "prompt":
-        _check(req.prompt != "", "prompt must not be empty")
-        check_text("prompt", req.prompt)
-        ids = tokenizer.encode(req.prompt)
-        _check(len(ids) > 0, "prompt tokenizes to no tokens")
-        return ids
+def token_prompt(req: pb.GenerateRequest, vocab_size: int) -> list[int]:
+    """The ids of a ``prompt_token_ids`` request."""
     ids = list(req.prompt_token_ids.ids)
     _check(len(ids) > 0, "prompt_token_ids must not be empty")
     _in_vocab("prompt_token_ids", ids, vocab_size)
     return ids
 
 
-def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids,
-                  vocab_size: int, max_model_len: int, eos_token_ids: list[int],
-                  render_chat=None, default_max_tokens: int | None = None) -> Request:
-    """A validated Request with its ``n`` sequences (ids drawn from the ``seq_ids`` iterator).
-    ``render_chat(pb.ChatMessages) -> ids`` serves ``messages``; ``default_max_tokens`` (the
-    model's max_new_tokens) applies, capped by the room left, when max_tokens is unset."""
-    rid = req.request_id or uuid.uuid4().hex
+def check_request(req: pb.GenerateRequest, *, vocab_size: int, max_model_len: int,
+                  max_n: int = limits.DEFAULT_MAX_N, max_text_bytes: int | None = None) -> None:
+    """Every check that needs no tokenization (``max_text_bytes``: the prompt text's bound)."""
+    rid = req.request_id
     _check(len(rid) <= MAX_REQUEST_ID_LEN, f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
-    # Cheap checks first so absurd requests cost no tokenization.
     _check(len(req.stop) <= MAX_STOP_STRINGS, f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}")
     _check(all(0 < len(s) <= MAX_STOP_LEN for s in req.stop),
            f"stop: each stop string must have 1 to {MAX_STOP_LEN} characters")
@@ -108,18 +93,45 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids
            f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids")
     _in_vocab("stop_token_ids", req.stop_token_ids, vocab_size)
     _check(0 <= req.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
-    _check(req.n <= MAX_N, f"n must be in [1, {MAX_N}], got {req.n}")
+    _check(req.n <= max_n, f"n must be in [1, {max_n}] (the server's --max-n), got {req.n}")
     _check(req.min_tokens >= 0, f"min_tokens must be >= 0, got {req.min_tokens}")
     if req.HasField("max_tokens"):
         _check(req.max_tokens >= 1, f"max_tokens must be >= 1, got {req.max_tokens}")
         _check(req.max_tokens < max_model_len,
                f"max_tokens {req.max_tokens} exceeds max_model_len {max_model_len}")
-    if req.WhichOneof("input") == "prompt_token_ids":
+    _sampling(req.sampling, vocab_size)
+    kind = req.WhichOneof("input")
+    _check(kind is not None, "prompt: set one of prompt, prompt_token_ids or messages")
+    if kind == "prompt_token_ids":
         n = len(req.prompt_token_ids.ids)
         _check(n < max_model_len,
                f"prompt_token_ids has {n} tokens; max_model_len is {max_model_len}")
+        token_prompt(req, vocab_size)
+    elif kind == "prompt":
+        _check(req.prompt != "", "prompt must not be empty")
+        if max_text_bytes is not None:
+            check_text("prompt", req.prompt, max_text_bytes)
+
+
+def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids,
+                  vocab_size: int, max_model_len: int, eos_token_ids: list[int],
+                  ids: list[int] | None = None, max_n: int = limits.DEFAULT_MAX_N,
+                  default_max_tokens: int | None = None, tenant: str = "",
+                  checked: bool = False) -> Request:
+    """A validated Request with its ``n`` sequences (ids drawn from the ``seq_ids`` iterator).
+    ``ids``: the prompt's ids, tokenized (or rendered) by the caller; without them a
+    ``prompt`` is tokenized here. ``default_max_tokens`` (the model's max_new_tokens) applies,
+    capped by the room left, when max_tokens is unset. ``checked``: ``check_request`` passed."""
+    if not checked:
+        check_request(req, vocab_size=vocab_size, max_model_len=max_model_len, max_n=max_n)
+    rid = req.request_id or uuid.uuid4().hex
     sampling = _sampling(req.sampling, vocab_size)
-    ids = prompt_ids(req, tokenizer, vocab_size, render_chat)
+    if ids is None:
+        kind = req.WhichOneof("input")
+        _check(kind != "messages", "messages: chat is not available here")
+        ids = token_prompt(req, vocab_size) if kind == "prompt_token_ids" else tokenizer.encode(req.prompt)
+    _check(len(ids) > 0, "prompt tokenizes to no tokens" if req.WhichOneof("input") == "prompt"
+           else "messages: the chat template rendered no tokens")
     _check(len(ids) < max_model_len,
            f"prompt has {len(ids)} tokens; max_model_len is {max_model_len} "
            "(the KV pool and the model's context bound it; at least one output token must fit)")
@@ -132,7 +144,8 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids
     sampling.logprobs = req.logprobs
     sampling.min_tokens = req.min_tokens
     sampling.stop_token_ids.extend(sorted(stop_ids))
-    request = Request(request_id=rid, n=max(1, req.n), stream_interval=req.stream_interval)
+    request = Request(request_id=rid, n=max(1, req.n), stream_interval=req.stream_interval,
+                      tenant=tenant)
     for index in range(request.n):
         seq_sampling = wpb.Sampling()
         seq_sampling.CopyFrom(sampling)

@@ -37,12 +37,14 @@ class Planes:
                  block_size: int = 16, config: EngineConfig | None = None,
                  workers: list[str] | None = None, worker_address: str | None = None,
                  worker_options: dict | None = None, plane_options: dict | None = None,
-                 secure_channel: grpc.ChannelCredentials | None = None, split: bool = False):
+                 secure_channel: grpc.ChannelCredentials | None = None, split: bool = False,
+                 host: str = "127.0.0.1"):
         """``worker_options`` go to the data plane's ``serve`` (credentials, secret),
         ``plane_options`` to ``ControlPlane`` (api_token, tls, worker_credentials, ...).
         ``split``: an engine core and one API front end (the layout of ``headrace serve``, here
         in one event loop over the core's unix socket) instead of ``ControlPlane``; then
-        ``self.plane`` is the front end and ``self.core`` the core."""
+        ``self.plane`` is the front end and ``self.core`` the core. ``host``: where the control
+        plane listens (clients connect on 127.0.0.1)."""
         self._tmp = tempfile.mkdtemp(prefix="headrace-test-")
         self.worker = self.worker_server = None
         self.worker_options = worker_options or {}
@@ -60,7 +62,7 @@ class Planes:
         self._thread.start()
 
         async def build():
-            plane = ControlPlane(str(model_dir), workers, "127.0.0.1:0", config, **(plane_options or {}))
+            plane = ControlPlane(str(model_dir), workers, f"{host}:0", config, **(plane_options or {}))
             await plane.start(ready_timeout=180)   # several ranks load at once on 2 cores
             return plane
 

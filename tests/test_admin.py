@@ -60,7 +60,7 @@ def _wait(predicate, timeout=20.0) -> bool:
 def test_get_config_reports_the_live_configuration(planes):
     cfg = planes.admin.GetConfig(apb.GetConfigRequest())
     assert cfg.policy.name == "fifo" and not cfg.policy.HasField("aging_rate")
-    assert cfg.max_running == 1 and cfg.max_batched_tokens == 2048 and cfg.max_queued == 0
+    assert cfg.max_running == 1 and cfg.max_batched_tokens == 2048 and cfg.max_queued == 4   # 4 x max_running
     assert cfg.num_kv_blocks == 64 and cfg.kv_block_size == 16 and cfg.max_model_len == 256
     assert cfg.ready and not cfg.draining
     assert cfg.worker_max_running == planes.worker.opts.max_num_seqs

@@ -4,12 +4,14 @@ and `headrace generate` streams text from it; SIGTERM stops both planes. The ser
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -24,9 +26,10 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(180)
 def test_serve_without_arguments_then_generate_streams_text(tmp_path):
-    port = _free_port()
+    port, http_port = _free_port(), _free_port()
     env = dict(os.environ, HEADRACE_LOG_LEVEL="WARNING")
-    serve = BLOCK_TORCH + f"from cli.main import main\nsys.exit(main(['serve', '--port', '{port}']))"
+    serve = BLOCK_TORCH + ("from cli.main import main\n"
+                           f"sys.exit(main(['serve', '--port', '{port}', '--http-port', '{http_port}']))")
     log = open(tmp_path / "serve.log", "w+")   # a file, not a pipe: nothing can block on it
     server = subprocess.Popen([sys.executable, "-c", serve], env=env, start_new_session=True,
                               stderr=log)
@@ -41,6 +44,13 @@ def test_serve_without_arguments_then_generate_streams_text(tmp_path):
         assert len(words) >= 3, out.stdout
         assert sum(w.isalpha() for w in words) >= 2, out.stdout   # word-like text
         assert "[length: 24 tokens]" in out.stderr or "[stop:" in out.stderr
+        # the same server answers OpenAI-style HTTP beside gRPC
+        body = json.dumps({"messages": [{"role": "user", "content": "Good morning"}],
+                           "max_tokens": 4}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions",
+                                         data=body, headers={"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        assert reply["choices"][0]["finish_reason"] in ("length", "stop")
         listed = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True, text=True)
         children = [int(p) for p in listed.stdout.split()]
         assert children, "serve runs the data plane as a child process"

@@ -39,6 +39,8 @@ def _env(**extra) -> dict:
 
 
 def _headrace(*args, timeout=90, **env) -> subprocess.CompletedProcess:
+    if args[0] in ("serve", "controlplane") and "--http-port" not in args:
+        args += ("--http-port", "0")   # not the default 8000, which a parallel run may hold
     return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=_env(**env), cwd=ROOT)
 
@@ -156,10 +158,10 @@ def test_serve_listens_on_loopback_by_default_and_leaves_no_temporary_directory(
     shutil.copytree(model_dir, snapshot)
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("c" * 40)
-    port, metrics = _free_port(), _free_port()
+    port, metrics, http = _free_port(), _free_port(), _free_port()
     server = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--model", "org/tiny",
                                "--port", str(port), "--metrics-port", str(metrics),
-                               "--dataplane-metrics-port", "0"],
+                               "--dataplane-metrics-port", "0", "--http-port", str(http)],
                               env=_env(TMPDIR=str(tmp_path), HF_HOME=str(tmp_path / "hf"),
                                        HF_HUB_OFFLINE="1"),
                               cwd=tmp_path, start_new_session=True)
@@ -172,7 +174,7 @@ def test_serve_listens_on_loopback_by_default_and_leaves_no_temporary_directory(
 
         with Client(f"127.0.0.1:{port}") as client:
             assert client.model_info().model_name == "org/tiny"
-        for bound in (port, metrics):   # 127.0.0.1 (maybe v4-mapped), never 0.0.0.0 or ::
+        for bound in (port, metrics, http):   # 127.0.0.1 (maybe v4-mapped), never 0.0.0.0 or ::
             assert _listening(bound) and _listening(bound) <= LOOPBACK, _listening(bound)
         assert list(tmp_path.glob("headrace-*")), "serve's socket directory exists while it runs"
     finally:

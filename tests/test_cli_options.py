@@ -104,7 +104,7 @@ def test_cuda_graphs_flag_pair():
 
 def test_grpc_keepalive_settings_agree_across_the_planes():
     server = dict(grpc_options.server_options(grpc_options.STEP_MAX_MESSAGE_BYTES))
-    public = dict(grpc_options.server_options(grpc_options.PUBLIC_MAX_MESSAGE_BYTES))
+    public = dict(grpc_options.server_options(1 << 20, grpc_options.PUBLIC_MAX_SEND_BYTES))
     channel = dict(grpc_options.channel_options())
     # a channel never pings more often than a server accepts (else: GOAWAY too_many_pings)
     assert channel["grpc.keepalive_time_ms"] >= server["grpc.http2.min_ping_interval_without_data_ms"]
@@ -113,4 +113,5 @@ def test_grpc_keepalive_settings_agree_across_the_planes():
         assert server[key] == public[key] == channel[key]
     # the channel takes any message a data plane server may send
     assert channel["grpc.max_receive_message_length"] >= server["grpc.max_send_message_length"]
-    assert public["grpc.max_receive_message_length"] == 64 << 20
+    assert public["grpc.max_receive_message_length"] == 1 << 20
+    assert public["grpc.max_send_message_length"] == grpc_options.PUBLIC_MAX_SEND_BYTES

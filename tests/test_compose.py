@@ -40,6 +40,9 @@ def test_compose_declares_the_operations_stack():
         env = service["environment"]
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
         assert env["OTEL_SERVICE_NAME"] == f"headrace-{name}"
+        # the planes share a secret that the file does not default (compose refuses to start without it)
+        assert env["HEADRACE_WORKER_SECRET"].startswith("${HEADRACE_WORKER_SECRET:?")
+        assert "HEADRACE_API_TOKEN" not in env or name == "controlplane"
     # Prometheus scrapes both planes; the collector forwards traces to Jaeger
     prom = _load(ROOT / "deploy" / "prometheus.yml")
     targets = {t for job in prom["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
@@ -59,6 +62,7 @@ def test_cpu_variant_runs_without_gpus():
     assert "deploy" not in worker and "cpu" in worker["command"]
     assert worker["networks"]["default"]["aliases"] == ["dataplane"]
     assert worker["healthcheck"]["test"][:3] == ["CMD", "headrace", "health"]
+    assert worker["environment"]["HEADRACE_WORKER_SECRET"].startswith("${HEADRACE_WORKER_SECRET:?")
     assert cpu["controlplane"]["image"] == worker["image"] == "headrace:cpu"
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "ARG BASE_IMAGE" in dockerfile and "ENTRYPOINT" in dockerfile
@@ -80,7 +84,7 @@ def test_compose_config_is_valid(files):
         pytest.skip("no compose CLI installed (docker compose / docker-compose); .ci/run installs one")
     args = [a for f in files for a in ("-f", str(f))]
     done = subprocess.run(cli + args + ["config", "-q"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "HEADRACE_MODEL": "/models/x"})
+                          env={**os.environ, "HEADRACE_MODEL": "/models/x", "HEADRACE_WORKER_SECRET": "s"})
     assert done.returncode == 0, done.stderr
 
 
@@ -146,6 +150,7 @@ def test_cpu_compose_stack_streams_a_generation(tmp_path):
     if observability:
         services += list(extra)
     env = {**os.environ, "HEADRACE_MODELS": str(models), "HEADRACE_MODEL": "/models/tiny",
+           "HEADRACE_WORKER_SECRET": "smoke-test-secret",
            "HEADRACE_PORT": str(port), "JAEGER_UI_PORT": str(_free_port()),
            "PROMETHEUS_PORT": str(_free_port()),
            "OTEL_TRACES_EXPORTER": "otlp" if observability else "none"}

@@ -120,8 +120,11 @@ def test_absurd_sizes_are_rejected_before_any_work(llama_planes):
             llama_planes.generate(**fields)
         assert info.value.code() in ALLOWED, info.value.details()
         assert time.monotonic() - t0 < 10
-    with pytest.raises(grpc.RpcError) as info:
+    with pytest.raises(grpc.RpcError) as info:   # beyond the largest valid request: the transport refuses
         llama_planes.stub.Tokenize(pb.TokenizeRequest(text="the " * 2_500_000))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as info:   # beyond what max_model_len can take: refused untokenized
+        llama_planes.stub.Tokenize(pb.TokenizeRequest(text="t" * (llama_planes.plane.requests.max_text_bytes + 1)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert llama_planes.wait_for_free_blocks(start_free) == start_free
     ok = llama_planes.generate(prompt="hello", max_tokens=2, ignore_eos=True)

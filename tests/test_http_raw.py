@@ -199,3 +199,39 @@ def test_connections_disable_nagle(planes):
     (listener,) = planes.plane.http.server.servers[0].sockets
     assert listener.proto == socket.IPPROTO_TCP
     assert listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+def test_a_whole_response_is_built_from_one_message_per_sample(planes, http, monkeypatch):
+    from controlplane.request import Request
+
+    seen = []
+    original = Request.next_responses
+
+    async def spy(self):
+        responses = await original(self)
+        seen.append(len(responses))
+        return responses
+
+    monkeypatch.setattr(Request, "next_responses", spy)
+    r = http.post("/v1/completions", json={"prompt": "It is", "max_tokens": 12, "n": 2,
+                                           "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
+    # the engine woke the handler when a sample finished (not per token: that were ~24 messages)
+    assert len(seen) <= 2 and sum(seen) <= 4
+
+
+def test_an_http_port_in_use_is_port_in_use(planes):
+    import subprocess
+    import sys
+
+    from common import net
+    from controlplane.http.server import HttpFrontEnd
+
+    taken = planes.plane.http.port
+    second = HttpFrontEnd(planes.plane.requests, "127.0.0.1", taken)
+    with pytest.raises(net.PortInUse, match=f"127.0.0.1:{taken} for HTTP.*--http-port"):
+        planes.call(second.start())
+    # from the command line: one line, before any data plane is started
+    out = subprocess.run([sys.executable, "-m", "cli", "serve", "--port", "0", "--http-port", str(taken)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--http-port" in out.stderr and "Traceback" not in out.stderr

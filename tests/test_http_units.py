@@ -132,3 +132,16 @@ def test_sampling_defaults(tmp_path):
     assert out.sampling.top_p == pytest.approx(0.95) and not req.sampling.HasField("top_p")
     assert SamplingDefaults.load(tmp_path, "vllm").apply(req) is req
     assert SamplingDefaults.load(tmp_path / "none").values == {}
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_fast_text_events_equal_the_full_chunks(chat):
+    from controlplane.http.streaming import Formatter
+
+    fmt = Formatter(chat, 'ti"ny ✓', 2, None, str)
+    msg = pb.GenerateResponse(token_ids=[5], text=' he"llo ✓\n\\', index=1)
+    for usage in (True, False):
+        event = fmt.sse(3, msg, False, usage)
+        assert event.startswith(b"data: ") and event.endswith(b"\n\n") and event.count(b"\n") == 2
+        expected = fmt.chunk(3, msg, False) | ({"usage": None} if usage else {})
+        assert json.loads(event[6:]) == expected and expected["choices"][0]["index"] == 7

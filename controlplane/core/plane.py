@@ -32,7 +32,7 @@ class EnginePlane:
                  *, metrics: ControlPlaneMetrics | None = None, log_requests: bool = True,
                  log_prompts: bool = False, worker_credentials: grpc.ChannelCredentials | None = None,
                  worker_secret: str | None = None, chat_template: str | None = None,
-                 generation_config: str = "auto"):
+                 generation_config: str = "auto", **request_options):
         self.model_dir = model_dir
         self.tokenizer = ModelTokenizer(model_dir)
         self.metrics = metrics or ControlPlaneMetrics()
@@ -40,8 +40,10 @@ class EnginePlane:
         self.engine = Engine(self.workers, config or EngineConfig(),
                              EngineTelemetry(self.metrics, log_requests=log_requests))
         self.engine.on_health_change = self.changed
+        # ``request_options``: RequestPath's tenant tokens, trust_tenant_header and max_n
         self.requests = RequestPath(self.engine, model_dir, self.tokenizer, chat_template=chat_template,
-                                    generation_config=generation_config, log_prompts=log_prompts)
+                                    generation_config=generation_config, log_prompts=log_prompts,
+                                    **request_options)
         self.on_change: list = []
 
     def changed(self) -> None:

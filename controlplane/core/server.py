@@ -12,7 +12,7 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.grpc_options import PUBLIC_MAX_MESSAGE_BYTES, server_options
+from common.grpc_options import CORE_MAX_MESSAGE_BYTES, server_options
 from common.metrics import multiprocess_registry
 from controlplane.admin import AdminService
 from controlplane.core.plane import EnginePlane
@@ -36,7 +36,7 @@ class CoreServer:
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
         self.service = EngineCoreService(self.plane, len(worker_addresses))
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=server_options(PUBLIC_MAX_MESSAGE_BYTES))
+        self.server = grpc.aio.server(options=server_options(CORE_MAX_MESSAGE_BYTES))
         cpb_grpc.add_EngineCoreServicer_to_server(self.service, self.server)
         apb_grpc.add_AdminServicer_to_server(AdminService(self.plane, admin_token), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

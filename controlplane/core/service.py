@@ -213,7 +213,7 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
             return
         engine = self.plane.engine
         req = CoreRequest(request_id=s.request_id, n=len(s.sampling), stream_interval=s.stream_interval,
-                          arrival=s.arrival, link=link, handle=s.handle)
+                          arrival=s.arrival, link=link, handle=s.handle, tenant=s.tenant)
         prompt, text = list(s.prompt_token_ids), CoreText(s.has_stop_strings)
         req.sequences = [Sequence(request=req, seq_id=next(engine.seq_ids), index=i,
                                   prompt_token_ids=prompt, sampling=sampling, max_tokens=s.max_tokens,

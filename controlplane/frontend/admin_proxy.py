@@ -15,8 +15,8 @@ NO_CORE = "the engine core is unavailable (restarting?); retry"
 
 
 class AdminProxy(AdminService):
-    def __init__(self, channel: grpc.aio.Channel, token: str | None = None):
-        super().__init__(plane=None, token=token)
+    def __init__(self, channel: grpc.aio.Channel, token: str | None = None, enabled: bool = True):
+        super().__init__(plane=None, token=token, enabled=enabled)
         self.stub = apb_grpc.AdminStub(channel)
 
     async def _forward(self, method: str, request, context):

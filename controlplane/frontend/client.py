@@ -22,7 +22,7 @@ import structlog
 from opentelemetry import trace
 
 from common import tracing
-from common.grpc_options import PUBLIC_MAX_MESSAGE_BYTES, channel_options
+from common.grpc_options import CORE_MAX_MESSAGE_BYTES, channel_options
 from common.logs import get_logger
 from controlplane.request import Failure, Request, Sequence, Status
 from headrace.core.v1 import core_pb2 as cpb
@@ -90,7 +90,7 @@ class CoreClient:
             handle=handle, request_id=request.request_id, prompt_token_ids=seq0.prompt_token_ids,
             max_tokens=seq0.max_tokens, priority=seq0.priority,
             stream_interval=request.stream_interval, has_stop_strings=seq0.output.has_stop,
-            arrival=request.arrival,
+            arrival=request.arrival, tenant=request.tenant,
             trace_id=structlog.contextvars.get_contextvars().get("trace_id", ""))
         submit.sampling.extend(s.sampling for s in request.sequences)
         span = trace.get_current_span()
@@ -124,7 +124,7 @@ class CoreClient:
         while True:
             try:
                 async with grpc.aio.insecure_channel(
-                        self.address, options=channel_options(PUBLIC_MAX_MESSAGE_BYTES)) as channel:
+                        self.address, options=channel_options(CORE_MAX_MESSAGE_BYTES)) as channel:
                     # a fresh event per stream: an ended stream's sender must not take messages
                     self._up, self._up_ready = cpb.Up(), asyncio.Event()
                     call = cpb_grpc.EngineCoreStub(channel).Connect(self._messages(self._up_ready),

@@ -16,13 +16,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from common import security
-from common.grpc_options import PUBLIC_MAX_MESSAGE_BYTES, channel_options
+from common.grpc_options import CORE_MAX_MESSAGE_BYTES, channel_options
 from controlplane.frontend.admin_proxy import AdminProxy
 from controlplane.frontend.client import CoreClient
 from controlplane.http.server import HttpFrontEnd, http_host
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.request_path import RequestPath
-from controlplane.server import ADMIN, BackgroundTasks, public_server, set_health, warn_if_open
+from controlplane import limits
+from controlplane.admin import admin_access
+from controlplane.server import (ADMIN, BackgroundTasks, public_server, request_limits, set_health,
+                                 warn_if_open)
 from controlplane.service import NOT_READY, InferenceService
 from controlplane.tokenizer import ModelTokenizer
 
@@ -43,23 +46,31 @@ class FrontEnd:
                  api_token: str | None = None, tls: grpc.ServerCredentials | None = None,
                  admin_token: str | None = None, http_port: int | None = None,
                  http_tls: tuple | None = None, chat_template: str | None = None,
-                 generation_config: str = "auto", log_prompts: bool = False, reuse_port: bool = True):
+                 generation_config: str = "auto", log_prompts: bool = False, reuse_port: bool = True,
+                 trust_tenant_header: bool = False, max_n: int = limits.DEFAULT_MAX_N,
+                 max_model_len: int | None = None):
         self.index, self.address, self.tls, self.api_token = index, address, tls, api_token
+        tokens = security.as_tokens(api_token)
         self.metrics = ControlPlaneMetrics()
         self._background = BackgroundTasks()
         self.client = CoreClient(core_address, index, self.metrics,
                                  on_change=lambda: self._background.spawn(self._core_changed()))
-        self.requests = RequestPath(self.client, model_dir, ModelTokenizer(model_dir),
+        tokenizer = ModelTokenizer(model_dir)
+        self.requests = RequestPath(self.client, model_dir, tokenizer,
                                     chat_template=chat_template, generation_config=generation_config,
-                                    log_prompts=log_prompts)
+                                    log_prompts=log_prompts, tokens=tokens,
+                                    trust_tenant_header=trust_tenant_header, max_n=max_n)
+        self.max_message_bytes, max_body = request_limits(model_dir, tokenizer, max_model_len)
         self.inference = FrontEndInference(self.requests)
-        self.admin_channel = grpc.aio.insecure_channel(core_address, options=channel_options(PUBLIC_MAX_MESSAGE_BYTES))
-        self.admin = AdminProxy(self.admin_channel, admin_token)
+        self.admin_channel = grpc.aio.insecure_channel(core_address, options=channel_options(CORE_MAX_MESSAGE_BYTES))
+        self.admin = AdminProxy(self.admin_channel, admin_token, enabled=admin_access(address, admin_token))
         self.health = health.aio.HealthServicer()
         self.server = public_server(self.metrics, self.inference, self.admin, self.health,
-                                    api_token=api_token, shared_port=reuse_port)
+                                    api_token=tokens, shared_port=reuse_port,
+                                    max_message_bytes=self.max_message_bytes)
         self.http = None if http_port is None else HttpFrontEnd(
-            self.requests, http_host(address), http_port, api_token, ssl=http_tls, reuse_port=reuse_port)
+            self.requests, http_host(address), http_port, tokens, ssl=http_tls, reuse_port=reuse_port,
+            max_body=max_body)
         self.port = 0
 
     async def _core_changed(self) -> None:

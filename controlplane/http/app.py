@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes (FastAPI): /v1/chat/completions, /v1/completions, /v1/models,
-/health, /ready, /tokenize, /detokenize. Bodies are read with a size bound and validated with
-the ``protocol`` models; the ``--api-token`` is checked as ``Authorization: Bearer``; every error
+/health, /ready, /tokenize, /detokenize. The ``--api-token`` (any of them) is checked as ``Authorization:
+Bearer`` before a body is read; bodies are read with a size bound (the largest valid request,
+``controlplane.limits``) and validated with the ``protocol`` models; every error
 is an OpenAI error object (never a stack trace); generation goes through the request path with
 the caller's headers (``traceparent``) and ``api="http"`` in the metrics."""
 
@@ -20,15 +21,16 @@ from controlplane.http.convert import HttpError
 from controlplane.http.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, error_body)
 from controlplane.request_path import RequestError, RequestPath
-from common.security import bearer_ok
+from common.security import as_tokens
 
 log = logging.getLogger("headrace.http")
 MAX_BODY_BYTES = 32 << 20
+WHOLE = 1 << 30   # stream_interval of non-streaming requests (more than any max_tokens)
 
 
 class Api:
-    def __init__(self, path: RequestPath, api_token: str | None, max_body: int = MAX_BODY_BYTES):
-        self.path, self.token, self.max_body = path, api_token, max_body
+    def __init__(self, path: RequestPath, api_token, max_body: int = MAX_BODY_BYTES):
+        self.path, self.token, self.max_body = path, as_tokens(api_token), max_body
         self.metrics = path.engine.telemetry.metrics
         self._texts: dict[int, str] = {}
         self._texts_of = None
@@ -43,7 +45,7 @@ class Api:
         return text
 
     def check_auth(self, request: Request) -> None:
-        if self.token and not bearer_ok(request.headers.get("authorization"), self.token):
+        if self.token and self.token.tenant(request.headers.get("authorization")) is None:
             raise HttpError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)",
                             code="invalid_api_key")
 
@@ -103,6 +105,9 @@ class Api:
             return JSONResponse(exc.body(), exc.status)
         top_n = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs
         fmt = streaming.Formatter(chat, body.model or self.path.model_name, body.n, top_n, self.token_text)
+        if not body.stream:   # one message per sample at its end: no per-token wake-ups
+            for r in reqs:
+                r.stream_interval = WHOLE
         streams = self.streams(request, reqs, route, method)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -112,7 +117,7 @@ class Api:
                                      on_error)
 
 
-def build_app(path: RequestPath, api_token: str | None = None, tensor_parallel_size: int = 1,
+def build_app(path: RequestPath, api_token=None, tensor_parallel_size: int = 1,
               max_body: int = MAX_BODY_BYTES) -> FastAPI:
     api = Api(path, api_token, max_body)
     app = FastAPI(title="headrace", docs_url=None, redoc_url=None, openapi_url=None)
@@ -173,12 +178,12 @@ def build_app(path: RequestPath, api_token: str | None = None, tensor_parallel_s
             raise HttpError(400, "give either prompt or messages", "prompt")
         if body.messages is not None:
             try:
-                ids = path.render_chat(convert.chat_messages(
+                ids = await path.chat_ids(convert.chat_messages(
                     body.messages, add_generation_prompt=body.add_generation_prompt))
             except ValueError as exc:   # ValidationError
                 raise HttpError(400, str(exc), "messages") from None
         else:
-            ids = path.tokenize(body.prompt, body.add_special_tokens)
+            ids = await path.tokenize(body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": path.engine.max_model_len, "tokens": ids,
                 "token_strs": path.tokenizer.tokens(ids)}
 

@@ -1,6 +1,7 @@
 """Runs the HTTP front end with uvicorn inside the control plane's asyncio loop, beside the
 gRPC aio server: binds its socket at start (so a taken port fails start-up), leaves signal
-handling to the control plane, and stops gracefully with it."""
+handling to the control plane, and stops gracefully with it. A port in use is ``PortInUse``
+(one line from the command line, as for the gRPC port)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import socket
 
 import uvicorn
 
-from controlplane.http.app import build_app
+from common import net
+from controlplane.http.app import MAX_BODY_BYTES, build_app
 from controlplane.request_path import RequestPath
 
 
@@ -33,10 +35,11 @@ class HttpFrontEnd:
     ``ssl``: (certfile, keyfile, client CA or None) to serve HTTPS. ``reuse_port``: bind
     with SO_REUSEPORT (several front-end processes serve one port)."""
 
-    def __init__(self, path: RequestPath, host: str, port: int, api_token: str | None = None, *,
-                 tensor_parallel_size: int = 1, ssl: tuple | None = None, reuse_port: bool = False):
+    def __init__(self, path: RequestPath, host: str, port: int, api_token=None, *,
+                 tensor_parallel_size: int = 1, ssl: tuple | None = None, reuse_port: bool = False,
+                 max_body: int = MAX_BODY_BYTES):
         self.host, self.port, self.reuse_port = host, port, reuse_port
-        self.app = build_app(path, api_token, tensor_parallel_size)
+        self.app = build_app(path, api_token, tensor_parallel_size, max_body)
         options = {}
         if ssl is not None:
             import ssl as ssl_module
@@ -62,7 +65,9 @@ class HttpFrontEnd:
             sock.bind((self.host, self.port))
         except OSError as exc:
             sock.close()
-            raise RuntimeError(f"cannot bind HTTP {self.host}:{self.port}: {exc}") from exc
+            raise net.PortInUse(f"cannot listen on {self.host}:{self.port} for HTTP: "
+                                f"{(exc.strerror or str(exc)).lower()} (another server on port "
+                                f"{self.port}? choose another --http-port, or 0 to disable)") from None
         sock.listen(2048)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]

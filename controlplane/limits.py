@@ -1,0 +1,66 @@
+"""Admission bounds derived from the model rather than fixed constants: the longest text a
+prompt (or a Tokenize request, or a chat's messages) may be, the largest valid public request
+in bytes (the gRPC receive limit and the HTTP body limit), the default queue bound and the cap
+on ``n``.
+
+A prompt of ``max_model_len`` tokens is at most ``max_model_len * max_token_bytes`` bytes of
+text (``ModelTokenizer.max_token_bytes``); ``TEXT_MARGIN`` covers what a normaliser drops. A
+longer text is refused before it is tokenized: it could never fit.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+TEXT_MARGIN = 1.5
+DEFAULT_CONTEXT = 131072     # when config.json names no context length
+QUEUE_PER_SLOT = 4           # default --max-queued: this many waiting sequences per running slot
+DEFAULT_MAX_N = 16
+JSON_EXPANSION = 6           # a JSON string escapes a character in at most 6 bytes per UTF-8 byte
+JSON_TOKEN_ID_BYTES = 12     # "4294967295, "
+FIXED_REQUEST_BYTES = 1 << 20   # everything but the prompt: stop strings (64 x 512), ids, sampling
+
+
+def max_text_bytes(max_model_len: int, max_token_bytes: int) -> int:
+    return int(max_model_len * max_token_bytes * TEXT_MARGIN)
+
+
+def text_too_long(name: str, text: str, limit: int) -> str | None:
+    """The refusal of a text longer than ``limit`` UTF-8 bytes, or None (O(1) for most texts)."""
+    if len(text) * 4 <= limit:
+        return None
+    size = len(text) if len(text) > limit else len(text.encode("utf-8", "surrogatepass"))
+    if size <= limit:
+        return None
+    return (f"{name} is longer than any prompt the model can take: at most {limit} bytes "
+            "(max_model_len tokens of the tokenizer's longest token, with margin)")
+
+
+def context_bound(model_dir: str, configured: int | None) -> int:
+    """The most tokens a prompt can have on this model, known before the data plane answers:
+    ``--max-model-len`` if set, else the checkpoint's context (config.json)."""
+    if configured:
+        return configured
+    try:
+        cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return DEFAULT_CONTEXT
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+    value = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+    return value if isinstance(value, int) and value > 0 else DEFAULT_CONTEXT
+
+
+def max_request_bytes(text_bytes: int, max_tokens: int) -> int:
+    """The largest valid GenerateRequest / TokenizeRequest on the wire (protobuf): the prompt
+    as text or as token ids (varints of at most 5 bytes), plus everything else."""
+    return max(text_bytes, 5 * max_tokens) + FIXED_REQUEST_BYTES
+
+
+def max_http_body_bytes(text_bytes: int, max_tokens: int) -> int:
+    """The same request as a JSON body: escaped text, token ids as decimal numbers."""
+    return max(JSON_EXPANSION * text_bytes, JSON_TOKEN_ID_BYTES * max_tokens) + FIXED_REQUEST_BYTES
+
+
+def default_max_queued(max_running: int) -> int:
+    return QUEUE_PER_SLOT * max_running
