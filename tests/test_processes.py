@@ -31,7 +31,7 @@ def test_serve_forwards_its_control_plane_options_and_keeps_secrets_off_argv():
             ("/m", 6000, 6001, "sjf", 9)
         assert parsed.no_prefix_cache and parsed.log_prompts and parsed.core_address == "unix:/c.sock"
     assert "--device" not in " ".join(children[0].argv)   # a data plane option stays with serve
-    assert secrets_env(args) == {"HEADRACE_API_TOKEN": "sekrit", "HEADRACE_ADMIN_TOKEN": "adm"}
+    assert secrets_env(args) == {"HEADRACE_API_TOKENS": "sekrit", "HEADRACE_ADMIN_TOKEN": "adm"}
     assert forward_argv(controlplane_parser(), build_parser().parse_args(["serve"])) == []
 
 
@@ -42,7 +42,7 @@ def test_a_dead_child_is_restarted_alone_and_a_usage_error_is_fatal():
     try:
         core_pid, victim = children[0].proc.pid, children[1].proc
         victim.kill()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while children[1].restarts == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert children[1].restarts == 1 and children[1].proc.pid != victim.pid
@@ -53,7 +53,7 @@ def test_a_dead_child_is_restarted_alone_and_a_usage_error_is_fatal():
     roles = RoleProcesses([Child("core", [sys.executable, "-c", "raise SystemExit(2)"])], env={},
                           poll_s=0.02, on_fatal=lambda: fatal.append(1))
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not fatal and time.monotonic() < deadline:
             time.sleep(0.05)
         assert fatal and roles.fatal is roles.children[0] and roles.children[0].restarts == 0

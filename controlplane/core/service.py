@@ -150,7 +150,7 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
         msg = cpb.CoreState(healthy=engine.healthy, draining=engine.draining,
                             loaded=engine.scheduler is not None and engine.info is not None,
                             model_dir=plane.model_dir, max_model_len=engine.max_model_len,
-                            max_queued=engine.config.max_queued,
+                            max_queued=engine.max_queued,
                             default_stream_interval=engine.config.stream_interval)
         if msg.loaded:
             msg.info.CopyFrom(engine.info)
@@ -197,7 +197,7 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
             return grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica"
         if not engine.healthy or engine.scheduler is None:
             return grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)"
-        queued = engine.config.max_queued
+        queued = engine.max_queued
         if queued and len(engine.scheduler.waiting) >= queued:
             return grpc.StatusCode.RESOURCE_EXHAUSTED, f"queue is full ({queued} waiting); retry later"
         if submit.request_id in engine.requests:

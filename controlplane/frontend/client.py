@@ -76,6 +76,11 @@ class CoreClient:
         return self.state.draining
 
     @property
+    def max_queued(self) -> int:
+        """The core's queue bound in waiting sequences (0: none), as last reported."""
+        return self.state.max_queued
+
+    @property
     def ready(self) -> bool:
         return self.healthy and not self.draining and self.scheduler is not None
 
