@@ -41,14 +41,16 @@ def default_api_server_count(cpus: int | None = None) -> int:
 def forward_argv(parser: argparse.ArgumentParser, args: argparse.Namespace,
                  skip: tuple[str, ...] = ()) -> list[str]:
     """The options of ``parser`` that ``args`` sets to other than their defaults, as argv."""
-    argv = []
+    argv, seen = [], set()
     for action in parser._actions:
         dest = action.dest
-        if not action.option_strings or dest in skip or dest in SECRETS or not hasattr(args, dest):
+        if not action.option_strings or dest in skip or dest in SECRETS or not hasattr(args, dest) \
+                or dest in seen:
             continue
         value = getattr(args, dest)
-        if value == action.default or value is None:
-            continue
+        if value is None or value == action.default or value == parser.get_default(dest):
+            continue   # (two options may share a dest: an alias with a default of None)
+        seen.add(dest)
         flag = max(action.option_strings, key=len)
         if isinstance(action, argparse.BooleanOptionalAction):
             argv.append(flag if value else "--no-" + flag[2:])

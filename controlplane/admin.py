@@ -156,6 +156,7 @@ class AdminService(apb_grpc.AdminServicer):
         engine.reconfigure(policy=policy, max_running=running, max_batched_tokens=tokens)
         if request.HasField("max_queued"):
             engine.config.max_queued = request.max_queued
+        self.plane.changed()   # the API front ends learn the new limits
         config = self.config()
         log.info("configuration changed", policy=config.policy.name,
                  aging_rate=config.policy.aging_rate if config.policy.HasField("aging_rate") else None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import grpc
 import httpx
@@ -137,3 +138,20 @@ def test_one_trace_spans_the_front_end_and_the_core():
         assert "headrace.dataplane.step" in by_name     # and on into the data plane
     finally:
         planes.close()
+
+
+def test_front_end_learns_limits_changed_through_admin(pair):
+    from headrace.v1 import admin_pb2 as apb
+    from headrace.v1 import admin_pb2_grpc as apb_grpc
+
+    _, split = pair
+    admin = apb_grpc.AdminStub(split.channel)
+    before = admin.GetConfig(apb.GetConfigRequest(), timeout=10).max_queued
+    try:
+        assert admin.UpdateConfig(apb.UpdateConfigRequest(max_queued=3), timeout=10).max_queued == 3
+        deadline = time.monotonic() + 5
+        while split.plane.client.max_queued != 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert split.plane.client.max_queued == 3
+    finally:
+        admin.UpdateConfig(apb.UpdateConfigRequest(max_queued=before), timeout=10)

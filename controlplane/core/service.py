@@ -151,7 +151,7 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
         msg = cpb.CoreState(healthy=engine.healthy, draining=engine.draining,
                             loaded=engine.scheduler is not None and engine.info is not None,
                             model_dir=plane.model_dir, max_model_len=engine.max_model_len,
-                            max_queued=engine.config.max_queued,
+                            max_queued=engine.max_queued,
                             default_stream_interval=engine.config.stream_interval)
         if msg.loaded:
             msg.info.CopyFrom(engine.info)

@@ -58,7 +58,6 @@ class CoreClient:
         self.info = None
         self.max_model_len = 0
         self.scheduler = None                # a view with ``waiting`` while the model is loaded
-        self.max_queued = 0                  # the core enforces the queue bound (it owns the queue)
         self._waiting = _Waiting()
         self._by_handle: dict[int, Request] = {}
         self._handles = itertools.count(1)
@@ -75,6 +74,11 @@ class CoreClient:
     @property
     def draining(self) -> bool:
         return self.state.draining
+
+    @property
+    def max_queued(self) -> int:
+        """The core's queue bound in waiting sequences (0: none), as last reported."""
+        return self.state.max_queued
 
     @property
     def ready(self) -> bool:

@@ -1,0 +1,61 @@
+"""cli.processes without a model: the default front-end count, the options serve forwards to
+its core and front ends (secrets by environment, not argv), and the role supervisor (a dead
+child restarted alone, a usage error ending the server) with stand-in children."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from cli.main import build_parser, controlplane_parser
+from cli.processes import (Child, RoleProcesses, control_plane_children, default_api_server_count,
+                           forward_argv, secrets_env)
+
+
+def test_default_api_server_count_follows_the_cpu_count():
+    assert [default_api_server_count(c) for c in (1, 2, 3, 4, 6, 8, 64)] == [1, 1, 1, 2, 3, 4, 4]
+
+
+def test_serve_forwards_its_control_plane_options_and_keeps_secrets_off_argv():
+    args = build_parser().parse_args(
+        ["serve", "--model", "/m", "--port", "6000", "--http-port", "6001", "--policy", "sjf",
+         "--max-num-seqs", "9", "--api-token", "sekrit", "--admin-token", "adm", "--no-prefix-cache",
+         "--api-server-count", "3", "--device", "cpu", "--log-prompts"])
+    children = control_plane_children(args, controlplane_parser(), ["unix:/w.sock"], "unix:/c.sock")
+    assert [c.role for c in children] == ["core", "frontend 0", "frontend 1", "frontend 2"]
+    assert children[0].argv[3] == "core" and children[2].argv[3:6] == ["frontend", "--index", "1"]
+    for child in children:
+        assert "sekrit" not in child.argv and "adm" not in child.argv
+        parsed = build_parser().parse_args(child.argv[3:])
+        assert (parsed.model, parsed.port, parsed.http_port, parsed.policy, parsed.max_num_seqs) == \
+            ("/m", 6000, 6001, "sjf", 9)
+        assert parsed.no_prefix_cache and parsed.log_prompts and parsed.core_address == "unix:/c.sock"
+    assert "--device" not in " ".join(children[0].argv)   # a data plane option stays with serve
+    assert secrets_env(args) == {"HEADRACE_API_TOKENS": "sekrit", "HEADRACE_ADMIN_TOKEN": "adm"}
+    assert forward_argv(controlplane_parser(), build_parser().parse_args(["serve"])) == []
+
+
+def test_a_dead_child_is_restarted_alone_and_a_usage_error_is_fatal():
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    children = [Child("core", sleeper), Child("frontend 0", sleeper)]
+    roles = RoleProcesses(children, env={}, poll_s=0.02)
+    try:
+        core_pid, victim = children[0].proc.pid, children[1].proc
+        victim.kill()
+        deadline = time.monotonic() + 30
+        while children[1].restarts == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert children[1].restarts == 1 and children[1].proc.pid != victim.pid
+        assert children[0].proc.pid == core_pid and children[0].restarts == 0
+    finally:
+        roles.stop(timeout=5)
+    fatal = []
+    roles = RoleProcesses([Child("core", [sys.executable, "-c", "raise SystemExit(2)"])], env={},
+                          poll_s=0.02, on_fatal=lambda: fatal.append(1))
+    try:
+        deadline = time.monotonic() + 30
+        while not fatal and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fatal and roles.fatal is roles.children[0] and roles.children[0].restarts == 0
+    finally:
+        roles.stop(timeout=5)
