@@ -117,3 +117,16 @@ def test_every_top_level_package_is_installed_and_copied_into_the_image():
     dockerfile = (ROOT / "Dockerfile").read_text()
     for package in ("cli", "common", "controlplane", "dataplane", "kernels"):
         assert f'"{package}"' in packages and f"COPY {package} ./{package}" in dockerfile, package
+
+
+def test_every_python_package_is_listed_for_installation():
+    """A non-editable install (the image) ships only the packages pyproject lists: a new
+    subpackage left out of it would be missing there while every test here passes."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    listed = pyproject[pyproject.index("packages = ["):pyproject.index("]", pyproject.index("packages = ["))]
+    for init in ROOT.glob("*/**/__init__.py"):
+        rel = init.parent.relative_to(ROOT)
+        if rel.parts[0] in ("tests", "bench", "docs", "deploy") or rel.parts[0].startswith("."):
+            continue
+        parts = rel.parts[1:] if rel.parts[0] == "protos" else rel.parts
+        assert f'"{".".join(parts)}"' in listed, ".".join(parts)
