@@ -49,6 +49,7 @@ class EngineConfig:
     pipeline_depth: int = 3            # steps in flight; 1 = no overlap (each step answered at once)
     outage_deadline_s: float = 60.0    # requests wait this long for a lost data plane to return
     stream_interval: int = 1           # tokens per streamed message at least, unless a request says
+    preemption_mode: str = "recompute"  # or "swap": a victim's KV waits in the host KV tier
 
 
 class Engine:
@@ -85,7 +86,12 @@ class Engine:
             self.telemetry.metrics.retire(self.scheduler)
         self.info = infos[0]
         cfg = self.config
-        blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size, cfg.enable_prefix_cache)
+        # the host KV tier (--kv-offloading-size): each rank holds its shard of every block
+        host = min(i.num_host_kv_blocks for i in infos)
+        blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size, cfg.enable_prefix_cache,
+                              host_blocks=host)
+        log.info("KV tiers: device %d blocks, host %d blocks (%d tokens each); preemption by %s",
+                 blocks.num_blocks, host, blocks.block_size, cfg.preemption_mode)
         # Every request must fit the KV pool alone, so preemption always makes progress.
         limit = min(self.info.max_model_len, blocks.num_blocks * blocks.block_size)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
@@ -96,7 +102,8 @@ class Engine:
         spec = speculative.from_proto(self.info.speculative)   # the worker's configuration
         self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark,
                                    fair_share=cfg.fair_share,
-                                   speculation=spec and Speculation(spec, self.max_model_len))
+                                   speculation=spec and Speculation(spec, self.max_model_len),
+                                   preemption_mode=cfg.preemption_mode)
 
     @property
     def max_queued(self) -> int:

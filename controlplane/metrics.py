@@ -83,6 +83,8 @@ class _EngineState:
         ready.add_metric([], 1.0 if engine is not None and engine.ready else 0.0)
         yield from (running, waiting, usage, free, total, in_flight, ready, preempt, queries, hits)
         yield from self._speculation(getattr(sched, "speculation", None))
+        if sched is not None:
+            yield from _tiers(sched.blocks)
 
     def _speculation(self, spec):
         """vLLM's spec_decode counters (only when the workers speculate)."""
@@ -102,6 +104,30 @@ class _EngineState:
         for pos, value in enumerate(spec.accepted_per_pos):
             per_pos.add_metric([str(pos)], value)
         yield per_pos
+
+
+def _tiers(blocks):
+    """Per KV tier (device, host): usage, blocks, prefix-cache hits; the blocks the host tier
+    exchanged with the device, each way."""
+    p, host = PREFIX, blocks.host
+    usage = GaugeMetricFamily(p + "kv_tier_usage_perc", "Fraction of a KV tier's blocks holding "
+                              "KV (device: in use; host: cached or swapped).", labels=["tier"])
+    size = GaugeMetricFamily(p + "kv_tier_blocks", "Blocks of a KV tier.", labels=["tier"])
+    hits = CounterMetricFamily(p + "kv_tier_prefix_hits", "Prompt tokens found in the prefix "
+                               "cache, by the tier that held them.", labels=["tier"])
+    moved = CounterMetricFamily(p + "kv_offload_blocks", "KV blocks copied between the tiers: "
+                                "out (device to host), in (host to device).", labels=["direction"])
+    host_hits = host.hits if host is not None else 0
+    usage.add_metric(["device"], blocks.usage)
+    size.add_metric(["device"], blocks.num_blocks)
+    hits.add_metric(["device"], blocks.prefix_hits - host_hits)
+    if host is not None:
+        usage.add_metric(["host"], host.usage)
+        size.add_metric(["host"], host.num_blocks)
+        hits.add_metric(["host"], host_hits)
+        moved.add_metric(["out"], host.blocks_out)
+        moved.add_metric(["in"], host.blocks_in)
+    yield from (usage, size, hits, moved)
 
 
 def engine_state_collector(metrics: "ControlPlaneMetrics") -> _EngineState:
@@ -170,6 +196,13 @@ class ControlPlaneMetrics(Exporter):
             p + "request_abandoned", "Response streams that ended before their last response, by "
             "reason: client_cancel, deadline, disconnect (the client left), server_abort (drain, "
             "reload, data plane lost, shutdown).", ["reason"], registry=r)
+        offload = Counter(p + "kv_offload_bytes", "KV bytes the data plane (rank 0) copied between "
+                          "its tiers: out (device to host), in (host to device).", ["direction"],
+                          registry=r)
+        self.offload_out, self.offload_in = offload.labels("out"), offload.labels("in")
+        self.offload_seconds = Counter(p + "kv_offload_copy_seconds", "Time the data plane "
+                                       "(rank 0) spent copying between its KV tiers (device time "
+                                       "on a GPU: the copy stream's).", registry=r)
         self.registry.register(_EngineState(self))
 
     def bind(self, engine) -> None:

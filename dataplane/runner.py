@@ -26,6 +26,7 @@ import torch
 
 import kernels
 from dataplane import parallel, staging
+from dataplane.kv_offload import HostKV
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.sampler import SampleOutput, SamplingBatch, SamplingRow, device_arrays, sample
@@ -67,7 +68,8 @@ class Launched:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
-                 graphs=None, rank: int = 0, seed: int | None = None, spec: SpecDecoder | None = None):
+                 graphs=None, rank: int = 0, seed: int | None = None, spec: SpecDecoder | None = None,
+                 host_kv: HostKV | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -77,6 +79,7 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.num_blocks,
                                 keep_tokens=spec is not None)
         self.spec = spec
+        self.host_kv = host_kv   # the host KV tier (dataplane.kv_offload), or None
         self.seq_of_row = np.zeros(max_num_seqs, dtype=np.int64)
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.graphs = graphs   # dataplane.cuda_graphs.DecodeGraphs or None
@@ -184,6 +187,7 @@ class ModelRunner:
         the sampled ids to the host) without waiting for the device."""
         launched = Launched(step.step_id, time.perf_counter())
         rows, counts, new_rows, new_last, spec = self._apply_diff(step)
+        self._swap(step)
         if len(rows) == 0:
             return launched
         batch = self.batch
@@ -230,6 +234,17 @@ class ModelRunner:
         launched.histories = list(zip(np.flatnonzero(keep).tolist(), self.batch.count_sampled(sample_rows)))
         launched.stop_watch = self.batch.stop_watch(sample_rows, launched.seq_ids)
         return self._record_done(launched)
+
+    def _swap(self, step: pb.StepRequest) -> None:
+        """The host KV tier's copies, before anything else of the step touches the KV cache."""
+        out_dev, out_host = step.swap_out_device_blocks, step.swap_out_host_blocks
+        in_host, in_dev = step.swap_in_host_blocks, step.swap_in_device_blocks
+        if not (out_dev or in_dev or out_host or in_host):
+            return
+        if self.host_kv is None:
+            raise BatchError("swap_out/swap_in sent to a worker without a host KV tier")
+        self.host_kv.check(out_dev, out_host, in_host, in_dev)
+        self.host_kv.apply(self.kv_caches, list(out_dev), list(out_host), list(in_host), list(in_dev))
 
     def _record_done(self, launched: Launched) -> Launched:
         if launched.begin is not None:
@@ -296,5 +311,7 @@ class ModelRunner:
                 for ids, vals in zip(top_ids, top_vals):
                     result.top_token_ids.extend(ids)
                     result.top_logprobs.extend(vals)
+        if self.host_kv is not None:
+            result.swap_ms, result.swap_out_bytes, result.swap_in_bytes = self.host_kv.drain()
         result.execute_ms = (time.perf_counter() - launched.started) * 1e3
         return result
