@@ -9,9 +9,9 @@ block), the host copy staying cached (SGLang's HiCache keeps it too, so evicting
 block again costs no copy). A sequence preempted in swap mode keeps its KV in private host
 blocks (``swap_out_seq``) and gets it back when resumed.
 
-Ordering contract with the workers: a step's ``swap_out`` copies run before its ``swap_in``
-copies, which run before the step's other block copies and its forward pass; steps run in
-order. So a device block that is evicted and reused in one step is saved first. A host block
+Ordering contract with the workers: a step's ``swap_out`` copies run first, then its
+copy-on-write copies (a fork's source block, freed by its parent meanwhile, may be a swap-in's
+destination), then its ``swap_in`` copies, then its forward pass; steps run in order. So a device block that is evicted and reused in one step is saved first. A host block
 that a pending ``swap_in`` reads is pinned until the step carrying it is taken
 (``take_ops``): no ``swap_out`` of the same step may overwrite it. LRU order: unreferenced
 blocks that hold nothing reusable are taken first, then the least recently used cached ones.

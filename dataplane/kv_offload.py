@@ -7,8 +7,8 @@ The pool is block-major, ``[blocks, layers, 2, block_size, kv_heads, head_dim]``
 block is one contiguous chunk: a swap-out gathers its device blocks, every layer's K and V,
 into a device staging tensor (one kernel per layer) and copies each block to the host in
 one transfer; a swap-in copies each host block to a staging tensor and scatters it into the
-device blocks (one kernel per layer). A step's swap-outs come before its swap-ins, both
-before the step's forward pass.
+device blocks (one kernel per layer). A step's swap-outs come first, then its copy-on-write
+copies, then its swap-ins, all before the step's forward pass.
 
 On CUDA the copies run on a side stream: it waits for the work queued before the step (so a
 block is saved after the steps that wrote it), and the step's forward waits for the gather
@@ -67,14 +67,17 @@ class HostKV:
                 any(b >= self.num_blocks for b in list(out_host) + list(in_host)):
             raise BatchError("swap_out/swap_in: a block id out of range")
 
-    def apply(self, caches: list[torch.Tensor], out_dev, out_host, in_host, in_dev) -> None:
-        """The step's copies: device -> host, then host -> device; on CUDA queued on the side
+    def apply(self, caches: list[torch.Tensor], out_dev, out_host, in_host, in_dev, between=None) -> None:
+        """The step's copies: device -> host, then ``between()`` (the step's copy-on-write
+        copies, on the current stream), then host -> device; on CUDA queued on the side
         stream, the current stream made to wait for what the step's forward needs."""
         if self._raw:
             caches = [c.view(torch.uint8) for c in caches]
         if self.stream is None:
             t0 = time.perf_counter()
             self._swap_out(caches, out_dev, out_host)
+            if between is not None:
+                between()
             self._swap_in(caches, in_host, in_dev)
             self._done[0] += (time.perf_counter() - t0) * 1e3
             self._done[1] += len(out_dev) * self.block_bytes
@@ -83,21 +86,24 @@ class HostKV:
         main = torch.cuda.current_stream(self.device)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.stream.wait_stream(main)   # after every op that wrote the blocks
+        read_back = bool(set(out_host) & set(in_host))
         with torch.cuda.stream(self.stream):
             begin.record()
-            read_back = bool(set(out_host) & set(in_host))
             staged = self._gather(caches, out_dev)
-            gathered = torch.cuda.Event()
-            gathered.record()
             if read_back:
                 self._download(staged, out_host)
+        main.wait_stream(self.stream)   # nothing overwrites a block before it is gathered
+        if between is not None:
+            between()
+        if in_dev:
+            self.stream.wait_stream(main)   # after the copy-on-write copies
+        with torch.cuda.stream(self.stream):
             self._swap_in(caches, in_host, in_dev)
             ready = torch.cuda.Event()
             ready.record()
             if not read_back:
                 self._download(staged, out_host)
             end.record()
-        main.wait_event(gathered)
         main.wait_event(ready)
         self._timing.append((begin, end, len(out_dev) * self.block_bytes, len(in_dev) * self.block_bytes))
 

@@ -187,8 +187,15 @@ class ModelRunner:
         the sampled ids to the host) without waiting for the device."""
         launched = Launched(step.step_id, time.perf_counter())
         rows, counts, new_rows, new_last, spec = self._apply_diff(step)
-        self._swap(step)
-        if len(rows) == 0:
+        if self.host_kv is not None:
+            self.host_kv.check(step.swap_out_device_blocks, step.swap_out_host_blocks,
+                               step.swap_in_host_blocks, step.swap_in_device_blocks)
+        elif step.swap_out_device_blocks or step.swap_in_device_blocks:
+            raise BatchError("swap_out/swap_in sent to a worker without a host KV tier")
+        if len(rows) == 0:   # every sequence of the step stopped: its block copies still run
+            src, dst = (torch.as_tensor(list(b), dtype=torch.int64).to(self.device)
+                        for b in (step.copy_src_blocks, step.copy_dst_blocks))
+            self._block_ops(step, src, dst)
             return launched
         batch = self.batch
         drafts = self.spec.propose(batch, rows, spec) if spec.any() else None
@@ -210,8 +217,7 @@ class ModelRunner:
             launched.begin.record()
         if new_rows:
             self.last_token[dev["new_rows"]] = dev["new_last"]
-        if "copy_src" in dev:
-            kernels.copy_blocks(self.kv_caches, dev["copy_src"], dev["copy_dst"])
+        self._block_ops(step, dev.get("copy_src"), dev.get("copy_dst"))
         logits = self._logits(prep, dev)
         if sampling is None:   # a step of prefill chunks only: KV written, nothing sampled
             return self._record_done(launched)
@@ -235,16 +241,20 @@ class ModelRunner:
         launched.stop_watch = self.batch.stop_watch(sample_rows, launched.seq_ids)
         return self._record_done(launched)
 
-    def _swap(self, step: pb.StepRequest) -> None:
-        """The host KV tier's copies, before anything else of the step touches the KV cache."""
-        out_dev, out_host = step.swap_out_device_blocks, step.swap_out_host_blocks
-        in_host, in_dev = step.swap_in_host_blocks, step.swap_in_device_blocks
-        if not (out_dev or in_dev or out_host or in_host):
-            return
-        if self.host_kv is None:
-            raise BatchError("swap_out/swap_in sent to a worker without a host KV tier")
-        self.host_kv.check(out_dev, out_host, in_host, in_dev)
-        self.host_kv.apply(self.kv_caches, list(out_dev), list(out_host), list(in_host), list(in_dev))
+    def _block_ops(self, step: pb.StepRequest, copy_src, copy_dst) -> None:
+        """The step's block copies before its forward: the host KV tier's swap-outs, the
+        copy-on-write copies, then the swap-ins (a fork's source block that its parent freed
+        may be a swap-in's destination in the same step)."""
+        copy = None
+        if copy_src is not None and len(copy_src):
+            def copy():
+                kernels.copy_blocks(self.kv_caches, copy_src, copy_dst)
+        out_dev, in_dev = step.swap_out_device_blocks, step.swap_in_device_blocks
+        if self.host_kv is not None and (out_dev or in_dev):
+            self.host_kv.apply(self.kv_caches, list(out_dev), list(step.swap_out_host_blocks),
+                               list(step.swap_in_host_blocks), list(in_dev), between=copy)
+        elif copy is not None:
+            copy()
 
     def _record_done(self, launched: Launched) -> Launched:
         if launched.begin is not None:
