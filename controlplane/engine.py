@@ -92,6 +92,9 @@ class Engine:
                               host_blocks=host)
         log.info("KV tiers: device %d blocks, host %d blocks (%d tokens each); preemption by %s",
                  blocks.num_blocks, host, blocks.block_size, cfg.preemption_mode)
+        if cfg.preemption_mode == "swap" and not host:
+            log.warning("--preemption-mode swap without a host KV tier (--kv-offloading-size): "
+                        "preempted requests are recomputed")
         # Every request must fit the KV pool alone, so preemption always makes progress.
         limit = min(self.info.max_model_len, blocks.num_blocks * blocks.block_size)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
