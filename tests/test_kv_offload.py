@@ -15,7 +15,7 @@ from controlplane.engine import EngineConfig
 from dataplane.input_batch import BatchError
 from dataplane.kv_offload import HostKV, host_blocks_for
 from tests.checkpoints import make_checkpoint
-from tests.harness import Planes, completion
+from tests.harness import DEVICE, Planes, completion
 from tests.test_scheduling_e2e import _workload
 from headrace.v1 import inference_pb2 as pb
 
@@ -122,18 +122,24 @@ def test_a_restarted_data_plane_forgets_its_host_tier(model_dir):
 
 # -- the copy engine -------------------------------------------------------------------------
 def _caches(layers=2, blocks=6, dtype=torch.float32):
-    return [torch.randn(2, blocks, 4, 2, 8).to(dtype) for _ in range(layers)]
+    return [torch.randn(2, blocks, 4, 2, 8).to(dtype).to(DEVICE) for _ in range(layers)]
+
+
+def _sync():
+    if DEVICE.startswith("cuda"):   # the copies run on a side stream the current one waits for
+        torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_blocks_go_to_the_host_and_come_back_into_other_blocks(dtype):
     caches = _caches(dtype=dtype)
     before = [c.clone() for c in caches]
-    host = HostKV(caches, 4, torch.device("cpu"))
+    host = HostKV(caches, 4, torch.device(DEVICE))
     host.apply(caches, [1, 4], [3, 0], [], [])
     for c in caches:
         c[:, 1] = 0   # the device blocks are reused
     host.apply(caches, [], [], [0, 3], [2, 5])
+    _sync()
     for c, b in zip(caches, before):
         assert torch.equal(c[:, 2].view(torch.uint8), b[:, 4].view(torch.uint8))
         assert torch.equal(c[:, 5].view(torch.uint8), b[:, 1].view(torch.uint8))
@@ -144,15 +150,16 @@ def test_blocks_go_to_the_host_and_come_back_into_other_blocks(dtype):
 def test_a_swap_out_runs_before_the_copies_and_the_swap_in_of_its_step():
     caches = _caches()
     saved = [c[:, 0].clone() for c in caches]
-    host = HostKV(caches, 2, torch.device("cpu"))
+    host = HostKV(caches, 2, torch.device(DEVICE))
     # block 0 is saved to host 1, block 3 overwrites it (a copy), then host 1 comes back to 2
     host.apply(caches, [0], [1], [1], [2], between=lambda: [c[:, 0].copy_(c[:, 3]) for c in caches])
+    _sync()
     for c, s in zip(caches, saved):
         assert torch.equal(c[:, 2], s) and torch.equal(c[:, 0], c[:, 3])
 
 
 def test_bad_copies_and_sizes_are_refused():
-    host = HostKV(_caches(), 4, torch.device("cpu"))
+    host = HostKV(_caches(), 4, torch.device(DEVICE))
     with pytest.raises(BatchError, match="length"):
         host.check([1], [], [], [])
     with pytest.raises(BatchError, match="out of range"):
