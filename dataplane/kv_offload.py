@@ -53,7 +53,8 @@ class HostKV:
         # fp8 has few index kernels: its bytes are copied as such
         self._raw = caches[0].element_size() == 1
         dtype = torch.uint8 if self._raw else caches[0].dtype
-        self.pool = torch.zeros((num_blocks, len(caches), *shape[:1], *shape[2:]), dtype=dtype,
+        # every host block is written (a swap-out) before it is read: no need to zero it
+        self.pool = torch.empty((num_blocks, len(caches), *shape[:1], *shape[2:]), dtype=dtype,
                                 pin_memory=cuda)
         self.block_bytes = self.pool[0].numel() * self.pool.element_size()
         self.stream = torch.cuda.Stream(device) if cuda else None
@@ -61,6 +62,8 @@ class HostKV:
         self._done = [0.0, 0, 0]   # ms, bytes out, bytes in (CPU: measured at once)
 
     def check(self, out_dev, out_host, in_host, in_dev) -> None:
+        if not (out_dev or out_host or in_host or in_dev):
+            return   # the common step: nothing to copy
         if len(out_dev) != len(out_host) or len(in_host) != len(in_dev):
             raise BatchError("swap_out/swap_in block lists differ in length")
         if any(b >= self.num_device_blocks for b in list(out_dev) + list(in_dev)) or \

@@ -17,6 +17,8 @@ from dataplane.kv_offload import HostKV, host_blocks_for
 from tests.checkpoints import make_checkpoint
 from tests.harness import DEVICE, Planes, completion
 from tests.test_scheduling_e2e import _workload
+from headrace.v1 import admin_pb2 as apb
+from headrace.v1 import admin_pb2_grpc as apb_grpc
 from headrace.v1 import inference_pb2 as pb
 
 GREEDY = pb.SamplingParams(temperature=0)
@@ -91,6 +93,13 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir):
         again, cached = _gen(planes, prompt, 4)
         assert again == want
         assert cached == 48 and blocks.host.hits - hits_before == 16 * on_host   # not recomputed
+        sample = planes.plane.metrics.registry.get_sample_value
+        assert sample("headrace:kv_tier_prefix_hits_total", {"tier": "host"}) == blocks.host.hits
+        assert sample("headrace:kv_tier_blocks", {"tier": "host"}) == blocks.host.num_blocks
+        assert sample("headrace:kv_offload_blocks_total", {"direction": "in"}) >= on_host
+        assert sample("headrace:kv_offload_bytes_total", {"direction": "in"}) > 0   # the data plane's
+        admin = apb_grpc.AdminStub(planes.channel).GetConfig(apb.GetConfigRequest())
+        assert admin.num_host_kv_blocks == blocks.host.num_blocks and admin.preemption_mode == "recompute"
     finally:
         planes.close()
 
