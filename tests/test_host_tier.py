@@ -268,3 +268,122 @@ def test_random_workloads_read_the_right_kv_and_match_a_run_without_offloading(s
     done = pb.FINISH_REASON_LENGTH   # (what an abort cut off depends on the progress made)
     both = [k for k in with_host if with_host[k][0] == done and without.get(k, (0,))[0] == done]
     assert [with_host[k] for k in both] == [without[k] for k in both]
+
+
+# -- the block manager alone, driven directly ---------------------------------------------------
+OPS = ["compute"] * 4 + ["admit"] * 3 + ["step"] * 3 + ["fork", "truncate", "free", "preempt", "resume"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_blocks=st.integers(2, 16), host_blocks=st.integers(1, 16), seed=st.integers(0, 1 << 30))
+def test_block_manager_with_a_host_tier_never_leaks_nor_hands_out_a_referenced_block(num_blocks, host_blocks,
+                                                                                     seed):
+    """Sequences ``0..5`` over three token streams that share prefixes; every op at the block
+    manager's level as the scheduler calls it (``swap_out`` then ``free`` for a preemption,
+    ``truncate`` of unregistered tail blocks, ``fork`` with its copy), the copies applied to a
+    simulated KV at each step boundary (``take_ops``), then every live sequence's computed
+    tokens are read back."""
+    bs = 2
+    bm = BlockManager(num_blocks, bs, True, host_blocks=host_blocks)
+    streams = [[1, 2, 3, 4, 5, 6, 7, 8] * 4, [1, 2, 3, 4, 9, 9, 9, 9] * 4, [5, 6] * 16]
+    tokens, computed, swapped, pending = {}, {}, {}, []   # pending: (seq, start, end, table) writes
+    copies: list = []
+    dev, host = {}, {}
+
+    def step():
+        out, into = bm.take_ops()
+        for d, h in out:
+            for o in range(bs):
+                host[(h, o)] = dev.get((d, o))
+        for s, d in copies:
+            for o in range(bs):
+                dev[(d, o)] = dev.get((s, o))
+        copies.clear()
+        for h, d in into:
+            for o in range(bs):
+                dev[(d, o)] = host.get((h, o))
+        for seq, start, end, table in pending:   # a step once built is sent: a sequence
+            for p in range(start, end):          # freed meanwhile is still computed by it
+                dev[(table[p // bs], p % bs)] = tuple(tokens[seq][:p + 1])
+        pending.clear()
+        for seq, n in computed.items():
+            table = bm.block_ids(seq)
+            for p in range(n):
+                assert dev.get((table[p // bs], p % bs)) == tuple(tokens[seq][:p + 1]), (seq, p)
+
+    rng = random.Random(seed)
+    for _ in range(150):
+        op, seq, n = rng.choice(OPS), rng.randrange(6), rng.randrange(1, 12)
+        live = seq in computed
+        # a sequence in the step being built is not preempted, forked from or cut back before
+        # that step is sent (the scheduler's victims are never scheduled ones; forks and
+        # truncations follow a step's result)
+        idle = live and all(w[0] != seq for w in pending)
+        if op == "admit" and not live and seq not in swapped:
+            tokens[seq] = streams[seq % 3][:8 + seq * 3]
+            hits = bm.match_prefix(tokens[seq])
+            cached = bm.cached_tokens(hits)
+            if bm.cost(hits, cached + 1) <= bm.num_free:
+                bm.adopt(seq, hits, len(tokens[seq]))
+                bm.grow(seq, cached + 1)
+                bm.register(seq, lambda: tokens[seq], cached + 1)
+                pending.append((seq, cached, cached + 1, bm.block_ids(seq)))
+                computed[seq] = cached + 1
+        elif op == "compute" and live:
+            end = min(len(tokens[seq]), computed[seq] + n)
+            if end > computed[seq] and bm.can_grow(seq, end):
+                bm.grow(seq, end)
+                bm.register(seq, lambda: tokens[seq], end)
+                pending.append((seq, computed[seq], end, bm.block_ids(seq)))
+                computed[seq] = end
+        elif op == "fork" and idle and (child := seq + 6) not in computed and child not in swapped \
+                and bm.num_free >= 1 and computed[seq] >= 2:
+            position = computed[seq] - 1       # the child recomputes the parent's last token
+            pair, shared = bm.fork(seq, child, position)
+            copies.append(pair)
+            tokens[child] = tokens[seq]
+            pending.append((child, position, position + 1, bm.block_ids(child)))
+            computed[child] = position + 1
+        elif op == "truncate" and idle and bm.can_grow(seq, computed[seq] + n):
+            bm.grow(seq, computed[seq] + n)     # speculative positions, never registered
+            assert bm.truncate(seq, computed[seq]) is not None or n <= bm.num_slots(seq) - computed[seq]
+        elif op == "free" and live:
+            if not idle:   # an abort comes between steps: the step computing it was sent
+                step()
+            bm.free(seq)
+            del computed[seq]
+        elif op == "preempt" and idle:
+            if bm.swap_out(seq, computed[seq]):
+                swapped[seq] = computed[seq]
+            bm.free(seq)
+            del computed[seq]
+        elif op == "resume" and seq in swapped and bm.num_free >= bm.swap_in_cost(seq, swapped[seq]):
+            bm.swap_in(seq, swapped[seq])
+            computed[seq] = swapped.pop(seq)
+            bm.register(seq, lambda: tokens[seq], computed[seq])
+            pending.append((seq, 0, 0, ()))   # it is in this step
+        elif op == "step":
+            step()
+        # counts: device references are the tables', host ones the swapped tables' and the pins
+        owners = {}
+        for s in computed:
+            for b in bm.block_ids(s):
+                owners[b] = owners.get(b, 0) + 1
+        assert all(bm.ref[b] == owners.get(b, 0) for b in range(num_blocks))
+        assert set(bm._free) == {b for b in range(num_blocks) if bm.ref[b] == 0}
+        holds = {}
+        for blocks in bm.host.swapped.values():
+            for b in blocks:
+                holds[b] = holds.get(b, 0) + 1
+        for b in bm.host._pinned:
+            holds[b] = holds.get(b, 0) + 1
+        assert all(bm.host.ref[b] == holds.get(b, 0) for b in range(host_blocks))
+        assert set(bm.host.swapped) == set(swapped)
+    step()
+    for s in list(computed):
+        bm.free(s)
+    for s in list(swapped):
+        bm.drop_swapped(s)
+    bm.take_ops()
+    assert bm.num_free == num_blocks and not any(bm.ref), "a device block leaked"
+    assert bm.host.num_free == host_blocks and not any(bm.host.ref), "a host block leaked"
