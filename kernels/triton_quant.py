@@ -119,9 +119,13 @@ def _wna16_kernel(X, QW, S, Z, GIDX, B, OUT, M, N, K, K_PER, stride_xm, stride_o
         k_ok = k < K
         x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        word = tl.load(QW + (k[:, None] // PER).to(tl.int64) * N + cols[None, :],
-                       mask=k_ok[:, None] & col_ok[None, :], other=0)
-        q = (word >> ((k[:, None] % PER) * BITS)) & ((1 << BITS) - 1)
+        # each packed word loaded once, its PER values shifted out into PER rows of the tile
+        kw = k0 // PER + tl.arange(0, BLOCK_K // PER)
+        word = tl.load(QW + kw[:, None].to(tl.int64) * N + cols[None, :],
+                       mask=(kw[:, None] < K // PER) & col_ok[None, :], other=0)
+        shifts = tl.arange(0, PER) * BITS
+        q = (word[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))   # row i * PER + j: value j of word row i
         if HAS_GIDX or GROUP_SIZE % BLOCK_K != 0:   # a scale row per column of the tile
             if HAS_GIDX:
                 g = tl.load(GIDX + k, mask=k_ok, other=0)
@@ -149,23 +153,27 @@ def _wna16_kernel(X, QW, S, Z, GIDX, B, OUT, M, N, K, K_PER, stride_xm, stride_o
         tl.atomic_add(out_at, acc, mask=out_ok, sem="relaxed")
 
 
-TARGET_PROGRAMS = 528   # 4 per SM of an H200 (132): enough loads in flight to stream the weight
+MIN_PROGRAMS = 264          # 2 per SM of an H200 (132): fewer output tiles than this split K
+MIN_PROGRAMS_DECODE = 128   # narrow decode tiles: about one per SM is enough (the sweep)
+MAX_SPLIT = 4        # the H200 sweep (bench/quant_kernels.py --sweep): more splits lose to the
+                     # zeroing, the atomics and the cast
 
 
 def _tiles(m: int, n: int, k: int, bits: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, split_k). A decode's GEMM is a weight stream: the
-    output tiles alone are too few programs (Llama-3.1-8B's o projection: 64 column tiles for
-    132 SMs, each walking K = 4096 alone), so K is split into slices whose partial sums are added
-    atomically (float32), until about TARGET_PROGRAMS run, each slice at least two K tiles."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, split_k). Decode-sized inputs get narrow column tiles
+    (many programs, the weight streamed once); where the output tiles are still fewer than
+    MIN_PROGRAMS, K is split into slices whose partial sums are added atomically (float32),
+    each slice at least two K tiles long."""
     if m <= 16:
-        block_m, block_n, block_k, warps = 16, 64, 256 if bits == 4 else 128, 4
+        block_m, block_n, block_k, warps = 16, 32, 128, 4
     elif m <= 64:
         block_m, block_n, block_k, warps = 64, 64, 64, 4
     else:
         block_m, block_n, block_k, warps = 128, 128, 32, 8
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split = max(1, min(triton.cdiv(TARGET_PROGRAMS, tiles), k // (2 * block_k)))
-    return block_m, block_n, block_k, warps, split
+    least = MIN_PROGRAMS_DECODE if m <= 16 else MIN_PROGRAMS
+    split = 1 if tiles >= least else min(MAX_SPLIT, triton.cdiv(least, tiles))
+    return block_m, block_n, block_k, warps, max(1, min(split, k // (2 * block_k)))
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -113,13 +113,13 @@ def test_wna16_linear(bits, m, group_size, act_order):
         torch.testing.assert_close(split.cpu(), expect, **tol)
 
 
-def test_wna16_tiles_split_a_decode_stream_over_the_gpu():
-    """Llama-3.1-8B's o projection at batch 1: 64 column tiles alone; K splits to fill the GPU."""
-    block_m, block_n, block_k, _, split = triton_quant._tiles(1, 4096, 4096, 4)
-    programs = (4096 // block_n) * split
-    assert split > 1 and programs >= triton_quant.TARGET_PROGRAMS // 2
-    assert 4096 // split >= 2 * block_k   # each slice walks at least two K tiles
-    assert triton_quant._tiles(1, 4096, 256, 4)[4] == 1   # a short K is never split
+def test_wna16_tiles_split_k_only_where_output_tiles_are_few():
+    """Llama-3.1-8B's o projection at batch 64: 64 output tiles, so K splits (at most MAX_SPLIT,
+    each slice two K tiles at least); at batch 1 its 128 narrow tiles and gate_up's 896 do not."""
+    block_m, block_n, block_k, _, split = triton_quant._tiles(64, 4096, 4096, 4)
+    assert 1 < split <= triton_quant.MAX_SPLIT and 4096 // split >= 2 * block_k
+    assert triton_quant._tiles(1, 28672, 4096, 4)[4] == 1
+    assert triton_quant._tiles(64, 4096, 128, 4)[4] == 1   # a short K is never split
 
 
 def test_wna16_ragged_groups_read_g_idx():
