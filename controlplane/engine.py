@@ -18,13 +18,12 @@ import time
 import grpc
 
 from common import speculative
-from controlplane import limits, step_codec
+from controlplane import host_tier, limits, speculation, step_codec
 from controlplane.block_manager import BlockManager
 from controlplane.inflight import InFlightSteps
 from controlplane.policy import Policy
 from controlplane.request import Failure, Request, Sequence
 from controlplane.scheduler import Scheduler
-from controlplane.speculation import Speculation
 from controlplane.step import ScheduledStep
 from controlplane.telemetry import EngineTelemetry
 from controlplane.worker_client import WorkerError, WorkerGroup
@@ -86,15 +85,9 @@ class Engine:
             self.telemetry.metrics.retire(self.scheduler)
         self.info = infos[0]
         cfg = self.config
-        # the host KV tier (--kv-offloading-size): each rank holds its shard of every block
-        host = min(i.num_host_kv_blocks for i in infos)
         blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size, cfg.enable_prefix_cache,
-                              host_blocks=host)
-        log.info("KV tiers: device %d blocks, host %d blocks (%d tokens each); preemption by %s",
-                 blocks.num_blocks, host, blocks.block_size, cfg.preemption_mode)
-        if cfg.preemption_mode == "swap" and not host:
-            log.warning("--preemption-mode swap without a host KV tier (--kv-offloading-size): "
-                        "preempted requests are recomputed")
+                              host_blocks=min(i.num_host_kv_blocks for i in infos))   # each rank: its shard
+        host_tier.report(blocks, cfg.preemption_mode)
         # Every request must fit the KV pool alone, so preemption always makes progress.
         limit = min(self.info.max_model_len, blocks.num_blocks * blocks.block_size)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
@@ -105,7 +98,7 @@ class Engine:
         spec = speculative.from_proto(self.info.speculative)   # the worker's configuration
         self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark,
                                    fair_share=cfg.fair_share,
-                                   speculation=spec and Speculation(spec, self.max_model_len),
+                                   speculation=spec and speculation.Speculation(spec, self.max_model_len),
                                    preemption_mode=cfg.preemption_mode)
 
     @property
@@ -244,8 +237,10 @@ class Engine:
         """Applies the stop rules to a step's sampled tokens and queues the requests to wake;
         returns how many tokens reached their sequences."""
         stopped = set(result.stopped_seq_ids)   # the worker alone applies the stop-token rule
-        if result.num_tokens:
-            return self._fold_verified(step, result, stopped)
+        if result.num_tokens:   # a speculating step: up to k+1 tokens per sequence
+            return speculation.fold_verified(step, result, stopped, self.max_model_len,
+                                             self.telemetry.first_token, self._settle,
+                                             self.scheduler.verified)
         received = step_codec.decode(step, result)
         max_len = self.max_model_len
         for seq in received:
@@ -253,27 +248,6 @@ class Engine:
                 self.telemetry.first_token(seq)
             self._settle(seq, seq.check_stop(seq.seq_id in stopped, max_len))
         return len(received)
-
-    def _fold_verified(self, step: ScheduledStep, result: wpb.StepResult, stopped: set) -> int:
-        """``_fold`` for a speculating step: a sequence's tokens are appended one by one, every
-        stop rule checked after each (what follows a stop is dropped)."""
-        emitted = 0
-        for v in step_codec.decode_verified(step, result):
-            seq, last = v.seq, len(v.tokens) - 1
-            for j, token in enumerate(v.tokens):
-                seq.output_token_ids.append(token)
-                if v.logprobs:
-                    seq.logprobs.append(v.logprobs[j])
-                emitted += 1
-                if len(seq.output_token_ids) == 1:
-                    self.telemetry.first_token(seq)
-                reason = seq.check_stop(j == last and seq.seq_id in stopped, self.max_model_len)
-                if reason != pb.FINISH_REASON_UNSPECIFIED:
-                    break
-            self._settle(seq, reason)
-            # after its tokens are in (or it is released): KV, blocks and back-off
-            self.scheduler.verified(seq, v.given, v.drafts, last)
-        return emitted
 
     def _settle(self, seq: Sequence, reason: int) -> None:
         """Finishes ``seq`` for ``reason`` (UNSPECIFIED: it goes on) and queues its request to

@@ -20,6 +20,19 @@ blocks that hold nothing reusable are taken first, then the least recently used 
 from __future__ import annotations
 
 import collections
+import logging
+
+log = logging.getLogger("headrace.engine")
+
+
+def report(blocks, preemption_mode: str) -> None:
+    """Logs both KV tiers of a block manager (``blocks``) as the engine starts with them."""
+    host = blocks.host.num_blocks if blocks.host is not None else 0
+    log.info("KV tiers: device %d blocks, host %d blocks (%d tokens each); preemption by %s",
+             blocks.num_blocks, host, blocks.block_size, preemption_mode)
+    if preemption_mode == "swap" and not host:
+        log.warning("--preemption-mode swap without a host KV tier (--kv-offloading-size): "
+                    "preempted requests are recomputed")
 
 
 class HostTier:
