@@ -9,8 +9,9 @@
 # spy: W1 through the gRPC planes again, sampled by py-spy (raw stacks in $OUT/w1-stacks.txt).
 # spec: speculative decoding (n-gram, k = 4) beside off, in one process: W2 ITL per output
 #   token on input-grounded prompts and on random ones (~zero acceptance), W1 (back-off).
-# w5: multi-turn chat with the host KV tier off and on (W5), then W1 with offloading configured
-#     but idle beside W1 without (the tier must cost nothing when unused); ~4-5 minutes.
+# w5: the host KV tier's GPU tests, multi-turn chat with the tier off and on (W5), then W1 with
+#     offloading configured but idle beside W1 without (the tier must cost nothing when unused);
+#     ~5-6 minutes.
 # w4: serving under load (Poisson, lognormal lengths, streamed) for N = 1, 2, 4 API front ends
 #     (w4.json, and w4.png when matplotlib is installed, in $OUT); ~4-5 minutes.
 set -uo pipefail
@@ -81,8 +82,10 @@ if has w4; then
     --duration 8 --clients 4 --out-dir "$OUT" | tee -a "$OUT/results.jsonl"
 fi
 if has w5; then
+  log "host KV tier on the GPU: copy engine (side stream) and outputs equal with it on and off"
+  HEADRACE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kv_offload.py 2>&1 | tail -3
   log "w5 multi-turn chat, host KV tier off and on"
-  timeout 330 python3 -m bench.w5_bench --model /tmp/qwen3 --num-kv-blocks 4096 --offload-gib 32 \
+  timeout 330 python3 -m bench.w5_bench --model /tmp/qwen3 --num-kv-blocks 8192 --offload-gib 48 \
     | tee -a "$OUT/results.jsonl"
   for o in "" "--kv-offloading-size 16"; do
     log "w1 grpc, offloading: ${o:-off}"

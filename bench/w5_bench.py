@@ -6,7 +6,7 @@ device KV pool is limited (``--num-kv-blocks``) so it cannot keep every history:
 second tier a returning conversation's history is evicted and recomputed; with
 ``--kv-offloading-size`` it comes back from host memory.
 
-    python -m bench.w5_bench --model /tmp/qwen3 --num-kv-blocks 4096 --offload-gib 32
+    python -m bench.w5_bench --model /tmp/qwen3 --num-kv-blocks 8192 --offload-gib 48
 
 Runs every mode of ``--modes`` (default: offloading off, then on) against a fresh
 ``headrace serve`` each, in this one invocation, and prints one JSON line per mode: TTFT p50 /
@@ -185,8 +185,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=50171)
     ap.add_argument("--metrics-port", type=int, default=50173, help="the control plane's /metrics")
     ap.add_argument("--modes", default="off,on", help="offloading off and/or on, in this order")
-    ap.add_argument("--num-kv-blocks", type=int, default=4096, help="the device KV pool (blocks of 16)")
-    ap.add_argument("--offload-gib", type=float, default=32.0, help="--kv-offloading-size when on")
+    ap.add_argument("--num-kv-blocks", type=int, default=8192,
+                    help="the device KV pool (blocks of 16; W5's histories reach ~470k tokens)")
+    ap.add_argument("--offload-gib", type=float, default=48.0, help="--kv-offloading-size when on")
     ap.add_argument("--serve-args", default="--max-running 256 --max-batched-tokens 8192",
                     help="more `headrace serve` options")
     ap.add_argument("--conversations", type=int, default=128)

@@ -95,7 +95,9 @@ class HostKV:
             staged = self._gather(caches, out_dev)
             if read_back:
                 self._download(staged, out_host)
-        main.wait_stream(self.stream)   # nothing overwrites a block before it is gathered
+            gathered = torch.cuda.Event()
+            gathered.record()
+        main.wait_event(gathered)   # nothing overwrites a block before it is gathered
         if between is not None:
             between()
         if in_dev:
