@@ -44,6 +44,27 @@ def host_blocks_for(size_gib: float, block_bytes: int) -> int:
     return want // block_bytes
 
 
+def check_step(host: "HostKV | None", step) -> None:
+    """BatchError unless the step's host-tier copies fit this worker's tiers."""
+    out_dev, in_dev = step.swap_out_device_blocks, step.swap_in_device_blocks
+    if host is not None:
+        host.check(out_dev, step.swap_out_host_blocks, step.swap_in_host_blocks, in_dev)
+    elif out_dev or in_dev or step.swap_out_host_blocks or step.swap_in_host_blocks:
+        raise BatchError("swap_out/swap_in sent to a worker without a host KV tier")
+
+
+def apply_step(host: "HostKV | None", caches: list[torch.Tensor], step, copy=None) -> None:
+    """A step's block copies before its forward: the host tier's swap-outs, the copy-on-write
+    copies (``copy()``), then the swap-ins (a fork's source block that its parent freed may be
+    a swap-in's destination in the same step)."""
+    out_dev, in_dev = step.swap_out_device_blocks, step.swap_in_device_blocks
+    if host is not None and (out_dev or in_dev):
+        host.apply(caches, list(out_dev), list(step.swap_out_host_blocks),
+                   list(step.swap_in_host_blocks), list(in_dev), between=copy)
+    elif copy is not None:
+        copy()
+
+
 class HostKV:
     def __init__(self, caches: list[torch.Tensor], num_blocks: int, device: torch.device):
         shape = caches[0].shape   # [2, blocks, block_size, kv_heads, head_dim]

@@ -19,14 +19,14 @@ token history) holds the same ids whatever the sampling parameters or RNG states
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import numpy as np
 import torch
 
 import kernels
-from dataplane import parallel, staging
-from dataplane.kv_offload import HostKV
+from dataplane import kv_offload, parallel, staging
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.sampler import SampleOutput, SamplingBatch, SamplingRow, device_arrays, sample
@@ -69,7 +69,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
                  graphs=None, rank: int = 0, seed: int | None = None, spec: SpecDecoder | None = None,
-                 host_kv: HostKV | None = None):
+                 host_kv: kv_offload.HostKV | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -187,15 +187,9 @@ class ModelRunner:
         the sampled ids to the host) without waiting for the device."""
         launched = Launched(step.step_id, time.perf_counter())
         rows, counts, new_rows, new_last, spec = self._apply_diff(step)
-        if self.host_kv is not None:
-            self.host_kv.check(step.swap_out_device_blocks, step.swap_out_host_blocks,
-                               step.swap_in_host_blocks, step.swap_in_device_blocks)
-        elif step.swap_out_device_blocks or step.swap_in_device_blocks:
-            raise BatchError("swap_out/swap_in sent to a worker without a host KV tier")
+        kv_offload.check_step(self.host_kv, step)
         if len(rows) == 0:   # every sequence of the step stopped: its block copies still run
-            src, dst = (torch.as_tensor(list(b), dtype=torch.int64).to(self.device)
-                        for b in (step.copy_src_blocks, step.copy_dst_blocks))
-            self._block_ops(step, src, dst)
+            kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, None))
             return launched
         batch = self.batch
         drafts = self.spec.propose(batch, rows, spec) if spec.any() else None
@@ -217,7 +211,7 @@ class ModelRunner:
             launched.begin.record()
         if new_rows:
             self.last_token[dev["new_rows"]] = dev["new_last"]
-        self._block_ops(step, dev.get("copy_src"), dev.get("copy_dst"))
+        kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, dev))
         logits = self._logits(prep, dev)
         if sampling is None:   # a step of prefill chunks only: KV written, nothing sampled
             return self._record_done(launched)
@@ -241,20 +235,15 @@ class ModelRunner:
         launched.stop_watch = self.batch.stop_watch(sample_rows, launched.seq_ids)
         return self._record_done(launched)
 
-    def _block_ops(self, step: pb.StepRequest, copy_src, copy_dst) -> None:
-        """The step's block copies before its forward: the host KV tier's swap-outs, the
-        copy-on-write copies, then the swap-ins (a fork's source block that its parent freed
-        may be a swap-in's destination in the same step)."""
-        copy = None
-        if copy_src is not None and len(copy_src):
-            def copy():
-                kernels.copy_blocks(self.kv_caches, copy_src, copy_dst)
-        out_dev, in_dev = step.swap_out_device_blocks, step.swap_in_device_blocks
-        if self.host_kv is not None and (out_dev or in_dev):
-            self.host_kv.apply(self.kv_caches, list(out_dev), list(step.swap_out_host_blocks),
-                               list(step.swap_in_host_blocks), list(in_dev), between=copy)
-        elif copy is not None:
-            copy()
+    def _copier(self, step: pb.StepRequest, dev: dict | None):
+        """The step's copy-on-write block copies as a call (None: none), from the uploaded
+        arrays, or from the message when nothing was uploaded."""
+        if not step.copy_src_blocks:
+            return None
+        if dev is None:
+            dev = {k: torch.as_tensor(list(b), dtype=torch.int64).to(self.device)
+                   for k, b in (("copy_src", step.copy_src_blocks), ("copy_dst", step.copy_dst_blocks))}
+        return functools.partial(kernels.copy_blocks, self.kv_caches, dev["copy_src"], dev["copy_dst"])
 
     def _record_done(self, launched: Launched) -> Launched:
         if launched.begin is not None:
