@@ -16,6 +16,10 @@ exactly that rule (P(y = x) = p(x); y given y != x follows norm(p - p(x) onehot(
 bonus token ``y_d`` comes when all d are accepted. Greedy rows therefore accept on exact
 match. ``verify`` runs on the device; each position samples with the noise counter of the
 output index it would have without speculation, so seeded sampling is reproducible too.
+
+On a GPU a verify in which every sequence samples (decodes only, no prefill chunk) runs as
+decode rows in the decode CUDA graphs (``decode_rows``; ``dataplane.cuda_graphs``); the ladder
+is sized for ``graph_rows`` rows. Acceptance runs on the device after the replay, no sync.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from common.speculative import SpeculativeConfig
-from dataplane.input_batch import InputBatch, PreparedBatch
+from dataplane.input_batch import InputBatch, PreparedBatch, longest_first
 from dataplane.sampler import SamplingBatch
 
 
@@ -42,6 +46,30 @@ def ngram_propose(tokens: np.ndarray, k: int, lo: int, hi: int) -> np.ndarray:
             start = int(hits[0]) + n
             return tokens[start:start + k]
     return tokens[:0]
+
+
+def graph_rows(config: SpeculativeConfig | None, max_num_seqs: int) -> int:
+    """Rows the decode graphs need: a verify of every sequence that may speculate, each with
+    1 + k tokens (the control plane speculates with at most ``disable_by_batch_size`` decodes)."""
+    if config is None:
+        return max_num_seqs
+    k = config.num_speculative_tokens
+    return max(max_num_seqs, min(max_num_seqs, config.disable_by_batch_size) * (k + 1))
+
+
+def decode_rows(prep: PreparedBatch) -> dict[str, np.ndarray] | None:
+    """A verify whose every sequence samples as one decode row per token: the row's context
+    ends at its token (causal over the drafts), its block table is its sequence's. Returns the
+    per-row seq_lens, block_tables and decode_order (positions and slots already are per
+    token), or None for a step that is not such a verify (prefill chunks run eagerly)."""
+    if prep.num_drafts is None or len(prep.sample_rows) != len(prep.seq_lens):
+        return None
+    q_lens = np.diff(prep.query_start_loc)
+    if len(prep.logits_indices) != len(prep.positions):   # every token is verified
+        return None
+    seq_lens = (prep.positions + 1).astype(np.int32)
+    return {"seq_lens": seq_lens, "block_tables": np.repeat(prep.block_tables, q_lens, axis=0),
+            "decode_order": longest_first(seq_lens)}
 
 
 @torch.inference_mode()
