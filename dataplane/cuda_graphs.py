@@ -35,7 +35,7 @@ class EagerGraph:
     """``torch.cuda.CUDAGraph``'s stand-in off CUDA: ``replay`` runs the forward pass of its
     size over the static buffers into the static output (tests exercise the buffer logic)."""
 
-    def __init__(self, graphs: "DecodeGraphs", size: int):
+    def __init__(self, graphs: DecodeGraphs, size: int):
         self.graphs, self.size = graphs, size
 
     def replay(self) -> None:
