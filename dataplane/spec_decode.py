@@ -99,6 +99,8 @@ class SpecDecoder:
                              f"worker (ngram is)")
         self.config = config
         self._drafts: dict[int, np.ndarray] = {}   # row -> drafts of the step being launched
+        self.num_unproposed = 0   # steps that gave positions and found no drafts (the control
+                                  # plane predicts proposals: this stays ~0)
 
     def propose(self, batch: InputBatch, rows: np.ndarray, spec: np.ndarray) -> np.ndarray | None:
         """Drafts for the rows given speculative positions (``spec``: k per row); they go into
@@ -118,6 +120,7 @@ class SpecDecoder:
                 counts[i] = len(drafts)
                 self._drafts[row] = drafts.astype(np.int64)
         if not self._drafts:
+            self.num_unproposed += 1
             return None
         batch.num_tokens[rows] += counts
         return counts

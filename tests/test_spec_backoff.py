@@ -77,3 +77,23 @@ def test_a_decode_without_a_proposal_does_not_speculate_nor_lose_acceptance():
     assert spec.active([seq]) and spec.positions(seq, 100) == 4
     spec.forget(1)
     assert 1 not in spec._grams
+
+
+def test_no_step_is_given_positions_for_which_the_worker_finds_no_drafts():
+    """Random prompts, sampled: the worker is asked to speculate only where it proposes (each
+    such step would run alone, the pipeline drained, for nothing)."""
+    import asyncio
+    import random
+
+    from dataplane.default_model import default_model_dir
+    from headrace.v1 import inference_pb2 as pb
+    from tests.spec_harness import NGRAM, run, worker
+
+    model, rng = str(default_model_dir()), random.Random(0)
+    reqs = [dict(prompt_token_ids=pb.TokenIds(ids=rng.sample(range(2048), 40)), ignore_eos=True,
+                 max_tokens=rng.randint(4, 24), sampling=pb.SamplingParams(temperature=1.0, seed=i))
+            for i in range(12)]
+    w = worker(model, dict(NGRAM, prompt_lookup_min=2))
+    results, _ = asyncio.run(run(model, w, reqs))
+    assert [len(r[0][0]) for r in results] == [r["max_tokens"] for r in reqs]
+    assert w.runner.spec.num_unproposed == 0
