@@ -28,7 +28,6 @@ import dataclasses
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from common.speculative import SpeculativeConfig
 from dataplane.input_batch import InputBatch, PreparedBatch, longest_first
@@ -37,13 +36,26 @@ from dataplane.sampler import SamplingBatch
 
 def ngram_propose(tokens: np.ndarray, k: int, lo: int, hi: int) -> np.ndarray:
     """Up to ``k`` tokens that followed the first earlier occurrence of the longest suffix of
-    ``tokens`` of ``hi`` .. ``lo`` tokens (empty when none occurs)."""
+    ``tokens`` of ``hi`` .. ``lo`` tokens (empty when none occurs). One pass over the tokens
+    finds where the last token occurred before; only those places are extended backwards."""
     n_tok = len(tokens)
-    for n in range(min(hi, n_tok - 1), lo - 1, -1):
-        windows = sliding_window_view(tokens[:-1], n)   # each is followed by a token
-        hits = np.flatnonzero((windows == tokens[n_tok - n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[0]) + n
+    hi = min(hi, n_tok - 1)
+    if hi < lo:
+        return tokens[:0]
+    ends = np.flatnonzero(tokens[:n_tok - 1] == tokens[n_tok - 1])   # each is followed by a token
+    length = np.ones(len(ends), np.int64)   # how much of the suffix ends at each of them
+    alive = np.ones(len(ends), bool)
+    for j in range(1, hi):
+        if not alive.any():
+            break
+        prev = ends - j
+        alive &= prev >= 0
+        alive[alive] = tokens[prev[alive]] == tokens[n_tok - 1 - j]
+        length += alive
+    for n in range(hi, lo - 1, -1):
+        hits = ends[length >= n]
+        if len(hits):   # the earliest end is the earliest start of an n-token match
+            start = int(hits[0]) + 1
             return tokens[start:start + k]
     return tokens[:0]
 

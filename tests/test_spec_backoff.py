@@ -97,3 +97,22 @@ def test_no_step_is_given_positions_for_which_the_worker_finds_no_drafts():
     results, _ = asyncio.run(run(model, w, reqs))
     assert [len(r[0][0]) for r in results] == [r["max_tokens"] for r in reqs]
     assert w.runner.spec.num_unproposed == 0
+
+
+def _propose_by_windows(tokens, k, lo, hi):
+    """The lookup spelled out: every window of n tokens followed by a token, longest n first."""
+    from numpy.lib.stride_tricks import sliding_window_view
+    n_tok = len(tokens)
+    for n in range(min(hi, n_tok - 1), lo - 1, -1):
+        hits = np.flatnonzero((sliding_window_view(tokens[:-1], n) == tokens[n_tok - n:]).all(axis=1))
+        if len(hits):
+            return tokens[int(hits[0]) + n:int(hits[0]) + n + k]
+    return tokens[:0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=60), st.integers(1, 4), st.integers(0, 3),
+       st.integers(1, 5))
+def test_the_fast_ngram_lookup_equals_the_windowed_one(tokens, lo, extra, k):
+    arr = np.asarray(tokens, np.int32)
+    assert ngram_propose(arr, k, lo, lo + extra).tolist() == _propose_by_windows(arr, k, lo, lo + extra).tolist()
