@@ -157,12 +157,6 @@ class ModelRunner:
             arrays.update(rows)
         return arrays
 
-    def _graph_rows(self, prep: PreparedBatch) -> dict[str, np.ndarray] | None:
-        """A verify's decode rows when the decode graphs can replay it (else None: eager)."""
-        if self.graphs is None or prep.num_drafts is None or not self.graphs.fits(len(prep.positions)):
-            return None
-        return decode_rows(prep)
-
     def _logits(self, prep: PreparedBatch, dev: dict[str, torch.Tensor], rows: bool) -> torch.Tensor | None:
         """Logits of the step's sampling tokens (None when none samples); decodes read their
         input ids from the device's last tokens."""
@@ -208,7 +202,8 @@ class ModelRunner:
             sampling = batch.sampling_batch(sample_rows) if len(sample_rows) else None
         if batch.tokens is not None:
             launched.token_rows, launched.token_pos = sample_rows, batch.num_tokens[sample_rows].copy()
-        graph_rows = self._graph_rows(prep)
+        graphed = self.graphs is not None and self.graphs.fits(len(prep.positions))
+        graph_rows = decode_rows(prep) if graphed else None   # a verify the graphs replay
         dev = staging.upload(self._host_arrays(step, prep, new_rows, new_last, sampling, graph_rows),
                              self.device)
         if self.device.type == "cuda":   # after the upload is queued: host packing is not device time
