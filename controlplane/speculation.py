@@ -20,8 +20,14 @@ keeps its pipeline of steps in flight and costs the worker nothing.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from common.speculative import SpeculativeConfig
+from controlplane import step_codec
 from controlplane.request import Sequence
+from controlplane.step import ScheduledStep
+from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.v1 import inference_pb2 as pb
 
 EWMA_WEIGHT = 0.3     # weight of the newest observation
 PROBE_TOKENS = 16     # decodes without speculation after a back-off (doubling per failed probe)
@@ -123,3 +129,30 @@ class Speculation:
     def forget(self, seq_id: int) -> None:
         self._state.pop(seq_id, None)
         self._grams.pop(seq_id, None)
+
+
+def fold_verified(step: ScheduledStep, result: wpb.StepResult, stopped: set[int], max_model_len: int,
+                  first_token: Callable[[Sequence], None], settle: Callable[[Sequence, int], None],
+                  verified: Callable[[Sequence, int, int, int], None]) -> int:
+    """The engine's fold of a speculating step's result: each sequence's tokens are appended
+    one by one, every stop rule checked after each (what follows a stop is dropped); then
+    ``settle`` finishes or wakes it and ``verified`` (the scheduler's) fixes its KV, blocks and
+    back-off. ``stopped``: sequences whose last token the worker's stop-token rule ended.
+    Returns how many tokens reached their sequences."""
+    emitted = 0
+    for v in step_codec.decode_verified(step, result):
+        seq, last = v.seq, len(v.tokens) - 1
+        reason = pb.FINISH_REASON_UNSPECIFIED
+        for j, token in enumerate(v.tokens):
+            seq.output_token_ids.append(token)
+            if v.logprobs:
+                seq.logprobs.append(v.logprobs[j])
+            emitted += 1
+            if len(seq.output_token_ids) == 1:
+                first_token(seq)
+            reason = seq.check_stop(j == last and seq.seq_id in stopped, max_model_len)
+            if reason != pb.FINISH_REASON_UNSPECIFIED:
+                break
+        settle(seq, reason)
+        verified(seq, v.given, v.drafts, last)   # after its tokens are in (or it is released)
+    return emitted
