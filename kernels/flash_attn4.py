@@ -1,0 +1,123 @@
+"""Prefill attention through flash-attn-4 (``flash_attn.cute.interface.flash_attn_varlen_func``,
+CuTe DSL, compiled just in time), reading our paged KV cache in place.
+
+Our cache is ``[2, num_blocks, block_size, kv_heads, head_dim]`` per layer, so ``kv_cache[0]``
+and ``kv_cache[1]`` are exactly flash-attn-4's paged ``k``/``v`` layout
+``(num_pages, page_size, nheads_k, head_dim)`` and our block tables (int32, one row per
+sequence) are its ``page_table``; ``seqused_k`` is our ``seq_lens`` and ``cu_seqlens_q`` our
+``query_start_loc``. Its causal mask is bottom-right aligned (query i of a q_len-token chunk sees
+keys up to seqused_k - q_len + i), which is our chunked-prefill semantics over a cached prefix.
+Any page size works on SM90: a page of exactly the kernel's key tile (128 tokens at head_dim
+128) loads by TMA, other sizes (our 16) by cp.async, measured ~10% slower (REFERENCE.md §7); so
+the 16-token blocks stay and ``--block-size 128`` is the knob that trades prefix-cache
+granularity for that 10%. The TMA path reads whole pages, so the rows of a sequence's last page
+past its length must hold finite values (our cache is zeroed at allocation and only ever
+holds written K/V).
+
+The ``Plan`` is made once per step (``plan``: views of the step's metadata, plus one tiny
+device subtraction for mixed steps) and shared by every layer, so a layer's call costs only
+flash-attn-4's own host work. In a mixed step the decodes (the first ``num_decodes`` rows)
+take the decode kernel passed in (Triton's, split over the context) and flash-attn-4 the rest.
+Not supported by flash-attn-4 here, hence by ``unusable``: CPU, float32, an FP8 KV cache
+(its FP8 path is SM100-only), GPUs without its paged path (below SM90, SM120).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from kernels.attention_policy import FLASH, INSTALL_HINT, PACKAGE
+
+_varlen: Callable | None = None
+
+
+def load() -> Callable:
+    """``flash_attn_varlen_func`` (imported once); ImportError when the package is missing."""
+    global _varlen
+    if _varlen is None:
+        from flash_attn.cute.interface import flash_attn_varlen_func
+        _varlen = flash_attn_varlen_func
+    return _varlen
+
+
+def unusable(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+             head_dim: int) -> str | None:
+    """Why flash-attn-4 cannot run this model's attention on ``device`` (None: it can)."""
+    if device.type != "cuda":
+        return f"{PACKAGE} needs a CUDA device, not {device.type}"
+    try:
+        load()
+    except Exception as exc:   # ImportError, or a broken install failing inside cutlass
+        return (f"the {PACKAGE} package is not installed or does not import ({INSTALL_HINT}): "
+                f"{type(exc).__name__}: {exc}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10, 11):
+        return f"{PACKAGE}'s paged KV needs an SM90/SM100 GPU, this is sm_{major}{minor}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{PACKAGE} needs bfloat16 or float16, the model runs in {dtype}"
+    if kv_dtype != dtype:
+        return f"{PACKAGE} does not read a {kv_dtype} KV cache on this GPU (--kv-cache-dtype auto)"
+    top = 256 if major == 9 else 128
+    if not (8 <= head_dim <= top and head_dim % 8 == 0):
+        return f"{PACKAGE} supports head_dim 8..{top} in steps of 8 on sm_{major}x, not {head_dim}"
+    return None
+
+
+@dataclasses.dataclass
+class Plan:
+    """One step's flash-attn-4 arguments, shared by every layer. The prefill part is the
+    sequences from ``num_decodes`` on, whose query rows start at row ``num_decodes``."""
+
+    num_decodes: int
+    cu_seqlens_q: torch.Tensor   # [prefill seqs + 1] int32, from 0
+    seqused_k: torch.Tensor      # [prefill seqs] int32
+    page_table: torch.Tensor     # [prefill seqs, max_blocks] int32
+    max_seqlen_q: int
+    decode_meta: tuple = ()      # (query_start_loc, seq_lens, block_tables) of the decodes
+
+
+def plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+         num_decodes: int, max_query_len: int) -> Plan:
+    """The step's plan from our metadata (int32 device tensors; see AttentionMetadata)."""
+    nd = num_decodes
+    cu = query_start_loc if nd == 0 else query_start_loc[nd:] - nd
+    decode_meta = ((query_start_loc[:nd + 1], seq_lens[:nd], block_tables[:nd]) if nd else ())
+    return Plan(nd, cu, seq_lens[nd:], block_tables[nd:], max_query_len, decode_meta)
+
+
+def varlen_kwargs(query: torch.Tensor, kv_cache: torch.Tensor, p: Plan, scale: float) -> dict:
+    """The arguments of the prefill part's ``flash_attn_varlen_func`` call."""
+    return dict(q=query[p.num_decodes:], k=kv_cache[0], v=kv_cache[1], cu_seqlens_q=p.cu_seqlens_q,
+                seqused_k=p.seqused_k, page_table=p.page_table, max_seqlen_q=p.max_seqlen_q,
+                softmax_scale=scale, causal=True)
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, p: Plan, scale: float,
+                    decode: Callable, decode_order: torch.Tensor | None = None,
+                    varlen: Callable | None = None) -> torch.Tensor:
+    """Causal attention of the step (see kernels.reference.paged_attention): flash-attn-4 for
+    the prefill part, ``decode(query, kv_cache, qsl, seq_lens, tables, scale, decode_only=True,
+    decode_order=...)`` for the decodes. ``varlen`` replaces flash_attn_varlen_func (tests)."""
+    result = (varlen or load())(**varlen_kwargs(query, kv_cache, p, scale))
+    out = result[0] if isinstance(result, tuple) else result
+    if not p.num_decodes:
+        return out
+    qsl, seq_lens, tables = p.decode_meta
+    head = decode(query[:p.num_decodes], kv_cache, qsl, seq_lens, tables, scale,
+                  max_query_len=1, decode_only=True, decode_order=decode_order)
+    return torch.cat((head, out))
+
+
+def step_plan(policy, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+              block_tables: torch.Tensor, block_size: int, tokens: int, max_query_len: int,
+              decode_only: bool, num_decodes: int) -> Plan | None:
+    """The step's plan when ``policy`` (a ``kernels.attention_policy.Policy``, or None: Triton)
+    sends its prefill part to flash-attn-4, else None. Called once per step, on the host."""
+    if policy is None or not policy.uses_flash or decode_only:
+        return None
+    if policy.choose(decode_only, num_decodes, tokens, block_tables.shape[1] * block_size) != FLASH:
+        return None
+    return plan(query_start_loc, seq_lens, block_tables, num_decodes, max_query_len)
