@@ -230,7 +230,7 @@ async def run(args) -> dict:
         out.update(spec_draft_tokens=spec.num_draft_tokens, spec_accepted_tokens=spec.num_accepted_tokens,
                    spec_acceptance=round(spec.num_accepted_tokens / max(1, spec.num_draft_tokens), 3),
                    spec_accepted_per_pos=spec.accepted_per_pos)
-    out.update(attention_backend=worker.attention.describe())
+    out.update(attention_backend=args.attention_backend, attention=worker.attention.describe())
     out.update(workload=f"{args.workload}{'-grounded' if args.grounded else ''}"
                         f"{'-spec' if spec is not None else ''}-in-process", runner_s=round(local.runner_s, 3),
                device_s=round(local.device_s, 3), device_idle_s=round(local.device_idle_s, 3),
