@@ -174,11 +174,8 @@ class Worker:
                 max_query_len=q_len, decode_only=q_len == 1,
                 decode_order=torch.zeros(1, dtype=torch.int32, device=dev))
             q_len *= 2
-        if self.attention.uses_flash:   # flash-attn-4 compiles its kernel at the first call
-            qsl, lens = (torch.tensor(x, dtype=torch.int32, device=dev) for x in ([0, longest], [longest]))
-            query = torch.zeros((longest, cfg.num_heads, cfg.head_dim), dtype=self.dtype, device=dev)
-            kernels.paged_attention(query, cache, qsl, lens, tables, cfg.head_dim ** -0.5,
-                                    flash=kernels.flash_attn4.plan(qsl, lens, tables, 0, longest))
+        if self.attention.uses_flash:   # flash-attn-4 compiles its kernels at the first call
+            kernels.flash_attn4.warm_up(cache, cfg.num_heads, self.dtype, self.opts.max_num_seqs)
 
     def _blocks_from_memory(self) -> int:
         if self.device.type == "cuda":

@@ -121,3 +121,23 @@ def step_plan(policy, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     if policy.choose(decode_only, num_decodes, tokens, block_tables.shape[1] * block_size) != FLASH:
         return None
     return plan(query_start_loc, seq_lens, block_tables, num_decodes, max_query_len)
+
+
+# flash-attn-4 compiles a second kernel variant for varlen batches of more than this many
+# sequences (its BIN_BATCH_SEARCH_THRESH: a batch-lookup aid for the tile scheduler).
+LOOKUP_BATCH = 256
+
+
+def warm_up(cache: torch.Tensor, heads: int, dtype: torch.dtype, max_seqs: int) -> None:
+    """Compiles (or loads from flash-attn-4's cache) every kernel variant a step can pick for
+    this model: a one-sequence prefill and, when the worker holds more than LOOKUP_BATCH
+    sequences, a batch past it, so no request pays a compilation. ``cache``: one layer's
+    (zeroed) KV cache."""
+    dev, head_dim, blocks, block = cache.device, cache.shape[-1], cache.shape[1], cache.shape[2]
+    for batch in (1, LOOKUP_BATCH + 1) if max_seqs > LOOKUP_BATCH else (1,):
+        q_len, width = (1, 1) if batch > 1 else (blocks * block, blocks)
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev) * q_len
+        lens = torch.full((batch,), q_len, dtype=torch.int32, device=dev)
+        tables = torch.arange(width, dtype=torch.int32, device=dev).repeat(batch, 1)
+        query = torch.zeros((batch * q_len, heads, head_dim), dtype=dtype, device=dev)
+        paged_attention(query, cache, plan(qsl, lens, tables, 0, q_len), head_dim ** -0.5, None)

@@ -204,3 +204,19 @@ def test_a_worker_on_cpu_refuses_an_explicit_flash_attn(tmp_path):
                                                      "needs a CUDA device")
     worker = Worker(WorkerOptions(model=str(model), num_kv_blocks=8))   # auto: the reference
     assert worker.attention.backend == "triton" and worker.runner.attention is worker.attention
+
+
+@pytest.mark.parametrize("max_seqs, batches", [(256, [1]), (300, [1, 257])])
+def test_warm_up_compiles_every_variant_a_step_can_pick(max_seqs, batches, monkeypatch):
+    """flash-attn-4 compiles another kernel for batches past LOOKUP_BATCH sequences: the
+    warm-up runs one when the worker can hold that many (here through the emulation)."""
+    seen = []
+
+    def varlen(**kw):
+        seen.append(kw["cu_seqlens_q"].shape[0] - 1)
+        return emulate_varlen(**kw)
+
+    monkeypatch.setattr(flash_attn4, "_varlen", varlen)
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    flash_attn4.warm_up(cache, 4, torch.float32, max_seqs)
+    assert seen == batches and flash_attn4.LOOKUP_BATCH == 256
