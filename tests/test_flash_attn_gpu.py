@@ -63,11 +63,16 @@ CASES = {   # name: (decodes, [(q_len, cached prefix)], block_size)
 }
 
 
+# (head_dim, GQA group): each pair is a kernel flash-attn-4 compiles (seconds each)
+SHAPES = [(64, 1), (64, 4), (64, 8), (128, 1), (128, 2), (128, 4), (128, 8)]
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim, group", SHAPES)
 def test_flash_attn_matches_reference_and_triton(case, head_dim, group):
     decodes, seqs, block_size = CASES[case]
+    if block_size == 128 and (head_dim, group) not in ((64, 4), (128, 4)):
+        pytest.skip("128-token pages (the TMA path): two shapes are enough")
     rng = random.Random(hash((case, head_dim, group)) % 10000)
     q_lens = [1] * decodes + [q for q, _ in seqs]
     prefixes = [rng.randint(1, 900) for _ in range(decodes)] + [p for _, p in seqs]
@@ -114,7 +119,7 @@ def _hf_greedy(hf, prompt: list[int], steps: int):
     return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits, 0)[:, 0].float().log_softmax(-1)
 
 
-def _agree(ids, logprobs, ref_ids, ref_logprobs, tol=0.15):
+def _agree(ids, logprobs, ref_ids, ref_logprobs, tol=0.25):
     """bfloat16 implementations may part at a near-tie: equal ids and logprobs up to the first
     difference, where transformers must rate our token within ``tol`` of its own."""
     for step, (ours, theirs) in enumerate(zip(ids, ref_ids)):
@@ -150,6 +155,7 @@ def test_greedy_matches_transformers_in_bf16(variant, backend, checkpoint_factor
                     worker_fields=dict(dtype="bfloat16", attention_backend=backend))
     try:
         calls.clear()
+        agreed = []
         for prompt in prompts:
             steps = min(12, 255 - len(prompt))
             responses = planes.generate(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=steps,
@@ -158,7 +164,8 @@ def test_greedy_matches_transformers_in_bf16(variant, backend, checkpoint_factor
             ids, _, _ = completion(responses)
             lps = [lp.logprob for r in responses for lp in r.logprobs]
             ref_ids, ref_lps = _hf_greedy(hf, prompt, steps)
-            _agree(ids, lps, ref_ids, ref_lps)
+            agreed.append(_agree(ids, lps, ref_ids, ref_lps))
     finally:
         planes.close()
+    assert sum(n >= 4 for n in agreed) >= len(prompts) // 2, agreed   # mostly no near-tie early
     assert (len(calls) > 0) == (backend == "flash-attn")
