@@ -220,3 +220,22 @@ def test_warm_up_compiles_every_variant_a_step_can_pick(max_seqs, batches, monke
     cache = torch.zeros(2, 4, 16, 2, 64)
     flash_attn4.warm_up(cache, 4, torch.float32, max_seqs)
     assert seen == batches and flash_attn4.LOOKUP_BATCH == 256
+
+
+def test_unusable_says_what_the_device_or_model_lacks(monkeypatch):
+    """With the package importable: the GPU generation, the dtype, an FP8 cache, head_dim."""
+    monkeypatch.setattr(flash_attn4, "load", lambda: None)
+    cap = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["value"])
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    assert flash_attn4.unusable(cuda, bf16, bf16, 128) is None
+    assert flash_attn4.unusable(cuda, torch.float16, torch.float16, 64) is None
+    assert "bfloat16 or float16" in flash_attn4.unusable(cuda, torch.float32, torch.float32, 128)
+    assert "--kv-cache-dtype auto" in flash_attn4.unusable(cuda, bf16, torch.float8_e4m3fn, 128)
+    assert "head_dim 8..256" in flash_attn4.unusable(cuda, bf16, bf16, 100)
+    assert flash_attn4.unusable(cuda, bf16, bf16, 256) is None
+    cap["value"] = (10, 0)
+    assert "head_dim 8..128" in flash_attn4.unusable(cuda, bf16, bf16, 256)
+    for old in ((8, 0), (12, 0)):
+        cap["value"] = old
+        assert "SM90/SM100" in flash_attn4.unusable(cuda, bf16, bf16, 128)
