@@ -110,7 +110,7 @@ def bench_prefill(layouts, lengths, device) -> dict:
             row = prefill_row(heads, kv_heads, head_dim, q_len, q_len + prefix, device)
             if prefix == 0:
                 rows[(name, q_len)] = row
-            pick = auto.choose(False, 0, q_len, q_len + prefix)
+            pick = auto.choose(False, 0, q_len * prefix + q_len * (q_len + 1) // 2)
             print(f"{q_len:7d} {prefix:7d} " + "".join(f"{row.get(c, 0):13.1f}" for c in COLUMNS)
                   + f"  {pick}")
     return rows

@@ -169,9 +169,8 @@ class ModelRunner:
         if self.graphs is not None and prep.decode_only and self.graphs.fits(len(prep.positions)):
             return self.graphs.run(input_ids, dev)   # every decode samples
         qsl = dev["query_start_loc"] if "query_start_loc" in dev else self._arange[:len(prep.positions) + 1]
-        flash = kernels.flash_attn4.step_plan(
-            self.attention, qsl, dev["seq_lens"], dev["block_tables"], self.block_size,
-            len(prep.positions), prep.max_query_len, prep.decode_only, prep.num_decodes)
+        flash = kernels.flash_attn4.step_plan(self.attention, prep, qsl, dev["seq_lens"],
+                                              dev["block_tables"])
         meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=qsl,
                                  seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
                                  max_query_len=prep.max_query_len, decode_only=prep.decode_only,

@@ -17,7 +17,7 @@ the environment variable ``HEADRACE_KERNELS``:
 (``max_query_len``, ``decode_only``, ``num_decodes``, ``decode_order``); the reference ignores
 them. Its ``flash`` argument (a ``kernels.flash_attn4.Plan``, made once per step when the
 step's ``kernels.attention_policy`` choice is flash-attn-4) sends a CUDA step's prefill part to
-flash-attn-4 instead (``--attention-backend``); CPU tensors ignore it. ``copy_blocks`` (copy on write, rare) is plain torch indexing on every device.
+flash-attn-4 instead (``--attention-backend``); CPU tensors and ``reference`` ignore it. ``copy_blocks`` (copy on write, rare) is plain torch indexing on every device.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, sc
                     flash=None, **hints):
     """Causal attention of variable-length queries over paged KV (kernels.reference's
     semantics); ``flash``: the step's flash-attn-4 plan, or None."""
-    if flash is None or not query.is_cuda:
+    if flash is None or not query.is_cuda or MODE == "reference":
         return _paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale,
                                 **hints)
     return flash_attn4.paged_attention(query, kv_cache, flash, scale, _paged_attention,

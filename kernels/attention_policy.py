@@ -7,11 +7,12 @@ step (``choose``) and hands the answer to every layer, so no layer repeats the c
 
 A step is in one of three phases: ``decode`` (every sequence computes one token), ``prefill``
 (no one-token sequence first) or ``mixed`` (decodes first, then prefill chunks). The size of a
-step's prefill part is measured as the number of query-key pairs it may compute,
-``prefill_tokens * max_context`` (the context bound is the block-table width times the block
-size, known on the host), against the pairs of one causal prefill of ``crossover`` tokens,
-``crossover**2 / 2``. So a 2048-token chunk over a 28k-token cached prefix counts like a 10k
-dense prefill, and the crossover reads off the bench's dense table (bench/attention_backends.py).
+step's prefill part is the number of query-key pairs its causal attention computes
+(``prefill_pairs``, from the step's host arrays), compared with what one dense prompt of
+``crossover`` tokens computes, ``crossover * (crossover + 1) / 2``. So a dense prompt counts
+its length, a 2048-token chunk over a 26k-token cached prefix like a 10.5k-token prompt and 29
+prompts of 560 tokens like one of 3k; the crossover reads off the bench's dense table
+(bench/attention_backends.py).
 
 ``auto``'s table (as vLLM's selection does: the fastest measured backend the device supports,
 the portable one otherwise):
@@ -19,7 +20,7 @@ the portable one otherwise):
 =========  ==================================================================
 decode     triton (split-KV decode inside the CUDA graphs; flash-attn-4 has no
            split-KV on SM90 and its calls stay outside graphs)
-prefill    flash-attn when prefill_tokens * max_context >= FLASH_ATTN_CROSSOVER_TOKENS**2
+prefill    flash-attn when the pairs reach a dense prompt of FLASH_ATTN_CROSSOVER_TOKENS
 mixed      the same test on the prefill part; the decodes keep Triton's kernel
 =========  ==================================================================
 
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 BACKENDS = ("auto", "triton", "flash-attn")
 PHASES = ("decode", "prefill", "mixed")
 TRITON, FLASH = "triton", "flash-attn"
@@ -43,6 +46,15 @@ INSTALL_HINT = "pip install 'headrace[flash-attn]'"
 # TFLOP/s at 1k, 433 at 8k; flash-attn-4 26-85 at 1k for its ~0.1 ms host cost, 664 at 8k):
 # set it from bench/attention_backends.py's crossover row.
 FLASH_ATTN_CROSSOVER_TOKENS = 4096
+
+
+def prefill_pairs(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_decodes: int) -> int:
+    """Query-key pairs of the causal attention of sequences num_decodes.. (host arrays: the
+    step's cumulative query lengths and context lengths): a chunk of q tokens ending a context
+    of c sees q * (c - q) cached keys and q * (q + 1) / 2 of its own."""
+    q = np.diff(query_start_loc[num_decodes:]).astype(np.int64)
+    c = seq_lens[num_decodes:].astype(np.int64)
+    return int((q * (c - q) + q * (q + 1) // 2).sum())
 
 
 def phase_of(decode_only: bool, num_decodes: int) -> str:
@@ -65,18 +77,14 @@ class Policy:
     def uses_flash(self) -> bool:
         return self.backend != TRITON
 
-    def choose(self, decode_only: bool, num_decodes: int, tokens: int, max_context: int) -> str:
-        """The kernel of a step's prefill part (``triton`` or ``flash-attn``): ``tokens`` is
-        the step's query tokens, decodes included, ``max_context`` a bound on its longest
-        context. Decode-only steps are always ``triton``."""
-        if decode_only or self.backend == TRITON:
-            return TRITON
-        prefill_tokens = tokens - num_decodes
-        if prefill_tokens <= 0:
+    def choose(self, decode_only: bool, num_decodes: int, pairs: int) -> str:
+        """The kernel of a step's prefill part (``triton`` or ``flash-attn``): ``pairs`` is
+        its ``prefill_pairs``. Decode-only steps are always ``triton``."""
+        if decode_only or self.backend == TRITON or pairs <= 0:
             return TRITON
         if self.backend == FLASH:
             return FLASH
-        return FLASH if prefill_tokens * max_context >= self.crossover * self.crossover else TRITON
+        return FLASH if 2 * pairs >= self.crossover * (self.crossover + 1) else TRITON
 
     def table(self) -> dict[str, str]:
         """Phase -> what runs it, for the start-up log line."""

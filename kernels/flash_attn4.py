@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from kernels.attention_policy import FLASH, INSTALL_HINT, PACKAGE
+from kernels.attention_policy import FLASH, INSTALL_HINT, PACKAGE, prefill_pairs
 
 _varlen: Callable | None = None
 
@@ -111,16 +111,19 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, p: Plan, scale:
     return torch.cat((head, out))
 
 
-def step_plan(policy, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-              block_tables: torch.Tensor, block_size: int, tokens: int, max_query_len: int,
-              decode_only: bool, num_decodes: int) -> Plan | None:
+def step_plan(policy, prep, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+              block_tables: torch.Tensor) -> Plan | None:
     """The step's plan when ``policy`` (a ``kernels.attention_policy.Policy``, or None: Triton)
-    sends its prefill part to flash-attn-4, else None. Called once per step, on the host."""
-    if policy is None or not policy.uses_flash or decode_only:
+    sends its prefill part to flash-attn-4, else None. ``prep``: the step's host arrays
+    (``query_start_loc``, ``seq_lens``, ``num_decodes``, ``decode_only``, ``max_query_len``;
+    a ``dataplane.input_batch.PreparedBatch``), the tensors their copies on the device.
+    Called once per step, on the host."""
+    if policy is None or not policy.uses_flash or prep.decode_only:
         return None
-    if policy.choose(decode_only, num_decodes, tokens, block_tables.shape[1] * block_size) != FLASH:
+    pairs = prefill_pairs(prep.query_start_loc, prep.seq_lens, prep.num_decodes)
+    if policy.choose(False, prep.num_decodes, pairs) != FLASH:
         return None
-    return plan(query_start_loc, seq_lens, block_tables, num_decodes, max_query_len)
+    return plan(query_start_loc, seq_lens, block_tables, prep.num_decodes, prep.max_query_len)
 
 
 # flash-attn-4 compiles a second kernel variant for varlen batches of more than this many

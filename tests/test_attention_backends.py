@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -139,9 +140,14 @@ def test_auto_falls_back_to_triton_and_says_why():
     policy = ap.resolve("auto", "cuda", "the flash-attn-4 package is not installed")
     assert policy.backend == "triton" and not policy.uses_flash
     assert "flash-attn not used: the flash-attn-4 package is not installed" in policy.describe()
-    assert policy.choose(False, 0, 30000, 30000) == "triton"
+    assert policy.choose(False, 0, 10 ** 9) == "triton"
     assert ap.resolve("auto", "cpu", None).backend == "triton"
     assert ap.resolve("triton", "cuda", None).table() == dict.fromkeys(ap.PHASES, "triton")
+
+
+def _pairs(q_lens, ctx, decodes=0):
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return ap.prefill_pairs(qsl, np.asarray(ctx, dtype=np.int32), decodes)
 
 
 def test_the_selection_table():
@@ -149,48 +155,57 @@ def test_the_selection_table():
     x = ap.FLASH_ATTN_CROSSOVER_TOKENS
     assert auto.backend == "auto" and flash.backend == "flash-attn"
     for policy in (auto, flash):   # decodes stay on Triton (CUDA graphs, split-KV)
-        assert policy.choose(True, 64, 64, 32768) == "triton"
-        assert policy.choose(False, 5, 5, 4096) == "triton"   # no prefill part
+        assert policy.choose(True, 64, 10 ** 9) == "triton"
+        assert policy.choose(False, 5, _pairs([1] * 5, [4096] * 5, 5)) == "triton"   # no prefill
     # prefill: a dense prompt at the crossover and just below
-    assert auto.choose(False, 0, x, x) == "flash-attn"
-    assert auto.choose(False, 0, x - 64, x - 64) == "triton"
-    assert auto.choose(False, 0, 16, 32) == "triton"
-    # a short chunk over a long cached prefix counts its pairs: 2048 x 28k is long
-    assert auto.choose(False, 0, 2048, 28672) == "flash-attn"
-    assert auto.choose(False, 0, 2048, 2048) == ("flash-attn" if x <= 2048 else "triton")
-    # mixed: the decodes' tokens do not count
-    assert auto.choose(False, 40, 40 + x, x) == "flash-attn"
-    assert auto.choose(False, 40, 41, x) == "triton"
-    assert flash.choose(False, 0, 1, 16) == flash.choose(False, 3, 4, 16) == "flash-attn"
+    assert auto.choose(False, 0, _pairs([x], [x])) == "flash-attn"
+    assert auto.choose(False, 0, _pairs([x - 1], [x - 1])) == "triton"
+    # a short chunk over a long cached prefix counts what it attends to
+    assert auto.choose(False, 0, _pairs([2048], [28672])) == "flash-attn"
+    # W1's first steps: ~29 prompts of ~560 tokens are a ~3k prompt's work
+    assert _pairs([560] * 29, [560] * 29) < x * (x + 1) // 2 == _pairs([x], [x])
+    # mixed: the decodes' long contexts do not count
+    assert auto.choose(False, 40, _pairs([1] * 40 + [16], [30000] * 40 + [16], 40)) == "triton"
+    assert auto.choose(False, 40, _pairs([1] * 40 + [x], [30000] * 40 + [x], 40)) == "flash-attn"
+    assert flash.choose(False, 3, _pairs([1] * 3 + [2], [9, 9, 9, 2], 3)) == "flash-attn"
     table = auto.table()
     assert table["decode"] == "triton" and f"from {x} equivalent tokens" in table["prefill"]
     assert "decodes: triton" in table["mixed"]
 
 
 @settings(max_examples=60, deadline=None)
-@given(tokens=st.integers(1, 70000), ctx=st.integers(1, 70000), more=st.integers(0, 5000),
-       decodes=st.integers(0, 200))
-def test_auto_is_monotone_in_the_work(tokens, ctx, more, decodes):
-    """Once a step goes to flash-attn, a bigger one (more tokens or context) does too."""
-    auto = ap.resolve("auto", "cuda", None)
-    if auto.choose(False, decodes, decodes + tokens, ctx) == "flash-attn":
-        assert auto.choose(False, decodes, decodes + tokens + more, ctx) == "flash-attn"
-        assert auto.choose(False, decodes, decodes + tokens, ctx + more) == "flash-attn"
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 500)), min_size=1, max_size=8),
+       st.integers(0, 3))
+def test_prefill_pairs_counts_the_visible_keys(seqs, decodes):
+    """Against a count of the causal mask itself: query i of a q-token chunk ending a context
+    of c sees c - q + i + 1 keys; the first ``decodes`` sequences are left out."""
+    q_lens = [1] * decodes + [q for q, _ in seqs]
+    ctx = [1 + p for p in range(decodes)] + [q + p for q, p in seqs]
+    want = sum(c - q + i + 1 for q, c in zip(q_lens[decodes:], ctx[decodes:]) for i in range(q))
+    assert _pairs(q_lens, ctx, decodes) == want
 
 
 def test_step_plan_only_for_flash_steps():
-    qsl = torch.tensor([0, 1, 2, 5000], dtype=torch.int32)
-    lens = torch.tensor([10, 20, 5000], dtype=torch.int32)
+    import types
+
+    prep = types.SimpleNamespace(query_start_loc=np.array([0, 1, 2, 5000], dtype=np.int32),
+                                 seq_lens=np.array([10, 20, 5000], dtype=np.int32),
+                                 num_decodes=2, decode_only=False, max_query_len=4998)
+    qsl, lens = torch.from_numpy(prep.query_start_loc), torch.from_numpy(prep.seq_lens)
     tables = torch.zeros((3, 313), dtype=torch.int32)
     auto, triton = ap.resolve("auto", "cuda", None), ap.resolve("triton", "cuda", None)
-    assert flash_attn4.step_plan(None, qsl, lens, tables, 16, 5000, 4998, False, 2) is None
-    assert flash_attn4.step_plan(triton, qsl, lens, tables, 16, 5000, 4998, False, 2) is None
-    assert flash_attn4.step_plan(auto, qsl[:3], lens[:2], tables[:2], 16, 2, 1, True, 2) is None
-    plan = flash_attn4.step_plan(auto, qsl, lens, tables, 16, 5000, 4998, False, 2)
+    assert flash_attn4.step_plan(None, prep, qsl, lens, tables) is None
+    assert flash_attn4.step_plan(triton, prep, qsl, lens, tables) is None
+    plan = flash_attn4.step_plan(auto, prep, qsl, lens, tables)
     assert plan.num_decodes == 2 and plan.max_seqlen_q == 4998
     assert plan.cu_seqlens_q.tolist() == [0, 4998] and plan.cu_seqlens_q.dtype == torch.int32
     assert plan.seqused_k.tolist() == [5000] and plan.page_table.shape == (1, 313)
     assert [t.shape[0] for t in plan.decode_meta] == [3, 2, 2]
+    short = types.SimpleNamespace(**{**vars(prep), "query_start_loc": np.array([0, 1, 2, 100], dtype=np.int32),
+                                     "seq_lens": np.array([10, 20, 100], dtype=np.int32)})
+    assert flash_attn4.step_plan(auto, short, qsl, lens, tables) is None
+    assert flash_attn4.step_plan(auto, types.SimpleNamespace(**{**vars(prep), "decode_only": True}),
+                                 qsl, lens, tables) is None
 
 
 def test_a_worker_on_cpu_refuses_an_explicit_flash_attn(tmp_path):
@@ -239,3 +254,31 @@ def test_unusable_says_what_the_device_or_model_lacks(monkeypatch):
     for old in ((8, 0), (12, 0)):
         cap["value"] = old
         assert "SM90/SM100" in flash_attn4.unusable(cuda, bf16, bf16, 128)
+
+
+def test_the_runner_plans_once_per_step_from_its_metadata(tmp_path, monkeypatch):
+    """A prefill step, then a mixed one (a decode first): the runner hands the plan of each to
+    the model (on CPU the kernels ignore it, so the tokens are the reference's)."""
+    from dataplane.worker import Worker
+    from headrace.dataplane.v1 import worker_pb2 as wpb
+
+    model = make_checkpoint(tmp_path / "m", "qwen3", heads=4, kv_heads=2, head_dim=32)
+    worker = Worker(WorkerOptions(model=str(model), num_kv_blocks=16))
+    worker.runner.attention = ap.Policy("flash-attn", "flash-attn")
+    plans, real = [], flash_attn4.step_plan
+    monkeypatch.setattr(flash_attn4, "step_plan", lambda *a: plans.append(real(*a)) or plans[-1])
+    sampling = wpb.Sampling(top_p=1, repetition_penalty=1)
+    first = wpb.StepRequest(step_id=1)
+    first.new_seqs.add(seq_id=1, prompt_token_ids=[5, 6, 7], block_ids=[0], num_scheduled_tokens=3,
+                       sampling=sampling)
+    second = wpb.StepRequest(step_id=2, running_seq_ids=[1], running_num_scheduled=[1],
+                             running_new_block_counts=[0])
+    second.new_seqs.add(seq_id=2, prompt_token_ids=[9] * 20, block_ids=[1, 2], num_scheduled_tokens=20,
+                        sampling=sampling)
+    for step in (first, second):
+        worker.runner.finish(worker.runner.launch(step))
+    assert [p.num_decodes for p in plans] == [0, 1]
+    assert plans[0].cu_seqlens_q.tolist() == [0, 3] and plans[0].seqused_k.tolist() == [3]
+    assert plans[1].cu_seqlens_q.tolist() == [0, 20] and plans[1].seqused_k.tolist() == [20]
+    assert plans[1].page_table.tolist() == [[1, 2]] and plans[1].max_seqlen_q == 20
+    assert [t.tolist() for t in plans[1].decode_meta] == [[0, 1], [4], [[0, 0]]]
