@@ -85,7 +85,6 @@ def prefill_row(heads, kv_heads, head_dim, q_len, ctx, device, dense=True) -> di
                 query, cache, qsl, lens, tables, scale, max_query_len=q_len)) / 1e9
         out[f"fa4-paged{block}"] = flops / _ms(lambda: varlen(
             **flash_attn4.varlen_kwargs(query, cache, plan, scale))) / 1e9
-        del cache
     if dense:
         k, v = (torch.randn(ctx, kv_heads, head_dim, dtype=DTYPE, device=device) for _ in range(2))
         cu_q = torch.tensor([0, q_len], dtype=torch.int32, device=device)
@@ -135,7 +134,6 @@ def bench_decode(device, quick: bool) -> dict:
         result["fa4-paged16"].append(kv_bytes / ms_f / 1e9)
         print(f"{step:5d} {len(ctx):5d} {sum(ctx) // len(ctx):8d} {result['triton'][-1]:10.2f}"
               f" ({ms_t * 1e3:6.1f} us) {result['fa4-paged16'][-1]:8.2f} ({ms_f * 1e3:6.1f} us)")
-        del cache
     return {k: sum(v) / len(v) for k, v in result.items()}
 
 
@@ -165,7 +163,7 @@ def host_cost(device, calls: int = 200) -> dict:
     torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
-    print(f"\nhost us per call (16 tokens): " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()))
+    print("\nhost us per call (16 tokens): " + ", ".join(f"{k} {v:.1f}" for k, v in out.items()))
     print(f"where flash-attn-4's host time goes ({calls} calls, by own time):")
     print("\n".join(line for line in text.getvalue().splitlines()[6:] if line.strip()))
     return out
@@ -209,6 +207,10 @@ def main() -> None:
             print(f"{name:<12} {n:6d} " + "".join(f"{row[c]:13.1f}" for c in COLUMNS))
     print(f"decode TB/s  triton {decode['triton']:.2f}  fa4-paged16 {decode['fa4-paged16']:.2f}")
     print(f"host us/call triton {host['triton']:.1f}  fa4-paged16 {host['fa4-paged16']:.1f}")
+    for name in layouts:
+        gain = [rows[(name, n)]["fa4-paged128"] / rows[(name, n)]["fa4-paged16"]
+                for n in lengths if n >= 8192]
+        print(f"pages {name}: 128-token pages over 16, 8k-32k: x{min(gain):.2f}-{max(gain):.2f}")
     for name in layouts:
         print(f"crossover {name}: flash-attn-4 wins from {crossover(rows, name, lengths)} tokens "
               f"(FLASH_ATTN_CROSSOVER_TOKENS = {attention_policy.FLASH_ATTN_CROSSOVER_TOKENS})")

@@ -8,11 +8,14 @@ sequence) are its ``page_table``; ``seqused_k`` is our ``seq_lens`` and ``cu_seq
 ``query_start_loc``. Its causal mask is bottom-right aligned (query i of a q_len-token chunk sees
 keys up to seqused_k - q_len + i), which is our chunked-prefill semantics over a cached prefix.
 Any page size works on SM90: a page of exactly the kernel's key tile (128 tokens at head_dim
-128) loads by TMA, other sizes (our 16) by cp.async, measured ~10% slower (REFERENCE.md §7); so
-the 16-token blocks stay and ``--block-size 128`` is the knob that trades prefix-cache
-granularity for that 10%. The TMA path reads whole pages, so the rows of a sequence's last page
-past its length must hold finite values (our cache is zeroed at allocation and only ever
-holds written K/V).
+128) loads by TMA, other sizes (our 16) by cp.async, ~10% slower (issue 24's H200 figures:
+580-630 against 630-684 TFLOP/s at 8k-32k). So the 16-token blocks stay, and ``--block-size
+128`` (the whole engine takes it) is the knob that buys that 10%: a prefix-cache hit then
+reuses whole 128-token blocks only (on average 64 tokens of a shared prefix recomputed per hit,
+against 8) and every running sequence leaves ~64 slots of its last block unused (W1's 256
+sequences: ~16k tokens of KV, against ~2k). The TMA path reads whole pages, so the rows of a
+sequence's last page past its length must hold finite values (our cache is zeroed at
+allocation and only ever holds written K/V).
 
 The ``Plan`` is made once per step (``plan``: views of the step's metadata, plus one tiny
 device subtraction for mixed steps) and shared by every layer, so a layer's call costs only
