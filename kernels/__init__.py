@@ -17,7 +17,8 @@ the environment variable ``HEADRACE_KERNELS``:
 (``max_query_len``, ``decode_only``, ``num_decodes``, ``decode_order``); the reference ignores
 them. Its ``flash`` argument (a ``kernels.flash_attn4.Plan``, made once per step when the
 step's ``kernels.attention_policy`` choice is flash-attn-4) sends a CUDA step's prefill part to
-flash-attn-4 instead (``--attention-backend``); CPU tensors and ``reference`` ignore it. ``copy_blocks`` (copy on write, rare) is plain torch indexing on every device.
+flash-attn-4 instead (``--attention-backend``); CPU tensors and ``reference`` ignore it.
+``copy_blocks`` (copy on write, rare) is plain torch indexing on every device.
 """
 
 from __future__ import annotations
