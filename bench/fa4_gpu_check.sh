@@ -16,6 +16,9 @@
 #   triton, then auto: W1 throughput and the first token of a 30,000-token prompt.
 # w3: (not by default, ~4 more minutes) W3 through the gRPC planes on Llama-3.1-8B, triton vs auto.
 # Compiled flash-attn-4 kernels are cached on disk across the processes (FA4_CACHE=0: not).
+# The wheels are ~100 MB (the -libs-cu13 one 92 MB) and a device call carries 64 MiB: WHEEL_DIR
+# may be several folders joined by ':' (carried by successive calls to a warm machine), holding
+# wheels or pieces of one (split -b 40M X.whl X.whl.part-), joined here in name order.
 set -uo pipefail
 WHEELS=${1:?usage: bash bench/fa4_gpu_check.sh WHEEL_DIR [SECTION...]}
 shift
@@ -32,10 +35,16 @@ has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 log gpu; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if has install; then
   log install "$WHEELS"
-  mkdir -p "$SITE"
+  JOINED=/tmp/fa4-wheels; rm -rf "$JOINED"; mkdir -p "$JOINED" "$SITE"
+  IFS=: read -ra dirs <<< "$WHEELS"
+  for d in "${dirs[@]}"; do cp "$d"/*.whl "$JOINED"/ 2>/dev/null; done
+  for piece in $(for d in "${dirs[@]}"; do ls "$d"/*.whl.part-* 2>/dev/null; done \
+                 | awk -F/ '{print $NF "\t" $0}' | sort | cut -f2); do
+    name=$(basename "$piece"); cat "$piece" >> "$JOINED/${name%.part-*}"
+  done
   python3 -m pip install -q --no-index --no-deps --target "$SITE" --upgrade \
-    $(ls "$WHEELS"/*.whl | grep -v nvidia_cutlass_dsl_libs) 2>&1 | tail -3
-  for w in "$WHEELS"/nvidia_cutlass_dsl_libs_*.whl; do python3 -m zipfile -e "$w" "$SITE"; done
+    $(ls "$JOINED"/*.whl | grep -v nvidia_cutlass_dsl_libs) 2>&1 | tail -3
+  for w in "$JOINED"/nvidia_cutlass_dsl_libs_*.whl; do python3 -m zipfile -e "$w" "$SITE"; done
   python3 -c "import flash_attn.cute.interface as i, cutlass, torch; print('flash-attn-4 imports;', \
 torch.__version__, cutlass.__file__)" 2>&1 | tail -2
   python3 -m pip list --path "$SITE" 2>/dev/null | grep -iE "flash|cutlass|tvm|quack|einops|dlpack"
