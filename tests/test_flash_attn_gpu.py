@@ -6,8 +6,10 @@ with ``--attention-backend flash-attn`` and ``triton`` beside transformers."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -135,8 +137,9 @@ def _agree(ids, logprobs, ref_ids, ref_logprobs, tol=0.25):
 @pytest.mark.parametrize("variant", ["llama-gqa4-hd64-untied", "qwen3-qknorm-gqa4-hd128",
                                      "qwen2-bias-gqa1-hd64-tied"])
 def test_greedy_matches_transformers_in_bf16(variant, backend, checkpoint_factory, monkeypatch):
-    """Chunked prefill (48 tokens a step) over cached prefixes, shared prompt prefixes (prefix
-    cache hits), prompts arriving together: flash-attn-4 runs every prefill part."""
+    """Chunked prefill (48 tokens a step) over cached prefixes, prompts arriving while others
+    decode (mixed steps), a prompt sharing a cached 96-token prefix (a prefix-cache hit):
+    flash-attn-4 runs every prefill part."""
     import transformers
 
     from tests.harness import Planes, completion
@@ -149,21 +152,27 @@ def test_greedy_matches_transformers_in_bf16(variant, backend, checkpoint_factor
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=BF16).to(DEV).eval()
     rng = random.Random(11)
     shared = [rng.randrange(2, 384) for _ in range(100)]
-    prompts = [shared + [rng.randrange(2, 384) for _ in range(rng.randrange(1, 80))] for _ in range(3)]
+    prompts = [shared + [rng.randrange(2, 384) for _ in range(rng.randrange(1, 80))] for _ in range(2)]
     prompts += [[rng.randrange(2, 384) for _ in range(n)] for n in (5, 150, 230)]
+    prompts.append(shared + [rng.randrange(2, 384) for _ in range(40)])   # runs last, alone
     planes = Planes(path, num_kv_blocks=256, config=EngineConfig(max_batched_tokens=48),
                     worker_fields=dict(dtype="bfloat16", attention_backend=backend))
+    def run(i: int):
+        time.sleep(0.05 * i)   # staggered: later prompts join running ones (mixed steps)
+        return planes.generate(prompt_token_ids=pb.TokenIds(ids=prompts[i]),
+                               max_tokens=min(12, 255 - len(prompts[i])), ignore_eos=True,
+                               logprobs=1, sampling=pb.SamplingParams(temperature=0))
+
     try:
         calls.clear()
+        with concurrent.futures.ThreadPoolExecutor(len(prompts) - 1) as pool:
+            results = list(pool.map(run, range(len(prompts) - 1)))
+        results.append(run(len(prompts) - 1))   # alone: the shared prefix is cached by now
         agreed = []
-        for prompt in prompts:
-            steps = min(12, 255 - len(prompt))
-            responses = planes.generate(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=steps,
-                                        ignore_eos=True, logprobs=1,
-                                        sampling=pb.SamplingParams(temperature=0))
+        for prompt, responses in zip(prompts, results):
             ids, _, _ = completion(responses)
             lps = [lp.logprob for r in responses for lp in r.logprobs]
-            ref_ids, ref_lps = _hf_greedy(hf, prompt, steps)
+            ref_ids, ref_lps = _hf_greedy(hf, prompt, len(ids))
             agreed.append(_agree(ids, lps, ref_ids, ref_lps))
     finally:
         planes.close()
