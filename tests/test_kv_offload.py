@@ -53,7 +53,7 @@ def expected(model_dir):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_outputs_equal_with_offloading_under_eviction_and_preemption(model_dir, expected, mode):
-    tight = Planes(model_dir, num_kv_blocks=8, worker_config=OFFLOAD,
+    tight = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD,
                    config=EngineConfig(max_batched_tokens=24, preemption_mode=mode))
     try:
         got = _run_all(tight, _workload())
@@ -78,7 +78,7 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir):
         want = _gen(ref, prompt, 4)[0]
     finally:
         ref.close()
-    planes = Planes(model_dir, num_kv_blocks=8, worker_config=OFFLOAD)
+    planes = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD)
     try:
         assert planes.stub.GetModelInfo(pb.GetModelInfoRequest()).num_host_kv_blocks > 0
         first, cached = _gen(planes, prompt, 4)
@@ -109,7 +109,7 @@ def test_a_restarted_data_plane_forgets_its_host_tier(model_dir):
     from dataplane.worker import Worker, WorkerOptions
 
     prompt = list(range(2, 66))
-    planes = Planes(model_dir, num_kv_blocks=8, worker_config=OFFLOAD,
+    planes = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD,
                     config=EngineConfig(reconnect_interval_s=0.1))
     try:
         want, _ = _gen(planes, prompt, 4)
