@@ -137,13 +137,20 @@ class HostKV:
         """Device staging tensors ``[n, layers, 2, ...]`` holding the blocks to save."""
         staged = []
         for c in range(0, len(out_dev), CHUNK_BLOCKS):
-            idx = torch.as_tensor(list(out_dev[c:c + CHUNK_BLOCKS]), dtype=torch.int64).to(
-                self.device, non_blocking=True)
+            idx = self._index(out_dev[c:c + CHUNK_BLOCKS])
             buf = torch.empty((len(idx), *self.pool.shape[1:]), dtype=self.pool.dtype, device=self.device)
             for layer, cache in enumerate(caches):
                 buf[:, layer] = cache.index_select(1, idx).transpose(0, 1)
             staged.append((buf, c))
         return staged
+
+    def _index(self, blocks) -> torch.Tensor:
+        """Block ids on the device; on CUDA from pinned memory (a pageable copy may wait for the
+        stream, and the stream for the step before: the host would stall)."""
+        ids = torch.as_tensor(list(blocks), dtype=torch.int64)
+        if self.stream is None:
+            return ids
+        return ids.pin_memory().to(self.device, non_blocking=True)
 
     def _download(self, staged, out_host) -> None:
         for buf, c in staged:
@@ -159,8 +166,7 @@ class HostKV:
             buf = torch.empty((len(hosts), *self.pool.shape[1:]), dtype=self.pool.dtype, device=self.device)
             for i, h in enumerate(hosts):
                 buf[i].copy_(self.pool[h], non_blocking=True)
-            idx = torch.as_tensor(list(in_dev[c:c + CHUNK_BLOCKS]), dtype=torch.int64).to(
-                self.device, non_blocking=True)
+            idx = self._index(in_dev[c:c + CHUNK_BLOCKS])
             for layer, cache in enumerate(caches):
                 cache.index_copy_(1, idx, buf[:, layer].transpose(0, 1))
 
