@@ -15,7 +15,8 @@ Speculating steps give decodes k draft positions, budgeted as tokens, with block
 when free (never by preempting); ``verified`` registers the accepted drafts' full blocks (so
 rejected K/V is never shared) and gives the rejected positions' blocks back.
 With a host KV tier and ``preemption_mode="swap"`` a victim's KV is copied to the host tier
-(``BlockManager.swap_out``) and copied back when it is resumed, instead of recomputed; the
+(``BlockManager.swap_out``) and copied back when it is resumed (``controlplane.admission``
+takes an admitted sequence's blocks), instead of recomputed; the
 step carries the host-tier copies its decisions need (``ScheduledStep.swap_out/swap_in``).
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import time
 
-from controlplane import fairness
+from controlplane import admission, fairness
 from controlplane.block_manager import BlockManager
 from controlplane.policy import Policy
 from controlplane.request import Sequence, Status
@@ -275,37 +276,12 @@ class Scheduler:
         return not any(s.num_total - s.num_computed > 1 for s in order)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        if self.blocks.is_swapped(seq.seq_id):
-            return self._resume_swapped(seq, budget)
-        hits = self.blocks.match_prefix(seq.token_ids)
-        cached = self.blocks.cached_tokens(hits)
-        n = min(seq.num_tokens - cached, budget)
-        reserve = self.watermark_blocks if self.running else 0
-        if self.blocks.cost(hits, cached + n) + reserve > self.blocks.num_free:
-            return 0
-        self.waiting.remove(seq)
-        self.blocks.adopt(seq.seq_id, hits, seq.num_tokens)
-        self.blocks.grow(seq.seq_id, cached + n)
-        self._register(seq, cached + n)
-        if not seq.output_token_ids and seq.num_preemptions == 0:
-            seq.num_cached_prompt_tokens = cached
-        seq.num_computed = cached
-        seq.status, seq.on_worker = Status.RUNNING, True
-        self.running.append(seq)
-        return n
-
-    def _resume_swapped(self, seq: Sequence, budget: int) -> int:
-        """``_admit`` for a sequence whose KV waits in the host tier: it is copied back."""
-        start = seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
-        n = min(seq.num_tokens - start, budget)
-        reserve = self.watermark_blocks if self.running else 0
-        if self.blocks.swap_in_cost(seq.seq_id, start + n) + reserve > self.blocks.num_free:
-            return 0
-        self.waiting.remove(seq)
-        self.blocks.swap_in(seq.seq_id, start + n)
-        self._register(seq, start + n)
-        seq.status, seq.on_worker = Status.RUNNING, True
-        self.running.append(seq)
+        n = admission.admit(self.blocks, seq, budget, self.watermark_blocks if self.running else 0)
+        if n:
+            self.waiting.remove(seq)
+            self._register(seq, seq.num_computed + n)
+            seq.status, seq.on_worker = Status.RUNNING, True
+            self.running.append(seq)
         return n
 
     def verified(self, seq: Sequence, given: int, drafts: int, accepted: int) -> None:
