@@ -5,15 +5,16 @@ the CPU data plane), so the control plane's own work dominates. The model direct
 tokenizer (default ``qwen3-micro``: 1 layer, hidden 32, vocab 1024).
 
     python -m bench.core_overhead                      # split: core + 1 front end
-    python -m bench.core_overhead --frontends 2 --profile-core /tmp/core.prof
+    python -m bench.core_overhead --frontends 2 --profile /tmp/prof   # cProfile core, front end 0
     python -m bench.core_overhead --layout whole       # ControlPlane in one process
 
 Measures (i) batch-1 TTFT and ITL through the public gRPC port (``--ttft-repeats`` requests
 one after the other; 128-token prompt, 32 new tokens), and (ii) many concurrent streaming
 requests (``--concurrency``, every token streamed): output tokens/s, the data plane's steps,
 and the engine core's CPU seconds per step and per streamed token (from /proc). With
-``--profile-core`` the core runs under cProfile and its stats are written there (top entries
-printed to stderr). Prints one JSON line."""
+``--profile DIR`` the core and front end 0 run under cProfile (stats in DIR/core.prof and
+DIR/frontend.prof) and the JSON line adds the control plane's stages: each one's calls and
+cumulative µs per streamed token (cProfile's overhead included: compare runs, not absolutes). Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ class Planes:
                    "--metrics-port", str(self.dp_metrics)])
         common = ["--model", args.model, "--max-num-seqs", str(args.concurrency),
                   "--pipeline-depth", str(args.pipeline_depth)]
-        prof = ["-m", "cProfile", "-o", args.profile_core] if args.profile_core else []
+        prof = ["-m", "cProfile", "-o", f"{args.profile}/core.prof"] if args.profile else []
         if args.layout == "whole":
             self.core = start(prof + ["-m", "bench.core_overhead", "--role", "whole", "--model", args.model,
                                       "--workers", dp, "--port", str(self.port), "--max-running",
@@ -116,7 +117,8 @@ class Planes:
                                   "--max-batched-tokens", "16384", "--disable-log-requests",
                                   "--metrics-port", "0"])
         for i in range(args.frontends):
-            start(["-m", "cli", "frontend", "--index", str(i), "--core-address", core, "--model", args.model,
+            fprof = ["-m", "cProfile", "-o", f"{args.profile}/frontend.prof"] if args.profile and i == 0 else []
+            start(fprof + ["-m", "cli", "frontend", "--index", str(i), "--core-address", core, "--model", args.model,
                    "--port", str(self.port), "--host", "127.0.0.1", "--metrics-port", "0"])
 
     def cpu(self) -> dict[str, float]:
@@ -203,6 +205,28 @@ async def measure(args, planes: Planes) -> dict:
     return out
 
 
+STAGES = {   # (process, file, function): the control plane's stages a token goes through
+    "core": [("engine.py", "_loop"), ("scheduler.py", "schedule"), ("inflight.py", "send"),
+             ("engine.py", "_fold"), ("core/service.py", "flush"), ("core/service.py", "next_message"),
+             ("core/service.py", "_read")],
+    "frontend": [("frontend/client.py", "_apply"), ("controlplane/service.py", "Generate"),
+                 ("request.py", "take_response")],
+}
+
+
+def stages(directory: str, tokens: int) -> dict:
+    """Calls and cumulative µs per token of each stage in STAGES, from the cProfile stats."""
+    import pstats
+    out = {}
+    for proc, wanted in STAGES.items():
+        stats = pstats.Stats(f"{directory}/{proc}.prof").stats
+        for (path, _, name), (_, ncalls, _, cum, _) in stats.items():
+            for suffix, func in wanted:
+                if name == func and path.endswith(suffix):
+                    out[f"{proc}:{suffix.split('/')[-1][:-3]}.{func}"] = [ncalls, round(1e6 * cum / tokens, 2)]
+    return out
+
+
 def main() -> None:
     if sys.argv[1:3] == ["--role", "whole"]:
         return run_whole(sys.argv[3:])
@@ -218,7 +242,7 @@ def main() -> None:
     ap.add_argument("--ttft-repeats", type=int, default=20)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=64)
-    ap.add_argument("--profile-core", default=None, help="write the core's cProfile stats here")
+    ap.add_argument("--profile", default=None, help="a directory: cProfile the core and front end 0")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="headrace-overhead-") as tmp:
         if args.model is None:
@@ -230,11 +254,9 @@ def main() -> None:
         finally:
             planes.stop()
     result.update(dataplane=args.dataplane, layout=args.layout, frontends=args.frontends, pipeline_depth=args.pipeline_depth)
+    if args.profile:
+        result["stages_us_per_token"] = stages(args.profile, result["load_tokens"] + 32 * args.ttft_repeats)
     print(json.dumps(result))
-    if args.profile_core:
-        import pstats
-        pstats.Stats(args.profile_core, stream=sys.stderr).sort_stats("tottime").print_stats(25)
-
 
 if __name__ == "__main__":
     main()

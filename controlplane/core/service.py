@@ -24,7 +24,7 @@ from opentelemetry import trace
 
 from common import tracing
 from controlplane.request_path import queue_full
-from controlplane.request import Request, Sequence
+from controlplane.request import Request, Sequence, Status
 from controlplane.service import model_info
 from headrace.core.v1 import core_pb2 as cpb
 from headrace.core.v1 import core_pb2_grpc as cpb_grpc
@@ -100,31 +100,35 @@ class FrontendLink:
                 self.fail(req.handle, req.failure.code, req.failure.message)
                 done.append(req)
                 continue
+            over = True   # every sample finished (each then gets its last delta below)
             for seq in req.sequences:
                 out, start = seq.output_token_ids, seq.delivered
-                n, final = len(out), seq.finished and not seq.final_sent
-                if start == n and not final:
-                    continue
-                if not final and not seq.logprobs:   # the common case: a column entry
-                    handles.append(req.handle)
-                    indexes.append(seq.index)
-                    counts.append(n - start)
-                    tokens += out[start:n]
-                    seq.delivered = n
+                n, running = len(out), seq.status is not Status.FINISHED
+                if running:
+                    over = False
+                    if start == n:
+                        continue
+                    if not seq.logprobs:   # the common case: a column entry
+                        handles.append(req.handle)
+                        indexes.append(seq.index)
+                        counts.append(n - start)
+                        tokens += out[start:n]
+                        seq.delivered = n
+                        continue
+                elif seq.final_sent:
                     continue
                 d = deltas.add(handle=req.handle, index=seq.index, token_ids=out[start:n])
                 if seq.logprobs:
-                    for token, (value, top_ids, top_values) in zip(
-                            d.token_ids, seq.logprobs[seq.delivered:n]):
+                    for token, (value, top_ids, top_values) in zip(d.token_ids, seq.logprobs[start:n]):
                         lp = d.logprobs.add(token_id=token, logprob=value)
                         for tid, val in zip(top_ids, top_values):
                             lp.top.add(token_id=tid, logprob=val)
                 seq.delivered = n
-                if final:
+                if not running:
                     seq.final_sent = True
                     d.finish_reason = seq.finish_reason
                     d.cached_prompt_tokens = seq.num_cached_prompt_tokens
-            if req.finished and all(s.final_sent for s in req.sequences):
+            if over:
                 done.append(req)
         for req in done:
             self.forget(req)

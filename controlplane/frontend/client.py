@@ -183,7 +183,11 @@ class CoreClient:
             for handle, index, count in zip(down.token_handles, down.token_indexes, down.token_counts):
                 request, end = by_handle.get(handle), pos + count
                 if request is not None and index < len(request.sequences):
-                    self._append(request, request.sequences[index], tokens[pos:end])
+                    seq = request.sequences[index]
+                    if seq.output.has_stop:
+                        self._append(request, seq, tokens[pos:end])
+                    elif seq.status is not Status.FINISHED:   # (as ``_append``, no stop strings)
+                        seq.output_token_ids += tokens[pos:end]
                     woken[request] = None
                 pos = end
         for d in down.deltas:
