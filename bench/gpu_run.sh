@@ -8,7 +8,8 @@
 # w1o: W1 through the gRPC planes with one message per request (an offline client).
 # spy: W1 through the gRPC planes again, sampled by py-spy (raw stacks in $OUT/w1-stacks.txt).
 # spec: speculative decoding (n-gram, k = 4) beside off, in one process: W2 ITL per output
-#   token on input-grounded prompts and on random ones (~zero acceptance), W1 (back-off).
+#   token on input-grounded prompts and on random ones (~zero acceptance), W1 (back-off);
+#   first tests/test_spec_graphs.py on the GPU (verify steps replayed in CUDA graphs, exact).
 # w4: serving under load (Poisson, lognormal lengths, streamed) for N = 1, 2, 4 API front ends
 #     (w4.json, and w4.png when matplotlib is installed, in $OUT); ~4-5 minutes.
 set -uo pipefail
@@ -66,6 +67,9 @@ if has spy; then
     | tee -a "$OUT/results.jsonl"
 fi
 if has spec; then
+  log spec-tests-gpu   # verify CUDA graphs: greedy output equals speculation off, graphs replayed
+  HEADRACE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -s -p no:cacheprovider \
+    tests/test_spec_graphs.py 2>&1 | tail -8
   ngram='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
   for args in "--workload w2 --grounded" "--workload w2" "--workload w1"; do
     log "spec off: $args"; timeout 150 python3 -m bench.inprocess_bench --model /tmp/qwen3 $args | tee -a "$OUT/results.jsonl"

@@ -217,7 +217,10 @@ async def run(args) -> dict:
     if spec is not None:   # the measured acceptance (the warm-up's included)
         out.update(spec_draft_tokens=spec.num_draft_tokens, spec_accepted_tokens=spec.num_accepted_tokens,
                    spec_acceptance=round(spec.num_accepted_tokens / max(1, spec.num_draft_tokens), 3),
-                   spec_accepted_per_pos=spec.accepted_per_pos)
+                   spec_accepted_per_pos=spec.accepted_per_pos, spec_num_drafts=spec.num_drafts)
+        graphs = worker.runner.graphs
+        if graphs is not None:   # verifies replayed in CUDA graphs (the rest ran eagerly)
+            out.update(graph_replays=graphs.num_replays, verify_graph_replays=graphs.num_verify_replays)
     out.update(workload=f"{args.workload}{'-grounded' if args.grounded else ''}"
                         f"{'-spec' if spec is not None else ''}-in-process", runner_s=round(local.runner_s, 3),
                device_s=round(local.device_s, 3), device_idle_s=round(local.device_idle_s, 3),

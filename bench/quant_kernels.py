@@ -7,7 +7,11 @@ bf16 ``torch.nn.functional.linear`` (the baseline), W8A16 and W4A16 (group 128) 
 Prints microseconds and the bandwidth of the bytes each must read (weights + scales +
 activations): at decode the GEMMs are bound by weight bytes, INT4 reads a quarter of bf16.
 
-    python -m bench.quant_kernels [--m 1,16,64,256] [--shapes qkv,o,gate_up,down]
+    python -m bench.quant_kernels [--m 1,16,64,256] [--shapes qkv,o,gate_up,down] [--sweep]
+
+``--sweep`` also times the W4A16 GEMM over a grid of tile shapes and K splits per shape and M
+and prints the fastest beside the default (``triton_quant._tiles``), and splits FP8's time
+into the activation quantisation and the ``_scaled_mm`` alone.
 """
 
 from __future__ import annotations
@@ -32,10 +36,41 @@ def _wna16_args(n: int, k: int, bits: int, group: int, dev):
     return qweight, scales, zeros, g_idx, None, bits, group
 
 
+SWEEP = [(bm, bn, bk, w, sk) for bm, bn, bk, w in ((16, 32, 128, 4), (16, 64, 128, 4), (16, 128, 128, 4),
+                                                   (16, 64, 128, 8), (64, 64, 64, 4), (128, 128, 32, 8),
+                                                   (64, 128, 64, 4))
+         for sk in (1, 2, 4, 8, 16)]
+
+
+def sweep(name: str, n: int, k: int, m: int, w4, dev) -> None:
+    """The fastest W4A16 config at this shape and M beside the default; FP8's two parts."""
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    default = triton.testing.do_bench(lambda: triton_quant.wna16_linear(x, *w4), warmup=10, rep=40)
+    best = (float("inf"), None)
+    for cfg in SWEEP:
+        if cfg[0] > max(16, 4 * m) or k // cfg[4] < cfg[2]:
+            continue
+        us = triton.testing.do_bench(lambda: triton_quant.wna16_linear(x, *w4, config=cfg), warmup=5, rep=20)
+        best = min(best, (us, cfg))
+    print(f"sweep {name:>8} {m:>4} | w4a16 default {default * 1e3:7.1f} us {triton_quant._tiles(m, n, k, 4)} "
+          f"| best {best[0] * 1e3:7.1f} us {best[1]}", flush=True)
+
+
+def fp8_parts(name: str, n: int, k: int, m: int, wq, ws, dev) -> None:
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    xq, sx = triton_quant.per_token_fp8(x)
+    quant = triton.testing.do_bench(lambda: triton_quant.per_token_fp8(x), warmup=10, rep=40)
+    mm = triton.testing.do_bench(lambda: torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=ws.view(1, n),
+                                                          out_dtype=torch.bfloat16), warmup=10, rep=40)
+    print(f"fp8 parts {name:>8} {m:>4} | act quant {quant * 1e3:6.1f} us | _scaled_mm {mm * 1e3:6.1f} us",
+          flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", default="1,8,16,32,64,128,256")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--sweep", action="store_true", help="also sweep W4A16 tiles; split FP8's time")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows = [int(m) for m in args.m.split(",")]
@@ -61,6 +96,9 @@ def main() -> None:
                 us = triton.testing.do_bench(fn, warmup=10, rep=40) * 1e3
                 cols.append(f"{us:8.1f} {(weight_bytes + act) / us / 1e3:6.0f}")
             print(f"{name:>8} {m:>4} | " + " | ".join(cols), flush=True)
+            if args.sweep:
+                sweep(name, n, k, m, w4, dev)
+                fp8_parts(name, n, k, m, wq, ws, dev)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""The ``headrace`` command: ``serve`` (control plane plus data plane children), ``controlplane``
-and ``dataplane`` (each plane alone; the control plane is an engine core and N API front ends,
-``core`` and ``frontend``, which ``cli.processes`` starts and keeps alive), ``generate`` (a streaming client), ``admin`` (the Admin
+"""The ``headrace`` command and its parser: ``serve`` (control plane plus data plane children),
+``controlplane`` and ``dataplane`` (each plane alone; the control plane is an engine core and N
+API front ends, ``core`` and ``frontend``, which ``cli.processes`` starts and keeps alive; the
+role commands are in ``cli.roles``), ``generate`` (a streaming client), ``admin`` (the Admin
 service: configuration, drain, resume, reload) and ``health`` (a grpc.health.v1 probe for
 container health checks).
 
@@ -12,22 +13,27 @@ on stderr and a non-zero status, never a traceback."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
-import logging
 import os
-import pathlib
 import secrets
 import shutil
-import signal
 import sys
 import tempfile
 
 from cli.admin import add_admin_parser
 from cli.client import add_address_args, add_generate_parser
-from cli.options import (HelpFormatter, add_engine_args, add_ops_args, add_security_args,
-                         add_tls_args, check_device_name, default_model, engine_config,
-                         plane_options, positive_int)
+from cli.options import (
+    HelpFormatter,
+    add_engine_args,
+    add_ops_args,
+    add_security_args,
+    add_tls_args,
+    check_device_name,
+    check_speculative_config,
+    default_model,
+    positive_int,
+)
+from cli.roles import cmd_core, cmd_dataplane, cmd_frontend
 from common.logs import configure_logging
 from common.options import add_arguments, from_args, to_argv
 from common.worker_options import ParallelOptions, WorkerOptions
@@ -67,15 +73,6 @@ def serve_children_argvs(args, listens: list[str]) -> list[list[str]]:
     return argvs
 
 
-def check_speculative_config(args) -> None:
-    """A bad ``--speculative-config`` stops the command with its message (not a child's
-    traceback)."""
-    from common import speculative
-
-    try:
-        speculative.parse(args.speculative_config)
-    except ValueError as exc:
-        raise SystemExit(f"headrace: {exc}") from None
 # the control plane's own secrets: a data plane child never needs them
 CONTROL_PLANE_SECRETS = ("HEADRACE_API_TOKEN", "HEADRACE_API_TOKENS", "HEADRACE_ADMIN_TOKEN")
 
@@ -155,107 +152,6 @@ def cmd_controlplane(args) -> int:
         return 1 if failed else 0
     finally:
         shutil.rmtree(private_dir, ignore_errors=True)
-
-
-def _run_role(server_factory) -> int:
-    """Runs the server ``server_factory()`` builds (inside the event loop) until a signal."""
-    from common import tracing
-    from controlplane.server import run_until_signal
-
-    async def run():
-        await run_until_signal(server_factory())
-
-    tracing.setup_tracing("headrace-controlplane")
-    try:
-        asyncio.run(run())
-    finally:
-        tracing.shutdown_tracing()
-    return 0
-
-
-def cmd_core(args) -> int:
-    from controlplane.core.server import CoreServer
-
-    opts = plane_options(args)
-    keys = ("metrics_port", "metrics_host", "admin_token", "log_requests", "log_prompts",
-            "worker_credentials", "worker_secret", "chat_template", "generation_config")
-    return _run_role(lambda: CoreServer(args.model or default_model(), args.workers.split(","),
-                                        args.core_address, engine_config(args),
-                                        **{k: opts[k] for k in keys}))
-
-
-def cmd_frontend(args) -> int:
-    from controlplane.frontend.server import FrontEnd
-
-    opts = plane_options(args)
-    keys = ("api_token", "tls", "admin_token", "http_port", "http_tls", "chat_template",
-            "generation_config", "log_prompts", "trust_tenant_header", "max_n")
-    return _run_role(lambda: FrontEnd(args.index, args.core_address, args.model or default_model(),
-                                      f"{args.host}:{args.port}", max_model_len=getattr(args, "max_model_len", None),
-                                      **{k: opts[k] for k in keys}))
-
-
-def cmd_dataplane(args) -> int:
-    import threading
-
-    from cli.supervisor import EXIT_LOAD_FAILED
-    from common import net, security, tracing
-    from common.model_source import check_checkpoint, resolve_model
-    from dataplane import parallel
-    from dataplane.server import serve
-    from dataplane.worker import Worker, check_device, load_failure
-
-    check_speculative_config(args)
-    par = from_args(ParallelOptions, args)
-    rank, world = par.rank, par.world_size
-    if world > 1 and not par.dist_init:
-        raise ValueError("--world-size > 1 needs --dist-init tcp://MASTER_HOST:PORT")
-    device = f"cuda:{rank}" if world > 1 and args.device == "cuda" else args.device
-    opts = from_args(WorkerOptions, args, model=args.model or default_model(), device=device)
-    try:   # what cannot load is one line and EXIT_LOAD_FAILED (``serve`` then says no more)
-        check_device(device)
-        opts = dataclasses.replace(opts, model=resolve_model(opts.model))
-        check_checkpoint(opts.model, tokenizer=False)
-    except ValueError as exc:
-        print(f"headrace dataplane: {exc}", file=sys.stderr)
-        return EXIT_LOAD_FAILED
-    tracing.setup_tracing("headrace-dataplane")
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    parts = net.split_address(args.listen)
-    metrics_host = args.metrics_host or (parts[0] if parts else "127.0.0.1")
-    # listen at once (health NOT_SERVING) so probes see the model loading, not a closed port
-    server = serve(None, args.listen, metrics_port=args.metrics_port or None, metrics_host=metrics_host,
-                   credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
-                   secret=args.secret or os.environ.get("HEADRACE_WORKER_SECRET") or None)
-    log = logging.getLogger("headrace.dataplane")
-    log.info("data plane on %s: loading %s", args.listen, opts.model)
-
-    def make_worker():
-        import torch
-
-        parallel.init(rank, world, par.dist_init, torch.device(device), par.dist_timeout)
-        return Worker(opts, rank, world)
-
-    try:
-        worker = server.worker_service.load(make_worker)
-    except Exception as exc:  # noqa: BLE001 - any load failure is one line, not a traceback
-        log.debug("loading failed", exc_info=True)
-        print(f"headrace dataplane: {load_failure(exc, opts)}", file=sys.stderr)
-        worker, code = None, EXIT_LOAD_FAILED
-    else:
-        log.info("data plane on %s: %s ready in %.1fs (%s), %d KV blocks", args.listen,
-                 worker.cfg.name, worker.startup_seconds, worker.phases.summary(),
-                 worker.runner.num_blocks)
-        done.wait()
-        code = 0
-    server.stop(grace=2 if worker else 0).wait()
-    server.worker_service.metrics.close()
-    tracing.shutdown_tracing()
-    if args.listen.startswith("unix:"):
-        pathlib.Path(args.listen[5:]).unlink(missing_ok=True)
-    return code
 
 
 def cmd_health(args) -> int:

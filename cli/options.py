@@ -167,3 +167,14 @@ def engine_config(args) -> EngineConfig:
                         fair_share=not args.no_fair_share,
                         pipeline_depth=1 if args.no_overlap else args.pipeline_depth,
                         stream_interval=args.stream_interval)
+
+
+def check_speculative_config(args) -> None:
+    """A bad ``--speculative-config`` stops the command with its message (not a child's
+    traceback)."""
+    from common import speculative
+
+    try:
+        speculative.parse(args.speculative_config)
+    except ValueError as exc:
+        raise SystemExit(f"headrace: {exc}") from None

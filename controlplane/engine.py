@@ -18,13 +18,12 @@ import time
 import grpc
 
 from common import speculative
-from controlplane import limits, step_codec
+from controlplane import limits, speculation, step_codec
 from controlplane.block_manager import BlockManager
 from controlplane.inflight import InFlightSteps
 from controlplane.policy import Policy
 from controlplane.request import Failure, Request, Sequence
 from controlplane.scheduler import Scheduler
-from controlplane.speculation import Speculation
 from controlplane.step import ScheduledStep
 from controlplane.telemetry import EngineTelemetry
 from controlplane.worker_client import WorkerError, WorkerGroup
@@ -96,7 +95,7 @@ class Engine:
         spec = speculative.from_proto(self.info.speculative)   # the worker's configuration
         self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark,
                                    fair_share=cfg.fair_share,
-                                   speculation=spec and Speculation(spec, self.max_model_len))
+                                   speculation=spec and speculation.Speculation(spec, self.max_model_len))
 
     @property
     def max_queued(self) -> int:
@@ -234,8 +233,10 @@ class Engine:
         """Applies the stop rules to a step's sampled tokens and queues the requests to wake;
         returns how many tokens reached their sequences."""
         stopped = set(result.stopped_seq_ids)   # the worker alone applies the stop-token rule
-        if result.num_tokens:
-            return self._fold_verified(step, result, stopped)
+        if result.num_tokens:   # a speculating step: up to k+1 tokens per sequence
+            return speculation.fold_verified(step, result, stopped, self.max_model_len,
+                                             self.telemetry.first_token, self._settle,
+                                             self.scheduler.verified)
         received = step_codec.decode(step, result)
         max_len = self.max_model_len
         for seq in received:
@@ -243,27 +244,6 @@ class Engine:
                 self.telemetry.first_token(seq)
             self._settle(seq, seq.check_stop(seq.seq_id in stopped, max_len))
         return len(received)
-
-    def _fold_verified(self, step: ScheduledStep, result: wpb.StepResult, stopped: set) -> int:
-        """``_fold`` for a speculating step: a sequence's tokens are appended one by one, every
-        stop rule checked after each (what follows a stop is dropped)."""
-        emitted = 0
-        for v in step_codec.decode_verified(step, result):
-            seq, last = v.seq, len(v.tokens) - 1
-            for j, token in enumerate(v.tokens):
-                seq.output_token_ids.append(token)
-                if v.logprobs:
-                    seq.logprobs.append(v.logprobs[j])
-                emitted += 1
-                if len(seq.output_token_ids) == 1:
-                    self.telemetry.first_token(seq)
-                reason = seq.check_stop(j == last and seq.seq_id in stopped, self.max_model_len)
-                if reason != pb.FINISH_REASON_UNSPECIFIED:
-                    break
-            self._settle(seq, reason)
-            # after its tokens are in (or it is released): KV, blocks and back-off
-            self.scheduler.verified(seq, v.given, v.drafts, last)
-        return emitted
 
     def _settle(self, seq: Sequence, reason: int) -> None:
         """Finishes ``seq`` for ``reason`` (UNSPECIFIED: it goes on) and queues its request to

@@ -8,12 +8,26 @@ step is then a throughput step and keeps its pipeline of steps in flight). Each 
 keeps an EWMA of its acceptance (accepted drafts / positions given); below
 ``min_acceptance`` it stops speculating for ``PROBE_TOKENS`` decodes, then probes once;
 each failed probe doubles the pause (up to ``MAX_PAUSE``), a good one resets it.
+
+No proposal, no speculation: for ``ngram`` a decode gets positions only when the worker's
+lookup will find a match (``proposes``: its last ``prompt_lookup_min`` tokens occur earlier,
+followed by a token; every longer match contains one), checked against an index of the
+sequence's n-grams that grows with its tokens. ``active`` asks the same of the tokens known
+while others are in flight (a prediction; the engine then lets the pipeline drain and the
+step is scheduled with every token known), so a batch in which nothing would be proposed
+keeps its pipeline of steps in flight and costs the worker nothing.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 from common.speculative import SpeculativeConfig
+from controlplane import step_codec
 from controlplane.request import Sequence
+from controlplane.step import ScheduledStep
+from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.v1 import inference_pb2 as pb
 
 EWMA_WEIGHT = 0.3     # weight of the newest observation
 PROBE_TOKENS = 16     # decodes without speculation after a back-off (doubling per failed probe)
@@ -34,6 +48,7 @@ class Speculation:
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self._state: dict[int, list] = {}   # seq id -> [acceptance EWMA, decodes paused, pause]
+        self._grams: dict[int, list] = {}   # seq id -> [n-grams followed by a token, how many]
         self.num_drafts = 0                 # verify steps of a sequence with drafts
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -46,7 +61,27 @@ class Speculation:
             return False
         state = self._state
         return any(not s.in_prefill and (s.seq_id not in state or not state[s.seq_id][1])
-                   and not uses_history(s) and self._left(s) > 0 for s in running)
+                   and not uses_history(s) and self._left(s) > 0 and self.proposes(s) for s in running)
+
+    def proposes(self, seq: Sequence) -> bool:
+        """Whether the worker's proposer finds drafts for ``seq``'s known tokens (always for a
+        draft model; for ``ngram``: its last ``prompt_lookup_min`` tokens occur earlier)."""
+        if self.config.method != "ngram":
+            return True
+        lo, prompt, out = self.config.prompt_lookup_min, seq.prompt_token_ids, seq.output_token_ids
+        n = len(prompt) + len(out)
+        if n <= lo:
+            return False
+        entry = self._grams.get(seq.seq_id)
+        if entry is None:
+            entry = self._grams[seq.seq_id] = [set(), 0]
+        grams, done = entry
+        if done < n - lo:   # the windows starting at done .. n - lo - 1 are followed by a token
+            tokens, base = (out, len(prompt)) if done >= len(prompt) else (prompt + out, 0)
+            grams.update(tuple(tokens[i - base:i - base + lo]) for i in range(done, n - lo))
+            entry[1] = n - lo
+        last = out[-lo:] if len(out) >= lo else (prompt + out)[-lo:]
+        return tuple(last) in grams
 
     @staticmethod
     def _left(seq: Sequence) -> int:
@@ -62,7 +97,7 @@ class Speculation:
         if state[1]:
             state[1] -= 1
             return 0
-        if uses_history(seq):
+        if uses_history(seq) or not self.proposes(seq):
             return 0
         return max(0, min(self.k, self._left(seq), self.max_model_len - seq.num_total, budget - 1))
 
@@ -81,7 +116,7 @@ class Speculation:
             for j in range(accepted):
                 self.accepted_per_pos[j] += 1
         state = self._state.get(seq.seq_id)
-        if state is None:   # finished or forgotten meanwhile
+        if state is None or not given:   # finished or forgotten meanwhile, or not speculating
             return
         rate = accepted / given if given else 0.0
         state[0] = (1 - EWMA_WEIGHT) * state[0] + EWMA_WEIGHT * rate
@@ -93,3 +128,31 @@ class Speculation:
 
     def forget(self, seq_id: int) -> None:
         self._state.pop(seq_id, None)
+        self._grams.pop(seq_id, None)
+
+
+def fold_verified(step: ScheduledStep, result: wpb.StepResult, stopped: set[int], max_model_len: int,
+                  first_token: Callable[[Sequence], None], settle: Callable[[Sequence, int], None],
+                  verified: Callable[[Sequence, int, int, int], None]) -> int:
+    """The engine's fold of a speculating step's result: each sequence's tokens are appended
+    one by one, every stop rule checked after each (what follows a stop is dropped); then
+    ``settle`` finishes or wakes it and ``verified`` (the scheduler's) fixes its KV, blocks and
+    back-off. ``stopped``: sequences whose last token the worker's stop-token rule ended.
+    Returns how many tokens reached their sequences."""
+    emitted = 0
+    for v in step_codec.decode_verified(step, result):
+        seq, last = v.seq, len(v.tokens) - 1
+        reason = pb.FINISH_REASON_UNSPECIFIED
+        for j, token in enumerate(v.tokens):
+            seq.output_token_ids.append(token)
+            if v.logprobs:
+                seq.logprobs.append(v.logprobs[j])
+            emitted += 1
+            if len(seq.output_token_ids) == 1:
+                first_token(seq)
+            reason = seq.check_stop(j == last and seq.seq_id in stopped, max_model_len)
+            if reason != pb.FINISH_REASON_UNSPECIFIED:
+                break
+        settle(seq, reason)
+        verified(seq, v.given, v.drafts, last)   # after its tokens are in (or it is released)
+    return emitted

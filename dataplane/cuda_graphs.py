@@ -5,6 +5,13 @@ microsecond per kernel instead of ten. Each graph reads static input buffers (to
 positions, slots, sequence lengths, block tables of the full width), so a step only copies
 its inputs in and replays the graph of the smallest captured size that holds its batch;
 padded rows write nowhere (slot -1) and attend to one cached position.
+
+A speculative verify whose every sequence samples (no prefill chunk in the step) replays the
+same graphs: each verified token is a decode row of its own (``spec_decode.decode_rows``),
+with its own context length (its position + 1) and its sequence's block table, so the decode
+attention applies the causal mask across the drafts (their K/V are written, layer by layer,
+before attention reads them) and the LM head runs over every position. Off CUDA (tests) a
+stand-in replays by running the forward pass into the same static buffers.
 """
 
 from __future__ import annotations
@@ -22,6 +29,17 @@ def batch_sizes(max_batch: int) -> list[int]:
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
+
+
+class EagerGraph:
+    """``torch.cuda.CUDAGraph``'s stand-in off CUDA: ``replay`` runs the forward pass of its
+    size over the static buffers into the static output (tests exercise the buffer logic)."""
+
+    def __init__(self, graphs: DecodeGraphs, size: int):
+        self.graphs, self.size = graphs, size
+
+    def replay(self) -> None:
+        self.graphs.outputs[self.size].copy_(self.graphs._forward(self.size))
 
 
 class DecodeGraphs:
@@ -43,6 +61,8 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.sizes = batch_sizes(max_batch)
         self.capture_seconds = 0.0
+        self.num_replays = 0          # every replay ...
+        self.num_verify_replays = 0   # ... and those of speculative verifies
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size],
@@ -57,6 +77,11 @@ class DecodeGraphs:
     def capture(self, progress=None) -> None:
         """Captures every batch size; ``progress`` (``dataplane.progress.Progress``) counts them."""
         start = time.perf_counter()
+        if self.device.type != "cuda":
+            for size in self.sizes:
+                self.outputs[size] = self._forward(size)
+                self.graphs[size] = EagerGraph(self, size)
+            return
         pool = None
         for size in reversed(self.sizes):       # largest first: smaller ones reuse its memory
             self._forward(size)                 # warm-up: compiles kernels, sets up cuBLAS
@@ -74,10 +99,11 @@ class DecodeGraphs:
     def fits(self, batch: int) -> bool:
         return bool(self.graphs) and batch <= self.max_batch
 
-    def run(self, input_ids: torch.Tensor, dev: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Logits [batch, vocab] of a decode-only step: ``input_ids`` and the uploaded
-        ``dev`` inputs (positions, slot_mapping, seq_lens, block_tables, decode_order) are device
-        tensors, copied into the graph's buffers in stream order (the ids may still be in flight)."""
+    def run(self, input_ids: torch.Tensor, dev: dict[str, torch.Tensor], verify: bool = False) -> torch.Tensor:
+        """Logits [batch, vocab] of a decode-only step (or a verify's decode rows, ``verify``):
+        ``input_ids`` and the uploaded ``dev`` inputs (positions, slot_mapping, seq_lens,
+        block_tables, decode_order; one row per token) are device tensors, copied into the
+        graph's buffers in stream order (the ids may still be in flight)."""
         n = input_ids.shape[0]
         size = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(input_ids)
@@ -93,4 +119,6 @@ class DecodeGraphs:
             self.seq_lens[n:size].fill_(1)
             self.block_tables[n:size, 0].fill_(0)
         self.graphs[size].replay()
+        self.num_replays += 1
+        self.num_verify_replays += int(verify)
         return self.outputs[size][:n]

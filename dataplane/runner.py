@@ -1,6 +1,6 @@
 """Executes steps: applies the control plane's step delta to the persistent ``InputBatch``,
 runs the model over the paged KV cache (replaying a CUDA graph for decode-only steps on a
-GPU) and samples.
+GPU, and for speculative verifies of decodes only: ``spec_decode.decode_rows``) and samples.
 
 The mirror is updated only from StepRequests (the control plane decides everything); the
 runner keeps each sequence's last token on the device, so a decode reads the token sampled
@@ -29,7 +29,7 @@ from dataplane import parallel, staging
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.sampler import SampleOutput, SamplingBatch, SamplingRow, device_arrays, sample
-from dataplane.spec_decode import SpecDecoder, Verified, verify
+from dataplane.spec_decode import SpecDecoder, Verified, decode_rows, verify
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 
@@ -134,7 +134,7 @@ class ModelRunner:
                 np.asarray([0] * len(new_rows) + spec, dtype=np.int64))
 
     def _host_arrays(self, step: pb.StepRequest, prep: PreparedBatch, new_rows: list, new_last: list,
-                     sampling: SamplingBatch | None) -> dict[str, np.ndarray]:
+                     sampling: SamplingBatch | None, rows: dict | None) -> dict[str, np.ndarray]:
         """Every array the step's device work reads, to be uploaded in one copy."""
         arrays = dict(positions=prep.positions, slot_mapping=prep.slot_mapping,
                       seq_lens=prep.seq_lens, block_tables=prep.block_tables, last_rows=prep.last_rows,
@@ -153,9 +153,11 @@ class ModelRunner:
             arrays.update({"s_" + k: v for k, v in device_arrays(sampling, self.rng).items()})
         if prep.num_drafts is not None:
             arrays.update(self.spec.verify_arrays(prep))
+        if rows is not None:   # a verify replayed as decode rows: per-token lengths and tables
+            arrays.update(rows)
         return arrays
 
-    def _logits(self, prep: PreparedBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def _logits(self, prep: PreparedBatch, dev: dict[str, torch.Tensor], rows: bool) -> torch.Tensor | None:
         """Logits of the step's sampling tokens (None when none samples); decodes read their
         input ids from the device's last tokens."""
         if prep.decode_only:
@@ -164,8 +166,8 @@ class ModelRunner:
             input_ids = dev["input_ids"]
             if len(prep.last_index):
                 input_ids[dev["last_index"]] = self.last_token[dev["last_rows"]]
-        if self.graphs is not None and prep.decode_only and self.graphs.fits(len(prep.positions)):
-            return self.graphs.run(input_ids, dev)   # every decode samples
+        if rows or (self.graphs is not None and prep.decode_only and self.graphs.fits(len(prep.positions))):
+            return self.graphs.run(input_ids, dev, verify=rows)   # every row samples
         qsl = dev["query_start_loc"] if "query_start_loc" in dev else self._arange[:len(prep.positions) + 1]
         meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=qsl,
                                  seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
@@ -200,7 +202,10 @@ class ModelRunner:
             sampling = batch.sampling_batch(sample_rows) if len(sample_rows) else None
         if batch.tokens is not None:
             launched.token_rows, launched.token_pos = sample_rows, batch.num_tokens[sample_rows].copy()
-        dev = staging.upload(self._host_arrays(step, prep, new_rows, new_last, sampling), self.device)
+        graphed = self.graphs is not None and self.graphs.fits(len(prep.positions))
+        graph_rows = decode_rows(prep) if graphed else None   # a verify the graphs replay
+        dev = staging.upload(self._host_arrays(step, prep, new_rows, new_last, sampling, graph_rows),
+                             self.device)
         if self.device.type == "cuda":   # after the upload is queued: host packing is not device time
             launched.begin, launched.previous = torch.cuda.Event(enable_timing=True), self._last_done
             launched.begin.record()
@@ -208,7 +213,7 @@ class ModelRunner:
             self.last_token[dev["new_rows"]] = dev["new_last"]
         if "copy_src" in dev:
             kernels.copy_blocks(self.kv_caches, dev["copy_src"], dev["copy_dst"])
-        logits = self._logits(prep, dev)
+        logits = self._logits(prep, dev, graph_rows is not None)
         if sampling is None:   # a step of prefill chunks only: KV written, nothing sampled
             return self._record_done(launched)
         if launched.begin is not None:

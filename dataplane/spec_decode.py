@@ -16,6 +16,10 @@ exactly that rule (P(y = x) = p(x); y given y != x follows norm(p - p(x) onehot(
 bonus token ``y_d`` comes when all d are accepted. Greedy rows therefore accept on exact
 match. ``verify`` runs on the device; each position samples with the noise counter of the
 output index it would have without speculation, so seeded sampling is reproducible too.
+
+On a GPU a verify in which every sequence samples (decodes only, no prefill chunk) runs as
+decode rows in the decode CUDA graphs (``decode_rows``; ``dataplane.cuda_graphs``); the ladder
+is sized for ``graph_rows`` rows. Acceptance runs on the device after the replay, no sync.
 """
 
 from __future__ import annotations
@@ -24,24 +28,60 @@ import dataclasses
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from common.speculative import SpeculativeConfig
-from dataplane.input_batch import InputBatch, PreparedBatch
+from dataplane.input_batch import InputBatch, PreparedBatch, longest_first
 from dataplane.sampler import SamplingBatch
 
 
 def ngram_propose(tokens: np.ndarray, k: int, lo: int, hi: int) -> np.ndarray:
     """Up to ``k`` tokens that followed the first earlier occurrence of the longest suffix of
-    ``tokens`` of ``hi`` .. ``lo`` tokens (empty when none occurs)."""
+    ``tokens`` of ``hi`` .. ``lo`` tokens (empty when none occurs). One pass over the tokens
+    finds where the last token occurred before; only those places are extended backwards."""
     n_tok = len(tokens)
-    for n in range(min(hi, n_tok - 1), lo - 1, -1):
-        windows = sliding_window_view(tokens[:-1], n)   # each is followed by a token
-        hits = np.flatnonzero((windows == tokens[n_tok - n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[0]) + n
+    hi = min(hi, n_tok - 1)
+    if hi < lo:
+        return tokens[:0]
+    ends = np.flatnonzero(tokens[:n_tok - 1] == tokens[n_tok - 1])   # each is followed by a token
+    length = np.ones(len(ends), np.int64)   # how much of the suffix ends at each of them
+    alive = np.ones(len(ends), bool)
+    for j in range(1, hi):
+        if not alive.any():
+            break
+        prev = ends - j
+        alive &= prev >= 0
+        alive[alive] = tokens[prev[alive]] == tokens[n_tok - 1 - j]
+        length += alive
+    for n in range(hi, lo - 1, -1):
+        hits = ends[length >= n]
+        if len(hits):   # the earliest end is the earliest start of an n-token match
+            start = int(hits[0]) + 1
             return tokens[start:start + k]
     return tokens[:0]
+
+
+def graph_rows(config: SpeculativeConfig | None, max_num_seqs: int) -> int:
+    """Rows the decode graphs need: a verify of every sequence that may speculate, each with
+    1 + k tokens (the control plane speculates with at most ``disable_by_batch_size`` decodes)."""
+    if config is None:
+        return max_num_seqs
+    k = config.num_speculative_tokens
+    return max(max_num_seqs, min(max_num_seqs, config.disable_by_batch_size) * (k + 1))
+
+
+def decode_rows(prep: PreparedBatch) -> dict[str, np.ndarray] | None:
+    """A verify whose every sequence samples as one decode row per token: the row's context
+    ends at its token (causal over the drafts), its block table is its sequence's. Returns the
+    per-row seq_lens, block_tables and decode_order (positions and slots already are per
+    token), or None for a step that is not such a verify (prefill chunks run eagerly)."""
+    if prep.num_drafts is None or len(prep.sample_rows) != len(prep.seq_lens):
+        return None
+    q_lens = np.diff(prep.query_start_loc)
+    if len(prep.logits_indices) != len(prep.positions):   # every token is verified
+        return None
+    seq_lens = (prep.positions + 1).astype(np.int32)
+    return {"seq_lens": seq_lens, "block_tables": np.repeat(prep.block_tables, q_lens, axis=0),
+            "decode_order": longest_first(seq_lens)}
 
 
 @torch.inference_mode()
@@ -71,6 +111,8 @@ class SpecDecoder:
                              f"worker (ngram is)")
         self.config = config
         self._drafts: dict[int, np.ndarray] = {}   # row -> drafts of the step being launched
+        self.num_unproposed = 0   # steps that gave positions and found no drafts (the control
+                                  # plane predicts proposals: this stays ~0)
 
     def propose(self, batch: InputBatch, rows: np.ndarray, spec: np.ndarray) -> np.ndarray | None:
         """Drafts for the rows given speculative positions (``spec``: k per row); they go into
@@ -90,6 +132,7 @@ class SpecDecoder:
                 counts[i] = len(drafts)
                 self._drafts[row] = drafts.astype(np.int64)
         if not self._drafts:
+            self.num_unproposed += 1
             return None
         batch.num_tokens[rows] += counts
         return counts

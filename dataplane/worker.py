@@ -27,7 +27,7 @@ from dataplane.progress import Phases, Progress
 from dataplane.quantization import KV_CACHE_DTYPES, resolve as resolve_quantization
 from dataplane.runner import ModelRunner
 from dataplane.sampler import SamplingBatch, SamplingRow, sample
-from dataplane.spec_decode import SpecDecoder
+from dataplane.spec_decode import SpecDecoder, graph_rows
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 log = logging.getLogger("headrace.dataplane")
@@ -112,7 +112,7 @@ class Worker:
                  self.block_bytes, self.quant.describe() if self.quant else self.dtype_name)
         graphs = None
         if self.device.type == "cuda" and opts.cuda_graphs:
-            graphs = DecodeGraphs(model, caches, opts.max_num_seqs,
+            graphs = DecodeGraphs(model, caches, graph_rows(self.speculative, opts.max_num_seqs),
                                   -(-self.max_model_len // opts.block_size), self.device)
             with Progress("capturing CUDA graphs", len(graphs.sizes), "graphs", rank=rank) as progress:
                 graphs.capture(progress)

@@ -11,6 +11,9 @@
   accumulates x @ w in float32. Groups are contiguous in K (act-order checkpoints are permuted
   at load, and x's columns with them); when a group spans whole K tiles one scale row is loaded
   per tile, otherwise (or with a per-column group index) the scales are gathered per column.
+  Decode-sized inputs split K over several programs (``_tiles``) whose float32 partial sums
+  are added atomically into a zeroed workspace, then cast: the weight is streamed by enough
+  programs to fill the GPU.
 
 Both launch a fixed grid from static shapes, with no host synchronisation: CUDA-graph safe.
 """
@@ -97,24 +100,32 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 @triton.jit
-def _wna16_kernel(X, QW, S, Z, GIDX, B, OUT, M, N, K, stride_xm, stride_om,
+def _wna16_kernel(X, QW, S, Z, GIDX, B, OUT, M, N, K, K_PER, stride_xm, stride_om,
                   BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, HAS_GIDX: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
+                  DOT_F32: tl.constexpr):
     PER: tl.constexpr = 32 // BITS
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_k = tl.program_id(2)
+    k_lo = pid_k * K_PER                 # K_PER is a multiple of BLOCK_K: tiles stay in one slice
+    k_hi = tl.minimum(K, k_lo + K_PER)
     row_ok, col_ok = rows < M, cols < N
     dtype = X.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        word = tl.load(QW + (k[:, None] // PER).to(tl.int64) * N + cols[None, :],
-                       mask=k_ok[:, None] & col_ok[None, :], other=0)
-        q = (word >> ((k[:, None] % PER) * BITS)) & ((1 << BITS) - 1)
+        # each packed word loaded once, its PER values shifted out into PER rows of the tile
+        kw = k0 // PER + tl.arange(0, BLOCK_K // PER)
+        word = tl.load(QW + kw[:, None].to(tl.int64) * N + cols[None, :],
+                       mask=(kw[:, None] < K // PER) & col_ok[None, :], other=0)
+        shifts = tl.arange(0, PER) * BITS
+        q = (word[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N))   # row i * PER + j: value j of word row i
         if HAS_GIDX or GROUP_SIZE % BLOCK_K != 0:   # a scale row per column of the tile
             if HAS_GIDX:
                 g = tl.load(GIDX + k, mask=k_ok, other=0)
@@ -132,26 +143,47 @@ def _wna16_kernel(X, QW, S, Z, GIDX, B, OUT, M, N, K, stride_xm, stride_om,
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(x, w, acc, input_precision=PRECISION)
     if HAS_BIAS:
-        acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-             acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        if pid_k == 0:
+            acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out_at = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_at, acc.to(OUT.dtype.element_ty), mask=out_ok)
+    else:                                # OUT is a zeroed float32 workspace the slices add into
+        tl.atomic_add(out_at, acc, mask=out_ok, sem="relaxed")
 
 
-def _tiles(m: int, n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps): skinny tiles for decode (many programs over N, the
-    weight streamed once), square ones for prefill. Untuned: bench/quant_kernels.py measures."""
+MIN_PROGRAMS = 264          # 2 per SM of an H200 (132): fewer output tiles than this split K
+MIN_PROGRAMS_DECODE = 128   # narrow decode tiles: about one per SM is enough (the sweep)
+MAX_SPLIT = 4        # the H200 sweep (bench/quant_kernels.py --sweep): more splits lose to the
+                     # zeroing, the atomics and the cast
+
+
+def _tiles(m: int, n: int, k: int, bits: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, split_k). Decode-sized inputs get narrow column tiles
+    (many programs, the weight streamed once); where the output tiles are still fewer than
+    MIN_PROGRAMS, K is split into slices whose partial sums are added atomically (float32),
+    each slice at least two K tiles long."""
     if m <= 16:
-        return 16, 32 if n <= 8192 else 64, 128, 4
-    if m <= 64:
-        return 64, 64, 64, 4
-    return 128, 128, 32, 8
+        block_m, block_n, block_k, warps = 16, 32, 128, 4
+    elif m <= 64:
+        block_m, block_n, block_k, warps = 64, 64, 64, 4
+    else:
+        block_m, block_n, block_k, warps = 128, 128, 32, 8
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    least = MIN_PROGRAMS_DECODE if m <= 16 else MIN_PROGRAMS
+    split = 1 if tiles >= least else min(MAX_SPLIT, triton.cdiv(least, tiles))
+    return block_m, block_n, block_k, warps, max(1, min(split, k // (2 * block_k)))
 
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  g_idx: torch.Tensor, perm: torch.Tensor | None, bits: int, group_size: int,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None,
+                 config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """See kernels.reference_quant.wna16_linear. ``group_size`` > 0 (groups contiguous and
-    equal) lets the kernel index scales by k // group_size; 0 makes it read ``g_idx``."""
+    equal) lets the kernel index scales by k // group_size; 0 makes it read ``g_idx``.
+    ``config``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, split_k) instead of ``_tiles``' choice (the
+    sweep of bench/quant_kernels.py)."""
     n = qweight.shape[1]
     k = qweight.shape[0] * (32 // bits)
     x2 = x.reshape(-1, k)
@@ -163,14 +195,20 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    block_m, block_n, block_k, warps = _tiles(m, n)
+    block_m, block_n, block_k, warps, split = config or _tiles(m, n, k, bits)
     if 16 <= group_size < block_k and group_size & (group_size - 1) == 0:   # one scale row a tile
         block_k = group_size
+    k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per)
     dot_f32 = _INTERPRETED and x.dtype == torch.bfloat16
     precision = "ieee" if x.dtype == torch.float32 or dot_f32 else "tf32"
-    _wna16_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        x2, qweight, scales, zeros, g_idx, qweight if bias is None else bias, out, m, n, k,
-        x2.stride(0), out.stride(0), BITS=bits, GROUP_SIZE=max(group_size, 1),
+    acc = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    _wna16_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
+        x2, qweight, scales, zeros, g_idx, qweight if bias is None else bias, acc, m, n, k, k_per,
+        x2.stride(0), acc.stride(0), BITS=bits, GROUP_SIZE=max(group_size, 1),
         HAS_GIDX=group_size <= 0, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PRECISION=precision, DOT_F32=dot_f32, num_warps=warps, num_stages=3)
+        BLOCK_K=block_k, SPLIT_K=split, PRECISION=precision, DOT_F32=dot_f32, num_warps=warps,
+        num_stages=3)
+    if split > 1:
+        out.copy_(acc)
     return out.reshape(*x.shape[:-1], n)

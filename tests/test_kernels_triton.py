@@ -154,6 +154,26 @@ def test_mixed_attention_with_leading_decodes(heads, kv_heads, head_dim, block_s
                      decode_order=torch.tensor([1, 2, 0], dtype=torch.int32, device=DEVICE))
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,dtype", LAYOUTS[:4])
+def test_verify_tokens_as_decode_rows(heads, kv_heads, head_dim, block_size, dtype):
+    """A speculative verify replayed in the decode graphs (``spec_decode.decode_rows``): each of
+    a sequence's 1 + d tokens is a decode row whose context ends at it, over the sequence's
+    block table; the decode kernel then gives the causal multi-token attention."""
+    torch.manual_seed(0)
+    q_lens, ctx_lens = [5, 1, 3], [70, 2 * block_size, 9]
+    query, cache, starts, seq_lens, tables = _paged_batch(q_lens, ctx_lens, heads, kv_heads,
+                                                          head_dim, block_size, dtype)
+    expect = ref.paged_attention(query, cache, starts, seq_lens, tables, head_dim ** -0.5)
+    row_lens = torch.cat([torch.arange(c - q + 1, c + 1) for q, c in zip(q_lens, ctx_lens)])
+    rows = [t.to(DEVICE) for t in (torch.arange(len(row_lens) + 1, dtype=torch.int32),
+                                    row_lens.to(torch.int32), tables.repeat_interleave(torch.tensor(q_lens), 0))]
+    order = torch.argsort(-row_lens, stable=True).to(torch.int32).to(DEVICE)
+    actual = triton_attention.paged_attention(query.to(DEVICE), cache.to(DEVICE), *rows, head_dim ** -0.5,
+                                              decode_only=True, decode_order=order)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    _close(actual, expect, atol=tol, rtol=tol)
+
+
 def test_attention_without_hints_finds_the_path():
     _check_attention([1, 1], [40, 7], 4, 2, 64, 16, torch.bfloat16)        # decode kernel
     # Two 256-query tiles (no GQA); a tile whose first query is one short of a 64-key boundary.

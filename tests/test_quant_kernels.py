@@ -105,6 +105,21 @@ def test_wna16_linear(bits, m, group_size, act_order):
     # the per-column group index path (group_size 0) gives the same result
     gathered = triton_quant.wna16_linear(*dev, 0, None if bias is None else bias.to(DEVICE))
     torch.testing.assert_close(gathered.cpu(), expect, **tol)
+    # K split over programs whose float32 partial sums add atomically (bias added once), with a
+    # slice length that is not a multiple of the group size and a ragged last slice
+    for config in ((16, 32, 32, 4, 3), (64, 64, 64, 4, 4)):
+        split = triton_quant.wna16_linear(*dev, group_size if group_size > 0 else k,
+                                          None if bias is None else bias.to(DEVICE), config=config)
+        torch.testing.assert_close(split.cpu(), expect, **tol)
+
+
+def test_wna16_tiles_split_k_only_where_output_tiles_are_few():
+    """Llama-3.1-8B's o projection at batch 64: 64 output tiles, so K splits (at most MAX_SPLIT,
+    each slice two K tiles at least); at batch 1 its 128 narrow tiles and gate_up's 896 do not."""
+    block_m, block_n, block_k, _, split = triton_quant._tiles(64, 4096, 4096, 4)
+    assert 1 < split <= triton_quant.MAX_SPLIT and 4096 // split >= 2 * block_k
+    assert triton_quant._tiles(1, 28672, 4096, 4)[4] == 1
+    assert triton_quant._tiles(64, 4096, 128, 4)[4] == 1   # a short K is never split
 
 
 def test_wna16_ragged_groups_read_g_idx():

@@ -17,7 +17,7 @@ from scipy import stats
 from common import speculative
 from controlplane.engine import EngineConfig
 from controlplane.metrics import ControlPlaneMetrics
-from controlplane.speculation import PROBE_TOKENS, Speculation
+from controlplane.speculation import Speculation
 from dataplane.default_model import default_model_dir
 from dataplane.sampler import SamplingBatch, sample
 from dataplane.spec_decode import ngram_propose, verify
@@ -175,37 +175,6 @@ def test_greedy_accepts_exactly_the_matching_prefix():
 
 
 # -- back-off and metrics -----------------------------------------------------------------------
-class _Seq:
-    def __init__(self, seq_id):
-        self.seq_id, self.max_tokens, self.output_token_ids, self.num_inflight = seq_id, 100, [], 0
-        self.num_total, self.in_prefill = 10, False
-        self.sampling = _Sampling()
-
-
-class _Sampling:
-    repetition_penalty, presence_penalty, frequency_penalty, min_tokens = 1.0, 0.0, 0.0, 0
-    stop_token_ids = ()
-
-
-def test_back_off_pauses_a_sequence_with_low_acceptance_and_probes_again():
-    spec = Speculation(speculative.parse('{"method": "ngram", "num_speculative_tokens": 4, '
-                                         '"disable_by_batch_size": 2}'), 1000)
-    seq = _Seq(1)
-    assert spec.active([seq]) and spec.positions(seq, 100) == 4
-    rounds = 0
-    while spec.positions(seq, 100):
-        spec.observe(seq, 4, 4, 0)
-        rounds += 1
-    assert 1 < rounds < 10 and not spec.active([seq])
-    for _ in range(PROBE_TOKENS - 1):
-        assert spec.positions(seq, 100) == 0
-    assert spec.active([seq]) and spec.positions(seq, 100) == 4   # the probe
-    spec.observe(seq, 4, 4, 0)                                    # fails: a longer pause
-    assert sum(spec.positions(seq, 100) == 0 for _ in range(2 * PROBE_TOKENS)) == 2 * PROBE_TOKENS
-    assert not spec.active([_Seq(2), _Seq(3), _Seq(4)])           # more decodes than 2
-    assert spec.positions(_Seq(5), 3) == 2                        # the token budget caps it
-
-
 def test_large_batches_do_not_speculate_and_metrics_are_exported():
     reqs = [dict(prompt=PASSAGE * 2 + str(i), max_tokens=8, ignore_eos=True, sampling=GREEDY)
             for i in range(4)]
@@ -230,7 +199,7 @@ def _spec_sched(blocks: int, max_tokens: int = 50):
 
     sched = sched_of(blocks=blocks, bs=4, budget=64)
     sched.speculation = Speculation(speculative.parse('{"method": "ngram", "num_speculative_tokens": 4}'), 1000)
-    req = make_request(6, max_tokens=max_tokens)
+    req = make_request([7] * 6, max_tokens=max_tokens)   # sampled: 7 (the n-gram lookup matches)
     req.sequences[0].sampling.repetition_penalty = 1.0   # as validation fills it in
     sched.add(req.sequences)
     run_step(sched)   # prefill: one token sampled
@@ -247,7 +216,7 @@ def test_a_speculating_decode_is_budgeted_k_plus_one_and_rolls_back_rejected_blo
     sched.after_step(step)
     cached_before = len(sched.blocks.cached)
     seq.num_inflight -= 1
-    seq.output_token_ids += [7, 8]   # one draft accepted, then the target's token
+    seq.output_token_ids += [7, 7]   # one draft accepted, then the target's token
     sched.verified(seq, 4, 4, 1)
     assert seq.num_computed == 8 and seq.num_total == 9
     assert len(sched.blocks.block_ids(seq.seq_id)) == 3                  # 9 tokens need 3 blocks
@@ -256,7 +225,7 @@ def test_a_speculating_decode_is_budgeted_k_plus_one_and_rolls_back_rejected_blo
     assert step.running.num_spec == [4] and len(sched.blocks.block_ids(seq.seq_id)) == 4
     sched.after_step(step)
     seq.num_inflight -= 1
-    seq.output_token_ids.append(5)     # nothing accepted: only the target's token
+    seq.output_token_ids.append(7)     # nothing accepted: only the target's token
     sched.verified(seq, 4, 4, 0)
     assert len(sched.blocks.block_ids(seq.seq_id)) == 3                  # the 4th block goes back
     nxt = sched.schedule()
@@ -270,7 +239,7 @@ def test_speculative_positions_never_preempt_and_respect_max_tokens():
     assert step.running.num_spec == [4] and sched.blocks.num_free == 0
     sched.after_step(step)
     seq.num_inflight -= 1
-    seq.output_token_ids += [1, 2, 3, 4]           # 3 accepted: 11 tokens, 10 computed
+    seq.output_token_ids += [7, 7, 7, 7]           # 3 accepted: 11 tokens, 10 computed
     sched.verified(seq, 4, 4, 3)
     step = sched.schedule(speculate=True)           # 1 slot left beyond the next token
     assert step.running.num_spec == [1] and sched.num_preemptions == 0
@@ -311,3 +280,4 @@ def test_the_worker_cuts_accepted_drafts_after_a_stop_token_and_rewinds_its_mirr
     assert list(result.stopped_seq_ids) == [7] and 7 in batch.stopped
     assert batch.num_tokens[b] == 8 and batch.num_computed[b] == 7
     assert batch.tokens[b, :8].tolist() == [1, 2, 3, 1, 2, 3, 1, 7]
+

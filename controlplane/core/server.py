@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from common.grpc_options import CORE_MAX_MESSAGE_BYTES, server_options
 from common.metrics import multiprocess_registry

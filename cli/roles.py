@@ -1,0 +1,123 @@
+"""The role commands the supervisor starts as children (``python -m cli core|frontend|dataplane``):
+an engine core, an API front end and a data plane, each one process that runs its server
+until a signal. Only ``dataplane`` imports the data plane (and torch), inside the command."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import pathlib
+import signal
+import sys
+
+from cli.options import (
+    check_speculative_config,
+    default_model,
+    engine_config,
+    plane_options,
+)
+from common.options import from_args
+from common.worker_options import ParallelOptions, WorkerOptions
+
+
+def _run_role(server_factory) -> int:
+    """Runs the server ``server_factory()`` builds (inside the event loop) until a signal."""
+    from common import tracing
+    from controlplane.server import run_until_signal
+
+    async def run():
+        await run_until_signal(server_factory())
+
+    tracing.setup_tracing("headrace-controlplane")
+    try:
+        asyncio.run(run())
+    finally:
+        tracing.shutdown_tracing()
+    return 0
+
+
+def cmd_core(args) -> int:
+    from controlplane.core.server import CoreServer
+
+    opts = plane_options(args)
+    keys = ("metrics_port", "metrics_host", "admin_token", "log_requests", "log_prompts",
+            "worker_credentials", "worker_secret", "chat_template", "generation_config")
+    return _run_role(lambda: CoreServer(args.model or default_model(), args.workers.split(","),
+                                        args.core_address, engine_config(args),
+                                        **{k: opts[k] for k in keys}))
+
+
+def cmd_frontend(args) -> int:
+    from controlplane.frontend.server import FrontEnd
+
+    opts = plane_options(args)
+    keys = ("api_token", "tls", "admin_token", "http_port", "http_tls", "chat_template",
+            "generation_config", "log_prompts", "trust_tenant_header", "max_n")
+    return _run_role(lambda: FrontEnd(args.index, args.core_address, args.model or default_model(),
+                                      f"{args.host}:{args.port}", max_model_len=getattr(args, "max_model_len", None),
+                                      **{k: opts[k] for k in keys}))
+
+
+def cmd_dataplane(args) -> int:
+    import threading
+
+    from cli.supervisor import EXIT_LOAD_FAILED
+    from common import net, security, tracing
+    from common.model_source import check_checkpoint, resolve_model
+    from dataplane import parallel
+    from dataplane.server import serve
+    from dataplane.worker import Worker, check_device, load_failure
+
+    check_speculative_config(args)
+    par = from_args(ParallelOptions, args)
+    rank, world = par.rank, par.world_size
+    if world > 1 and not par.dist_init:
+        raise ValueError("--world-size > 1 needs --dist-init tcp://MASTER_HOST:PORT")
+    device = f"cuda:{rank}" if world > 1 and args.device == "cuda" else args.device
+    opts = from_args(WorkerOptions, args, model=args.model or default_model(), device=device)
+    try:   # what cannot load is one line and EXIT_LOAD_FAILED (``serve`` then says no more)
+        check_device(device)
+        opts = dataclasses.replace(opts, model=resolve_model(opts.model))
+        check_checkpoint(opts.model, tokenizer=False)
+    except ValueError as exc:
+        print(f"headrace dataplane: {exc}", file=sys.stderr)
+        return EXIT_LOAD_FAILED
+    tracing.setup_tracing("headrace-dataplane")
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    parts = net.split_address(args.listen)
+    metrics_host = args.metrics_host or (parts[0] if parts else "127.0.0.1")
+    # listen at once (health NOT_SERVING) so probes see the model loading, not a closed port
+    server = serve(None, args.listen, metrics_port=args.metrics_port or None, metrics_host=metrics_host,
+                   credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
+                   secret=args.secret or os.environ.get("HEADRACE_WORKER_SECRET") or None)
+    log = logging.getLogger("headrace.dataplane")
+    log.info("data plane on %s: loading %s", args.listen, opts.model)
+
+    def make_worker():
+        import torch
+
+        parallel.init(rank, world, par.dist_init, torch.device(device), par.dist_timeout)
+        return Worker(opts, rank, world)
+
+    try:
+        worker = server.worker_service.load(make_worker)
+    except Exception as exc:  # noqa: BLE001 - any load failure is one line, not a traceback
+        log.debug("loading failed", exc_info=True)
+        print(f"headrace dataplane: {load_failure(exc, opts)}", file=sys.stderr)
+        worker, code = None, EXIT_LOAD_FAILED
+    else:
+        log.info("data plane on %s: %s ready in %.1fs (%s), %d KV blocks", args.listen,
+                 worker.cfg.name, worker.startup_seconds, worker.phases.summary(),
+                 worker.runner.num_blocks)
+        done.wait()
+        code = 0
+    server.stop(grace=2 if worker else 0).wait()
+    server.worker_service.metrics.close()
+    tracing.shutdown_tracing()
+    if args.listen.startswith("unix:"):
+        pathlib.Path(args.listen[5:]).unlink(missing_ok=True)
+    return code
