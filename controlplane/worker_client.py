@@ -42,9 +42,10 @@ def _one_model(infos: list[pb.WorkerInfo]) -> list[pb.WorkerInfo]:
 
 
 async def _drain(queue: asyncio.Queue):
-    """An Execute stream's requests: the steps ``WorkerGroup.send`` queues, in order."""
-    while True:
-        yield await queue.get()
+    """An Execute stream's requests: the steps ``WorkerGroup.send`` queues, in order, until
+    ``None`` (the stream is closed)."""
+    while (step := await queue.get()) is not None:
+        yield step
 
 
 class WorkerGroup:
@@ -113,7 +114,9 @@ class WorkerGroup:
                        for stub, queue in zip(self._stubs, self._queues)]
 
     async def close_streams(self) -> None:
-        for call in self._calls:
+        for queue in self._queues:   # each stream's writer ends ...
+            queue.put_nowait(None)
+        for call in self._calls:     # ... and the call with it
             call.cancel()
         self._calls, self._queues = [], []
 
