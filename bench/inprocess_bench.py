@@ -3,12 +3,13 @@ detokenization) drives the data plane's runner in ONE process, with no gRPC betw
 no client streams. Compared with bench/serving_bench.py it shows what the plane split costs.
 The bench sits above both planes and composes them (``dataplane.inprocess``).
 
-    python -m bench.inprocess_bench --model DIR --workload w1|w2 [--device cuda] [--profile FILE]
-        [--speculative-config JSON [--grounded]]
+    python -m bench.inprocess_bench --model DIR --workload w1|w2|long [--device cuda] [--profile FILE]
+        [--speculative-config JSON [--grounded]] [--attention-backend auto|triton|flash-attn]
 
 Prints a JSON line: throughput (w1) or per-token latency (w2), plus the share of wall time
 spent inside the runner (`runner_s`) against the engine's own Python work. With
-``--speculative-config`` it adds the measured acceptance; ``--grounded`` makes W2's prompts
+``--speculative-config`` it adds the measured acceptance; ``long`` times the first token of
+three prompts of ``--prompt-tokens`` random tokens (30,000 by default), one at a time; ``--grounded`` makes W2's prompts
 input-grounded (a passage given twice, so n-gram proposals can hit) instead of random.
 """
 
@@ -28,6 +29,7 @@ from controlplane.tokenizer import ModelTokenizer
 from controlplane.validation import build_request
 from dataplane.inprocess import InProcessWorkerGroup
 from dataplane.worker import Worker, WorkerOptions
+from kernels.attention_policy import BACKENDS
 from headrace.v1 import inference_pb2 as pb
 
 
@@ -152,7 +154,8 @@ async def consume(request) -> int:
 async def run(args) -> dict:
     worker = Worker(WorkerOptions(model=args.model, device=args.device, max_num_seqs=256,
                                   max_batched_tokens=args.max_batched_tokens,
-                                  speculative_config=args.speculative_config))
+                                  speculative_config=args.speculative_config,
+                                  attention_backend=args.attention_backend))
     local = TimedWorkers(worker)
     engine = Engine(local, EngineConfig(max_running=256, max_batched_tokens=args.max_batched_tokens))
     await engine.start()
@@ -187,6 +190,15 @@ async def run(args) -> dict:
         tokens = sum(await asyncio.gather(*(consume(r) for r in reqs)))
         wall = time.perf_counter() - start
         out = {"output_tokens": tokens, "wall_s": round(wall, 3), "output_tok_per_s": round(tokens / wall, 1)}
+    elif args.workload == "long":   # TTFT of a long prompt (chunked prefill), nothing else running
+        rng, ttfts = random.Random(0), []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            await consume(submit([rng.randint(0, 10000) for _ in range(args.prompt_tokens)], 1, 0.0))
+            ttfts.append(time.perf_counter() - t0)
+        wall = time.perf_counter() - start
+        out = {"prompt_tokens": args.prompt_tokens, "ttft_s": [round(t, 3) for t in ttfts],
+               "ttft_s_min": round(min(ttfts), 3)}
     else:
         rng, itls = random.Random(0), []
         for _ in range(5):   # one sequence: ITL = step to step, per token the step yielded
@@ -221,6 +233,7 @@ async def run(args) -> dict:
         graphs = worker.runner.graphs
         if graphs is not None:   # verifies replayed in CUDA graphs (the rest ran eagerly)
             out.update(graph_replays=graphs.num_replays, verify_graph_replays=graphs.num_verify_replays)
+    out.update(attention_backend=args.attention_backend, attention=worker.attention.describe())
     out.update(workload=f"{args.workload}{'-grounded' if args.grounded else ''}"
                         f"{'-spec' if spec is not None else ''}-in-process", runner_s=round(local.runner_s, 3),
                device_s=round(local.device_s, 3), device_idle_s=round(local.device_idle_s, 3),
@@ -232,8 +245,11 @@ async def run(args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--workload", choices=["w1", "w2"], default="w1")
+    ap.add_argument("--workload", choices=["w1", "w2", "long"], default="w1")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--attention-backend", choices=BACKENDS, default="auto",
+                    help="the worker's --attention-backend (kernels/attention_policy.py)")
+    ap.add_argument("--prompt-tokens", type=int, default=30000, help="long: the prompt's length")
     ap.add_argument("--max-batched-tokens", type=int, default=16384,
                     help="tokens per step (nano-vllm's default, as its W1 benchmark runs)")
     ap.add_argument("--profile", default=None, help="write cProfile stats of the timed part here")

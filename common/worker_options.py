@@ -40,6 +40,11 @@ class WorkerOptions:
         "quantize a float checkpoint at load", choices=("fp8", "int8", "gptq", "awq", "compressed-tensors"))
     kv_cache_dtype: str = option("auto", "KV cache element type: auto (the model dtype) or fp8 "
                                  "(e4m3 with per-tensor scales: twice the tokens)", choices=("auto", "fp8"))
+    attention_backend: str = option(
+        "auto", "attention kernels: auto (per phase, what measured fastest on the device: "
+        "flash-attn-4 for long prefills when installed, Triton otherwise), triton, or flash-attn "
+        "(flash-attn-4 for every prefill; pip install 'headrace[flash-attn]'); decodes run "
+        "Triton's kernel (kernels/attention_policy.py)", choices=("auto", "triton", "flash-attn"))
 
 
 @dataclasses.dataclass

@@ -34,6 +34,7 @@ class AttentionMetadata:
     decode_only: bool | None = None   # every sequence computes exactly one token
     num_decodes: int = 0              # the first num_decodes sequences compute one token each
     decode_order: torch.Tensor | None = None  # [decodes] int32: longest context first (a hint)
+    flash: object | None = None       # the step's kernels.flash_attn4.Plan (--attention-backend)
 
 
 class Linear(nn.Linear):
@@ -109,7 +110,7 @@ class Attention(nn.Module):
                                     meta.block_tables, self.scale,
                                     max_query_len=meta.max_query_len, decode_only=meta.decode_only,
                                     num_decodes=meta.num_decodes, decode_order=meta.decode_order,
-                                    k_scale=self.k_scale, v_scale=self.v_scale)
+                                    k_scale=self.k_scale, v_scale=self.v_scale, flash=meta.flash)
         return self.o_proj(o.reshape(-1, cfg.q_size))
 
 

@@ -67,8 +67,10 @@ class Launched:
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
-                 graphs=None, rank: int = 0, seed: int | None = None, spec: SpecDecoder | None = None):
+                 graphs=None, rank: int = 0, seed: int | None = None, spec: SpecDecoder | None = None,
+                 attention=None):
         self.model = model
+        self.attention = attention   # kernels.attention_policy.Policy (None: Triton only)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.num_blocks = kv_caches[0].shape[1]
@@ -169,10 +171,13 @@ class ModelRunner:
         if rows or (self.graphs is not None and prep.decode_only and self.graphs.fits(len(prep.positions))):
             return self.graphs.run(input_ids, dev, verify=rows)   # every row samples
         qsl = dev["query_start_loc"] if "query_start_loc" in dev else self._arange[:len(prep.positions) + 1]
+        flash = kernels.flash_attn4.step_plan(self.attention, prep, qsl, dev["seq_lens"],
+                                              dev["block_tables"])
         meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=qsl,
                                  seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
                                  max_query_len=prep.max_query_len, decode_only=prep.decode_only,
-                                 num_decodes=prep.num_decodes, decode_order=dev["decode_order"])
+                                 num_decodes=prep.num_decodes, decode_order=dev["decode_order"],
+                                 flash=flash)
         hidden = self.model(input_ids, dev["positions"], self.kv_caches, meta)
         if len(prep.sample_rows) == 0:
             return None

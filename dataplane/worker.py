@@ -28,6 +28,7 @@ from dataplane.quantization import KV_CACHE_DTYPES, resolve as resolve_quantizat
 from dataplane.runner import ModelRunner
 from dataplane.sampler import SamplingBatch, SamplingRow, sample
 from dataplane.spec_decode import SpecDecoder, graph_rows
+from kernels import attention_policy
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 log = logging.getLogger("headrace.dataplane")
@@ -89,6 +90,11 @@ class Worker:
         if opts.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {opts.kv_cache_dtype!r}: choose from {KV_CACHE_DTYPES}")
         self.kv_dtype = torch.float8_e4m3fn if opts.kv_cache_dtype == "fp8" else self.dtype
+        self.attention = attention_policy.resolve(
+            opts.attention_backend, self.device.type,
+            None if self.device.type != "cuda" else kernels.flash_attn4.unusable(
+                self.device, self.dtype, self.kv_dtype, self.local_cfg.head_dim))
+        log.info("%s", self.attention.describe())
         model = load_model(pathlib.Path(opts.model), self.cfg, self.device, self.dtype,
                            self.max_model_len, self.shard, self.quant)
         if self.device.type == "cuda":
@@ -118,7 +124,8 @@ class Worker:
                 graphs.capture(progress)
             phases.mark("CUDA graphs")
         self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,
-                                  opts.max_num_seqs, graphs, rank=rank, seed=opts.seed, spec=spec)
+                                  opts.max_num_seqs, graphs, rank=rank, seed=opts.seed, spec=spec,
+                                  attention=self.attention)
         self.startup_seconds = time.perf_counter() - start
 
     @torch.inference_mode()
@@ -167,6 +174,8 @@ class Worker:
                 max_query_len=q_len, decode_only=q_len == 1,
                 decode_order=torch.zeros(1, dtype=torch.int32, device=dev))
             q_len *= 2
+        if self.attention.uses_flash:   # flash-attn-4 compiles its kernels at the first call
+            kernels.flash_attn4.warm_up(cache, cfg.num_heads, self.dtype, self.opts.max_num_seqs)
 
     def _blocks_from_memory(self) -> int:
         if self.device.type == "cuda":

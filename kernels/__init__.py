@@ -15,7 +15,10 @@ the environment variable ``HEADRACE_KERNELS``:
 
 ``paged_attention`` always accepts the Triton version's optional host-side hints
 (``max_query_len``, ``decode_only``, ``num_decodes``, ``decode_order``); the reference ignores
-them. ``copy_blocks`` (copy on write, rare) is plain torch indexing on every device.
+them. Its ``flash`` argument (a ``kernels.flash_attn4.Plan``, made once per step when the
+step's ``kernels.attention_policy`` choice is flash-attn-4) sends a CUDA step's prefill part to
+flash-attn-4 instead (``--attention-backend``); CPU tensors and ``reference`` ignore it.
+``copy_blocks`` (copy on write, rare) is plain torch indexing on every device.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import os
 
 import torch
 
-from kernels import reference, reference_quant
+from kernels import flash_attn4, reference, reference_quant
 
 MODE = os.environ.get("HEADRACE_KERNELS", "auto")
 if MODE not in ("auto", "triton", "reference"):
@@ -75,7 +78,20 @@ _triton = _load_triton()
 rms_norm = _select(reference.rms_norm, "rms_norm")
 fused_add_rms_norm = _select(reference.fused_add_rms_norm, "fused_add_rms_norm")
 silu_and_mul = _select(reference.silu_and_mul, "silu_and_mul")
-paged_attention = _select(_reference_attention, "paged_attention")
+_paged_attention = _select(_reference_attention, "paged_attention")
+
+
+def paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
+                    flash=None, **hints):
+    """Causal attention of variable-length queries over paged KV (kernels.reference's
+    semantics); ``flash``: the step's flash-attn-4 plan, or None."""
+    if flash is None or not query.is_cuda or MODE == "reference":
+        return _paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale,
+                                **hints)
+    return flash_attn4.paged_attention(query, kv_cache, flash, scale, _paged_attention,
+                                       hints.get("decode_order"))
+
+
 sample_race = _select(reference.sample_race, "sample_race")
 qk_norm_rope_write_kv = _select(reference.qk_norm_rope_write_kv, "qk_norm_rope_write_kv")
 linear = _select(reference.linear, "linear")

@@ -38,21 +38,22 @@ class Planes:
                  workers: list[str] | None = None, worker_address: str | None = None,
                  worker_options: dict | None = None, plane_options: dict | None = None,
                  secure_channel: grpc.ChannelCredentials | None = None, split: bool = False,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", worker_fields: dict | None = None):
         """``worker_options`` go to the data plane's ``serve`` (credentials, secret),
         ``plane_options`` to ``ControlPlane`` (api_token, tls, worker_credentials, ...).
         ``split``: an engine core and one API front end (the layout of ``headrace serve``, here
         in one event loop over the core's unix socket) instead of ``ControlPlane``; then
         ``self.plane`` is the front end and ``self.core`` the core. ``host``: where the control
-        plane listens (clients connect on 127.0.0.1)."""
+        plane listens (clients connect on 127.0.0.1). ``worker_fields``: WorkerOptions fields
+        replacing the test defaults (dtype, attention_backend, ...)."""
         self._tmp = tempfile.mkdtemp(prefix="headrace-test-")
         self.worker = self.worker_server = None
         self.worker_options = worker_options or {}
         if workers is None:
             self.worker_address = worker_address or f"unix:{self._tmp}/dp.sock"
-            self.worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=num_kv_blocks,
-                                               block_size=block_size, device=DEVICE, dtype="float32",
-                                               max_num_seqs=64))
+            fields = dict(model=str(model_dir), num_kv_blocks=num_kv_blocks, block_size=block_size,
+                          device=DEVICE, dtype="float32", max_num_seqs=64)
+            self.worker = Worker(WorkerOptions(**(fields | (worker_fields or {}))))
             self.worker_server = serve(self.worker, self.worker_address, **self.worker_options)
             if self.worker_address.endswith(":0"):   # an ephemeral TCP port: use the bound one
                 self.worker_address = f"127.0.0.1:{self.worker_server.worker_port}"

@@ -14,8 +14,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_reference",
-           "random_checkpoint", "w4_bench", "quant_kernels", "quantize_checkpoint", "core_overhead",
-           "null_worker", "core_stream"]
+           "random_checkpoint", "w4_bench", "quant_kernels", "quantize_checkpoint",
+           "attention_backends", "core_overhead", "null_worker", "core_stream"]
 SUPPORT = ["serving_http"]   # modules the benchmarks import, not run on their own
 
 
@@ -47,4 +47,16 @@ def test_gpu_run_script_is_valid_and_runs_benches_as_modules():
     assert not re.search(r"python3? (-P )?bench/", script)      # no script paths: no sys.path games
     assert "pkill" not in script and "killall" not in script and "pgrep -f" not in script
     for section in ("tests", "w1", "w1o", "w2", "w3", "tp"):
+        assert f"has {section}" in script, section
+
+
+def test_fa4_gpu_check_installs_offline_and_runs_benches_as_modules():
+    script = (ROOT / "bench" / "fa4_gpu_check.sh").read_text()
+    subprocess.run(["bash", "-n", str(ROOT / "bench" / "fa4_gpu_check.sh")], check=True)
+    modules = set(re.findall(r"python3 -m bench\.(\w+)", script))
+    assert {"attention_backends", "inprocess_bench"} <= modules <= set(BENCHES)
+    assert "--no-index --no-deps --target" in script and "dsl_packages" in script
+    assert not re.search(r"python3? (-P )?bench/", script)
+    assert "pkill" not in script and "killall" not in script
+    for section in ("install", "tests", "bench", "w1", "long", "w3"):
         assert f"has {section}" in script, section

@@ -208,7 +208,7 @@ def test_dispatch_resolves_from_environment():
                                atol=0, rtol=0)
     code = ("import kernels, kernels.triton_ops as t, kernels.triton_attention as a;"
             "assert kernels.rms_norm is t.rms_norm and kernels.silu_and_mul is t.silu_and_mul;"
-            "assert kernels.paged_attention is a.paged_attention")
+            "assert kernels._paged_attention is a.paged_attention")
     env = dict(os.environ, HEADRACE_KERNELS="triton", TRITON_INTERPRET="1")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 
