@@ -66,6 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
     p.add_argument("--watermark", type=float, default=0.01,
                    help="fraction of KV blocks that admission leaves free for running requests")
+    p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
+                   help="a preempted request's KV: recompute it when resumed (default), or swap "
+                        "it to the host KV tier and back (needs --kv-offloading-size)")
     p.add_argument("--no-fair-share", action="store_true",
                    help="no fair share of running slots and KV blocks between tenants "
                         "(docs/scheduling.md)")
@@ -166,7 +169,8 @@ def engine_config(args) -> EngineConfig:
                         max_queued=args.max_queued, outage_deadline_s=args.outage_deadline,
                         fair_share=not args.no_fair_share,
                         pipeline_depth=1 if args.no_overlap else args.pipeline_depth,
-                        stream_interval=args.stream_interval)
+                        stream_interval=args.stream_interval,
+                        preemption_mode=args.preemption_mode)
 
 
 def check_speculative_config(args) -> None:

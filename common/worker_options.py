@@ -38,6 +38,9 @@ class WorkerOptions:
     quantization: str | None = option(
         None, "weight quantization (default: the checkpoint's quantization_config); fp8 and int8 "
         "quantize a float checkpoint at load", choices=("fp8", "int8", "gptq", "awq", "compressed-tensors"))
+    kv_offloading_size: float = option(0.0, "GiB of host memory (pinned on CUDA) per data plane "
+                                            "for a second KV tier: evicted prefix-cache blocks and "
+                                            "swapped-out sequences (default 0: none; vLLM's name)")
     kv_cache_dtype: str = option("auto", "KV cache element type: auto (the model dtype) or fp8 "
                                  "(e4m3 with per-tensor scales: twice the tokens)", choices=("auto", "fp8"))
     attention_backend: str = option(

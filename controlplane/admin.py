@@ -89,7 +89,8 @@ class AdminService(apb_grpc.AdminServicer):
         msg = apb.Config(model=plane.model_dir, max_queued=engine.max_queued,
                          prefix_cache=cfg.enable_prefix_cache, watermark=cfg.watermark,
                          workers=plane.workers.addresses, draining=engine.draining,
-                         ready=engine.ready, in_flight_requests=len(engine.requests))
+                         ready=engine.ready, in_flight_requests=len(engine.requests),
+                         preemption_mode=cfg.preemption_mode)
         policy = sched.policy if sched is not None else cfg.policy
         msg.policy.name = policy.name
         if policy.aging_rate is not None:
@@ -102,6 +103,7 @@ class AdminService(apb_grpc.AdminServicer):
         if sched is not None:
             msg.max_running, msg.max_batched_tokens = sched.max_running, sched.max_batched_tokens
             msg.kv_block_size, msg.num_kv_blocks = sched.blocks.block_size, sched.blocks.num_blocks
+            msg.num_host_kv_blocks = sched.blocks.host.num_blocks if sched.blocks.host else 0
             msg.running, msg.waiting = len(sched.running), len(sched.waiting)
         else:
             msg.max_running, msg.max_batched_tokens = cfg.max_running, cfg.max_batched_tokens

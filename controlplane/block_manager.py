@@ -7,6 +7,10 @@ scheduled, so a request admitted later, even in the same step, shares it instead
 computing it again. Unreferenced blocks sit in an LRU free queue: cached ones stay reusable
 until a new allocation evicts them (blocks that hold nothing reusable are taken first).
 The control plane owns every block decision; workers only mirror the tables it sends.
+
+With a host tier (``controlplane.host_tier``) an evicted cached block is offloaded there and
+a prefix hit may be found there: such a hit is given as ``~host_block`` (negative) in the
+hits list and is copied into a fresh device block when adopted.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import struct
 from typing import Callable
 
 import xxhash
+
+from controlplane.host_tier import HostTier
 
 _ROOT_HASH = 0
 
@@ -27,7 +33,8 @@ def chain_hash(previous: int, tokens: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True,
+                 host_blocks: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("need at least one block of at least one token")
         self.num_blocks = num_blocks
@@ -42,6 +49,7 @@ class BlockManager:
         self._chain: dict[int, list[int]] = {}           # seq id -> hashes of its leading full blocks
         self.prefix_queries = 0                          # tokens looked up / found (metrics)
         self.prefix_hits = 0
+        self.host = HostTier(host_blocks) if host_blocks > 0 else None
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -86,13 +94,16 @@ class BlockManager:
         token to compute (its logits are needed)."""
         if not self.enable_prefix_cache:
             return []
-        bs, h, hits = self.block_size, _ROOT_HASH, []
+        bs, h, hits, host = self.block_size, _ROOT_HASH, [], self.host
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(h, tokens)
             block = self.cached.get(h)
             if block is None or self._tokens[block] != tokens:
-                break
+                block = host.lookup(h, tokens) if host is not None else None
+                if block is None:
+                    break
+                block = ~block   # on the host: copied back when adopted
             hits.append(block)
         return hits
 
@@ -102,7 +113,7 @@ class BlockManager:
 
     def cost(self, hits: list[int], num_tokens: int) -> int:
         """Free-pool blocks that adopting ``hits`` and covering ``num_tokens`` would take."""
-        return sum(1 for b in hits if self.ref[b] == 0) + max(0, self.blocks_for(num_tokens) - len(hits))
+        return sum(1 for b in hits if b < 0 or self.ref[b] == 0) + max(0, self.blocks_for(num_tokens) - len(hits))
 
     # -- changes -------------------------------------------------------------------------
     def adopt(self, seq_id: int, hits: list[int], num_tokens: int) -> None:
@@ -110,11 +121,22 @@ class BlockManager:
         the admission's ``num_tokens`` as prefix-cache queries and the hits' tokens as hits."""
         assert seq_id not in self._tables, f"sequence {seq_id} already has blocks"
         for b in hits:
-            if self.ref[b] == 0:
-                del self._free[b]
-            self.ref[b] += 1
-        self._tables[seq_id] = list(hits)
-        self._chain[seq_id] = [self._hash[b] for b in hits]
+            if b >= 0:
+                if self.ref[b] == 0:
+                    del self._free[b]
+                self.ref[b] += 1
+            else:   # pinned before any _take below can evict to the host tier
+                self.host.hold(~b)
+        table = list(hits)
+        for i, b in enumerate(hits):
+            if b < 0:
+                h, tokens = self.host.entry(~b)
+                table[i] = d = self._take()
+                self.host.fetch(~b, d, self.block_size)
+                self._hash[d], self._tokens[d] = h, tokens
+                self.cached[h] = d
+        self._tables[seq_id] = table
+        self._chain[seq_id] = [self._hash[b] for b in table]
         if self.enable_prefix_cache:
             self.prefix_queries += num_tokens
             self.prefix_hits += len(hits) * self.block_size
@@ -141,9 +163,11 @@ class BlockManager:
     def _take(self) -> int:
         block, _ = self._free.popitem(last=False)
         h = self._hash[block]
-        if h is not None:   # evict it from the prefix cache
+        if h is not None:   # evict it from the prefix cache (to the host tier, if any)
             if self.cached.get(h) == block:
                 del self.cached[h]
+                if self.host is not None:
+                    self.host.offload(block, h, self._tokens[block])
             self._hash[block] = self._tokens[block] = None
         self.ref[block] = 1
         return block
@@ -199,7 +223,49 @@ class BlockManager:
                     self._free.move_to_end(b, last=False)
 
     def reset_cache(self) -> None:
-        """Forgets every cached block (the workers' KV contents are no longer trusted)."""
+        """Forgets every cached block (the workers' KV contents are no longer trusted), on
+        both tiers, with the swapped sequences' host blocks and every pending copy."""
         for b in range(self.num_blocks):
             self._hash[b] = self._tokens[b] = None
         self.cached.clear()
+        if self.host is not None:
+            self.host.reset()
+
+    # -- the host tier ---------------------------------------------------------------------
+    def swap_out(self, seq_id: int, num_tokens: int) -> bool:
+        """Swap preemption: copies the blocks holding the sequence's first ``num_tokens``
+        tokens to the host tier (the caller frees its table next); False when it cannot."""
+        table = self._tables.get(seq_id, ())
+        n = self.blocks_for(num_tokens)
+        if self.host is None or n == 0 or n > len(table):
+            return False
+        return self.host.swap_out_seq(seq_id, table[:n])
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return self.host is not None and seq_id in self.host.swapped
+
+    def swap_in_cost(self, seq_id: int, num_tokens: int) -> int:
+        """Free blocks resuming a swapped sequence with a table for ``num_tokens`` takes."""
+        return max(self.blocks_for(num_tokens), len(self.host.swapped[seq_id]))
+
+    def swap_in(self, seq_id: int, num_tokens: int) -> None:
+        """Resumes a swapped sequence: fresh device blocks receive its host blocks, then its
+        table grows to cover ``num_tokens``."""
+        assert seq_id not in self._tables, f"sequence {seq_id} already has blocks"
+        n = len(self.host.swapped[seq_id])
+        if n > len(self._free):
+            raise MemoryError(f"sequence {seq_id} needs {n} blocks to swap in, {len(self._free)} free")
+        self._tables[seq_id] = table = [self._take() for _ in range(n)]
+        self.host.swap_in_seq(seq_id, table)
+        self._chain[seq_id] = []   # its full blocks are published again by ``register``
+        self.grow(seq_id, num_tokens)
+
+    def drop_swapped(self, seq_id: int) -> None:
+        if self.host is not None:
+            self.host.drop_seq(seq_id)
+
+    def take_ops(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The host-tier copies (swap_out, swap_in) the step being sent carries."""
+        if self.host is None:
+            return [], []
+        return self.host.take_ops()

@@ -18,7 +18,7 @@ import time
 import grpc
 
 from common import speculative
-from controlplane import limits, speculation, step_codec
+from controlplane import host_tier, limits, speculation, step_codec
 from controlplane.block_manager import BlockManager
 from controlplane.inflight import InFlightSteps
 from controlplane.policy import Policy
@@ -48,6 +48,7 @@ class EngineConfig:
     pipeline_depth: int = 3            # steps in flight; 1 = no overlap (each step answered at once)
     outage_deadline_s: float = 60.0    # requests wait this long for a lost data plane to return
     stream_interval: int = 1           # tokens per streamed message at least, unless a request says
+    preemption_mode: str = "recompute"  # or "swap": a victim's KV waits in the host KV tier
 
 
 class Engine:
@@ -84,7 +85,9 @@ class Engine:
             self.telemetry.metrics.retire(self.scheduler)
         self.info = infos[0]
         cfg = self.config
-        blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size, cfg.enable_prefix_cache)
+        blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size, cfg.enable_prefix_cache,
+                              host_blocks=min(i.num_host_kv_blocks for i in infos))   # each rank: its shard
+        host_tier.report(blocks, cfg.preemption_mode)
         # Every request must fit the KV pool alone, so preemption always makes progress.
         limit = min(self.info.max_model_len, blocks.num_blocks * blocks.block_size)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
@@ -95,7 +98,8 @@ class Engine:
         spec = speculative.from_proto(self.info.speculative)   # the worker's configuration
         self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark,
                                    fair_share=cfg.fair_share,
-                                   speculation=spec and speculation.Speculation(spec, self.max_model_len))
+                                   speculation=spec and speculation.Speculation(spec, self.max_model_len),
+                                   preemption_mode=cfg.preemption_mode)
 
     @property
     def max_queued(self) -> int:

@@ -77,12 +77,14 @@ class _EngineState:
         else:
             for g in (running, waiting, usage, free, total):
                 g.add_metric([], 0)
-            for c, b in zip((preempt, queries, hits), base):
+            for c, b in zip((preempt, queries, hits), base[:3]):
                 c.add_metric([], b)
         in_flight.add_metric([], len(engine.requests) if engine is not None else 0)
         ready.add_metric([], 1.0 if engine is not None and engine.ready else 0.0)
         yield from (running, waiting, usage, free, total, in_flight, ready, preempt, queries, hits)
         yield from self._speculation(getattr(sched, "speculation", None))
+        if sched is not None:
+            yield from _tiers(sched.blocks, base)
 
     def _speculation(self, spec):
         """vLLM's spec_decode counters (only when the workers speculate)."""
@@ -104,6 +106,30 @@ class _EngineState:
         yield per_pos
 
 
+def _tiers(blocks, base):
+    """Per KV tier (device, host): usage, blocks, prefix-cache hits; the blocks the host tier
+    exchanged with the device, each way (``base``: the retired schedulers' counts)."""
+    p, host = PREFIX, blocks.host
+    usage = GaugeMetricFamily(p + "kv_tier_usage_perc", "Fraction of a KV tier's blocks holding "
+                              "KV (device: in use; host: cached or swapped).", labels=["tier"])
+    size = GaugeMetricFamily(p + "kv_tier_blocks", "Blocks of a KV tier.", labels=["tier"])
+    hits = CounterMetricFamily(p + "kv_tier_prefix_hits", "Prompt tokens found in the prefix "
+                               "cache, by the tier that held them.", labels=["tier"])
+    moved = CounterMetricFamily(p + "kv_offload_blocks", "KV blocks copied between the tiers: "
+                                "out (device to host), in (host to device).", labels=["direction"])
+    host_hits = base[3] + (host.hits if host is not None else 0)
+    usage.add_metric(["device"], blocks.usage)
+    size.add_metric(["device"], blocks.num_blocks)
+    hits.add_metric(["device"], base[2] + blocks.prefix_hits - host_hits)
+    hits.add_metric(["host"], host_hits)
+    moved.add_metric(["out"], base[4] + (host.blocks_out if host is not None else 0))
+    moved.add_metric(["in"], base[5] + (host.blocks_in if host is not None else 0))
+    if host is not None:
+        usage.add_metric(["host"], host.usage)
+        size.add_metric(["host"], host.num_blocks)
+    yield from (usage, size, hits, moved)
+
+
 def engine_state_collector(metrics: "ControlPlaneMetrics") -> _EngineState:
     """The live engine gauges, to register beside a multiprocess collector."""
     return _EngineState(metrics)
@@ -113,7 +139,9 @@ class ControlPlaneMetrics(Exporter):
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         self.engine = None        # set by the engine; read at scrape time
-        self.carried = [0, 0, 0]  # preemptions, prefix queries, prefix hits of retired schedulers
+        # preemptions, prefix queries, prefix hits, host-tier hits, blocks out, blocks in of
+        # retired schedulers
+        self.carried = [0, 0, 0, 0, 0, 0]
         p, r = PREFIX, self.registry
         self.ttft = Histogram(p + "time_to_first_token_seconds",
                               "Time from arrival to the request's first token.",
@@ -170,6 +198,13 @@ class ControlPlaneMetrics(Exporter):
             p + "request_abandoned", "Response streams that ended before their last response, by "
             "reason: client_cancel, deadline, disconnect (the client left), server_abort (drain, "
             "reload, data plane lost, shutdown).", ["reason"], registry=r)
+        offload = Counter(p + "kv_offload_bytes", "KV bytes the data plane (rank 0) copied between "
+                          "its tiers: out (device to host), in (host to device).", ["direction"],
+                          registry=r)
+        self.offload_out, self.offload_in = offload.labels("out"), offload.labels("in")
+        self.offload_seconds = Counter(p + "kv_offload_copy_seconds", "Time the data plane "
+                                       "(rank 0) spent copying between its KV tiers (device time "
+                                       "on a GPU: the copy stream's).", registry=r)
         self.registry.register(_EngineState(self))
 
     def bind(self, engine) -> None:
@@ -180,6 +215,10 @@ class ControlPlaneMetrics(Exporter):
         self.carried[0] += scheduler.num_preemptions
         self.carried[1] += scheduler.blocks.prefix_queries
         self.carried[2] += scheduler.blocks.prefix_hits
+        host = scheduler.blocks.host
+        if host is not None:
+            for i, value in enumerate((host.hits, host.blocks_out, host.blocks_in), 3):
+                self.carried[i] += value
 
     def rpc_error(self, method: str, code: grpc.StatusCode, api: str = "grpc") -> None:
         self.errors.labels(method, code.name, api).inc()

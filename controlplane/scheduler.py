@@ -14,6 +14,9 @@ sharing its blocks and copying the block they will write into (copy on write). W
 Speculating steps give decodes k draft positions, budgeted as tokens, with blocks taken only
 when free (never by preempting); ``verified`` registers the accepted drafts' full blocks (so
 rejected K/V is never shared) and gives the rejected positions' blocks back.
+With a host KV tier and ``preemption_mode="swap"`` a victim's KV is copied to the host tier
+(``BlockManager.swap_out``) and copied back when it is resumed, instead of recomputed; the
+step carries the host-tier copies its decisions need (``ScheduledStep.swap_out/swap_in``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from controlplane.request import Sequence, Status
 from controlplane.speculation import Speculation
 from controlplane.step import NewSeq, ScheduledStep
 
+PREEMPTION_MODES = ("recompute", "swap")
 TIME_RECHECK_S = 0.01   # how often waiting work is looked at again while only time can let it in
 
 
@@ -34,7 +38,10 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int,
                  policy: Policy | None = None, watermark: float = 0.01,
                  clock=time.monotonic, fair_share: bool = True,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, preemption_mode: str = "recompute"):
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption mode {preemption_mode!r}: choose from {PREEMPTION_MODES}")
+        self.preemption_mode = preemption_mode
         self.blocks = blocks
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
@@ -111,6 +118,7 @@ class Scheduler:
                 self._enqueue(child)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self._release(seq)
+        self.blocks.drop_swapped(seq.seq_id)
 
     def _enqueue(self, seq: Sequence) -> None:
         seq.status, seq.num_computed, seq.waiting_since = Status.WAITING, 0, self.clock()
@@ -129,6 +137,7 @@ class Scheduler:
             self._enqueue(seq)
         for seq in self.waiting:
             seq.num_inflight = 0
+            seq.num_computed = 0   # a swapped sequence's host blocks are gone too
         self._forget.clear()
         self._copies.clear()
         self._forked.clear()
@@ -137,10 +146,14 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        kept = seq.num_computed
+        swapped = self.preemption_mode == "swap" and self.blocks.swap_out(seq.seq_id, kept)
         self._release(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(seq)
+        if swapped:   # its KV waits in the host tier
+            seq.num_computed = kept
 
     # -- one step -----------------------------------------------------------------------
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int], key) -> bool:
@@ -250,6 +263,7 @@ class Scheduler:
             step.finished_seq_ids, self._forget = self._forget, []
             step.copies, self._copies = self._copies, []
             step.truncations, self._truncations = self._truncations, []
+            step.swap_out, step.swap_in = self.blocks.take_ops()
         return step
 
     def _fits_unordered(self, order: list[Sequence], budget: int) -> bool:
@@ -261,6 +275,8 @@ class Scheduler:
         return not any(s.num_total - s.num_computed > 1 for s in order)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
+        if self.blocks.is_swapped(seq.seq_id):
+            return self._resume_swapped(seq, budget)
         hits = self.blocks.match_prefix(seq.token_ids)
         cached = self.blocks.cached_tokens(hits)
         n = min(seq.num_tokens - cached, budget)
@@ -274,6 +290,20 @@ class Scheduler:
         if not seq.output_token_ids and seq.num_preemptions == 0:
             seq.num_cached_prompt_tokens = cached
         seq.num_computed = cached
+        seq.status, seq.on_worker = Status.RUNNING, True
+        self.running.append(seq)
+        return n
+
+    def _resume_swapped(self, seq: Sequence, budget: int) -> int:
+        """``_admit`` for a sequence whose KV waits in the host tier: it is copied back."""
+        start = seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
+        n = min(seq.num_tokens - start, budget)
+        reserve = self.watermark_blocks if self.running else 0
+        if self.blocks.swap_in_cost(seq.seq_id, start + n) + reserve > self.blocks.num_free:
+            return 0
+        self.waiting.remove(seq)
+        self.blocks.swap_in(seq.seq_id, start + n)
+        self._register(seq, start + n)
         seq.status, seq.on_worker = Status.RUNNING, True
         self.running.append(seq)
         return n

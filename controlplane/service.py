@@ -73,4 +73,5 @@ def model_info(engine, tensor_parallel_size: int) -> pb.ModelInfo:
                         dtype=info.dtype, device=info.device, tensor_parallel_size=tensor_parallel_size,
                         kv_block_size=blocks.block_size, num_kv_blocks=blocks.num_blocks,
                         eos_token_ids=list(info.eos_token_ids),
-                        kv_cache_dtype=info.kv_cache_dtype, quantization=info.quantization)
+                        kv_cache_dtype=info.kv_cache_dtype, quantization=info.quantization,
+                        num_host_kv_blocks=blocks.host.num_blocks if blocks.host else 0)

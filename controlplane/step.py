@@ -40,6 +40,9 @@ class ScheduledStep:
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) blocks
     num_preempted: int = 0   # sequences this step preempted (they wait again)
     truncations: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (seq, blocks)
+    # host KV tier copies, run before the step's other copies and its forward, out first
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (host, device)
 
     @property
     def speculative(self) -> bool:

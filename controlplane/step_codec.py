@@ -34,6 +34,12 @@ def encode(step: ScheduledStep, step_id: int, flush: bool) -> wpb.StepRequest:
     if step.truncations:
         msg.truncate_seq_ids.extend([s for s, _ in step.truncations])
         msg.truncate_num_blocks.extend([n for _, n in step.truncations])
+    if step.swap_out:
+        msg.swap_out_device_blocks.extend([d for d, _ in step.swap_out])
+        msg.swap_out_host_blocks.extend([h for _, h in step.swap_out])
+    if step.swap_in:
+        msg.swap_in_host_blocks.extend([h for h, _ in step.swap_in])
+        msg.swap_in_device_blocks.extend([d for _, d in step.swap_in])
     return msg
 
 

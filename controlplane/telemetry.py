@@ -253,6 +253,10 @@ class EngineTelemetry:
             m.step_sample.observe(result.sample_ms / 1e3)
         m.step_transport.observe(max(0.0, roundtrip_s - execute_s))
         m.step_process.observe(process_s)
+        if result.swap_ms or result.swap_out_bytes or result.swap_in_bytes:
+            m.offload_seconds.inc(result.swap_ms / 1e3)
+            m.offload_out.inc(result.swap_out_bytes)
+            m.offload_in.inc(result.swap_in_bytes)
         if emitted:
             m.generation_tokens.inc(emitted)
         now = time.monotonic()

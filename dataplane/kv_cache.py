@@ -15,7 +15,7 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
-def _available_host_bytes() -> int:
+def available_host_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -28,7 +28,7 @@ def _available_host_bytes() -> int:
 
 def host_budget_bytes(cpu_kv_gib: float) -> int:
     """KV bytes on the CPU: ``cpu_kv_gib``, capped at half of the host's available memory."""
-    return min(int(cpu_kv_gib * GiB), _available_host_bytes() // 2)
+    return min(int(cpu_kv_gib * GiB), available_host_bytes() // 2)
 
 
 def allocate(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,

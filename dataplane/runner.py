@@ -19,13 +19,14 @@ token history) holds the same ids whatever the sampling parameters or RNG states
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import numpy as np
 import torch
 
 import kernels
-from dataplane import parallel, staging
+from dataplane import kv_offload, parallel, staging
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.sampler import SampleOutput, SamplingBatch, SamplingRow, device_arrays, sample
@@ -68,7 +69,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
                  graphs=None, rank: int = 0, seed: int | None = None, spec: SpecDecoder | None = None,
-                 attention=None):
+                 attention=None, host_kv: kv_offload.HostKV | None = None):
         self.model = model
         self.attention = attention   # kernels.attention_policy.Policy (None: Triton only)
         self.kv_caches = kv_caches
@@ -79,6 +80,7 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.num_blocks,
                                 keep_tokens=spec is not None)
         self.spec = spec
+        self.host_kv = host_kv   # the host KV tier (dataplane.kv_offload), or None
         self.seq_of_row = np.zeros(max_num_seqs, dtype=np.int64)
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         self.graphs = graphs   # dataplane.cuda_graphs.DecodeGraphs or None
@@ -191,7 +193,9 @@ class ModelRunner:
         the sampled ids to the host) without waiting for the device."""
         launched = Launched(step.step_id, time.perf_counter())
         rows, counts, new_rows, new_last, spec = self._apply_diff(step)
-        if len(rows) == 0:
+        kv_offload.check_step(self.host_kv, step)
+        if len(rows) == 0:   # every sequence of the step stopped: its block copies still run
+            kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, None))
             return launched
         batch = self.batch
         drafts = self.spec.propose(batch, rows, spec) if spec.any() else None
@@ -216,8 +220,7 @@ class ModelRunner:
             launched.begin.record()
         if new_rows:
             self.last_token[dev["new_rows"]] = dev["new_last"]
-        if "copy_src" in dev:
-            kernels.copy_blocks(self.kv_caches, dev["copy_src"], dev["copy_dst"])
+        kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, dev))
         logits = self._logits(prep, dev, graph_rows is not None)
         if sampling is None:   # a step of prefill chunks only: KV written, nothing sampled
             return self._record_done(launched)
@@ -240,6 +243,16 @@ class ModelRunner:
         launched.histories = list(zip(np.flatnonzero(keep).tolist(), self.batch.count_sampled(sample_rows)))
         launched.stop_watch = self.batch.stop_watch(sample_rows, launched.seq_ids)
         return self._record_done(launched)
+
+    def _copier(self, step: pb.StepRequest, dev: dict | None):
+        """The step's copy-on-write block copies as a call (None: none), from the uploaded
+        arrays, or from the message when nothing was uploaded."""
+        if not step.copy_src_blocks:
+            return None
+        if dev is None:
+            dev = {k: torch.as_tensor(list(b), dtype=torch.int64).to(self.device)
+                   for k, b in (("copy_src", step.copy_src_blocks), ("copy_dst", step.copy_dst_blocks))}
+        return functools.partial(kernels.copy_blocks, self.kv_caches, dev["copy_src"], dev["copy_dst"])
 
     def _record_done(self, launched: Launched) -> Launched:
         if launched.begin is not None:
@@ -306,5 +319,7 @@ class ModelRunner:
                 for ids, vals in zip(top_ids, top_vals):
                     result.top_token_ids.extend(ids)
                     result.top_logprobs.extend(vals)
+        if self.host_kv is not None:
+            result.swap_ms, result.swap_out_bytes, result.swap_in_bytes = self.host_kv.drain()
         result.execute_ms = (time.perf_counter() - launched.started) * 1e3
         return result

@@ -18,7 +18,7 @@ import torch
 import kernels
 from common import speculative
 from common.worker_options import WorkerOptions
-from dataplane import kv_cache, parallel
+from dataplane import kv_cache, kv_offload, parallel
 from dataplane.config import ModelConfig, load_model_config
 from dataplane.cuda_graphs import DecodeGraphs
 from dataplane.loader import load_model
@@ -116,6 +116,16 @@ class Worker:
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes per block; weights: %s",
                  num_blocks, opts.block_size, num_blocks * opts.block_size, self.kv_dtype_name,
                  self.block_bytes, self.quant.describe() if self.quant else self.dtype_name)
+        host_kv = None
+        num_host = kv_offload.host_blocks_for(opts.kv_offloading_size, self.block_bytes)
+        if num_host:
+            with Progress(f"allocating the host KV tier ({num_host} blocks, "
+                          f"{num_host * self.block_bytes / kv_cache.GiB:.2f} GiB)", 1, "pools", rank=rank) as progress:
+                host_kv = kv_offload.HostKV(caches, num_host, self.device)
+                progress.update()
+            phases.mark("host KV tier")
+        log.info("host KV tier: %d blocks (%.2f GiB%s)", num_host, num_host * self.block_bytes / kv_cache.GiB,
+                 ", pinned" if host_kv is not None and self.device.type == "cuda" else "")
         graphs = None
         if self.device.type == "cuda" and opts.cuda_graphs:
             graphs = DecodeGraphs(model, caches, graph_rows(self.speculative, opts.max_num_seqs),
@@ -125,7 +135,7 @@ class Worker:
             phases.mark("CUDA graphs")
         self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,
                                   opts.max_num_seqs, graphs, rank=rank, seed=opts.seed, spec=spec,
-                                  attention=self.attention)
+                                  attention=self.attention, host_kv=host_kv)
         self.startup_seconds = time.perf_counter() - start
 
     @torch.inference_mode()
@@ -203,6 +213,7 @@ class Worker:
             quantization=self.quant.describe() if self.quant else "",
             device=str(self.device), rank=self.rank, world_size=self.world_size,
             block_size=self.opts.block_size, num_kv_blocks=self.runner.num_blocks,
+            num_host_kv_blocks=self.runner.host_kv.num_blocks if self.runner.host_kv else 0,
             kv_bytes_per_block=self.block_bytes, eos_token_ids=list(cfg.eos_token_ids),
             max_num_seqs=self.opts.max_num_seqs, max_batched_tokens=self.opts.max_batched_tokens,
             startup_seconds=self.startup_seconds)

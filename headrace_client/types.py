@@ -64,6 +64,7 @@ class ModelInfo:
     kv_block_size: int
     num_kv_blocks: int
     eos_token_ids: tuple[int, ...]
+    num_host_kv_blocks: int = 0   # the host KV tier (--kv-offloading-size); 0: none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,4 +162,4 @@ class Collector:
 def to_model_info(msg: pb.ModelInfo) -> ModelInfo:
     return ModelInfo(msg.model_name, msg.architecture, msg.max_model_len, msg.vocab_size, msg.dtype,
                      msg.device, msg.tensor_parallel_size, msg.kv_block_size, msg.num_kv_blocks,
-                     tuple(msg.eos_token_ids))
+                     tuple(msg.eos_token_ids), msg.num_host_kv_blocks)

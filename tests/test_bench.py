@@ -15,7 +15,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_reference",
            "random_checkpoint", "w4_bench", "quant_kernels", "quantize_checkpoint",
-           "attention_backends", "core_overhead", "null_worker", "core_stream"]
+           "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream"]
 SUPPORT = ["serving_http"]   # modules the benchmarks import, not run on their own
 
 
@@ -60,3 +60,25 @@ def test_fa4_gpu_check_installs_offline_and_runs_benches_as_modules():
     assert "pkill" not in script and "killall" not in script
     for section in ("install", "tests", "bench", "w1", "long", "w3"):
         assert f"has {section}" in script, section
+
+
+def test_w5_runs_on_a_cpu_with_tiny_sizes_in_both_modes():
+    """W5 (multi-turn chat) end to end with the embedded tiny model: both modes in one
+    invocation, the same tokens generated, the host tier hit only when it is on."""
+    import json
+    import os
+
+    cmd = [sys.executable, "-m", "bench.w5_bench", "--device", "cpu", "--conversations", "4",
+           "--turns", "3", "--user-tokens", "40", "--output-tokens", "8", "--system-tokens", "32",
+           "--num-kv-blocks", "24", "--offload-gib", "0.01", "--concurrency", "2",
+           "--port", "50271", "--metrics-port", "50273",
+           "--serve-args", "--max-running 8 --max-batched-tokens 256", "--ready-timeout", "120"]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'protos'}")
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    off, on = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert off["offloading"] == "off" and on["offloading"] == "on" and off["turns"] == on["turns"] == 12
+    assert off["histories_digest"] == on["histories_digest"]
+    assert off["hit_rate_host"] == 0 and on["hit_rate_host"] > 0 and on["blocks_in"] > 0
+    assert on["cached_prompt_tokens"] > off["cached_prompt_tokens"]
+    assert "TTFT p50" in out.stdout

@@ -22,7 +22,8 @@ CHANGED = WorkerOptions(model="/models/x", device="cuda:1", dtype="float16", blo
                         max_batched_tokens=999, cpu_kv_cache_gib=2.5,
                         gpu_memory_utilization=0.55, cuda_graphs=False, seed=7,
                         speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
-                        quantization="fp8", kv_cache_dtype="fp8", attention_backend="flash-attn")
+                        quantization="fp8", kv_cache_dtype="fp8", attention_backend="flash-attn",
+                        kv_offloading_size=1.5)
 
 
 def _dataplane(argv: list[str]):

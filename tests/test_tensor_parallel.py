@@ -36,7 +36,7 @@ CASES = {
 }
 
 
-def _start_ranks(model: pathlib.Path, world: int) -> tuple[list[subprocess.Popen], list[str]]:
+def _start_ranks(model: pathlib.Path, world: int, extra: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], list[str]]:
     # the ranks' logs (and sockets) go to HEADRACE_TP_LOG_DIR when set: kept for a device run
     keep = os.environ.get("HEADRACE_TP_LOG_DIR")
     if keep:
@@ -49,10 +49,11 @@ def _start_ranks(model: pathlib.Path, world: int) -> tuple[list[subprocess.Popen
         address = f"unix:{tmp}/dp-{r}.sock"
         argv = [sys.executable, "-m", "cli", "dataplane", "--model", str(model),
                 "--listen", address, "--rank", str(r), "--world-size", str(world),
-                "--dist-init", dist_init, "--dist-timeout", "180", "--num-kv-blocks", "64",
+                "--dist-init", dist_init, "--dist-timeout", "180",
+                *(() if "--num-kv-blocks" in extra else ("--num-kv-blocks", "64")),
                 "--max-num-seqs", "16", "--max-batched-tokens", "256", "--metrics-port", "0",
                 "--dtype", "float32", "--log-format", "json",
-                "--device", DEVICE]   # cuda: rank r on GPU r, NCCL
+                "--device", DEVICE, *extra]   # cuda: rank r on GPU r, NCCL
         with open(f"{tmp}/rank-{r}.log", "wb") as log:   # the ranks' logs, for debugging
             procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=log))
         addresses.append(address)
@@ -101,6 +102,51 @@ def test_tp_greedy_matches_single_worker(case, tmp_path):
         for (ids, lps), (ref_ids, ref_lps) in zip(got, expected):
             assert ids == ref_ids
             assert lps == pytest.approx(ref_lps, abs=1e-3)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_tp_ranks_each_offload_their_shard_to_the_host_tier(tmp_path):
+    """Two ranks with a host KV tier and a 6-block device pool: every rank gets the same
+    block copies and keeps its own KV heads; greedy tokens equal one roomy worker's through
+    device evictions, host hits and swap preemptions."""
+    from controlplane.engine import EngineConfig
+
+    if DEVICE == "cuda":
+        import torch
+        if torch.cuda.device_count() < 2:
+            pytest.skip("2 GPUs needed")
+    model = make_checkpoint(tmp_path / "ckpt", "qwen3", head_dim=32, heads=8, kv_heads=2)
+    procs, addresses = _start_ranks(model, 2, ("--num-kv-blocks", "6", "--kv-offloading-size", "0.001"))
+    prompts = [list(range(30, 70)), [200 + i for i in range(40)], list(range(30, 70)) + [5, 6],
+               [100 + 2 * i for i in range(36)]]
+
+    def run(planes, prompt):
+        return completion(planes.generate(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=NEW_TOKENS,
+                                          ignore_eos=True, sampling=pb.SamplingParams(temperature=0)))[0]
+
+    try:
+        single = Planes(model, num_kv_blocks=64)
+        try:
+            expected = [run(single, p) for p in prompts]
+        finally:
+            single.close()
+        planes = Planes(model, workers=addresses, config=EngineConfig(preemption_mode="swap"))
+        try:
+            sequential = [run(planes, p) for p in prompts]     # evicted, then found on the host
+            with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:   # preempted
+                concurrent_ = list(pool.map(lambda p: run(planes, p), prompts))
+            blocks = planes.engine.scheduler.blocks
+            assert blocks.host is not None and blocks.host.hits > 0 and blocks.host.blocks_out > 0
+        finally:
+            planes.close()
+        assert sequential == expected and concurrent_ == expected
     finally:
         for p in procs:
             p.terminate()

@@ -1,0 +1,182 @@
+"""The host KV tier end to end on CPU (dataplane.kv_offload's copy engine under the control
+plane's host tier): greedy outputs equal with offloading on and off under a KV pool small
+enough to evict and preempt; a prompt evicted from the device is found on the host (counted
+as cached, not recomputed); swap preemption resumes from the host; a restarted data plane's
+host tier is forgotten; and the copy engine itself (block contents, bad input)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+import torch
+
+from controlplane.engine import EngineConfig
+from dataplane.input_batch import BatchError
+from dataplane.kv_offload import HostKV, host_blocks_for
+from tests.checkpoints import make_checkpoint
+from tests.harness import DEVICE, Planes, completion
+from tests.test_scheduling_e2e import _workload
+from headrace.v1 import admin_pb2 as apb
+from headrace.v1 import admin_pb2_grpc as apb_grpc
+from headrace.v1 import inference_pb2 as pb
+
+GREEDY = pb.SamplingParams(temperature=0)
+OFFLOAD = {"kv_offloading_size": 0.002}   # GiB: 128 host blocks of the tiny model's 16 KiB
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2", heads=4, kv_heads=2, head_dim=32)
+
+
+def _gen(planes, prompt, n):
+    out = planes.generate(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=n, ignore_eos=True,
+                          sampling=GREEDY)
+    return completion(out)[0], out[-1].usage.cached_prompt_tokens
+
+
+def _run_all(planes, jobs):
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(lambda j: _gen(planes, *j)[0], jobs))
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    roomy = Planes(model_dir, num_kv_blocks=512,
+                   config=EngineConfig(max_batched_tokens=4096, enable_prefix_cache=False))
+    try:
+        return _run_all(roomy, _workload())
+    finally:
+        roomy.close()
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_outputs_equal_with_offloading_under_eviction_and_preemption(model_dir, expected, mode):
+    tight = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD,
+                   config=EngineConfig(max_batched_tokens=24, preemption_mode=mode))
+    try:
+        got = _run_all(tight, _workload())
+        sched = tight.engine.scheduler
+        host = sched.blocks.host
+        assert host is not None and host.num_blocks == tight.engine.info.num_host_kv_blocks > 0
+        assert sched.num_preemptions > 0 and host.blocks_out > 0
+        if mode == "swap":
+            assert host.blocks_in > 0
+        assert tight.wait_for_free_blocks(8) == 8
+        assert not host.swapped and not any(host.ref)
+    finally:
+        tight.close()
+    assert got == expected
+
+
+def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir):
+    prompt = list(range(2, 66))    # 64 tokens: 3 full blocks are reusable (the last is computed)
+    others = [[300 - i] * 40 for i in range(3)]
+    ref = Planes(model_dir, num_kv_blocks=64)
+    try:
+        want = _gen(ref, prompt, 4)[0]
+    finally:
+        ref.close()
+    planes = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD)
+    try:
+        assert planes.stub.GetModelInfo(pb.GetModelInfoRequest()).num_host_kv_blocks > 0
+        first, cached = _gen(planes, prompt, 4)
+        assert first == want and cached == 0
+        for other in others:      # 3 x 3 blocks: the prompt's blocks are evicted
+            _gen(planes, other, 4)
+        blocks = planes.engine.scheduler.blocks
+        hits = blocks.match_prefix(prompt)   # host hits are ~host block (negative)
+        on_host = sum(1 for b in hits if b < 0)
+        assert len(hits) == 3 and on_host >= 2
+        hits_before = blocks.host.hits
+        again, cached = _gen(planes, prompt, 4)
+        assert again == want
+        assert cached == 48 and blocks.host.hits - hits_before == 16 * on_host   # not recomputed
+        sample = planes.plane.metrics.registry.get_sample_value
+        assert sample("headrace:kv_tier_prefix_hits_total", {"tier": "host"}) == blocks.host.hits
+        assert sample("headrace:kv_tier_blocks", {"tier": "host"}) == blocks.host.num_blocks
+        assert sample("headrace:kv_offload_blocks_total", {"direction": "in"}) >= on_host
+        assert sample("headrace:kv_offload_bytes_total", {"direction": "in"}) > 0   # the data plane's
+        admin = apb_grpc.AdminStub(planes.channel).GetConfig(apb.GetConfigRequest())
+        assert admin.num_host_kv_blocks == blocks.host.num_blocks and admin.preemption_mode == "recompute"
+    finally:
+        planes.close()
+
+
+def test_a_restarted_data_plane_forgets_its_host_tier(model_dir):
+    from dataplane.server import serve
+    from dataplane.worker import Worker, WorkerOptions
+
+    prompt = list(range(2, 66))
+    planes = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD,
+                    config=EngineConfig(reconnect_interval_s=0.1))
+    try:
+        want, _ = _gen(planes, prompt, 4)
+        for i in range(3):
+            _gen(planes, [300 - i] * 40, 4)
+        assert planes.engine.scheduler.blocks.host.cached
+        planes.worker_server.stop(0).wait()
+        planes.worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=8, block_size=16,
+                                             dtype="float32", max_num_seqs=64, **OFFLOAD))
+        planes.worker_server = serve(planes.worker, planes.worker_address)
+        # the first step to the new data plane fails the old stream: the engine resets (both
+        # tiers forgotten), reconnects and computes the request again (bounded: 120 s)
+        again, cached = _gen(planes, prompt, 4)
+        assert again == want and cached == 0     # admitted again without the lost host blocks
+        assert planes.engine.healthy
+    finally:
+        planes.close()
+
+
+# -- the copy engine -------------------------------------------------------------------------
+def _caches(layers=2, blocks=6, dtype=torch.float32):
+    return [torch.randn(2, blocks, 4, 2, 8).to(dtype).to(DEVICE) for _ in range(layers)]
+
+
+def _sync():
+    if DEVICE.startswith("cuda"):   # the copies run on a side stream the current one waits for
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_blocks_go_to_the_host_and_come_back_into_other_blocks(dtype):
+    caches = _caches(dtype=dtype)
+    before = [c.clone() for c in caches]
+    host = HostKV(caches, 4, torch.device(DEVICE))
+    host.apply(caches, [1, 4], [3, 0], [], [])
+    for c in caches:
+        c[:, 1] = 0   # the device blocks are reused
+    host.apply(caches, [], [], [0, 3], [2, 5])
+    _sync()
+    for c, b in zip(caches, before):
+        assert torch.equal(c[:, 2].view(torch.uint8), b[:, 4].view(torch.uint8))
+        assert torch.equal(c[:, 5].view(torch.uint8), b[:, 1].view(torch.uint8))
+    ms, out, into = host.drain()
+    assert out == into == 2 * host.block_bytes and ms >= 0 and host.drain()[1:] == (0, 0)
+
+
+def test_a_swap_out_runs_before_the_copies_and_the_swap_in_of_its_step():
+    caches = _caches()
+    saved = [c[:, 0].clone() for c in caches]
+    host = HostKV(caches, 2, torch.device(DEVICE))
+    # block 0 is saved to host 1, block 3 overwrites it (a copy), then host 1 comes back to 2
+    host.apply(caches, [0], [1], [1], [2], between=lambda: [c[:, 0].copy_(c[:, 3]) for c in caches])
+    _sync()
+    for c, s in zip(caches, saved):
+        assert torch.equal(c[:, 2], s) and torch.equal(c[:, 0], c[:, 3])
+
+
+def test_bad_copies_and_sizes_are_refused():
+    host = HostKV(_caches(), 4, torch.device(DEVICE))
+    with pytest.raises(BatchError, match="length"):
+        host.check([1], [], [], [])
+    with pytest.raises(BatchError, match="out of range"):
+        host.check([6], [0], [], [])
+    with pytest.raises(BatchError, match="out of range"):
+        host.check([], [], [4], [0])
+    with pytest.raises(ValueError, match="kv-offloading-size"):
+        host_blocks_for(-1, 1024)
+    with pytest.raises(ValueError, match="host memory"):
+        host_blocks_for(1 << 20, 1024)
+    assert host_blocks_for(0, 1024) == 0 and host_blocks_for(1 / 1024, 1024) == 1024
