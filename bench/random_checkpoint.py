@@ -22,6 +22,14 @@ CONFIGS = {
         "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": True,
         "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     },
+    # near-free steps on a CPU: what the control plane costs dominates (bench.core_overhead)
+    "qwen3-micro": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 1024, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": True,
+        "attention_bias": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
     "qwen3-0.6b": {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
         "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,

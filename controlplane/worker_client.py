@@ -41,6 +41,13 @@ def _one_model(infos: list[pb.WorkerInfo]) -> list[pb.WorkerInfo]:
     return infos
 
 
+async def _drain(queue: asyncio.Queue):
+    """An Execute stream's requests: the steps ``WorkerGroup.send`` queues, in order, until
+    ``None`` (the stream is closed)."""
+    while (step := await queue.get()) is not None:
+        yield step
+
+
 class WorkerGroup:
     def __init__(self, addresses: list[str], credentials: grpc.ChannelCredentials | None = None,
                  secret: str | None = None):
@@ -55,6 +62,7 @@ class WorkerGroup:
                           for a in addresses]
         self._stubs = [pb_grpc.WorkerStub(c) for c in self._channels]
         self._calls: list = []
+        self._queues: list[asyncio.Queue] = []
         self.infos: list[pb.WorkerInfo] = []
 
     async def describe(self, timeout: float) -> list[pb.WorkerInfo]:
@@ -101,24 +109,27 @@ class WorkerGroup:
     async def open(self) -> None:
         """Opens fresh Execute streams (each worker then starts from an empty mirror)."""
         await self.close_streams()
-        self._calls = [stub.Execute(wait_for_ready=True, metadata=self._metadata) for stub in self._stubs]
+        self._queues = [asyncio.Queue() for _ in self._stubs]
+        self._calls = [stub.Execute(_drain(queue), wait_for_ready=True, metadata=self._metadata)
+                       for stub, queue in zip(self._stubs, self._queues)]
 
     async def close_streams(self) -> None:
-        for call in self._calls:
+        for queue in self._queues:   # each stream's writer ends ...
+            queue.put_nowait(None)
+        for call in self._calls:     # ... and the call with it
             call.cancel()
-        self._calls = []
+        self._calls, self._queues = [], []
 
     async def send(self, request: pb.StepRequest) -> None:
-        """Sends a step to every worker (their results come back in order, see ``receive``)."""
+        """Sends a step to every worker (their results come back in order, see ``receive``).
+        The step is queued for each stream's writer (gRPC's own task): the engine does not
+        wait for the write to complete; a stream that broke fails here or at ``receive``."""
         if not self._calls:
             raise WorkerError("no open step stream")
-        try:
-            for call in self._calls:
-                await call.write(request)
-        except grpc.aio.AioRpcError as exc:
-            raise WorkerError(f"data plane step failed: {exc.code().name}: {exc.details()}") from exc
-        except asyncio.InvalidStateError as exc:  # stream already ended
-            raise WorkerError(f"data plane stream closed: {exc}") from exc
+        for call, queue in zip(self._calls, self._queues):
+            if call.done():
+                raise WorkerError("data plane stream closed")
+            queue.put_nowait(request)
 
     async def receive(self) -> pb.StepResult:
         """The result of the oldest step sent and not yet received (rank 0's answer)."""

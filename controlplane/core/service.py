@@ -5,7 +5,8 @@ and aborts, which become ``CoreRequest``s in the engine. The engine appends samp
 the sequences as always and wakes requests with news (``Request.notify``); a ``CoreRequest``
 wakes by marking itself on its front end's ``FrontendLink``, and the link, once per batch of
 wake-ups (one engine step), appends every new token of its requests to one pending ``Down``
-message. The stream's sender takes the whole pending message when gRPC lets it write, so a
+message: column by column for samples that run on (no message per sample and step), as a
+``SeqDelta`` for a sample's last tokens and for tokens with logprobs. The stream's sender takes the whole pending message when gRPC lets it write, so a
 front end that reads slowly gets fewer, larger messages and the engine never waits on it.
 When a stream ends (front end gone), every request it submitted is aborted: blocks freed.
 """
@@ -23,7 +24,7 @@ from opentelemetry import trace
 
 from common import tracing
 from controlplane.request_path import queue_full
-from controlplane.request import Request, Sequence
+from controlplane.request import Request, Sequence, Status
 from controlplane.service import model_info
 from headrace.core.v1 import core_pb2 as cpb
 from headrace.core.v1 import core_pb2_grpc as cpb_grpc
@@ -53,6 +54,11 @@ class CoreRequest(Request):
         self.link.mark(self)
 
 
+def _columns() -> tuple[list[int], list[int], list[int], list[int]]:
+    """Empty ``Down`` token columns: handles, sample indexes, counts, token ids."""
+    return [], [], [], []
+
+
 class FrontendLink:
     """One front end's stream: its requests by handle and the ``Down`` message being built."""
 
@@ -62,6 +68,7 @@ class FrontendLink:
         self.requests: dict[int, CoreRequest] = {}
         self._dirty: dict[CoreRequest, None] = {}
         self._pending = cpb.Down()
+        self._columns = _columns()   # the pending message's token columns, as lists
         self._ready = asyncio.Event()
         self._flush_scheduled = False
         self.closed = False
@@ -87,29 +94,41 @@ class FrontendLink:
         if self.closed:
             return
         deltas, done = self._pending.deltas, []
+        handles, indexes, counts, tokens = self._columns
         for req in dirty:
             if req.failure is not None:
                 self.fail(req.handle, req.failure.code, req.failure.message)
                 done.append(req)
                 continue
+            over = True   # every sample finished (each then gets its last delta below)
             for seq in req.sequences:
-                n, final = len(seq.output_token_ids), seq.finished and not seq.final_sent
-                if seq.delivered == n and not final:
+                out, start = seq.output_token_ids, seq.delivered
+                n, running = len(out), seq.status is not Status.FINISHED
+                if running:
+                    over = False
+                    if start == n:
+                        continue
+                    if not seq.logprobs:   # the common case: a column entry
+                        handles.append(req.handle)
+                        indexes.append(seq.index)
+                        counts.append(n - start)
+                        tokens += out[start:n]
+                        seq.delivered = n
+                        continue
+                elif seq.final_sent:
                     continue
-                d = deltas.add(handle=req.handle, index=seq.index,
-                               token_ids=seq.output_token_ids[seq.delivered:n])
+                d = deltas.add(handle=req.handle, index=seq.index, token_ids=out[start:n])
                 if seq.logprobs:
-                    for token, (value, top_ids, top_values) in zip(
-                            d.token_ids, seq.logprobs[seq.delivered:n]):
+                    for token, (value, top_ids, top_values) in zip(d.token_ids, seq.logprobs[start:n]):
                         lp = d.logprobs.add(token_id=token, logprob=value)
                         for tid, val in zip(top_ids, top_values):
                             lp.top.add(token_id=tid, logprob=val)
                 seq.delivered = n
-                if final:
+                if not running:
                     seq.final_sent = True
                     d.finish_reason = seq.finish_reason
                     d.cached_prompt_tokens = seq.num_cached_prompt_tokens
-            if req.finished and all(s.final_sent for s in req.sequences):
+            if over:
                 done.append(req)
         for req in done:
             self.forget(req)
@@ -124,6 +143,12 @@ class FrontendLink:
         await self._ready.wait()
         self._ready.clear()
         msg, self._pending = self._pending, cpb.Down()
+        (handles, indexes, counts, tokens), self._columns = self._columns, _columns()
+        if handles:
+            msg.token_handles.extend(handles)
+            msg.token_indexes.extend(indexes)
+            msg.token_counts.extend(counts)
+            msg.token_ids.extend(tokens)
         sched = self.core.plane.engine.scheduler
         msg.num_waiting = len(sched.waiting) if sched is not None else 0
         return msg

@@ -177,11 +177,23 @@ class CoreClient:
         if down.HasField("state"):
             self._set_state(down.state)
         self._waiting.n = down.num_waiting
-        woken = {}
+        woken, by_handle = {}, self._by_handle
+        if down.token_handles:   # the columns first (a sample's deltas follow its columns)
+            tokens, pos = list(down.token_ids), 0
+            for handle, index, count in zip(down.token_handles, down.token_indexes, down.token_counts):
+                request, end = by_handle.get(handle), pos + count
+                if request is not None and index < len(request.sequences):
+                    seq = request.sequences[index]
+                    if seq.output.has_stop:
+                        self._append(request, seq, tokens[pos:end])
+                    elif seq.status is not Status.FINISHED:   # (as ``_append``, no stop strings)
+                        seq.output_token_ids += tokens[pos:end]
+                    woken[request] = None
+                pos = end
         for d in down.deltas:
-            request = self._by_handle.get(d.handle)
+            request = by_handle.get(d.handle)
             if request is not None and d.index < len(request.sequences):
-                self._append(request, request.sequences[d.index], d)
+                self._append(request, request.sequences[d.index], d.token_ids, d)
                 woken[request] = None
         for f in down.failed:
             request = self._by_handle.pop(f.handle, None)
@@ -194,16 +206,18 @@ class CoreClient:
                 self.requests.pop(request.request_id, None)
             request.notify()
 
-    def _append(self, request: Request, seq: Sequence, d: cpb.SeqDelta) -> None:
+    def _append(self, request: Request, seq: Sequence, token_ids, d: cpb.SeqDelta | None = None) -> None:
+        """Appends ``token_ids`` (a column entry's, or ``d``'s with its logprobs and finish)."""
         if seq.finished:   # stopped here by a stop string; the core's later tokens are dropped
             return
         out = seq.output_token_ids
-        out.extend(d.token_ids)
-        if d.logprobs:
+        out.extend(token_ids)
+        finish_reason = d.finish_reason if d is not None else pb.FINISH_REASON_UNSPECIFIED
+        if d is not None and d.logprobs:
             seq.logprobs.extend((lp.logprob, [t.token_id for t in lp.top], [t.logprob for t in lp.top])
                                 for lp in d.logprobs)
         if seq.output.has_stop:   # a stop token's own text is not matched (as in Sequence.check_stop)
-            upto = len(out) - 1 if d.finish_reason == pb.FINISH_REASON_STOP else len(out)
+            upto = len(out) - 1 if finish_reason == pb.FINISH_REASON_STOP else len(out)
             if seq._feed_text(upto):
                 del out[seq.text_fed:]
                 del seq.logprobs[seq.text_fed:]
@@ -212,9 +226,9 @@ class CoreClient:
                                     index=seq.index)
                 self._up_ready.set()
                 return
-        if d.finish_reason:
+        if finish_reason:
             seq.num_cached_prompt_tokens = d.cached_prompt_tokens
-            self._finish(seq, d.finish_reason)
+            self._finish(seq, finish_reason)
 
     @staticmethod
     def _finish(seq: Sequence, reason: int) -> None:

@@ -120,13 +120,21 @@ class CoreState(_message.Message):
     def __init__(self, healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., loaded: _Optional[bool] = ..., model_dir: _Optional[str] = ..., max_model_len: _Optional[int] = ..., info: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ..., model_info: _Optional[_Union[_inference_pb2.ModelInfo, _Mapping]] = ..., max_queued: _Optional[int] = ..., default_stream_interval: _Optional[int] = ...) -> None: ...
 
 class Down(_message.Message):
-    __slots__ = ("deltas", "failed", "state", "num_waiting")
+    __slots__ = ("deltas", "failed", "state", "num_waiting", "token_handles", "token_indexes", "token_counts", "token_ids")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[SeqDelta]
     failed: _containers.RepeatedCompositeFieldContainer[Failed]
     state: CoreState
     num_waiting: int
-    def __init__(self, deltas: _Optional[_Iterable[_Union[SeqDelta, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[Failed, _Mapping]]] = ..., state: _Optional[_Union[CoreState, _Mapping]] = ..., num_waiting: _Optional[int] = ...) -> None: ...
+    token_handles: _containers.RepeatedScalarFieldContainer[int]
+    token_indexes: _containers.RepeatedScalarFieldContainer[int]
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, deltas: _Optional[_Iterable[_Union[SeqDelta, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[Failed, _Mapping]]] = ..., state: _Optional[_Union[CoreState, _Mapping]] = ..., num_waiting: _Optional[int] = ..., token_handles: _Optional[_Iterable[int]] = ..., token_indexes: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
