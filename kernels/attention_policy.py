@@ -45,7 +45,7 @@ INSTALL_HINT = "pip install 'headrace[flash-attn]'"
 # kernel on the device (H200, head_dim 128). Start value from issue 24's figures (Triton 302
 # TFLOP/s at 1k, 433 at 8k; flash-attn-4 26-85 at 1k for its ~0.1 ms host cost, 664 at 8k):
 # set it from bench/attention_backends.py's crossover row.
-FLASH_ATTN_CROSSOVER_TOKENS = 4096
+FLASH_ATTN_CROSSOVER_TOKENS = 2048
 
 
 def prefill_pairs(query_start_loc: np.ndarray, seq_lens: np.ndarray, num_decodes: int) -> int:
