@@ -25,18 +25,12 @@ import json
 import os
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 
-
-def quantile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+from bench.w4_bench import quantile, stop_server
 
 
 def conversations(args) -> tuple[list[int], list[list[list[int]]]]:
@@ -139,15 +133,6 @@ def start_server(args, offload: bool):
     if offload:
         cmd += ["--kv-offloading-size", str(args.offload_gib)]
     return subprocess.Popen(cmd, env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"), start_new_session=True)
-
-
-def stop_server(server) -> None:
-    server.send_signal(signal.SIGTERM)
-    try:
-        server.wait(60)
-    except subprocess.TimeoutExpired:   # the server and the children it started
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
 
 
 def run_mode(args, mode: str) -> dict:
