@@ -80,6 +80,7 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.num_blocks,
                                 keep_tokens=spec is not None)
         self.spec = spec
+        self.draft = spec.draft if spec is not None else None   # dataplane.draft_model.DraftModel
         self.host_kv = host_kv   # the host KV tier (dataplane.kv_offload), or None
         self.seq_of_row = np.zeros(max_num_seqs, dtype=np.int64)
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
@@ -171,7 +172,13 @@ class ModelRunner:
             if len(prep.last_index):
                 input_ids[dev["last_index"]] = self.last_token[dev["last_rows"]]
         if rows or (self.graphs is not None and prep.decode_only and self.graphs.fits(len(prep.positions))):
-            return self.graphs.run(input_ids, dev, verify=rows)   # every row samples
+            logits = self.graphs.run(input_ids, dev, verify=rows)   # every row samples
+            if self.draft is not None:   # one decode row per token, like the graphs'
+                self.draft.sync(input_ids, dev["positions"], AttentionMetadata(
+                    slot_mapping=dev["slot_mapping"], query_start_loc=self._arange[:len(prep.positions) + 1],
+                    seq_lens=dev["seq_lens"], block_tables=dev["block_tables"], max_query_len=1,
+                    decode_only=True, num_decodes=len(prep.positions), decode_order=dev["decode_order"]))
+            return logits
         qsl = dev["query_start_loc"] if "query_start_loc" in dev else self._arange[:len(prep.positions) + 1]
         flash = kernels.flash_attn4.step_plan(self.attention, prep, qsl, dev["seq_lens"],
                                               dev["block_tables"])
@@ -181,6 +188,8 @@ class ModelRunner:
                                  num_decodes=prep.num_decodes, decode_order=dev["decode_order"],
                                  flash=flash)
         hidden = self.model(input_ids, dev["positions"], self.kv_caches, meta)
+        if self.draft is not None:   # the draft's KV follows the target's, step by step
+            self.draft.sync(input_ids, dev["positions"], meta)
         if len(prep.sample_rows) == 0:
             return None
         if len(prep.logits_indices) != hidden.shape[0]:
@@ -252,7 +261,8 @@ class ModelRunner:
         if dev is None:
             dev = {k: torch.as_tensor(list(b), dtype=torch.int64).to(self.device)
                    for k, b in (("copy_src", step.copy_src_blocks), ("copy_dst", step.copy_dst_blocks))}
-        return functools.partial(kernels.copy_blocks, self.kv_caches, dev["copy_src"], dev["copy_dst"])
+        caches = self.kv_caches if self.draft is None else self.kv_caches + self.draft.kv_caches
+        return functools.partial(kernels.copy_blocks, caches, dev["copy_src"], dev["copy_dst"])
 
     def _record_done(self, launched: Launched) -> Launched:
         if launched.begin is not None:

@@ -18,9 +18,10 @@ import torch
 import kernels
 from common import speculative
 from common.worker_options import WorkerOptions
-from dataplane import kv_cache, kv_offload, parallel
+from dataplane import draft_model, kv_cache, kv_offload, parallel
 from dataplane.config import ModelConfig, load_model_config
 from dataplane.cuda_graphs import DecodeGraphs
+from dataplane.draft_model import DraftModel
 from dataplane.loader import load_model
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.progress import Phases, Progress
@@ -80,8 +81,10 @@ class Worker:
             raise RuntimeError(f"rank {rank} of {world_size}: the process group is not initialised "
                                f"(dataplane.parallel.init)")
         self.speculative = speculative.parse(opts.speculative_config)
-        spec = SpecDecoder(self.speculative) if self.speculative is not None else None
         self.cfg: ModelConfig = load_model_config(opts.model)
+        drafting = self.speculative is not None and self.speculative.method == "draft_model"
+        if drafting:
+            draft_model.check_options(self.speculative, self.cfg, world_size, opts.kv_offloading_size)
         self.shard = parallel.Shard.of(self.cfg, rank, world_size)
         self.local_cfg = self.shard.local_config(self.cfg)   # this rank's heads and MLP columns
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
@@ -99,8 +102,14 @@ class Worker:
                            self.max_model_len, self.shard, self.quant)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()   # an on-the-fly quantization's float weights
+        draft = None
+        if drafting:
+            draft = DraftModel.load(self.speculative.model, self.cfg, self.device, self.dtype,
+                                    self.max_model_len)
         phases.mark("weights")
         self.block_bytes = kv_cache.bytes_per_block(self.local_cfg, opts.block_size, self.kv_dtype)
+        if draft is not None:   # a block id holds the target's and the draft's KV
+            self.block_bytes += draft.bytes_per_block(opts.block_size, self.kv_dtype)
         if self.device.type == "cuda":
             self._warm_up(model)
             phases.mark("warm-up")
@@ -112,6 +121,8 @@ class Worker:
                       self.local_cfg.num_layers, "layers", rank=rank) as progress:
             caches = kv_cache.allocate(self.local_cfg, num_blocks, opts.block_size, self.kv_dtype,
                                        self.device, progress)
+        if draft is not None:
+            draft.allocate(num_blocks, opts.block_size, self.kv_dtype)
         phases.mark("KV cache")
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes per block; weights: %s",
                  num_blocks, opts.block_size, num_blocks * opts.block_size, self.kv_dtype_name,
@@ -133,6 +144,7 @@ class Worker:
             with Progress("capturing CUDA graphs", len(graphs.sizes), "graphs", rank=rank) as progress:
                 graphs.capture(progress)
             phases.mark("CUDA graphs")
+        spec = SpecDecoder(self.speculative, draft) if self.speculative is not None else None
         self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,
                                   opts.max_num_seqs, graphs, rank=rank, seed=opts.seed, spec=spec,
                                   attention=self.attention, host_kv=host_kv)
