@@ -32,6 +32,8 @@ import pathlib
 import numpy as np
 import torch
 
+from common.model_source import ModelSourceError, resolve_model
+
 from dataplane import kv_cache
 from dataplane.config import ModelConfig, load_model_config
 from dataplane.input_batch import InputBatch, longest_first
@@ -46,15 +48,21 @@ def check_pair(target: ModelConfig, draft: ModelConfig) -> None:
                          f"is larger than the target's ({target.vocab_size}); they must share a tokenizer")
 
 
-def check_options(config, target: ModelConfig, world_size: int, kv_offloading_size: float) -> None:
-    """ValueError (one line naming the option) where the worker cannot serve this draft."""
+def check_options(config, target: ModelConfig, world_size: int, kv_offloading_size: float) -> str:
+    """The draft's checkpoint directory (a local one, or a Hub id's snapshot, as ``--model``
+    resolves); ValueError (one line naming the option) where the worker cannot serve it."""
     if world_size > 1:
         raise ValueError("--speculative-config: method draft_model needs --tensor-parallel-size 1 "
                          "(a draft beside sharded layers is not built)")
     if kv_offloading_size:
         raise ValueError("--speculative-config: method draft_model does not run with "
                          "--kv-offloading-size (the host tier moves only the target's KV)")
-    DraftModel.config_of(config.model, target)
+    try:
+        model_dir = resolve_model(config.model)
+    except ModelSourceError as exc:
+        raise ValueError(f"--speculative-config: draft model: {exc}") from None
+    DraftModel.config_of(model_dir, target)
+    return model_dir
 
 
 class DraftModel:
@@ -96,6 +104,16 @@ class DraftModel:
                                   num_decodes=meta.num_decodes, decode_order=meta.decode_order)
         self.model(input_ids, positions, self.kv_caches, plain)
         self.num_forwards += 1
+
+    def sync_decode_rows(self, input_ids: torch.Tensor, dev: dict[str, torch.Tensor],
+                         query_start_loc: torch.Tensor) -> None:
+        """``sync`` for a step the CUDA graphs replayed: one decode row per token (``dev``'s
+        per-token lengths and tables, ``spec_decode.decode_rows``)."""
+        n = len(dev["positions"])
+        self.sync(input_ids, dev["positions"], AttentionMetadata(
+            slot_mapping=dev["slot_mapping"], query_start_loc=query_start_loc,
+            seq_lens=dev["seq_lens"], block_tables=dev["block_tables"], max_query_len=1,
+            decode_only=True, num_decodes=n, decode_order=dev["decode_order"]))
 
     @torch.inference_mode()
     def propose(self, batch: InputBatch, rows: list[int], ks: list[int]) -> list[np.ndarray]:

@@ -84,7 +84,8 @@ class Worker:
         self.cfg: ModelConfig = load_model_config(opts.model)
         drafting = self.speculative is not None and self.speculative.method == "draft_model"
         if drafting:
-            draft_model.check_options(self.speculative, self.cfg, world_size, opts.kv_offloading_size)
+            draft_dir = draft_model.check_options(self.speculative, self.cfg, world_size,
+                                                  opts.kv_offloading_size)
         self.shard = parallel.Shard.of(self.cfg, rank, world_size)
         self.local_cfg = self.shard.local_config(self.cfg)   # this rank's heads and MLP columns
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
@@ -104,7 +105,7 @@ class Worker:
             torch.cuda.empty_cache()   # an on-the-fly quantization's float weights
         draft = None
         if drafting:
-            draft = DraftModel.load(self.speculative.model, self.cfg, self.device, self.dtype,
+            draft = DraftModel.load(draft_dir, self.cfg, self.device, self.dtype,
                                     self.max_model_len)
         phases.mark("weights")
         self.block_bytes = kv_cache.bytes_per_block(self.local_cfg, opts.block_size, self.kv_dtype)
