@@ -116,3 +116,14 @@ def test_propose_drafts_greedily_from_the_last_token():
     tokens = off[0][0][0]
     assert on[0][0][0] == tokens and len(tokens) == 12
     assert np.all(np.asarray(tokens) < 2048)
+
+
+def test_tensor_parallel_drafts_are_refused_with_one_line():
+    from common import speculative
+    from dataplane import draft_model
+    from dataplane.config import load_model_config
+
+    config = speculative.parse(json.dumps(_draft(MODEL)))
+    with pytest.raises(ValueError, match="--tensor-parallel-size 1"):
+        draft_model.check_options(config, load_model_config(MODEL), 2, 0.0)
+    assert draft_model.check_options(config, load_model_config(MODEL), 1, 0.0) == MODEL
