@@ -151,7 +151,8 @@ def test_fp8_linear_kernel_reports_the_dispatch(monkeypatch):
     """kernels.fp8_linear_kernel: 'reference' wherever the reference runs (no CUDA, or
     HEADRACE_KERNELS=reference), else the GPU op's choice by rows."""
     import kernels
-    if kernels._triton is None:
+    if kernels._triton is None:     # this CPU host: the reference is the op itself
+        assert kernels.fp8_linear is ref.fp8_linear
         assert kernels.fp8_linear_kernel(1, "cpu") == kernels.fp8_linear_kernel(1) == "reference"
     monkeypatch.setattr(kernels, "_triton", ({"fp8_linear": triton_quant}, None))
     monkeypatch.setattr(kernels, "MODE", "auto")
