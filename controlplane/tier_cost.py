@@ -8,7 +8,8 @@ the slowest rank's under tensor parallelism: every rank copies its shard at once
 waits for the last). Recomputing a token costs the marginal step time of one more token,
 ``recompute_s_per_token``: the slope of step time against tokens computed, fitted online by
 exponentially weighted least squares over the step results (``StepFit``; device time on a
-GPU, host time on a CPU; steps that waited for a swap-in are left out). The slope, not the
+GPU, host time on a CPU; steps that waited for a swap-in, and GPU steps without a device time,
+prefill chunks that sample nothing, are left out). The slope, not the
 average time per token: a step's fixed cost (launches, sampling) is paid whatever its size,
 and on a small model it dominates, so time/tokens would make recompute look dearer than it
 is exactly where it is cheap (Qwen3-0.6B on an H200: ~4.2 us/token to load over PCIe, about

@@ -104,7 +104,8 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy
         admin = apb_grpc.AdminStub(planes.channel).GetConfig(apb.GetConfigRequest())
         assert admin.kv_offloading_policy == policy and admin.host_load_seconds_per_token > 0
         skipped = sample("headrace:kv_tier_host_hits_recomputed_total")
-        assert skipped == admin.host_hits_recomputed_tokens == planes.engine.scheduler.tier_cost.skipped_tokens
+        rule = planes.engine.scheduler.tier_cost
+        assert skipped == admin.host_hits_recomputed_tokens == rule.skipped_tokens
         assert sample("headrace:kv_tier_seconds_per_token", {"action": "load"}) == \
             pytest.approx(admin.host_load_seconds_per_token)
         if policy == "never":   # recomputed: the device tier's hits only, the host copies kept

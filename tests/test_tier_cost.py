@@ -153,3 +153,26 @@ def test_step_results_feed_the_fit_and_swap_in_steps_do_not():
         step.running.num_tokens.append(n)
         cpu.observe(step, _result(execute_ms=1.0 + n * 0.1), on_device=False)
     assert cpu.recompute_s_per_token == pytest.approx(1e-4) and cpu.loads() is False
+
+
+def test_the_rule_is_logged_at_start_and_when_autos_verdict_changes(caplog):
+    from controlplane import host_tier
+    from controlplane.block_manager import BlockManager
+
+    rule = TierCost("auto", 4.2e-6 * 16, 16)
+    with caplog.at_level("INFO", logger="headrace.engine"):
+        host_tier.report(BlockManager(8, 16, True, host_blocks=4), "recompute", rule)
+        for n in [1, 64, 8, 32] * 4:   # 1 us per token: recompute is cheaper
+            step = ScheduledStep()
+            step.running.num_tokens.append(n)
+            rule.observe(step, _result(device_ms=1.0 + n * 1e-3), on_device=True)
+        for n in [1, 64, 8, 32] * 40:  # 10 us per token: loading is
+            step = ScheduledStep()
+            step.running.num_tokens.append(n)
+            rule.observe(step, _result(device_ms=1.0 + n * 1e-2), on_device=True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert "offloading policy auto, host load 4.20 us/token" in lines[0]
+    verdicts = [line for line in lines if "host hits are" in line]
+    assert len(verdicts) == 2 and "recomputed" in verdicts[0] and "loaded" in verdicts[1]
+    assert "load 4.20 us/token, recompute 1.00 us/token" in verdicts[0]   # logged when it flips
+    assert rule.recompute_s_per_token == pytest.approx(1e-5, rel=0.05)   # the old regime fades
