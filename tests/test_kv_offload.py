@@ -76,8 +76,10 @@ def test_outputs_equal_with_offloading_under_eviction_and_preemption(model_dir, 
     assert got == expected
 
 
-@pytest.mark.parametrize("policy", ["always", "never"])
+@pytest.mark.parametrize("policy", ["always", "never", "auto", "auto, a dear copy"])
 def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy):
+    """``auto`` on a CPU: copying a block costs well under a microsecond per token, computing
+    one a hundred or more: it loads; made dear, it recomputes."""
     prompt = list(range(2, 66))    # 64 tokens: 3 full blocks are reusable (the last is computed)
     others = [[300 - i] * 40 for i in range(3)]
     ref = Planes(model_dir, num_kv_blocks=64)
@@ -86,7 +88,7 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy
     finally:
         ref.close()
     planes = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD,
-                    config=EngineConfig(kv_offloading_policy=policy))
+                    config=EngineConfig(kv_offloading_policy=policy.split(",")[0]))
     try:
         assert planes.stub.GetModelInfo(pb.GetModelInfoRequest()).num_host_kv_blocks > 0
         first, cached = _gen(planes, prompt, 4)
@@ -98,17 +100,23 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy
         on_host = sum(1 for b in hits if b < 0)
         assert len(hits) == 3 and on_host >= 2
         hits_before = blocks.host.hits
+        rule = planes.engine.scheduler.tier_cost
+        if policy == "auto, a dear copy":
+            assert rule.recompute_s_per_token > 0   # fitted from the steps so far
+            rule.load_s_per_block = 1e3
         again, cached = _gen(planes, prompt, 4)
         assert again == want
         sample = planes.plane.metrics.registry.get_sample_value
         admin = apb_grpc.AdminStub(planes.channel).GetConfig(apb.GetConfigRequest())
-        assert admin.kv_offloading_policy == policy and admin.host_load_seconds_per_token > 0
+        assert admin.kv_offloading_policy == policy.split(",")[0]
+        assert admin.host_load_seconds_per_token == pytest.approx(rule.load_s_per_token)
+        assert admin.host_load_seconds_per_token > 0
         skipped = sample("headrace:kv_tier_host_hits_recomputed_total")
-        rule = planes.engine.scheduler.tier_cost
         assert skipped == admin.host_hits_recomputed_tokens == rule.skipped_tokens
         assert sample("headrace:kv_tier_seconds_per_token", {"action": "load"}) == \
             pytest.approx(admin.host_load_seconds_per_token)
-        if policy == "never":   # recomputed: the device tier's hits only, the host copies kept
+        if policy != "always" and policy != "auto":   # recomputed: the device tier's hits only,
+            # the host copies kept
             assert cached == 48 - 16 * on_host and blocks.host.hits == hits_before
             assert skipped == 16 * on_host
             for b in (~b for b in hits if b < 0):   # still cached on the host where they were
