@@ -41,9 +41,9 @@ MIN_SPREAD = 0.1         # ... and their sizes' standard deviation over their me
 
 class StepFit:
     """Step time against tokens computed, exponentially weighted (incremental means, variance
-    and covariance, West's update): the
-    slope is seconds per extra token. ``slope`` is None until enough varied steps were seen;
-    afterwards it keeps its last good value while recent steps are too alike to fit."""
+    and covariance, West's update): the slope is seconds per extra token. ``slope`` is None
+    until enough varied steps were seen; afterwards it keeps its last good value while recent
+    steps are too alike to fit."""
 
     def __init__(self, half_life: int = HALF_LIFE_STEPS):
         self.alpha = 1.0 - 0.5 ** (1.0 / half_life)
