@@ -16,7 +16,8 @@ when free (never by preempting); ``verified`` registers the accepted drafts' ful
 rejected K/V is never shared) and gives the rejected positions' blocks back.
 With a host KV tier and ``preemption_mode="swap"`` a victim's KV is copied to the host tier
 (``BlockManager.swap_out``) and copied back when it is resumed (``controlplane.admission``
-takes an admitted sequence's blocks), instead of recomputed; the
+takes an admitted sequence's blocks), instead of recomputed; host-tier prefix hits are
+loaded where ``tier_cost`` finds that cheaper than recomputing them; the
 step carries the host-tier copies its decisions need (``ScheduledStep.swap_out/swap_in``).
 """
 
@@ -30,6 +31,7 @@ from controlplane.policy import Policy
 from controlplane.request import Sequence, Status
 from controlplane.speculation import Speculation
 from controlplane.step import NewSeq, ScheduledStep
+from controlplane.tier_cost import TierCost
 
 PREEMPTION_MODES = ("recompute", "swap")
 TIME_RECHECK_S = 0.01   # how often waiting work is looked at again while only time can let it in
@@ -39,10 +41,12 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int,
                  policy: Policy | None = None, watermark: float = 0.01,
                  clock=time.monotonic, fair_share: bool = True,
-                 speculation: Speculation | None = None, preemption_mode: str = "recompute"):
+                 speculation: Speculation | None = None, preemption_mode: str = "recompute",
+                 tier_cost: TierCost | None = None):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption mode {preemption_mode!r}: choose from {PREEMPTION_MODES}")
         self.preemption_mode = preemption_mode
+        self.tier_cost = tier_cost   # None: every host-tier prefix hit is loaded
         self.blocks = blocks
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
@@ -276,7 +280,8 @@ class Scheduler:
         return not any(s.num_total - s.num_computed > 1 for s in order)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        n = admission.admit(self.blocks, seq, budget, self.watermark_blocks if self.running else 0)
+        n = admission.admit(self.blocks, seq, budget, self.watermark_blocks if self.running else 0,
+                            self.tier_cost)
         if n:
             self.waiting.remove(seq)
             self._register(seq, seq.num_computed + n)

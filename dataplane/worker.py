@@ -128,16 +128,18 @@ class Worker:
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes per block; weights: %s",
                  num_blocks, opts.block_size, num_blocks * opts.block_size, self.kv_dtype_name,
                  self.block_bytes, self.quant.describe() if self.quant else self.dtype_name)
-        host_kv = None
+        host_kv, self.host_load_rate = None, 0.0
         num_host = kv_offload.host_blocks_for(opts.kv_offloading_size, self.block_bytes)
         if num_host:
             with Progress(f"allocating the host KV tier ({num_host} blocks, "
                           f"{num_host * self.block_bytes / kv_cache.GiB:.2f} GiB)", 1, "pools", rank=rank) as progress:
                 host_kv = kv_offload.HostKV(caches, num_host, self.device)
+                self.host_load_rate = host_kv.measure_load_rate()
                 progress.update()
             phases.mark("host KV tier")
-        log.info("host KV tier: %d blocks (%.2f GiB%s)", num_host, num_host * self.block_bytes / kv_cache.GiB,
-                 ", pinned" if host_kv is not None and self.device.type == "cuda" else "")
+        log.info("host KV tier: %d blocks (%.2f GiB%s)%s", num_host, num_host * self.block_bytes / kv_cache.GiB,
+                 ", pinned" if host_kv is not None and self.device.type == "cuda" else "",
+                 f", loads at {self.host_load_rate / 1e9:.1f} GB/s" if host_kv is not None else "")
         graphs = None
         if self.device.type == "cuda" and opts.cuda_graphs:
             graphs = DecodeGraphs(model, caches, graph_rows(self.speculative, opts.max_num_seqs),
@@ -229,6 +231,7 @@ class Worker:
             num_host_kv_blocks=self.runner.host_kv.num_blocks if self.runner.host_kv else 0,
             kv_bytes_per_block=self.block_bytes, eos_token_ids=list(cfg.eos_token_ids),
             max_num_seqs=self.opts.max_num_seqs, max_batched_tokens=self.opts.max_batched_tokens,
-            startup_seconds=self.startup_seconds)
+            startup_seconds=self.startup_seconds,
+            host_kv_load_bytes_per_s=self.host_load_rate)
         speculative.to_proto(self.speculative, info.speculative)
         return info
