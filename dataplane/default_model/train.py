@@ -10,13 +10,17 @@ What it does
    tokens ``<s>`` = 0 and ``</s>`` = 1). Words carry their *trailing* space
    ("The " is one piece), so prompts that end in a space, like "The ", are
    in-distribution. Encoding prepends ``<s>``; decoding round-trips bytes.
+   With ``--tokenizer DIR`` it instead reuses ``DIR``'s ``tokenizer.json`` and
+   ``tokenizer_config.json`` (copied byte for byte; the vocab is the
+   tokenizer's), which is how the draft model ``tiny-draft/`` shares the
+   target's tokenizer exactly.
 3. Trains a tiny ``LlamaForCausalLM`` (GQA, tied embeddings) from scratch on
    CPU with AdamW (fp32 weights, bf16 autocast) for a fixed wall-clock budget.
    Every training window starts with ``<s>`` at a paragraph boundary; each
    chapter ends with ``</s>``. The corpus is tiny (~0.2M tokens), so residual
    dropout is used and the weights with the lowest loss on the held-out last
    three chapters are kept.
-4. Saves a Hugging Face model directory to ``tiny/`` (``config.json``,
+4. Saves a Hugging Face model directory to ``--out`` (``config.json``,
    ``model.safetensors`` in bfloat16, ``generation_config.json``,
    ``tokenizer.json``, ``tokenizer_config.json``), reloads it from disk and
    prints a greedy and a temperature-0.8 continuation of "The ".
@@ -25,6 +29,10 @@ How to rerun
 ------------
     python dataplane/default_model/train.py              # ~12 minutes
     python dataplane/default_model/train.py --minutes 1  # quick smoke run
+    # the speculative-decoding draft (tiny-draft/, same tokenizer; see CORPUS.md)
+    python dataplane/default_model/train.py --tokenizer dataplane/default_model/tiny \
+        --out dataplane/default_model/tiny-draft --hidden 128 --layers 3 \
+        --heads 2 --kv-heads 1 --intermediate 256 --dropout 0.1 --minutes 6
 
 Needs torch, transformers and tokenizers; runs on 2 CPU threads. The seed is
 fixed, but the learning-rate schedule follows wall-clock time, so the exact
@@ -103,11 +111,19 @@ def encode_chapters(tok: Tokenizer, chapters: list[list[str]]) -> tuple[list[int
     return stream, starts
 
 
-def make_model(vocab_size: int, hidden: int, layers: int) -> LlamaForCausalLM:
+def load_tokenizer(src: Path) -> Tokenizer:
+    """Reuse a tokenizer saved by this script (``src/tokenizer.json``), checking its specials."""
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    assert tok.token_to_id(BOS) == BOS_ID and tok.token_to_id(EOS) == EOS_ID, src
+    return tok
+
+
+def make_model(vocab_size: int, hidden: int, layers: int, heads: int = 4, kv_heads: int = 2,
+               intermediate: int | None = None) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=int(round(hidden * 2.6875 / 16) * 16),  # 256 -> 688
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
+        intermediate_size=intermediate or int(round(hidden * 2.6875 / 16) * 16),  # 256 -> 688
         max_position_embeddings=MAX_POSITIONS, rope_theta=10000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=True, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
         pad_token_id=EOS_ID, initializer_range=0.02)
@@ -158,9 +174,14 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=12.0, help="training wall-clock budget")
     ap.add_argument("--corpus", type=Path, default=HERE / "corpus.txt")
     ap.add_argument("--out", type=Path, default=HERE / "tiny")
-    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--tokenizer", type=Path, metavar="DIR",
+                    help="reuse DIR's tokenizer.json / tokenizer_config.json instead of training one")
+    ap.add_argument("--vocab", type=int, help="tokenizer vocab to train (default 2048)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4, help="attention heads (head_dim = hidden / heads)")
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, help="MLP width (default ~2.69 x hidden: 688 at 256)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -173,7 +194,14 @@ def main() -> None:
     rng = random.Random(args.seed)
 
     chapters = read_chapters(args.corpus)
-    tok = train_tokenizer([p for ch in chapters for p in ch], args.vocab)
+    if args.tokenizer:
+        if args.tokenizer.resolve() == args.out.resolve():
+            ap.error("--tokenizer DIR must not be --out (that directory is replaced)")
+        tok = load_tokenizer(args.tokenizer)
+        if args.vocab not in (None, tok.get_vocab_size()):
+            ap.error(f"--vocab {args.vocab} != {args.tokenizer}'s vocab {tok.get_vocab_size()}")
+    else:
+        tok = train_tokenizer([p for ch in chapters for p in ch], args.vocab or 2048)
     train_ch, val_ch = chapters[:-3], chapters[-3:]  # last three chapters held out
     train_ids, starts = encode_chapters(tok, train_ch)
     val_ids, _ = encode_chapters(tok, val_ch)
@@ -183,7 +211,8 @@ def main() -> None:
     print(f"corpus: {len(chapters)} chapters, {n_bytes} bytes, {len(train_ids) + len(val_ids)} tokens "
           f"({n_bytes / (len(train_ids) + len(val_ids)):.2f} bytes/token), vocab {tok.get_vocab_size()}")
 
-    model = make_model(tok.get_vocab_size(), args.hidden, args.layers)
+    model = make_model(tok.get_vocab_size(), args.hidden, args.layers, args.heads, args.kv_heads,
+                       args.intermediate)
     add_dropout(model, args.dropout)
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters\n{model.config}")
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -232,11 +261,15 @@ def main() -> None:
     config = json.loads(config_path.read_text())
     config["rope_theta"] = config.get("rope_parameters", {}).get("rope_theta", 10000.0)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    tok.save(str(args.out / "tokenizer.json"))
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-                  "pad_token": EOS, "model_max_length": MAX_POSITIONS,
-                  "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
-    (args.out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    if args.tokenizer:  # byte-identical copies, so a draft and its target tokenize alike
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(args.tokenizer / name, args.out / name)
+    else:
+        tok.save(str(args.out / "tokenizer.json"))
+        tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+                      "pad_token": EOS, "model_max_length": MAX_POSITIONS,
+                      "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
+        (args.out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     size = sum(f.stat().st_size for f in args.out.iterdir())
     print(f"saved {sorted(f.name for f in args.out.iterdir())} to {args.out} ({size / 2**20:.2f} MiB)")
 
