@@ -15,7 +15,8 @@ What it does
    tokenizer's), which is how the draft model ``tiny-draft/`` shares the
    target's tokenizer exactly.
 3. Trains a tiny ``LlamaForCausalLM`` (GQA, tied embeddings) from scratch on
-   CPU with AdamW (fp32 weights, bf16 autocast) for a fixed wall-clock budget.
+   CPU with AdamW (fp32 weights, bf16 autocast) for a fixed wall-clock budget
+   (or, with ``--steps``, a fixed number of steps, whichever ends first).
    Every training window starts with ``<s>`` at a paragraph boundary; each
    chapter ends with ``</s>``. The corpus is tiny (~0.2M tokens), so residual
    dropout is used and the weights with the lowest loss on the held-out last
@@ -32,11 +33,12 @@ How to rerun
     # the speculative-decoding draft (tiny-draft/, same tokenizer; see CORPUS.md)
     python dataplane/default_model/train.py --tokenizer dataplane/default_model/tiny \
         --out dataplane/default_model/tiny-draft --hidden 128 --layers 3 \
-        --heads 2 --kv-heads 1 --intermediate 256 --dropout 0.1 --minutes 6
+        --heads 2 --kv-heads 1 --intermediate 256 --dropout 0.1 --steps 1500 --minutes 30
 
-Needs torch, transformers and tokenizers; runs on 2 CPU threads. The seed is
-fixed, but the learning-rate schedule follows wall-clock time, so the exact
-weights depend on machine speed.
+Needs torch, transformers and tokenizers; runs on 2 CPU threads (``--threads``).
+The seed is fixed, but the learning-rate schedule follows wall-clock time, so
+the exact weights depend on machine speed (with ``--steps`` they do not, as
+long as the steps run out before the minutes do).
 """
 
 from __future__ import annotations
@@ -165,13 +167,15 @@ def evaluate(model, stream: torch.Tensor, seq_len: int, max_windows: int = 32) -
 
 
 def lr_at(step: int, frac: float, peak: float, warmup: int) -> float:
-    """Linear warmup over steps, then cosine decay to 10% over the wall-clock budget."""
+    """Linear warmup over steps, then cosine decay to 10% over the budget (``frac`` of it spent)."""
     return peak * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=12.0, help="training wall-clock budget")
+    ap.add_argument("--steps", type=int, help="also stop after this many steps (the schedule follows "
+                    "whichever budget is spent faster): reproducible on a busy machine")
     ap.add_argument("--corpus", type=Path, default=HERE / "corpus.txt")
     ap.add_argument("--out", type=Path, default=HERE / "tiny")
     ap.add_argument("--tokenizer", type=Path, metavar="DIR",
@@ -187,9 +191,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--dropout", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (1 on a shared machine)")
     args = ap.parse_args()
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
 
@@ -225,9 +230,13 @@ def main() -> None:
     t0 = last_log = time.monotonic()
     step, ema, best_val, best_state = 0, None, float("inf"), None
     model.train()
-    while (elapsed := time.monotonic() - t0) < budget:
+
+    def spent() -> float:  # the fraction of the budget used: wall clock, or steps if sooner
+        return max((time.monotonic() - t0) / budget, step / args.steps if args.steps else 0.0)
+
+    while (frac := spent()) < 1.0:
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, elapsed / budget, args.lr, warmup=50)
+            group["lr"] = lr_at(step, frac, args.lr, warmup=50)
         x = batch(train_stream, starts, args.batch, args.seq_len, rng)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # ~2x faster on CPUs with bf16 support
             loss = model(input_ids=x, labels=x).loss
@@ -237,13 +246,13 @@ def main() -> None:
         opt.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         step += 1
-        if time.monotonic() - last_log > 30 or step == 1 or time.monotonic() - t0 >= budget:
+        if time.monotonic() - last_log > 30 or step == 1 or spent() >= 1.0:
             last_log = time.monotonic()
             val = evaluate(model, val_stream, args.seq_len)
             if val < best_val:  # keep the weights that do best on the held-out chapters
                 best_val, best_step = val, step
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            print(f"step {step:5d}  {elapsed / 60:5.1f} min  loss {ema:.3f}  val {val:.3f}  "
+            print(f"step {step:5d}  {(time.monotonic() - t0) / 60:5.1f} min  loss {ema:.3f}  val {val:.3f}  "
                   f"lr {opt.param_groups[0]['lr']:.2e}", flush=True)
     train_time = time.monotonic() - t0
     model.load_state_dict(best_state)
