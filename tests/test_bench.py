@@ -15,7 +15,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_reference",
            "random_checkpoint", "w4_bench", "quant_kernels", "quantize_checkpoint",
-           "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream"]
+           "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream",
+           "draft_acceptance"]
 SUPPORT = ["serving_http"]   # modules the benchmarks import, not run on their own
 
 

@@ -10,13 +10,18 @@ What it does
    tokens ``<s>`` = 0 and ``</s>`` = 1). Words carry their *trailing* space
    ("The " is one piece), so prompts that end in a space, like "The ", are
    in-distribution. Encoding prepends ``<s>``; decoding round-trips bytes.
+   With ``--tokenizer DIR`` it instead reuses ``DIR``'s ``tokenizer.json`` and
+   ``tokenizer_config.json`` (copied byte for byte; the vocab is the
+   tokenizer's), which is how the draft model ``tiny-draft/`` shares the
+   target's tokenizer exactly.
 3. Trains a tiny ``LlamaForCausalLM`` (GQA, tied embeddings) from scratch on
-   CPU with AdamW (fp32 weights, bf16 autocast) for a fixed wall-clock budget.
+   CPU with AdamW (fp32 weights, bf16 autocast) for a fixed wall-clock budget
+   (or, with ``--steps``, a fixed number of steps, whichever ends first).
    Every training window starts with ``<s>`` at a paragraph boundary; each
    chapter ends with ``</s>``. The corpus is tiny (~0.2M tokens), so residual
    dropout is used and the weights with the lowest loss on the held-out last
    three chapters are kept.
-4. Saves a Hugging Face model directory to ``tiny/`` (``config.json``,
+4. Saves a Hugging Face model directory to ``--out`` (``config.json``,
    ``model.safetensors`` in bfloat16, ``generation_config.json``,
    ``tokenizer.json``, ``tokenizer_config.json``), reloads it from disk and
    prints a greedy and a temperature-0.8 continuation of "The ".
@@ -25,10 +30,15 @@ How to rerun
 ------------
     python dataplane/default_model/train.py              # ~12 minutes
     python dataplane/default_model/train.py --minutes 1  # quick smoke run
+    # the speculative-decoding draft (tiny-draft/, same tokenizer; see CORPUS.md)
+    python dataplane/default_model/train.py --tokenizer dataplane/default_model/tiny \
+        --out dataplane/default_model/tiny-draft --hidden 128 --layers 3 \
+        --heads 2 --kv-heads 1 --intermediate 256 --steps 1500 --minutes 30   # ~14 minutes
 
-Needs torch, transformers and tokenizers; runs on 2 CPU threads. The seed is
-fixed, but the learning-rate schedule follows wall-clock time, so the exact
-weights depend on machine speed.
+Needs torch, transformers and tokenizers; runs on 2 CPU threads (``--threads``).
+The seed is fixed, but the learning-rate schedule follows wall-clock time, so
+the exact weights depend on machine speed (with ``--steps`` they do not, as
+long as the steps run out before the minutes do).
 """
 
 from __future__ import annotations
@@ -103,11 +113,19 @@ def encode_chapters(tok: Tokenizer, chapters: list[list[str]]) -> tuple[list[int
     return stream, starts
 
 
-def make_model(vocab_size: int, hidden: int, layers: int) -> LlamaForCausalLM:
+def load_tokenizer(src: Path) -> Tokenizer:
+    """Reuse a tokenizer saved by this script (``src/tokenizer.json``), checking its specials."""
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    assert tok.token_to_id(BOS) == BOS_ID and tok.token_to_id(EOS) == EOS_ID, src
+    return tok
+
+
+def make_model(vocab_size: int, hidden: int, layers: int, heads: int = 4, kv_heads: int = 2,
+               intermediate: int | None = None) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=int(round(hidden * 2.6875 / 16) * 16),  # 256 -> 688
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
+        intermediate_size=intermediate or int(round(hidden * 2.6875 / 16) * 16),  # 256 -> 688
         max_position_embeddings=MAX_POSITIONS, rope_theta=10000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=True, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
         pad_token_id=EOS_ID, initializer_range=0.02)
@@ -149,31 +167,46 @@ def evaluate(model, stream: torch.Tensor, seq_len: int, max_windows: int = 32) -
 
 
 def lr_at(step: int, frac: float, peak: float, warmup: int) -> float:
-    """Linear warmup over steps, then cosine decay to 10% over the wall-clock budget."""
+    """Linear warmup over steps, then cosine decay to 10% over the budget (``frac`` of it spent)."""
     return peak * min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=12.0, help="training wall-clock budget")
+    ap.add_argument("--steps", type=int, help="also stop after this many steps (the schedule follows "
+                    "whichever budget is spent faster): reproducible on a busy machine")
     ap.add_argument("--corpus", type=Path, default=HERE / "corpus.txt")
     ap.add_argument("--out", type=Path, default=HERE / "tiny")
-    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--tokenizer", type=Path, metavar="DIR",
+                    help="reuse DIR's tokenizer.json / tokenizer_config.json instead of training one")
+    ap.add_argument("--vocab", type=int, help="tokenizer vocab to train (default 2048)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4, help="attention heads (head_dim = hidden / heads)")
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, help="MLP width (default ~2.69 x hidden: 688 at 256)")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--dropout", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (1 on a shared machine)")
     args = ap.parse_args()
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
 
     chapters = read_chapters(args.corpus)
-    tok = train_tokenizer([p for ch in chapters for p in ch], args.vocab)
+    if args.tokenizer:
+        if args.tokenizer.resolve() == args.out.resolve():
+            ap.error("--tokenizer DIR must not be --out (that directory is replaced)")
+        tok = load_tokenizer(args.tokenizer)
+        if args.vocab not in (None, tok.get_vocab_size()):
+            ap.error(f"--vocab {args.vocab} != {args.tokenizer}'s vocab {tok.get_vocab_size()}")
+    else:
+        tok = train_tokenizer([p for ch in chapters for p in ch], args.vocab or 2048)
     train_ch, val_ch = chapters[:-3], chapters[-3:]  # last three chapters held out
     train_ids, starts = encode_chapters(tok, train_ch)
     val_ids, _ = encode_chapters(tok, val_ch)
@@ -183,7 +216,8 @@ def main() -> None:
     print(f"corpus: {len(chapters)} chapters, {n_bytes} bytes, {len(train_ids) + len(val_ids)} tokens "
           f"({n_bytes / (len(train_ids) + len(val_ids)):.2f} bytes/token), vocab {tok.get_vocab_size()}")
 
-    model = make_model(tok.get_vocab_size(), args.hidden, args.layers)
+    model = make_model(tok.get_vocab_size(), args.hidden, args.layers, args.heads, args.kv_heads,
+                       args.intermediate)
     add_dropout(model, args.dropout)
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters\n{model.config}")
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -196,9 +230,13 @@ def main() -> None:
     t0 = last_log = time.monotonic()
     step, ema, best_val, best_state = 0, None, float("inf"), None
     model.train()
-    while (elapsed := time.monotonic() - t0) < budget:
+
+    def spent() -> float:  # the fraction of the budget used: wall clock, or steps if sooner
+        return max((time.monotonic() - t0) / budget, step / args.steps if args.steps else 0.0)
+
+    while (frac := spent()) < 1.0:
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, elapsed / budget, args.lr, warmup=50)
+            group["lr"] = lr_at(step, frac, args.lr, warmup=50)
         x = batch(train_stream, starts, args.batch, args.seq_len, rng)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # ~2x faster on CPUs with bf16 support
             loss = model(input_ids=x, labels=x).loss
@@ -208,13 +246,13 @@ def main() -> None:
         opt.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         step += 1
-        if time.monotonic() - last_log > 30 or step == 1 or time.monotonic() - t0 >= budget:
+        if time.monotonic() - last_log > 30 or step == 1 or spent() >= 1.0:
             last_log = time.monotonic()
             val = evaluate(model, val_stream, args.seq_len)
             if val < best_val:  # keep the weights that do best on the held-out chapters
                 best_val, best_step = val, step
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            print(f"step {step:5d}  {elapsed / 60:5.1f} min  loss {ema:.3f}  val {val:.3f}  "
+            print(f"step {step:5d}  {(time.monotonic() - t0) / 60:5.1f} min  loss {ema:.3f}  val {val:.3f}  "
                   f"lr {opt.param_groups[0]['lr']:.2e}", flush=True)
     train_time = time.monotonic() - t0
     model.load_state_dict(best_state)
@@ -232,11 +270,15 @@ def main() -> None:
     config = json.loads(config_path.read_text())
     config["rope_theta"] = config.get("rope_parameters", {}).get("rope_theta", 10000.0)
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    tok.save(str(args.out / "tokenizer.json"))
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-                  "pad_token": EOS, "model_max_length": MAX_POSITIONS,
-                  "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
-    (args.out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    if args.tokenizer:  # byte-identical copies, so a draft and its target tokenize alike
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(args.tokenizer / name, args.out / name)
+    else:
+        tok.save(str(args.out / "tokenizer.json"))
+        tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+                      "pad_token": EOS, "model_max_length": MAX_POSITIONS,
+                      "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE}
+        (args.out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     size = sum(f.stat().st_size for f in args.out.iterdir())
     print(f"saved {sorted(f.name for f in args.out.iterdir())} to {args.out} ({size / 2**20:.2f} MiB)")
 
