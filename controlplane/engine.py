@@ -264,7 +264,6 @@ class Engine:
         can run (a submit; an abort, drain or shutdown that frees blocks; a reconfigure), and
         each sets ``_wake``; time matters only to a policy that ages or bounds the queue delay
         (``Scheduler.retry_after``)."""
-        self.telemetry.idle()
         if step.num_preempted:
             await asyncio.sleep(0)
             return

@@ -155,3 +155,30 @@ def test_front_end_learns_limits_changed_through_admin(pair):
         assert split.plane.client.max_queued == 3
     finally:
         admin.UpdateConfig(apb.UpdateConfigRequest(max_queued=before), timeout=10)
+
+
+def test_client_latencies_are_the_front_ends_only(pair):
+    """TTFT, ITL and e2e are observed once, by the front end as it streams to its client; the
+    core observes the engine's own histograms (queue, prefill, decode) and none of those."""
+    _, split = pair
+    front, core = split.plane.metrics.registry, split.core.plane.metrics.registry
+
+    def counts(registry):
+        return {name: registry.get_sample_value(f"headrace:{name}_count") or 0.0
+                for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                             "e2e_request_latency_seconds", "request_queue_time_seconds",
+                             "request_decode_time_seconds")}
+
+    before_front, before_core = counts(front), counts(core)
+    responses = split.generate(prompt="The river", max_tokens=9, ignore_eos=True,
+                               sampling=pb.SamplingParams(temperature=0))
+    first = next(r for r in responses if r.token_ids)
+    split.wait_for_free_blocks(split.engine.scheduler.blocks.num_blocks)
+    front_d = {k: v - before_front[k] for k, v in counts(front).items()}
+    core_d = {k: v - before_core[k] for k, v in counts(core).items()}
+    assert front_d["time_to_first_token_seconds"] == front_d["e2e_request_latency_seconds"] == 1
+    assert front_d["inter_token_latency_seconds"] == 9 - len(first.token_ids)
+    assert core_d["time_to_first_token_seconds"] == core_d["inter_token_latency_seconds"] == 0
+    assert core_d["e2e_request_latency_seconds"] == 0
+    assert core_d["request_queue_time_seconds"] == core_d["request_decode_time_seconds"] == 1
+    assert front_d["request_queue_time_seconds"] == 0

@@ -10,11 +10,13 @@ One server for the module (start-up is most of the cost); the destructive tests 
 from __future__ import annotations
 
 import concurrent.futures
+import glob
 import os
 import signal
 import time
 
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2
 
@@ -134,15 +136,52 @@ def test_cancelled_stream_frees_its_blocks(served):
     served.wait_for(lambda: _idle(served), 10, "blocks freed after the cancel")
 
 
+LATENCIES = ("time_to_first_token_seconds", "inter_token_latency_seconds",
+             "e2e_request_latency_seconds", "request_queue_time_seconds")
+
+
+def _histogram_counts(served) -> dict[str, dict[str, float]]:
+    """Role -> histogram -> count, from each process's own multiprocess metric file."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    roles = served.role_pids()
+    directory = psutil.Process(roles["core"]).environ()["PROMETHEUS_MULTIPROC_DIR"]
+    counts = {}
+    for role, pid in roles.items():
+        files = glob.glob(os.path.join(directory, f"histogram_{pid}.db"))
+        samples = {s.name: s.value for metric in MultiProcessCollector.merge(files)
+                   for s in metric.samples if s.name.endswith("_count")}
+        counts[role] = {name: samples.get(f"headrace:{name}_count", 0.0) for name in LATENCIES}
+    return counts
+
+
 def test_one_metrics_endpoint_sums_every_process(served):
     before = served.metric("headrace:api_requests_total", api="grpc", method="Generate")
-    for i in (0, 1, 1):
-        _generate(served.channel_to(i), "Water runs", max_tokens=4)
+    histograms = {name: served.metric(f"headrace:{name}_count") for name in LATENCIES}
+    per_process = _histogram_counts(served)
+    streams = [_generate(served.channel_to(i), "Water runs", max_tokens=4) for i in (0, 1, 1)]
     after = served.metric("headrace:api_requests_total", api="grpc", method="Generate")
     assert after - before == 3   # counted by two front-end processes, served by the core
     metrics = served.metrics()
-    assert metrics[("headrace:time_to_first_token_seconds_count", ())] >= 3
     assert ("headrace:num_kv_blocks", ()) in metrics
+    # the client-facing latencies: once per request (per token after each stream's first
+    # response), observed by the front ends, summed into the core's /metrics
+    gaps = sum(len(_ids(r)) - len(next(m for m in r if m.token_ids).token_ids) for r in streams)
+    moved = {name: metrics[(f"headrace:{name}_count", ())] - histograms[name] for name in LATENCIES}
+    assert moved == {"time_to_first_token_seconds": 3, "inter_token_latency_seconds": gaps,
+                     "e2e_request_latency_seconds": 3, "request_queue_time_seconds": 3}
+    assert gaps >= 3
+    now = _histogram_counts(served)
+    by_role = {role: {name: now[role][name] - per_process.get(role, {}).get(name, 0.0)
+                      for name in LATENCIES} for role in now}
+    assert by_role["frontend 0"]["time_to_first_token_seconds"] == 1
+    assert by_role["frontend 1"]["time_to_first_token_seconds"] == 2
+    assert by_role["frontend 0"]["e2e_request_latency_seconds"] == 1
+    assert by_role["frontend 1"]["e2e_request_latency_seconds"] == 2
+    assert by_role["frontend 0"]["inter_token_latency_seconds"] + \
+        by_role["frontend 1"]["inter_token_latency_seconds"] == gaps
+    assert by_role["core"] == {"time_to_first_token_seconds": 0, "inter_token_latency_seconds": 0,
+                               "e2e_request_latency_seconds": 0, "request_queue_time_seconds": 3}
 
 
 def test_kill_9_of_a_front_end_mid_stream(served):
