@@ -13,6 +13,7 @@ import concurrent.futures
 import glob
 import os
 import signal
+import stat
 import time
 
 import grpc
@@ -66,6 +67,25 @@ def test_processes_name_their_roles_and_import_no_torch(served):
     log = served.log_tail(10**7)
     for field in ('"role": "core"', '"role": "frontend"', '"frontend": 1', '"role": "dataplane"'):
         assert field in log, field
+
+
+def test_the_core_link_is_private_and_needs_the_core_secret(served):
+    roles = served.role_pids()
+    argv = psutil.Process(roles["core"]).cmdline()
+    address = argv[argv.index("--core-address") + 1]
+    assert address.startswith("unix:")
+    path = address[5:]
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    envs = {role: psutil.Process(pid).environ() for role, pid in roles.items()}
+    secret = envs["core"]["HEADRACE_CORE_SECRET"]
+    assert len(secret) >= 32 and envs["frontend 0"]["HEADRACE_CORE_SECRET"] == secret
+    assert "HEADRACE_CORE_SECRET" not in envs["dataplane"]
+    for pid in roles.values():
+        assert secret not in " ".join(psutil.Process(pid).cmdline())
+    with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as err:
+        apb_grpc.AdminStub(channel).GetConfig(apb.GetConfigRequest(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED   # the socket alone is not enough
 
 
 def test_front_ends_stream_concurrently_in_exact_order(served):
