@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 
 import grpc
@@ -182,3 +183,37 @@ def test_client_latencies_are_the_front_ends_only(pair):
     assert core_d["e2e_request_latency_seconds"] == 0
     assert core_d["request_queue_time_seconds"] == core_d["request_decode_time_seconds"] == 1
     assert front_d["request_queue_time_seconds"] == 0
+
+
+def test_the_core_dates_a_request_by_its_age_on_its_own_clock(pair):
+    """A Submit carries how long ago the request reached its front end, not the front end's
+    clock (which may be another host's): the core's queue time starts that long before."""
+    from headrace.core.v1 import core_pb2 as cpb
+    from headrace.core.v1 import core_pb2_grpc as cpb_grpc
+    from headrace.dataplane.v1 import worker_pb2 as wpb
+
+    _, split = pair
+    registry = split.core.plane.metrics.registry
+    queued = lambda: registry.get_sample_value("headrace:request_queue_time_seconds_sum")  # noqa: E731
+    before = queued()
+    submit = cpb.Submit(handle=1, request_id="aged", prompt_token_ids=[5, 6, 7], max_tokens=2,
+                        sampling=[wpb.Sampling(temperature=0)], age=30.0)
+    held = threading.Event()
+
+    def ups():   # the stream stays open (its end would abort the request) until the answer
+        yield cpb.Up(hello=cpb.Hello(frontend_index=7), submits=[submit])
+        held.wait(30)
+
+    finish = None
+    with grpc.insecure_channel(split.core_address) as channel:
+        downs = cpb_grpc.EngineCoreStub(channel).Connect(ups(), timeout=30)
+        try:
+            for down in downs:
+                finish = next((d.finish_reason for d in down.deltas if d.finish_reason), None)
+                if finish:
+                    break
+        finally:
+            held.set()
+            downs.cancel()
+    assert finish == pb.FINISH_REASON_LENGTH
+    assert 30.0 <= queued() - before < 40.0

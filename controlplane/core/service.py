@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 
 import grpc
 import structlog
@@ -238,12 +239,13 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
             link.fail(s.handle, *refusal)
             return
         engine = self.plane.engine
+        arrival = time.monotonic() - s.age   # on this clock (the front end's may be another host's)
         req = CoreRequest(request_id=s.request_id, n=len(s.sampling), stream_interval=s.stream_interval,
-                          arrival=s.arrival, link=link, handle=s.handle, tenant=s.tenant)
+                          arrival=arrival, link=link, handle=s.handle, tenant=s.tenant)
         prompt, text = list(s.prompt_token_ids), CoreText(s.has_stop_strings)
         req.sequences = [Sequence(request=req, seq_id=next(engine.seq_ids), index=i,
                                   prompt_token_ids=prompt, sampling=sampling, max_tokens=s.max_tokens,
-                                  priority=s.priority, arrival=s.arrival, output=text)
+                                  priority=s.priority, arrival=arrival, output=text)
                          for i, sampling in enumerate(s.sampling)]
         link.requests[s.handle] = req
         with contextlib.ExitStack() as stack:

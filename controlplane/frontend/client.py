@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 import types
 
 import grpc
@@ -98,7 +99,7 @@ class CoreClient:
             handle=handle, request_id=request.request_id, prompt_token_ids=seq0.prompt_token_ids,
             max_tokens=seq0.max_tokens, priority=seq0.priority,
             stream_interval=request.stream_interval, has_stop_strings=seq0.output.has_stop,
-            arrival=request.arrival, tenant=request.tenant,
+            age=time.monotonic() - request.arrival, tenant=request.tenant,
             trace_id=structlog.contextvars.get_contextvars().get("trace_id", ""))
         submit.sampling.extend(s.sampling for s in request.sequences)
         span = trace.get_current_span()
