@@ -26,7 +26,7 @@ from common.worker_options import ParallelOptions, WorkerOptions
 def _run_role(server_factory) -> int:
     """Runs the server ``server_factory()`` builds (inside the event loop) until a signal."""
     from common import tracing
-    from controlplane.server import run_until_signal
+    from controlplane.lifecycle import run_until_signal
 
     async def run():
         await run_until_signal(server_factory())

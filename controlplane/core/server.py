@@ -21,7 +21,7 @@ from controlplane.core.plane import EnginePlane
 from controlplane.core.service import EngineCoreService
 from controlplane.engine import EngineConfig
 from controlplane.metrics import engine_state_collector
-from controlplane.server import BackgroundTasks, set_health
+from controlplane.lifecycle import BackgroundTasks, set_health
 from headrace.core.v1 import core_pb2_grpc as cpb_grpc
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 
