@@ -78,7 +78,11 @@ class FrontendLink:
         self._dirty[request] = None
         if not self._flush_scheduled:   # once all of this step's wake-ups are in
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+            asyncio.get_running_loop().call_soon(self._flush_marked)
+
+    def _flush_marked(self) -> None:
+        if self._flush_scheduled:   # (not flushed meanwhile: ``EngineCoreService.flush``)
+            self.flush()
 
     def fail(self, handle: int, code: grpc.StatusCode, message: str) -> None:
         self._pending.failed.add(handle=handle, code=code.value[0], message=message)
@@ -171,6 +175,13 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
         self.links: set[FrontendLink] = set()
         self.tracer = tracing.get_tracer("headrace.core")
         plane.on_change.append(self.broadcast_state)
+        plane.engine.flush_woken = self.flush
+
+    def flush(self) -> None:
+        """Every front end's news now (the engine woke its requests)."""
+        for link in self.links:
+            if link._flush_scheduled:
+                link.flush()
 
     def state(self) -> cpb.CoreState:
         plane, engine = self.plane, self.plane.engine
