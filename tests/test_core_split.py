@@ -217,3 +217,41 @@ def test_the_core_dates_a_request_by_its_age_on_its_own_clock(pair):
             downs.cancel()
     assert finish == pb.FINISH_REASON_LENGTH
     assert 30.0 <= queued() - before < 40.0
+
+
+def test_a_folded_steps_tokens_go_out_before_the_next_step(pair, monkeypatch):
+    """With other steps in flight (the device busy), the core writes the front ends' news of a
+    folded step before it schedules and sends the next one (``Engine.flush_woken``)."""
+    _, split = pair
+    engine, events = split.engine, []
+    send, fold = engine.workers.send, engine._fold
+
+    async def recording_send(msg):
+        events.append("send")
+        await send(msg)
+
+    def recording_fold(step, result):
+        emitted = fold(step, result)
+        events.append(f"fold {emitted}")
+        return emitted
+
+    link = next(iter(split.core.service.links))
+    next_message = link.next_message
+
+    async def recording_next_message():
+        msg = await next_message()
+        if msg.token_handles or msg.deltas:
+            events.append("down")
+        return msg
+
+    monkeypatch.setattr(engine.workers, "send", recording_send)
+    monkeypatch.setattr(engine, "_fold", recording_fold)
+    monkeypatch.setattr(link, "next_message", recording_next_message)
+    # (the core's stream is waiting in the previous next_message: one request to move on)
+    split.generate(prompt="Water", max_tokens=2, sampling=pb.SamplingParams(temperature=0))
+    events.clear()
+    responses = split.generate(prompt="The river", max_tokens=6, ignore_eos=True,
+                               sampling=pb.SamplingParams(temperature=0))
+    assert len([t for r in responses for t in r.token_ids]) == 6
+    first = events.index("fold 1")
+    assert events[first + 1] == "down", events
