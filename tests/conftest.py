@@ -4,6 +4,7 @@ certificates (made with openssl)."""
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 
 import pytest
@@ -53,6 +54,8 @@ def _openssl(*args: str, cwd: pathlib.Path) -> None:
 def certs(tmp_path_factory) -> pathlib.Path:
     """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (tests that
     use it skip when openssl is not installed)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
     d = tmp_path_factory.mktemp("certs")
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
              "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
