@@ -12,7 +12,6 @@ One server for the module (start-up is most of the cost); the destructive tests 
 from __future__ import annotations
 
 import concurrent.futures
-import glob
 import os
 import signal
 import stat
@@ -164,25 +163,10 @@ LATENCIES = ("time_to_first_token_seconds", "inter_token_latency_seconds",
              "e2e_request_latency_seconds", "request_queue_time_seconds")
 
 
-def _histogram_counts(served) -> dict[str, dict[str, float]]:
-    """Role -> histogram -> count, from each process's own multiprocess metric file."""
-    from prometheus_client.multiprocess import MultiProcessCollector
-
-    roles = served.role_pids()
-    directory = psutil.Process(roles["core"]).environ()["PROMETHEUS_MULTIPROC_DIR"]
-    counts = {}
-    for role, pid in roles.items():
-        files = glob.glob(os.path.join(directory, f"histogram_{pid}.db"))
-        samples = {s.name: s.value for metric in MultiProcessCollector.merge(files)
-                   for s in metric.samples if s.name.endswith("_count")}
-        counts[role] = {name: samples.get(f"headrace:{name}_count", 0.0) for name in LATENCIES}
-    return counts
-
-
 def test_one_metrics_endpoint_sums_every_process(served):
     before = served.metric("headrace:api_requests_total", api="grpc", method="Generate")
     histograms = {name: served.metric(f"headrace:{name}_count") for name in LATENCIES}
-    per_process = _histogram_counts(served)
+    per_process = served.histogram_counts(LATENCIES)
     streams = [_generate(served.channel_to(i), "Water runs", max_tokens=4) for i in (0, 1, 1)]
     after = served.metric("headrace:api_requests_total", api="grpc", method="Generate")
     assert after - before == 3   # counted by two front-end processes, served by the core
@@ -195,7 +179,7 @@ def test_one_metrics_endpoint_sums_every_process(served):
     assert moved == {"time_to_first_token_seconds": 3, "inter_token_latency_seconds": gaps,
                      "e2e_request_latency_seconds": 3, "request_queue_time_seconds": 3}
     assert gaps >= 3
-    now = _histogram_counts(served)
+    now = served.histogram_counts(LATENCIES)
     by_role = {role: {name: now[role][name] - per_process.get(role, {}).get(name, 0.0)
                       for name in LATENCIES} for role in now}
     assert by_role["frontend 0"]["time_to_first_token_seconds"] == 1
