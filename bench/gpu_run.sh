@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout's root on the H200): GPU correctness, then the serving
 # workloads through the gRPC planes and in one process (bench/README.md). Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 w3tp w4 w5 hf spy kern ragged tp spec
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 w3tp w4 w5 w5w1 w5l hf spy kern ragged tp spec
 #   (default: tests w2 w1 w1o w3); TP_WATCH_S: seconds the tp section waits before dumping stacks
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # ragged: decode attention on W1's ragged batches, by KV split count and program start order.
@@ -10,9 +10,12 @@
 # spec: speculative decoding (n-gram, k = 4) beside off, in one process: W2 ITL per output
 #   token on input-grounded prompts and on random ones (~zero acceptance), W1 (back-off);
 #   first tests/test_spec_graphs.py on the GPU (verify steps replayed in CUDA graphs, exact).
-# w5: the host KV tier's GPU tests, multi-turn chat with the tier off and on (W5), then W1 with
-#     offloading configured but idle beside W1 without (the tier must cost nothing when unused);
-#     ~5-6 minutes.
+# w5: the host KV tier's GPU tests, multi-turn chat (W5) with the tier off, then on with host
+#     hits under the cost rule (--kv-offloading-policy auto) and always loaded; ~6-7 minutes.
+# w5w1: W1 with offloading configured but idle beside W1 without (the tier must cost nothing
+#     when unused); ~3 minutes.
+# w5l: W5 on Llama-3.1-8B (random weights), tier off and auto: recompute is ~6x dearer than
+#     the copy there, so auto must load (its estimates are in the JSON lines); ~6 minutes.
 # w4: serving under load (Poisson, lognormal lengths, streamed) for N = 1, 2, 4 API front ends
 #     (w4.json, and w4.png when matplotlib is installed, in $OUT); ~4-5 minutes.
 set -uo pipefail
@@ -44,7 +47,7 @@ if has tp; then   # NCCL tensor parallelism on every GPU the machine has (2 or 4
   wait $tp_pid; tail -15 "$OUT/tp-pytest.txt"
   tail -n 8 "$OUT"/tp-logs/*/rank-*.log 2>/dev/null | cut -c1-300
 fi
-if has w1 || has w1o || has w2 || has w4 || has w5 || has hf || has spy || has kern || has spec; then
+if has w1 || has w1o || has w2 || has w4 || has w5 || has w5w1 || has hf || has spy || has kern || has spec; then
   log ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda
 fi
 for w in w2 w1; do
@@ -88,9 +91,11 @@ fi
 if has w5; then
   log "host KV tier on the GPU: copy engine (side stream) and outputs equal with it on and off"
   HEADRACE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kv_offload.py 2>&1 | tail -3
-  log "w5 multi-turn chat, host KV tier off and on"
-  timeout 330 python3 -m bench.w5_bench --model /tmp/qwen3 --num-kv-blocks 8192 --offload-gib 48 \
-    | tee -a "$OUT/results.jsonl"
+  log "w5 multi-turn chat, host KV tier off, auto (cost rule) and always"
+  timeout 480 python3 -m bench.w5_bench --model /tmp/qwen3 --num-kv-blocks 8192 --offload-gib 48 \
+    --modes off,auto,always | tee -a "$OUT/results.jsonl"
+fi
+if has w5w1; then
   for o in "" "--kv-offloading-size 16"; do
     log "w1 grpc, offloading: ${o:-off}"
     timeout 150 python3 -m bench.serving_bench --model /tmp/qwen3 --workload w1 \
@@ -106,5 +111,11 @@ if has w3 || has w3tp; then   # w3tp: the same with the model split over two GPU
     log "w3 tp$tp"; timeout 240 python3 -m bench.serving_bench --model /tmp/llama8b --workload w3 \
       --num-seqs 256 --serve-args "$w3args --tensor-parallel-size $tp" | tee -a "$OUT/results.jsonl"
   done
+fi
+if has w5l; then   # last: the 8B checkpoint takes /tmp/qwen3's place on disk (as w3's does)
+  [ -d /tmp/llama8b ] || { log ckpt8b; rm -rf /tmp/qwen3; python3 -m bench.random_checkpoint llama-3.1-8b /tmp/llama8b --device cuda; }
+  log "w5 on llama-3.1-8b (64 conversations), host KV tier off and auto"
+  timeout 480 python3 -m bench.w5_bench --model /tmp/llama8b --num-kv-blocks 8192 --offload-gib 64 \
+    --conversations 64 --modes off,auto | tee -a "$OUT/results.jsonl"
 fi
 log done; cat "$OUT/results.jsonl" 2>/dev/null

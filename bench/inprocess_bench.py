@@ -4,13 +4,15 @@ no client streams. Compared with bench/serving_bench.py it shows what the plane 
 The bench sits above both planes and composes them (``dataplane.inprocess``).
 
     python -m bench.inprocess_bench --model DIR --workload w1|w2|long [--device cuda] [--profile FILE]
-        [--speculative-config JSON [--grounded]] [--attention-backend auto|triton|flash-attn]
+        [--speculative-config JSON [--grounded | --text-prompts]] [--attention-backend auto|triton|flash-attn]
 
 Prints a JSON line: throughput (w1) or per-token latency (w2), plus the share of wall time
 spent inside the runner (`runner_s`) against the engine's own Python work. With
 ``--speculative-config`` it adds the measured acceptance; ``long`` times the first token of
 three prompts of ``--prompt-tokens`` random tokens (30,000 by default), one at a time; ``--grounded`` makes W2's prompts
-input-grounded (a passage given twice, so n-gram proposals can hit) instead of random.
+input-grounded (a passage given twice, so n-gram proposals can hit) instead of random;
+``--text-prompts`` takes them from held-out text of the embedded model's corpus (a model
+trained on it, and its draft, can predict such text).
 """
 
 from __future__ import annotations
@@ -144,6 +146,16 @@ def print_step_table(steps: list[tuple[int, float, float, float]]) -> None:
               f"{idle:8.1f} {idle / len(part):12.3f} {sum(s[3] for s in part) / len(part):14.3f}")
 
 
+def text_prompt(tok: ModelTokenizer, rng: random.Random, n: int) -> list[int]:
+    """``n`` tokens of held-out text (the embedded model's corpus after the chapters it was
+    trained on), starting at a random paragraph."""
+    from dataplane.default_model import train
+
+    held_out = train.read_chapters(train.HERE / "corpus.txt")[-3:]   # as train.py holds out
+    paragraphs = [p for chapter in held_out for p in chapter if len(p) > 400]
+    return tok.encode(rng.choice(paragraphs))[:n]
+
+
 async def consume(request) -> int:
     count = 0
     while not request.delivered:
@@ -203,8 +215,11 @@ async def run(args) -> dict:
         rng, itls = random.Random(0), []
         for _ in range(5):   # one sequence: ITL = step to step, per token the step yielded
             local.step_ends = []
-            prompt = [rng.randint(0, 10000) for _ in range(64 if args.grounded else 128)]
-            await consume(submit(prompt * 2 if args.grounded else prompt, 256, 0.0))
+            if args.text_prompts:   # real text: what a trained draft model can predict
+                prompt = text_prompt(tok, rng, 128)
+            else:
+                prompt = [rng.randint(0, 10000) for _ in range(64 if args.grounded else 128)]
+            await consume(submit(prompt * 2 if args.grounded else prompt, args.w2_tokens, 0.0))
             for (a, _), (b, n) in zip(local.step_ends[1:], local.step_ends[2:]):
                 itls += [(b - a) / n] * n
         wall = time.perf_counter() - start
@@ -263,6 +278,10 @@ def main() -> None:
     ap.add_argument("--speculative-config", default=None, help="the worker's speculative decoding (JSON)")
     ap.add_argument("--grounded", action="store_true",
                     help="w2: each prompt is a random passage given twice (n-gram proposals can hit)")
+    ap.add_argument("--text-prompts", action="store_true",
+                    help="w2: prompts of held-out text from the embedded model's corpus (for models "
+                         "trained on it, e.g. a draft/target pair) instead of random ids")
+    ap.add_argument("--w2-tokens", type=int, default=256, help="w2: tokens generated per request")
     ap.add_argument("--step-table", action="store_true",
                     help="print device time and idle over ranges of the timed steps")
     args = ap.parse_args()

@@ -4,16 +4,20 @@ message of ~300 tokens and generates ~150 tokens (greedy, streamed over gRPC). T
 different conversations are interleaved (round robin, ``--concurrency`` in flight) and the
 device KV pool is limited (``--num-kv-blocks``) so it cannot keep every history: without a
 second tier a returning conversation's history is evicted and recomputed; with
-``--kv-offloading-size`` it comes back from host memory.
+``--kv-offloading-size`` it comes back from host memory, or is recomputed where the cost rule
+(``--kv-offloading-policy``, ``controlplane.tier_cost``) finds that cheaper.
 
     python -m bench.w5_bench --model /tmp/qwen3 --num-kv-blocks 8192 --offload-gib 48
 
-Runs every mode of ``--modes`` (default: offloading off, then on) against a fresh
+Runs every mode of ``--modes`` (default ``off,auto,always``: no host tier, then a host tier
+under each ``--kv-offloading-policy``; ``never`` too; ``on`` means ``auto``) against a fresh
 ``headrace serve`` each, in this one invocation, and prints one JSON line per mode: TTFT p50 /
-p99 (all turns, and turns after the first), output and total token throughput, and the
+p99 (all turns, and turns after the first), output and total token throughput, the
 prefix-cache hit rate per tier (from the control plane's /metrics: tokens found on the device
-/ on the host over prompt tokens looked up); then a short table. Tiny sizes run on a CPU
-(``--device cpu --conversations 4 --turns 3 --user-tokens 40 --output-tokens 8``).
+/ on the host over prompt tokens looked up), the host-hit tokens the cost rule recomputed and
+its estimates (load and recompute seconds per token); then a short table, with each mode's
+TTFT p50 over the ``off`` one's, and whether every mode generated the same tokens. Tiny sizes
+run on a CPU (``--device cpu --conversations 4 --turns 3 --user-tokens 40 --output-tokens 8``).
 """
 
 from __future__ import annotations
@@ -109,36 +113,44 @@ async def run_workload(address: str, args) -> dict:
             "histories_digest": hashlib.sha256(json.dumps(history).encode()).hexdigest()[:16]}
 
 
+MODES = ("off", "auto", "always", "never")
+_METRIC = re.compile(r'headrace:(prefix_cache_queries_total|kv_tier_prefix_hits_total\{tier="(\w+)"\}|'
+                     r'kv_offload_blocks_total\{direction="(\w+)"\}|kv_offload_copy_seconds_total|'
+                     r'kv_tier_host_hits_recomputed_total|kv_tier_seconds_per_token\{action="(\w+)"\}) (\S+)')
+
+
 def tier_hits(metrics_port: int) -> dict:
-    """Prefix-cache tokens looked up, and found per tier, from the control plane's /metrics."""
+    """Prefix-cache tokens looked up, and found per tier; blocks copied each way; host hits
+    recomputed; the cost rule's estimates (``s_per_token_load`` / ``_recompute``), from the
+    control plane's /metrics."""
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     except OSError:
         return {}
     out = {}
     for line in text.splitlines():
-        m = re.match(r'headrace:(prefix_cache_queries_total|kv_tier_prefix_hits_total\{tier="(\w+)"\}|'
-                     r'kv_offload_blocks_total\{direction="(\w+)"\}|kv_offload_copy_seconds_total) (\S+)', line)
+        m = _METRIC.match(line)
         if m:
-            key = m.group(2) or (m.group(3) and "blocks_" + m.group(3)) or m.group(1).replace("_total", "")
-            out[key] = float(m.group(4))
+            key = (m.group(2) or (m.group(3) and "blocks_" + m.group(3))
+                   or (m.group(4) and "s_per_token_" + m.group(4)) or m.group(1).replace("_total", ""))
+            out[key] = float(m.group(5))
     return out
 
 
-def start_server(args, offload: bool):
+def start_server(args, mode: str):
     cmd = [sys.executable, "-m", "cli", "serve", "--model", args.model, "--host", "127.0.0.1",
            "--port", str(args.port), "--http-port", "0", "--metrics-port", str(args.metrics_port),
            "--dataplane-metrics-port", "0", "--api-server-count", "1", "--device", args.device,
            "--num-kv-blocks", str(args.num_kv_blocks), *args.serve_args.split()]
-    if offload:
-        cmd += ["--kv-offloading-size", str(args.offload_gib)]
+    if mode != "off":
+        cmd += ["--kv-offloading-size", str(args.offload_gib), "--kv-offloading-policy", mode]
     return subprocess.Popen(cmd, env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"), start_new_session=True)
 
 
 def run_mode(args, mode: str) -> dict:
     from headrace_client import AsyncClient, NotReady
 
-    server = start_server(args, mode == "on") if args.address is None else None
+    server = start_server(args, mode) if args.address is None else None
     address = args.address or f"127.0.0.1:{args.port}"
     try:
         try:
@@ -154,11 +166,14 @@ def run_mode(args, mode: str) -> dict:
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     looked = delta.get("prefix_cache_queries", 0.0)
     row.update(workload="w5", offloading=mode, num_kv_blocks=args.num_kv_blocks,
-               offload_gib=args.offload_gib if mode == "on" else 0,
+               offload_gib=args.offload_gib if mode != "off" else 0,
                hit_rate_device=round(delta.get("device", 0.0) / looked, 4) if looked else None,
                hit_rate_host=round(delta.get("host", 0.0) / looked, 4) if looked else None,
                blocks_out=int(delta.get("blocks_out", 0)), blocks_in=int(delta.get("blocks_in", 0)),
-               copy_s=round(delta.get("kv_offload_copy_seconds", 0.0), 3))
+               copy_s=round(delta.get("kv_offload_copy_seconds", 0.0), 3),
+               host_hits_recomputed=int(delta.get("kv_tier_host_hits_recomputed", 0)),
+               load_us_per_token=round(after.get("s_per_token_load", 0.0) * 1e6, 3),
+               recompute_us_per_token=round(after.get("s_per_token_recompute", 0.0) * 1e6, 3))
     return row
 
 
@@ -169,7 +184,9 @@ def main() -> None:
     ap.add_argument("--address", default=None, help="use a running server (one mode) instead of starting one")
     ap.add_argument("--port", type=int, default=50171)
     ap.add_argument("--metrics-port", type=int, default=50173, help="the control plane's /metrics")
-    ap.add_argument("--modes", default="off,on", help="offloading off and/or on, in this order")
+    ap.add_argument("--modes", default="off,auto,always",
+                    help="in this order: off (no host tier), and a host tier under each "
+                         "--kv-offloading-policy named: auto, always, never (on: auto)")
     ap.add_argument("--num-kv-blocks", type=int, default=8192,
                     help="the device KV pool (blocks of 16; W5's histories reach ~470k tokens)")
     ap.add_argument("--offload-gib", type=float, default=48.0, help="--kv-offloading-size when on")
@@ -188,17 +205,28 @@ def main() -> None:
     if args.model is None:
         from cli.options import default_model
         args.model = default_model()
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("off", "on") for m in modes):
-        raise SystemExit("--modes: off, on or off,on")
+    modes = [{"on": "auto"}.get(m.strip(), m.strip()) for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise SystemExit(f"--modes: a comma-separated list of {', '.join(MODES)}")
     rows = []
     for mode in modes:
         rows.append(run_mode(args, mode))
         print(json.dumps(rows[-1]), flush=True)
-    print(f"{'offload':>8} {'TTFT p50':>9} {'p99':>9} {'later p50':>9} {'tok/s':>8} {'dev hit':>8} {'host hit':>8}")
+    table(rows)
+
+
+def table(rows: list[dict]) -> None:
+    off = next((r["ttft_ms_p50"] for r in rows if r["offloading"] == "off"), None)
+    print(f"{'offload':>8} {'TTFT p50':>9} {'vs off':>7} {'p99':>9} {'later p50':>9} {'tok/s':>8} "
+          f"{'dev hit':>8} {'host hit':>8} {'recomp.':>8} {'load us':>8} {'recomp us':>9}")
     for r in rows:
-        print(f"{r['offloading']:>8} {r['ttft_ms_p50']:>9} {r['ttft_ms_p99']:>9} {r['later_turns_ttft_ms_p50']:>9} "
-              f"{r['output_tok_per_s']:>8} {r['hit_rate_device']!s:>8} {r['hit_rate_host']!s:>8}")
+        ratio = f"{off / r['ttft_ms_p50']:.2f}x" if off and r["ttft_ms_p50"] else "-"
+        print(f"{r['offloading']:>8} {r['ttft_ms_p50']:>9} {ratio:>7} {r['ttft_ms_p99']:>9} "
+              f"{r['later_turns_ttft_ms_p50']:>9} {r['output_tok_per_s']:>8} {r['hit_rate_device']!s:>8} "
+              f"{r['hit_rate_host']!s:>8} {r['host_hits_recomputed']:>8} {r['load_us_per_token']:>8} "
+              f"{r['recompute_us_per_token']:>9}")
+    same = len({r["histories_digest"] for r in rows}) == 1
+    print(f"same tokens in every mode: {'yes' if same else 'NO'} (vs off: off's TTFT p50 over the mode's)")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
                    help="a preempted request's KV: recompute it when resumed (default), or swap "
                         "it to the host KV tier and back (needs --kv-offloading-size)")
+    p.add_argument("--kv-offloading-policy", choices=("auto", "always", "never"), default="auto",
+                   help="prefix hits found in the host KV tier: auto loads them where copying "
+                        "them to the device is cheaper than recomputing them (the data plane's "
+                        "measured copy rate against the step times), always loads them, never "
+                        "recomputes them")
     p.add_argument("--no-fair-share", action="store_true",
                    help="no fair share of running slots and KV blocks between tenants "
                         "(docs/scheduling.md)")
@@ -190,7 +195,8 @@ def engine_config(args) -> EngineConfig:
                         fair_share=not args.no_fair_share,
                         pipeline_depth=1 if args.no_overlap else args.pipeline_depth,
                         stream_interval=args.stream_interval,
-                        preemption_mode=args.preemption_mode)
+                        preemption_mode=args.preemption_mode,
+                        kv_offloading_policy=args.kv_offloading_policy)
 
 
 def check_speculative_config(args) -> None:

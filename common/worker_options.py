@@ -32,7 +32,8 @@ class WorkerOptions:
     seed: int = option(0, "the worker's random seed (requests without a seed)")
     speculative_config: str | None = option(
         None, 'speculative decoding, as JSON (vLLM\'s): {"method": "ngram", '
-              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}; '
+              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or '
+              '{"method": "draft_model", "model": DRAFT_DIR, "num_speculative_tokens": 4}; '
               '"disable_by_batch_size" (default 32) and "min_acceptance" (default 0.15) tune '
               'the back-off (default: off; docs/speculative.md)')
     quantization: str | None = option(

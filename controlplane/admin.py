@@ -94,7 +94,8 @@ class AdminService(apb_grpc.AdminServicer):
                          prefix_cache=cfg.enable_prefix_cache, watermark=cfg.watermark,
                          workers=plane.workers.addresses, draining=engine.draining,
                          ready=engine.ready, in_flight_requests=len(engine.requests),
-                         preemption_mode=cfg.preemption_mode)
+                         preemption_mode=cfg.preemption_mode,
+                         kv_offloading_policy=cfg.kv_offloading_policy)
         policy = sched.policy if sched is not None else cfg.policy
         msg.policy.name = policy.name
         if policy.aging_rate is not None:
@@ -108,6 +109,11 @@ class AdminService(apb_grpc.AdminServicer):
             msg.max_running, msg.max_batched_tokens = sched.max_running, sched.max_batched_tokens
             msg.kv_block_size, msg.num_kv_blocks = sched.blocks.block_size, sched.blocks.num_blocks
             msg.num_host_kv_blocks = sched.blocks.host.num_blocks if sched.blocks.host else 0
+            cost = sched.tier_cost
+            if cost is not None:
+                msg.host_load_seconds_per_token = cost.load_s_per_token or 0.0
+                msg.recompute_seconds_per_token = cost.recompute_s_per_token or 0.0
+                msg.host_hits_recomputed_tokens = cost.skipped_tokens
             msg.running, msg.waiting = len(sched.running), len(sched.waiting)
         else:
             msg.max_running, msg.max_batched_tokens = cfg.max_running, cfg.max_batched_tokens

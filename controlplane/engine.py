@@ -21,7 +21,7 @@ import time
 import grpc
 
 from common import speculative
-from controlplane import host_tier, limits, speculation, step_codec
+from controlplane import host_tier, limits, speculation, step_codec, tier_cost
 from controlplane.block_manager import BlockManager
 from controlplane.engine_config import EngineConfig
 from controlplane.inflight import InFlightSteps
@@ -75,7 +75,8 @@ class Engine:
         cfg = self.config
         blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size, cfg.enable_prefix_cache,
                               host_blocks=min(i.num_host_kv_blocks for i in infos))   # each rank: its shard
-        host_tier.report(blocks, cfg.preemption_mode)
+        cost = tier_cost.TierCost.for_workers(cfg.kv_offloading_policy, infos, blocks)
+        host_tier.report(blocks, cfg.preemption_mode, cost)
         # Every request must fit the KV pool alone, so preemption always makes progress.
         limit = min(self.info.max_model_len, blocks.num_blocks * blocks.block_size)
         self.max_model_len = min(cfg.max_model_len or limit, limit)
@@ -87,7 +88,7 @@ class Engine:
         self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark,
                                    fair_share=cfg.fair_share,
                                    speculation=spec and speculation.Speculation(spec, self.max_model_len),
-                                   preemption_mode=cfg.preemption_mode)
+                                   preemption_mode=cfg.preemption_mode, tier_cost=cost)
 
     @property
     def max_queued(self) -> int:
@@ -219,6 +220,8 @@ class Engine:
         t2 = time.perf_counter()
         if sent.traced is not None or not sent.step.empty:
             emitted = self._fold(sent.step, result)
+            if self.scheduler.tier_cost is not None:   # its recompute estimate: step times
+                self.scheduler.tier_cost.observe(sent.step, result, self.info.device != "cpu")
             self.telemetry.step_done(result, sent.traced, t2 - sent.at, time.perf_counter() - t2, emitted)
         if self.flush_woken is not None and self._to_wake and self._inflight:
             # a step still in flight keeps the device busy: the news goes out first (one loop

@@ -25,11 +25,13 @@ import logging
 log = logging.getLogger("headrace.engine")
 
 
-def report(blocks, preemption_mode: str) -> None:
-    """Logs both KV tiers of a block manager (``blocks``) as the engine starts with them."""
+def report(blocks, preemption_mode: str, cost=None) -> None:
+    """Logs both KV tiers of a block manager (``blocks``) as the engine starts with them, and
+    the host tier's cost rule (``controlplane.tier_cost``)."""
     host = blocks.host.num_blocks if blocks.host is not None else 0
-    log.info("KV tiers: device %d blocks, host %d blocks (%d tokens each); preemption by %s",
-             blocks.num_blocks, host, blocks.block_size, preemption_mode)
+    log.info("KV tiers: device %d blocks, host %d blocks (%d tokens each); preemption by %s%s",
+             blocks.num_blocks, host, blocks.block_size, preemption_mode,
+             f"; {cost.describe()}" if cost is not None else "")
     if preemption_mode == "swap" and not host:
         log.warning("--preemption-mode swap without a host KV tier (--kv-offloading-size): "
                     "preempted requests are recomputed")

@@ -86,7 +86,7 @@ class _EngineState:
         yield from (running, waiting, usage, free, total, in_flight, ready, preempt, queries, hits)
         yield from self._speculation(getattr(sched, "speculation", None))
         if sched is not None:
-            yield from _tiers(sched.blocks, base)
+            yield from _tiers(sched.blocks, base, sched.tier_cost)
 
     def _speculation(self, spec):
         """vLLM's spec_decode counters (only when the workers speculate)."""
@@ -108,9 +108,10 @@ class _EngineState:
         yield per_pos
 
 
-def _tiers(blocks, base):
+def _tiers(blocks, base, cost=None):
     """Per KV tier (device, host): usage, blocks, prefix-cache hits; the blocks the host tier
-    exchanged with the device, each way (``base``: the retired schedulers' counts)."""
+    exchanged with the device, each way; the host hits its cost rule (``cost``) recomputed,
+    and its estimates (``base``: the retired schedulers' counts)."""
     p, host = PREFIX, blocks.host
     usage = GaugeMetricFamily(p + "kv_tier_usage_perc", "Fraction of a KV tier's blocks holding "
                               "KV (device: in use; host: cached or swapped).", labels=["tier"])
@@ -126,10 +127,22 @@ def _tiers(blocks, base):
     hits.add_metric(["host"], host_hits)
     moved.add_metric(["out"], base[4] + (host.blocks_out if host is not None else 0))
     moved.add_metric(["in"], base[5] + (host.blocks_in if host is not None else 0))
+    skipped = CounterMetricFamily(p + "kv_tier_host_hits_recomputed", "Prompt tokens found in "
+                                  "the host tier that the cost rule (--kv-offloading-policy) "
+                                  "recomputed instead of loading.")
+    skipped.add_metric([], base[6] + (cost.skipped_tokens if cost is not None else 0))
     if host is not None:
         usage.add_metric(["host"], host.usage)
         size.add_metric(["host"], host.num_blocks)
-    yield from (usage, size, hits, moved)
+    yield from (usage, size, hits, moved, skipped)
+    if cost is not None:
+        estimate = GaugeMetricFamily(p + "kv_tier_seconds_per_token", "The host tier cost "
+                                     "rule's estimates: load (a host-tier token copied to the "
+                                     "device), recompute (one more token in a step; 0 until "
+                                     "fitted).", labels=["action"])
+        estimate.add_metric(["load"], cost.load_s_per_token or 0.0)
+        estimate.add_metric(["recompute"], cost.recompute_s_per_token or 0.0)
+        yield estimate
 
 
 def engine_state_collector(metrics: "ControlPlaneMetrics") -> _EngineState:
@@ -141,9 +154,9 @@ class ControlPlaneMetrics(Exporter):
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         self.engine = None        # set by the engine; read at scrape time
-        # preemptions, prefix queries, prefix hits, host-tier hits, blocks out, blocks in of
-        # retired schedulers
-        self.carried = [0, 0, 0, 0, 0, 0]
+        # preemptions, prefix queries, prefix hits, host-tier hits, blocks out, blocks in,
+        # host hits recomputed of retired schedulers
+        self.carried = [0, 0, 0, 0, 0, 0, 0]
         p, r = PREFIX, self.registry
         self.ttft = Histogram(p + "time_to_first_token_seconds",
                               "Time from the request's arrival at the API to its first "
@@ -225,6 +238,8 @@ class ControlPlaneMetrics(Exporter):
         if host is not None:
             for i, value in enumerate((host.hits, host.blocks_out, host.blocks_in), 3):
                 self.carried[i] += value
+        if scheduler.tier_cost is not None:
+            self.carried[6] += scheduler.tier_cost.skipped_tokens
 
     def rpc_error(self, method: str, code: grpc.StatusCode, api: str = "grpc") -> None:
         self.errors.labels(method, code.name, api).inc()

@@ -16,7 +16,8 @@ when free (never by preempting); ``verified`` registers the accepted drafts' ful
 rejected K/V is never shared) and gives the rejected positions' blocks back.
 With a host KV tier and ``preemption_mode="swap"`` a victim's KV is copied to the host tier
 (``BlockManager.swap_out``) and copied back when it is resumed (``controlplane.admission``
-takes an admitted sequence's blocks), instead of recomputed; the
+takes an admitted sequence's blocks), instead of recomputed; host-tier prefix hits are
+loaded where ``tier_cost`` finds that cheaper than recomputing them; the
 step carries the host-tier copies its decisions need (``ScheduledStep.swap_out/swap_in``).
 """
 
@@ -25,11 +26,13 @@ from __future__ import annotations
 import time
 
 from controlplane import admission, fairness
+from controlplane.forks import Forks
 from controlplane.block_manager import BlockManager
 from controlplane.policy import Policy
 from controlplane.request import Sequence, Status
 from controlplane.speculation import Speculation
 from controlplane.step import NewSeq, ScheduledStep
+from controlplane.tier_cost import TierCost
 
 PREEMPTION_MODES = ("recompute", "swap")
 TIME_RECHECK_S = 0.01   # how often waiting work is looked at again while only time can let it in
@@ -39,10 +42,12 @@ class Scheduler:
     def __init__(self, blocks: BlockManager, max_running: int, max_batched_tokens: int,
                  policy: Policy | None = None, watermark: float = 0.01,
                  clock=time.monotonic, fair_share: bool = True,
-                 speculation: Speculation | None = None, preemption_mode: str = "recompute"):
+                 speculation: Speculation | None = None, preemption_mode: str = "recompute",
+                 tier_cost: TierCost | None = None):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption mode {preemption_mode!r}: choose from {PREEMPTION_MODES}")
         self.preemption_mode = preemption_mode
+        self.tier_cost = tier_cost   # None: every host-tier prefix hit is loaded
         self.blocks = blocks
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
@@ -52,10 +57,9 @@ class Scheduler:
         self.fair_share = fair_share
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self._pending_forks: dict[int, list[Sequence]] = {}  # parent seq id -> children
+        self.forks = Forks()   # n > 1: children waiting for their parent's prompt, then forked
         self._forget: list[int] = []
         self._copies: list[tuple[int, int]] = []
-        self._forked: list[Sequence] = []   # running children the workers do not know yet
         self.num_preemptions = 0
         self.speculation = speculation
         self._truncations: list[tuple[int, int]] = []   # (seq id, blocks) for the workers
@@ -67,10 +71,7 @@ class Scheduler:
         parent, *children = seqs
         parent.status, parent.waiting_since = Status.WAITING, now
         self.waiting.append(parent)
-        for child in children:
-            child.status = Status.PENDING_FORK
-        if children:
-            self._pending_forks[parent.seq_id] = children
+        self.forks.defer(parent, children)
 
     def reconfigure(self, *, policy: Policy | None = None, max_running: int | None = None,
                     max_batched_tokens: int | None = None) -> None:
@@ -102,8 +103,7 @@ class Scheduler:
         if self.speculation is not None:
             self.speculation.forget(seq.seq_id)
             self._truncations = [t for t in self._truncations if t[0] != seq.seq_id]
-        if seq in self._forked:
-            self._forked.remove(seq)
+        self.forks.discard(seq)
         if seq.on_worker:
             self._forget.append(seq.seq_id)
             seq.on_worker = False
@@ -114,9 +114,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        for child in self._pending_forks.pop(seq.seq_id, []):
-            if child.status is Status.PENDING_FORK:   # its parent will never compute the prompt
-                self._enqueue(child)
+        for child in self.forks.orphans(seq):
+            self._enqueue(child)
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self._release(seq)
         self.blocks.drop_swapped(seq.seq_id)
@@ -141,7 +140,7 @@ class Scheduler:
             seq.num_computed = 0   # a swapped sequence's host blocks are gone too
         self._forget.clear()
         self._copies.clear()
-        self._forked.clear()
+        self.forks.clear_unsent()
         self._truncations.clear()
         self.blocks.reset_cache()
 
@@ -183,8 +182,8 @@ class Scheduler:
         budget = self.max_batched_tokens
         preemptions_before = self.num_preemptions
         scheduled: set[int] = set()
-        while self._forked and budget >= 1:
-            child = self._forked.pop(0)
+        while self.forks.unsent and budget >= 1:
+            child = self.forks.unsent.pop(0)
             if child.status is Status.RUNNING:
                 step.new.append(NewSeq(child, 1, self.blocks.block_ids(child.seq_id)))
                 scheduled.add(child.seq_id)
@@ -194,7 +193,7 @@ class Scheduler:
             shares.make_room(shares.order(self.policy.order_waiting(self.waiting, now)), scheduled)
             shares = fairness.Shares.of(self)
         victim_key = self.policy.victim_key if shares is None else shares.victim_key
-        unsent = {s.seq_id for s in self._forked}
+        unsent = {s.seq_id for s in self.forks.unsent}
         skip = scheduled | unsent
         blocks, bs = self.blocks, self.blocks.block_size
         needs_blocks = blocks.needs_blocks
@@ -229,14 +228,10 @@ class Scheduler:
                 self._register(seq, start + n)
             k = 0
             if spec is not None and n == 1 and seq.num_total - start == 1:   # a decode
-                if add_spec is None:
-                    spec.pause_tick(seq)
-                else:
-                    k = min(spec.positions(seq, budget), blocks.max_tokens_growable(seq.seq_id) - start - n)
-                    if k > 0 and needs_blocks(seq.seq_id, start + n + k):
-                        more = blocks.grow(seq.seq_id, start + n + k)
-                        running.new_block_ids.extend(more)
-                        new_blocks = list(new_blocks) + more
+                k, more = spec.grant(seq, blocks, budget, add_spec is not None)
+                if more:
+                    running.new_block_ids.extend(more)
+                    new_blocks = list(new_blocks) + more
             if add_spec is not None:
                 add_spec(max(0, k))
             add_seq(seq)
@@ -276,7 +271,8 @@ class Scheduler:
         return not any(s.num_total - s.num_computed > 1 for s in order)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
-        n = admission.admit(self.blocks, seq, budget, self.watermark_blocks if self.running else 0)
+        n = admission.admit(self.blocks, seq, budget, self.watermark_blocks if self.running else 0,
+                            self.tier_cost)
         if n:
             self.waiting.remove(seq)
             self._register(seq, seq.num_computed + n)
@@ -307,21 +303,10 @@ class Scheduler:
                 continue
             seq.num_computed += n
             if seq.num_computed == seq.num_total:   # computes its last token: samples
-                if seq.seq_id in self._pending_forks and seq.num_total == len(seq.prompt_token_ids):
-                    self._fork(seq, self._pending_forks.pop(seq.seq_id))
+                for child in self.forks.due(seq):   # n > 1: its prompt is computed
+                    if len(self.running) >= self.max_running or self.blocks.num_free < 1:
+                        self._enqueue(child)
+                    else:
+                        self._copies.append(self.forks.fork(self.blocks, seq, child))
+                        self.running.append(child)
                 seq.num_inflight += 1
-
-    def _fork(self, parent: Sequence, children: list[Sequence]) -> None:
-        """Children share the parent's prompt blocks except the one holding the last prompt
-        token, which each copies and recomputes that token into (its first sample is its own)."""
-        last = len(parent.prompt_token_ids) - 1
-        for child in children:
-            if len(self.running) >= self.max_running or self.blocks.num_free < 1:
-                self._enqueue(child)
-                continue
-            copy, child.num_cached_prompt_tokens = self.blocks.fork(parent.seq_id, child.seq_id, last)
-            self._copies.append(copy)
-            child.num_computed = last
-            child.status, child.on_worker = Status.RUNNING, True
-            self.running.append(child)
-            self._forked.append(child)

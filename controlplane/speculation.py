@@ -101,6 +101,19 @@ class Speculation:
             return 0
         return max(0, min(self.k, self._left(seq), self.max_model_len - seq.num_total, budget - 1))
 
+    def grant(self, seq: Sequence, blocks, budget: int, speculating: bool) -> tuple[int, list[int]]:
+        """A decode of ``seq`` (its next token scheduled, ``budget`` tokens left before it):
+        its speculative positions in this step and the blocks grown for them, only from free
+        ones (speculation never preempts). Outside a speculating step it ticks its pause."""
+        if not speculating:
+            self.pause_tick(seq)
+            return 0, []
+        end = seq.num_computed + 1
+        k = min(self.positions(seq, budget), blocks.max_tokens_growable(seq.seq_id) - end)
+        if k > 0 and blocks.needs_blocks(seq.seq_id, end + k):
+            return k, blocks.grow(seq.seq_id, end + k)
+        return k, []
+
     def pause_tick(self, seq: Sequence) -> None:
         """A decode of ``seq`` in a step that does not speculate counts towards its pause."""
         state = self._state.get(seq.seq_id)

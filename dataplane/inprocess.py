@@ -19,7 +19,7 @@ import collections
 from typing import Callable
 
 from dataplane.pipeline import StepPipeline
-from dataplane.runner import Launched
+from dataplane.launched import Launched
 from dataplane.worker import Worker
 from headrace.dataplane.v1 import worker_pb2 as pb
 

@@ -16,11 +16,14 @@ and the swap-ins only, never the host: nothing here synchronizes. The device-to-
 transfers of a swap-out overlap the forward, unless the step reads back a host block it
 writes. Copy time is measured with events and reported once they are done (``drain``). On
 the CPU the pool is a second tensor and the copies run at once (CI tests the logic so).
+At start ``measure_load_rate`` times the swap-in's host-to-device transfers once (the
+``WorkerInfo.host_kv_load_bytes_per_s`` that prices a host hit against recomputing it).
 Under tensor parallelism each rank holds its own shard's pool and makes the same copies.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -29,6 +32,7 @@ from dataplane.input_batch import BatchError
 from dataplane.kv_cache import GiB, available_host_bytes
 
 CHUNK_BLOCKS = 32   # blocks staged on the device at once (bounds the scratch memory)
+_nothing = contextlib.nullcontext
 
 
 def host_blocks_for(size_gib: float, block_bytes: int) -> int:
@@ -132,6 +136,26 @@ class HostKV:
             end.record()
         main.wait_event(ready)
         self._timing.append((begin, end, len(out_dev) * self.block_bytes, len(in_dev) * self.block_bytes))
+
+    def measure_load_rate(self, repeats: int = 3) -> float:
+        """Bytes per second the swap-in path moves host blocks to the device at: up to
+        CHUNK_BLOCKS pool blocks copied block by block into a device staging tensor, on the
+        copy stream, the best of ``repeats`` runs after an untimed one. The scatter into the
+        KV cache that follows in a real swap-in is device-internal and left out (nothing is
+        written to the cache here)."""
+        n = min(self.num_blocks, CHUNK_BLOCKS)
+        buf = torch.empty((n, *self.pool.shape[1:]), dtype=self.pool.dtype, device=self.device)
+        best = float("inf")
+        for run in range(repeats + 1):
+            t0 = time.perf_counter()
+            with torch.cuda.stream(self.stream) if self.stream is not None else _nothing():
+                for b in range(n):
+                    buf[b].copy_(self.pool[b], non_blocking=True)
+            if self.stream is not None:
+                self.stream.synchronize()
+            if run:
+                best = min(best, time.perf_counter() - t0)
+        return n * self.block_bytes / max(best, 1e-9)
 
     def _gather(self, caches, out_dev) -> list[tuple[torch.Tensor, int]]:
         """Device staging tensors ``[n, layers, 2, ...]`` holding the blocks to save."""

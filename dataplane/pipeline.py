@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataplane.runner import Launched, ModelRunner
+from dataplane.launched import Launched
+from dataplane.runner import ModelRunner
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 

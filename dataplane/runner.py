@@ -18,7 +18,6 @@ token history) holds the same ids whatever the sampling parameters or RNG states
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 
@@ -28,41 +27,11 @@ import torch
 import kernels
 from dataplane import kv_offload, parallel, staging
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
+from dataplane.launched import Launched, sampling_row
 from dataplane.model import AttentionMetadata, CausalLM
-from dataplane.sampler import SampleOutput, SamplingBatch, SamplingRow, device_arrays, sample
+from dataplane.sampler import SampleOutput, SamplingBatch, device_arrays, sample
 from dataplane.spec_decode import SpecDecoder, Verified, decode_rows, verify
 from headrace.dataplane.v1 import worker_pb2 as pb
-
-
-def _row(seq: pb.NewSequence) -> SamplingRow:
-    """The sequence's sampling parameters as sent (the control plane filled the defaults)."""
-    s = seq.sampling
-    return SamplingRow(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, seed=s.seed if s.has_seed else None,
-        logprobs=s.logprobs, min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
-        prompt_token_ids=list(seq.prompt_token_ids), output_token_ids=list(seq.output_token_ids))
-
-
-@dataclasses.dataclass
-class Launched:
-    """A step whose device work is enqueued; ``finish`` turns it into its StepResult."""
-
-    step_id: int
-    started: float
-    seq_ids: list[int] = dataclasses.field(default_factory=list)
-    out: SampleOutput | None = None
-    histories: list[tuple[int, SamplingRow]] = dataclasses.field(default_factory=list)
-    stop_watch: list = dataclasses.field(default_factory=list)   # see InputBatch.stop_watch
-    begin: torch.cuda.Event | None = None      # device timeline: the step's first op ...
-    done: torch.cuda.Event | None = None       # ... and its last (the ids are on the host)
-    previous: torch.cuda.Event | None = None   # the last op of the step launched before
-    sample_begin: torch.cuda.Event | None = None   # sampling's first op (GPU)
-    sample_ms: float = 0.0                         # sampling's host time (CPU)
-    verified: Verified | None = None               # a speculative verify (spec_decode)
-    token_rows: np.ndarray | None = None           # the rows that sampled, and where their
-    token_pos: np.ndarray | None = None            # tokens go in the token mirror
 
 
 class ModelRunner:
@@ -80,6 +49,7 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.num_blocks,
                                 keep_tokens=spec is not None)
         self.spec = spec
+        self.draft = spec.draft if spec is not None else None   # dataplane.draft_model.DraftModel
         self.host_kv = host_kv   # the host KV tier (dataplane.kv_offload), or None
         self.seq_of_row = np.zeros(max_num_seqs, dtype=np.int64)
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
@@ -103,7 +73,7 @@ class ModelRunner:
         batch.truncate(step.truncate_seq_ids, step.truncate_num_blocks)
         rows, counts, last = [], [], []
         for new in step.new_seqs:
-            row_state = _row(new)
+            row_state = sampling_row(new)
             row = batch.add(new.seq_id, row_state, new.block_ids, new.num_computed_tokens)
             self.seq_of_row[row] = new.seq_id
             rows.append(row)
@@ -171,7 +141,10 @@ class ModelRunner:
             if len(prep.last_index):
                 input_ids[dev["last_index"]] = self.last_token[dev["last_rows"]]
         if rows or (self.graphs is not None and prep.decode_only and self.graphs.fits(len(prep.positions))):
-            return self.graphs.run(input_ids, dev, verify=rows)   # every row samples
+            logits = self.graphs.run(input_ids, dev, verify=rows)   # every row samples
+            if self.draft is not None:
+                self.draft.sync_decode_rows(input_ids, dev, self._arange[:len(prep.positions) + 1])
+            return logits
         qsl = dev["query_start_loc"] if "query_start_loc" in dev else self._arange[:len(prep.positions) + 1]
         flash = kernels.flash_attn4.step_plan(self.attention, prep, qsl, dev["seq_lens"],
                                               dev["block_tables"])
@@ -181,6 +154,8 @@ class ModelRunner:
                                  num_decodes=prep.num_decodes, decode_order=dev["decode_order"],
                                  flash=flash)
         hidden = self.model(input_ids, dev["positions"], self.kv_caches, meta)
+        if self.draft is not None:   # the draft's KV follows the target's, step by step
+            self.draft.sync(input_ids, dev["positions"], meta)
         if len(prep.sample_rows) == 0:
             return None
         if len(prep.logits_indices) != hidden.shape[0]:
@@ -252,7 +227,8 @@ class ModelRunner:
         if dev is None:
             dev = {k: torch.as_tensor(list(b), dtype=torch.int64).to(self.device)
                    for k, b in (("copy_src", step.copy_src_blocks), ("copy_dst", step.copy_dst_blocks))}
-        return functools.partial(kernels.copy_blocks, self.kv_caches, dev["copy_src"], dev["copy_dst"])
+        caches = self.kv_caches if self.draft is None else self.kv_caches + self.draft.kv_caches
+        return functools.partial(kernels.copy_blocks, caches, dev["copy_src"], dev["copy_dst"])
 
     def _record_done(self, launched: Launched) -> Launched:
         if launched.begin is not None:

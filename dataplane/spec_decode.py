@@ -105,11 +105,14 @@ class Verified:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig):
-        if config.method != "ngram":
-            raise ValueError(f"speculative method {config.method!r} is not supported by this "
-                             f"worker (ngram is)")
+    def __init__(self, config: SpeculativeConfig, draft=None):
+        """``draft``: the ``dataplane.draft_model.DraftModel`` proposing for ``draft_model``."""
+        if config.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative method {config.method!r} is not supported by this worker")
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError("speculative method draft_model needs its DraftModel (and only it)")
         self.config = config
+        self.draft = draft
         self._drafts: dict[int, np.ndarray] = {}   # row -> drafts of the step being launched
         self.num_unproposed = 0   # steps that gave positions and found no drafts (the control
                                   # plane predicts proposals: this stays ~0)
@@ -120,13 +123,23 @@ class SpecDecoder:
         when no row drafted anything. Rows that keep a token history (penalties) do not draft."""
         self._drafts.clear()
         cfg, counts = self.config, np.zeros(len(rows), np.int64)
+        wanted = []   # (index, row, k) of the decodes that draft
         for i in np.flatnonzero(spec).tolist():
             row = int(rows[i])
             n = int(batch.num_tokens[row])
             if batch.uses_history[row] or n > batch.num_computed[row] + 1:
                 continue   # penalties, or not a decode
             k = min(int(spec[i]), batch.tokens.shape[1] - n)
-            drafts = ngram_propose(batch.tokens[row, :n], k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if k > 0:
+                wanted.append((i, row, k))
+        if self.draft is not None and wanted:
+            proposals = self.draft.propose(batch, [w[1] for w in wanted], [w[2] for w in wanted])
+        else:
+            proposals = [ngram_propose(batch.tokens[row, :int(batch.num_tokens[row])], k,
+                                       cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                         for _, row, k in wanted]
+        for (i, row, _), drafts in zip(wanted, proposals):
+            n = int(batch.num_tokens[row])
             if len(drafts):
                 batch.tokens[row, n:n + len(drafts)] = drafts
                 counts[i] = len(drafts)

@@ -18,9 +18,10 @@ import torch
 import kernels
 from common import speculative
 from common.worker_options import WorkerOptions
-from dataplane import kv_cache, kv_offload, parallel
+from dataplane import draft_model, kv_cache, kv_offload, parallel
 from dataplane.config import ModelConfig, load_model_config
 from dataplane.cuda_graphs import DecodeGraphs
+from dataplane.draft_model import DraftModel
 from dataplane.loader import load_model
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.progress import Phases, Progress
@@ -80,8 +81,11 @@ class Worker:
             raise RuntimeError(f"rank {rank} of {world_size}: the process group is not initialised "
                                f"(dataplane.parallel.init)")
         self.speculative = speculative.parse(opts.speculative_config)
-        spec = SpecDecoder(self.speculative) if self.speculative is not None else None
         self.cfg: ModelConfig = load_model_config(opts.model)
+        drafting = self.speculative is not None and self.speculative.method == "draft_model"
+        if drafting:
+            draft_dir = draft_model.check_options(self.speculative, self.cfg, world_size,
+                                                  opts.kv_offloading_size)
         self.shard = parallel.Shard.of(self.cfg, rank, world_size)
         self.local_cfg = self.shard.local_config(self.cfg)   # this rank's heads and MLP columns
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
@@ -99,8 +103,14 @@ class Worker:
                            self.max_model_len, self.shard, self.quant)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()   # an on-the-fly quantization's float weights
+        draft = None
+        if drafting:
+            draft = DraftModel.load(draft_dir, self.cfg, self.device, self.dtype,
+                                    self.max_model_len)
         phases.mark("weights")
         self.block_bytes = kv_cache.bytes_per_block(self.local_cfg, opts.block_size, self.kv_dtype)
+        if draft is not None:   # a block id holds the target's and the draft's KV
+            self.block_bytes += draft.bytes_per_block(opts.block_size, self.kv_dtype)
         if self.device.type == "cuda":
             self._warm_up(model)
             phases.mark("warm-up")
@@ -112,20 +122,24 @@ class Worker:
                       self.local_cfg.num_layers, "layers", rank=rank) as progress:
             caches = kv_cache.allocate(self.local_cfg, num_blocks, opts.block_size, self.kv_dtype,
                                        self.device, progress)
+        if draft is not None:
+            draft.allocate(num_blocks, opts.block_size, self.kv_dtype)
         phases.mark("KV cache")
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %s, %d bytes per block; weights: %s",
                  num_blocks, opts.block_size, num_blocks * opts.block_size, self.kv_dtype_name,
                  self.block_bytes, self.quant.describe() if self.quant else self.dtype_name)
-        host_kv = None
+        host_kv, self.host_load_rate = None, 0.0
         num_host = kv_offload.host_blocks_for(opts.kv_offloading_size, self.block_bytes)
         if num_host:
             with Progress(f"allocating the host KV tier ({num_host} blocks, "
                           f"{num_host * self.block_bytes / kv_cache.GiB:.2f} GiB)", 1, "pools", rank=rank) as progress:
                 host_kv = kv_offload.HostKV(caches, num_host, self.device)
+                self.host_load_rate = host_kv.measure_load_rate()
                 progress.update()
             phases.mark("host KV tier")
-        log.info("host KV tier: %d blocks (%.2f GiB%s)", num_host, num_host * self.block_bytes / kv_cache.GiB,
-                 ", pinned" if host_kv is not None and self.device.type == "cuda" else "")
+        log.info("host KV tier: %d blocks (%.2f GiB%s)%s", num_host, num_host * self.block_bytes / kv_cache.GiB,
+                 ", pinned" if host_kv is not None and self.device.type == "cuda" else "",
+                 f", loads at {self.host_load_rate / 1e9:.1f} GB/s" if host_kv is not None else "")
         graphs = None
         if self.device.type == "cuda" and opts.cuda_graphs:
             graphs = DecodeGraphs(model, caches, graph_rows(self.speculative, opts.max_num_seqs),
@@ -133,6 +147,7 @@ class Worker:
             with Progress("capturing CUDA graphs", len(graphs.sizes), "graphs", rank=rank) as progress:
                 graphs.capture(progress)
             phases.mark("CUDA graphs")
+        spec = SpecDecoder(self.speculative, draft) if self.speculative is not None else None
         self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,
                                   opts.max_num_seqs, graphs, rank=rank, seed=opts.seed, spec=spec,
                                   attention=self.attention, host_kv=host_kv)
@@ -216,6 +231,7 @@ class Worker:
             num_host_kv_blocks=self.runner.host_kv.num_blocks if self.runner.host_kv else 0,
             kv_bytes_per_block=self.block_bytes, eos_token_ids=list(cfg.eos_token_ids),
             max_num_seqs=self.opts.max_num_seqs, max_batched_tokens=self.opts.max_batched_tokens,
-            startup_seconds=self.startup_seconds)
+            startup_seconds=self.startup_seconds,
+            host_kv_load_bytes_per_s=self.host_load_rate)
         speculative.to_proto(self.speculative, info.speculative)
         return info

@@ -19,6 +19,9 @@ them. Its ``flash`` argument (a ``kernels.flash_attn4.Plan``, made once per step
 step's ``kernels.attention_policy`` choice is flash-attn-4) sends a CUDA step's prefill part to
 flash-attn-4 instead (``--attention-backend``); CPU tensors and ``reference`` ignore it.
 ``copy_blocks`` (copy on write, rare) is plain torch indexing on every device.
+``fp8_linear`` on the GPU is two kernels split by row count (``kernels.triton_quant``: FP8-weight
+skinny GEMM at decode, ``_scaled_mm`` above); ``fp8_linear_kernel`` says which one an input
+would take (``reference`` where the reference runs), for benchmarks to report.
 """
 
 from __future__ import annotations
@@ -98,3 +101,11 @@ linear = _select(reference.linear, "linear")
 fp8_linear = _select(reference_quant.fp8_linear, "fp8_linear")
 wna16_linear = _select(reference_quant.wna16_linear, "wna16_linear")
 copy_blocks = reference.copy_blocks   # one indexed copy per layer: torch is the kernel
+
+
+def fp8_linear_kernel(rows: int, device: str | torch.device = "cuda") -> str:
+    """Which kernel ``fp8_linear`` runs for an input of ``rows`` rows on ``device``:
+    'reference', or the GPU's 'fp8_skinny' / 'scaled_mm' (``triton_quant.fp8_kernel``)."""
+    if _triton is None or (MODE == "auto" and torch.device(device).type != "cuda"):
+        return "reference"
+    return _triton[0]["fp8_linear"].fp8_kernel(rows)

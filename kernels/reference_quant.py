@@ -7,6 +7,9 @@ runs them on CPU and the tests compare against them.
   (a per-tensor scale is that scale on every row); activations quantised per token (row) at run
   time (scale = max|x| / 448, at least 1 / (448 * 512), as vLLM) or with one static scale.
   ``y = (xq * sx) @ (wq * sw)^T``, computed in float32, returned in x's dtype.
+* FP8 weight only (W8A16, the GPU's decode path: ``kernels.triton_fp8_linear``): the same
+  weight and scales, activations not quantised: ``y = x @ (wq * sw)^T`` in float32, returned in
+  x's dtype (a static input scale does not apply).
 * W4A16 / W8A16 (integer weights, activations unquantised): ``qweight`` ``[K / P, N]`` int32
   with P = 32 / bits values per word packed along K (value k sits at bits ``(k % P) * bits`` of
   word ``k // P``: GPTQ's layout), unsigned values ``q`` in ``[0, 2^bits)``; ``scales`` ``[G, N]``
@@ -55,6 +58,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x2 = x.reshape(-1, k)
     xq, sx = per_token_fp8(x2, input_scale)
     y = (xq.float() * sx) @ (weight.float() * weight_scale.float().reshape(n, 1)).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def fp8_weight_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequant(weight [N, K])^T (+ bias), x unquantised; ``weight_scale`` [N] float32
+    per output row, or one element for the whole tensor."""
+    n, k = weight.shape
+    w = weight.float() * weight_scale.float().reshape(-1, 1).expand(n, 1)
+    y = x.reshape(-1, k).float() @ w.t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -1,9 +1,12 @@
 """Triton twins of ``kernels.reference_quant``: the quantized linear layers on the GPU.
 
-* ``fp8_linear``: a Triton kernel quantises the activations to e4m3 (one program per row:
-  max|x| -> scale, then x / scale; or one static scale), then ``torch._scaled_mm`` runs the GEMM
-  on the FP8 tensor cores with row-wise scales (scale_a [M, 1], scale_b [1, N], float32) and a
-  bfloat16 output (cast to x's dtype when that differs).
+* ``fp8_linear``: up to ``FP8_SKINNY_MAX_ROWS`` rows (decode) the FP8-weight skinny GEMM of
+  ``kernels.triton_fp8_linear`` (W8A16: x not quantised; there ``_scaled_mm`` reads its weight at
+  a quarter of the H200's bandwidth). Above it a Triton kernel quantises the activations to e4m3
+  (one program per row: max|x| -> scale, then x / scale; or one static scale), then
+  ``torch._scaled_mm`` runs the GEMM on the FP8 tensor cores with row-wise scales (scale_a
+  [M, 1], scale_b [1, N], float32) and a bfloat16 output (cast to x's dtype when that differs).
+  ``fp8_kernel(m)`` names the kernel m rows take.
 * ``wna16_linear``: W4A16 and W8A16 in one GEMM kernel. Each program owns a BLOCK_M x BLOCK_N
   tile of the output and walks K: it loads the packed int32 words of a [BLOCK_K, BLOCK_N] weight
   tile (GPTQ layout, 32 / BITS values per word along K), shifts the values out, dequantises
@@ -24,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_fp8_linear
 from kernels.reference_quant import FP8, FP8_MAX, FP8_MIN_SCALE
 from kernels.triton_flash import INTERPRETED as _INTERPRETED   # bfloat16 tl.dot operands widened there
 
@@ -83,13 +87,33 @@ def per_token_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
     return xq, scale
 
 
+# Rows up to which fp8_linear takes the skinny FP8-weight kernel (W8A16) instead of activation
+# quantisation + _scaled_mm (W8A8). To be measured on the H200: bench/quant_kernels.py prints
+# both at M = 1..256 and this choice per row. 128 from the roofline only: at M <= 128 a bf16
+# tensor-core GEMM of an 8B projection is still bound by its FP8 weight bytes.
+FP8_SKINNY_MAX_ROWS = 128
+FP8_KERNELS = ("fp8_skinny", "scaled_mm")
+
+
+def fp8_kernel(m: int) -> str:
+    """The kernel fp8_linear runs for an input of m rows: 'fp8_skinny' or 'scaled_mm'."""
+    return "fp8_skinny" if m <= FP8_SKINNY_MAX_ROWS else "scaled_mm"
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """See kernels.reference_quant.fp8_linear. weight [N, K] e4m3 (row-major, so weight.t() is
-    the column-major operand _scaled_mm wants), weight_scale [N] float32."""
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               kernel: str | None = None) -> torch.Tensor:
+    """See kernels.reference_quant.fp8_linear (W8A8; the skinny kernel's rows:
+    fp8_weight_linear, W8A16). weight [N, K] e4m3 (row-major, so weight.t() is the column-major
+    operand _scaled_mm wants), weight_scale [N] float32. ``kernel``: one of FP8_KERNELS
+    instead of ``fp8_kernel``'s choice (the benchmark, the tests)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
+    kernel = kernel or fp8_kernel(x2.shape[0])
+    if kernel == "fp8_skinny":
+        return triton_fp8_linear.fp8_weight_linear(x, weight, weight_scale, bias)
+    if kernel != "scaled_mm":
+        raise ValueError(f"kernel must be one of {FP8_KERNELS}, not {kernel!r}")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     xq, sx = per_token_fp8(x2, input_scale)

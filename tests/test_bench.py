@@ -62,23 +62,27 @@ def test_fa4_gpu_check_installs_offline_and_runs_benches_as_modules():
         assert f"has {section}" in script, section
 
 
-def test_w5_runs_on_a_cpu_with_tiny_sizes_in_both_modes():
-    """W5 (multi-turn chat) end to end with the embedded tiny model: both modes in one
-    invocation, the same tokens generated, the host tier hit only when it is on."""
+def test_w5_runs_on_a_cpu_with_tiny_sizes_in_every_mode():
+    """W5 (multi-turn chat) end to end with the embedded tiny model: offloading off, and on
+    with host hits always loaded and never (recomputed), in one invocation; the same tokens
+    generated; the host tier hit only when loaded, its hits counted as recomputed by never."""
     import json
     import os
 
     cmd = [sys.executable, "-m", "bench.w5_bench", "--device", "cpu", "--conversations", "4",
            "--turns", "3", "--user-tokens", "40", "--output-tokens", "8", "--system-tokens", "32",
            "--num-kv-blocks", "24", "--offload-gib", "0.01", "--concurrency", "2",
-           "--port", "50271", "--metrics-port", "50273",
+           "--port", "50271", "--metrics-port", "50273", "--modes", "off,always,never",
            "--serve-args", "--max-running 8 --max-batched-tokens 256", "--ready-timeout", "120"]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'protos'}")
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
-    off, on = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert off["offloading"] == "off" and on["offloading"] == "on" and off["turns"] == on["turns"] == 12
-    assert off["histories_digest"] == on["histories_digest"]
+    off, on, never = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["offloading"] for r in (off, on, never)] == ["off", "always", "never"]
+    assert off["turns"] == on["turns"] == never["turns"] == 12
+    assert off["histories_digest"] == on["histories_digest"] == never["histories_digest"]
     assert off["hit_rate_host"] == 0 and on["hit_rate_host"] > 0 and on["blocks_in"] > 0
-    assert on["cached_prompt_tokens"] > off["cached_prompt_tokens"]
-    assert "TTFT p50" in out.stdout
+    assert on["cached_prompt_tokens"] > off["cached_prompt_tokens"] and on["host_hits_recomputed"] == 0
+    assert never["hit_rate_host"] == 0 and never["host_hits_recomputed"] > 0 and never["blocks_in"] == 0
+    assert on["load_us_per_token"] > 0 and off["load_us_per_token"] == 0
+    assert "TTFT p50" in out.stdout and "same tokens in every mode: yes" in out.stdout

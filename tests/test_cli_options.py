@@ -89,6 +89,15 @@ def test_max_num_seqs_limits_the_scheduler_and_the_worker_alike():
     assert not not_its_own & set(vars(control))   # the control plane alone takes only its share
 
 
+def test_the_offloading_policy_is_the_control_planes():
+    assert engine_config(_serve()).kv_offloading_policy == "auto"
+    control = build_parser().parse_args(["controlplane", "--workers", "x:1",
+                                         "--kv-offloading-policy", "never"])
+    assert engine_config(control).kv_offloading_policy == "never"
+    with pytest.raises(SystemExit):
+        _serve("--kv-offloading-policy", "sometimes")
+
+
 @pytest.mark.parametrize("command", ["serve", "dataplane", "controlplane"])
 def test_max_running_is_a_hidden_alias_of_max_num_seqs(command, capsys):
     extra = ["--workers", "x:1"] if command == "controlplane" else []

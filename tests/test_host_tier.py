@@ -20,9 +20,9 @@ from controlplane.speculation import Speculation
 from tests.test_scheduler import Clock, make_request, run_step
 
 
-def _sched(blocks, host, mode="recompute", bs=4, budget=64, cap=8, spec=False):
+def _sched(blocks, host, mode="recompute", bs=4, budget=64, cap=8, spec=False, cost=None):
     sched = Scheduler(BlockManager(blocks, bs, True, host_blocks=host), cap, budget, Policy(),
-                      watermark=0.0, clock=Clock(), preemption_mode=mode)
+                      watermark=0.0, clock=Clock(), preemption_mode=mode, tier_cost=cost)
     if spec:
         cfg = speculative.parse('{"method": "ngram", "num_speculative_tokens": 3}')
         sched.speculation = Speculation(cfg, 10_000)

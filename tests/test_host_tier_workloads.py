@@ -1,6 +1,7 @@
 """The host KV tier under the scheduler (hypothesis): random workloads of submits, n = 2
 forks, cancels, data-plane crashes, speculative steps (drafts written, rejected ones cut back
-with ``BlockManager.truncate``) and preemptions (recompute and swap) on a tiny pool, played
+with ``BlockManager.truncate``) and preemptions (recompute and swap) on a tiny pool, host hits
+loaded or recomputed by the cost rule (``controlplane.tier_cost``, random estimates), played
 against a simulated worker that holds both tiers' KV slot by slot and applies each step's
 swap-outs, copy-on-write copies, swap-ins and forward writes in the workers' order: every
 sequence must read exactly the KV of its own tokens, finish with the tokens of a run without
@@ -13,6 +14,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from controlplane.tier_cost import TierCost
 from headrace.v1 import inference_pb2 as pb
 from tests.test_host_tier import _sched
 from tests.test_scheduler import make_request
@@ -76,9 +78,18 @@ class SimWorker:
                 assert got == tuple(tokens[:p + 1]), f"seq {seq.seq_id} reads wrong KV at {p}"
 
 
-def _play(seed, blocks, host, mode, spec, crash):
+def _rule(policy, rng):
+    if policy is None:
+        return None
+    rule = TierCost(policy, rng.uniform(0.0, 2.0), 4)
+    rule.fit.slope = rng.uniform(0.01, 0.5)   # seconds per token: a block costs 0.04 to 2
+    return rule
+
+
+def _play(seed, blocks, host, mode, spec, crash, policy=None):
     rng = random.Random(seed)
-    sched = _sched(blocks, host, mode, bs=4, budget=rng.choice([8, 16, 64]), cap=4, spec=spec)
+    sched = _sched(blocks, host, mode, bs=4, budget=rng.choice([8, 16, 64]), cap=4, spec=spec,
+                   cost=_rule(policy, random.Random(seed + 2)))
     bm, worker, live, outputs = sched.blocks, SimWorker(4), [], {}
     prompts = [[rng.randrange(5) for _ in range(10)] for _ in range(3)]
     plan = random.Random(seed + 1)   # the workload does not depend on what the tiers do
@@ -166,10 +177,11 @@ def _check(sched, bm, live):
 
 @settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 100_000), blocks=st.integers(6, 24), host=st.integers(1, 24),
-       mode=st.sampled_from(["recompute", "swap"]), spec=st.booleans(), crash=st.booleans())
+       mode=st.sampled_from(["recompute", "swap"]), spec=st.booleans(), crash=st.booleans(),
+       policy=st.sampled_from([None, "auto", "auto", "never"]))
 def test_random_workloads_read_the_right_kv_and_match_a_run_without_offloading(seed, blocks, host, mode,
-                                                                               spec, crash):
-    with_host = _play(seed, blocks, host, mode, spec, crash)
+                                                                               spec, crash, policy):
+    with_host = _play(seed, blocks, host, mode, spec, crash, policy)
     without = _play(seed, blocks, 0, "recompute", spec, crash)
     done = pb.FINISH_REASON_LENGTH   # (what an abort cut off depends on the progress made)
     both = [k for k in with_host if with_host[k][0] == done and without.get(k, (0,))[0] == done]

@@ -1,8 +1,10 @@
 """The host KV tier end to end on CPU (dataplane.kv_offload's copy engine under the control
 plane's host tier): greedy outputs equal with offloading on and off under a KV pool small
-enough to evict and preempt; a prompt evicted from the device is found on the host (counted
-as cached, not recomputed); swap preemption resumes from the host; a restarted data plane's
-host tier is forgotten; and the copy engine itself (block contents, bad input)."""
+enough to evict and preempt, whether the cost rule loads host hits, recomputes them or
+decides (--kv-offloading-policy); a prompt evicted from the device is found on the host
+(counted as cached, not recomputed) or, by policy never, recomputed and counted so; swap
+preemption resumes from the host; a restarted data plane's host tier is forgotten; and the
+copy engine itself (block contents, bad input, its measured load rate)."""
 
 from __future__ import annotations
 
@@ -51,10 +53,12 @@ def expected(model_dir):
         roomy.close()
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_outputs_equal_with_offloading_under_eviction_and_preemption(model_dir, expected, mode):
+@pytest.mark.parametrize("mode,policy", [("recompute", "always"), ("swap", "auto"),
+                                         ("recompute", "never")])
+def test_outputs_equal_with_offloading_under_eviction_and_preemption(model_dir, expected, mode, policy):
     tight = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD,
-                   config=EngineConfig(max_batched_tokens=24, preemption_mode=mode))
+                   config=EngineConfig(max_batched_tokens=24, preemption_mode=mode,
+                                       kv_offloading_policy=policy))
     try:
         got = _run_all(tight, _workload())
         sched = tight.engine.scheduler
@@ -63,6 +67,8 @@ def test_outputs_equal_with_offloading_under_eviction_and_preemption(model_dir, 
         assert sched.num_preemptions > 0 and host.blocks_out > 0
         if mode == "swap":
             assert host.blocks_in > 0
+        if policy == "never":   # host hits were found, and every one recomputed
+            assert host.hits == 0 and sched.tier_cost.skipped_tokens > 0
         assert tight.wait_for_free_blocks(8) == 8
         assert not host.swapped and not any(host.ref)
     finally:
@@ -70,7 +76,10 @@ def test_outputs_equal_with_offloading_under_eviction_and_preemption(model_dir, 
     assert got == expected
 
 
-def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir):
+@pytest.mark.parametrize("policy", ["always", "never", "auto", "auto, a dear copy"])
+def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy):
+    """``auto`` on a CPU: copying a block costs well under a microsecond per token, computing
+    one a hundred or more: it loads; made dear, it recomputes."""
     prompt = list(range(2, 66))    # 64 tokens: 3 full blocks are reusable (the last is computed)
     others = [[300 - i] * 40 for i in range(3)]
     ref = Planes(model_dir, num_kv_blocks=64)
@@ -78,7 +87,8 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir):
         want = _gen(ref, prompt, 4)[0]
     finally:
         ref.close()
-    planes = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD)
+    planes = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD,
+                    config=EngineConfig(kv_offloading_policy=policy.split(",")[0]))
     try:
         assert planes.stub.GetModelInfo(pb.GetModelInfoRequest()).num_host_kv_blocks > 0
         first, cached = _gen(planes, prompt, 4)
@@ -90,10 +100,30 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir):
         on_host = sum(1 for b in hits if b < 0)
         assert len(hits) == 3 and on_host >= 2
         hits_before = blocks.host.hits
+        rule = planes.engine.scheduler.tier_cost
+        if policy == "auto, a dear copy":
+            assert rule.recompute_s_per_token > 0   # fitted from the steps so far
+            rule.load_s_per_block = 1e3
         again, cached = _gen(planes, prompt, 4)
         assert again == want
-        assert cached == 48 and blocks.host.hits - hits_before == 16 * on_host   # not recomputed
         sample = planes.plane.metrics.registry.get_sample_value
+        admin = apb_grpc.AdminStub(planes.channel).GetConfig(apb.GetConfigRequest())
+        assert admin.kv_offloading_policy == policy.split(",")[0]
+        assert admin.host_load_seconds_per_token == pytest.approx(rule.load_s_per_token)
+        assert admin.host_load_seconds_per_token > 0
+        skipped = sample("headrace:kv_tier_host_hits_recomputed_total")
+        assert skipped == admin.host_hits_recomputed_tokens == rule.skipped_tokens
+        assert sample("headrace:kv_tier_seconds_per_token", {"action": "load"}) == \
+            pytest.approx(admin.host_load_seconds_per_token)
+        if policy != "always" and policy != "auto":   # recomputed: the device tier's hits only,
+            # the host copies kept
+            assert cached == 48 - 16 * on_host and blocks.host.hits == hits_before
+            assert skipped == 16 * on_host
+            for b in (~b for b in hits if b < 0):   # still cached on the host where they were
+                assert blocks.host.lookup(*blocks.host.entry(b)) == b
+            return
+        assert cached == 48 and blocks.host.hits - hits_before == 16 * on_host   # not recomputed
+        assert skipped == 0
         assert sample("headrace:kv_tier_prefix_hits_total", {"tier": "host"}) == blocks.host.hits
         assert sample("headrace:kv_tier_blocks", {"tier": "host"}) == blocks.host.num_blocks
         assert sample("headrace:kv_offload_blocks_total", {"direction": "in"}) >= on_host
@@ -165,6 +195,13 @@ def test_a_swap_out_runs_before_the_copies_and_the_swap_in_of_its_step():
     _sync()
     for c, s in zip(caches, saved):
         assert torch.equal(c[:, 2], s) and torch.equal(c[:, 0], c[:, 3])
+
+
+def test_the_load_rate_is_measured_on_the_pool():
+    host = HostKV(_caches(), 4, torch.device(DEVICE))
+    rate = host.measure_load_rate()
+    assert 0 < rate < float("inf")
+    assert 4 * host.block_bytes / rate < 1.0   # bytes per second: four tiny blocks, well under 1 s
 
 
 def test_bad_copies_and_sizes_are_refused():

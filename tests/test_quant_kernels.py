@@ -57,7 +57,7 @@ def test_fp8_linear(dtype, static, bias):
     s_in = torch.tensor([0.01]) if static else None
     expect = ref.fp8_linear(x, wq, ws, s_in, b)
     dev = [t.to(DEVICE) if t is not None else None for t in (x, wq, ws, s_in, b)]
-    actual = triton_quant.fp8_linear(*dev)
+    actual = triton_quant.fp8_linear(*dev, kernel="scaled_mm")   # 12 rows: past the skinny one
     assert actual.shape == (3, 4, 48) and actual.dtype == dtype
     # bf16 output of _scaled_mm, and one e4m3 step of slack in the quantised inputs
     torch.testing.assert_close(actual.cpu().float(), expect.float(), atol=0.05, rtol=0.05)

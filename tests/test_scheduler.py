@@ -294,7 +294,7 @@ def test_random_workload_invariants(seed, num_blocks, budget, cap, policy, prefi
                 at += count
         running_ids = {s.seq_id for s in sched.running}
         assert mirror <= running_ids | set(sched._forget), "a worker would hold a dropped sequence"
-        assert running_ids - {s.seq_id for s in sched._forked} <= mirror
+        assert running_ids - {s.seq_id for s in sched.forks.unsent} <= mirror
         assert len(mirror - set(sched._forget)) <= cap
         # the token budget and the cap hold
         assert step.num_tokens <= budget and len(sched.running) <= cap

@@ -137,7 +137,8 @@ def test_tp_ranks_each_offload_their_shard_to_the_host_tier(tmp_path):
             expected = [run(single, p) for p in prompts]
         finally:
             single.close()
-        planes = Planes(model, workers=addresses, config=EngineConfig(preemption_mode="swap"))
+        planes = Planes(model, workers=addresses,   # host hits loaded whatever the cost rule says
+                        config=EngineConfig(preemption_mode="swap", kv_offloading_policy="always"))
         try:
             sequential = [run(planes, p) for p in prompts]     # evicted, then found on the host
             with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:   # preempted

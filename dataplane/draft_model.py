@@ -1,0 +1,148 @@
+"""The draft model of ``--speculative-config '{"method": "draft_model", "model": DIR, ...}'``:
+a second, smaller checkpoint sharing the target's tokenizer, held in the same worker with a
+KV pool of its own that is indexed by the target's block ids.
+
+Why the same block ids: the control plane owns every block decision (allocation, prefix
+hits, copy on write, rollback of rejected positions, preemption). Giving the draft one pool
+slot per target slot makes each of those decisions hold for the draft's KV too, with nothing
+new on the wire: a block the target computed, the draft computed in the same step.
+
+How its KV stays in step with the target's: every forward the target runs (prefill chunks,
+decodes, verifies; eager or a CUDA-graph replay) is followed by the draft's forward over
+the same tokens, positions and slots (``sync``), on the same stream. So before a verify the
+draft's cache holds every position the target has computed, and ``propose`` only has to run
+``k`` greedy decodes from the sequence's last token (written at positions ``p .. p + k - 1``;
+the verify's ``sync`` writes ``p .. p + k`` again with the same tokens). K/V written for
+rejected drafts sit past the sequence's computed length and are overwritten before anything
+reads them, exactly as the target's are.
+
+Greedy drafts are point masses, so ``dataplane.spec_decode``'s acceptance (accept ``x`` with
+probability ``p(x)``, else draw from ``p`` without ``x``) keeps the target's distribution
+exactly; this is what vLLM's rejection sampler does for drafts without probabilities.
+
+Not built: tensor parallelism (the draft would have to run unsharded beside sharded
+layers), the host KV tier (its copies move the target's pool only), CUDA graphs for the
+draft's own decodes (they run eagerly; on a GPU that is ``k`` small launches per verify).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import torch
+
+from common.model_source import ModelSourceError, resolve_model
+
+from dataplane import kv_cache
+from dataplane.config import ModelConfig, load_model_config
+from dataplane.input_batch import InputBatch, longest_first
+from dataplane.loader import load_model
+from dataplane.model import AttentionMetadata, CausalLM
+
+
+def check_pair(target: ModelConfig, draft: ModelConfig) -> None:
+    """ValueError unless ``draft`` can propose for ``target`` (its token ids mean the same)."""
+    if draft.vocab_size > target.vocab_size:
+        raise ValueError(f"--speculative-config: the draft model's vocabulary ({draft.vocab_size}) "
+                         f"is larger than the target's ({target.vocab_size}); they must share a tokenizer")
+
+
+def check_options(config, target: ModelConfig, world_size: int, kv_offloading_size: float) -> str:
+    """The draft's checkpoint directory (a local one, or a Hub id's snapshot, as ``--model``
+    resolves); ValueError (one line naming the option) where the worker cannot serve it."""
+    if world_size > 1:
+        raise ValueError("--speculative-config: method draft_model needs --tensor-parallel-size 1 "
+                         "(a draft beside sharded layers is not built)")
+    if kv_offloading_size:
+        raise ValueError("--speculative-config: method draft_model does not run with "
+                         "--kv-offloading-size (the host tier moves only the target's KV)")
+    try:
+        model_dir = resolve_model(config.model)
+    except ModelSourceError as exc:
+        raise ValueError(f"--speculative-config: draft model: {exc}") from None
+    DraftModel.config_of(model_dir, target)
+    return model_dir
+
+
+class DraftModel:
+    def __init__(self, model: CausalLM, device: torch.device):
+        self.model, self.device = model, device
+        self.kv_caches: list[torch.Tensor] = []   # ``allocate`` makes them
+        self.block_size = 0
+        self.num_forwards = 0   # draft forward passes run (sync and propose): for tests/bench
+
+    @classmethod
+    def load(cls, model_dir: str, target: ModelConfig, device: torch.device, dtype: torch.dtype,
+             max_model_len: int) -> "DraftModel":
+        """Loads the weights (before the KV pools are sized from what memory is left)."""
+        cfg = cls.config_of(model_dir, target)
+        return cls(load_model(pathlib.Path(model_dir), cfg, device, dtype, max_model_len), device)
+
+    @staticmethod
+    def config_of(model_dir: str, target: ModelConfig) -> ModelConfig:
+        if not pathlib.Path(model_dir).is_dir():
+            raise ValueError(f"--speculative-config: draft model directory {model_dir!r} not found")
+        cfg = load_model_config(model_dir)
+        check_pair(target, cfg)
+        return cfg
+
+    def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        return kv_cache.bytes_per_block(self.model.cfg, block_size, kv_dtype)
+
+    def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+        """The draft's KV pool: one slot per slot of the target's (same block ids)."""
+        self.block_size = block_size
+        self.kv_caches = kv_cache.allocate(self.model.cfg, num_blocks, block_size, kv_dtype, self.device)
+
+    def sync(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        """The draft's forward over the target's step (same tokens, positions, slots): its KV
+        then covers what the target's does. Only the KV writes matter; no logits."""
+        plain = AttentionMetadata(slot_mapping=meta.slot_mapping, query_start_loc=meta.query_start_loc,
+                                  seq_lens=meta.seq_lens, block_tables=meta.block_tables,
+                                  max_query_len=meta.max_query_len, decode_only=meta.decode_only,
+                                  num_decodes=meta.num_decodes, decode_order=meta.decode_order)
+        self.model(input_ids, positions, self.kv_caches, plain)
+        self.num_forwards += 1
+
+    def sync_decode_rows(self, input_ids: torch.Tensor, dev: dict[str, torch.Tensor],
+                         query_start_loc: torch.Tensor) -> None:
+        """``sync`` for a step the CUDA graphs replayed: one decode row per token (``dev``'s
+        per-token lengths and tables, ``spec_decode.decode_rows``)."""
+        n = len(dev["positions"])
+        self.sync(input_ids, dev["positions"], AttentionMetadata(
+            slot_mapping=dev["slot_mapping"], query_start_loc=query_start_loc,
+            seq_lens=dev["seq_lens"], block_tables=dev["block_tables"], max_query_len=1,
+            decode_only=True, num_decodes=n, decode_order=dev["decode_order"]))
+
+    @torch.inference_mode()
+    def propose(self, batch: InputBatch, rows: list[int], ks: list[int]) -> list[np.ndarray]:
+        """``ks[i]`` greedy drafts for each decode row ``rows[i]`` (its last token is the
+        mirror's, at position ``num_tokens - 1``; its block table covers the ``k`` positions
+        after it). One batched decode per draft position, over the rows still drafting."""
+        dev, bs = self.device, self.block_size
+        rows_np = np.asarray(rows, np.int64)
+        ks_np = np.asarray(ks, np.int64)
+        start = batch.num_tokens[rows_np] - 1                      # position of the last token
+        tokens = torch.as_tensor(batch.tokens[rows_np, start].astype(np.int64), device=dev)
+        out = torch.zeros((len(rows), int(ks_np.max())), dtype=torch.int64, device=dev)
+        for j in range(int(ks_np.max())):
+            live = np.flatnonzero(ks_np > j)
+            pos = start[live] + j
+            table = batch.block_table[rows_np[live]]
+            slots = table[np.arange(len(live)), pos // bs].astype(np.int64) * bs + pos % bs
+            seq_lens = (pos + 1).astype(np.int32)
+            meta = AttentionMetadata(
+                slot_mapping=torch.as_tensor(slots, device=dev),
+                query_start_loc=torch.arange(len(live) + 1, dtype=torch.int32, device=dev),
+                seq_lens=torch.as_tensor(seq_lens, device=dev),
+                block_tables=torch.as_tensor(table[:, :int(pos.max()) // bs + 1], device=dev),
+                max_query_len=1, decode_only=True, num_decodes=len(live),
+                decode_order=torch.as_tensor(longest_first(seq_lens), device=dev))
+            live_t = torch.as_tensor(live, device=dev)
+            inputs = tokens[live_t] if j == 0 else out[live_t, j - 1]
+            hidden = self.model(inputs, torch.as_tensor(pos, device=dev), self.kv_caches, meta)
+            out[live_t, j] = self.model.logits(hidden).argmax(dim=-1)
+            self.num_forwards += 1
+        host = out.cpu().numpy()
+        return [host[i, :k] for i, k in enumerate(ks)]

@@ -1,0 +1,45 @@
+"""The records of a step between ``ModelRunner.launch`` and ``finish``: what a launched
+step's device work will produce and what its result needs, and a new sequence's sampling
+parameters as the worker keeps them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from dataplane.sampler import SampleOutput, SamplingRow
+from dataplane.spec_decode import Verified
+from headrace.dataplane.v1 import worker_pb2 as pb
+
+
+def sampling_row(seq: pb.NewSequence) -> SamplingRow:
+    """The sequence's sampling parameters as sent (the control plane filled the defaults)."""
+    s = seq.sampling
+    return SamplingRow(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, seed=s.seed if s.has_seed else None,
+        logprobs=s.logprobs, min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
+        prompt_token_ids=list(seq.prompt_token_ids), output_token_ids=list(seq.output_token_ids))
+
+
+@dataclasses.dataclass
+class Launched:
+    """A step whose device work is enqueued; ``finish`` turns it into its StepResult."""
+
+    step_id: int
+    started: float
+    seq_ids: list[int] = dataclasses.field(default_factory=list)
+    out: SampleOutput | None = None
+    histories: list[tuple[int, SamplingRow]] = dataclasses.field(default_factory=list)
+    stop_watch: list = dataclasses.field(default_factory=list)   # see InputBatch.stop_watch
+    begin: torch.cuda.Event | None = None      # device timeline: the step's first op ...
+    done: torch.cuda.Event | None = None       # ... and its last (the ids are on the host)
+    previous: torch.cuda.Event | None = None   # the last op of the step launched before
+    sample_begin: torch.cuda.Event | None = None   # sampling's first op (GPU)
+    sample_ms: float = 0.0                         # sampling's host time (CPU)
+    verified: Verified | None = None               # a speculative verify (spec_decode)
+    token_rows: np.ndarray | None = None           # the rows that sampled, and where their
+    token_pos: np.ndarray | None = None            # tokens go in the token mirror

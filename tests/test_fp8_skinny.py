@@ -1,0 +1,178 @@
+"""The FP8-weight skinny GEMM (``kernels.triton_fp8_linear``, W8A16) against its plain-torch
+reference (``kernels.reference_quant.fp8_weight_linear``), and how ``fp8_linear`` picks it.
+
+Under Triton's CPU interpreter here (TRITON_INTERPRET=1, switched on before triton is imported);
+with HEADRACE_TEST_DEVICE=cuda (or any CUDA machine) compiled on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if (os.environ.get("HEADRACE_TEST_DEVICE", "").startswith("cuda")
+                    or torch.cuda.is_available()) else "cpu"
+if DEVICE == "cpu":
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported earlier without TRITON_INTERPRET=1", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed: no Triton kernels to test")
+from kernels import reference_quant as ref  # noqa: E402
+from kernels import triton_fp8_linear, triton_quant  # noqa: E402
+
+DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every float tensor torch.empty hands out starts as NaN: an output element the kernel
+    does not write shows up (the split-K workspace is torch.zeros, zeroed by contract)."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def _case(m, n, k, dtype, per_tensor, bias, seed):
+    """Fresh random inputs for one case: an e4m3 weight quantised per row (or with one scale)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.2
+    if per_tensor:
+        scale = (w.abs().amax() / ref.FP8_MAX).reshape(1)
+        wq = ref.to_fp8(w / scale)
+    else:
+        wq, scale = ref.quantize_fp8_weight(w)
+    x = (torch.randn(m, k, generator=g) * 2).to(dtype)
+    b = (torch.randn(n, generator=g)).to(dtype) if bias else None
+    return x, wq, scale, b
+
+
+def _tol(expect, dtype):
+    """bfloat16 / float16: a couple of ulps of the output's scale (the interpreter truncates
+    float32 -> bfloat16 casts, the GPU and torch round to nearest); float32: accumulation order."""
+    scale = expect.float().abs().max().item()
+    if dtype == torch.float32:
+        return dict(atol=1e-5 * scale, rtol=1e-4)
+    return dict(atol=1e-2 * scale, rtol=1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("n,k", [(64, 128), (96, 160)])
+@pytest.mark.parametrize("per_tensor,bias", [(False, False), (False, True), (True, False),
+                                             (True, True)])
+def test_fp8_skinny_matches_reference(poisoned, m, n, k, per_tensor, bias):
+    seed = m * 1000 + n * 10 + k + 7 * per_tensor + 3 * bias
+    dtype = DTYPES[seed % 3]
+    x, wq, scale, b = _case(m, n, k, dtype, per_tensor, bias, seed)
+    expect = ref.fp8_weight_linear(x, wq, scale, b)
+    assert expect.dtype == dtype and expect.shape == (m, n)
+    dev = [None if t is None else t.to(DEVICE) for t in (x, wq, scale, b)]
+    tol = _tol(expect, dtype)
+    actual = triton_fp8_linear.fp8_weight_linear(*dev)
+    assert actual.dtype == dtype and actual.shape == (m, n) and not actual.isnan().any()
+    torch.testing.assert_close(actual.cpu(), expect, **tol)
+    # K split over programs (float32 partial sums added atomically, the bias and scale once
+    # each): a ragged last slice, and several row and column tiles
+    for config in ((16, 32, 32, 4, 3), (16, 16, 64, 4, 2)):
+        split = triton_fp8_linear.fp8_weight_linear(*dev, config=config)
+        assert not split.isnan().any()
+        torch.testing.assert_close(split.cpu(), expect, **tol)
+
+
+def test_fp8_skinny_leading_dims_and_strided_input(poisoned):
+    """x [B, T, K] and a column slice of a wider tensor (rows not contiguous with each other)."""
+    x, wq, scale, b = _case(5, 64, 128, torch.bfloat16, False, True, 11)
+    wide = torch.randn(5, 200).to(torch.bfloat16)
+    wide[:, 40:168] = x
+    view = wide.to(DEVICE)[:, 40:168]
+    expect = ref.fp8_weight_linear(x, wq, scale, b)
+    dev = [t.to(DEVICE) for t in (wq, scale, b)]
+    got = triton_fp8_linear.fp8_weight_linear(view, *dev)
+    torch.testing.assert_close(got.cpu(), expect, **_tol(expect, torch.bfloat16))
+    x3 = torch.randn(2, 3, 128).to(torch.bfloat16)
+    got3 = triton_fp8_linear.fp8_weight_linear(x3.to(DEVICE), *dev)
+    assert got3.shape == (2, 3, 64)
+    expect3 = ref.fp8_weight_linear(x3, wq, scale, b)
+    torch.testing.assert_close(got3.cpu(), expect3, **_tol(expect3, torch.bfloat16))
+    assert triton_fp8_linear.fp8_weight_linear(x3[:0].to(DEVICE), *dev).shape == (0, 3, 64)
+
+
+def test_fp8_weight_reference_is_closer_to_float_than_w8a8():
+    """The reference is the dequantised weight's matmul; it only carries the weight's rounding,
+    so it is nearer the unquantised linear than W8A8 (which also rounds x to e4m3)."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(128, 256, generator=g) * 0.05, torch.randn(8, 256, generator=g)
+    wq, ws = ref.quantize_fp8_weight(w)
+    w8a16 = ref.fp8_weight_linear(x, wq, ws)
+    torch.testing.assert_close(w8a16, x @ (wq.float() * ws[:, None]).t(), atol=1e-5, rtol=1e-5)
+    # a per-tensor scale is the same as that scale on every row
+    torch.testing.assert_close(ref.fp8_weight_linear(x, wq, ws[:1]),
+                               x @ (wq.float() * ws[0]).t(), atol=1e-5, rtol=1e-5)
+    dense = x @ w.t()
+    err_w8a16 = (w8a16 - dense).abs().mean()
+    err_w8a8 = (ref.fp8_linear(x, wq, ws) - dense).abs().mean()
+    assert 0 < err_w8a16 < 0.8 * err_w8a8, (err_w8a16, err_w8a8)
+
+
+def test_fp8_linear_takes_the_skinny_kernel_up_to_the_threshold(monkeypatch):
+    """fp8_linear (the GPU op) runs the skinny kernel at decode row counts, _scaled_mm above;
+    fp8_kernel names the choice; an explicit kernel overrides it."""
+    limit = triton_quant.FP8_SKINNY_MAX_ROWS
+    assert triton_quant.fp8_kernel(1) == triton_quant.fp8_kernel(limit) == "fp8_skinny"
+    assert triton_quant.fp8_kernel(limit + 1) == "scaled_mm"
+    calls = []
+    real = triton_fp8_linear.fp8_weight_linear
+    monkeypatch.setattr(triton_fp8_linear, "fp8_weight_linear",
+                        lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    monkeypatch.setattr(triton_quant, "FP8_SKINNY_MAX_ROWS", 4)
+    x, wq, scale, b = _case(4, 64, 128, torch.bfloat16, False, True, 5)
+    dev = [t.to(DEVICE) for t in (x, wq, scale, b)]
+    got = triton_quant.fp8_linear(dev[0], dev[1], dev[2], None, dev[3])
+    assert calls == [(4, 128)]
+    expect = ref.fp8_weight_linear(x, wq, scale, b)
+    torch.testing.assert_close(got.cpu(), expect, **_tol(expect, torch.bfloat16))
+    x5 = torch.randn(5, 128).to(torch.bfloat16)
+    w8a8 = triton_quant.fp8_linear(x5.to(DEVICE), dev[1], dev[2], None, dev[3])
+    assert calls == [(4, 128)]                 # 5 rows: _scaled_mm
+    torch.testing.assert_close(w8a8.cpu().float(), ref.fp8_linear(x5, wq, scale, None, b).float(),
+                               atol=0.05, rtol=0.05)
+    triton_quant.fp8_linear(x5.to(DEVICE), dev[1], dev[2], None, dev[3], kernel="fp8_skinny")
+    assert calls == [(4, 128), (5, 128)]
+    with pytest.raises(ValueError, match="kernel must be"):
+        triton_quant.fp8_linear(x5.to(DEVICE), dev[1], dev[2], kernel="cublas")
+
+
+def test_fp8_linear_kernel_reports_the_dispatch(monkeypatch):
+    """kernels.fp8_linear_kernel: 'reference' wherever the reference runs (no CUDA, or
+    HEADRACE_KERNELS=reference), else the GPU op's choice by rows."""
+    import kernels
+    if kernels._triton is None:     # this CPU host: the reference is the op itself
+        assert kernels.fp8_linear is ref.fp8_linear
+        assert kernels.fp8_linear_kernel(1, "cpu") == kernels.fp8_linear_kernel(1) == "reference"
+    monkeypatch.setattr(kernels, "_triton", ({"fp8_linear": triton_quant}, None))
+    monkeypatch.setattr(kernels, "MODE", "auto")
+    limit = triton_quant.FP8_SKINNY_MAX_ROWS
+    assert kernels.fp8_linear_kernel(8, "cpu") == "reference"
+    assert kernels.fp8_linear_kernel(8, "cuda") == "fp8_skinny"
+    assert kernels.fp8_linear_kernel(limit + 1, torch.device("cuda", 0)) == "scaled_mm"
+    monkeypatch.setattr(kernels, "MODE", "triton")
+    assert kernels.fp8_linear_kernel(8, "cpu") == "fp8_skinny"
+    monkeypatch.setattr(kernels, "_triton", None)
+    assert kernels.fp8_linear_kernel(8, "cuda") == "reference"
+
+
+def test_fp8_skinny_tiles_split_k_only_where_output_tiles_are_few():
+    """Llama-3.1-8B: the o projection at batch 64 has 64 output tiles, so K splits (at most
+    MAX_SPLIT, each slice two K tiles at least); at batch 1 its 128 narrow tiles and gate_up's
+    896 do not; a short K never splits."""
+    block_m, _, block_k, _, split = triton_fp8_linear._tiles(64, 4096, 4096)
+    assert block_m == 64 and 1 < split <= triton_fp8_linear.MAX_SPLIT
+    assert 4096 // split >= 2 * block_k
+    assert triton_fp8_linear._tiles(1, 4096, 4096)[4] == 1
+    assert triton_fp8_linear._tiles(1, 28672, 4096)[4] == 1
+    assert triton_fp8_linear._tiles(64, 4096, 128)[4] == 1
