@@ -74,7 +74,8 @@ def serve_children_argvs(args, listens: list[str]) -> list[list[str]]:
 
 
 # the control plane's own secrets: a data plane child never needs them
-CONTROL_PLANE_SECRETS = ("HEADRACE_API_TOKEN", "HEADRACE_API_TOKENS", "HEADRACE_ADMIN_TOKEN")
+CONTROL_PLANE_SECRETS = ("HEADRACE_API_TOKEN", "HEADRACE_API_TOKENS", "HEADRACE_ADMIN_TOKEN",
+                         "HEADRACE_CORE_SECRET")
 
 
 def child_env(environ, worker_secret: str) -> dict:
@@ -95,9 +96,12 @@ def _model_for_the_control_plane(args, weights: bool) -> str:
 
 def check_public_ports(args) -> None:
     """The gRPC and HTTP ports are free (before any child starts; the front ends then share
-    them with SO_REUSEPORT, which would not refuse another server's port)."""
+    them with SO_REUSEPORT, which would not refuse another server's port), and the core link
+    is safe (``cli.processes.prepare_core_link``)."""
+    from cli.processes import prepare_core_link
     from common import net
 
+    prepare_core_link(args)
     net.check_port(f"{args.host}:{args.port}")
     if args.http_port:
         net.check_port(f"{args.host}:{args.http_port}", "--http-port")

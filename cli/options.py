@@ -104,6 +104,14 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-ca", default=None, help="verify the data planes' TLS certificates with this CA")
     p.add_argument("--worker-cert", default=None, help="client certificate for data planes with mutual TLS")
     p.add_argument("--worker-key", default=None, help="its private key")
+    p.add_argument("--core-tls-cert", default=None,
+                   help="the engine core serves a TCP --core-address with TLS, this certificate (PEM)")
+    p.add_argument("--core-tls-key", default=None, help="its private key")
+    p.add_argument("--core-ca", default=None,
+                   help="front ends verify a TCP engine core's certificate with this CA (PEM)")
+    p.add_argument("--core-secret", default=None,
+                   help="shared secret of the engine core and its front ends (default "
+                        "$HEADRACE_CORE_SECRET; serve and controlplane make a fresh one)")
 
 
 def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -> None:
@@ -164,6 +172,18 @@ def plane_options(args) -> dict:
                 http_port=args.http_port or None, chat_template=args.chat_template,
                 generation_config=args.generation_config,
                 http_tls=(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None)
+
+
+def core_link_options(args, side: str) -> dict:
+    """The link's security for the engine core (``side="core"``: TLS server credentials) or a
+    front end (``"frontend"``: the CA to verify the core with), and the shared secret."""
+    from common import security
+
+    secret = args.core_secret or os.environ.get("HEADRACE_CORE_SECRET") or None
+    if side == "core":
+        return dict(core_secret=secret,
+                    core_tls=security.server_credentials(args.core_tls_cert, args.core_tls_key))
+    return dict(core_secret=secret, core_credentials=security.channel_credentials(args.core_ca))
 
 
 def engine_config(args) -> EngineConfig:

@@ -13,7 +13,10 @@ serve`` / ``headrace controlplane``.
   option or file, already explained on stderr) ends the server instead.
 - The children share a private directory: the core's unix socket and, as
   ``PROMETHEUS_MULTIPROC_DIR``, the metric files the core's one /metrics sums.
-- Secrets (API, admin and worker tokens) reach the children by environment, not argv.
+- Secrets (API, admin and worker tokens, the core secret) reach the children by environment,
+  not argv. The core and its front ends share a fresh core secret unless one is given; a TCP
+  core address beyond loopback needs TLS (``controlplane.core_link``), checked before any
+  child starts.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -30,7 +34,7 @@ import time
 log = logging.getLogger("headrace.supervisor")
 EXIT_USAGE = 2   # cli.main: a user's mistake, said in one line
 SECRETS = {"api_token": "HEADRACE_API_TOKEN", "admin_token": "HEADRACE_ADMIN_TOKEN",
-           "worker_secret": "HEADRACE_WORKER_SECRET"}
+           "worker_secret": "HEADRACE_WORKER_SECRET", "core_secret": "HEADRACE_CORE_SECRET"}
 
 
 def default_api_server_count(cpus: int | None = None) -> int:
@@ -153,15 +157,27 @@ def control_plane_children(args, parser: argparse.ArgumentParser, workers: list[
                      for i in range(count)]
 
 
+def prepare_core_link(args) -> None:
+    """The core secret (given, or a fresh one) and, for a TCP core address, the check that the
+    network cannot read or use the link (``controlplane.core_link``); ValueError otherwise."""
+    from controlplane import core_link
+
+    args.core_secret = args.core_secret or os.environ.get("HEADRACE_CORE_SECRET") or secrets.token_hex(16)
+    if args.core_address:
+        core_link.check(args.core_address, bool(args.core_tls_cert and args.core_tls_key and args.core_ca),
+                        args.core_secret)
+
+
 def run_control_plane(args, parser: argparse.ArgumentParser, workers: list[str], private_dir: str,
                       env: dict, stop_hook=None) -> bool:
     """Runs the core and the front ends until SIGINT/SIGTERM, ``stop_hook``'s function is
     called, or a child fails for good; returns whether one did. ``args.host``/``args.port``
     must have been checked free (``common.net.check_port``)."""
+    prepare_core_link(args)
+    core_address = args.core_address or f"unix:{private_dir}/core.sock"
     env = dict(env, **secrets_env(args))
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):   # common.metrics.enable_multiprocess
         env["PROMETHEUS_MULTIPROC_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
-    core_address = args.core_address or f"unix:{private_dir}/core.sock"
     children = control_plane_children(args, parser, workers, core_address)
     log.info("control plane: engine core on %s, %d API front ends on port %d", core_address,
              len(children) - 1, args.port)

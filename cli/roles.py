@@ -14,6 +14,7 @@ import sys
 
 from cli.options import (
     check_speculative_config,
+    core_link_options,
     default_model,
     engine_config,
     plane_options,
@@ -25,7 +26,7 @@ from common.worker_options import ParallelOptions, WorkerOptions
 def _run_role(server_factory) -> int:
     """Runs the server ``server_factory()`` builds (inside the event loop) until a signal."""
     from common import tracing
-    from controlplane.server import run_until_signal
+    from controlplane.lifecycle import run_until_signal
 
     async def run():
         await run_until_signal(server_factory())
@@ -46,7 +47,7 @@ def cmd_core(args) -> int:
             "worker_credentials", "worker_secret", "chat_template", "generation_config")
     return _run_role(lambda: CoreServer(args.model or default_model(), args.workers.split(","),
                                         args.core_address, engine_config(args),
-                                        **{k: opts[k] for k in keys}))
+                                        **{k: opts[k] for k in keys}, **core_link_options(args, "core")))
 
 
 def cmd_frontend(args) -> int:
@@ -57,7 +58,8 @@ def cmd_frontend(args) -> int:
             "generation_config", "log_prompts", "trust_tenant_header", "max_n")
     return _run_role(lambda: FrontEnd(args.index, args.core_address, args.model or default_model(),
                                       f"{args.host}:{args.port}", max_model_len=getattr(args, "max_model_len", None),
-                                      **{k: opts[k] for k in keys}))
+                                      **{k: opts[k] for k in keys},
+                                      **core_link_options(args, "frontend")))
 
 
 def cmd_dataplane(args) -> int:

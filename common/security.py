@@ -1,6 +1,7 @@
 """Transport security and credentials shared by both planes: TLS / mutual TLS server and
 channel credentials, a bearer-token check for the public API, and the shared secret with
-which a data plane accepts only its control plane. Health checks and reflection stay open
+which a data plane accepts only its control plane (and an engine core only its API front ends,
+``AioSecretInterceptor``). Health checks and reflection stay open
 (orchestrators probe them); the Admin service has its own token (``controlplane.admin``).
 
 The public API may have several tokens, each naming a tenant (``ApiTokens``): the scheduler
@@ -188,3 +189,20 @@ class SharedSecretInterceptor(grpc.ServerInterceptor):
                 _authorized(details.invocation_metadata, self.secret):
             return handler
         return _denial(handler, "this data plane serves only its control plane (shared secret)", aio=False)
+
+
+class AioSecretInterceptor(grpc.aio.ServerInterceptor):
+    """An aio server that serves only callers presenting ``secret`` in metadata ``key`` (health
+    and reflection stay open); others are refused UNAUTHENTICATED with ``message``."""
+
+    def __init__(self, secret: str, key: str, message: str):
+        self.secret, self.key, self.message = secret.encode(), key, message
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_PREFIXES):
+            return handler
+        for key, value in details.invocation_metadata or ():
+            if key == self.key and hmac.compare_digest(value.encode(), self.secret):
+                return handler
+        return _denial(handler, self.message, aio=True)

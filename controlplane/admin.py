@@ -54,10 +54,14 @@ def admin_access(address: str, token: str | None) -> bool:
 
 
 class AdminService(apb_grpc.AdminServicer):
-    def __init__(self, plane, token: str | None = None, enabled: bool = True):
+    def __init__(self, plane, token: str | None = None, enabled: bool = True,
+                 local_only: bool = True):
+        """``local_only``: without a token, serve loopback callers only (an engine core whose
+        callers are its own front ends, authenticated by the core secret, serves them all)."""
         self.plane = plane          # controlplane.server.ControlPlane
         self.token = token or None
         self.enabled = enabled
+        self.local_only = local_only
         self._reload_lock = asyncio.Lock()
 
     # -- access ------------------------------------------------------------------------------
@@ -67,7 +71,7 @@ class AdminService(apb_grpc.AdminServicer):
                                 "the Admin service is disabled: the server listens beyond loopback "
                                 "without an admin token (start it with --admin-token)")
         if self.token is None:
-            if not is_local_peer(context.peer()):
+            if self.local_only and not is_local_peer(context.peer()):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     "the Admin service is served to local callers only unless the "
                                     "server has an admin token (--admin-token)")

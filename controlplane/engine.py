@@ -4,13 +4,16 @@ tokens back into the sequences and stream each request's new tokens and text to 
 Runs as one asyncio task. Handlers talk to it through ``submit`` and ``abort``; the engine
 appends sampled tokens to the sequences and wakes their request (``Request.notify``); a
 request that cannot go on gets a ``Failure``.
+
+Requests are woken after the next step is sent (the device is fed before clients are), except
+in an engine core (``flush_woken``): there waking them is one message per front end, so while
+another step is still in flight (the device stays busy) a folded step's news goes out first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import time
@@ -20,6 +23,7 @@ import grpc
 from common import speculative
 from controlplane import host_tier, limits, speculation, step_codec, tier_cost
 from controlplane.block_manager import BlockManager
+from controlplane.engine_config import EngineConfig
 from controlplane.inflight import InFlightSteps
 from controlplane.policy import Policy
 from controlplane.request import Failure, Request, Sequence
@@ -31,25 +35,6 @@ from headrace.dataplane.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
 
 log = logging.getLogger("headrace.engine")
-
-
-@dataclasses.dataclass
-class EngineConfig:
-    max_running: int = 256
-    max_batched_tokens: int = 2048
-    max_model_len: int | None = None   # default: what the workers report (capped by the KV pool)
-    policy: Policy = dataclasses.field(default_factory=Policy)
-    enable_prefix_cache: bool = True
-    watermark: float = 0.01            # fraction of KV blocks admission leaves free
-    max_queued: int | None = None      # waiting sequences at most (None: limits.default_max_queued
-                                       # of the running cap; 0: unbounded); RESOURCE_EXHAUSTED beyond
-    fair_share: bool = True            # tenants share running slots and KV blocks (controlplane.fairness)
-    reconnect_interval_s: float = 1.0
-    pipeline_depth: int = 3            # steps in flight; 1 = no overlap (each step answered at once)
-    outage_deadline_s: float = 60.0    # requests wait this long for a lost data plane to return
-    stream_interval: int = 1           # tokens per streamed message at least, unless a request says
-    preemption_mode: str = "recompute"  # or "swap": a victim's KV waits in the host KV tier
-    kv_offloading_policy: str = "auto"  # host-tier hits: loaded where cheaper (or always, never)
 
 
 class Engine:
@@ -73,6 +58,8 @@ class Engine:
         self._outage_since: float | None = None
         self._to_wake: list[Request] = []   # requests with news, woken once the next step is sent
         self._inflight: InFlightSteps | None = None   # the loop's, new each time it starts
+        # the engine core's: sends its front ends their news at once (one message each)
+        self.flush_woken = None
 
     async def start(self, timeout: float = 600.0) -> None:
         self._build(await self.workers.describe(timeout))
@@ -236,6 +223,12 @@ class Engine:
             if self.scheduler.tier_cost is not None:   # its recompute estimate: step times
                 self.scheduler.tier_cost.observe(sent.step, result, self.info.device != "cpu")
             self.telemetry.step_done(result, sent.traced, t2 - sent.at, time.perf_counter() - t2, emitted)
+        if self.flush_woken is not None and self._to_wake and self._inflight:
+            # a step still in flight keeps the device busy: the news goes out first (one loop
+            # turn), then the next step is scheduled
+            self._wake_requests()
+            self.flush_woken()
+            await asyncio.sleep(0)
 
     def _fold(self, step: ScheduledStep, result: wpb.StepResult) -> int:
         """Applies the stop rules to a step's sampled tokens and queues the requests to wake;
@@ -268,7 +261,6 @@ class Engine:
         can run (a submit; an abort, drain or shutdown that frees blocks; a reconfigure), and
         each sets ``_wake``; time matters only to a policy that ages or bounds the queue delay
         (``Scheduler.retry_after``)."""
-        self.telemetry.idle()
         if step.num_preempted:
             await asyncio.sleep(0)
             return

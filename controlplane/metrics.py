@@ -4,8 +4,10 @@ lists them all.
 
 What the scheduler and block manager already count (running / waiting sequences, free
 blocks, preemptions, prefix-cache lookups) is read when Prometheus scrapes, so the engine
-step pays nothing for it; per-request histograms are observed once per request and the
-inter-token latency once per step, weighted by the step's decode tokens.
+step pays nothing for it; the engine's per-request histograms are observed once per request.
+TTFT, inter-token and end-to-end latency are observed by the request path as it hands
+responses to the client (``controlplane.stream_latency``): in the API front end's process under
+``headrace serve``, summed into the one /metrics like every other front-end metric.
 """
 
 from __future__ import annotations
@@ -157,14 +159,18 @@ class ControlPlaneMetrics(Exporter):
         self.carried = [0, 0, 0, 0, 0, 0, 0]
         p, r = PREFIX, self.registry
         self.ttft = Histogram(p + "time_to_first_token_seconds",
-                              "Time from arrival to the request's first token.",
+                              "Time from the request's arrival at the API to its first "
+                              "token handed to the client's stream.",
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds",
-                             "Time between two tokens of a sequence (engine steps, one "
-                             "observation per decode token).", buckets=ITL_BUCKETS, registry=r)
+                             "Time between two tokens of a sample handed to the client's "
+                             "stream (one observation per token after the sample's first "
+                             "response; a response of k tokens counts its gap / k, k times).",
+                             buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_request_latency_seconds",
-                             "Time from arrival to the last token (finished requests, aborted "
-                             "ones excluded).", buckets=REQUEST_BUCKETS, registry=r)
+                             "Time from the request's arrival at the API to its last response "
+                             "handed to the client (finished requests, aborted ones excluded).",
+                             buckets=REQUEST_BUCKETS, registry=r)
         self.queue = Histogram(p + "request_queue_time_seconds",
                                "Time from arrival to first admission into the running batch.",
                                buckets=REQUEST_BUCKETS, registry=r)

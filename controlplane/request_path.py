@@ -2,7 +2,8 @@
 OpenAI-compatible HTTP API): readiness, queue limit, sampling defaults, chat rendering,
 validation, duplicate ids, tracing, per-API metrics, submission, streaming and abort-on-exit;
 the per-request admission bounds (``controlplane.limits``: text size, ``n``, queue) and the
-client's tenant (its API token, or a trusted ``x-headrace-tenant`` header).
+client's tenant (its API token, or a trusted ``x-headrace-tenant`` header); the client-facing
+TTFT, ITL and e2e latency of each stream (``controlplane.stream_latency``).
 
 Tokenization and chat rendering of long texts run off the event loop
 (``controlplane.tokenizer.off_loop``), after every cheap check passed, so one client's prompt
@@ -32,6 +33,7 @@ from controlplane import limits
 from controlplane.chat_template import ChatTemplate, ChatTemplateError
 from controlplane.engine import Engine
 from controlplane.sampling_defaults import SamplingDefaults
+from controlplane.stream_latency import StreamLatency
 from controlplane.tokenizer import INLINE_CHARS, ModelTokenizer, off_loop
 from controlplane.validation import ValidationError, build_request, check_request, check_text
 from headrace.v1 import inference_pb2 as pb
@@ -59,6 +61,10 @@ def _json(field: str, text: str, kind: type):
     if not isinstance(value, kind):
         raise ValidationError(f"messages.{field} must be a JSON {kind.__name__}")
     return value
+
+
+def _aborted(req) -> bool:
+    return any(s.finish_reason == pb.FINISH_REASON_ABORTED for s in req.sequences)
 
 
 def queue_full(bound: int, waiting: int) -> str | None:
@@ -207,7 +213,9 @@ class RequestPath:
         the consumer stopped early, as the front end knows it (client_cancel, deadline,
         disconnect)."""
         metadata = list(metadata)
-        self.engine.telemetry.metrics.api_request(api, method)
+        metrics = self.engine.telemetry.metrics
+        latency = StreamLatency(metrics)   # received now: TTFT counts tokenisation too
+        metrics.api_request(api, method)
         tracer = self.tracer if span_name else None
         with contextlib.ExitStack() as stack:
             if tracer is not None:
@@ -227,6 +235,9 @@ class RequestPath:
                     responses = await req.next_responses()
                     if req.failure is not None:
                         raise RequestError(req.failure.code, req.failure.message)
+                    now = latency.handing(responses)
+                    if req.delivered and not _aborted(req):
+                        latency.finished(now)
                     for msg in responses:
                         yield msg
             except RequestError as exc:
@@ -236,8 +247,7 @@ class RequestPath:
             finally:
                 if reason is None and not req.delivered:
                     reason = gone_reason()
-                elif reason is None and any(s.finish_reason == pb.FINISH_REASON_ABORTED
-                                            for s in req.sequences):
+                elif reason is None and _aborted(req):
                     reason = "server_abort"   # drained or reloaded: a last ABORTED response
                 if reason is not None:
                     self._abandoned(req, api, reason)

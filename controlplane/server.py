@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,19 +24,14 @@ from controlplane.admin import AdminService, admin_access
 from controlplane.core.plane import EnginePlane
 from controlplane.engine import EngineConfig
 from controlplane.http.server import HttpFrontEnd, http_host
+from controlplane.lifecycle import (ADMIN, INFERENCE, BackgroundTasks, run_until_signal,  # noqa: F401
+                                    set_health)
 from controlplane.metrics import ControlPlaneMetrics, MetricsInterceptor
 from controlplane.service import InferenceService
-from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
-from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("headrace.controlplane")
-
-INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
-ADMIN = apb.DESCRIPTOR.services_by_name["Admin"].full_name
-
-
 def request_limits(model_dir: str, tokenizer, max_model_len: int | None) -> tuple[int, int]:
     """The largest valid gRPC request and HTTP body, in bytes, for this model: bounded by the
     text its context can need (``controlplane.limits``), so an oversized call is refused
@@ -77,30 +71,11 @@ def public_server(metrics: ControlPlaneMetrics, inference, admin, health_service
     return server
 
 
-async def set_health(servicer: health.aio.HealthServicer, ready: bool) -> None:
-    """Inference (and the server as a whole, "") is SERVING only while ``ready``."""
-    status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", INFERENCE):
-        await servicer.set(name, status)
-
-
 def warn_if_open(address: str, tls, api_token: str | None) -> None:
     parts = net.split_address(address)
     if parts is not None and not net.is_loopback(parts[0]):
         log.warning("the API on %s is open to the network (%s, %s)", address,
                     "TLS" if tls else "plaintext", "API token required" if api_token else "no API token")
-
-
-class BackgroundTasks:
-    """Fire-and-forget tasks kept referenced until done."""
-
-    def __init__(self):
-        self._tasks: set[asyncio.Task] = set()
-
-    def spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
 
 class ControlPlane:
@@ -201,28 +176,6 @@ class ControlPlane:
         else:
             await self.server.stop(grace)
         await self.core.stop()
-
-
-async def run_until_signal(server, grace: float = 10.0, stop_hook=None) -> None:
-    """Starts ``server`` (anything with ``start()`` and ``stop(grace)``) and runs it until
-    SIGINT/SIGTERM, or until the function ``stop_hook`` is handed is called (from any thread);
-    start-up errors are raised."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    if stop_hook is not None:
-        stop_hook(lambda: loop.call_soon_threadsafe(stop.set))
-    starting = asyncio.create_task(server.start())
-    waiter = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({starting, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if starting in done:
-        starting.result()  # raise start-up errors
-        await waiter
-    else:
-        starting.cancel()
-    log.info("shutting down")
-    await server.stop(grace)
 
 
 async def serve_until_signal(model_dir: str, worker_addresses: list[str], address: str,

@@ -1,5 +1,8 @@
 """The engine's telemetry hooks: Prometheus metrics, request log lines and (when
-``common.tracing`` is on) the spans of each request and step.
+``common.tracing`` is on) the spans of each request and step. The client-facing latencies
+(TTFT, inter-token, end-to-end) are not the engine's: the request path observes them where it
+hands responses to the client (``controlplane.stream_latency``), in a front end's process when
+the engine runs in an engine core.
 
 One trace per request: the gRPC server span of ``Generate`` (opentelemetry-instrumentation-
 grpc, which honours the caller's ``traceparent``) has children ``headrace.queue`` (waiting
@@ -67,8 +70,6 @@ class EngineTelemetry:
         self.log = get_logger("headrace.requests")
         self._reqs: dict[str, _Req] = {}
         self._seqs: dict[int, _SeqTrace] = {}   # sequences of sampled requests (tracing on)
-        self._firsts = 0                          # first tokens in the step being processed
-        self._last_emit: float | None = None      # when the previous step's tokens came back
 
     # -- requests ----------------------------------------------------------------------------
     def request_submitted(self, request) -> None:
@@ -94,7 +95,6 @@ class EngineTelemetry:
 
     def first_token(self, seq) -> None:
         """A sequence sampled its first token (called once it is appended)."""
-        self._firsts += 1
         st = self._reqs.get(seq.request_id)
         if st is None:
             return
@@ -102,7 +102,6 @@ class EngineTelemetry:
         if st.first_token is None:
             st.first_token = now
             m = self.metrics
-            m.ttft.observe(now - st.arrival)
             if st.first_sched is not None:
                 m.prefill.observe(now - st.first_sched)
             m.prompt_tokens.inc(len(seq.prompt_token_ids))
@@ -152,7 +151,6 @@ class EngineTelemetry:
         generated = sum(len(s.output_token_ids) for s in seqs)
         m = self.metrics
         if not aborted:
-            m.e2e.observe(now - st.arrival)
             if st.first_token is not None:
                 m.decode.observe(now - st.first_token)
             m.prompt_len.observe(prompt)
@@ -259,11 +257,6 @@ class EngineTelemetry:
             m.offload_in.inc(result.swap_in_bytes)
         if emitted:
             m.generation_tokens.inc(emitted)
-        now = time.monotonic()
-        decode_tokens = emitted - self._firsts
-        if decode_tokens > 0 and self._last_emit is not None:
-            m.itl.observe_n(now - self._last_emit, decode_tokens)
-        self._last_emit, self._firsts = now, 0
         if handle is not None:
             step_span, chunks = handle
             self._end_chunks(chunks)
@@ -276,8 +269,6 @@ class EngineTelemetry:
             step_span.end()
 
     def step_failed(self, handle, error: Exception) -> None:
-        self._firsts = 0
-        self._last_emit = None
         if handle is not None:
             step_span, chunks = handle
             self._end_chunks(chunks)
@@ -292,7 +283,3 @@ class EngineTelemetry:
             if t.chunk is span:
                 span.end()
                 t.chunk = None
-
-    def idle(self) -> None:
-        """The engine has nothing to run: the next decode token's gap is not a step gap."""
-        self._last_emit = None

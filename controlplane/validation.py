@@ -39,8 +39,10 @@ def _finite(name: str, value: float) -> None:
 
 
 def _in_vocab(name: str, ids, vocab_size: int) -> None:
-    bad = next((t for t in ids if t >= vocab_size), None)
-    _check(bad is None, f"{name}: token id {bad} is out of vocabulary (size {vocab_size})")
+    if not ids or max(ids) < vocab_size:   # (max is C; the search only on a refusal)
+        return
+    bad = next(t for t in ids if t >= vocab_size)
+    _check(False, f"{name}: token id {bad} is out of vocabulary (size {vocab_size})")
 
 
 def check_text(name: str, text: str, max_bytes: int) -> None:
@@ -49,10 +51,21 @@ def check_text(name: str, text: str, max_bytes: int) -> None:
     _check(problem is None, problem or "")
 
 
-def _sampling(s: pb.SamplingParams, vocab_size: int) -> wpb.Sampling:
+def _sampling(s: pb.SamplingParams, vocab_size: int, checked: bool = False) -> wpb.Sampling:
+    """The worker's sampling parameters, checked unless ``checked`` (``check_request`` did)."""
     temperature = s.temperature if s.HasField("temperature") else 1.0
     top_p = s.top_p if s.HasField("top_p") else 1.0
     rep = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+    if not checked:
+        _check_sampling(s, temperature, top_p, rep)
+    return wpb.Sampling(temperature=temperature, top_p=top_p, top_k=min(s.top_k, vocab_size),
+                        min_p=s.min_p, repetition_penalty=rep,
+                        presence_penalty=s.presence_penalty,
+                        frequency_penalty=s.frequency_penalty, has_seed=s.HasField("seed"),
+                        seed=s.seed)
+
+
+def _check_sampling(s: pb.SamplingParams, temperature: float, top_p: float, rep: float) -> None:
     for name, v in (("sampling.temperature", temperature), ("sampling.top_p", top_p),
                     ("sampling.min_p", s.min_p), ("sampling.repetition_penalty", rep),
                     ("sampling.presence_penalty", s.presence_penalty),
@@ -66,18 +79,14 @@ def _sampling(s: pb.SamplingParams, vocab_size: int) -> wpb.Sampling:
     for name, v in (("presence_penalty", s.presence_penalty),
                     ("frequency_penalty", s.frequency_penalty)):
         _check(-2 <= v <= 2, f"sampling.{name} must be in [-2, 2], got {v}")
-    return wpb.Sampling(temperature=temperature, top_p=top_p, top_k=min(s.top_k, vocab_size),
-                        min_p=s.min_p, repetition_penalty=rep,
-                        presence_penalty=s.presence_penalty,
-                        frequency_penalty=s.frequency_penalty, has_seed=s.HasField("seed"),
-                        seed=s.seed)
 
 
-def token_prompt(req: pb.GenerateRequest, vocab_size: int) -> list[int]:
-    """The ids of a ``prompt_token_ids`` request."""
+def token_prompt(req: pb.GenerateRequest, vocab_size: int, checked: bool = False) -> list[int]:
+    """The ids of a ``prompt_token_ids`` request (``checked``: ``check_request`` passed)."""
     ids = list(req.prompt_token_ids.ids)
-    _check(len(ids) > 0, "prompt_token_ids must not be empty")
-    _in_vocab("prompt_token_ids", ids, vocab_size)
+    if not checked:
+        _check(len(ids) > 0, "prompt_token_ids must not be empty")
+        _in_vocab("prompt_token_ids", ids, vocab_size)
     return ids
 
 
@@ -125,11 +134,12 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids
     if not checked:
         check_request(req, vocab_size=vocab_size, max_model_len=max_model_len, max_n=max_n)
     rid = req.request_id or uuid.uuid4().hex
-    sampling = _sampling(req.sampling, vocab_size)
+    sampling = _sampling(req.sampling, vocab_size, checked)
     if ids is None:
         kind = req.WhichOneof("input")
         _check(kind != "messages", "messages: chat is not available here")
-        ids = token_prompt(req, vocab_size) if kind == "prompt_token_ids" else tokenizer.encode(req.prompt)
+        ids = token_prompt(req, vocab_size, checked) if kind == "prompt_token_ids" \
+            else tokenizer.encode(req.prompt)
     _check(len(ids) > 0, "prompt tokenizes to no tokens" if req.WhichOneof("input") == "prompt"
            else "messages: the chat template rendered no tokens")
     _check(len(ids) < max_model_len,

@@ -1,6 +1,11 @@
-"""Shared fixtures: tiny random checkpoints per architecture and running planes over them."""
+"""Shared fixtures: tiny random checkpoints per architecture, running planes over them, and TLS
+certificates (made with openssl)."""
 
 from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
 
 import pytest
 
@@ -39,3 +44,25 @@ def llama_planes(tmp_path_factory):
     planes = Planes(path, num_kv_blocks=512)
     yield planes
     planes.close()
+
+
+def _openssl(*args: str, cwd: pathlib.Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory) -> pathlib.Path:
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (tests that
+    use it skip when openssl is not installed)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    d = tmp_path_factory.mktemp("certs")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+             "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-days", "2", "-extfile", "san.cnf", "-out", f"{name}.pem", cwd=d)
+    return d

@@ -38,14 +38,17 @@ class Planes:
                  workers: list[str] | None = None, worker_address: str | None = None,
                  worker_options: dict | None = None, plane_options: dict | None = None,
                  secure_channel: grpc.ChannelCredentials | None = None, split: bool = False,
-                 host: str = "127.0.0.1", worker_fields: dict | None = None):
+                 host: str = "127.0.0.1", worker_fields: dict | None = None,
+                 core_address: str | None = None, core_options: dict | None = None):
         """``worker_options`` go to the data plane's ``serve`` (credentials, secret),
         ``plane_options`` to ``ControlPlane`` (api_token, tls, worker_credentials, ...).
         ``split``: an engine core and one API front end (the layout of ``headrace serve``, here
         in one event loop over the core's unix socket) instead of ``ControlPlane``; then
         ``self.plane`` is the front end and ``self.core`` the core. ``host``: where the control
         plane listens (clients connect on 127.0.0.1). ``worker_fields``: WorkerOptions fields
-        replacing the test defaults (dtype, attention_backend, ...)."""
+        replacing the test defaults (dtype, attention_backend, ...). ``core_address`` (split:
+        default a unix socket; ``127.0.0.1:0`` an ephemeral TCP port) and ``core_options``
+        (split: ``core`` and ``frontend`` keyword dicts, e.g. the link's TLS and secret)."""
         self._tmp = tempfile.mkdtemp(prefix="headrace-test-")
         self.worker = self.worker_server = None
         self.worker_options = worker_options or {}
@@ -68,11 +71,15 @@ class Planes:
             return plane
 
         async def build_split():
-            core_address = f"unix:{self._tmp}/core.sock"
-            self.core = CoreServer(str(model_dir), workers, core_address, config)
+            address = core_address or f"unix:{self._tmp}/core.sock"
+            link = core_options or {}
+            self.core = CoreServer(str(model_dir), workers, address, config, **link.get("core", {}))
             await self.core.start(ready_timeout=180)
-            frontend = FrontEnd(0, core_address, str(model_dir), "127.0.0.1:0", reuse_port=False,
-                                **(plane_options or {}))
+            if address.endswith(":0"):   # an ephemeral TCP port: the bound one
+                address = f"{address.rsplit(':', 1)[0]}:{self.core.port}"
+            self.core_address = address
+            frontend = FrontEnd(0, address, str(model_dir), "127.0.0.1:0", reuse_port=False,
+                                **(plane_options or {}), **link.get("frontend", {}))
             await frontend.start()
             while not frontend.client.ready:
                 await asyncio.sleep(0.01)

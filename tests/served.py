@@ -2,10 +2,11 @@
 the process layout: supervisor, engine core, N API front ends and a data plane. Finds each
 role's process, opens a channel to a chosen front end (the front ends share one port: the
 kernel picks one per connection, so channels are opened until one lands on it) and reads the
-control plane's one /metrics."""
+control plane's one /metrics (and each process's own metric file)."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import socket
@@ -115,6 +116,20 @@ class Served:
 
     def metric(self, name: str, **labels) -> float:
         return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def histogram_counts(self, names) -> dict[str, dict[str, float]]:
+        """Role -> histogram -> its count in that process's own multiprocess metric file."""
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        roles = self.role_pids()
+        directory = psutil.Process(roles["core"]).environ()["PROMETHEUS_MULTIPROC_DIR"]
+        counts = {}
+        for role, pid in roles.items():
+            files = glob.glob(os.path.join(directory, f"histogram_{pid}.db"))
+            samples = {s.name: s.value for metric in MultiProcessCollector.merge(files)
+                       for s in metric.samples if s.name.endswith("_count")}
+            counts[role] = {name: samples.get(f"headrace:{name}_count", 0.0) for name in names}
+        return counts
 
     def close(self) -> None:
         for channel in self._channels:

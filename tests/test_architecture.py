@@ -130,3 +130,15 @@ def test_every_python_package_is_listed_for_installation():
             continue
         parts = rel.parts[1:] if rel.parts[0] == "protos" else rel.parts
         assert f'"{".".join(parts)}"' in listed, ".".join(parts)
+
+
+def test_the_engine_core_loads_no_api_stack():
+    """The core process (``python -m cli core``) serves no HTTP API: it starts, and restarts
+    while its front ends answer UNAVAILABLE, without importing FastAPI, pydantic or uvicorn."""
+    probe = ("import sys\nimport cli.main, cli.roles, controlplane.core.server, controlplane.lifecycle\n"
+             "print(sorted(m for m in ('fastapi', 'pydantic', 'uvicorn', 'controlplane.http.app') "
+             "if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == "[]"

@@ -24,7 +24,6 @@ from common import security
 from controlplane.server import ControlPlane
 from tests.checkpoints import make_checkpoint
 from tests.harness import Planes
-from tests.test_security import certs  # noqa: F401  (fixture)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -200,7 +199,7 @@ def test_generate_with_an_api_token(model_dir):
         planes.close()
 
 
-def test_generate_over_mutual_tls(model_dir, certs):  # noqa: F811
+def test_generate_over_mutual_tls(model_dir, certs):
     c = lambda n: str(certs / n)  # noqa: E731
     tls = security.server_credentials(c("server.pem"), c("server.key"), c("ca.pem"))
     planes = Planes(model_dir, num_kv_blocks=32, plane_options={"tls": tls},
@@ -321,7 +320,7 @@ def test_compose_and_the_image_open_the_api_and_the_checkout_has_models():
     assert (ROOT / "models").is_dir()   # so Docker does not create a root-owned ./models
 
 
-def test_health_and_admin_over_mutual_tls(model_dir, certs):  # noqa: F811
+def test_health_and_admin_over_mutual_tls(model_dir, certs):
     """Every command that talks to a server speaks TLS/mTLS with the same flags and variables
     (a TLS deployment's compose health checks and admin calls keep working)."""
     c = lambda n: str(certs / n)  # noqa: E731

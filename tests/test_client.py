@@ -21,7 +21,6 @@ from headrace_client.errors import from_rpc_error
 from headrace_client.types import build_request
 from tests.checkpoints import make_checkpoint
 from tests.harness import Planes, completion
-from tests.test_security import certs  # noqa: F401  (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +187,7 @@ def test_api_token_from_argument_or_environment(model_dir, monkeypatch):
         p.close()
 
 
-def test_mutual_tls(model_dir, certs, monkeypatch):  # noqa: F811
+def test_mutual_tls(model_dir, certs, monkeypatch):
     c = lambda n: str(certs / n)  # noqa: E731
     tls = security.server_credentials(c("server.pem"), c("server.key"), c("ca.pem"))
     p = Planes(model_dir, num_kv_blocks=32, plane_options={"tls": tls},

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import threading
 import time
 
 import grpc
@@ -155,3 +156,102 @@ def test_front_end_learns_limits_changed_through_admin(pair):
         assert split.plane.client.max_queued == 3
     finally:
         admin.UpdateConfig(apb.UpdateConfigRequest(max_queued=before), timeout=10)
+
+
+def test_client_latencies_are_the_front_ends_only(pair):
+    """TTFT, ITL and e2e are observed once, by the front end as it streams to its client; the
+    core observes the engine's own histograms (queue, prefill, decode) and none of those."""
+    _, split = pair
+    front, core = split.plane.metrics.registry, split.core.plane.metrics.registry
+
+    def counts(registry):
+        return {name: registry.get_sample_value(f"headrace:{name}_count") or 0.0
+                for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                             "e2e_request_latency_seconds", "request_queue_time_seconds",
+                             "request_decode_time_seconds")}
+
+    before_front, before_core = counts(front), counts(core)
+    responses = split.generate(prompt="The river", max_tokens=9, ignore_eos=True,
+                               sampling=pb.SamplingParams(temperature=0))
+    first = next(r for r in responses if r.token_ids)
+    split.wait_for_free_blocks(split.engine.scheduler.blocks.num_blocks)
+    front_d = {k: v - before_front[k] for k, v in counts(front).items()}
+    core_d = {k: v - before_core[k] for k, v in counts(core).items()}
+    assert front_d["time_to_first_token_seconds"] == front_d["e2e_request_latency_seconds"] == 1
+    assert front_d["inter_token_latency_seconds"] == 9 - len(first.token_ids)
+    assert core_d["time_to_first_token_seconds"] == core_d["inter_token_latency_seconds"] == 0
+    assert core_d["e2e_request_latency_seconds"] == 0
+    assert core_d["request_queue_time_seconds"] == core_d["request_decode_time_seconds"] == 1
+    assert front_d["request_queue_time_seconds"] == 0
+
+
+def test_the_core_dates_a_request_by_its_age_on_its_own_clock(pair):
+    """A Submit carries how long ago the request reached its front end, not the front end's
+    clock (which may be another host's): the core's queue time starts that long before."""
+    from headrace.core.v1 import core_pb2 as cpb
+    from headrace.core.v1 import core_pb2_grpc as cpb_grpc
+    from headrace.dataplane.v1 import worker_pb2 as wpb
+
+    _, split = pair
+    registry = split.core.plane.metrics.registry
+    queued = lambda: registry.get_sample_value("headrace:request_queue_time_seconds_sum")  # noqa: E731
+    before = queued()
+    submit = cpb.Submit(handle=1, request_id="aged", prompt_token_ids=[5, 6, 7], max_tokens=2,
+                        sampling=[wpb.Sampling(temperature=0)], age=30.0)
+    held = threading.Event()
+
+    def ups():   # the stream stays open (its end would abort the request) until the answer
+        yield cpb.Up(hello=cpb.Hello(frontend_index=7), submits=[submit])
+        held.wait(30)
+
+    finish = None
+    with grpc.insecure_channel(split.core_address) as channel:
+        downs = cpb_grpc.EngineCoreStub(channel).Connect(ups(), timeout=30)
+        try:
+            for down in downs:
+                finish = next((d.finish_reason for d in down.deltas if d.finish_reason), None)
+                if finish:
+                    break
+        finally:
+            held.set()
+            downs.cancel()
+    assert finish == pb.FINISH_REASON_LENGTH
+    assert 30.0 <= queued() - before < 40.0
+
+
+def test_a_folded_steps_tokens_go_out_before_the_next_step(pair, monkeypatch):
+    """With other steps in flight (the device busy), the core writes the front ends' news of a
+    folded step before it schedules and sends the next one (``Engine.flush_woken``)."""
+    _, split = pair
+    engine, events = split.engine, []
+    send, fold = engine.workers.send, engine._fold
+
+    async def recording_send(msg):
+        events.append("send")
+        await send(msg)
+
+    def recording_fold(step, result):
+        emitted = fold(step, result)
+        events.append(f"fold {emitted}")
+        return emitted
+
+    link = next(iter(split.core.service.links))
+    next_message = link.next_message
+
+    async def recording_next_message():
+        msg = await next_message()
+        if msg.token_handles or msg.deltas:
+            events.append("down")
+        return msg
+
+    monkeypatch.setattr(engine.workers, "send", recording_send)
+    monkeypatch.setattr(engine, "_fold", recording_fold)
+    monkeypatch.setattr(link, "next_message", recording_next_message)
+    # (the core's stream is waiting in the previous next_message: one request to move on)
+    split.generate(prompt="Water", max_tokens=2, sampling=pb.SamplingParams(temperature=0))
+    events.clear()
+    responses = split.generate(prompt="The river", max_tokens=6, ignore_eos=True,
+                               sampling=pb.SamplingParams(temperature=0))
+    assert len([t for r in responses for t in r.token_ids]) == 6
+    first = events.index("fold 1")
+    assert events[first + 1] == "down", events

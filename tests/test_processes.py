@@ -1,6 +1,7 @@
 """cli.processes without a model: the default front-end count, the options serve forwards to
 its core and front ends (secrets by environment, not argv), and the role supervisor (a dead
-child restarted alone, a usage error ending the server) with stand-in children."""
+child restarted alone, a usage error ending the server) with stand-in children, and the core
+link's fresh secret (by environment) and TLS options reaching the core and the front ends."""
 
 from __future__ import annotations
 
@@ -61,3 +62,30 @@ def test_a_dead_child_is_restarted_alone_and_a_usage_error_is_fatal():
         assert fatal and roles.fatal is roles.children[0] and roles.children[0].restarts == 0
     finally:
         roles.stop(timeout=5)
+
+
+def test_serve_gives_the_core_link_a_fresh_secret_by_environment_and_forwards_its_tls(monkeypatch, certs):
+    from cli.options import core_link_options
+    from cli.processes import prepare_core_link
+
+    monkeypatch.delenv("HEADRACE_CORE_SECRET", raising=False)
+    c = lambda n: str(certs / n)  # noqa: E731
+    args = build_parser().parse_args(
+        ["serve", "--model", "/m", "--core-address", "127.0.0.1:7000", "--core-tls-cert", c("server.pem"),
+         "--core-tls-key", c("server.key"), "--core-ca", c("ca.pem")])
+    prepare_core_link(args)
+    secret = args.core_secret
+    assert len(secret) == 32 and secrets_env(args)["HEADRACE_CORE_SECRET"] == secret
+    prepare_core_link(args)
+    assert args.core_secret == secret   # once per server
+    core, frontend = control_plane_children(args, controlplane_parser(), ["unix:/w.sock"], args.core_address)[:2]
+    for child in (core, frontend):
+        assert secret not in " ".join(child.argv)
+        parsed = build_parser().parse_args(child.argv[3:])
+        assert (parsed.core_tls_cert, parsed.core_tls_key, parsed.core_ca) == \
+            (c("server.pem"), c("server.key"), c("ca.pem"))
+    monkeypatch.setenv("HEADRACE_CORE_SECRET", secret)   # as the children get it
+    core_opts = core_link_options(build_parser().parse_args(core.argv[3:]), "core")
+    front_opts = core_link_options(build_parser().parse_args(frontend.argv[3:]), "frontend")
+    assert core_opts["core_secret"] == front_opts["core_secret"] == secret
+    assert core_opts["core_tls"] is not None and front_opts["core_credentials"] is not None

@@ -1,11 +1,10 @@
 """TLS, mutual TLS and bearer tokens on the public API, and the shared secret (and TLS) with
-which a data plane accepts only its control plane. Certificates are made with openssl."""
+which a data plane accepts only its control plane. Certificates are made with openssl
+(``certs``, tests/conftest.py)."""
 
 from __future__ import annotations
 
-import pathlib
 import shutil
-import subprocess
 
 import grpc
 import pytest
@@ -21,25 +20,6 @@ from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
-
-
-def _openssl(*args: str, cwd: pathlib.Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory) -> pathlib.Path:
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
-    d = tmp_path_factory.mktemp("certs")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
-             "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
-    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name in ("server", "client"):
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-days", "2", "-extfile", "san.cnf", "-out", f"{name}.pem", cwd=d)
-    return d
 
 
 @pytest.fixture(scope="module")

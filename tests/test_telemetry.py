@@ -273,19 +273,24 @@ def test_every_metric_moves_as_expected(planes):
     # -- three requests one after another: every per-request metric moves exactly
     before = counts()
     prompt = list(range(2, 42))   # 40 tokens: two full blocks of 16 can be reused
-    a = completion(planes.generate(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=8,
-                                   ignore_eos=True, sampling=GREEDY))
-    b = completion(planes.generate(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=4,
-                                   ignore_eos=True, sampling=GREEDY))
-    c = completion(planes.generate(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=8,
+    streams = [planes.generate(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=8,
+                               ignore_eos=True, sampling=GREEDY),
+               planes.generate(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=4,
+                               ignore_eos=True, sampling=GREEDY)]
+    a, b = completion(streams[0]), completion(streams[1])
+    streams.append(planes.generate(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=8,
                                    stop_token_ids=[a[0][0]], sampling=GREEDY))
+    c = completion(streams[2])
     assert (a[2], b[2], c[2]) == (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
     d = delta(before)
     for key in ("ttft", "e2e", "queue", "prefill", "decode", "prompt_len"):
         assert d[key] == 3, key
     assert d["prompt_len_sum"] == d["prompt_tokens"] == 120
     assert d["gen_len_sum"] == d["gen_tokens"] == 8 + 4 + 1
-    assert d["itl"] == (8 - 1) + (4 - 1) + (1 - 1)     # every token but each sequence's first
+    # every token the client got but those of each stream's first response (as a rule the
+    # first token alone)
+    assert d["itl"] == sum(len(completion(r)[0]) - len(next(m for m in r if m.token_ids).token_ids)
+                           for r in streams) <= (8 - 1) + (4 - 1) + (1 - 1)
     assert (d["length"], d["stop"], d["aborted"]) == (2, 1, 0)
     assert d["queries"] >= 120 and d["hits"] == 2 * 32   # b and c reuse a's two full blocks
     steps = d["step_schedule"]

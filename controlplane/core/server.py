@@ -3,7 +3,8 @@
 ``EngineCore`` stream the front ends hold, the Admin service they proxy to, and health. It also
 serves the control plane's one Prometheus /metrics: with ``PROMETHEUS_MULTIPROC_DIR`` set (as
 ``headrace serve`` sets it for all its control-plane processes) the counters and histograms of
-every front end are summed in, beside the core's live gauges."""
+every front end are summed in, beside the core's live gauges. ``controlplane.core_link`` says
+how the link is secured (a 0600 unix socket; TLS and a shared secret on TCP)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from common.grpc_options import CORE_MAX_MESSAGE_BYTES, server_options
 from common.metrics import multiprocess_registry
+from controlplane import core_link
 from controlplane.admin import AdminService
 from controlplane.core.plane import EnginePlane
 from controlplane.core.service import EngineCoreService
 from controlplane.engine import EngineConfig
 from controlplane.metrics import engine_state_collector
-from controlplane.server import BackgroundTasks, set_health
+from controlplane.lifecycle import BackgroundTasks, set_health
 from headrace.core.v1 import core_pb2_grpc as cpb_grpc
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 
@@ -29,16 +31,25 @@ log = logging.getLogger("headrace.core")
 class CoreServer:
     def __init__(self, model_dir: str, worker_addresses: list[str], address: str,
                  config: EngineConfig | None = None, *, metrics_port: int | None = None,
-                 metrics_host: str = "127.0.0.1", admin_token: str | None = None, **plane_options):
+                 metrics_host: str = "127.0.0.1", admin_token: str | None = None,
+                 core_tls: grpc.ServerCredentials | None = None, core_secret: str | None = None,
+                 **plane_options):
+        """``core_tls``: serve a TCP ``address`` with TLS; ``core_secret``: serve only front ends
+        presenting it (``controlplane.core_link``)."""
+        core_link.check(address, core_tls is not None, core_secret)
         self.plane = EnginePlane(model_dir, worker_addresses, config, **plane_options)
         self.engine = self.plane.engine
-        self.address = address
+        self.address, self.tls = address, core_tls
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
         self.service = EngineCoreService(self.plane, len(worker_addresses))
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=server_options(CORE_MAX_MESSAGE_BYTES))
+        self.server = grpc.aio.server(options=server_options(CORE_MAX_MESSAGE_BYTES),
+                                      interceptors=[core_link.interceptor(core_secret)] if core_secret else [])
         cpb_grpc.add_EngineCoreServicer_to_server(self.service, self.server)
-        apb_grpc.add_AdminServicer_to_server(AdminService(self.plane, admin_token), self.server)
+        # with a secret every caller is a front end, which checked its own caller's access:
+        # the core's Admin then needs no loopback peer (the admin token is still checked)
+        admin = AdminService(self.plane, admin_token, local_only=not core_secret)
+        apb_grpc.add_AdminServicer_to_server(admin, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._background = BackgroundTasks()
         self.plane.on_change.append(
@@ -47,10 +58,11 @@ class CoreServer:
 
     async def start(self, ready_timeout: float = 600.0) -> None:
         await set_health(self.health, False)
-        self.port = self.server.add_insecure_port(self.address)
+        self.port = core_link.bind(self.server, self.address, self.tls)
         if self.port == 0:
             raise RuntimeError(f"cannot bind {self.address}")
         await self.server.start()
+        core_link.restrict(self.address)
         if self.metrics_port is not None:
             metrics = self.plane.metrics
             registry = multiprocess_registry(engine_state_collector(metrics))

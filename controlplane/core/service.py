@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 
 import grpc
 import structlog
@@ -77,7 +78,11 @@ class FrontendLink:
         self._dirty[request] = None
         if not self._flush_scheduled:   # once all of this step's wake-ups are in
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+            asyncio.get_running_loop().call_soon(self._flush_marked)
+
+    def _flush_marked(self) -> None:
+        if self._flush_scheduled:   # (not flushed meanwhile: ``EngineCoreService.flush``)
+            self.flush()
 
     def fail(self, handle: int, code: grpc.StatusCode, message: str) -> None:
         self._pending.failed.add(handle=handle, code=code.value[0], message=message)
@@ -170,6 +175,13 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
         self.links: set[FrontendLink] = set()
         self.tracer = tracing.get_tracer("headrace.core")
         plane.on_change.append(self.broadcast_state)
+        plane.engine.flush_woken = self.flush
+
+    def flush(self) -> None:
+        """Every front end's news now (the engine woke its requests)."""
+        for link in self.links:
+            if link._flush_scheduled:
+                link.flush()
 
     def state(self) -> cpb.CoreState:
         plane, engine = self.plane, self.plane.engine
@@ -238,12 +250,13 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
             link.fail(s.handle, *refusal)
             return
         engine = self.plane.engine
+        arrival = time.monotonic() - s.age   # on this clock (the front end's may be another host's)
         req = CoreRequest(request_id=s.request_id, n=len(s.sampling), stream_interval=s.stream_interval,
-                          arrival=s.arrival, link=link, handle=s.handle, tenant=s.tenant)
+                          arrival=arrival, link=link, handle=s.handle, tenant=s.tenant)
         prompt, text = list(s.prompt_token_ids), CoreText(s.has_stop_strings)
         req.sequences = [Sequence(request=req, seq_id=next(engine.seq_ids), index=i,
                                   prompt_token_ids=prompt, sampling=sampling, max_tokens=s.max_tokens,
-                                  priority=s.priority, arrival=s.arrival, output=text)
+                                  priority=s.priority, arrival=arrival, output=text)
                          for i, sampling in enumerate(s.sampling)]
         link.requests[s.handle] = req
         with contextlib.ExitStack() as stack:

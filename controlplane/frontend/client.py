@@ -8,13 +8,15 @@ in the core), and the client's handler builds its responses from them as in one 
 
 Submissions and aborts are batched into one ``Up`` message per event-loop turn. While the core
 is unreachable every request fails UNAVAILABLE and ``healthy`` is False; the stream is opened
-again (``wait_for_ready``) as soon as the core answers."""
+again (``wait_for_ready``) as soon as the core answers. The stream goes over TLS and carries the
+core secret as ``controlplane.core_link`` says."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import os
+import time
 import types
 
 import grpc
@@ -22,8 +24,8 @@ import structlog
 from opentelemetry import trace
 
 from common import tracing
-from common.grpc_options import CORE_MAX_MESSAGE_BYTES, channel_options
 from common.logs import get_logger
+from controlplane import core_link
 from controlplane.request import Failure, Request, Sequence, Status
 from headrace.core.v1 import core_pb2 as cpb
 from headrace.core.v1 import core_pb2_grpc as cpb_grpc
@@ -46,8 +48,10 @@ class _Waiting:
 
 
 class CoreClient:
-    def __init__(self, address: str, index: int, metrics, on_change=None):
+    def __init__(self, address: str, index: int, metrics, on_change=None, *,
+                 credentials: grpc.ChannelCredentials | None = None, secret: str | None = None):
         self.address, self.index = address, index
+        self.credentials, self.metadata = credentials, core_link.metadata(secret)
         self.telemetry = types.SimpleNamespace(metrics=metrics)
         self.config = types.SimpleNamespace(max_queued=0, stream_interval=1)
         self.on_change = on_change          # called when readiness or the model changed
@@ -95,7 +99,7 @@ class CoreClient:
             handle=handle, request_id=request.request_id, prompt_token_ids=seq0.prompt_token_ids,
             max_tokens=seq0.max_tokens, priority=seq0.priority,
             stream_interval=request.stream_interval, has_stop_strings=seq0.output.has_stop,
-            arrival=request.arrival, tenant=request.tenant,
+            age=time.monotonic() - request.arrival, tenant=request.tenant,
             trace_id=structlog.contextvars.get_contextvars().get("trace_id", ""))
         submit.sampling.extend(s.sampling for s in request.sequences)
         span = trace.get_current_span()
@@ -128,12 +132,11 @@ class CoreClient:
     async def _run(self) -> None:
         while True:
             try:
-                async with grpc.aio.insecure_channel(
-                        self.address, options=channel_options(CORE_MAX_MESSAGE_BYTES)) as channel:
+                async with core_link.channel(self.address, self.credentials) as channel:
                     # a fresh event per stream: an ended stream's sender must not take messages
                     self._up, self._up_ready = cpb.Up(), asyncio.Event()
-                    call = cpb_grpc.EngineCoreStub(channel).Connect(self._messages(self._up_ready),
-                                                                    wait_for_ready=True)
+                    call = cpb_grpc.EngineCoreStub(channel).Connect(
+                        self._messages(self._up_ready), metadata=self.metadata, wait_for_ready=True)
                     async for down in call:
                         if not self.connected:
                             self.connected = True

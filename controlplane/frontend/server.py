@@ -5,7 +5,9 @@ detokenisation, stop strings and streaming run here (``controlplane.request_path
 
 Front ends share the public ports: each binds them with SO_REUSEPORT and the kernel spreads
 connections over them (``headrace serve`` checks first that no other server holds the ports).
-Health is SERVING only while the core is connected, ready and not draining."""
+Health is SERVING only while the core is connected, ready and not draining. The link to the
+core is secured as ``controlplane.core_link`` says (``core_credentials``: verify a TCP core's
+TLS certificate; ``core_secret``: present the core's secret)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from common import security
-from common.grpc_options import CORE_MAX_MESSAGE_BYTES, channel_options
 from controlplane.frontend.admin_proxy import AdminProxy
 from controlplane.frontend.client import CoreClient
 from controlplane.http.server import HttpFrontEnd, http_host
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.request_path import RequestPath
-from controlplane import limits
+from controlplane import core_link, limits
 from controlplane.admin import admin_access
 from controlplane.server import (ADMIN, BackgroundTasks, public_server, request_limits, set_health,
                                  warn_if_open)
@@ -48,13 +49,17 @@ class FrontEnd:
                  http_tls: tuple | None = None, chat_template: str | None = None,
                  generation_config: str = "auto", log_prompts: bool = False, reuse_port: bool = True,
                  trust_tenant_header: bool = False, max_n: int = limits.DEFAULT_MAX_N,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None,
+                 core_credentials: grpc.ChannelCredentials | None = None,
+                 core_secret: str | None = None):
+        core_link.check(core_address, core_credentials is not None, core_secret)
         self.index, self.address, self.tls, self.api_token = index, address, tls, api_token
         tokens = security.as_tokens(api_token)
         self.metrics = ControlPlaneMetrics()
         self._background = BackgroundTasks()
         self.client = CoreClient(core_address, index, self.metrics,
-                                 on_change=lambda: self._background.spawn(self._core_changed()))
+                                 on_change=lambda: self._background.spawn(self._core_changed()),
+                                 credentials=core_credentials, secret=core_secret)
         tokenizer = ModelTokenizer(model_dir)
         self.requests = RequestPath(self.client, model_dir, tokenizer,
                                     chat_template=chat_template, generation_config=generation_config,
@@ -62,8 +67,9 @@ class FrontEnd:
                                     trust_tenant_header=trust_tenant_header, max_n=max_n)
         self.max_message_bytes, max_body = request_limits(model_dir, tokenizer, max_model_len)
         self.inference = FrontEndInference(self.requests)
-        self.admin_channel = grpc.aio.insecure_channel(core_address, options=channel_options(CORE_MAX_MESSAGE_BYTES))
-        self.admin = AdminProxy(self.admin_channel, admin_token, enabled=admin_access(address, admin_token))
+        self.admin_channel = core_link.channel(core_address, core_credentials)
+        self.admin = AdminProxy(self.admin_channel, admin_token, enabled=admin_access(address, admin_token),
+                                secret=core_secret)
         self.health = health.aio.HealthServicer()
         self.server = public_server(self.metrics, self.inference, self.admin, self.health,
                                     api_token=tokens, shared_port=reuse_port,

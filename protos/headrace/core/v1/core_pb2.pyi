@@ -17,7 +17,7 @@ class Hello(_message.Message):
     def __init__(self, frontend_index: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("handle", "request_id", "prompt_token_ids", "sampling", "max_tokens", "priority", "stream_interval", "has_stop_strings", "arrival", "trace_context", "trace_id", "tenant")
+    __slots__ = ("handle", "request_id", "prompt_token_ids", "sampling", "max_tokens", "priority", "stream_interval", "has_stop_strings", "trace_context", "trace_id", "tenant", "age")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -33,10 +33,10 @@ class Submit(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     HAS_STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
-    ARRIVAL_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    AGE_FIELD_NUMBER: _ClassVar[int]
     handle: int
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -45,11 +45,11 @@ class Submit(_message.Message):
     priority: int
     stream_interval: int
     has_stop_strings: bool
-    arrival: float
     trace_context: _containers.ScalarMap[str, str]
     trace_id: str
     tenant: str
-    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[_worker_pb2.Sampling, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., stream_interval: _Optional[int] = ..., has_stop_strings: _Optional[bool] = ..., arrival: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+    age: float
+    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[_worker_pb2.Sampling, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., stream_interval: _Optional[int] = ..., has_stop_strings: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_id: _Optional[str] = ..., tenant: _Optional[str] = ..., age: _Optional[float] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("handle", "reason", "index")
