@@ -105,13 +105,13 @@ class DraftModel:
         self.model(input_ids, positions, self.kv_caches, plain)
         self.num_forwards += 1
 
-    def sync_decode_rows(self, input_ids: torch.Tensor, dev: dict[str, torch.Tensor],
-                         query_start_loc: torch.Tensor) -> None:
+    def sync_decode_rows(self, input_ids: torch.Tensor, dev: dict[str, torch.Tensor]) -> None:
         """``sync`` for a step the CUDA graphs replayed: one decode row per token (``dev``'s
         per-token lengths and tables, ``spec_decode.decode_rows``)."""
         n = len(dev["positions"])
         self.sync(input_ids, dev["positions"], AttentionMetadata(
-            slot_mapping=dev["slot_mapping"], query_start_loc=query_start_loc,
+            slot_mapping=dev["slot_mapping"],
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
             seq_lens=dev["seq_lens"], block_tables=dev["block_tables"], max_query_len=1,
             decode_only=True, num_decodes=n, decode_order=dev["decode_order"]))
 

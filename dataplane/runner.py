@@ -143,7 +143,7 @@ class ModelRunner:
         if rows or (self.graphs is not None and prep.decode_only and self.graphs.fits(len(prep.positions))):
             logits = self.graphs.run(input_ids, dev, verify=rows)   # every row samples
             if self.draft is not None:
-                self.draft.sync_decode_rows(input_ids, dev, self._arange[:len(prep.positions) + 1])
+                self.draft.sync_decode_rows(input_ids, dev)
             return logits
         qsl = dev["query_start_loc"] if "query_start_loc" in dev else self._arange[:len(prep.positions) + 1]
         flash = kernels.flash_attn4.step_plan(self.attention, prep, qsl, dev["seq_lens"],
