@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout's root on the H200): GPU correctness, then the serving
 # workloads through the gRPC planes and in one process (bench/README.md). Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 w3tp w4 w5 w5w1 w5l hf spy kern ragged tp spec
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 w3tp w4 w5 w5w1 w5l hf spy kern ragged tp spec specdraft
 #   (default: tests w2 w1 w1o w3); TP_WATCH_S: seconds the tp section waits before dumping stacks
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # ragged: decode attention on W1's ragged batches, by KV split count and program start order.
@@ -10,6 +10,10 @@
 # spec: speculative decoding (n-gram, k = 4) beside off, in one process: W2 ITL per output
 #   token on input-grounded prompts and on random ones (~zero acceptance), W1 (back-off);
 #   first tests/test_spec_graphs.py on the GPU (verify steps replayed in CUDA graphs, exact).
+# specdraft: a real draft/target pair: a ~150M-parameter target trained on the GPU on the
+#   embedded model's corpus with its tokenizer (train.py --device cuda; ~1-3 min), and
+#   tiny-draft as its draft; W2 ITL per output token on held-out text, speculation off vs
+#   draft_model (k = 4) vs ngram, with the measured acceptance; ~5 minutes.
 # w5: the host KV tier's GPU tests, multi-turn chat (W5) with the tier off, then on with host
 #     hits under the cost rule (--kv-offloading-policy auto) and always loaded; ~6-7 minutes.
 # w5w1: W1 with offloading configured but idle beside W1 without (the tier must cost nothing
@@ -81,6 +85,19 @@ if has spec; then
     log "spec off: $args"; timeout 150 python3 -m bench.inprocess_bench --model /tmp/qwen3 $args | tee -a "$OUT/results.jsonl"
     log "spec ngram: $args"; timeout 150 python3 -m bench.inprocess_bench --model /tmp/qwen3 $args \
       --speculative-config "$ngram" | tee -a "$OUT/results.jsonl"
+  done
+fi
+if has specdraft; then
+  log "specdraft: train a target for tiny-draft (same tokenizer, same corpus)"
+  timeout 240 python3 dataplane/default_model/train.py --device cuda --tokenizer dataplane/default_model/tiny \
+    --out /tmp/austen-target --hidden 1024 --layers 12 --heads 16 --kv-heads 4 --intermediate 2816 \
+    --lr 1e-3 --steps 1500 --minutes 3 2>&1 | grep -E "^model:|^done|^saved|Error"
+  draft='{"method": "draft_model", "model": "dataplane/default_model/tiny-draft", "num_speculative_tokens": 4}'
+  ngram='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+  for spec in "" "$draft" "$ngram"; do
+    log "specdraft w2 on held-out text: ${spec:-off}"
+    timeout 150 python3 -m bench.inprocess_bench --model /tmp/austen-target --device cuda --workload w2 \
+      --text-prompts --w2-tokens 128 ${spec:+--speculative-config "$spec"} | tee -a "$OUT/results.jsonl"
   done
 fi
 if has w4; then
