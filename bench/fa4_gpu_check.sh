@@ -51,8 +51,13 @@ torch.__version__, cutlass.__file__)" 2>&1 | tail -2
 fi
 if has tests; then
   log tests-gpu
-  HEADRACE_TEST_DEVICE=cuda timeout $(cap 170) python3 -m pytest -q -x -p no:cacheprovider \
-    tests/test_flash_attn_gpu.py tests/test_attention_backends.py 2>&1 | tail -4
+  # one line per test and the exit status: the last session's run printed no summary (89 s),
+  # so a crash (a signal) or a timeout must be told apart from a failure
+  HEADRACE_TEST_DEVICE=cuda timeout $(cap 170) python3 -m pytest -v -x -p no:cacheprovider \
+    tests/test_flash_attn_gpu.py tests/test_attention_backends.py > "$OUT/fa4-tests.txt" 2>&1
+  rc=$?; grep -cE " PASSED" "$OUT/fa4-tests.txt" | sed 's/^/tests passed: /'
+  grep -E "FAILED|ERROR|Error|Segmentation|Aborted" "$OUT/fa4-tests.txt" | head -8; tail -3 "$OUT/fa4-tests.txt"
+  echo "pytest exit status $rc (124: timed out; over 128: killed by signal $((rc - 128)))"
 fi
 if has bench; then
   log bench; timeout $(cap 130) python3 -m bench.attention_backends --quick 2>&1 | tee "$OUT/fa4-bench.txt" | tail -60
