@@ -9,8 +9,22 @@ import subprocess
 
 import pytest
 
+import cli.main
+import common.logs
 from tests.checkpoints import make_checkpoint
 from tests.harness import Planes
+
+# A command's main() run in-process configures logging for the whole test process; cached
+# loggers would then keep that configuration forever, and structlog's capture_logs in a later
+# test would see nothing. The tests' processes never cache them.
+_configure_logging = common.logs.configure_logging
+
+
+def _configure_uncached(*args, cache_loggers: bool = True, **kwargs):
+    return _configure_logging(*args, cache_loggers=False, **kwargs)
+
+
+common.logs.configure_logging = cli.main.configure_logging = _configure_uncached
 
 # (family, options): GQA ratios 1 and 4, head_dim 64 and 128, tied and untied embeddings,
 # qkv bias (qwen2), q/k norm (qwen3), llama3 rope scaling.

@@ -124,7 +124,14 @@ def test_front_ends_without_the_secret_or_tls_never_connect(tcp):
             planes.call(frontend.stop(grace=0))
 
 
-def test_a_core_link_beyond_loopback_needs_tls_and_a_secret(capsys):
+def test_a_core_link_beyond_loopback_needs_tls_and_a_secret(capsys, monkeypatch):
+    import cli.main
+    import structlog
+
+    # main() configures the process's logging and binds its role: in-process here, it must
+    # not leave them behind for later tests (conftest keeps loggers uncached)
+    monkeypatch.setattr(cli.main, "bind_role", lambda args: None)
+    saved = structlog.get_config()
     core_link.check("unix:/tmp/x.sock", False, None)
     core_link.check("127.0.0.1:7000", False, None)    # loopback: plaintext allowed
     core_link.check("10.1.2.3:7000", True, "s")
@@ -136,8 +143,11 @@ def test_a_core_link_beyond_loopback_needs_tls_and_a_secret(capsys):
     with pytest.raises(ValueError, match="beyond loopback"):
         asyncio.run(_frontend_beyond_loopback())
     # serve says so in one line before it starts anything
-    assert main(["serve", "--core-address", "0.0.0.0:7999", "--port", "0", "--http-port", "0",
-                 "--metrics-port", "0"]) == 2
+    try:
+        assert main(["serve", "--core-address", "0.0.0.0:7999", "--port", "0", "--http-port", "0",
+                     "--metrics-port", "0"]) == 2
+    finally:
+        structlog.configure(**saved)
     assert "beyond loopback" in capsys.readouterr().err
 
 

@@ -33,6 +33,7 @@ from headrace.v1 import inference_pb2 as pb
 
 log = get_logger("headrace.frontend")
 CORE_DOWN = "the engine core is unavailable (restarting?); retry"
+RETRY_FIRST_S, RETRY_MAX_S = 0.2, 5.0   # reconnect back-off (a refused secret must not spin)
 
 
 class _Waiting:
@@ -130,6 +131,7 @@ class CoreClient:
         self._lost()
 
     async def _run(self) -> None:
+        delay = RETRY_FIRST_S   # between attempts: doubles while they fail, reset once connected
         while True:
             try:
                 async with core_link.channel(self.address, self.credentials) as channel:
@@ -143,10 +145,13 @@ class CoreClient:
                             log.info("connected to the engine core", address=self.address)
                         self._apply(down)
             except grpc.aio.AioRpcError as exc:
-                log.warning("engine core stream ended", code=exc.code().name, details=exc.details())
+                log.warning("engine core stream ended", code=exc.code().name, details=exc.details(),
+                            retry_in_s=RETRY_FIRST_S if self.connected else delay)
             if self.connected:
                 self._lost()
-            await asyncio.sleep(0.2)
+                delay = RETRY_FIRST_S
+            await asyncio.sleep(delay)
+            delay = min(RETRY_MAX_S, 2 * delay)
 
     async def _messages(self, ready: asyncio.Event):
         yield cpb.Up(hello=cpb.Hello(frontend_index=self.index, pid=os.getpid()))
