@@ -7,19 +7,12 @@ with HEADRACE_TEST_DEVICE=cuda (or any CUDA machine) compiled on the GPU.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-DEVICE = "cuda" if (os.environ.get("HEADRACE_TEST_DEVICE", "").startswith("cuda")
-                    or torch.cuda.is_available()) else "cpu"
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported earlier without TRITON_INTERPRET=1", allow_module_level=True)
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton", reason="triton is not installed: no Triton kernels to test")
+from tests.triton_device import triton_device
+
+DEVICE = triton_device()   # before triton is imported: the CPU interpreter or the GPU
 from kernels import reference_quant as ref  # noqa: E402
 from kernels import triton_fp8_linear, triton_quant  # noqa: E402
 
