@@ -20,9 +20,13 @@ Greedy drafts are point masses, so ``dataplane.spec_decode``'s acceptance (accep
 probability ``p(x)``, else draw from ``p`` without ``x``) keeps the target's distribution
 exactly; this is what vLLM's rejection sampler does for drafts without probabilities.
 
+CUDA graphs: with the target's graphs the worker captures the draft's decode for the same
+ladder of batch sizes (``capture_graphs``), so its proposals and its syncs of decode steps and
+graph-replayed verifies replay graphs too (a small draft's decode is launch-bound); syncs of
+steps with prefill chunks run eagerly, like the target's.
+
 Not built: tensor parallelism (the draft would have to run unsharded beside sharded
-layers), the host KV tier (its copies move the target's pool only), CUDA graphs for the
-draft's own decodes (they run eagerly; on a GPU that is ``k`` small launches per verify).
+layers), the host KV tier (its copies move the target's pool only).
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ import torch
 
 from common.model_source import ModelSourceError, resolve_model
 
-from dataplane import kv_cache
+from dataplane import kv_cache, staging
 from dataplane.config import ModelConfig, load_model_config
+from dataplane.cuda_graphs import DecodeGraphs
 from dataplane.input_batch import InputBatch, longest_first
 from dataplane.loader import load_model
 from dataplane.model import AttentionMetadata, CausalLM
@@ -69,6 +74,7 @@ class DraftModel:
     def __init__(self, model: CausalLM, device: torch.device):
         self.model, self.device = model, device
         self.kv_caches: list[torch.Tensor] = []   # ``allocate`` makes them
+        self.graphs: DecodeGraphs | None = None   # ``capture_graphs`` (CUDA only in serving)
         self.block_size = 0
         self.num_forwards = 0   # draft forward passes run (sync and propose): for tests/bench
 
@@ -95,25 +101,46 @@ class DraftModel:
         self.block_size = block_size
         self.kv_caches = kv_cache.allocate(self.model.cfg, num_blocks, block_size, kv_dtype, self.device)
 
+    def capture_graphs(self, max_batch: int, max_blocks_per_seq: int, progress=None) -> None:
+        """CUDA graphs of the draft's decode for a ladder of batch sizes (the target's ladder:
+        its decode steps, verify rows and the proposals all fit): its decodes are launch-bound."""
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_batch, max_blocks_per_seq, self.device)
+        self.graphs.capture(progress)
+
+    def _decode(self, input_ids: torch.Tensor, rows: dict[str, torch.Tensor], logits: bool = True):
+        """A decode row per token (``rows``: positions, slot_mapping, seq_lens, block_tables,
+        decode_order): a graph replay where one fits (its logits come free), else eager."""
+        n = len(input_ids)
+        if self.graphs is not None and self.graphs.fits(n):
+            return self.graphs.run(input_ids, rows)
+        meta = AttentionMetadata(
+            slot_mapping=rows["slot_mapping"],
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
+            seq_lens=rows["seq_lens"], block_tables=rows["block_tables"], max_query_len=1,
+            decode_only=True, num_decodes=n, decode_order=rows["decode_order"])
+        hidden = self.model(input_ids, rows["positions"], self.kv_caches, meta)
+        return self.model.logits(hidden) if logits else None
+
     def sync(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """The draft's forward over the target's step (same tokens, positions, slots): its KV
         then covers what the target's does. Only the KV writes matter; no logits."""
+        self.num_forwards += 1
+        if meta.decode_only and meta.decode_order is not None:
+            self._decode(input_ids, dict(positions=positions, slot_mapping=meta.slot_mapping,
+                                         seq_lens=meta.seq_lens, block_tables=meta.block_tables,
+                                         decode_order=meta.decode_order), logits=False)
+            return
         plain = AttentionMetadata(slot_mapping=meta.slot_mapping, query_start_loc=meta.query_start_loc,
                                   seq_lens=meta.seq_lens, block_tables=meta.block_tables,
                                   max_query_len=meta.max_query_len, decode_only=meta.decode_only,
                                   num_decodes=meta.num_decodes, decode_order=meta.decode_order)
         self.model(input_ids, positions, self.kv_caches, plain)
-        self.num_forwards += 1
 
     def sync_decode_rows(self, input_ids: torch.Tensor, dev: dict[str, torch.Tensor]) -> None:
         """``sync`` for a step the CUDA graphs replayed: one decode row per token (``dev``'s
         per-token lengths and tables, ``spec_decode.decode_rows``)."""
-        n = len(dev["positions"])
-        self.sync(input_ids, dev["positions"], AttentionMetadata(
-            slot_mapping=dev["slot_mapping"],
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=self.device),
-            seq_lens=dev["seq_lens"], block_tables=dev["block_tables"], max_query_len=1,
-            decode_only=True, num_decodes=n, decode_order=dev["decode_order"]))
+        self.num_forwards += 1
+        self._decode(input_ids, dev, logits=False)
 
     @torch.inference_mode()
     def propose(self, batch: InputBatch, rows: list[int], ks: list[int]) -> list[np.ndarray]:
@@ -132,17 +159,13 @@ class DraftModel:
             table = batch.block_table[rows_np[live]]
             slots = table[np.arange(len(live)), pos // bs].astype(np.int64) * bs + pos % bs
             seq_lens = (pos + 1).astype(np.int32)
-            meta = AttentionMetadata(
-                slot_mapping=torch.as_tensor(slots, device=dev),
-                query_start_loc=torch.arange(len(live) + 1, dtype=torch.int32, device=dev),
-                seq_lens=torch.as_tensor(seq_lens, device=dev),
-                block_tables=torch.as_tensor(table[:, :int(pos.max()) // bs + 1], device=dev),
-                max_query_len=1, decode_only=True, num_decodes=len(live),
-                decode_order=torch.as_tensor(longest_first(seq_lens), device=dev))
-            live_t = torch.as_tensor(live, device=dev)
+            decode = staging.upload(dict(
+                positions=pos, slot_mapping=slots, seq_lens=seq_lens,
+                block_tables=table[:, :int(pos.max()) // bs + 1], decode_order=longest_first(seq_lens),
+                live=live), dev)
+            live_t = decode.pop("live")
             inputs = tokens[live_t] if j == 0 else out[live_t, j - 1]
-            hidden = self.model(inputs, torch.as_tensor(pos, device=dev), self.kv_caches, meta)
-            out[live_t, j] = self.model.logits(hidden).argmax(dim=-1)
+            out[live_t, j] = self._decode(inputs, decode).argmax(dim=-1)
             self.num_forwards += 1
         host = out.cpu().numpy()
         return [host[i, :k] for i, k in enumerate(ks)]

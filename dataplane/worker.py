@@ -146,6 +146,10 @@ class Worker:
                                   -(-self.max_model_len // opts.block_size), self.device)
             with Progress("capturing CUDA graphs", len(graphs.sizes), "graphs", rank=rank) as progress:
                 graphs.capture(progress)
+            if draft is not None:   # the draft's decodes are as launch-bound as the target's
+                with Progress("capturing the draft's CUDA graphs", len(graphs.sizes), "graphs",
+                              rank=rank) as progress:
+                    draft.capture_graphs(graphs.max_batch, -(-self.max_model_len // opts.block_size), progress)
             phases.mark("CUDA graphs")
         spec = SpecDecoder(self.speculative, draft) if self.speculative is not None else None
         self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,

@@ -88,6 +88,8 @@ def _graphed(w):
         r.graphs = DecodeGraphs(r.model, r.kv_caches, graph_rows(w.speculative, 16),
                                 r.batch.max_blocks, r.device)
         r.graphs.capture()
+    if r.draft is not None and r.draft.graphs is None:
+        r.draft.capture_graphs(r.graphs.max_batch, r.batch.max_blocks)
     return r.graphs
 
 
@@ -119,6 +121,7 @@ def test_greedy_output_with_verify_graphs_is_identical_to_without_speculation(co
     assert graphs.num_verify_replays > 0   # the verifies were replayed, not run eagerly
     if config is SELF_DRAFT:   # stops and max_tokens cut a few accepted drafts, nothing else
         assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens
+        assert w_on.runner.draft.graphs.num_replays > 0   # proposals and syncs replayed graphs
     print(f"verify replays {graphs.num_verify_replays} of {graphs.num_replays}; accepted "
           f"{spec.num_accepted_tokens} of {spec.num_draft_tokens} drafts")
 
