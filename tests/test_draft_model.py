@@ -127,3 +127,19 @@ def test_tensor_parallel_drafts_are_refused_with_one_line():
     with pytest.raises(ValueError, match="--tensor-parallel-size 1"):
         draft_model.check_options(config, load_model_config(MODEL), 2, 0.0)
     assert draft_model.check_options(config, load_model_config(MODEL), 1, 0.0) == MODEL
+
+
+def test_no_blocks_leak_after_random_cancels_with_a_draft(random_draft):
+    import random
+
+    rng = random.Random(7)
+    passage = "It is a truth universally acknowledged, that a single man "
+    reqs = [dict(prompt=passage + str(i), max_tokens=20, ignore_eos=True, sampling=GREEDY,
+                 n=1 + (i % 2)) for i in range(6)]
+    aborts = {i: rng.randint(1, 12) for i in rng.sample(range(6), 4)}
+    for draft in (MODEL, random_draft):
+        _, engine = asyncio.run(run(MODEL, worker(MODEL, _draft(draft), num_kv_blocks=40), reqs,
+                                    abort_after=aborts))
+        blocks = engine.scheduler.blocks
+        assert engine.scheduler.speculation.num_drafts > 0
+        assert blocks.num_free == blocks.num_blocks and not any(blocks.ref)
