@@ -137,13 +137,20 @@ class CoreClient:
                 async with core_link.channel(self.address, self.credentials) as channel:
                     # a fresh event per stream: an ended stream's sender must not take messages
                     self._up, self._up_ready = cpb.Up(), asyncio.Event()
+                    ended = asyncio.Event()
                     call = cpb_grpc.EngineCoreStub(channel).Connect(
-                        self._messages(self._up_ready), metadata=self.metadata, wait_for_ready=True)
-                    async for down in call:
-                        if not self.connected:
-                            self.connected = True
-                            log.info("connected to the engine core", address=self.address)
-                        self._apply(down)
+                        self._messages(self._up_ready, ended), metadata=self.metadata,
+                        wait_for_ready=True)
+                    try:
+                        async for down in call:
+                            if not self.connected:
+                                self.connected = True
+                                log.info("connected to the engine core", address=self.address)
+                            self._apply(down)
+                    finally:   # the call's sender ends too (a failed call leaves it waiting)
+                        ended.set()
+                        self._up_ready.set()
+                        call.cancel()
             except grpc.aio.AioRpcError as exc:
                 log.warning("engine core stream ended", code=exc.code().name, details=exc.details(),
                             retry_in_s=RETRY_FIRST_S if self.connected else delay)
@@ -153,11 +160,13 @@ class CoreClient:
             await asyncio.sleep(delay)
             delay = min(RETRY_MAX_S, 2 * delay)
 
-    async def _messages(self, ready: asyncio.Event):
+    async def _messages(self, ready: asyncio.Event, ended: asyncio.Event):
         yield cpb.Up(hello=cpb.Hello(frontend_index=self.index, pid=os.getpid()))
         while True:
             await ready.wait()
             ready.clear()
+            if ended.is_set():
+                return
             msg, self._up = self._up, cpb.Up()
             yield msg
 
