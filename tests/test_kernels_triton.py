@@ -13,16 +13,9 @@ import sys
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tests.triton_device import triton_device
 
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported earlier without TRITON_INTERPRET=1; its CPU interpreter "
-                    "needs the variable before the first import", allow_module_level=True)
-    # Process-wide: triton consults it when kernels are defined and at run time. Only this module
-    # runs Triton on CPU (HEADRACE_KERNELS stays unset, so the model keeps the reference).
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton", reason="triton is not installed: no Triton kernels to test")
+DEVICE = triton_device()   # before triton is imported: the CPU interpreter or the GPU
 from kernels import triton_attention, triton_decode, triton_ops  # noqa: E402
 import kernels.reference as ref  # noqa: E402
 from dataplane.rotary import cos_sin_cache  # noqa: E402
