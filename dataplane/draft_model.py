@@ -77,13 +77,17 @@ class DraftModel:
         self.graphs: DecodeGraphs | None = None   # ``capture_graphs`` (CUDA only in serving)
         self.block_size = 0
         self.num_forwards = 0   # draft forward passes run (sync and propose): for tests/bench
+        self.max_id: int | None = None   # clamp token ids to this (a smaller vocabulary)
 
     @classmethod
     def load(cls, model_dir: str, target: ModelConfig, device: torch.device, dtype: torch.dtype,
              max_model_len: int) -> "DraftModel":
         """Loads the weights (before the KV pools are sized from what memory is left)."""
         cfg = cls.config_of(model_dir, target)
-        return cls(load_model(pathlib.Path(model_dir), cfg, device, dtype, max_model_len), device)
+        draft = cls(load_model(pathlib.Path(model_dir), cfg, device, dtype, max_model_len), device)
+        if cfg.vocab_size < target.vocab_size:   # ids past the draft's table (the target's padding)
+            draft.max_id = cfg.vocab_size - 1
+        return draft
 
     @staticmethod
     def config_of(model_dir: str, target: ModelConfig) -> ModelConfig:
@@ -111,6 +115,7 @@ class DraftModel:
         """A decode row per token (``rows``: positions, slot_mapping, seq_lens, block_tables,
         decode_order): a graph replay where one fits (its logits come free), else eager."""
         n = len(input_ids)
+        input_ids = self._ids(input_ids)
         if self.graphs is not None and self.graphs.fits(n):
             return self.graphs.run(input_ids, rows)
         meta = AttentionMetadata(
@@ -134,7 +139,13 @@ class DraftModel:
                                   seq_lens=meta.seq_lens, block_tables=meta.block_tables,
                                   max_query_len=meta.max_query_len, decode_only=meta.decode_only,
                                   num_decodes=meta.num_decodes, decode_order=meta.decode_order)
-        self.model(input_ids, positions, self.kv_caches, plain)
+        self.model(self._ids(input_ids), positions, self.kv_caches, plain)
+
+    def _ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The target's token ids as the draft's embedding can read them: an id past a smaller
+        draft vocabulary (padding the target's tokenizer never produces, though sampling may
+        pick it) would index out of its table."""
+        return input_ids if self.max_id is None else input_ids.clamp_max(self.max_id)
 
     def sync_decode_rows(self, input_ids: torch.Tensor, dev: dict[str, torch.Tensor]) -> None:
         """``sync`` for a step the CUDA graphs replayed: one decode row per token (``dev``'s

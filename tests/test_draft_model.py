@@ -143,3 +143,16 @@ def test_no_blocks_leak_after_random_cancels_with_a_draft(random_draft):
         blocks = engine.scheduler.blocks
         assert engine.scheduler.speculation.num_drafts > 0
         assert blocks.num_free == blocks.num_blocks and not any(blocks.ref)
+
+
+def test_a_draft_with_a_smaller_vocabulary_reads_every_target_id(tmp_path):
+    """Ids past the draft's vocabulary (the target's padding) are clamped, not an index error."""
+    small = str(make_checkpoint(tmp_path / "small", "llama", heads=2, kv_heads=1, head_dim=32,
+                                layers=1, vocab=1024, seed=3))
+    w = worker(MODEL, _draft(small), num_kv_blocks=32)
+    assert w.runner.draft.max_id == 1023
+    reqs = [dict(prompt_token_ids=pb.TokenIds(ids=[0, 1500, 2000, 1999, 7]), max_tokens=10,
+                 ignore_eos=True, sampling=GREEDY)]
+    off, _ = asyncio.run(run(MODEL, worker(MODEL, None), reqs))
+    on, engine = asyncio.run(run(MODEL, w, reqs))
+    assert on[0][0][0] == off[0][0][0] and engine.scheduler.speculation.num_draft_tokens > 0
