@@ -11,6 +11,10 @@ The control plane owns every block decision; workers only mirror the tables it s
 With a host tier (``controlplane.host_tier``) an evicted cached block is offloaded there and
 a prefix hit may be found there: such a hit is given as ``~host_block`` (negative) in the
 hits list and is copied into a fresh device block when adopted.
+
+Watched (``watch``: an engine core whose front ends place requests over several cores,
+``controlplane.cache_summary``), every hash entering or leaving either tier's cache is
+recorded, so the front ends can keep a copy of what each core caches.
 """
 
 from __future__ import annotations
@@ -50,6 +54,19 @@ class BlockManager:
         self.prefix_queries = 0                          # tokens looked up / found (metrics)
         self.prefix_hits = 0
         self.host = HostTier(host_blocks) if host_blocks > 0 else None
+        self.events = None   # a cache_summary.CacheEvents, when watched
+
+    def watch(self, events) -> None:
+        """Records the caches' changes in ``events`` (``stored``/``evicted`` lists of hashes,
+        ``clear()`` on a reset) from now on."""
+        self.events = events
+        if self.host is not None:
+            self.host.events = events
+
+    def hashes(self) -> list[int]:
+        """Every hash the caches hold, once per tier holding it."""
+        host = list(self.host.cached) if self.host is not None else []
+        return list(self.cached) + host
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -135,6 +152,8 @@ class BlockManager:
                 self.host.fetch(~b, d, self.block_size)
                 self._hash[d], self._tokens[d] = h, tokens
                 self.cached[h] = d
+                if self.events is not None:
+                    self.events.stored.append(h)
         self._tables[seq_id] = table
         self._chain[seq_id] = [self._hash[b] for b in table]
         if self.enable_prefix_cache:
@@ -166,6 +185,8 @@ class BlockManager:
         if h is not None:   # evict it from the prefix cache (to the host tier, if any)
             if self.cached.get(h) == block:
                 del self.cached[h]
+                if self.events is not None:
+                    self.events.evicted.append(h)
                 if self.host is not None:
                     self.host.offload(block, h, self._tokens[block])
             self._hash[block] = self._tokens[block] = None
@@ -196,6 +217,8 @@ class BlockManager:
             if h not in self.cached and self._hash[block] is None:
                 self._hash[block], self._tokens[block] = h, tokens
                 self.cached[h] = block
+                if self.events is not None:
+                    self.events.stored.append(h)
 
     def truncate(self, seq_id: int, num_tokens: int) -> int | None:
         """Gives back the blocks of the table beyond what ``num_tokens`` tokens need (the
@@ -230,6 +253,8 @@ class BlockManager:
         self.cached.clear()
         if self.host is not None:
             self.host.reset()
+        if self.events is not None:
+            self.events.clear()
 
     # -- the host tier ---------------------------------------------------------------------
     def swap_out(self, seq_id: int, num_tokens: int) -> bool:

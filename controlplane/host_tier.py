@@ -55,6 +55,7 @@ class HostTier:
         self.hits = 0              # prefix tokens found here (metrics)
         self.blocks_out = 0        # blocks copied device -> host, host -> device
         self.blocks_in = 0
+        self.events = None         # the block manager's CacheEvents, when watched
 
     @property
     def num_free(self) -> int:
@@ -79,6 +80,8 @@ class HostTier:
         if h is not None:
             if self.cached.get(h) == block:
                 del self.cached[h]
+                if self.events is not None:
+                    self.events.evicted.append(h)
             self._hash[block] = self._tokens[block] = None
         return block
 
@@ -111,6 +114,8 @@ class HostTier:
             return
         self._hash[block], self._tokens[block] = h, tokens
         self.cached[h] = block
+        if self.events is not None:
+            self.events.stored.append(h)
         self._free[block] = None            # cached, unreferenced: most recently used
         self.swap_out.append((device_block, block))
         self.blocks_out += 1
@@ -180,6 +185,6 @@ class HostTier:
     def reset(self) -> None:
         """The data plane's host memory is gone: forget every block and pending copy (the
         counters go on)."""
-        counters = self.hits, self.blocks_out, self.blocks_in
+        counters = self.hits, self.blocks_out, self.blocks_in, self.events
         self.__init__(self.num_blocks)
-        self.hits, self.blocks_out, self.blocks_in = counters
+        self.hits, self.blocks_out, self.blocks_in, self.events = counters

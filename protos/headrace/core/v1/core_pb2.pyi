@@ -9,15 +9,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Hello(_message.Message):
-    __slots__ = ("frontend_index", "pid")
+    __slots__ = ("frontend_index", "pid", "placement")
     FRONTEND_INDEX_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     frontend_index: int
     pid: int
-    def __init__(self, frontend_index: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    placement: bool
+    def __init__(self, frontend_index: _Optional[int] = ..., pid: _Optional[int] = ..., placement: _Optional[bool] = ...) -> None: ...
+
+class Resumed(_message.Message):
+    __slots__ = ("index", "output_token_ids")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("handle", "request_id", "prompt_token_ids", "sampling", "max_tokens", "priority", "stream_interval", "has_stop_strings", "trace_context", "trace_id", "tenant", "age")
+    __slots__ = ("handle", "request_id", "prompt_token_ids", "sampling", "max_tokens", "priority", "stream_interval", "has_stop_strings", "trace_context", "trace_id", "tenant", "age", "resumed")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +47,7 @@ class Submit(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     AGE_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     handle: int
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -49,7 +60,8 @@ class Submit(_message.Message):
     trace_id: str
     tenant: str
     age: float
-    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[_worker_pb2.Sampling, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., stream_interval: _Optional[int] = ..., has_stop_strings: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_id: _Optional[str] = ..., tenant: _Optional[str] = ..., age: _Optional[float] = ...) -> None: ...
+    resumed: _containers.RepeatedCompositeFieldContainer[Resumed]
+    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[_worker_pb2.Sampling, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., stream_interval: _Optional[int] = ..., has_stop_strings: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_id: _Optional[str] = ..., tenant: _Optional[str] = ..., age: _Optional[float] = ..., resumed: _Optional[_Iterable[_Union[Resumed, _Mapping]]] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("handle", "reason", "index")
@@ -119,8 +131,28 @@ class CoreState(_message.Message):
     default_stream_interval: int
     def __init__(self, healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., loaded: _Optional[bool] = ..., model_dir: _Optional[str] = ..., max_model_len: _Optional[int] = ..., info: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ..., model_info: _Optional[_Union[_inference_pb2.ModelInfo, _Mapping]] = ..., max_queued: _Optional[int] = ..., default_stream_interval: _Optional[int] = ...) -> None: ...
 
+class CoreLoad(_message.Message):
+    __slots__ = ("running", "waiting", "num_kv_blocks", "num_free_kv_blocks", "block_size", "cache_reset", "cached_hashes", "evicted_hashes")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_RESET_FIELD_NUMBER: _ClassVar[int]
+    CACHED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    block_size: int
+    cache_reset: bool
+    cached_hashes: _containers.RepeatedScalarFieldContainer[int]
+    evicted_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_reset: _Optional[bool] = ..., cached_hashes: _Optional[_Iterable[int]] = ..., evicted_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Down(_message.Message):
-    __slots__ = ("deltas", "failed", "state", "num_waiting", "token_handles", "token_indexes", "token_counts", "token_ids")
+    __slots__ = ("deltas", "failed", "state", "num_waiting", "token_handles", "token_indexes", "token_counts", "token_ids", "load")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +161,7 @@ class Down(_message.Message):
     TOKEN_INDEXES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[SeqDelta]
     failed: _containers.RepeatedCompositeFieldContainer[Failed]
     state: CoreState
@@ -137,4 +170,5 @@ class Down(_message.Message):
     token_indexes: _containers.RepeatedScalarFieldContainer[int]
     token_counts: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, deltas: _Optional[_Iterable[_Union[SeqDelta, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[Failed, _Mapping]]] = ..., state: _Optional[_Union[CoreState, _Mapping]] = ..., num_waiting: _Optional[int] = ..., token_handles: _Optional[_Iterable[int]] = ..., token_indexes: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    load: CoreLoad
+    def __init__(self, deltas: _Optional[_Iterable[_Union[SeqDelta, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[Failed, _Mapping]]] = ..., state: _Optional[_Union[CoreState, _Mapping]] = ..., num_waiting: _Optional[int] = ..., token_handles: _Optional[_Iterable[int]] = ..., token_indexes: _Optional[_Iterable[int]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ...) -> None: ...
