@@ -13,149 +13,36 @@ on stderr and a non-zero status, never a traceback."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-import secrets
-import shutil
 import sys
-import tempfile
 
 from cli.admin import add_admin_parser
 from cli.client import add_address_args, add_generate_parser
 from cli.options import (
     HelpFormatter,
+    add_data_parallel_args,
     add_engine_args,
     add_ops_args,
     add_security_args,
     add_tls_args,
-    check_device_name,
-    check_speculative_config,
-    default_model,
     positive_int,
 )
 from cli.roles import cmd_core, cmd_dataplane, cmd_frontend
+from cli.serve import (  # noqa: F401 (the commands' helpers, re-exported for their tests)
+    CONTROL_PLANE_SECRETS,
+    _free_port,
+    child_env,
+    cmd_controlplane,
+    cmd_serve,
+    dataplane_argv,
+    serve_children_argvs,
+)
 from common.logs import configure_logging
-from common.options import add_arguments, from_args, to_argv
+from common.options import add_arguments
 from common.worker_options import ParallelOptions, WorkerOptions
 
 # what the control plane alone needs of the worker's options (its step limits, the tokenizer)
 CONTROL_PLANE_WORKER_OPTIONS = ("model", "max_model_len", "max_num_seqs", "max_batched_tokens")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def dataplane_argv(opts: WorkerOptions, par: ParallelOptions, listen: str, metrics_port: int,
-                   log_format: str | None = None, metrics_host: str = "127.0.0.1") -> list[str]:
-    """The command line of a data plane child process running ``opts`` as rank ``par.rank``."""
-    argv = [sys.executable, "-m", "cli", "dataplane", *to_argv(opts), *to_argv(par),
-            "--listen", listen, "--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
-    return argv + (["--log-format", log_format] if log_format else [])
-
-
-def serve_children_argvs(args, listens: list[str]) -> list[list[str]]:
-    """``headrace serve``'s data plane children: one per rank (``cuda:r`` for rank r under
-    tensor parallelism on CUDA), with a fresh rendezvous port each time the group starts."""
-    world, opts, metrics = args.tensor_parallel_size, from_args(WorkerOptions, args), args.dataplane_metrics_port
-    dist_init = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else None
-    argvs = []
-    for rank, listen in enumerate(listens):
-        rank_opts = opts
-        if world > 1 and opts.device.startswith("cuda"):
-            rank_opts = dataclasses.replace(opts, device=f"cuda:{rank}")
-        argvs.append(dataplane_argv(rank_opts, ParallelOptions(rank, world, dist_init), listen,
-                                    metrics + rank if metrics else 0, args.log_format, args.host))
-    return argvs
-
-
-# the control plane's own secrets: a data plane child never needs them
-CONTROL_PLANE_SECRETS = ("HEADRACE_API_TOKEN", "HEADRACE_API_TOKENS", "HEADRACE_ADMIN_TOKEN",
-                         "HEADRACE_CORE_SECRET")
-
-
-def child_env(environ, worker_secret: str) -> dict:
-    """A data plane child's environment: this one without the control plane's secrets, with
-    the worker secret (how it accepts only this control plane)."""
-    env = {k: v for k, v in environ.items() if k not in CONTROL_PLANE_SECRETS}
-    return dict(env, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=worker_secret)
-
-
-def _model_for_the_control_plane(args, weights: bool) -> str:
-    """The checkpoint directory (a Hub id resolved), checked for the files serving needs."""
-    from common.model_source import check_checkpoint, resolve_model
-
-    model = resolve_model(args.model or default_model())
-    check_checkpoint(model, weights=weights)
-    return model
-
-
-def check_public_ports(args) -> None:
-    """The gRPC and HTTP ports are free (before any child starts; the front ends then share
-    them with SO_REUSEPORT, which would not refuse another server's port), and the core link
-    is safe (``cli.processes.prepare_core_link``)."""
-    from cli.processes import prepare_core_link
-    from common import net
-
-    prepare_core_link(args)
-    net.check_port(f"{args.host}:{args.port}")
-    if args.http_port:
-        net.check_port(f"{args.host}:{args.http_port}", "--http-port")
-
-
-def cmd_serve(args) -> int:
-    from cli.processes import run_control_plane
-    from cli.supervisor import EXIT_LOAD_FAILED, DataPlaneChildren, health_probe
-    from common.metrics import enable_multiprocess
-
-    check_speculative_config(args)
-    check_device_name(args.device)
-    args.model = _model_for_the_control_plane(args, weights=True)
-    check_public_ports(args)
-    world = args.tensor_parallel_size
-    sock_dir = tempfile.mkdtemp(prefix="headrace-")
-    try:
-        listens = [f"unix:{sock_dir}/dataplane-{r}.sock" for r in range(world)]
-        # the children accept only this control plane: a fresh shared secret, passed by environment
-        args.worker_secret = args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or secrets.token_hex(16)
-        env = child_env(os.environ, args.worker_secret)
-        enable_multiprocess(os.path.join(sock_dir, "metrics"))   # the supervisor's metrics too
-        from controlplane.metrics import ControlPlaneMetrics
-
-        children = DataPlaneChildren(lambda: serve_children_argvs(args, listens), env,
-                                     ready=health_probe(listens), metrics=ControlPlaneMetrics())
-        try:
-            failed = run_control_plane(args, controlplane_parser(), listens, sock_dir, env,
-                                       stop_hook=children.when_fatal)
-        finally:
-            children.stop()
-        if children.fatal:
-            if children.exit_status != EXIT_LOAD_FAILED:   # the child did not say why itself
-                print(f"headrace serve: {children.given_up}", file=sys.stderr)
-            return 1
-        return 1 if failed else 0
-    finally:
-        shutil.rmtree(sock_dir, ignore_errors=True)
-
-
-def cmd_controlplane(args) -> int:
-    from cli.processes import run_control_plane
-    from common.metrics import enable_multiprocess
-
-    args.model = _model_for_the_control_plane(args, weights=False)
-    check_public_ports(args)
-    private_dir = tempfile.mkdtemp(prefix="headrace-")
-    try:
-        enable_multiprocess(os.path.join(private_dir, "metrics"))
-        failed = run_control_plane(args, controlplane_parser(), args.workers.split(","), private_dir,
-                                   dict(os.environ))
-        return 1 if failed else 0
-    finally:
-        shutil.rmtree(private_dir, ignore_errors=True)
 
 
 def cmd_health(args) -> int:
@@ -194,6 +81,7 @@ def add_controlplane_args(p: argparse.ArgumentParser, supervisor: bool = False) 
     add_engine_args(p)
     add_ops_args(p, 9400, control=True)
     add_security_args(p)
+    add_data_parallel_args(p, supervisor)
     if supervisor:   # serve, controlplane
         p.add_argument("--api-server-count", type=positive_int, default=None,
                        help="API front-end processes sharing the public ports (default: 1 below "
@@ -239,12 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the engine core alone (serve and controlplane start it)")
     _add_workers(p)
     p.add_argument("--core-address", required=True, help="where front ends connect: unix:PATH or host:port")
+    p.add_argument("--data-parallel-rank", type=int, default=0,
+                   help="which of the server's data-parallel cores this is")
+    p.add_argument("--data-parallel-size", type=positive_int, default=1,
+                   help="the server's data-parallel cores")
     p.set_defaults(func=cmd_core)
 
     p = sub.add_parser("frontend", parents=[controlplane_parser()], formatter_class=HelpFormatter,
                        help="one API front end alone (serve and controlplane start them)")
     p.add_argument("--index", type=int, default=0, help="which front end (logs, process list)")
-    p.add_argument("--core-address", required=True, help="the engine core: unix:PATH or host:port")
+    p.add_argument("--core-address", required=True,
+                   help="the engine core: unix:PATH or host:port (comma-separated: the data-parallel cores)")
     p.set_defaults(func=cmd_frontend)
 
     p = command("dataplane", "run one data plane worker alone")
@@ -278,7 +171,8 @@ def bind_role(args) -> None:
 
     role = {"serve": "supervisor", "controlplane": "supervisor"}.get(args.command, args.command)
     extra = {"frontend": args.index} if args.command == "frontend" else \
-        {"rank": args.rank} if args.command == "dataplane" else {}
+        {"rank": args.rank} if args.command == "dataplane" else \
+        {"core": args.data_parallel_rank} if args.command == "core" and args.data_parallel_size > 1 else {}
     structlog.contextvars.bind_contextvars(role=role, **extra)
 
 

@@ -10,6 +10,7 @@ import re
 
 from common.logs import LOG_FORMATS
 from controlplane.engine import EngineConfig
+from controlplane import placement
 from controlplane.limits import DEFAULT_MAX_N, QUEUE_PER_SLOT
 from controlplane.policy import POLICIES, Policy
 
@@ -79,6 +80,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(docs/scheduling.md)")
     p.add_argument("--max-n", type=positive_int, default=DEFAULT_MAX_N,
                    help=f"parallel samples (n) a request may ask for at most (default {DEFAULT_MAX_N})")
+
+
+def add_data_parallel_args(p: argparse.ArgumentParser, supervisor: bool) -> None:
+    """``--data-parallel-size`` (serve, controlplane) and how the front ends place requests on
+    the cores (forwarded to them; ``controlplane.placement``)."""
+    if supervisor:
+        p.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
+                       help="engine cores, each with its own data plane group (its GPUs, a share "
+                            "of one, or the CPU), behind the same API front ends (docs/scaling.md)")
+    p.add_argument("--data-parallel-placement", choices=placement.POLICIES, default="prefix",
+                   help="which core a request goes to: prefix (the one caching the longest prefix "
+                        "of the prompt, unless much busier than the least loaded), least-load, "
+                        "round-robin")
+    p.add_argument("--data-parallel-balance-threshold", type=int, default=32,
+                   help="prefix placement passes over a core with this many more sequences "
+                        "than the least loaded one (and --data-parallel-balance-ratio times as many)")
+    p.add_argument("--data-parallel-balance-ratio", type=float, default=1.5,
+                   help="see --data-parallel-balance-threshold")
+
+
+def placement_of(args) -> "placement.Placement":
+    """The front ends' placement (ValueError for bad thresholds)."""
+    return placement.Placement(args.data_parallel_placement, args.data_parallel_balance_threshold,
+                               args.data_parallel_balance_ratio)
 
 
 def add_tls_args(p: argparse.ArgumentParser) -> None:

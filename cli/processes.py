@@ -17,6 +17,9 @@ serve`` / ``headrace controlplane``.
   not argv. The core and its front ends share a fresh core secret unless one is given; a TCP
   core address beyond loopback needs TLS (``controlplane.core_link``), checked before any
   child starts.
+- ``--data-parallel-size M``: M cores (``core i``), each over its own group of data planes and
+  on its own address (``cli.data_parallel``); the front ends get every core's address. Core 0
+  serves the control plane's /metrics (the others' state mirrored in, ``controlplane.dp_metrics``).
 """
 
 from __future__ import annotations
@@ -128,10 +131,11 @@ class RoleProcesses:
                 self._start(child)
 
     def stop(self, timeout: float = 15.0) -> None:
-        """SIGTERM, front ends first (they finish their streams), then the core."""
+        """SIGTERM, front ends first (they finish their streams), then the cores."""
         self._stop.set()
         self._thread.join(timeout=5)
-        for group in (self.children[1:], self.children[:1]):
+        cores = [c for c in self.children if c.role.startswith("core")]
+        for group in ([c for c in self.children if c not in cores], cores):
             for child in group:
                 if child.proc.poll() is None:
                     child.proc.send_signal(signal.SIGTERM)
@@ -143,18 +147,26 @@ class RoleProcesses:
                     child.proc.wait()
 
 
-def control_plane_children(args, parser: argparse.ArgumentParser, workers: list[str],
-                           core_address: str) -> list[Child]:
-    """The engine core first, then the front ends."""
+def control_plane_children(args, parser: argparse.ArgumentParser, workers: list,
+                           core_address: str | list[str]) -> list[Child]:
+    """The engine cores first, then the front ends. ``workers``: the data planes of one core,
+    or a list of groups, one per core address (data parallelism)."""
     common = forward_argv(parser, args, skip=("workers", "core_address", "api_server_count",
                                               "tensor_parallel_size", "dataplane_metrics_port"))
     python = [sys.executable, "-m", "cli"]
-    core = Child("core", python + ["core", *common, "--workers", ",".join(workers),
-                                   "--core-address", core_address])
+    cores = [core_address] if isinstance(core_address, str) else list(core_address)
+    groups = workers if workers and isinstance(workers[0], list) else [workers]
+    children = []
+    for i, (address, group) in enumerate(zip(cores, groups, strict=True)):
+        argv = python + ["core", *common, "--workers", ",".join(group), "--core-address", address]
+        if len(cores) > 1:   # core 0 serves /metrics
+            argv += ["--data-parallel-rank", str(i), "--data-parallel-size", str(len(cores))]
+            argv += ["--metrics-port", "0"] if i else []
+        children.append(Child("core" if len(cores) == 1 else f"core {i}", argv))
     count = args.api_server_count or default_api_server_count()
-    return [core] + [Child(f"frontend {i}", python + ["frontend", "--index", str(i), *common,
-                                                      "--core-address", core_address])
-                     for i in range(count)]
+    return children + [Child(f"frontend {i}", python + ["frontend", "--index", str(i), *common,
+                                                        "--core-address", ",".join(cores)])
+                       for i in range(count)]
 
 
 def prepare_core_link(args) -> None:
@@ -163,24 +175,31 @@ def prepare_core_link(args) -> None:
     from controlplane import core_link
 
     args.core_secret = args.core_secret or os.environ.get("HEADRACE_CORE_SECRET") or secrets.token_hex(16)
-    if args.core_address:
-        core_link.check(args.core_address, bool(args.core_tls_cert and args.core_tls_key and args.core_ca),
-                        args.core_secret)
+    tls = bool(args.core_tls_cert and args.core_tls_key and args.core_ca)
+    for address in (args.core_address or "").split(","):
+        if address.strip():
+            core_link.check(address.strip(), tls, args.core_secret)
 
 
 def run_control_plane(args, parser: argparse.ArgumentParser, workers: list[str], private_dir: str,
                       env: dict, stop_hook=None) -> bool:
-    """Runs the core and the front ends until SIGINT/SIGTERM, ``stop_hook``'s function is
-    called, or a child fails for good; returns whether one did. ``args.host``/``args.port``
-    must have been checked free (``common.net.check_port``)."""
+    """Runs the cores and the front ends until SIGINT/SIGTERM, ``stop_hook``'s function is
+    called, or a child fails for good; returns whether one did. ``workers``: the data planes
+    (one flat list, cut into ``--data-parallel-size`` groups, or the groups).
+    ``args.host``/``args.port`` must have been checked free (``common.net.check_port``)."""
+    from cli import data_parallel
+
     prepare_core_link(args)
-    core_address = args.core_address or f"unix:{private_dir}/core.sock"
+    dp = getattr(args, "data_parallel_size", 1)
+    cores = data_parallel.core_addresses(args.core_address, private_dir, dp)
+    if workers and not isinstance(workers[0], list):
+        workers = data_parallel.split_workers(workers, dp)
     env = dict(env, **secrets_env(args))
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):   # common.metrics.enable_multiprocess
         env["PROMETHEUS_MULTIPROC_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
-    children = control_plane_children(args, parser, workers, core_address)
-    log.info("control plane: engine core on %s, %d API front ends on port %d", core_address,
-             len(children) - 1, args.port)
+    children = control_plane_children(args, parser, workers, cores)
+    log.info("control plane: %d engine core(s) on %s, %d API front ends on port %d", dp,
+             ", ".join(cores), len(children) - dp, args.port)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

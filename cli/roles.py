@@ -17,6 +17,7 @@ from cli.options import (
     core_link_options,
     default_model,
     engine_config,
+    placement_of,
     plane_options,
 )
 from common.options import from_args
@@ -47,7 +48,9 @@ def cmd_core(args) -> int:
             "worker_credentials", "worker_secret", "chat_template", "generation_config")
     return _run_role(lambda: CoreServer(args.model or default_model(), args.workers.split(","),
                                         args.core_address, engine_config(args),
-                                        **{k: opts[k] for k in keys}, **core_link_options(args, "core")))
+                                        **{k: opts[k] for k in keys}, **core_link_options(args, "core"),
+                                        data_parallel_rank=args.data_parallel_rank,
+                                        data_parallel_size=args.data_parallel_size))
 
 
 def cmd_frontend(args) -> int:
@@ -59,7 +62,8 @@ def cmd_frontend(args) -> int:
     return _run_role(lambda: FrontEnd(args.index, args.core_address, args.model or default_model(),
                                       f"{args.host}:{args.port}", max_model_len=getattr(args, "max_model_len", None),
                                       **{k: opts[k] for k in keys},
-                                      **core_link_options(args, "frontend")))
+                                      **core_link_options(args, "frontend"),
+                                      placement=placement_of(args)))
 
 
 def cmd_dataplane(args) -> int:

@@ -66,8 +66,15 @@ class Scheduler:
 
     # -- membership ---------------------------------------------------------------------
     def add(self, seqs: list[Sequence]) -> None:
-        """Queues a request's sequences: the first computes the prompt, the others fork."""
+        """Queues a request's sequences: the first computes the prompt, the others fork. A
+        request that resumes with generated tokens (moved from a lost engine core) queues
+        every sample: each recomputes its own tokens."""
         now = self.clock()
+        if any(s.output_token_ids for s in seqs):
+            for seq in seqs:
+                seq.status, seq.waiting_since = Status.WAITING, now
+                self.waiting.append(seq)
+            return
         parent, *children = seqs
         parent.status, parent.waiting_since = Status.WAITING, now
         self.waiting.append(parent)

@@ -33,6 +33,10 @@ from kernels import attention_policy
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 log = logging.getLogger("headrace.dataplane")
+# What this process's CUDA context may take before its first tensor: memory in use on the GPU
+# at start beyond it belongs to other processes (another replica sharing the GPU) and is not
+# counted against this one's --gpu-memory-utilization.
+CUDA_CONTEXT_BYTES = 1 << 30
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -72,6 +76,7 @@ class Worker:
         self.opts = opts
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(opts.device)
+        self.others_bytes = self._memory_of_others()
         dtype_name = opts.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
         if dtype_name not in DTYPES:
             raise ValueError(f"unknown dtype {dtype_name!r}; choose from {sorted(DTYPES)}")
@@ -206,11 +211,21 @@ class Worker:
         if self.attention.uses_flash:   # flash-attn-4 compiles its kernels at the first call
             kernels.flash_attn4.warm_up(cache, cfg.num_heads, self.dtype, self.opts.max_num_seqs)
 
+    def _memory_of_others(self) -> int:
+        """GPU memory other processes held when this one started (0 on a CPU)."""
+        if self.device.type != "cuda":
+            return 0
+        free, total = torch.cuda.mem_get_info(self.device)
+        return max(0, total - free - CUDA_CONTEXT_BYTES)
+
     def _blocks_from_memory(self) -> int:
+        """KV blocks for what is left of this process's share of the device (``--gpu-memory-
+        utilization`` of the whole GPU, as vLLM's): the share less the peak of its warm-up and
+        the memory outside torch it took (other processes' memory at start is theirs)."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
-            non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+            non_torch = (total - free) - torch.cuda.memory_reserved(self.device) - self.others_bytes
             budget = int(total * self.opts.gpu_memory_utilization) - peak - max(0, non_torch)
         else:
             budget = kv_cache.host_budget_bytes(self.opts.cpu_kv_cache_gib)

@@ -4,18 +4,22 @@
 serves the control plane's one Prometheus /metrics: with ``PROMETHEUS_MULTIPROC_DIR`` set (as
 ``headrace serve`` sets it for all its control-plane processes) the counters and histograms of
 every front end are summed in, beside the core's live gauges. ``controlplane.core_link`` says
-how the link is secured (a 0600 unix socket; TLS and a shared secret on TCP)."""
+how the link is secured (a 0600 unix socket; TLS and a shared secret on TCP).
+
+One of several data-parallel cores (``data_parallel_size`` > 1) mirrors its live gauges into
+the shared metric files, and core 0's /metrics adds their totals (``controlplane.dp_metrics``)."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from common.grpc_options import CORE_MAX_MESSAGE_BYTES, server_options
 from common.metrics import multiprocess_registry
-from controlplane import core_link
+from controlplane import core_link, dp_metrics
 from controlplane.admin import AdminService
 from controlplane.core.plane import EnginePlane
 from controlplane.core.service import EngineCoreService
@@ -33,15 +37,18 @@ class CoreServer:
                  config: EngineConfig | None = None, *, metrics_port: int | None = None,
                  metrics_host: str = "127.0.0.1", admin_token: str | None = None,
                  core_tls: grpc.ServerCredentials | None = None, core_secret: str | None = None,
-                 **plane_options):
+                 data_parallel_rank: int = 0, data_parallel_size: int = 1, **plane_options):
         """``core_tls``: serve a TCP ``address`` with TLS; ``core_secret``: serve only front ends
-        presenting it (``controlplane.core_link``)."""
+        presenting it (``controlplane.core_link``); ``data_parallel_rank``: which of the
+        server's data-parallel cores this is (traces, logs, per-core metrics)."""
         core_link.check(address, core_tls is not None, core_secret)
         self.plane = EnginePlane(model_dir, worker_addresses, config, **plane_options)
         self.engine = self.plane.engine
         self.address, self.tls = address, core_tls
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
-        self.service = EngineCoreService(self.plane, len(worker_addresses))
+        self.dp_rank, self.dp_size = data_parallel_rank, data_parallel_size
+        self.mirror = None
+        self.service = EngineCoreService(self.plane, len(worker_addresses), data_parallel_rank)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(options=server_options(CORE_MAX_MESSAGE_BYTES),
                                       interceptors=[core_link.interceptor(core_secret)] if core_secret else [])
@@ -63,9 +70,14 @@ class CoreServer:
             raise RuntimeError(f"cannot bind {self.address}")
         await self.server.start()
         core_link.restrict(self.address)
+        metrics = self.plane.metrics
+        data_parallel = self.dp_size > 1 and bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        if data_parallel:
+            self.mirror = dp_metrics.StateMirror(metrics, self.dp_rank)
+            self.mirror.start()
         if self.metrics_port is not None:
-            metrics = self.plane.metrics
-            registry = multiprocess_registry(engine_state_collector(metrics))
+            registry = dp_metrics.registry() if data_parallel else \
+                multiprocess_registry(engine_state_collector(metrics))
             try:
                 self.metrics_port = metrics.serve(self.metrics_port, self.metrics_host, registry)
                 log.info("control plane metrics on http://%s:%d/metrics", self.metrics_host,
@@ -79,5 +91,8 @@ class CoreServer:
 
     async def stop(self, grace: float = 10.0) -> None:
         await set_health(self.health, False)
+        await self.service.publisher.stop()
+        if self.mirror is not None:
+            await self.mirror.stop()
         await self.plane.stop()
         await self.server.stop(grace)

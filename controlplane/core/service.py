@@ -9,6 +9,12 @@ message: column by column for samples that run on (no message per sample and ste
 ``SeqDelta`` for a sample's last tokens and for tokens with logprobs. The stream's sender takes the whole pending message when gRPC lets it write, so a
 front end that reads slowly gets fewer, larger messages and the engine never waits on it.
 When a stream ends (front end gone), every request it submitted is aborted: blocks freed.
+
+Under data parallelism (several cores behind the front ends) a front end that places requests
+(``Hello.placement``) also gets this core's load and prefix-cache changes
+(``controlplane.core.load_publisher``), and a request may arrive here with the tokens its
+samples had generated on a core that was lost (``Submit.resumed``): they are kept, their KV is
+recomputed (through the prefix cache), and generation goes on from there.
 """
 
 from __future__ import annotations
@@ -24,8 +30,10 @@ import structlog
 from opentelemetry import trace
 
 from common import tracing
+from controlplane.core import load_publisher
+from controlplane.core.link import CoreRequest, CoreText, FrontendLink  # noqa: F401 (CoreText: tests)
 from controlplane.request_path import queue_full
-from controlplane.request import Request, Sequence, Status
+from controlplane.request import Sequence
 from controlplane.service import model_info
 from headrace.core.v1 import core_pb2 as cpb
 from headrace.core.v1 import core_pb2_grpc as cpb_grpc
@@ -34,145 +42,13 @@ from headrace.v1 import inference_pb2 as pb
 log = logging.getLogger("headrace.core")
 
 
-class CoreText:
-    """Stands in for ``OutputText`` in the core: the front end detokenises and matches stop
-    strings; ``has_stop`` only keeps the pipeline at two steps (``InFlightSteps.has_room``)."""
-
-    def __init__(self, has_stop: bool):
-        self.has_stop = has_stop
-
-    def add(self, token_id: int) -> bool:
-        return False
-
-
-@dataclasses.dataclass(eq=False)
-class CoreRequest(Request):
-    link: "FrontendLink | None" = None
-    handle: int = 0
-    span: object = None
-
-    def notify(self) -> None:
-        self.link.mark(self)
-
-
-def _columns() -> tuple[list[int], list[int], list[int], list[int]]:
-    """Empty ``Down`` token columns: handles, sample indexes, counts, token ids."""
-    return [], [], [], []
-
-
-class FrontendLink:
-    """One front end's stream: its requests by handle and the ``Down`` message being built."""
-
-    def __init__(self, core: "EngineCoreService"):
-        self.core = core
-        self.index = -1
-        self.requests: dict[int, CoreRequest] = {}
-        self._dirty: dict[CoreRequest, None] = {}
-        self._pending = cpb.Down()
-        self._columns = _columns()   # the pending message's token columns, as lists
-        self._ready = asyncio.Event()
-        self._flush_scheduled = False
-        self.closed = False
-
-    def mark(self, request: CoreRequest) -> None:
-        self._dirty[request] = None
-        if not self._flush_scheduled:   # once all of this step's wake-ups are in
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush_marked)
-
-    def _flush_marked(self) -> None:
-        if self._flush_scheduled:   # (not flushed meanwhile: ``EngineCoreService.flush``)
-            self.flush()
-
-    def fail(self, handle: int, code: grpc.StatusCode, message: str) -> None:
-        self._pending.failed.add(handle=handle, code=code.value[0], message=message)
-        self._ready.set()
-
-    def push_state(self, state: cpb.CoreState) -> None:
-        self._pending.state.CopyFrom(state)
-        self._ready.set()
-
-    def flush(self) -> None:
-        """Appends the new tokens of every request woken since the last flush."""
-        self._flush_scheduled = False
-        dirty, self._dirty = self._dirty, {}
-        if self.closed:
-            return
-        deltas, done = self._pending.deltas, []
-        handles, indexes, counts, tokens = self._columns
-        for req in dirty:
-            if req.failure is not None:
-                self.fail(req.handle, req.failure.code, req.failure.message)
-                done.append(req)
-                continue
-            over = True   # every sample finished (each then gets its last delta below)
-            for seq in req.sequences:
-                out, start = seq.output_token_ids, seq.delivered
-                n, running = len(out), seq.status is not Status.FINISHED
-                if running:
-                    over = False
-                    if start == n:
-                        continue
-                    if not seq.logprobs:   # the common case: a column entry
-                        handles.append(req.handle)
-                        indexes.append(seq.index)
-                        counts.append(n - start)
-                        tokens += out[start:n]
-                        seq.delivered = n
-                        continue
-                elif seq.final_sent:
-                    continue
-                d = deltas.add(handle=req.handle, index=seq.index, token_ids=out[start:n])
-                if seq.logprobs:
-                    for token, (value, top_ids, top_values) in zip(d.token_ids, seq.logprobs[start:n]):
-                        lp = d.logprobs.add(token_id=token, logprob=value)
-                        for tid, val in zip(top_ids, top_values):
-                            lp.top.add(token_id=tid, logprob=val)
-                seq.delivered = n
-                if not running:
-                    seq.final_sent = True
-                    d.finish_reason = seq.finish_reason
-                    d.cached_prompt_tokens = seq.num_cached_prompt_tokens
-            if over:
-                done.append(req)
-        for req in done:
-            self.forget(req)
-        self._ready.set()
-
-    def forget(self, req: CoreRequest) -> None:
-        if self.requests.pop(req.handle, None) is not None and req.span is not None:
-            req.span.end()
-
-    async def next_message(self) -> cpb.Down:
-        """Everything pending, as one message (waits for something to send)."""
-        await self._ready.wait()
-        self._ready.clear()
-        msg, self._pending = self._pending, cpb.Down()
-        (handles, indexes, counts, tokens), self._columns = self._columns, _columns()
-        if handles:
-            msg.token_handles.extend(handles)
-            msg.token_indexes.extend(indexes)
-            msg.token_counts.extend(counts)
-            msg.token_ids.extend(tokens)
-        sched = self.core.plane.engine.scheduler
-        msg.num_waiting = len(sched.waiting) if sched is not None else 0
-        return msg
-
-    def close(self) -> int:
-        """The front end is gone: aborts its requests (their blocks are free at once)."""
-        self.closed = True
-        engine, requests = self.core.plane.engine, list(self.requests.values())
-        for req in requests:
-            engine.abort(req)
-            self.forget(req)
-        return len(requests)
-
-
 class EngineCoreService(cpb_grpc.EngineCoreServicer):
-    def __init__(self, plane, tensor_parallel_size: int = 1):
+    def __init__(self, plane, tensor_parallel_size: int = 1, data_parallel_rank: int = 0):
         self.plane = plane   # controlplane.core.plane.EnginePlane
         self.tp = tensor_parallel_size
+        self.dp_rank = data_parallel_rank
         self.links: set[FrontendLink] = set()
+        self.publisher = load_publisher.LoadPublisher(self)
         self.tracer = tracing.get_tracer("headrace.core")
         plane.on_change.append(self.broadcast_state)
         plane.engine.flush_woken = self.flush
@@ -215,6 +91,7 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
         finally:
             reader.cancel()
             self.links.discard(link)
+            self.publisher.leave(link)
             aborted = link.close()
             log.info("front end %d disconnected; aborted its %d requests", link.index, aborted)
 
@@ -224,6 +101,9 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
                 if up.HasField("hello"):
                     link.index = up.hello.frontend_index
                     log.info("front end %d connected (pid %d)", link.index, up.hello.pid)
+                    if up.hello.placement:
+                        link.placement = True
+                        self.publisher.join(link)
                 for submit in up.submits:
                     self.submit(link, submit)
                 for abort in up.aborts:
@@ -258,11 +138,16 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
                                   prompt_token_ids=prompt, sampling=sampling, max_tokens=s.max_tokens,
                                   priority=s.priority, arrival=arrival, output=text)
                          for i, sampling in enumerate(s.sampling)]
+        for seq, resumed in zip(req.sequences, s.resumed):   # moved here from a lost core
+            seq.index, seq.output_token_ids = resumed.index, list(resumed.output_token_ids)
+            seq.delivered = seq.text_fed = len(seq.output_token_ids)
         link.requests[s.handle] = req
         with contextlib.ExitStack() as stack:
             if self.tracer is not None and s.trace_context:
                 req.span = self.tracer.start_span("headrace.core.request",
-                                                  context=tracing.extract(dict(s.trace_context)))
+                                                  context=tracing.extract(dict(s.trace_context)),
+                                                  attributes={"headrace.core": self.dp_rank,
+                                                              "headrace.resumed": bool(s.resumed)})
                 stack.enter_context(trace.use_span(req.span, end_on_exit=False))
             stack.enter_context(structlog.contextvars.bound_contextvars(
                 request_id=s.request_id, trace_id=s.trace_id))

@@ -9,7 +9,12 @@ in the core), and the client's handler builds its responses from them as in one 
 Submissions and aborts are batched into one ``Up`` message per event-loop turn. While the core
 is unreachable every request fails UNAVAILABLE and ``healthy`` is False; the stream is opened
 again (``wait_for_ready``) as soon as the core answers. The stream goes over TLS and carries the
-core secret as ``controlplane.core_link`` says."""
+core secret as ``controlplane.core_link`` says.
+
+Under data parallelism (``controlplane.frontend.router``, one client per core) the client asks
+for the core's load and prefix-cache changes (``placement``) and keeps them (``core_load``,
+``view``: what placement reads), and hands the requests of a lost core to ``on_lost`` (they
+resume on another core) instead of failing them."""
 
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ from opentelemetry import trace
 from common import tracing
 from common.logs import get_logger
 from controlplane import core_link
+from controlplane.cache_summary import CacheView
+from controlplane.placement import load_score
 from controlplane.request import Failure, Request, Sequence, Status
 from headrace.core.v1 import core_pb2 as cpb
 from headrace.core.v1 import core_pb2_grpc as cpb_grpc
@@ -50,8 +57,9 @@ class _Waiting:
 
 class CoreClient:
     def __init__(self, address: str, index: int, metrics, on_change=None, *,
-                 credentials: grpc.ChannelCredentials | None = None, secret: str | None = None):
-        self.address, self.index = address, index
+                 credentials: grpc.ChannelCredentials | None = None, secret: str | None = None,
+                 placement: bool = False):
+        self.address, self.index, self.placement = address, index, placement
         self.credentials, self.metadata = credentials, core_link.metadata(secret)
         self.telemetry = types.SimpleNamespace(metrics=metrics)
         self.config = types.SimpleNamespace(max_queued=0, stream_interval=1)
@@ -70,6 +78,10 @@ class CoreClient:
         self._up_ready = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self.on_lost = None                  # called with the requests of a lost core
+        self.core_load = cpb.CoreLoad()      # (placement) the core's last report
+        self.view = CacheView()              # (placement) what its prefix cache holds
+        self.placed_since_report = 0
 
     # -- what the request path reads -----------------------------------------------------------
     @property
@@ -89,24 +101,57 @@ class CoreClient:
     def ready(self) -> bool:
         return self.healthy and not self.draining and self.scheduler is not None
 
+    # -- what placement reads (controlplane.placement.Candidate) -------------------------------
+    @property
+    def load(self) -> int:
+        """The core's last reported load plus what was placed on it since, or at least this
+        front end's own requests there."""
+        reported = load_score(self.core_load.running, self.core_load.waiting)
+        return max(reported + self.placed_since_report, len(self.requests))
+
+    def match(self, hashes: list[int]) -> int:
+        return self.view.match(hashes)
+
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, request: Request) -> None:
+    def submit(self, request: Request, resume: bool = False) -> None:
+        """Sends ``request`` to the core; ``resume``: it comes from a lost core, with the
+        tokens its unfinished samples generated there (``Submit.resumed``)."""
         handle = next(self._handles)
         request.core_handle = handle
         self.requests[request.request_id] = request
         self._by_handle[handle] = request
-        seq0 = request.sequences[0]
-        submit = self._up.submits.add(
-            handle=handle, request_id=request.request_id, prompt_token_ids=seq0.prompt_token_ids,
-            max_tokens=seq0.max_tokens, priority=seq0.priority,
-            stream_interval=request.stream_interval, has_stop_strings=seq0.output.has_stop,
-            age=time.monotonic() - request.arrival, tenant=request.tenant,
-            trace_id=structlog.contextvars.get_contextvars().get("trace_id", ""))
-        submit.sampling.extend(s.sampling for s in request.sequences)
-        span = trace.get_current_span()
-        if span.get_span_context().is_valid:
-            submit.trace_context.update(tracing.inject(span))
+        self.placed_since_report += 1
+        submit = getattr(request, "core_submit", None)
+        if submit is None:   # its first core: the message, kept for a resumption
+            seq0 = request.sequences[0]
+            submit = request.core_submit = cpb.Submit(
+                request_id=request.request_id, prompt_token_ids=seq0.prompt_token_ids,
+                max_tokens=seq0.max_tokens, priority=seq0.priority,
+                stream_interval=request.stream_interval, has_stop_strings=seq0.output.has_stop,
+                tenant=request.tenant,
+                trace_id=structlog.contextvars.get_contextvars().get("trace_id", ""))
+            submit.sampling.extend(s.sampling for s in request.sequences)
+            span = trace.get_current_span()
+            if span.get_span_context().is_valid:
+                submit.trace_context.update(tracing.inject(span))
+        msg = self._up.submits.add()
+        msg.CopyFrom(submit)
+        msg.handle, msg.age = handle, time.monotonic() - request.arrival
+        if resume:
+            msg.ClearField("sampling")
+            for seq in request.sequences:
+                if not seq.finished:
+                    msg.sampling.append(seq.sampling)
+                    msg.resumed.add(index=seq.index, output_token_ids=seq.output_token_ids)
         self._up_ready.set()
+
+    def take_requests(self) -> list[Request]:
+        """Every request this client carries, forgotten here and aborted in the core (they
+        move to another core)."""
+        requests = list(self.requests.values())
+        for request in requests:
+            self.abort(request)
+        return requests
 
     def abort(self, request: Request) -> None:
         """The client left (or its request ended): the core drops it, if it still runs."""
@@ -161,7 +206,8 @@ class CoreClient:
             delay = min(RETRY_MAX_S, 2 * delay)
 
     async def _messages(self, ready: asyncio.Event, ended: asyncio.Event):
-        yield cpb.Up(hello=cpb.Hello(frontend_index=self.index, pid=os.getpid()))
+        yield cpb.Up(hello=cpb.Hello(frontend_index=self.index, pid=os.getpid(),
+                                     placement=self.placement))
         while True:
             await ready.wait()
             ready.clear()
@@ -172,17 +218,23 @@ class CoreClient:
 
     def _lost(self) -> None:
         """The core is gone: every request fails UNAVAILABLE (its blocks went with the core, or
-        the core aborts them when it sees the stream end)."""
+        the core aborts them when it sees the stream end), or resumes elsewhere (``on_lost``)."""
         was = self.connected
         self.connected = False
         self._up = cpb.Up()
+        self.view.clear()
+        self.core_load, self.placed_since_report = cpb.CoreLoad(), 0
         requests = list(self.requests.values())
         self.requests.clear()
         self._by_handle.clear()
-        for request in requests:
-            request.fail(Failure(grpc.StatusCode.UNAVAILABLE, CORE_DOWN))
+        if self.on_lost is not None and not self._stopping:
+            self.on_lost(self, requests)
+        else:
+            for request in requests:
+                request.fail(Failure(grpc.StatusCode.UNAVAILABLE, CORE_DOWN))
         if was and not self._stopping:
-            log.error("lost the engine core", failed_requests=len(requests))
+            log.error("lost the engine core", address=self.address, requests=len(requests),
+                      resumed_elsewhere=self.on_lost is not None)
         if was:
             self._changed()
 
@@ -193,6 +245,14 @@ class CoreClient:
     def _apply(self, down: cpb.Down) -> None:
         if down.HasField("state"):
             self._set_state(down.state)
+        if down.HasField("load"):
+            load = down.load
+            self.view.apply(load.cache_reset, load.cached_hashes, load.evicted_hashes)
+            self.core_load = cpb.CoreLoad(running=load.running, waiting=load.waiting,
+                                          num_kv_blocks=load.num_kv_blocks,
+                                          num_free_kv_blocks=load.num_free_kv_blocks,
+                                          block_size=load.block_size)
+            self.placed_since_report = 0
         self._waiting.n = down.num_waiting
         woken, by_handle = {}, self._by_handle
         if down.token_handles:   # the columns first (a sample's deltas follow its columns)

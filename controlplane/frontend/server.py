@@ -7,7 +7,10 @@ Front ends share the public ports: each binds them with SO_REUSEPORT and the ker
 connections over them (``headrace serve`` checks first that no other server holds the ports).
 Health is SERVING only while the core is connected, ready and not draining. The link to the
 core is secured as ``controlplane.core_link`` says (``core_credentials``: verify a TCP core's
-TLS certificate; ``core_secret``: present the core's secret)."""
+TLS certificate; ``core_secret``: present the core's secret).
+
+With several core addresses (``--data-parallel-size``) the front end places each request on
+one of the cores (``controlplane.frontend.router``) and Admin calls reach every core."""
 
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ from grpc_health.v1 import health, health_pb2
 from common import security
 from controlplane.frontend.admin_proxy import AdminProxy
 from controlplane.frontend.client import CoreClient
+from controlplane.frontend.router import CoreRouter
+from controlplane.placement import Placement
 from controlplane.http.server import HttpFrontEnd, http_host
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.request_path import RequestPath
@@ -41,7 +46,8 @@ class FrontEndInference(InferenceService):
 
 
 class FrontEnd:
-    """``core_address``: the engine core (unix:PATH or host:port)."""
+    """``core_address``: the engine core (unix:PATH or host:port), or the data-parallel cores
+    (a list, or comma-separated); ``placement``: how requests are placed on them."""
 
     def __init__(self, index: int, core_address: str, model_dir: str, address: str, *,
                  api_token: str | None = None, tls: grpc.ServerCredentials | None = None,
@@ -51,15 +57,22 @@ class FrontEnd:
                  trust_tenant_header: bool = False, max_n: int = limits.DEFAULT_MAX_N,
                  max_model_len: int | None = None,
                  core_credentials: grpc.ChannelCredentials | None = None,
-                 core_secret: str | None = None):
-        core_link.check(core_address, core_credentials is not None, core_secret)
+                 core_secret: str | None = None, placement: Placement | None = None):
+        cores = core_address.split(",") if isinstance(core_address, str) else list(core_address)
+        for core in cores:
+            core_link.check(core, core_credentials is not None, core_secret)
         self.index, self.address, self.tls, self.api_token = index, address, tls, api_token
         tokens = security.as_tokens(api_token)
         self.metrics = ControlPlaneMetrics()
         self._background = BackgroundTasks()
-        self.client = CoreClient(core_address, index, self.metrics,
-                                 on_change=lambda: self._background.spawn(self._core_changed()),
-                                 credentials=core_credentials, secret=core_secret)
+        changed = lambda: self._background.spawn(self._core_changed())  # noqa: E731
+        if len(cores) == 1:
+            self.client = CoreClient(cores[0], index, self.metrics, on_change=changed,
+                                     credentials=core_credentials, secret=core_secret)
+        else:
+            self.client = CoreRouter(cores, index, self.metrics, on_change=changed,
+                                     credentials=core_credentials, secret=core_secret,
+                                     placement=placement)
         tokenizer = ModelTokenizer(model_dir)
         self.requests = RequestPath(self.client, model_dir, tokenizer,
                                     chat_template=chat_template, generation_config=generation_config,
@@ -67,8 +80,8 @@ class FrontEnd:
                                     trust_tenant_header=trust_tenant_header, max_n=max_n)
         self.max_message_bytes, max_body = request_limits(model_dir, tokenizer, max_model_len)
         self.inference = FrontEndInference(self.requests)
-        self.admin_channel = core_link.channel(core_address, core_credentials)
-        self.admin = AdminProxy(self.admin_channel, admin_token, enabled=admin_access(address, admin_token),
+        self.admin_channels = [core_link.channel(core, core_credentials) for core in cores]
+        self.admin = AdminProxy(self.admin_channels, admin_token, enabled=admin_access(address, admin_token),
                                 secret=core_secret)
         self.health = health.aio.HealthServicer()
         self.server = public_server(self.metrics, self.inference, self.admin, self.health,
@@ -105,4 +118,5 @@ class FrontEnd:
         stops = [self.server.stop(grace)] + ([self.http.stop(grace)] if self.http else [])
         await asyncio.gather(*stops)
         await self.client.stop()
-        await self.admin_channel.close()
+        for channel in self.admin_channels:
+            await channel.close()

@@ -1,0 +1,163 @@
+"""The supervisor commands: ``headrace serve`` (data plane children, engine cores and API front
+ends; ``--data-parallel-size`` replicas: ``cli.data_parallel``) and ``headrace controlplane``
+(the cores and front ends over running data planes). The children's roles are in ``cli.roles``,
+their keeping alive in ``cli.supervisor`` and ``cli.processes``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+
+from cli.options import check_device_name, check_speculative_config, default_model
+from common.options import from_args, to_argv
+from common.worker_options import ParallelOptions, WorkerOptions
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dataplane_argv(opts: WorkerOptions, par: ParallelOptions, listen: str, metrics_port: int,
+                   log_format: str | None = None, metrics_host: str = "127.0.0.1") -> list[str]:
+    """The command line of a data plane child process running ``opts`` as rank ``par.rank``."""
+    argv = [sys.executable, "-m", "cli", "dataplane", *to_argv(opts), *to_argv(par),
+            "--listen", listen, "--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
+    return argv + (["--log-format", log_format] if log_format else [])
+
+
+def serve_children_argvs(args, listens: list[str], devices: list[str] | None = None,
+                         replica: int = 0) -> list[list[str]]:
+    """``headrace serve``'s data plane children of one replica: one per rank (``cuda:r`` for
+    rank r under tensor parallelism on CUDA, else ``devices[r]``: ``cli.data_parallel``), with a
+    fresh rendezvous port each time the group starts."""
+    world, opts, metrics = args.tensor_parallel_size, from_args(WorkerOptions, args), args.dataplane_metrics_port
+    dist_init = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else None
+    argvs = []
+    for rank, listen in enumerate(listens):
+        rank_opts = opts
+        if devices is not None:
+            rank_opts = dataclasses.replace(opts, device=devices[rank])
+        elif world > 1 and opts.device.startswith("cuda"):
+            rank_opts = dataclasses.replace(opts, device=f"cuda:{rank}")
+        port = metrics + replica * world + rank if metrics else 0
+        argvs.append(dataplane_argv(rank_opts, ParallelOptions(rank, world, dist_init), listen,
+                                    port, args.log_format, args.host))
+    return argvs
+
+
+# the control plane's own secrets: a data plane child never needs them
+CONTROL_PLANE_SECRETS = ("HEADRACE_API_TOKEN", "HEADRACE_API_TOKENS", "HEADRACE_ADMIN_TOKEN",
+                         "HEADRACE_CORE_SECRET")
+
+
+def child_env(environ, worker_secret: str) -> dict:
+    """A data plane child's environment: this one without the control plane's secrets, with
+    the worker secret (how it accepts only this control plane)."""
+    env = {k: v for k, v in environ.items() if k not in CONTROL_PLANE_SECRETS}
+    return dict(env, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=worker_secret)
+
+
+def _model_for_the_control_plane(args, weights: bool) -> str:
+    """The checkpoint directory (a Hub id resolved), checked for the files serving needs."""
+    from common.model_source import check_checkpoint, resolve_model
+
+    model = resolve_model(args.model or default_model())
+    check_checkpoint(model, weights=weights)
+    return model
+
+
+def check_public_ports(args) -> None:
+    """The gRPC and HTTP ports are free (before any child starts; the front ends then share
+    them with SO_REUSEPORT, which would not refuse another server's port), and the core link
+    is safe (``cli.processes.prepare_core_link``)."""
+    from cli.processes import prepare_core_link
+    from common import net
+
+    prepare_core_link(args)
+    net.check_port(f"{args.host}:{args.port}")
+    if args.http_port:
+        net.check_port(f"{args.host}:{args.http_port}", "--http-port")
+
+
+def cmd_serve(args) -> int:
+    from cli import data_parallel
+    from cli.options import placement_of
+    from cli.processes import run_control_plane
+    from cli.supervisor import EXIT_LOAD_FAILED, DataPlaneChildren, health_probe
+    from common.metrics import enable_multiprocess
+
+    check_speculative_config(args)
+    check_device_name(args.device)
+    placement_of(args)
+    args.model = _model_for_the_control_plane(args, weights=True)
+    check_public_ports(args)
+    world, dp = args.tensor_parallel_size, args.data_parallel_size
+    devices = None
+    if dp > 1:   # each replica's GPUs (or a share of one)
+        gpus = data_parallel.visible_gpus() if args.device.startswith("cuda") else None
+        devices = data_parallel.replica_devices(args.device, world, dp, gpus)
+        per_gpu = data_parallel.sharing(devices)
+        args.gpu_memory_utilization = data_parallel.memory_utilization(args.gpu_memory_utilization, per_gpu)
+    sock_dir = tempfile.mkdtemp(prefix="headrace-")
+    groups = []
+    try:
+        name = (lambda i, r: f"dataplane-{r}") if dp == 1 else (lambda i, r: f"dataplane-{i}-{r}")
+        listens = [[f"unix:{sock_dir}/{name(i, r)}.sock" for r in range(world)] for i in range(dp)]
+        # the children accept only this control plane: a fresh shared secret, passed by environment
+        args.worker_secret = args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or secrets.token_hex(16)
+        env = child_env(os.environ, args.worker_secret)
+        enable_multiprocess(os.path.join(sock_dir, "metrics"))   # the supervisor's metrics too
+        from controlplane.metrics import ControlPlaneMetrics
+
+        metrics = ControlPlaneMetrics()
+        for i in range(dp):
+            groups.append(DataPlaneChildren(
+                lambda i=i: serve_children_argvs(args, listens[i], devices and devices[i], i), env,
+                ready=health_probe(listens[i]), metrics=metrics))
+            if devices and data_parallel.sharing(devices) > 1 and i < dp - 1:
+                data_parallel.wait_loaded(groups[-1])   # the next sizes its KV from what is left
+        failed = run_control_plane(args, _parser(), listens, sock_dir, env,
+                                   stop_hook=lambda fn: [g.when_fatal(fn) for g in groups])
+        fatal = next((g for g in groups if g.fatal), None)
+        if fatal is not None:
+            if fatal.exit_status != EXIT_LOAD_FAILED:   # the child did not say why itself
+                print(f"headrace serve: {fatal.given_up}", file=sys.stderr)
+            return 1
+        return 1 if failed else 0
+    finally:
+        for group in groups:
+            group.stop()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def cmd_controlplane(args) -> int:
+    from cli.processes import run_control_plane
+    from common.metrics import enable_multiprocess
+
+    from cli.options import placement_of
+
+    args.model = _model_for_the_control_plane(args, weights=False)
+    placement_of(args)
+    check_public_ports(args)
+    private_dir = tempfile.mkdtemp(prefix="headrace-")
+    try:
+        enable_multiprocess(os.path.join(private_dir, "metrics"))
+        failed = run_control_plane(args, _parser(), args.workers.split(","), private_dir,
+                                   dict(os.environ))
+        return 1 if failed else 0
+    finally:
+        shutil.rmtree(private_dir, ignore_errors=True)
+
+
+def _parser():
+    from cli.main import controlplane_parser
+
+    return controlplane_parser()

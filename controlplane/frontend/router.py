@@ -1,0 +1,200 @@
+"""``CoreRouter``: a front end's streams to the server's data-parallel engine cores
+(``--data-parallel-size M``: one ``CoreClient`` per core), standing where the ``Engine`` stands
+for the request path, as one ``CoreClient`` does for one core.
+
+- Placement (``controlplane.placement``): each request goes to the core chosen from the cores'
+  published load and prefix caches, matched with the prompt's chained block hashes computed
+  here (the prompt's token ids go to the chosen core only); the chosen core's view expects the
+  prompt's blocks at once, so a burst sharing a new prefix follows its first request.
+- Which core served a request: ``headrace:placements_total{core, reason}``, the request span's
+  ``headrace.core`` / ``headrace.placement`` attributes, and the core's own span and log lines.
+- A core lost (its stream ended) or whose data plane is lost (it reports unhealthy): its
+  requests resume on another ready core with the tokens their samples had generated
+  (``Submit.resumed``: nothing the client received is sent again, nothing is lost), and new
+  requests avoid it until it is back. With no other core ready, a lost core's requests fail
+  UNAVAILABLE and an unhealthy core keeps its own (it resumes them when its data plane is back).
+- What the request path reads: ready / healthy while any core is; draining when every healthy
+  core drains; the model's limits are the tightest of the loaded cores'.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import grpc
+from opentelemetry import trace
+from prometheus_client import Counter
+
+from common.logs import get_logger
+from common.metrics import PREFIX
+from controlplane.cache_summary import prompt_hashes
+from controlplane.frontend.client import CoreClient
+from controlplane.placement import Placement
+from controlplane.request import Failure, Request
+
+log = get_logger("headrace.frontend")
+NO_CORE = "no engine core is ready (restarting?); retry"
+
+
+class _Waiting:
+    """The shortest reported queue of the ready cores (the request path's queue limit: a
+    request is refused only when no core would take it)."""
+
+    def __init__(self, router: "CoreRouter"):
+        self.router = router
+
+    def __len__(self) -> int:
+        queues = [len(c.scheduler.waiting) for c in self.router.clients if c.ready]
+        return min(queues, default=0)
+
+
+class _Unready:
+    """A core left out of a placement (the one just lost)."""
+
+    ready, load = False, 0
+
+    @staticmethod
+    def match(hashes) -> int:
+        return 0
+
+
+class CoreRouter:
+    def __init__(self, addresses: list[str], index: int, metrics, on_change=None, *,
+                 credentials: grpc.ChannelCredentials | None = None, secret: str | None = None,
+                 placement: Placement | None = None):
+        self.clients = [CoreClient(address, index, metrics, on_change=self._changed,
+                                   credentials=credentials, secret=secret, placement=True)
+                        for address in addresses]
+        for client in self.clients:
+            client.on_lost = self._resume
+        self.index, self.placement, self.on_change = index, placement or Placement(), on_change
+        self.telemetry = types.SimpleNamespace(metrics=metrics)
+        self.requests: dict[str, Request] = {}
+        self.seq_ids = itertools.count(1)
+        self._core_of: dict[str, int] = {}
+        self._healthy = [False] * len(self.clients)
+        self._waiting = types.SimpleNamespace(waiting=_Waiting(self))
+        self.placements = None if metrics is None else Counter(
+            PREFIX + "placements", "Requests placed on each data-parallel engine core, by reason: "
+            "prefix (it caches the prompt's prefix), load (the least loaded), balance (the least "
+            "loaded, the prefix holder being much busier), round_robin, resume (moved from a lost "
+            "core).", ["core", "reason"], registry=metrics.registry)
+
+    # -- what the request path reads ------------------------------------------------------------
+    @property
+    def primary(self) -> CoreClient:
+        """A ready core (else a healthy one, else the first): the model's state and config."""
+        for test in (lambda c: c.ready, lambda c: c.healthy):
+            for client in self.clients:
+                if test(client):
+                    return client
+        return self.clients[0]
+
+    @property
+    def healthy(self) -> bool:
+        return any(c.healthy for c in self.clients)
+
+    @property
+    def draining(self) -> bool:
+        healthy = [c for c in self.clients if c.healthy]
+        return bool(healthy) and all(c.draining for c in healthy)
+
+    @property
+    def ready(self) -> bool:
+        return any(c.ready for c in self.clients)
+
+    @property
+    def state(self):
+        return self.primary.state
+
+    @property
+    def info(self):
+        return self.primary.info
+
+    @property
+    def config(self):
+        return self.primary.config
+
+    @property
+    def max_queued(self) -> int:
+        return self.primary.max_queued
+
+    @property
+    def max_model_len(self) -> int:
+        lengths = [c.max_model_len for c in self.clients if c.scheduler is not None]
+        return min(lengths, default=self.primary.max_model_len)
+
+    @property
+    def scheduler(self):
+        return self._waiting if any(c.scheduler is not None for c in self.clients) else None
+
+    # -- requests -----------------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self._place(request)
+
+    def abort(self, request: Request) -> None:
+        self.requests.pop(request.request_id, None)
+        core = self._core_of.pop(request.request_id, None)
+        if core is not None:
+            self.clients[core].abort(request)
+
+    def _hashes(self, request: Request) -> list[int]:
+        if self.placement.policy != "prefix":
+            return []
+        block_size = self.primary.core_load.block_size or (self.info.block_size if self.info else 0)
+        return prompt_hashes(request.sequences[0].prompt_token_ids, block_size) if block_size else []
+
+    def _place(self, request: Request, lost: CoreClient | None = None) -> None:
+        """Sends ``request`` to the core placement chooses (``lost``: it resumes, not there)."""
+        hashes = self._hashes(request)
+        cores = [_Unready() if c is lost else c for c in self.clients]
+        choice = self.placement.choose(cores, hashes)
+        if choice is None:
+            self.requests.pop(request.request_id, None)
+            self._core_of.pop(request.request_id, None)
+            request.fail(Failure(grpc.StatusCode.UNAVAILABLE, NO_CORE))
+            return
+        client = self.clients[choice.index]
+        if hashes:
+            client.view.expect(hashes)
+        self._core_of[request.request_id] = choice.index
+        client.submit(request, resume=lost is not None)
+        reason = "resume" if lost is not None else choice.reason
+        if self.placements is not None:
+            self.placements.labels(str(choice.index), reason).inc()
+        if lost is None:   # (a resumption runs outside the request's span)
+            span = trace.get_current_span()
+            span.set_attribute("headrace.core", choice.index)
+            span.set_attribute("headrace.placement", reason)
+            span.set_attribute("headrace.prefix_blocks_matched", choice.matched)
+
+    def _resume(self, lost: CoreClient, requests: list[Request]) -> None:
+        """``lost``'s requests go on elsewhere, from the tokens they had."""
+        moved = [r for r in requests if r.request_id in self.requests and not r.finished]
+        for request in moved:
+            self._place(request, lost=lost)
+        if moved:
+            log.warning("engine core lost: its requests resume on other cores", address=lost.address,
+                        requests=len(moved))
+
+    def _changed(self) -> None:
+        """A core's state changed; one whose data plane was lost hands its requests over while
+        another core is ready."""
+        for i, client in enumerate(self.clients):
+            was, self._healthy[i] = self._healthy[i], client.healthy
+            if was and client.connected and not client.healthy and client.requests and \
+                    any(c.ready for c in self.clients if c is not client):
+                self._resume(client, client.take_requests())
+        if self.on_change is not None:
+            self.on_change()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        for client in self.clients:
+            client.start()
+
+    async def stop(self) -> None:
+        for client in self.clients:
+            await client.stop()
