@@ -102,6 +102,9 @@ def add_data_parallel_args(p: argparse.ArgumentParser, supervisor: bool) -> None
 
 def placement_of(args) -> "placement.Placement":
     """The front ends' placement (ValueError for bad thresholds)."""
+    if args.data_parallel_balance_threshold < 0 or args.data_parallel_balance_ratio < 1:
+        raise ValueError("--data-parallel-balance-threshold must be >= 0 and "
+                         "--data-parallel-balance-ratio >= 1")
     return placement.Placement(args.data_parallel_placement, args.data_parallel_balance_threshold,
                                args.data_parallel_balance_ratio)
 

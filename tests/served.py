@@ -43,14 +43,17 @@ class Served:
 
     # -- processes -------------------------------------------------------------------------
     def role_pids(self) -> dict[str, int]:
-        """'core', 'frontend 0', ..., 'dataplane' -> pid (live children only)."""
+        """'core' (or 'core 0', 'core 1', ...), 'frontend 0', ..., 'dataplane' -> pid (live
+        children only)."""
         roles = {}
         for child in psutil.Process(self.proc.pid).children():
             try:
                 argv = child.cmdline()
             except psutil.Error:
                 continue
-            if "core" in argv:
+            if "core" in argv and "--data-parallel-rank" in argv:   # core i of --data-parallel-size
+                roles[f"core {argv[argv.index('--data-parallel-rank') + 1]}"] = child.pid
+            elif "core" in argv:
                 roles["core"] = child.pid
             elif "frontend" in argv:
                 roles[f"frontend {argv[argv.index('--index') + 1]}"] = child.pid

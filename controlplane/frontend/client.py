@@ -14,7 +14,8 @@ core secret as ``controlplane.core_link`` says.
 Under data parallelism (``controlplane.frontend.router``, one client per core) the client asks
 for the core's load and prefix-cache changes (``placement``) and keeps them (``core_load``,
 ``view``: what placement reads), and hands the requests of a lost core to ``on_lost`` (they
-resume on another core) instead of failing them."""
+resume on another core) instead of failing them, as it offers it a request the core failed
+(``on_failed``: one it could not serve may go on elsewhere)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ class CoreClient:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self.on_lost = None                  # called with the requests of a lost core
+        self.on_failed = None                # (self, request, failure) -> True: it goes on elsewhere
         self.core_load = cpb.CoreLoad()      # (placement) the core's last report
         self.view = CacheView()              # (placement) what its prefix cache holds
         self.placed_since_report = 0
@@ -276,7 +278,9 @@ class CoreClient:
             request = self._by_handle.pop(f.handle, None)
             if request is not None:
                 self.requests.pop(request.request_id, None)
-                request.fail(Failure(_status(f.code), f.message))
+                failure = Failure(_status(f.code), f.message)
+                if self.on_failed is None or not self.on_failed(self, request, failure):
+                    request.fail(failure)
         for request in woken:
             if request.finished:
                 self._by_handle.pop(request.core_handle, None)

@@ -8,10 +8,11 @@ for the request path, as one ``CoreClient`` does for one core.
   prompt's blocks at once, so a burst sharing a new prefix follows its first request.
 - Which core served a request: ``headrace:placements_total{core, reason}``, the request span's
   ``headrace.core`` / ``headrace.placement`` attributes, and the core's own span and log lines.
-- A core lost (its stream ended) or whose data plane is lost (it reports unhealthy): its
-  requests resume on another ready core with the tokens their samples had generated
-  (``Submit.resumed``: nothing the client received is sent again, nothing is lost), and new
-  requests avoid it until it is back. With no other core ready, a lost core's requests fail
+- A core lost (its stream ended) or whose data plane is lost (it reports unhealthy), or that
+  fails a request UNAVAILABLE (shutting down, draining alone, not ready): its requests resume
+  on another ready core with the tokens their samples had generated (``Submit.resumed``:
+  nothing the client received is sent again, nothing is lost; each request tries every core
+  once at most), and new requests avoid it until it is back. With no other core ready, a lost core's requests fail
   UNAVAILABLE and an unhealthy core keeps its own (it resumes them when its data plane is back).
 - What the request path reads: ready / healthy while any core is; draining when every healthy
   core drains; the model's limits are the tightest of the loaded cores'.
@@ -67,7 +68,7 @@ class CoreRouter:
                                    credentials=credentials, secret=secret, placement=True)
                         for address in addresses]
         for client in self.clients:
-            client.on_lost = self._resume
+            client.on_lost, client.on_failed = self._resume, self._failed
         self.index, self.placement, self.on_change = index, placement or Placement(), on_change
         self.telemetry = types.SimpleNamespace(metrics=metrics)
         self.requests: dict[str, Request] = {}
@@ -169,6 +170,16 @@ class CoreRouter:
             span.set_attribute("headrace.core", choice.index)
             span.set_attribute("headrace.placement", reason)
             span.set_attribute("headrace.prefix_blocks_matched", choice.matched)
+
+    def _failed(self, client: CoreClient, request: Request, failure: Failure) -> bool:
+        """Whether a request ``client``'s core could not serve goes on elsewhere."""
+        tries = getattr(request, "core_tries", 1)
+        if failure.code != grpc.StatusCode.UNAVAILABLE or request.request_id not in self.requests \
+                or tries >= len(self.clients) or not any(c.ready for c in self.clients if c is not client):
+            return False
+        request.core_tries = tries + 1
+        self._resume(client, [request])
+        return True
 
     def _resume(self, lost: CoreClient, requests: list[Request]) -> None:
         """``lost``'s requests go on elsewhere, from the tokens they had."""
