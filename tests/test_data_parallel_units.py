@@ -1,0 +1,154 @@
+"""The parts of data parallelism that need no server: GPUs and memory shares per replica, the
+cores' addresses and worker groups, the supervisor's children, a data plane's KV budget beside
+another process on its GPU, the cores' load messages (merged when the stream is slow) and the
+server's metric totals of the cores' mirrored state."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from prometheus_client.core import GaugeMetricFamily
+
+from cli import data_parallel as dp
+from cli.main import build_parser, controlplane_parser
+from cli.processes import control_plane_children
+from controlplane import dp_metrics
+from controlplane.block_manager import BlockManager
+from controlplane.core.load_publisher import LoadPublisher, merge
+from headrace.core.v1 import core_pb2 as cpb
+
+
+def test_replicas_take_gpus_in_turn_and_share_them_when_too_few():
+    assert dp.replica_devices("cuda", 2, 2, 4) == [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]]
+    assert dp.replica_devices("cuda", 1, 2, 1) == [["cuda:0"], ["cuda:0"]]
+    assert dp.replica_devices("cuda", 1, 4, 2) == [["cuda:0"], ["cuda:1"], ["cuda:0"], ["cuda:1"]]
+    assert dp.replica_devices("cpu", 1, 3, None) == [["cpu"]] * 3
+    assert dp.sharing(dp.replica_devices("cuda", 1, 2, 1)) == 2
+    assert dp.sharing(dp.replica_devices("cuda", 2, 2, 4)) == 1
+
+
+def test_a_shared_gpu_divides_the_default_memory_and_refuses_too_much():
+    assert dp.memory_utilization(0.9, 1) == 0.9
+    assert dp.memory_utilization(0.9, 2) == 0.45              # the default: divided
+    assert dp.memory_utilization(0.4, 2) == 0.4               # chosen, and fits
+    with pytest.raises(ValueError, match="at most 0.47"):
+        dp.memory_utilization(0.6, 2)
+
+
+def test_visible_gpus_follow_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert dp.visible_gpus() == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert dp.visible_gpus() == 0
+
+
+def test_core_addresses_and_worker_groups():
+    assert dp.core_addresses(None, "/d", 1) == ["unix:/d/core.sock"]
+    assert dp.core_addresses(None, "/d", 2) == ["unix:/d/core-0.sock", "unix:/d/core-1.sock"]
+    assert dp.core_addresses("127.0.0.1:7000", "/d", 3) == ["127.0.0.1:7000", "127.0.0.1:7001", "127.0.0.1:7002"]
+    assert dp.core_addresses("unix:/s", "/d", 2) == ["unix:/s", "unix:/s.1"]
+    assert dp.core_addresses("a:1,b:2", "/d", 2) == ["a:1", "b:2"]
+    with pytest.raises(ValueError, match="lists 2 addresses"):
+        dp.core_addresses("a:1,b:2", "/d", 3)
+    assert dp.split_workers(["a", "b", "c", "d"], 2) == [["a", "b"], ["c", "d"]]
+    with pytest.raises(ValueError, match="not a multiple"):
+        dp.split_workers(["a", "b", "c"], 2)
+
+
+def test_serve_starts_a_core_per_replica_and_front_ends_over_all():
+    args = build_parser().parse_args(["serve", "--model", "/m", "-dp", "2", "--api-server-count", "1",
+                                      "--data-parallel-placement", "least-load"])
+    children = control_plane_children(args, controlplane_parser(), [["unix:/w0"], ["unix:/w1"]],
+                                      ["unix:/c0", "unix:/c1"])
+    assert [c.role for c in children] == ["core 0", "core 1", "frontend 0"]
+    core0, core1, front = (build_parser().parse_args(c.argv[3:]) for c in children)
+    assert (core0.workers, core0.data_parallel_rank, core0.data_parallel_size) == ("unix:/w0", 0, 2)
+    assert (core1.workers, core1.data_parallel_rank, core1.metrics_port) == ("unix:/w1", 1, 0)
+    assert core0.metrics_port == 9400                     # core 0 serves the one /metrics
+    assert front.core_address == "unix:/c0,unix:/c1" and front.data_parallel_placement == "least-load"
+
+
+def test_a_data_plane_sharing_its_gpu_sizes_its_kv_cache_from_its_own_share(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from dataplane import worker as worker_mod
+
+    gib, total = 1 << 30, 100 << 30
+    held = {"others": 0}   # memory another process held when this one started
+
+    def mem_get_info(device):
+        return total - held["others"] - 12 * gib, total   # this process: 10 GiB torch + 2 non-torch
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 9 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 10 * gib)
+    w = worker_mod.Worker.__new__(worker_mod.Worker)
+    w.device, w.block_bytes = torch.device("cuda", 0), gib
+    w.opts = types.SimpleNamespace(gpu_memory_utilization=0.45)
+    w.others_bytes = 0                                    # alone: 45 - 9 peak - 2 non-torch
+    assert w._blocks_from_memory() == 34
+    held["others"] = 50 * gib                             # another replica holds 50 GiB
+    w.others_bytes = 50 * gib - worker_mod.CUDA_CONTEXT_BYTES
+    assert w._blocks_from_memory() == 34 - 1               # its memory is not ours (bar the context)
+
+
+def test_a_slow_streams_load_messages_merge_without_losing_a_hash():
+    pending = cpb.CoreLoad(running=3, waiting=1, cached_hashes=[1, 2], evicted_hashes=[7])
+    merge(pending, cpb.CoreLoad(running=0, waiting=0, cached_hashes=[3], evicted_hashes=[1]))
+    assert (pending.running, pending.waiting) == (0, 0)
+    assert list(pending.cached_hashes) == [1, 2, 3] and list(pending.evicted_hashes) == [7, 1]
+    merge(pending, cpb.CoreLoad(running=5, cache_reset=True, cached_hashes=[9]))
+    assert pending.cache_reset and list(pending.cached_hashes) == [9] and not pending.evicted_hashes
+
+
+def test_the_core_sends_the_whole_cache_first_then_changes_only():
+    blocks = BlockManager(8, 2)
+    sched = types.SimpleNamespace(blocks=blocks, running=[], waiting=[1])
+    sent = []
+
+    class Link:
+        placement, closed, push_load = True, False, staticmethod(sent.append)
+
+    link = Link()
+    service = types.SimpleNamespace(plane=types.SimpleNamespace(engine=types.SimpleNamespace(scheduler=sched)),
+                                    links={link})
+    publisher = LoadPublisher(service)
+    publisher._fresh.add(link)
+    blocks.adopt(1, [], 5)
+    blocks.grow(1, 5)
+    blocks.register(1, lambda: [1, 2, 3, 4, 5], 5)
+    publisher.publish()
+    first = sent[-1]
+    assert first.cache_reset and sorted(first.cached_hashes) == sorted(blocks.cached) and first.waiting == 1
+    publisher.publish()
+    assert len(sent) == 1                                  # nothing changed: nothing sent
+    blocks.adopt(2, [], 5)
+    blocks.grow(2, 5)
+    blocks.register(2, lambda: [9, 8, 7, 6, 5], 5)         # two new blocks: only they travel
+    publisher.publish()
+    assert not sent[-1].cache_reset and len(sent[-1].cached_hashes) == 2
+    assert set(sent[-1].cached_hashes) | set(first.cached_hashes) == set(blocks.cached)
+    blocks.reset_cache()
+    publisher.publish()
+    assert sent[-1].cache_reset and not sent[-1].cached_hashes
+
+
+def test_the_servers_totals_of_the_cores_mirrored_state():
+    def family(name, samples):
+        f = GaugeMetricFamily("headrace:core_" + name, "doc (this core's; `core` label)", labels=["core"])
+        for core, value in samples:
+            f.add_metric([core], value)
+        return f
+
+    source = [family("num_requests_running", [("0", 3), ("1", 4)]),
+              family("kv_cache_usage_perc", [("0", 0.5), ("1", 0.0)]),
+              family("num_kv_blocks", [("0", 300), ("1", 100)]),
+              family("ready", [("0", 0), ("1", 1)]),
+              family("prefix_cache_hits_total", [("0", 10), ("1", 5)])]
+    totals = dp_metrics.DataParallelTotals.__new__(dp_metrics.DataParallelTotals)
+    totals.source = types.SimpleNamespace(collect=lambda: source)
+    out = {s.name: s.value for f in totals.collect() for s in f.samples if "core" not in s.labels}
+    assert out["headrace:num_requests_running"] == 7
+    assert out["headrace:kv_cache_usage_perc"] == pytest.approx(0.375)   # by pool size
+    assert out["headrace:ready"] == 1 and out["headrace:num_kv_blocks"] == 400
+    assert out["headrace:prefix_cache_hits_total"] == 15
