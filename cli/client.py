@@ -30,6 +30,9 @@ def add_generate_parser(p: argparse.ArgumentParser) -> None:
                    help="bearer token of a server started with --api-token (default $HEADRACE_API_TOKEN)")
     p.add_argument("--connect-timeout", "--wait", type=float, default=None,
                    help="seconds to wait for the server to be ready (default $HEADRACE_CONNECT_TIMEOUT, else 5)")
+    p.add_argument("--session-id", default=None,
+                   help="affinity key sent as x-session-id: a load balancer in front of several "
+                        "servers keeps a session on one (default $HEADRACE_SESSION_ID)")
     p.set_defaults(func=run_generate)
 
 
@@ -75,7 +78,7 @@ def run_generate(args) -> int:
     try:
         with Client(args.address, api_token=args.api_token, tls=args.tls, tls_ca=args.tls_ca,
                     tls_cert=args.tls_cert, tls_key=args.tls_key,
-                    connect_timeout=args.connect_timeout) as client:
+                    connect_timeout=args.connect_timeout, session_id=args.session_id) as client:
             for chunk in client.stream(args.prompt, **params):
                 if chunk.text:
                     last = chunk.text[-1]   # first: Ctrl-C may come during the write

@@ -41,25 +41,27 @@ class AsyncClient:
         await asyncio.to_thread(self._with_sync_channel, connection.wait_ready, timeout)
         self._ready = True
 
-    async def _call_options(self, timeout: float | None) -> dict:
+    async def _call_options(self, timeout: float | None, session_id: str | None = None) -> dict:
         if not self._ready:
             await self.wait_ready()
-        return {"metadata": self.options.metadata, "timeout": timeout}
+        return {"metadata": self.options.call_metadata(session_id), "timeout": timeout}
 
     async def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                       timeout: float | None = None, **params) -> Completion | list[Completion]:
+                       timeout: float | None = None, session_id: str | None = None,
+                       **params) -> Completion | list[Completion]:
         request = whole(build_request(prompt, token_ids, **params))
         collector = Collector()
-        options = await self._call_options(timeout)
+        options = await self._call_options(timeout, session_id)
         with mapped_errors():
             async for msg in self._stub.Generate(request, **options):
                 collector.add(to_chunk(msg))
         return collector.result(request.n)
 
     async def stream(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                     timeout: float | None = None, **params) -> AsyncIterator[Chunk]:
+                     timeout: float | None = None, session_id: str | None = None,
+                     **params) -> AsyncIterator[Chunk]:
         request = build_request(prompt, token_ids, **params)
-        options = await self._call_options(timeout)
+        options = await self._call_options(timeout, session_id)
         call = self._stub.Generate(request, **options)
         try:
             with mapped_errors():

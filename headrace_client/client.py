@@ -17,8 +17,9 @@ from headrace_client.types import (Chunk, Collector, Completion, ModelInfo, Toke
 
 class Client:
     """A connection to one headrace server. Options: ``address`` (``host:port``), ``api_token``,
-    ``tls`` / ``tls_ca`` / ``tls_cert`` / ``tls_key``, ``connect_timeout``; unset ones come
-    from ``HEADRACE_*`` environment variables (see ``headrace_client.connection``).
+    ``tls`` / ``tls_ca`` / ``tls_cert`` / ``tls_key``, ``connect_timeout``, ``session_id`` (a
+    load balancer's affinity key); unset ones come from ``HEADRACE_*`` environment variables
+    (see ``headrace_client.connection``).
     Sampling options of ``generate``/``stream`` are ``GenerateRequest``'s fields; an option
     not given takes the server's default."""
 
@@ -38,30 +39,33 @@ class Client:
         connection.wait_ready(self._channel, self.options, timeout)
         self._ready = True
 
-    def _call_options(self, timeout: float | None) -> dict:
+    def _call_options(self, timeout: float | None, session_id: str | None = None) -> dict:
         if not self._ready:
             self.wait_ready()
-        return {"metadata": self.options.metadata, "timeout": timeout}
+        return {"metadata": self.options.call_metadata(session_id), "timeout": timeout}
 
     # -- calls -------------------------------------------------------------------------------
     def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                 timeout: float | None = None, **params) -> Completion | list[Completion]:
-        """The whole completion (one message from the server); a list of ``n`` when n > 1."""
+                 timeout: float | None = None, session_id: str | None = None,
+                 **params) -> Completion | list[Completion]:
+        """The whole completion (one message from the server); a list of ``n`` when n > 1.
+        ``session_id``: this call's affinity key (default: the client's)."""
         request = whole(build_request(prompt, token_ids, **params))
         collector = Collector()
         with mapped_errors():
-            for msg in self._stub.Generate(request, **self._call_options(timeout)):
+            for msg in self._stub.Generate(request, **self._call_options(timeout, session_id)):
                 collector.add(to_chunk(msg))
         return collector.result(request.n)
 
     def stream(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-               timeout: float | None = None, **params) -> Iterator[Chunk]:
+               timeout: float | None = None, session_id: str | None = None,
+               **params) -> Iterator[Chunk]:
         """Chunks as the server sends them; leaving the loop early cancels the request."""
         request = build_request(prompt, token_ids, **params)
         call = None
         try:
             with mapped_errors():
-                call = self._stub.Generate(request, **self._call_options(timeout))
+                call = self._stub.Generate(request, **self._call_options(timeout, session_id))
                 for msg in call:
                     yield to_chunk(msg)
         finally:

@@ -5,7 +5,12 @@ TLS; bearer token metadata), and the server's state as a client sees it: ``servi
 
 Environment: ``HEADRACE_ADDRESS``, ``HEADRACE_API_TOKEN``, ``HEADRACE_TLS_CA`` (verify the
 server with this CA; TLS), ``HEADRACE_TLS_CERT``/``HEADRACE_TLS_KEY`` (client certificate for
-mutual TLS), ``HEADRACE_CONNECT_TIMEOUT`` (seconds)."""
+mutual TLS), ``HEADRACE_CONNECT_TIMEOUT`` (seconds), ``HEADRACE_SESSION_ID``.
+
+``session_id`` goes out as the ``x-session-id`` header (``SESSION_HEADER``) of every call, or
+of one call (``session_id=`` of ``generate``/``stream``): a load balancer in front of several
+servers keeps the calls of one session on one server, where its prefix is cached (the Envoy
+configuration in deploy/envoy hashes it; docs/scaling.md)."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ DEFAULT_CONNECT_TIMEOUT = 5.0
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
                    ("grpc.max_send_message_length", 64 << 20)]
 SERVING, LOADING, DRAINING, DOWN = "serving", "loading", "draining", "down"
+SESSION_HEADER = "x-session-id"
 
 
 def _env(name: str) -> str | None:
@@ -42,12 +48,13 @@ class ConnectionOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    session_id: str | None = None       # affinity key for a load balancer (``SESSION_HEADER``)
 
     @classmethod
     def resolve(cls, address: str | None = None, *, api_token: str | None = None,
                 tls: bool = False, tls_ca: str | None = None, tls_cert: str | None = None,
-                tls_key: str | None = None, connect_timeout: float | None = None
-                ) -> "ConnectionOptions":
+                tls_key: str | None = None, connect_timeout: float | None = None,
+                session_id: str | None = None) -> "ConnectionOptions":
         """Explicit values first, then the HEADRACE_* environment, then the defaults."""
         timeout = connect_timeout if connect_timeout is not None else _env("HEADRACE_CONNECT_TIMEOUT")
         opts = cls(address=address or _env("HEADRACE_ADDRESS") or DEFAULT_ADDRESS,
@@ -55,7 +62,8 @@ class ConnectionOptions:
                    tls_ca=tls_ca or _env("HEADRACE_TLS_CA"),
                    tls_cert=tls_cert or _env("HEADRACE_TLS_CERT"),
                    tls_key=tls_key or _env("HEADRACE_TLS_KEY"),
-                   connect_timeout=float(timeout) if timeout is not None else DEFAULT_CONNECT_TIMEOUT)
+                   connect_timeout=float(timeout) if timeout is not None else DEFAULT_CONNECT_TIMEOUT,
+                   session_id=session_id or _env("HEADRACE_SESSION_ID"))
         if bool(opts.tls_cert) != bool(opts.tls_key):
             raise ValueError("a client certificate (tls_cert) needs its key (tls_key), and the other way round")
         for path in (opts.tls_ca, opts.tls_cert, opts.tls_key):
@@ -75,7 +83,14 @@ class ConnectionOptions:
 
     @property
     def metadata(self) -> tuple:
-        return (("authorization", f"Bearer {self.api_token}"),) if self.api_token else ()
+        return self.call_metadata()
+
+    def call_metadata(self, session_id: str | None = None) -> tuple:
+        """A call's metadata: the bearer token, the session key (this call's, else the
+        client's)."""
+        out = (("authorization", f"Bearer {self.api_token}"),) if self.api_token else ()
+        session = session_id or self.session_id
+        return out + (((SESSION_HEADER, session),) if session else ())
 
     def channel(self) -> grpc.Channel:
         creds = self.credentials()
