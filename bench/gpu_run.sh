@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout's root on the H200): GPU correctness, then the serving
 # workloads through the gRPC planes and in one process (bench/README.md). Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 w3tp w4 w5 w5w1 w5l hf spy kern ragged tp spec specdraft
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 w3tp w4 w5 w5w1 w5l hf spy kern ragged tp spec specdraft dp
 #   (default: tests w2 w1 w1o w3); TP_WATCH_S: seconds the tp section waits before dumping stacks
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # ragged: decode attention on W1's ragged batches, by KV split count and program start order.
@@ -22,6 +22,12 @@
 #     the copy there, so auto must load (its estimates are in the JSON lines); ~6 minutes.
 # w4: serving under load (Poisson, lognormal lengths, streamed) for N = 1, 2, 4 API front ends
 #     (w4.json, and w4.png when matplotlib is installed, in $OUT); ~4-5 minutes.
+# dp: data parallelism on the one GPU (bench/dp_bench.py, docs/scaling.md): W1 on one replica
+#     with the whole GPU, then on two replicas sharing it (--data-parallel-size 2, 0.45 of the
+#     memory each) with greedy parity between them; then the multi-tenant shared-prefix W4
+#     variant (16 tenants x 2,048-token system prompts, 2,048 KV blocks a replica) at 30 and 60
+#     req/s under prefix and round-robin placement. The table last: round-robin / prefix TTFT
+#     p50 (target >= 1.5x) and DP=2 / DP=1 W1 throughput (target >= 0.9x). ~5 minutes.
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/protos:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -51,7 +57,7 @@ if has tp; then   # NCCL tensor parallelism on every GPU the machine has (2 or 4
   wait $tp_pid; tail -15 "$OUT/tp-pytest.txt"
   tail -n 8 "$OUT"/tp-logs/*/rank-*.log 2>/dev/null | cut -c1-300
 fi
-if has w1 || has w1o || has w2 || has w4 || has w5 || has w5w1 || has hf || has spy || has kern || has spec; then
+if has w1 || has w1o || has w2 || has w4 || has w5 || has w5w1 || has hf || has spy || has kern || has spec || has dp; then
   log ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda
 fi
 for w in w2 w1; do
@@ -104,6 +110,10 @@ if has w4; then
   log "w4 under load, N = 1, 2, 4 front ends"
   timeout 420 python3 -m bench.w4_bench --model /tmp/qwen3 --api-server-counts 1,2,4 --rates 100,140,180 \
     --duration 8 --clients 4 --out-dir "$OUT" | tee -a "$OUT/results.jsonl"
+fi
+if has dp; then
+  log "dp: two replicas sharing the GPU: W1 and parity against one replica, W4S prefix vs round robin"
+  timeout 480 python3 -m bench.dp_bench --model /tmp/qwen3 --parts parity,w1,w4s | tee -a "$OUT/results.jsonl"
 fi
 if has w5; then
   log "host KV tier on the GPU: copy engine (side stream) and outputs equal with it on and off"

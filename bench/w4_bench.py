@@ -96,8 +96,10 @@ def _client(address: str, items: list, t0: float, channels: int) -> list[dict]:
     return asyncio.run(run())
 
 
-def run_rate(address: str, rate: float, args) -> dict:
-    items = workload(rate, args.duration, args.seed, args.prompt_mean, args.output_mean, args.max_length)
+def run_rate(address: str, rate: float, args, items: list | None = None) -> dict:
+    """One rate of ``workload`` (or of ``items``: [(send offset s, prompt ids, max_tokens)])."""
+    if items is None:
+        items = workload(rate, args.duration, args.seed, args.prompt_mean, args.output_mean, args.max_length)
     t0 = time.time() + 3.0   # the client processes start meanwhile
     shares = [items[i::args.clients] for i in range(args.clients)]
     ctx = multiprocessing.get_context("spawn")
