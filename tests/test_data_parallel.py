@@ -73,14 +73,19 @@ def test_equal_cores_share_requests_without_a_common_prefix(cores):
 
 
 def _run(stub, prompt: str) -> tuple:
-    return completion(list(stub.Generate(pb.GenerateRequest(
-        prompt=prompt, max_tokens=48, ignore_eos=True, sampling=pb.SamplingParams(temperature=0)),
-        timeout=120)))
+    """Each sample's (token ids, text, finish reason); every other prompt asks for two samples
+    that stop at a stop string (a resumed request carries its unfinished samples by index)."""
+    extra = dict(n=2, stop=[" the "]) if prompt.endswith(("1", "3", "5")) else {}
+    responses = list(stub.Generate(pb.GenerateRequest(
+        prompt=prompt, max_tokens=48, ignore_eos=True, sampling=pb.SamplingParams(temperature=0),
+        **extra), timeout=120))
+    return tuple(completion([r for r in responses if r.index == i]) for i in range(extra.get("n", 1)))
 
 
 def _lose_mid_generation(cores, stub, lose, restore) -> None:
     prompts = [f"It is a truth universally acknowledged {i}" for i in range(8)]
     undisturbed = [_run(stub, p) for p in prompts]
+    assert any(sample[2] == pb.FINISH_REASON_STOP_STRING for run in undisturbed for sample in run)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(_run, stub, p) for p in prompts]
         deadline = time.monotonic() + 30

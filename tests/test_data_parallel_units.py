@@ -152,3 +152,21 @@ def test_the_servers_totals_of_the_cores_mirrored_state():
     assert out["headrace:kv_cache_usage_perc"] == pytest.approx(0.375)   # by pool size
     assert out["headrace:ready"] == 1 and out["headrace:num_kv_blocks"] == 400
     assert out["headrace:prefix_cache_hits_total"] == 15
+
+
+def test_a_resumed_requests_stop_string_finds_its_sample_by_index():
+    from controlplane.core.service import CoreRequest, CoreText, EngineCoreService
+    from controlplane.request import Sequence
+    from headrace.v1 import inference_pb2 as pb
+
+    finished = []
+    engine = types.SimpleNamespace(finish_sequence=lambda seq, reason: finished.append((seq.index, reason)),
+                                   abort=lambda req: finished.append("abort"))
+    service = EngineCoreService(types.SimpleNamespace(on_change=[], engine=engine))
+    link = types.SimpleNamespace(requests={}, forget=lambda req: None)
+    req = CoreRequest(request_id="r", n=1, link=link, handle=5)
+    req.sequences = [Sequence(request=req, seq_id=1, index=2, prompt_token_ids=[1], sampling=None,
+                              max_tokens=8, output=CoreText(True))]   # sample 2 of 3, alone here
+    link.requests[5] = req
+    service.abort(link, cpb.Abort(handle=5, reason=pb.FINISH_REASON_STOP_STRING, index=2))
+    assert finished == [(2, pb.FINISH_REASON_STOP_STRING)] and req.sequences[0].final_sent

@@ -158,8 +158,9 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
         if req is None:
             return
         engine = self.plane.engine
-        if a.reason == pb.FINISH_REASON_STOP_STRING and a.index < len(req.sequences):
-            seq = req.sequences[a.index]
+        # (a resumed request holds only its unfinished samples: found by index, not position)
+        seq = next((s for s in req.sequences if s.index == a.index), None)
+        if a.reason == pb.FINISH_REASON_STOP_STRING and seq is not None:
             if not seq.finished:
                 engine.finish_sequence(seq, pb.FINISH_REASON_STOP_STRING)
             seq.final_sent = True   # the front end has finished it
