@@ -30,20 +30,21 @@ DEFAULT_UTILIZATION = 0.9  # WorkerOptions.gpu_memory_utilization's default
 
 
 def visible_gpus() -> int | None:
-    """NVIDIA GPUs this process may use (None: unknown), without importing torch."""
+    """NVIDIA GPUs this process may use (None: unknown), without importing torch:
+    $CUDA_VISIBLE_DEVICES, else ``nvidia-smi -L`` (what a container was given), else the
+    driver's entries."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    found = glob.glob("/proc/driver/nvidia/gpus/*")
-    if found:
-        return len(found)
     if shutil.which("nvidia-smi"):
         try:
             out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.SubprocessError):
-            return None
-        return sum(line.startswith("GPU ") for line in out.splitlines()) or None
-    return None
+            out = ""
+        count = sum(line.startswith("GPU ") for line in out.splitlines())
+        if count:
+            return count
+    return len(glob.glob("/proc/driver/nvidia/gpus/*")) or None
 
 
 def replica_devices(device: str, tp: int, dp: int, gpus: int | None) -> list[list[str]]:
