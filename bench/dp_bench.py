@@ -172,7 +172,7 @@ def main() -> None:
                     help="W4S's servers (W4's)")
     ap.add_argument("--w1-serve-args", default="--device cuda --max-running 256 --max-batched-tokens 16384",
                     help="W1's servers (nano-vllm's step budget, as bench.serving_bench)")
-    ap.add_argument("--rates", default="30,60", help="W4S request rates (req/s), comma-separated")
+    ap.add_argument("--rates", default="20,40", help="W4S request rates (req/s), comma-separated")
     ap.add_argument("--duration", type=float, default=10.0, help="W4S seconds of arrivals per rate")
     ap.add_argument("--tenants", type=int, default=16)
     ap.add_argument("--prefix-tokens", type=int, default=2048, help="each tenant's system prompt")

@@ -25,8 +25,9 @@
 # dp: data parallelism on the one GPU (bench/dp_bench.py, docs/scaling.md): W1 on one replica
 #     with the whole GPU, then on two replicas sharing it (--data-parallel-size 2, 0.45 of the
 #     memory each) with greedy parity between them; then the multi-tenant shared-prefix W4
-#     variant (16 tenants x 2,048-token system prompts, 2,048 KV blocks a replica) at 30 and 60
-#     req/s under prefix and round-robin placement. The table last: round-robin / prefix TTFT
+#     variant (16 tenants x 2,048-token system prompts, 2,048 KV blocks a replica) at 20 and 40
+#     req/s under prefix and round-robin placement (DP_ARGS: more bench.dp_bench options, e.g.
+#     "--rates 40 --num-kv-blocks 3072"). The table last: round-robin / prefix TTFT
 #     p50 (target >= 1.5x) and DP=2 / DP=1 W1 throughput (target >= 0.9x). ~5 minutes.
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
@@ -113,7 +114,7 @@ if has w4; then
 fi
 if has dp; then
   log "dp: two replicas sharing the GPU: W1 and parity against one replica, W4S prefix vs round robin"
-  timeout 480 python3 -m bench.dp_bench --model /tmp/qwen3 --parts parity,w1,w4s | tee -a "$OUT/results.jsonl"
+  timeout 480 python3 -m bench.dp_bench --model /tmp/qwen3 --parts parity,w1,w4s ${DP_ARGS:-} | tee -a "$OUT/results.jsonl"
 fi
 if has w5; then
   log "host KV tier on the GPU: copy engine (side stream) and outputs equal with it on and off"
