@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 
@@ -31,7 +30,7 @@ from opentelemetry import trace
 
 from common import tracing
 from controlplane.core import load_publisher
-from controlplane.core.link import CoreRequest, CoreText, FrontendLink  # noqa: F401 (CoreText: tests)
+from controlplane.core.link import CoreRequest, CoreText, FrontendLink
 from controlplane.request_path import queue_full
 from controlplane.request import Sequence
 from controlplane.service import model_info
