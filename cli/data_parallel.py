@@ -52,6 +52,9 @@ def replica_devices(device: str, tp: int, dp: int, gpus: int | None) -> list[lis
     if not device.startswith("cuda") or (tp == 1 and dp == 1):
         return [[device] * tp for _ in range(dp)]
     slots = tp * dp if gpus is None else max(1, gpus)
+    if tp > slots:   # NCCL refuses two ranks of one group on one GPU
+        raise ValueError(f"--tensor-parallel-size {tp} needs {tp} GPUs, {slots} visible: the ranks "
+                         "of a tensor-parallel group cannot share one")
     return [[f"cuda:{(i * tp + r) % slots}" for r in range(tp)] for i in range(dp)]
 
 

@@ -26,6 +26,9 @@ def test_replicas_take_gpus_in_turn_and_share_them_when_too_few():
     assert dp.replica_devices("cpu", 1, 3, None) == [["cpu"]] * 3
     assert dp.sharing(dp.replica_devices("cuda", 1, 2, 1)) == 2
     assert dp.sharing(dp.replica_devices("cuda", 2, 2, 4)) == 1
+    assert dp.replica_devices("cuda", 2, 2, 2) == [["cuda:0", "cuda:1"], ["cuda:0", "cuda:1"]]
+    with pytest.raises(ValueError, match="cannot share one"):
+        dp.replica_devices("cuda", 2, 2, 1)
 
 
 def test_a_shared_gpu_divides_the_default_memory_and_refuses_too_much():
