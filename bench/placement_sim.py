@@ -29,6 +29,7 @@ import bisect
 import concurrent.futures
 import dataclasses
 import heapq
+import json
 import pathlib
 import random
 
@@ -236,12 +237,14 @@ def plot(rows: dict[tuple[int, str], dict], path: pathlib.Path) -> None:
     sizes = sorted({n for n, _ in rows})
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     panels = [("hit_rate", "prefix-cache hit rate", 1.0), ("ttft_p50", "TTFT p50 / p99 (s)", None),
-              ("goodput", "goodput (requests/s meeting the SLO)", None)]
+              ("goodput_per_replica", "goodput per replica (requests/s meeting the SLO)", None)]
     width = 0.8 / len(POLICIES)
     for ax, (key, title, top) in zip(axes, panels):
         for k, policy in enumerate(POLICIES):
             xs = [j + (k - 1) * width for j in range(len(sizes))]
-            ax.bar(xs, [rows[n, policy][key] for n in sizes], width, label=policy)
+            value = lambda n: rows[n, policy]["goodput"] / n if key == "goodput_per_replica" \
+                else rows[n, policy][key]  # noqa: E731
+            ax.bar(xs, [value(n) for n in sizes], width, label=policy)
             if key == "ttft_p50":
                 ax.scatter(xs, [rows[n, policy]["ttft_p99"] for n in sizes], marker="_", s=300,
                            color="black", zorder=3, label="p99" if k == 0 else None)
@@ -262,12 +265,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="fleet sizes, comma-separated, each N[:DURATION[:WARMUP]] (seconds)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=3, help="simulations in parallel")
-    parser.add_argument("--out", help="folder for scaling.png (no plot if unset)")
+    parser.add_argument("--out", help="folder for scaling.json and scaling.png (none if unset)")
+    parser.add_argument("--plot-only", metavar="JSON", help="plot a scaling.json again (no simulation)")
     for f in dataclasses.fields(FleetConfig):
         if f.name != "replicas":
             parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
                                 help=f.metadata["help"] + " (default %(default)s)")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        rows = {(r["replicas"], r["placement"]): r for r in json.loads(pathlib.Path(args.plot_only).read_text())}
+        plot(rows, pathlib.Path(args.out or ".") / "scaling.png")
+        return
     base = FleetConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(FleetConfig)
                           if f.name != "replicas"})
     jobs = []
@@ -285,8 +293,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        (out / "scaling.json").write_text(json.dumps(
+            [dict(r, replicas=n, placement=p, duration=cfg.duration, warmup=cfg.warmup)
+             for ((n, p), r), (cfg, _) in zip(rows.items(), jobs)], indent=1))
         plot(rows, out / "scaling.png")
-        print(f"wrote {out / 'scaling.png'}")
+        print(f"wrote {out / 'scaling.json'} and {out / 'scaling.png'}")
 
 
 if __name__ == "__main__":
