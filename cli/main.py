@@ -30,6 +30,7 @@ from cli.options import (
     add_tls_args,
     check_device_name,
     check_speculative_config,
+    chunking,
     default_model,
     positive_int,
 )
@@ -114,6 +115,7 @@ def cmd_serve(args) -> int:
 
     check_speculative_config(args)
     check_device_name(args.device)
+    chunking(args)   # a bad combination of the chunking flags: one line, before any child starts
     args.model = _model_for_the_control_plane(args, weights=True)
     check_public_ports(args)
     world = args.tensor_parallel_size
@@ -146,6 +148,7 @@ def cmd_controlplane(args) -> int:
     from cli.processes import run_control_plane
     from common.metrics import enable_multiprocess
 
+    chunking(args)
     args.model = _model_for_the_control_plane(args, weights=False)
     check_public_ports(args)
     private_dir = tempfile.mkdtemp(prefix="headrace-")

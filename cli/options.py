@@ -9,6 +9,8 @@ import os
 import re
 
 from common.logs import LOG_FORMATS
+from controlplane.chunking import (DEFAULT_MAX_LONG_PARTIAL_PREFILLS, DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
+                                   DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES, Chunking)
 from controlplane.engine import EngineConfig
 from controlplane.limits import DEFAULT_MAX_N, QUEUE_PER_SLOT
 from controlplane.policy import POLICIES, Policy
@@ -63,6 +65,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rank units a second of waiting is worth (default per policy)")
     p.add_argument("--max-queue-delay", type=float, default=None,
                    help="seconds after which a waiting request is admitted ahead of the policy order")
+    p.add_argument("--max-prefill-tokens-with-decodes", type=positive_int,
+                   default=DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES,
+                   help="prompt tokens a step that carries decodes may compute at most (their "
+                        "inter-token latency budget, in tokens; a step without decodes fills "
+                        "--max-batched-tokens; docs/scheduling.md)")
+    p.add_argument("--max-num-partial-prefills", type=positive_int,
+                   default=DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
+                   help="prefills that share a step's prompt budget fairly (vLLM's name)")
+    p.add_argument("--max-long-partial-prefills", type=positive_int,
+                   default=DEFAULT_MAX_LONG_PARTIAL_PREFILLS,
+                   help="long prefills served before short ones at most; shorter prompts pass "
+                        "the others (vLLM's name; <= --max-num-partial-prefills)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="a prefill with more tokens left is long, and no prefill computes more "
+                        "in one step (vLLM's name; 0: no cap, long above an even share of "
+                        "--max-prefill-tokens-with-decodes)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
     p.add_argument("--watermark", type=float, default=0.01,
                    help="fraction of KV blocks that admission leaves free for running requests")
@@ -186,10 +204,21 @@ def core_link_options(args, side: str) -> dict:
     return dict(core_secret=secret, core_credentials=security.channel_credentials(args.core_ca))
 
 
+def chunking(args) -> Chunking:
+    """The prefill chunking options (ValueError naming the flag when they do not fit)."""
+    try:
+        return Chunking(args.max_prefill_tokens_with_decodes, args.max_num_partial_prefills,
+                        args.max_long_partial_prefills, args.long_prefill_token_threshold)
+    except ValueError as exc:   # the fields' names as the flags' names
+        raise ValueError(re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", lambda m: "--" + m[0].replace("_", "-"),
+                                str(exc))) from None
+
+
 def engine_config(args) -> EngineConfig:
     return EngineConfig(max_running=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                         max_model_len=getattr(args, "max_model_len", None),
                         policy=Policy(args.policy, args.aging_rate, args.max_queue_delay),
+                        chunking=chunking(args),
                         enable_prefix_cache=not args.no_prefix_cache, watermark=args.watermark,
                         max_queued=args.max_queued, outage_deadline_s=args.outage_deadline,
                         fair_share=not args.no_fair_share,

@@ -88,7 +88,8 @@ class Engine:
         self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark,
                                    fair_share=cfg.fair_share,
                                    speculation=spec and speculation.Speculation(spec, self.max_model_len),
-                                   preemption_mode=cfg.preemption_mode, tier_cost=cost)
+                                   preemption_mode=cfg.preemption_mode, tier_cost=cost,
+                                   chunking=cfg.chunking)
 
     @property
     def max_queued(self) -> int:

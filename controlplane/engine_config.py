@@ -1,10 +1,12 @@
-"""``EngineConfig``: the engine's settings (scheduling limits, policy, prefix cache, queue bound,
-pipeline depth, streaming interval, preemption mode), from the command line or an embedder."""
+"""``EngineConfig``: the engine's settings (scheduling limits, policy, prefill chunking, prefix
+cache, queue bound, pipeline depth, streaming interval, preemption mode), from the command line
+or an embedder."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from controlplane.chunking import Chunking
 from controlplane.policy import Policy
 
 
@@ -14,6 +16,7 @@ class EngineConfig:
     max_batched_tokens: int = 2048
     max_model_len: int | None = None   # default: what the workers report (capped by the KV pool)
     policy: Policy = dataclasses.field(default_factory=Policy)
+    chunking: Chunking = dataclasses.field(default_factory=Chunking)   # prefill tokens per step
     enable_prefix_cache: bool = True
     watermark: float = 0.01            # fraction of KV blocks admission leaves free
     max_queued: int | None = None      # waiting sequences at most (None: limits.default_max_queued

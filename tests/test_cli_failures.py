@@ -85,6 +85,7 @@ def broken(tmp_path_factory, model_dir):
 @pytest.mark.parametrize("args, fragments", [
     (["--model", "/nonexistent/model"], ["--model /nonexistent/model", "no such directory"]),
     (["--device", "tpu"], ["--device tpu", "cpu, cuda or cuda:N"]),
+    (["--max-long-partial-prefills", "5"], ["--max-long-partial-prefills must be <= --max-num-partial-prefills"]),
 ])
 def test_serve_refuses_a_mistake_in_one_line(args, fragments):
     start = time.monotonic()
