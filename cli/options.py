@@ -147,7 +147,8 @@ def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -
                        help="seconds requests wait for a lost data plane before UNAVAILABLE")
         p.add_argument("--stream-interval", type=positive_int, default=1,
                        help="tokens per streamed message at least, for requests that do not set "
-                            "stream_interval (default 1: every token as it is sampled)")
+                            "stream_interval, after the first token, which goes out at once "
+                            "(default 1: every token as it is sampled)")
         p.add_argument("--pipeline-depth", type=positive_int, default=3,
                        help="steps in flight (default 3: the data plane always holds the next "
                             "step; 2 while a running request has stop strings)")

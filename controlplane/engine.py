@@ -188,33 +188,39 @@ class Engine:
     async def _loop(self) -> None:
         """Schedules and sends steps while ``InFlightSteps`` has room (overlapped scheduling:
         the device computes step N+1 while this process handles step N's tokens), then folds
-        the oldest step's result. With nothing in flight and nothing to send it sleeps until an
-        event (``_wake``) can change that."""
+        the oldest step's result; with room but nothing to schedule, an event (``_wake``)
+        cuts that wait short. With nothing in flight and nothing to send it sleeps until an
+        event can change that."""
         self._inflight = inflight = InFlightSteps(self.workers, self.telemetry,
                                                   self.config.pipeline_depth, self._step_ids)
-        while True:
-            if not self.healthy:
-                self._wake_requests()
-                await self._reconnect()
-                continue
-            try:
-                step = None
-                # a speculating step runs alone: the sequences' tokens must all be known
-                speculate = self.scheduler.may_speculate()
-                if inflight.has_room(self.scheduler.running) and not (speculate and inflight):
-                    t0 = time.perf_counter()
-                    step = self.scheduler.schedule(speculate)
-                    if not step.empty:
-                        await inflight.send(step, time.perf_counter() - t0)
-                        self.scheduler.after_step(step)
-                        continue
-                self._wake_requests()   # after the send: the device is fed before clients are
-                if inflight:
-                    await self._fold_oldest()
-                else:
-                    await self._idle(step)
-            except WorkerError as exc:
-                self._workers_lost(exc)
+        try:
+            while True:
+                if not self.healthy:
+                    self._wake_requests()
+                    await self._reconnect()
+                    continue
+                try:
+                    step = None
+                    # a speculating step runs alone: the sequences' tokens must all be known
+                    speculate = self.scheduler.may_speculate()
+                    room = inflight.has_room(self.scheduler.running) and not (speculate and inflight)
+                    if room:
+                        self._wake.clear()   # what happens from here on wakes the loop again
+                        t0 = time.perf_counter()
+                        step = self.scheduler.schedule(speculate)
+                        if not step.empty:
+                            await inflight.send(step, time.perf_counter() - t0)
+                            self.scheduler.after_step(step)
+                            continue
+                    self._wake_requests()   # after the send: the device is fed before clients are
+                    if not inflight:
+                        await self._idle(step)
+                    elif not room or await inflight.result_ready(self._wake):
+                        await self._fold_oldest()
+                except WorkerError as exc:
+                    self._workers_lost(exc)
+        finally:
+            inflight.close()
 
     async def _fold_oldest(self) -> None:
         sent, result = await self._inflight.receive()
@@ -249,12 +255,16 @@ class Engine:
 
     def _settle(self, seq: Sequence, reason: int) -> None:
         """Finishes ``seq`` for ``reason`` (UNSPECIFIED: it goes on) and queues its request to
-        wake: at its end, or once per stream_interval tokens."""
+        wake: at its end, at its first token (unless it asked for one message in all: TTFT
+        waits for no interval, as in vLLM) and then once per stream_interval tokens."""
         if reason != pb.FINISH_REASON_UNSPECIFIED:
             self._finish(seq, reason)
             self._to_wake.append(seq.request)
-        elif len(seq.output_token_ids) - seq.delivered >= seq.request.stream_interval:
-            self._to_wake.append(seq.request)
+        else:
+            interval = seq.request.stream_interval
+            if len(seq.output_token_ids) - seq.delivered >= interval or (
+                    not seq.delivered and interval < seq.max_tokens):
+                self._to_wake.append(seq.request)
 
     async def _idle(self, step: ScheduledStep) -> None:
         """Nothing in flight and ``step``, just scheduled, empty. A step that only preempted

@@ -26,7 +26,7 @@ import grpc
 import structlog
 from opentelemetry import trace
 
-from common import tracing
+from common import stage_times, tracing
 from common.logs import get_logger
 from common.security import DEFAULT_TENANT, ApiTokens
 from controlplane import limits
@@ -215,6 +215,9 @@ class RequestPath:
         metadata = list(metadata)
         metrics = self.engine.telemetry.metrics
         latency = StreamLatency(metrics)   # received now: TTFT counts tokenisation too
+        stages = stage_times.STAGES   # a benchmark's timestamps of the first token (None: off)
+        if stages is not None:
+            stages.stamp(request.request_id, "fe_received")
         metrics.api_request(api, method)
         tracer = self.tracer if span_name else None
         with contextlib.ExitStack() as stack:
@@ -236,6 +239,9 @@ class RequestPath:
                     if req.failure is not None:
                         raise RequestError(req.failure.code, req.failure.message)
                     now = latency.handing(responses)
+                    if stages is not None and responses:   # the first response, only
+                        stages.stamp(req.request_id, "fe_first_response")
+                        stages = None
                     if req.delivered and not _aborted(req):
                         latency.finished(now)
                     for msg in responses:
@@ -284,6 +290,8 @@ class RequestPath:
             log.info("request received", prompt=request.prompt or None, tenant=tenant,
                      prompt_token_ids=list(req.sequences[0].prompt_token_ids))
         engine.submit(req)
+        if stage_times.STAGES is not None:
+            stage_times.STAGES.stamp(req.request_id, "fe_submitted")
         return req
 
     def _abandoned(self, req, api: str, reason: str) -> None:

@@ -237,10 +237,10 @@ class Scheduler:
             add_count(len(new_blocks))
             scheduled.add(seq.seq_id)
             budget -= 1 + max(0, k)
+        step.has_decodes = bool(running.seqs or step.new)   # (so far: decodes, forked samples)
         waiting = self.policy.order_waiting(self.waiting, now)
         prefill_phase.fill(self, step, prefills, waiting if shares is None else shares.order(waiting),
-                           budget, budget < self.max_batched_tokens, preemptions_before, scheduled,
-                           victim_key, add_spec)
+                           budget, step.has_decodes, preemptions_before, scheduled, victim_key, add_spec)
         step.num_preempted = self.num_preemptions - preemptions_before
         if not step.empty:   # an empty step is not sent: what workers must drop waits for the next
             step.finished_seq_ids, self._forget = self._forget, []

@@ -43,6 +43,7 @@ class ScheduledStep:
     # host KV tier copies, run before the step's other copies and its forward, out first
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (host, device)
+    has_decodes: bool = False   # some sequence computes its next token (not only prompt chunks)
 
     @property
     def speculative(self) -> bool:

@@ -23,7 +23,7 @@ import grpc
 import structlog
 from opentelemetry import trace
 
-from common import tracing
+from common import stage_times, tracing
 from controlplane.request_path import queue_full
 from controlplane.request import Request, Sequence, Status
 from controlplane.service import model_info
@@ -100,7 +100,10 @@ class FrontendLink:
             return
         deltas, done = self._pending.deltas, []
         handles, indexes, counts, tokens = self._columns
+        stages = stage_times.STAGES
         for req in dirty:
+            if stages is not None and req.sequences[0].delivered == 0:   # its first tokens
+                stages.stamp(req.request_id, "core_flushed")
             if req.failure is not None:
                 self.fail(req.handle, req.failure.code, req.failure.message)
                 done.append(req)
