@@ -17,7 +17,7 @@ BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_
            "random_checkpoint", "w4_bench", "quant_kernels", "quantize_checkpoint",
            "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream",
            "draft_acceptance", "chunking_sim"]
-SUPPORT = ["serving_http"]   # modules the benchmarks import, not run on their own
+SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token"]   # imported, not run
 
 
 @pytest.mark.parametrize("name", BENCHES)
@@ -87,3 +87,58 @@ def test_w5_runs_on_a_cpu_with_tiny_sizes_in_every_mode():
     assert never["hit_rate_host"] == 0 and never["host_hits_recomputed"] > 0 and never["blocks_in"] == 0
     assert on["load_us_per_token"] > 0 and off["load_us_per_token"] == 0
     assert "TTFT p50" in out.stdout and "same tokens in every mode: yes" in out.stdout
+
+
+def test_client_pool_streams_from_processes_and_reports_their_cpu():
+    """bench.client_pool: requests split over client processes, every token counted, each
+    process's CPU use reported."""
+    from bench import client_pool
+    from dataplane.default_model import default_model_dir
+    from tests.harness import Planes
+
+    planes = Planes(default_model_dir())
+    try:
+        items = [(0.05 * i, [5, 9, 13 + i], 6, 0.0, 0) for i in range(5)] + [(0.0, [7, 8], 4, 0.0, 100000)]
+        results, usage, t0 = client_pool.run(planes.address, items, processes=2, channels=2, lead_s=2.0)
+    finally:
+        planes.close()
+    assert sorted(r["tokens"] for r in results) == [4] + [6] * 5 and all(r["ok"] for r in results)
+    assert all(r["end"] > t0 and r["ttft"] <= r["e2e"] for r in results)
+    assert sorted(len(r["itls"]) for r in results) == [0] + [5] * 5   # one message: no gaps
+    assert usage["client_processes"] == 2 and 0 < usage["client_cpu_mean"] <= usage["client_cpu_max"]
+    assert usage["client_limited"] == (usage["client_cpu_max"] >= client_pool.BUSY)
+
+
+def test_dataplane_metrics_by_step_kind_and_the_idle_share():
+    from bench.dataplane_metrics import delta, parse
+
+    def page(scale):
+        return "\n".join([
+            "# TYPE headrace:dataplane_step_execute_seconds histogram",
+            f'headrace:dataplane_step_execute_seconds_sum{{kind="decode"}} {0.5 * scale}',
+            f'headrace:dataplane_step_execute_seconds_count{{kind="decode"}} {100 * scale}',
+            f'headrace:dataplane_step_execute_seconds_sum{{kind="mixed"}} {0.2 * scale}',
+            f'headrace:dataplane_step_execute_seconds_count{{kind="mixed"}} {10 * scale}',
+            "# TYPE headrace:dataplane_step_device_seconds histogram",
+            f'headrace:dataplane_step_device_seconds_sum{{kind="decode"}} {0.3 * scale}',
+            f'headrace:dataplane_step_device_seconds_count{{kind="decode"}} {100 * scale}',
+            f'headrace:dataplane_step_device_seconds_sum{{kind="mixed"}} {0.1 * scale}',
+            f'headrace:dataplane_step_device_seconds_count{{kind="mixed"}} {10 * scale}',
+            "# TYPE headrace:dataplane_device_idle_seconds counter",
+            f'headrace:dataplane_device_idle_seconds_total{{kind="decode"}} {0.05 * scale}',
+            f'headrace:dataplane_device_idle_seconds_total{{kind="mixed"}} {0.05 * scale}', ""])
+
+    d = delta(parse(page(1)), parse(page(3)))
+    assert d["steps_by_kind"] == {"decode": {"steps": 200, "execute_ms": 5.0, "device_ms": 3.0},
+                                  "mixed": {"steps": 20, "execute_ms": 20.0, "device_ms": 10.0}}
+    assert d["device_busy_s"] == 0.8 and d["device_idle_s"] == 0.2 and d["device_idle_share"] == 0.2
+
+
+def test_w4_closes_in_on_the_highest_rate_that_meets_the_slo():
+    from bench.w4_bench import next_rate
+
+    rows = lambda *pairs: [{"rate": r, "meets_slo": ok} for r, ok in pairs]  # noqa: E731
+    assert next_rate(rows((60, True), (100, False), (140, False))) == 80.0
+    assert next_rate(rows((60, True), (100, True))) == 125.0
+    assert next_rate(rows((60, False), (100, False))) == 30.0
+    assert next_rate(rows((60, True), (64, False))) is None
