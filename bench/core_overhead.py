@@ -264,6 +264,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--profile", default=None, help="a directory: cProfile the core and front end 0")
+    ap.add_argument("--label", default="", help="a name for this run in its JSON line (bench.gpu_table)")
     ap.add_argument("--no-stages", action="store_true",
                     help="no first-token stage stamps (common.stage_times) in the processes")
     args = ap.parse_args()
@@ -276,7 +277,8 @@ def main() -> None:
             result = asyncio.run(measure(args, planes))
         finally:
             planes.stop()
-    result.update(dataplane=args.dataplane, layout=args.layout, frontends=args.frontends, pipeline_depth=args.pipeline_depth)
+    result.update(dataplane=args.dataplane, layout=args.layout, frontends=args.frontends,
+                  pipeline_depth=args.pipeline_depth, workload="core_overhead", label=args.label)
     if args.profile:
         result["stages_us_per_token"] = stages(args.profile, result["load_tokens"] + 32 * args.ttft_repeats)
     print(json.dumps(result))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout's root on the H200): GPU correctness, then the serving
 # workloads through the gRPC planes and in one process (bench/README.md). Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 w3tp w4 w5 w5w1 w5l hf spy kern ragged tp spec specdraft
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5l hf spy kern ragged tp spec specdraft
 #   (default: tests w2 w1 w1o w3); TP_WATCH_S: seconds the tp section waits before dumping stacks
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # ragged: decode attention on W1's ragged batches, by KV split count and program start order.
@@ -20,8 +20,17 @@
 #     when unused); ~3 minutes.
 # w5l: W5 on Llama-3.1-8B (random weights), tier off and auto: recompute is ~6x dearer than
 #     the copy there, so auto must load (its estimates are in the JSON lines); ~6 minutes.
-# w4: serving under load (Poisson, lognormal lengths, streamed) for N = 1, 2, 4 API front ends
-#     (w4.json, and w4.png when matplotlib is installed, in $OUT); ~4-5 minutes.
+# w4: serving under load (Poisson, lognormal lengths, streamed from 4 client processes) with
+#     serve's default front-end count (4 on 16 cores) at 60/100/140/180 req/s plus one bisection
+#     run towards the highest rate at the SLO, then N = 1 at 140 (N=4 / N=1 in the table); step
+#     time by kind and the device idle share per rate (w4.json, w4.png in $OUT); ~3 minutes.
+# w1s: W1 with every token streamed, from 8 client processes (their CPU use says whether the
+#     client was the limit); with w1o, W1 offline in the same call; ~1 minute for both.
+# ttft: W2's first token (issue 31): W2 through gRPC with the first-token stages stamped by the
+#     server's processes (common/stage_times.py; the decomposition is in the JSON line and the
+#     table), W2 with --pipeline-depth 2 and --no-overlap beside it (is the first token held
+#     back by the pipeline?), and core_overhead over the real GPU data plane with one front end;
+#     ~2 minutes. `bash bench/gpu_run.sh ttft w4 w1o w1s`: issue 31's call, ~6-7 minutes.
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/protos:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -51,7 +60,7 @@ if has tp; then   # NCCL tensor parallelism on every GPU the machine has (2 or 4
   wait $tp_pid; tail -15 "$OUT/tp-pytest.txt"
   tail -n 8 "$OUT"/tp-logs/*/rank-*.log 2>/dev/null | cut -c1-300
 fi
-if has w1 || has w1o || has w2 || has w4 || has w5 || has w5w1 || has hf || has spy || has kern || has spec; then
+if has w1 || has w1o || has w1s || has w2 || has ttft || has w4 || has w5 || has w5w1 || has hf || has spy || has kern || has spec; then
   log ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda
 fi
 for w in w2 w1; do
@@ -63,6 +72,25 @@ if has w1o; then
   log "w1 grpc, one message per request"
   timeout 150 python3 -m bench.serving_bench --model /tmp/qwen3 --workload w1 --stream-interval 100000 \
     | tee -a "$OUT/results.jsonl"
+fi
+if has w1s; then
+  log "w1 grpc, every token streamed to 8 client processes"
+  timeout 150 python3 -m bench.serving_bench --model /tmp/qwen3 --workload w1 --clients 8 --label streamed \
+    | tee -a "$OUT/results.jsonl"
+fi
+if has ttft; then
+  log "ttft: w2 grpc with the first token's stages (pipeline depth 3, the default)"
+  timeout 150 python3 -m bench.serving_bench --model /tmp/qwen3 --workload w2 --repeats 10 \
+    --stages "$OUT/stages-w2" --label depth3 | tee -a "$OUT/results.jsonl"
+  for variant in "--pipeline-depth 2:depth2" "--no-overlap:depth1"; do
+    log "ttft: w2 grpc with ${variant%%:*}"
+    timeout 120 python3 -m bench.serving_bench --model /tmp/qwen3 --workload w2 --repeats 10 --label "${variant#*:}" \
+      --serve-args "--device cuda --max-running 256 --max-batched-tokens 16384 ${variant%%:*}" | tee -a "$OUT/results.jsonl"
+  done
+  log "ttft: core_overhead over the real data plane on the GPU (one front end, stages)"
+  timeout 150 python3 -m bench.core_overhead --dataplane real --device cuda --model /tmp/qwen3 --ttft-repeats 30 \
+    --concurrency 64 --output-tokens 32 --label gpu 2>"$OUT/core-overhead.err" | tee -a "$OUT/results.jsonl"
+  tail -16 "$OUT/core-overhead.err"
 fi
 if has kern; then
   log "kernel windows"
@@ -101,9 +129,12 @@ if has specdraft; then
   done
 fi
 if has w4; then
-  log "w4 under load, N = 1, 2, 4 front ends"
-  timeout 420 python3 -m bench.w4_bench --model /tmp/qwen3 --api-server-counts 1,2,4 --rates 100,140,180 \
-    --duration 8 --clients 4 --out-dir "$OUT" | tee -a "$OUT/results.jsonl"
+  log "w4 under load, serve's default front-end count: 60..180 req/s, one bisection run"
+  timeout 300 python3 -m bench.w4_bench --model /tmp/qwen3 --api-server-counts 0 --rates 60,100,140,180 \
+    --search 1 --duration 8 --clients 4 --out-dir "$OUT" | tee -a "$OUT/results.jsonl"
+  log "w4 with one front end at 140 req/s"
+  timeout 150 python3 -m bench.w4_bench --model /tmp/qwen3 --api-server-counts 1 --rates 140 --duration 8 \
+    --clients 4 | tee -a "$OUT/results.jsonl"
 fi
 if has w5; then
   log "host KV tier on the GPU: copy engine (side stream) and outputs equal with it on and off"
@@ -136,3 +167,4 @@ if has w5l; then   # last: the 8B checkpoint takes /tmp/qwen3's place on disk (a
     --conversations 64 --modes off,auto | tee -a "$OUT/results.jsonl"
 fi
 log done; cat "$OUT/results.jsonl" 2>/dev/null
+[ -f "$OUT/results.jsonl" ] && python3 -m bench.gpu_table "$OUT/results.jsonl"

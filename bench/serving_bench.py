@@ -156,7 +156,8 @@ async def main_async(args) -> dict:
             out = await latency(stub, args.repeats, args.stages)
         if args.api == "http":
             await stub.close()
-        out.update(workload=args.workload, seconds_to_ready=round(ready, 1), api=args.api)
+        out.update(workload=args.workload, seconds_to_ready=round(ready, 1), api=args.api,
+                   label=args.label)
         return out
 
 
@@ -187,6 +188,7 @@ def main() -> None:
                          "adds the decomposition")
     ap.add_argument("--dataplane-metrics", default="http://127.0.0.1:9401/metrics",
                     help="w1/w3: the data plane's /metrics (steps by kind, device idle)")
+    ap.add_argument("--label", default="", help="a name for this run in its JSON line (bench.gpu_table)")
     ap.add_argument("--py-spy", default=None, help="w1/w3: write py-spy raw stacks of the server here")
     ap.add_argument("--py-spy-seconds", type=float, default=8)
     args = ap.parse_args()

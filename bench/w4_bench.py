@@ -91,9 +91,10 @@ def run_rate(address: str, rate: float, args) -> dict:
 
 
 def start_server(args, count: int):
+    """``headrace serve`` with ``count`` API front ends (0: its default for this machine)."""
     cmd = [sys.executable, "-m", "cli", "serve", "--model", args.model, "--host", "127.0.0.1",
-           "--port", str(args.port), "--http-port", "0", "--api-server-count", str(count),
-           *args.serve_args.split()]
+           "--port", str(args.port), "--http-port", "0",
+           *(["--api-server-count", str(count)] if count else []), *args.serve_args.split()]
     return subprocess.Popen(cmd, env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"), start_new_session=True)
 
 
@@ -173,7 +174,8 @@ def main() -> None:
     ap.add_argument("--address", default=None, help="use a running server (one N) instead of starting one")
     ap.add_argument("--port", type=int, default=50161)
     ap.add_argument("--serve-args", default="--device cuda --max-running 256 --max-batched-tokens 8192")
-    ap.add_argument("--api-server-counts", default="1", help="comma-separated N to sweep (e.g. 1,2,4)")
+    ap.add_argument("--api-server-counts", default="1",
+                    help="comma-separated N to sweep (e.g. 1,2,4; 0: serve's default for this machine)")
     ap.add_argument("--rates", default="40,80,120,160", help="comma-separated request rates (req/s)")
     ap.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per rate")
     ap.add_argument("--clients", type=int, default=4, help="client processes (bench.client_pool)")
@@ -189,7 +191,9 @@ def main() -> None:
     ap.add_argument("--out-dir", default=None, help="write w4.json (and w4.png) here")
     args = ap.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
-    counts = [int(c) for c in args.api_server_counts.split(",")]
+    from cli.processes import default_api_server_count
+
+    counts = [int(c) or default_api_server_count() for c in args.api_server_counts.split(",")]
     runs = {}
     for count in counts:
         server = None

@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_reference",
            "random_checkpoint", "w4_bench", "quant_kernels", "quantize_checkpoint",
            "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream",
-           "draft_acceptance", "chunking_sim"]
+           "draft_acceptance", "chunking_sim", "gpu_table"]
 SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token"]   # imported, not run
 
 
@@ -47,7 +47,7 @@ def test_gpu_run_script_is_valid_and_runs_benches_as_modules():
     assert {"serving_bench", "inprocess_bench", "random_checkpoint", "kernels"} <= modules <= set(BENCHES)
     assert not re.search(r"python3? (-P )?bench/", script)      # no script paths: no sys.path games
     assert "pkill" not in script and "killall" not in script and "pgrep -f" not in script
-    for section in ("tests", "w1", "w1o", "w2", "w3", "tp"):
+    for section in ("tests", "w1", "w1o", "w1s", "ttft", "w2", "w3", "w4", "tp"):
         assert f"has {section}" in script, section
 
 
@@ -142,3 +142,35 @@ def test_w4_closes_in_on_the_highest_rate_that_meets_the_slo():
     assert next_rate(rows((60, True), (100, True))) == 125.0
     assert next_rate(rows((60, False), (100, False))) == 30.0
     assert next_rate(rows((60, True), (64, False))) is None
+
+
+def test_gpu_table_puts_each_target_beside_its_baseline(tmp_path):
+    import json
+
+    from bench.first_token import STAGES
+    from bench.gpu_table import main
+
+    stages = {k: 1.0 for k in STAGES} | {"sum": 12.0, "ttft": 12.5, "requests": 10}
+    rate = lambda r, served: {"rate": r, "request_per_s": served, "ttft_ms_p50": 40, "ttft_ms_p99": 150,  # noqa: E731
+                              "itl_ms_p50": 9, "itl_ms_p99": 30, "meets_slo": True, "client_cpu_max": 0.4,
+                              "device_idle_share": 0.1,
+                              "steps_by_kind": {"mixed": {"steps": 9, "execute_ms": 11.0, "device_ms": 8.0}}}
+    lines = [{"workload": "w2", "label": "depth3", "ttft_ms_p50": 12.5, "itl_ms_p50": 1.3, "itl_ms_p99": 2.0,
+              "first_token_ms": stages},
+             {"workload": "w1", "api": "grpc", "stream_interval": 100000, "output_tok_per_s": 26000},
+             {"workload": "w1", "api": "grpc", "stream_interval": 0, "output_tok_per_s": 25000,
+              "client_processes": 8, "client_cpu_max": 0.5, "client_limited": False},
+             {"workload": "w4", "api_server_count": 4, "max_rate_at_slo": 140, "rates": [rate(140, 139.0)]},
+             {"workload": "w4", "api_server_count": 1, "max_rate_at_slo": 100, "rates": [rate(140, 80.0)]}]
+    path = tmp_path / "results.jsonl"
+    path.write_text("== a log line\n" + "\n".join(json.dumps(x) for x in lines) + "\n")
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main([str(path)])
+    text = out.getvalue()
+    assert "TTFT p50 12.5 ms" in text and "sum 12.00 / TTFT 12.50 ms" in text
+    assert "25000 / 26000 tok/s = 96.2%" in text
+    assert "highest rate at the SLO: 140 req/s" in text and "1.74x" in text and "mixed:11.0/8.0" in text
