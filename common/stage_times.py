@@ -23,13 +23,16 @@ ENV = "HEADRACE_STAGE_TIMES"
 
 class StageLog:
     def __init__(self, directory: str):
-        os.makedirs(directory, exist_ok=True)
-        self.path = os.path.join(directory, f"stages-{os.getpid()}.tsv")
-        self._file = open(self.path, "a", buffering=1, encoding="utf-8")   # noqa: SIM115
+        self.directory = directory
+        self._file = None   # opened by the first stamp (a process that stamps nothing writes nothing)
 
     def stamp(self, key: str, stage: str, at: float | None = None, **values) -> None:
         """``key`` reached ``stage`` now (or at ``at``, a ``time.monotonic()`` instant)."""
         t = time.monotonic() if at is None else at
+        if self._file is None:
+            os.makedirs(self.directory, exist_ok=True)
+            path = os.path.join(self.directory, f"stages-{os.getpid()}.tsv")
+            self._file = open(path, "a", buffering=1, encoding="utf-8")   # noqa: SIM115
         self._file.write(f"{t:.6f}\t{key}\t{stage}\t{json.dumps(values) if values else ''}\n")
 
 
