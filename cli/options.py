@@ -157,18 +157,20 @@ def add_api_args(p: argparse.ArgumentParser) -> None:
 
 
 def plane_options(args) -> dict:
-    """ControlPlane keyword options from the command line."""
-    from common import security
+    """ControlPlane keyword options from the command line (secrets: its flags, else the
+    environment, ``common.secret_env``)."""
+    from common import secret_env, security
 
+    secret_env.resolve(args)
     return dict(metrics_port=args.metrics_port or None, metrics_host=args.metrics_host or args.host,
-                admin_token=args.admin_token or os.environ.get("HEADRACE_ADMIN_TOKEN") or None,
+                admin_token=args.admin_token,
                 log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
-                api_token=security.ApiTokens.load(args.api_token, args.api_tokens_file),
+                api_token=security.ApiTokens(args.api_token or ()),
                 trust_tenant_header=args.trust_tenant_header, max_n=args.max_n,
                 tls=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
                 worker_credentials=security.channel_credentials(args.worker_ca, args.worker_cert,
                                                                 args.worker_key),
-                worker_secret=args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or None,
+                worker_secret=args.worker_secret,
                 http_port=args.http_port or None, chat_template=args.chat_template,
                 generation_config=args.generation_config,
                 http_tls=(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None)
@@ -177,9 +179,10 @@ def plane_options(args) -> dict:
 def core_link_options(args, side: str) -> dict:
     """The link's security for the engine core (``side="core"``: TLS server credentials) or a
     front end (``"frontend"``: the CA to verify the core with), and the shared secret."""
-    from common import security
+    from common import secret_env, security
 
-    secret = args.core_secret or os.environ.get("HEADRACE_CORE_SECRET") or None
+    secret_env.resolve(args)
+    secret = args.core_secret
     if side == "core":
         return dict(core_secret=secret,
                     core_tls=security.server_credentials(args.core_tls_cert, args.core_tls_key))

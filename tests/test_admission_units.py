@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from cli.main import CONTROL_PLANE_SECRETS, build_parser, child_env
+from cli.main import build_parser, dataplane_env
+from common import secret_env
 from cli.options import plane_options
 from common.security import DEFAULT_TENANT, ApiTokens
 from controlplane import limits
@@ -66,9 +67,12 @@ def test_bounds_follow_the_model(tmp_path):
 
 
 def test_a_data_plane_child_gets_no_control_plane_secret():
-    env = child_env({"PATH": "/bin", "HEADRACE_API_TOKEN": "a", "HEADRACE_API_TOKENS": "t=b",
-                     "HEADRACE_ADMIN_TOKEN": "c", "HEADRACE_MODEL": "/m"}, "worker-secret")
-    assert not set(CONTROL_PLANE_SECRETS) & set(env)
+    environ = {"PATH": "/bin", "HEADRACE_API_TOKEN": "a", "HEADRACE_API_TOKENS": "t=b",
+               "HEADRACE_ADMIN_TOKEN": "c", "HEADRACE_CORE_SECRET": "d", "HEADRACE_MODEL": "/m"}
+    args = build_parser().parse_args(["serve", "--worker-secret", "worker-secret"])
+    secret_env.resolve(args, environ)
+    env = dataplane_env(args, environ)
+    assert set(secret_env.SECRET_VARS) & set(env) == {"HEADRACE_WORKER_SECRET"}
     assert env["HEADRACE_WORKER_SECRET"] == "worker-secret" and env["PATH"] == "/bin"
     assert env["HEADRACE_MODEL"] == "/m"
 
