@@ -10,7 +10,7 @@ import re
 
 from common.logs import LOG_FORMATS
 from controlplane.engine import EngineConfig
-from controlplane.limits import DEFAULT_MAX_N, QUEUE_PER_SLOT
+from controlplane.limits import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS, QUEUE_PER_SLOT
 from controlplane.policy import POLICIES, Policy
 
 
@@ -78,7 +78,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no fair share of running slots and KV blocks between tenants "
                         "(docs/scheduling.md)")
     p.add_argument("--max-n", type=positive_int, default=DEFAULT_MAX_N,
-                   help=f"parallel samples (n) a request may ask for at most (default {DEFAULT_MAX_N})")
+                   help="sequences a request may ask for at most: its parallel samples (n) times "
+                        f"its prompts (default {DEFAULT_MAX_N})")
+    p.add_argument("--max-prompts-per-request", type=positive_int, default=DEFAULT_MAX_PROMPTS,
+                   help="prompts one HTTP completions body may list at most (more: HTTP 400; "
+                        f"default {DEFAULT_MAX_PROMPTS})")
 
 
 def add_tls_args(p: argparse.ArgumentParser) -> None:
@@ -167,6 +171,7 @@ def plane_options(args) -> dict:
                 log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
                 api_token=security.ApiTokens(args.api_token or ()),
                 trust_tenant_header=args.trust_tenant_header, max_n=args.max_n,
+                max_prompts=args.max_prompts_per_request,
                 tls=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
                 worker_credentials=security.channel_credentials(args.worker_ca, args.worker_cert,
                                                                 args.worker_key),

@@ -54,7 +54,7 @@ def cmd_frontend(args) -> int:
 
     opts = plane_options(args)
     keys = ("api_token", "tls", "admin_token", "http_port", "http_tls", "chat_template",
-            "generation_config", "log_prompts", "trust_tenant_header", "max_n")
+            "generation_config", "log_prompts", "trust_tenant_header", "max_n", "max_prompts")
     return _run_role(lambda: FrontEnd(args.index, args.core_address, args.model or default_model(),
                                       f"{args.host}:{args.port}", max_model_len=getattr(args, "max_model_len", None),
                                       **{k: opts[k] for k in keys},

@@ -114,7 +114,7 @@ class AdminService(apb_grpc.AdminServicer):
                 msg.host_load_seconds_per_token = cost.load_s_per_token or 0.0
                 msg.recompute_seconds_per_token = cost.recompute_s_per_token or 0.0
                 msg.host_hits_recomputed_tokens = cost.skipped_tokens
-            msg.running, msg.waiting = len(sched.running), len(sched.waiting)
+            msg.running, msg.waiting = len(sched.running), sched.num_queued
         else:
             msg.max_running, msg.max_batched_tokens = cfg.max_running, cfg.max_batched_tokens
         msg.worker_max_running, msg.worker_max_batched_tokens = self._worker_limits()

@@ -86,14 +86,16 @@ class ControlPlane:
     (``self.metrics_port`` / ``self.http.port`` tell which); ``metrics_host`` defaults to the
     API's host. ``admin_token``: see ``controlplane.admin``. ``api_token``: a token, a list of
     ``[TENANT=]TOKEN`` entries or ``security.ApiTokens``; ``trust_tenant_header``: take the
-    tenant from ``x-headrace-tenant`` (a gateway in front sets it); ``max_n``: the cap on n."""
+    tenant from ``x-headrace-tenant`` (a gateway in front sets it); ``max_n``: the cap on the
+    sequences of a request (n x prompts); ``max_prompts``: on the prompts of an HTTP body."""
 
     def __init__(self, model_dir: str, worker_addresses: list[str], address: str,
                  config: EngineConfig | None = None, *, metrics_port: int | None = None,
                  metrics_host: str | None = None, admin_token: str | None = None,
                  log_requests: bool = True, log_prompts: bool = False,
                  api_token=None, trust_tenant_header: bool = False,
-                 max_n: int = limits.DEFAULT_MAX_N, tls: grpc.ServerCredentials | None = None,
+                 max_n: int = limits.DEFAULT_MAX_N, max_prompts: int = limits.DEFAULT_MAX_PROMPTS,
+                 tls: grpc.ServerCredentials | None = None,
                  worker_credentials: grpc.ChannelCredentials | None = None,
                  worker_secret: str | None = None, http_port: int | None = None,
                  chat_template: str | None = None, generation_config: str = "auto",
@@ -104,7 +106,8 @@ class ControlPlane:
                                 worker_secret=worker_secret, chat_template=chat_template,
                                 generation_config=generation_config,
                                 tokens=security.as_tokens(api_token),
-                                trust_tenant_header=trust_tenant_header, max_n=max_n)
+                                trust_tenant_header=trust_tenant_header, max_n=max_n,
+                                max_prompts=max_prompts)
         self.metrics, self.workers, self.engine = self.core.metrics, self.core.workers, self.core.engine
         self.requests = self.core.requests
         self.tls, self.api_token = tls, api_token

@@ -40,7 +40,7 @@ class EnginePlane:
         self.engine = Engine(self.workers, config or EngineConfig(),
                              EngineTelemetry(self.metrics, log_requests=log_requests))
         self.engine.on_health_change = self.changed
-        # ``request_options``: RequestPath's tenant tokens, trust_tenant_header and max_n
+        # ``request_options``: RequestPath's tenant tokens, trust_tenant_header, max_n, max_prompts
         self.requests = RequestPath(self.engine, model_dir, self.tokenizer, chat_template=chat_template,
                                     generation_config=generation_config, log_prompts=log_prompts,
                                     **request_options)

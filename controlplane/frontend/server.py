@@ -49,6 +49,7 @@ class FrontEnd:
                  http_tls: tuple | None = None, chat_template: str | None = None,
                  generation_config: str = "auto", log_prompts: bool = False, reuse_port: bool = True,
                  trust_tenant_header: bool = False, max_n: int = limits.DEFAULT_MAX_N,
+                 max_prompts: int = limits.DEFAULT_MAX_PROMPTS,
                  max_model_len: int | None = None,
                  core_credentials: grpc.ChannelCredentials | None = None,
                  core_secret: str | None = None):
@@ -64,7 +65,8 @@ class FrontEnd:
         self.requests = RequestPath(self.client, model_dir, tokenizer,
                                     chat_template=chat_template, generation_config=generation_config,
                                     log_prompts=log_prompts, tokens=tokens,
-                                    trust_tenant_header=trust_tenant_header, max_n=max_n)
+                                    trust_tenant_header=trust_tenant_header, max_n=max_n,
+                                    max_prompts=max_prompts)
         self.max_message_bytes, max_body = request_limits(model_dir, tokenizer, max_model_len)
         self.inference = FrontEndInference(self.requests)
         self.admin_channel = core_link.channel(core_address, core_credentials)
