@@ -70,7 +70,7 @@ def serve_children_argvs(args, listens: list[str]) -> list[list[str]]:
         if world > 1 and opts.device.startswith("cuda"):
             rank_opts = dataclasses.replace(opts, device=f"cuda:{rank}")
         argvs.append(dataplane_argv(rank_opts, ParallelOptions(rank, world, dist_init), listen,
-                                    metrics + rank if metrics else 0, args.log_format, args.host))
+                                    metrics + rank if metrics else 0, args.log_format, args.metrics_host))
     return argvs
 
 
@@ -249,11 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:50061",
                    help="host:port or unix:/path to serve the step protocol on")
     add_ops_args(p, 9401, control=False)
-    p.add_argument("--metrics-host", default=None,
-                   help="interface of /metrics (default: the --listen host; 127.0.0.1 for a unix socket)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="interface of /metrics (no authentication): 127.0.0.1 whatever --listen "
+                        "is; 0.0.0.0 for a Prometheus on another machine")
     add_tls_args(p)
     p.add_argument("--secret", default=None,
-                   help="serve only callers presenting this shared secret (default $HEADRACE_WORKER_SECRET)")
+                   help="serve only callers presenting this shared secret (default "
+                        "$HEADRACE_WORKER_SECRET; prefer it: a flag is visible in ps until the "
+                        "process starts)")
     p.set_defaults(func=cmd_dataplane)
 
     add_generate_parser(command("generate", "stream a completion from a running server"))

@@ -77,11 +77,11 @@ def test_a_data_plane_child_gets_no_control_plane_secret():
     assert env["HEADRACE_MODEL"] == "/m"
 
 
-def test_metrics_bind_where_the_api_binds_unless_told(monkeypatch):
+def test_metrics_bind_loopback_unless_told(monkeypatch):
     for name in ("HEADRACE_API_TOKEN", "HEADRACE_API_TOKENS", "HEADRACE_ADMIN_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     args = build_parser().parse_args(["controlplane", "--workers", "x:1", "--host", "10.1.2.3"])
-    assert plane_options(args)["metrics_host"] == "10.1.2.3"   # where the API binds
+    assert plane_options(args)["metrics_host"] == "127.0.0.1"   # not where the API binds
     args = build_parser().parse_args(["controlplane", "--workers", "x:1", "--metrics-host", "0.0.0.0",
                                       "--api-token", "alpha=a", "--api-token", "beta=b", "--max-n", "4"])
     opts = plane_options(args)
@@ -89,9 +89,10 @@ def test_metrics_bind_where_the_api_binds_unless_told(monkeypatch):
     assert opts["max_n"] == 4
 
 
-def test_admin_is_disabled_beyond_loopback_without_a_token():
+def test_admin_is_disabled_without_a_token_unless_opted_in_on_loopback():
     for address in ("127.0.0.1:1", "[::1]:1", "localhost:1", "unix:/tmp/x", "127.0.0.2:1"):
-        assert is_loopback_address(address) and admin_access(address, None)
+        assert is_loopback_address(address) and admin_access(address, None, insecure_loopback=True)
+        assert not admin_access(address, None) and admin_access(address, "tok")
     for address in ("0.0.0.0:1", "[::]:1", "10.0.0.1:1", "myhost:1"):
         assert not is_loopback_address(address)
-        assert not admin_access(address, None) and admin_access(address, "tok")
+        assert not admin_access(address, None, insecure_loopback=True) and admin_access(address, "tok")

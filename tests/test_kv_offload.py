@@ -88,7 +88,8 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy
     finally:
         ref.close()
     planes = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD,
-                    config=EngineConfig(kv_offloading_policy=policy.split(",")[0]))
+                    config=EngineConfig(kv_offloading_policy=policy.split(",")[0]),
+                    plane_options={"admin_insecure_loopback": True})
     try:
         assert planes.stub.GetModelInfo(pb.GetModelInfoRequest()).num_host_kv_blocks > 0
         first, cached = _gen(planes, prompt, 4)
