@@ -108,8 +108,9 @@ class RequestPath:
         """The most tokens a prompt may have (one output token must fit)."""
         return max(self.engine.max_model_len - 1, 0)
 
-    def _too_long(self, name: str, exc: TooLong) -> str:
-        return (f"{name} has more than {self.prompt_limit} tokens (at least {exc.at_least}); "
+    def _too_long(self, name: str, exc: TooLong, limit: int | None = None) -> str:
+        limit = self.prompt_limit if limit is None else limit
+        return (f"{name} has more than {limit} tokens (at least {exc.at_least}); "
                 f"max_model_len is {self.engine.max_model_len} (counted without tokenizing all of it)")
 
     def tenant_of(self, metadata: Iterable[tuple[str, str]]) -> str:
@@ -150,7 +151,7 @@ class RequestPath:
         except ValidationError as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except TooLong as exc:
-            message = self._too_long("text", exc).replace("prompt", "text")
+            message = self._too_long("text", exc, self.engine.max_model_len)
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, message) from None
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int] | None:

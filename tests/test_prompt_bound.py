@@ -120,6 +120,9 @@ def test_a_prompt_that_can_never_fit_is_refused_quickly_and_small(long_context):
     took, grew, r = _peak_growth(lambda: httpx.post(url, json={"prompt": prompt, "max_tokens": 1}, timeout=60))
     assert r.status_code == 400 and "max_model_len" in r.json()["error"]["message"]
     assert took < 10 and grew < 300 << 20, (took, grew >> 20)
+    took, grew, result = _peak_growth(lambda: planes.stub.Tokenize(pb.TokenizeRequest(text=prompt), timeout=60))
+    assert isinstance(result, grpc.RpcError) and result.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "text has more than 131072 tokens" in result.details() and took < 10 and grew < 300 << 20
     # a prompt that fits is still served
     out = planes.generate(prompt="It is a truth " * 100, max_tokens=2, ignore_eos=True)
     assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH

@@ -10,12 +10,10 @@ message: column by column for samples that run on (no message per sample and ste
 front end that reads slowly gets fewer, larger messages and the engine never waits on it.
 When a stream ends (front end gone), every request it submitted is aborted: blocks freed.
 
-The core owns the queue, so it decides the queue bound: a submission of n samples is refused
-RESOURCE_EXHAUSTED when n more would pass ``--max-queued`` (submissions are taken one by one, so
-several arriving together cannot jointly pass it). Each front end keeps a cheap early check
-against the queue length the core pushes in ``Down.num_waiting`` whenever it changes (after a
-batch of submissions or aborts, after a step's wake-ups, and at least every
-``QUEUE_PUSH_S``), never only when tokens happen to flow.
+The core owns the queue and decides its bound: a submission of n samples is refused when n
+more would pass ``--max-queued`` (taken one by one: several together cannot jointly pass it).
+The front ends' early check reads ``Down.num_waiting``, pushed whenever the queue changes
+(after submissions or aborts, a step's wake-ups, at least every ``QUEUE_PUSH_S``).
 """
 
 from __future__ import annotations
