@@ -9,8 +9,9 @@ text, from the vocabulary) bounds how much text a prompt of a given length can b
 ``encode_within`` never tokenizes much more than what can be served: a text longer (in UTF-8
 bytes) than its token limit is first counted piece by piece (``PIECE_CHARS`` characters, cut
 at whitespace where there is some), and refused (``TooLong``) as soon as the count, less
-``CUT_SLACK`` tokens for each cut, passes the limit; a text that may fit is then encoded whole
-(exact). Time and memory stay proportional to the limit, not to the text."""
+``CUT_SLACK`` tokens for each cut, plus the fewest tokens the rest can be (its bytes over
+``max_token_bytes``), passes the limit; a text that may fit is then encoded whole (exact).
+Time and memory stay proportional to the limit, not to the text."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import pathlib
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+from controlplane.limits import TEXT_MARGIN
 
 # Prompt tokens given to a new decode stream so the first output token decodes in context
 # (leading-space handling of SentencePiece-style decoders).
@@ -87,15 +90,21 @@ class ModelTokenizer:
 
     def count_beyond(self, text: str, limit: int) -> int | None:
         """A lower bound on ``text``'s tokens once it is certainly more than ``limit``, found
-        without tokenizing much more than ``limit`` tokens' worth of it; None when it may fit."""
-        if len(text.encode("utf-8", "surrogatepass")) + 8 <= limit:   # a token has a byte at least
+        without tokenizing much more than ``limit`` tokens' worth of it; None when it may fit.
+        The bound is the pieces counted so far, less ``CUT_SLACK`` a cut, plus what the rest
+        must hold at least: its bytes over the longest token's (with the normaliser's margin)."""
+        left = len(text.encode("utf-8", "surrogatepass"))
+        if left + 8 <= limit:   # a token has a byte at least
             return None
-        pieces, count, cuts = _pieces(text), 0, -1
+        per_token = self.max_token_bytes * TEXT_MARGIN
+        pieces, count, cuts = _pieces(text), 0, 0
         while batch := [p for _, p in zip(range(PIECES_AT_ONCE), pieces)]:
             count += sum(len(e.ids) for e in self.tokenizer.encode_batch(batch, add_special_tokens=False))
-            cuts += len(batch)
-            if count - CUT_SLACK * cuts > limit:
-                return count - CUT_SLACK * cuts
+            left -= sum(len(p.encode("utf-8", "surrogatepass")) for p in batch)
+            cuts += len(batch) - (left <= 0)
+            bound = count - CUT_SLACK * cuts + int(left / per_token)
+            if bound > limit:
+                return bound
         return None
 
     def encode_within(self, text: str, limit: int, add_special_tokens: bool = True) -> list[int]:
