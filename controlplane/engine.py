@@ -54,6 +54,7 @@ class Engine:
         self.seq_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
         self._wake = asyncio.Event()
+        workers.on_stream_end = self._wake.set   # an idle engine notices a data plane gone
         self._task: asyncio.Task | None = None
         self._outage_since: float | None = None
         self._to_wake: list[Request] = []   # requests with news, woken once the next step is sent
@@ -276,8 +277,11 @@ class Engine:
             await asyncio.sleep(0)
             return
         self._wake.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), self.scheduler.retry_after)
+        if not self.workers.broken:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.scheduler.retry_after)
+        if self.workers.broken:   # health NOT_SERVING now, not at the next request
+            raise WorkerError("data plane closed its step stream")
 
     # -- outages ------------------------------------------------------------------------------
     def _workers_lost(self, exc: WorkerError) -> None:

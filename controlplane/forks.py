@@ -23,6 +23,11 @@ class Forks:
         if children:
             self.pending[parent.seq_id] = children
 
+    @property
+    def num_pending(self) -> int:
+        """Children waiting for their parent's prompt."""
+        return sum(map(len, self.pending.values()))
+
     def orphans(self, parent: Sequence) -> list[Sequence]:
         """The children of a parent that finished: they will never fork and must wait."""
         return [c for c in self.pending.pop(parent.seq_id, []) if c.status is Status.PENDING_FORK]

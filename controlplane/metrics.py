@@ -50,7 +50,9 @@ class _EngineState:
         p = PREFIX
         running = GaugeMetricFamily(p + "num_requests_running", "Sequences in the running batch.")
         waiting = GaugeMetricFamily(p + "num_requests_waiting",
-                                    "Sequences waiting to be admitted (new or preempted).")
+                                    "Sequences waiting to be admitted (new or preempted, and "
+                                    "parallel samples waiting for their parent's prompt): what "
+                                    "--max-queued bounds.")
         usage = GaugeMetricFamily(p + "kv_cache_usage_perc",
                                   "Fraction of KV-cache blocks in use (1 = full).")
         free = GaugeMetricFamily(p + "num_free_kv_blocks",
@@ -69,7 +71,7 @@ class _EngineState:
         if sched is not None:
             blocks = sched.blocks
             running.add_metric([], len(sched.running))
-            waiting.add_metric([], len(sched.waiting))
+            waiting.add_metric([], sched.num_queued)
             usage.add_metric([], blocks.usage)
             free.add_metric([], blocks.num_free)
             total.add_metric([], blocks.num_blocks)

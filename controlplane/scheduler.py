@@ -89,6 +89,12 @@ class Scheduler:
         self.max_batched_tokens = self.max_batched_tokens if max_batched_tokens is None else max_batched_tokens
 
     @property
+    def num_queued(self) -> int:
+        """Sequences not yet admitted: waiting ones and parallel samples waiting for their
+        parent's prompt (what ``--max-queued`` bounds; a request of n samples counts n)."""
+        return len(self.waiting) + self.forks.num_pending
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

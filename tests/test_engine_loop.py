@@ -22,6 +22,8 @@ class FakeWorkers:
     """Answers every step in order like a data plane's rank 0: a sequence samples once all
     the tokens it knows are computed (the token it sampled is then known to it)."""
 
+    broken = False   # (a data plane's step stream never ends by itself here)
+
     def __init__(self, num_blocks: int = 16, block_size: int = 4, step_s: float = 0.0):
         self.info = wpb.WorkerInfo(model_name="fake", vocab_size=16, max_model_len=num_blocks * block_size,
                                    block_size=block_size, num_kv_blocks=num_blocks)

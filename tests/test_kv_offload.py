@@ -9,6 +9,7 @@ copy engine itself (block contents, bad input, its measured load rate)."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import pytest
 import torch
@@ -88,7 +89,8 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy
     finally:
         ref.close()
     planes = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD,
-                    config=EngineConfig(kv_offloading_policy=policy.split(",")[0]))
+                    config=EngineConfig(kv_offloading_policy=policy.split(",")[0]),
+                    plane_options={"admin_insecure_loopback": True})
     try:
         assert planes.stub.GetModelInfo(pb.GetModelInfoRequest()).num_host_kv_blocks > 0
         first, cached = _gen(planes, prompt, 4)
@@ -150,8 +152,10 @@ def test_a_restarted_data_plane_forgets_its_host_tier(model_dir):
         planes.worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=8, block_size=16,
                                              dtype="float32", max_num_seqs=64, **OFFLOAD))
         planes.worker_server = serve(planes.worker, planes.worker_address)
-        # the first step to the new data plane fails the old stream: the engine resets (both
-        # tiers forgotten), reconnects and computes the request again (bounded: 120 s)
+        # the old stream ended: the engine reset (both tiers forgotten) and reconnects
+        deadline = time.monotonic() + 120
+        while not planes.engine.healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
         again, cached = _gen(planes, prompt, 4)
         assert again == want and cached == 0     # admitted again without the lost host blocks
         assert planes.engine.healthy
