@@ -220,8 +220,6 @@ class Engine:
         t2 = time.perf_counter()
         if sent.traced is not None or not sent.step.empty:
             emitted = self._fold(sent.step, result)
-            if self.scheduler.tier_cost is not None:   # its recompute estimate: step times
-                self.scheduler.tier_cost.observe(sent.step, result, self.info.device != "cpu")
             self.telemetry.step_done(result, sent.traced, t2 - sent.at, time.perf_counter() - t2, emitted)
         if self.flush_woken is not None and self._to_wake and self._inflight:
             # a step still in flight keeps the device busy: the news goes out first (one loop

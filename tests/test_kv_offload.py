@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from controlplane.engine import EngineConfig
+from controlplane.tier_cost import prefill_slope
 from dataplane.input_batch import BatchError
 from dataplane.kv_offload import HostKV, host_blocks_for
 from tests.checkpoints import make_checkpoint
@@ -101,8 +102,12 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy
         assert len(hits) == 3 and on_host >= 2
         hits_before = blocks.host.hits
         rule = planes.engine.scheduler.tier_cost
+        info = planes.worker.describe()   # the worker's own measurements price both sides
+        assert list(info.prefill_profile_tokens) == [16, 32, 64, 128]   # up to the pool's 8 blocks
+        assert all(s > 0 for s in info.prefill_profile_seconds)
+        assert rule.recompute_s_per_token == pytest.approx(
+            prefill_slope(info.prefill_profile_tokens, info.prefill_profile_seconds))
         if policy == "auto, a dear copy":
-            assert rule.recompute_s_per_token > 0   # fitted from the steps so far
             rule.load_s_per_block = 1e3
         again, cached = _gen(planes, prompt, 4)
         assert again == want
@@ -111,6 +116,9 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy
         assert admin.kv_offloading_policy == policy.split(",")[0]
         assert admin.host_load_seconds_per_token == pytest.approx(rule.load_s_per_token)
         assert admin.host_load_seconds_per_token > 0
+        assert admin.recompute_seconds_per_token == pytest.approx(rule.recompute_s_per_token)
+        assert sample("headrace:kv_tier_seconds_per_token", {"action": "recompute"}) == \
+            pytest.approx(rule.recompute_s_per_token)
         skipped = sample("headrace:kv_tier_host_hits_recomputed_total")
         assert skipped == admin.host_hits_recomputed_tokens == rule.skipped_tokens
         assert sample("headrace:kv_tier_seconds_per_token", {"action": "load"}) == \
@@ -198,8 +206,9 @@ def test_a_swap_out_runs_before_the_copies_and_the_swap_in_of_its_step():
 
 
 def test_the_load_rate_is_measured_on_the_pool():
-    host = HostKV(_caches(), 4, torch.device(DEVICE))
-    rate = host.measure_load_rate()
+    caches = _caches()
+    host = HostKV(caches, 4, torch.device(DEVICE))
+    rate = host.measure_load_rate(caches)
     assert 0 < rate < float("inf")
     assert 4 * host.block_bytes / rate < 1.0   # bytes per second: four tiny blocks, well under 1 s
 
