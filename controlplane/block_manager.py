@@ -264,6 +264,11 @@ class BlockManager:
         if self.host is not None:
             self.host.drop_seq(seq_id)
 
+    @property
+    def copies_pending(self) -> bool:
+        """Host-tier copies wait for the next step to carry them."""
+        return self.host is not None and bool(self.host.swap_in or self.host.swap_out)
+
     def take_ops(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The host-tier copies (swap_out, swap_in) the step being sent carries."""
         if self.host is None:

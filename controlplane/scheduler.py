@@ -19,16 +19,19 @@ With a host KV tier and ``preemption_mode="swap"`` a victim's KV is copied to th
 takes an admitted sequence's blocks), instead of recomputed; host-tier prefix hits are
 loaded where ``tier_cost`` finds that cheaper than recomputing them; the
 step carries the host-tier copies its decisions need (``ScheduledStep.swap_out/swap_in``).
+While other sequences run, a sequence that loads host-tier blocks is computed only once its
+loads should have landed (``controlplane.prefetch``): it waits meanwhile, holding them.
 """
 
 from __future__ import annotations
 
 import time
 
-from controlplane import admission, fairness
+from controlplane import fairness
 from controlplane.forks import Forks
 from controlplane.block_manager import BlockManager
 from controlplane.policy import Policy
+from controlplane.prefetch import Prefetch
 from controlplane.request import Sequence, Status
 from controlplane.speculation import Speculation
 from controlplane.step import NewSeq, ScheduledStep
@@ -63,6 +66,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.speculation = speculation
         self._truncations: list[tuple[int, int]] = []   # (seq id, blocks) for the workers
+        self.prefetch = Prefetch(blocks, tier_cost, clock)   # host-tier loads ahead of compute
 
     # -- membership ---------------------------------------------------------------------
     def add(self, seqs: list[Sequence]) -> None:
@@ -94,9 +98,10 @@ class Scheduler:
         (the policy ages waiting work or bounds its queue delay), or None when only an event
         can (a request added, finished or aborted; a new cap or budget)."""
         p = self.policy
+        landing = self.prefetch.retry_after(self.clock())   # a deferred sequence's KV lands
         if not self.waiting or (not p.aging and p.max_queue_delay is None):
-            return None
-        return TIME_RECHECK_S
+            return landing
+        return TIME_RECHECK_S if landing is None else min(landing, TIME_RECHECK_S)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
@@ -117,6 +122,7 @@ class Scheduler:
         for child in self.forks.orphans(seq):
             self._enqueue(child)
         seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.prefetch.forget(seq)
         self._release(seq)
         self.blocks.drop_swapped(seq.seq_id)
 
@@ -142,6 +148,7 @@ class Scheduler:
         self._copies.clear()
         self.forks.clear_unsent()
         self._truncations.clear()
+        self.prefetch.reset()
         self.blocks.reset_cache()
 
     def preempt(self, seq: Sequence) -> None:
@@ -160,6 +167,8 @@ class Scheduler:
         """Preempts victims (highest ``key`` first) until ``seq`` can cover ``num_tokens``;
         False if it cannot."""
         while not self.blocks.can_grow(seq.seq_id, num_tokens):
+            if self.prefetch.release():   # a deferred sequence's blocks first
+                continue
             victims = [r for r in self.running if r.seq_id not in scheduled and r is not seq
                        and key(r) > key(seq)]
             if not victims:
@@ -243,19 +252,24 @@ class Scheduler:
         # and throw their KV away again (thrashing) while running work still needs blocks.
         admit = self.waiting if self.num_preemptions == preemptions_before else []
         ordered = self.policy.order_waiting(admit, now)
-        for seq in ordered if shares is None else shares.order(ordered):
+        ordered = ordered if shares is None else shares.order(ordered)
+        for i, seq in enumerate(ordered):
             if budget < 1 or len(self.running) >= self.max_running:
+                self.prefetch.look_ahead(ordered[i:], self.watermark_blocks)   # loads start now
                 break
-            if seq.num_inflight:
-                continue   # preempted with a token in flight: admitted once it arrives
+            if seq.num_inflight or self.prefetch.loading(seq, now):
+                continue   # preempted with a token in flight, or its KV is landing: later
             n = self._admit(seq, budget)
+            if n is None:
+                continue   # its host-tier KV loads from this step on, computed once landed
             if n == 0:
                 break   # strict order: the next in line waits for blocks
             step.new.append(NewSeq(seq, n, self.blocks.block_ids(seq.seq_id)))
             scheduled.add(seq.seq_id)
             budget -= n
         step.num_preempted = self.num_preemptions - preemptions_before
-        if not step.empty:   # an empty step is not sent: what workers must drop waits for the next
+        if not step.empty or self.blocks.copies_pending:   # an empty step is not sent: what
+            # workers must drop waits for the next (one with only loads to start is sent)
             step.finished_seq_ids, self._forget = self._forget, []
             step.copies, self._copies = self._copies, []
             step.truncations, self._truncations = self._truncations, []
@@ -270,9 +284,9 @@ class Scheduler:
             return False
         return not any(s.num_total - s.num_computed > 1 for s in order)
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
-        n = admission.admit(self.blocks, seq, budget, self.watermark_blocks if self.running else 0,
-                            self.tier_cost)
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        busy = bool(self.running)   # loads can overlap other sequences' steps
+        n = self.prefetch.admit(seq, budget, self.watermark_blocks if busy else 0, busy)
         if n:
             self.waiting.remove(seq)
             self._register(seq, seq.num_computed + n)
