@@ -34,10 +34,10 @@ def sizes(max_batched_tokens: int, max_model_len: int, num_blocks: int, block_si
 
 
 @torch.inference_mode()
-def measure(runner: ModelRunner, token_counts: list[int], vocab_size: int, repeats: int = 2) -> list[float]:
+def measure(runner: ModelRunner, token_counts: list[int], vocab_size: int, repeats: int = 3) -> list[float]:
     """Seconds each prefill of ``token_counts`` takes: the best of ``repeats`` runs after an
     untimed one (device time between the step's first and last op on a GPU, host time from
-    launch to result on a CPU)."""
+    launch to result on a CPU: a loaded machine's noise only adds, the minimum filters it)."""
     seconds, seq_id = [], _SEQ_ID
     for n in token_counts:
         blocks = list(range(-(-n // runner.block_size)))
