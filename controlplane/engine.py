@@ -73,9 +73,11 @@ class Engine:
             self.telemetry.metrics.retire(self.scheduler)
         self.info = infos[0]
         cfg = self.config
+        host = 0 if cfg.kv_offloading_policy == "off" else min(i.num_host_kv_blocks for i in infos)
         blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size, cfg.enable_prefix_cache,
-                              host_blocks=min(i.num_host_kv_blocks for i in infos))   # each rank: its shard
+                              host_blocks=host)   # each rank: its shard
         cost = tier_cost.TierCost.for_workers(cfg.kv_offloading_policy, infos, blocks)
+        blocks.offload_evicted = cost is None or cost.keeps_evicted()
         host_tier.report(blocks, cfg.preemption_mode, cost)
         # Every request must fit the KV pool alone, so preemption always makes progress.
         limit = min(self.info.max_model_len, blocks.num_blocks * blocks.block_size)

@@ -23,9 +23,14 @@ rank's slope under tensor parallelism.
 cheaper than recomputing it (ties recompute), and a host block is loaded anyway when device
 hits beyond it make the rest worth it. Without both estimates (a data plane that measured
 neither) ``auto`` loads, the tier's behaviour without a rule; ``always`` loads every hit,
-``never`` none (the tier then serves swap preemption only). A host block not loaded stays
-cached in the host tier, in its LRU place. Either way a sequence's tokens are the same: a
-recomputed block holds the KV of the same tokens. SGLang's HiCache has only a fixed floor
+``never`` none (the tier then serves swap preemption only); ``off`` leaves the workers' host
+tiers unused, as if they had none (``Engine``: one data plane, compared with and without its
+tier by restarting only the control plane). A host block not loaded stays
+cached in the host tier, in its LRU place. Where ``auto`` recomputes even a lone host block
+(the copy dearer than the tokens: Qwen3-0.6B on an H200), evicted blocks are not written
+back at all (``keeps_evicted``): they would only cost copies. Either way a sequence's tokens
+are the same: a recomputed block holds the KV of the same tokens. SGLang's HiCache has only
+a fixed floor
 (``load_back_threshold``, 10 tokens).
 """
 
@@ -35,7 +40,7 @@ import logging
 
 log = logging.getLogger("headrace.engine")
 
-POLICIES = ("auto", "always", "never")
+POLICIES = ("auto", "always", "never", "off")   # off: the workers' host tiers are not used
 
 
 def prefill_slope(tokens, seconds) -> float | None:
@@ -94,6 +99,12 @@ class TierCost:
             return None
         return self.load_s_per_block < r * self.block_size
 
+    def keeps_evicted(self) -> bool:
+        """Whether evicted device blocks are worth writing back to the host tier: not where
+        ``auto`` would recompute every lone host hit (each write-back would be a copy and a
+        gather for nothing; the tier then serves swap preemption only)."""
+        return self.policy != "auto" or self.loads() is not False
+
     def cut(self, hits: list[int]) -> int:
         """How many leading prefix hits to adopt (a host hit is negative: ``~host_block``)."""
         if self.policy == "always" or not any(b < 0 for b in hits):
@@ -127,5 +138,6 @@ class TierCost:
             text += " (prefills of " + ", ".join(f"{n}: {s * 1e3:.2f} ms" for n, s in self.profile) + ")"
         verdict = self.loads()
         if self.policy == "auto" and verdict is not None:
-            text += "; host hits are " + ("loaded" if verdict else "recomputed")
+            text += "; host hits are " + ("loaded" if verdict else
+                                          "recomputed, evicted blocks not written back")
         return text

@@ -142,4 +142,33 @@ def test_the_rule_and_its_verdict_are_logged_at_start(caplog):
         host_tier.report(BlockManager(8, 16, True, host_blocks=4), "recompute", rule)
     line = caplog.records[0].getMessage()
     assert "offloading policy auto, host load 4.20 us/token, recompute 2.90 us/token" in line
-    assert "1024: 4.00 ms" in line and "host hits are recomputed" in line
+    assert "1024: 4.00 ms" in line and "host hits are recomputed, evicted blocks not written back" in line
+
+
+def test_auto_that_recomputes_lone_hits_writes_no_evicted_block_back():
+    dear = _rule(1.0, 1.0 / 4 * 0.9)
+    assert not dear.keeps_evicted()
+    assert _rule(1.0, 1.0).keeps_evicted() and _rule(None, 1.0).keeps_evicted()   # loads; unknown
+    assert _rule(1.0, 1e-9, policy="always").keeps_evicted()
+    assert _rule(1e-9, 1.0, policy="never").keeps_evicted()   # never: hits found, then recomputed
+    sched = _sched(blocks=4, host=8, cost=dear)
+    sched.blocks.offload_evicted = dear.keeps_evicted()
+    _run(sched, list(range(1, 10)), max_tokens=3)
+    _, steps = _run(sched, list(range(50, 64)))   # evicts the first prompt's blocks: dropped
+    assert not any(s.swap_out for s in steps) and not sched.blocks.host.cached
+
+
+def test_the_engine_sets_the_write_back_from_the_workers_measurements():
+    from controlplane.engine import Engine, EngineConfig
+    from headrace.dataplane.v1 import worker_pb2 as wpb
+
+    engine = Engine(types.SimpleNamespace(num_kv_blocks=64), EngineConfig(kv_offloading_policy="auto"))
+
+    def info(rate):
+        return wpb.WorkerInfo(block_size=16, num_host_kv_blocks=32, kv_bytes_per_block=1 << 20,
+                              max_model_len=4096, host_kv_load_bytes_per_s=rate,
+                              prefill_profile_tokens=[1024, 8192], prefill_profile_seconds=[0.004, 0.025])
+    engine._build([info(1e12)])   # 1 us a block: loads
+    assert engine.scheduler.blocks.offload_evicted and engine.scheduler.tier_cost.loads()
+    engine._build([info(1e9)])    # 1 ms a block against 47 us of prefill: recomputes
+    assert not engine.scheduler.blocks.offload_evicted and engine.scheduler.tier_cost.loads() is False
