@@ -72,6 +72,20 @@ def apply_step(host: "HostKV | None", caches: list[torch.Tensor], step, copy=Non
                reads=reads, between_blocks=cow)
 
 
+def runs(blocks) -> list[tuple[int, int, int]]:
+    """(position, first block, length) of each run of consecutive ids in ``blocks``: one copy
+    each between the pool and a staging tensor (the host tier hands out blocks in the order it
+    freed them, so a sequence's blocks often come in runs; every copy costs a launch)."""
+    out: list[tuple[int, int, int]] = []
+    for i, b in enumerate(blocks):
+        if out and out[-1][1] + out[-1][2] == b:
+            p, first, n = out[-1]
+            out[-1] = (p, first, n + 1)
+        else:
+            out.append((i, b, 1))
+    return out
+
+
 class HostKV:
     def __init__(self, caches: list[torch.Tensor], num_blocks: int, device: torch.device):
         shape = caches[0].shape   # [2, blocks, block_size, kv_heads, head_dim]
@@ -185,16 +199,16 @@ class HostKV:
 
     def _download(self, staged, out_host) -> None:
         for buf, c in staged:
-            for i in range(buf.shape[0]):
-                self.pool[out_host[c + i]].copy_(buf[i], non_blocking=True)
+            for i, h, n in runs(out_host[c:c + buf.shape[0]]):
+                self.pool[h:h + n].copy_(buf[i:i + n], non_blocking=True)
 
     def _upload(self, caches, in_host, in_dev) -> None:
         """Host blocks ``in_host`` into device blocks ``in_dev``, CHUNK_BLOCKS at a time."""
         for c in range(0, len(in_dev), CHUNK_BLOCKS):
             hosts = in_host[c:c + CHUNK_BLOCKS]
             buf = torch.empty((len(hosts), *self.pool.shape[1:]), dtype=self.pool.dtype, device=self.device)
-            for i, h in enumerate(hosts):
-                buf[i].copy_(self.pool[h], non_blocking=True)
+            for i, h, n in runs(hosts):
+                buf[i:i + n].copy_(self.pool[h:h + n], non_blocking=True)
             idx = self._index(in_dev[c:c + CHUNK_BLOCKS])
             for layer, cache in enumerate(caches):
                 cache.index_copy_(1, idx, buf[:, layer].transpose(0, 1))

@@ -103,7 +103,7 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy
         hits_before = blocks.host.hits
         rule = planes.engine.scheduler.tier_cost
         info = planes.worker.describe()   # the worker's own measurements price both sides
-        assert list(info.prefill_profile_tokens) == [16, 32, 64, 128]   # up to the pool's 8 blocks
+        assert list(info.prefill_profile_tokens) == [32, 128]   # up to the pool's 8 blocks
         assert all(s > 0 for s in info.prefill_profile_seconds)
         assert rule.recompute_s_per_token == pytest.approx(
             prefill_slope(info.prefill_profile_tokens, info.prefill_profile_seconds))
@@ -138,6 +138,25 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy
         assert sample("headrace:kv_offload_bytes_total", {"direction": "in"}) > 0   # the data plane's
         admin = apb_grpc.AdminStub(planes.channel).GetConfig(apb.GetConfigRequest())
         assert admin.num_host_kv_blocks == blocks.host.num_blocks and admin.preemption_mode == "recompute"
+    finally:
+        planes.close()
+
+
+def test_policy_off_leaves_the_workers_host_tier_unused(model_dir):
+    """One data plane compared with and without its tier: only the control plane changes."""
+    prompt = list(range(2, 66))
+    planes = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD,
+                    config=EngineConfig(kv_offloading_policy="off"))
+    try:
+        assert planes.worker.runner.host_kv is not None and planes.engine.scheduler.blocks.host is None
+        want, _ = _gen(planes, prompt, 4)
+        for i in range(3):
+            _gen(planes, [300 - i] * 40, 4)
+        again, cached = _gen(planes, prompt, 4)
+        assert again == want and cached < 48   # evicted blocks are kept nowhere: recomputed
+        admin = apb_grpc.AdminStub(planes.channel).GetConfig(apb.GetConfigRequest())
+        assert admin.kv_offloading_policy == "off" and admin.num_host_kv_blocks == 0
+        assert planes.worker.runner.host_kv.drain()[1:] == (0, 0)   # not a byte copied
     finally:
         planes.close()
 
@@ -226,3 +245,19 @@ def test_bad_copies_and_sizes_are_refused():
     with pytest.raises(ValueError, match="host memory"):
         host_blocks_for(1 << 20, 1024)
     assert host_blocks_for(0, 1024) == 0 and host_blocks_for(1 / 1024, 1024) == 1024
+
+
+def test_consecutive_host_blocks_move_in_one_copy():
+    from dataplane.kv_offload import runs
+
+    assert runs([]) == [] and runs([4]) == [(0, 4, 1)]
+    assert runs([3, 4, 5, 9, 1, 2]) == [(0, 3, 3), (3, 9, 1), (4, 1, 2)]
+    caches = _caches(blocks=8)
+    before = [c.clone() for c in caches]
+    host = HostKV(caches, 8, torch.device(DEVICE))
+    host.apply(caches, [0, 1, 2, 5], [4, 5, 6, 1], [], [])       # runs 4-6 and 1
+    host.apply(caches, [], [], [5, 6, 1, 4], [7, 3, 0, 2])
+    _sync()
+    for c, b in zip(caches, before):
+        for dev, src in ((7, 1), (3, 2), (0, 5), (2, 0)):
+            assert torch.equal(c[:, dev], b[:, src])
