@@ -13,7 +13,9 @@ loads are expected done ``blocks x load`` after the later of now and the previou
 end. A wrong estimate costs time, never correctness: a step that reads a block still being
 copied waits for it on the device. With nothing running there is nothing to overlap, and the
 sequence is computed in the step that loads it. Up to ``LOOK_AHEAD`` waiting sequences that
-the step has no budget or room for get their loads started too (prefetch while it queues).
+the step has no budget or room for get their loads started too (prefetch while it queues),
+while fewer than that many are deferred; no more sequences are deferred at once than may run
+(beyond that, one is computed in the step that loads it).
 
 A deferred sequence holds its blocks while it waits; when a running one needs blocks that are
 not there, deferred ones give theirs back first, newest first (``release``): the loaded
@@ -40,6 +42,11 @@ class Prefetch:
         self._probed: set[int] = set()         # looked ahead once, nothing to load then
         self.num_deferred = 0                  # sequences whose compute waited for loads (metrics)
 
+    @property
+    def held(self) -> int:
+        """Deferred sequences (each holds the blocks it loads)."""
+        return len(self._deferred)
+
     def loading(self, seq: Sequence, now: float) -> bool:
         """Deferred, and its loads are not expected done yet."""
         return self.ready_at.get(seq.seq_id, now) > now
@@ -62,7 +69,7 @@ class Prefetch:
             return
         tried = 0
         for seq in waiting:
-            if tried >= LOOK_AHEAD:
+            if tried >= LOOK_AHEAD or len(self._deferred) >= LOOK_AHEAD:
                 return
             sid = seq.seq_id
             if sid in self._deferred or sid in self._probed or seq.num_inflight:

@@ -286,7 +286,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         busy = bool(self.running)   # loads can overlap other sequences' steps
-        n = self.prefetch.admit(seq, budget, self.watermark_blocks if busy else 0, busy)
+        n = self.prefetch.admit(seq, budget, self.watermark_blocks if busy else 0,
+                                busy and self.prefetch.held < self.max_running)
         if n:
             self.waiting.remove(seq)
             self._register(seq, seq.num_computed + n)

@@ -153,11 +153,12 @@ class HostKV:
         CHUNK_BLOCKS pool blocks copied block by block from pinned memory into a staging
         tensor and scattered into the KV cache, on the load stream (device time between two
         events), the best of ``repeats`` runs after an untimed one. Run at start, before any
-        block holds KV: what it writes into the cache is never read."""
+        block holds KV: it writes zeros into the cache, as it was allocated."""
         if self._raw:
             caches = [c.view(torch.uint8) for c in caches]
         n = min(self.num_blocks, self.num_device_blocks, CHUNK_BLOCKS)
         blocks = list(range(n))
+        self.pool[:n].zero_()   # the pool is not initialised; the cache's unwritten slots are zeros
         best = float("inf")
         for run in range(repeats + 1):
             if self.transfers is None:

@@ -261,3 +261,12 @@ def test_consecutive_host_blocks_move_in_one_copy():
     for c, b in zip(caches, before):
         for dev, src in ((7, 1), (3, 2), (0, 5), (2, 0)):
             assert torch.equal(c[:, dev], b[:, src])
+
+
+def test_measuring_the_load_rate_leaves_the_cache_zeroed():
+    caches = [torch.zeros(2, 6, 4, 2, 8, device=DEVICE) for _ in range(2)]
+    host = HostKV(caches, 4, torch.device(DEVICE))
+    host.pool.fill_(float("nan"))   # what an uninitialised pool may hold
+    host.measure_load_rate(caches)
+    _sync()
+    assert all(not c.isnan().any() and not c.any() for c in caches)
