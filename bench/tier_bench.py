@@ -30,13 +30,12 @@ import json
 import statistics
 import time
 
+from bench.inprocess_bench import consume, submitter
 from bench.serving_bench import w1_requests
 from controlplane.engine import Engine, EngineConfig
 from controlplane.tokenizer import ModelTokenizer
-from controlplane.validation import build_request
 from dataplane.inprocess import InProcessWorkerGroup
 from dataplane.worker import Worker, WorkerOptions
-from headrace.v1 import inference_pb2 as pb
 
 
 class Workers(InProcessWorkerGroup):
@@ -53,13 +52,6 @@ class Workers(InProcessWorkerGroup):
         return n if self.blocks is None else min(n, self.blocks)
 
 
-async def _consume(request) -> int:
-    count = 0
-    while not request.delivered:
-        count += sum(len(m.token_ids) for m in await request.next_responses())
-    return count
-
-
 def workload(args, vocab_size: int) -> list[tuple[list[int], int, float]]:
     """W1's requests (the first ``--requests``; prompts and outputs cut to ``--tokens-cap``
     each, and ids folded into the vocabulary, for a small model's smoke run)."""
@@ -71,18 +63,9 @@ async def run_w1(workers: Workers, args, config: EngineConfig) -> dict:
     """W1 through a fresh engine on ``workers``: throughput, preemptions, host-tier copies."""
     engine = Engine(workers, config)
     await engine.start()
-    tok = ModelTokenizer(args.model)
-
-    def submit(prompt, max_tokens, temperature):
-        req = build_request(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
-                                               ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature)),
-                            tok, seq_ids=engine.seq_ids, vocab_size=engine.info.vocab_size,
-                            max_model_len=engine.max_model_len, eos_token_ids=[])
-        engine.submit(req)
-        return req
-
+    submit = submitter(engine, ModelTokenizer(args.model))
     try:
-        await _consume(submit([1, 2, 3], 4, 0.6))   # warm-up
+        await consume(submit([1, 2, 3], 4, 0.6))   # warm-up
         requests = workload(args, engine.info.vocab_size)
         host = workers.worker.runner.host_kv
         if host is not None:
@@ -91,7 +74,7 @@ async def run_w1(workers: Workers, args, config: EngineConfig) -> dict:
         preempted, tier = sched.num_preemptions, sched.blocks.host
         moved = (tier.blocks_out, tier.blocks_in) if tier is not None else (0, 0)
         start = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(_consume(submit(*r)) for r in requests)))
+        tokens = sum(await asyncio.gather(*(consume(submit(*r)) for r in requests)))
         wall = time.perf_counter() - start
         copy_ms, out_bytes, in_bytes = host.drain() if host is not None else (0.0, 0, 0)
         return {"output_tok_per_s": round(tokens / wall, 1), "wall_s": round(wall, 3), "output_tokens": tokens,
