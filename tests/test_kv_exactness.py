@@ -92,6 +92,8 @@ def test_a_block_copied_to_the_host_and_back_holds_the_same_bits(model_dir, dtyp
             _generate(planes, filler, 1)
         on_host = blocks.match_prefix(prompt)
         assert on_host and all(b < 0 for b in on_host)   # every one evicted, kept on the host
+        if DEVICE.startswith("cuda"):   # the write-backs run on a copy stream of their own
+            torch.cuda.synchronize()
         pool = planes.worker.runner.host_kv.pool
         for i, h in enumerate(~b for b in on_host):       # the host copy: the same bytes, layer by layer
             for layer, (k, v) in enumerate(before[i]):
