@@ -63,6 +63,7 @@ def test_fa4_gpu_check_installs_offline_and_runs_benches_as_modules():
         assert f"has {section}" in script, section
 
 
+@pytest.mark.slow
 def test_w5_runs_on_a_cpu_with_tiny_sizes_in_every_mode():
     """W5 (multi-turn chat) end to end with the embedded tiny model, one data plane (with a host
     tier) for every mode: offloading off, and on with host hits always loaded and never
@@ -115,6 +116,7 @@ def test_w5_first_divergence_names_the_turn_and_token():
         parse_modes("off,sometimes")
 
 
+@pytest.mark.slow
 def test_tier_bench_runs_on_a_cpu_with_tiny_sizes():
     """The in-process tier comparisons with the embedded tiny model: an idle tier beside none
     (both run, no preemption), and swap against recompute on a cut pool (both preempt; swap
