@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout's root on the H200): GPU correctness, then the serving
 # workloads through the gRPC planes and in one process (bench/README.md). Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5l hf spy kern ragged tp spec specdraft
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5swap w5l tier hf spy kern ragged tp spec specdraft
 #   (default: tests w2 w1 w1o w3); TP_WATCH_S: seconds the tp section waits before dumping stacks
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # ragged: decode attention on W1's ragged batches, by KV split count and program start order.
@@ -14,12 +14,19 @@
 #   embedded model's corpus with its tokenizer (train.py --device cuda; ~1-3 min), and
 #   tiny-draft as its draft; W2 ITL per output token on held-out text, speculation off vs
 #   draft_model (k = 4) vs ngram, with the measured acceptance; ~5 minutes.
-# w5: the host KV tier's GPU tests, multi-turn chat (W5) with the tier off, then on with host
-#     hits under the cost rule (--kv-offloading-policy auto) and always loaded; ~6-7 minutes.
-# w5w1: W1 with offloading configured but idle beside W1 without (the tier must cost nothing
-#     when unused); ~3 minutes.
-# w5l: W5 on Llama-3.1-8B (random weights), tier off and auto: recompute is ~6x dearer than
-#     the copy there, so auto must load (its estimates are in the JSON lines); ~6 minutes.
+# tier: issue 33 in one call (~8 minutes): w5 w5w1 w5swap w5l, then the targets' table.
+# w5: the host KV tier's GPU tests (exactness: a block's K/V bits through the host and back,
+#     a conversation alone with the tier off/auto/always; the copy streams' ordering; the copy
+#     engine), then W5 on Qwen3-0.6B (64 conversations x 6 turns, 32 in flight, a 6,144-block
+#     device pool against ~11,600 blocks of history, 28 GiB host tier) off, auto, off again,
+#     one data plane for the three; ~3 minutes (tests ~2).
+# w5w1: W1 in one process on a worker with an idle 16 GiB host tier beside one without,
+#     alternated twice (bench.tier_bench --cases idle; the tier must cost nothing); ~1.5 min.
+# w5swap: --preemption-mode swap against recompute without a tier on a preemption-heavy W1
+#     (4,096 of 18,432 device blocks; bench.tier_bench --cases swap); ~1 minute.
+# w5l: W5 on Llama-3.1-8B (random weights; 48 conversations x 6 turns, 32 in flight, 6,144
+#     blocks against ~8,700 of history, 24 GiB host tier) off and auto: recompute is ~6x
+#     dearer than the copy there, so auto loads, ahead of compute; ~3 minutes with its checkpoint.
 # w4: serving under load (Poisson, lognormal lengths, streamed from 4 client processes) with
 #     serve's default front-end count (4 on 16 cores) at 60/100/140/180 req/s plus one bisection
 #     run towards the highest rate at the SLO, then N = 1 at 140 (N=4 / N=1 in the table); step
@@ -35,6 +42,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/protos:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 SECTIONS=${*:-tests w2 w1 w1o w3}
+[[ " $SECTIONS " == *" tier "* ]] && SECTIONS="$SECTIONS w5 w5w1 w5swap w5l"
 log() { echo "== $* ($(date +%T))"; }
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 log gpu; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -60,7 +68,7 @@ if has tp; then   # NCCL tensor parallelism on every GPU the machine has (2 or 4
   wait $tp_pid; tail -15 "$OUT/tp-pytest.txt"
   tail -n 8 "$OUT"/tp-logs/*/rank-*.log 2>/dev/null | cut -c1-300
 fi
-if has w1 || has w1o || has w1s || has w2 || has ttft || has w4 || has w5 || has w5w1 || has hf || has spy || has kern || has spec; then
+if has w1 || has w1o || has w1s || has w2 || has ttft || has w4 || has w5 || has w5w1 || has w5swap || has hf || has spy || has kern || has spec; then
   log ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda
 fi
 for w in w2 w1; do
@@ -137,18 +145,20 @@ if has w4; then
     --clients 4 | tee -a "$OUT/results.jsonl"
 fi
 if has w5; then
-  log "host KV tier on the GPU: copy engine (side stream) and outputs equal with it on and off"
-  HEADRACE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kv_offload.py 2>&1 | tail -3
-  log "w5 multi-turn chat, host KV tier off, auto (cost rule) and always"
-  timeout 480 python3 -m bench.w5_bench --model /tmp/qwen3 --num-kv-blocks 8192 --offload-gib 48 \
-    --modes off,auto,always | tee -a "$OUT/results.jsonl"
+  log "host KV tier on the GPU: exactness, copy ordering, copy engine"
+  HEADRACE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kv_exactness.py \
+    tests/test_kv_transfer.py tests/test_kv_offload.py \
+    -k "not restarted and not evicted_from_the_device and not (outputs_equal and recompute)" \
+    > "$OUT/tier-tests.txt" 2>&1; echo "pytest exit $?" >> "$OUT/tier-tests.txt"; tail -4 "$OUT/tier-tests.txt"
+  log "w5 Qwen3-0.6B: host KV tier off, auto (cost rule, prefetch), off again; one data plane"
+  timeout 360 python3 -m bench.w5_bench --model /tmp/qwen3 --num-kv-blocks 6144 --offload-gib 28 \
+    --conversations 64 --turns 6 --modes off,auto,off | tee -a "$OUT/results.jsonl"
 fi
-if has w5w1; then
-  for o in "" "--kv-offloading-size 16"; do
-    log "w1 grpc, offloading: ${o:-off}"
-    timeout 150 python3 -m bench.serving_bench --model /tmp/qwen3 --workload w1 \
-      --serve-args "--device cuda --max-running 256 --max-batched-tokens 16384 $o" | tee -a "$OUT/results.jsonl"
-  done
+cases=""; has w5w1 && cases="idle"; has w5swap && cases="${cases:+$cases,}swap"
+if [ -n "$cases" ]; then   # one process: the tiered worker serves both cases
+  log "w1 in one process: an idle 16 GiB host tier beside none, alternated; preemption-heavy W1 (4,096 device blocks), recompute without a tier vs swap"
+  timeout 300 python3 -m bench.tier_bench --model /tmp/qwen3 --cases "$cases" --offload-gib 16 \
+    --swap-blocks 4096 | tee -a "$OUT/results.jsonl"
 fi
 if has hf; then log hf; timeout 120 python3 -m bench.hf_reference /tmp/qwen3 | tee -a "$OUT/results.jsonl"; fi
 if has w3 || has w3tp; then   # w3tp: the same with the model split over two GPUs (NCCL)
@@ -162,9 +172,12 @@ if has w3 || has w3tp; then   # w3tp: the same with the model split over two GPU
 fi
 if has w5l; then   # last: the 8B checkpoint takes /tmp/qwen3's place on disk (as w3's does)
   [ -d /tmp/llama8b ] || { log ckpt8b; rm -rf /tmp/qwen3; python3 -m bench.random_checkpoint llama-3.1-8b /tmp/llama8b --device cuda; }
-  log "w5 on llama-3.1-8b (64 conversations), host KV tier off and auto"
-  timeout 480 python3 -m bench.w5_bench --model /tmp/llama8b --num-kv-blocks 8192 --offload-gib 64 \
-    --conversations 64 --modes off,auto | tee -a "$OUT/results.jsonl"
+  log "w5 Llama-3.1-8B (48 conversations x 6 turns): host KV tier off and auto; one data plane"
+  timeout 420 python3 -m bench.w5_bench --model /tmp/llama8b --num-kv-blocks 6144 --offload-gib 24 \
+    --conversations 48 --turns 6 --modes off,auto | tee -a "$OUT/results.jsonl"
 fi
 log done; cat "$OUT/results.jsonl" 2>/dev/null
 [ -f "$OUT/results.jsonl" ] && python3 -m bench.gpu_table "$OUT/results.jsonl"
+if has w5 || has w5w1 || has w5swap || has w5l; then   # last: the table of issue 33's targets
+  log "issue 33 targets"; python3 -m bench.tier_targets "$OUT/results.jsonl" --tests "$OUT/tier-tests.txt"
+fi

@@ -15,6 +15,7 @@ from controlplane.engine import EngineConfig
 from controlplane.http.timeouts import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT
 from controlplane.limits import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS, QUEUE_PER_SLOT
 from controlplane.policy import POLICIES, Policy
+from controlplane.tier_cost import POLICIES as POLICIES_TIER
 
 
 def default_model() -> str:
@@ -88,11 +89,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
                    help="a preempted request's KV: recompute it when resumed (default), or swap "
                         "it to the host KV tier and back (needs --kv-offloading-size)")
-    p.add_argument("--kv-offloading-policy", choices=("auto", "always", "never"), default="auto",
+    p.add_argument("--kv-offloading-policy", choices=POLICIES_TIER, default="auto",
                    help="prefix hits found in the host KV tier: auto loads them where copying "
                         "them to the device is cheaper than recomputing them (the data plane's "
-                        "measured copy rate against the step times), always loads them, never "
-                        "recomputes them")
+                        "measured copy rate against its measured prefill cost), always loads "
+                        "them, never recomputes them; off leaves the data planes' host tiers "
+                        "unused")
     p.add_argument("--no-fair-share", action="store_true",
                    help="no fair share of running slots and KV blocks between tenants "
                         "(docs/scheduling.md)")

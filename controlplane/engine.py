@@ -74,9 +74,11 @@ class Engine:
             self.telemetry.metrics.retire(self.scheduler)
         self.info = infos[0]
         cfg = self.config
+        host = 0 if cfg.kv_offloading_policy == "off" else min(i.num_host_kv_blocks for i in infos)
         blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size, cfg.enable_prefix_cache,
-                              host_blocks=min(i.num_host_kv_blocks for i in infos))   # each rank: its shard
+                              host_blocks=host)   # each rank: its shard
         cost = tier_cost.TierCost.for_workers(cfg.kv_offloading_policy, infos, blocks)
+        blocks.offload_evicted = cost is None or cost.keeps_evicted()
         host_tier.report(blocks, cfg.preemption_mode, cost)
         # Every request must fit the KV pool alone, so preemption always makes progress.
         limit = min(self.info.max_model_len, blocks.num_blocks * blocks.block_size)
@@ -228,8 +230,6 @@ class Engine:
         t2 = time.perf_counter()
         if sent.traced is not None or not sent.step.empty:
             emitted = self._fold(sent.step, result)
-            if self.scheduler.tier_cost is not None:   # its recompute estimate: step times
-                self.scheduler.tier_cost.observe(sent.step, result, self.info.device != "cpu")
             self.telemetry.step_done(result, sent.traced, t2 - sent.at, time.perf_counter() - t2, emitted)
         if self.flush_woken is not None and self._to_wake and self._inflight:
             # a step still in flight keeps the device busy: the news goes out first (one loop

@@ -27,4 +27,4 @@ class EngineConfig:
     outage_deadline_s: float = 60.0    # requests wait this long for a lost data plane to return
     stream_interval: int = 1           # tokens per streamed message at least, unless a request says
     preemption_mode: str = "recompute"  # or "swap": a victim's KV waits in the host KV tier
-    kv_offloading_policy: str = "auto"  # host-tier hits: loaded where cheaper (or always, never)
+    kv_offloading_policy: str = "auto"  # host-tier hits: loaded where cheaper (always, never; off: no tier)

@@ -140,8 +140,9 @@ def _tiers(blocks, base, cost=None):
     if cost is not None:
         estimate = GaugeMetricFamily(p + "kv_tier_seconds_per_token", "The host tier cost "
                                      "rule's estimates: load (a host-tier token copied to the "
-                                     "device), recompute (one more token in a step; 0 until "
-                                     "fitted).", labels=["action"])
+                                     "device), recompute (one more token of prefill, from the "
+                                     "data plane's prefill profile; 0: not measured).",
+                                     labels=["action"])
         estimate.add_metric(["load"], cost.load_s_per_token or 0.0)
         estimate.add_metric(["recompute"], cost.recompute_s_per_token or 0.0)
         yield estimate
@@ -225,7 +226,8 @@ class ControlPlaneMetrics(Exporter):
         self.offload_out, self.offload_in = offload.labels("out"), offload.labels("in")
         self.offload_seconds = Counter(p + "kv_offload_copy_seconds", "Time the data plane "
                                        "(rank 0) spent copying between its KV tiers (device time "
-                                       "on a GPU: the copy stream's).", registry=r)
+                                       "on a GPU: the two copy streams' busy time, summed).",
+                                       registry=r)
         self.registry.register(_EngineState(self))
 
     def bind(self, engine) -> None:

@@ -5,7 +5,9 @@ cap). A running prefill grows its blocks (preempting the policy's victims if nee
 decode does); a waiting sequence is admitted (``Scheduler.admit``) while slots are free, in
 strict order: once one does not fit the blocks, the sequences after it wait too. A step that
 had to preempt admits nobody: the victims would be readmitted at once and throw their KV away
-again (thrashing) while running work still needs blocks."""
+again (thrashing) while running work still needs blocks. With a host KV tier, a waiting
+sequence whose admission loads host-tier blocks may be deferred until they land
+(``controlplane.prefetch``), and the first few sequences left waiting start their loads."""
 
 from __future__ import annotations
 
@@ -28,11 +30,13 @@ def fill(sched, step: ScheduledStep, running: list[Sequence], waiting: list[Sequ
     chunking, bs, blocks = sched.chunking, sched.blocks.block_size, sched.blocks
     left = chunking.prefill_budget(budget, decoding)
     slots = sched.max_running - len(sched.running) if sched.num_preemptions == preemptions_before else 0
+    now, prefetch = sched.clock(), sched.prefetch
     order = []   # the candidates: every running prefill, as many admissible ones as slots are free
     for seq in chunking.order(running + waiting, to_compute):
         if seq.status is Status.RUNNING:
             order.append(seq)
-        elif slots > 0 and not seq.num_inflight:   # (preempted with a token in flight: not yet)
+        elif slots > 0 and not seq.num_inflight and not prefetch.loading(seq, now):
+            # (not: preempted with a token in flight, or its host-tier KV still landing)
             order.append(seq)
             slots -= 1
     head = chunking.max_num_partial_prefills
@@ -65,10 +69,16 @@ def fill(sched, step: ScheduledStep, running: list[Sequence], waiting: list[Sequ
         elif (seq.status is Status.WAITING and admitting and len(sched.running) < sched.max_running
               and sched.num_preemptions == preemptions_before):
             used = sched.admit(seq, grant)
-            if used:
+            if used is None:   # its host-tier KV loads from this step on, computed once landed
+                used = 0
+            elif used:
                 step.new.append(NewSeq(seq, used, blocks.block_ids(seq.seq_id)))
                 scheduled.add(seq.seq_id)
             else:
                 admitting = False   # strict order: the next in line waits for blocks
         spare = max(0, share + spare - used)
         left -= used
+    if sched.num_preemptions == preemptions_before:   # the loads of those left waiting start now
+        rest = [s for s in waiting if s.status is Status.WAITING and s.seq_id not in scheduled]
+        if rest:
+            prefetch.look_ahead(rest, sched.watermark_blocks)

@@ -15,12 +15,14 @@ sharing its blocks and copying the block they will write into (copy on write). W
 (``controlplane.fairness``: the order of admission, preemption for an under-share tenant).
 Speculating steps give decodes k draft positions, budgeted as tokens, with blocks taken only
 when free (never by preempting); ``verified`` registers the accepted drafts' full blocks (so
-rejected K/V is never shared) and gives the rejected positions' blocks back. With a host KV
-tier and ``preemption_mode="swap"`` a victim's KV is copied to the host tier
-(``BlockManager.swap_out``) and back when it is resumed (``controlplane.admission`` takes an
-admitted sequence's blocks), instead of recomputed; host-tier prefix hits are loaded where
-``tier_cost`` finds that cheaper than recomputing them; the step carries the host-tier copies
-its decisions need (``ScheduledStep.swap_out/swap_in``).
+rejected K/V is never shared) and gives the rejected positions' blocks back.
+With a host KV tier and ``preemption_mode="swap"`` a victim's KV is copied to the host tier
+(``BlockManager.swap_out``) and copied back when it is resumed (``controlplane.admission``
+takes an admitted sequence's blocks), instead of recomputed; host-tier prefix hits are
+loaded where ``tier_cost`` finds that cheaper than recomputing them; the
+step carries the host-tier copies its decisions need (``ScheduledStep.swap_out/swap_in``).
+While other sequences run, a sequence that loads host-tier blocks is computed only once its
+loads should have landed (``controlplane.prefetch``): it waits meanwhile, holding them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from controlplane.chunking import Chunking
 from controlplane.forks import Forks
 from controlplane.block_manager import BlockManager
 from controlplane.policy import Policy
+from controlplane.prefetch import Prefetch
 from controlplane.request import Sequence, Status
 from controlplane.speculation import Speculation
 from controlplane.step import ScheduledStep
@@ -67,6 +70,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.speculation = speculation
         self._truncations: list[tuple[int, int]] = []   # (seq id, blocks) for the workers
+        self.prefetch = Prefetch(blocks, tier_cost, clock)   # host-tier loads ahead of compute
 
     # -- membership ---------------------------------------------------------------------
     def add(self, seqs: list[Sequence]) -> None:
@@ -104,9 +108,10 @@ class Scheduler:
         (the policy ages waiting work or bounds its queue delay), or None when only an event
         can (a request added, finished or aborted; a new cap or budget)."""
         p = self.policy
+        landing = self.prefetch.retry_after(self.clock())   # a deferred sequence's KV lands
         if not self.waiting or (not p.aging and p.max_queue_delay is None):
-            return None
-        return TIME_RECHECK_S
+            return landing
+        return TIME_RECHECK_S if landing is None else min(landing, TIME_RECHECK_S)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
@@ -127,6 +132,7 @@ class Scheduler:
         for child in self.forks.orphans(seq):
             self._enqueue(child)
         seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.prefetch.forget(seq)
         self._release(seq)
         self.blocks.drop_swapped(seq.seq_id)
 
@@ -152,6 +158,7 @@ class Scheduler:
         self._copies.clear()
         self.forks.clear_unsent()
         self._truncations.clear()
+        self.prefetch.reset()
         self.blocks.reset_cache()
 
     def preempt(self, seq: Sequence) -> None:
@@ -170,6 +177,8 @@ class Scheduler:
         """Preempts victims (highest ``key`` first) until ``seq`` can cover ``num_tokens``;
         False if it cannot."""
         while not self.blocks.can_grow(seq.seq_id, num_tokens):
+            if self.prefetch.release():   # a deferred sequence's blocks first
+                continue
             victims = [r for r in self.running if r.seq_id not in scheduled and r is not seq
                        and key(r) > key(seq)]
             if not victims:
@@ -248,7 +257,8 @@ class Scheduler:
         prefill_phase.fill(self, step, prefills, waiting if shares is None else shares.order(waiting),
                            budget, step.has_decodes, preemptions_before, scheduled, victim_key, add_spec)
         step.num_preempted = self.num_preemptions - preemptions_before
-        if not step.empty:   # an empty step is not sent: what workers must drop waits for the next
+        if not step.empty or self.blocks.copies_pending:   # an empty step is not sent: what
+            # workers must drop waits for the next (one with only loads to start is sent)
             step.finished_seq_ids, self._forget = self._forget, []
             step.copies, self._copies = self._copies, []
             step.truncations, self._truncations = self._truncations, []
@@ -276,9 +286,13 @@ class Scheduler:
             return False
         return not any(s.num_total - s.num_computed > 1 for s in order)
 
-    def admit(self, seq: Sequence, budget: int) -> int:
-        n = admission.admit(self.blocks, seq, budget, self.watermark_blocks if self.running else 0,
-                            self.tier_cost)
+    def admit(self, seq: Sequence, budget: int) -> int | None:
+        """Admits ``seq`` with up to ``budget`` tokens: the tokens scheduled, 0 when its
+        blocks do not fit, None when its host-tier loads were started and its compute waits
+        for them (``controlplane.prefetch``)."""
+        busy = bool(self.running)   # loads can overlap other sequences' steps
+        n = self.prefetch.admit(seq, budget, self.watermark_blocks if busy else 0,
+                                busy and self.prefetch.held < self.max_running)
         if n:
             self.waiting.remove(seq)
             self.register(seq, seq.num_computed + n)

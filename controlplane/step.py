@@ -52,7 +52,8 @@ class ScheduledStep:
 
     @property
     def empty(self) -> bool:
-        return not self.new and not self.running.seqs
+        """Nothing to compute and no host-tier copy to start: not sent."""
+        return not self.new and not self.running.seqs and not self.swap_in and not self.swap_out
 
     @property
     def num_tokens(self) -> int:

@@ -110,6 +110,7 @@ def test_the_offloading_policy_is_the_control_planes():
     control = build_parser().parse_args(["controlplane", "--workers", "x:1",
                                          "--kv-offloading-policy", "never"])
     assert engine_config(control).kv_offloading_policy == "never"
+    assert engine_config(_serve("--kv-offloading-policy", "off")).kv_offloading_policy == "off"
     with pytest.raises(SystemExit):
         _serve("--kv-offloading-policy", "sometimes")
 
