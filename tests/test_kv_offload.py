@@ -148,7 +148,8 @@ def test_policy_off_leaves_the_workers_host_tier_unused(model_dir):
     """One data plane compared with and without its tier: only the control plane changes."""
     prompt = list(range(2, 66))
     planes = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD,
-                    config=EngineConfig(kv_offloading_policy="off"))
+                    config=EngineConfig(kv_offloading_policy="off"),
+                    plane_options={"admin_insecure_loopback": True})
     try:
         assert planes.worker.runner.host_kv is not None and planes.engine.scheduler.blocks.host is None
         want, _ = _gen(planes, prompt, 4)
