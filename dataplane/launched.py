@@ -43,3 +43,8 @@ class Launched:
     verified: Verified | None = None               # a speculative verify (spec_decode)
     token_rows: np.ndarray | None = None           # the rows that sampled, and where their
     token_pos: np.ndarray | None = None            # tokens go in the token mirror
+    kind: str = ""      # decode, mixed, prefill or verify (``forward.step_kind``)
+    graph: str = ""     # how its forward ran: full, piecewise or eager (``forward.MODES``)
+    # host time of launch's phases (ms): apply (the delta), build (inputs, their upload),
+    # forward (its launches; on a CPU the forward itself), sample (sampling's launches)
+    host_ms: dict[str, float] = dataclasses.field(default_factory=dict)
