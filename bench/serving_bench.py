@@ -55,11 +55,12 @@ def device_seconds(port: int = 9401) -> tuple[float, float, float]:
     except OSError:
         return 0.0, 0.0, 0.0
     values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
+    for line in text.splitlines():   # summed over labels (the step kinds)
+        name, _, value = line.rpartition(" ")
+        name = name.partition("{")[0]
         if name in ("headrace:dataplane_step_device_seconds_sum", "headrace:dataplane_device_idle_seconds_total",
                     "headrace:dataplane_steps_total"):
-            values[name] = float(value)
+            values[name] = values.get(name, 0.0) + float(value)
     return (values.get("headrace:dataplane_step_device_seconds_sum", 0.0),
             values.get("headrace:dataplane_device_idle_seconds_total", 0.0),
             values.get("headrace:dataplane_steps_total", 0.0))
