@@ -34,7 +34,7 @@ class Launched:
     seq_ids: list[int] = dataclasses.field(default_factory=list)
     out: SampleOutput | None = None
     histories: list[tuple[int, SamplingRow]] = dataclasses.field(default_factory=list)
-    stop_watch: list = dataclasses.field(default_factory=list)   # see InputBatch.stop_watch
+    stop_watch: tuple = ()   # see InputBatch.stop_watch
     begin: torch.cuda.Event | None = None      # device timeline: the step's first op ...
     done: torch.cuda.Event | None = None       # ... and its last (the ids are on the host)
     previous: torch.cuda.Event | None = None   # the last op of the step launched before

@@ -47,7 +47,7 @@ import time
 
 import torch
 
-from dataplane.cuda_graphs import batch_sizes
+from dataplane.cuda_graphs import batch_sizes, capture_graph
 from dataplane.model import AttentionMetadata, CausalLM
 
 STEPS_PER_DOUBLING = 8   # buckets between 256 and 512 tokens, 512 and 1024, ...
@@ -146,6 +146,7 @@ class MixedGraphs:
         cuda = self.device.type == "cuda"
         jobs = [(size, k) for size in reversed(self.buckets) for k in range(self.num_layers + 1)]
         jobs += [(rows, None) for rows in reversed(self.row_sizes)]
+        stream = torch.cuda.Stream(self.device) if cuda else None
         for size, k in jobs:
             run = (lambda s=size: self._head(s)) if k is None else (lambda s=size, k=k: self._piece(s, k))
             if not cuda:
@@ -153,9 +154,7 @@ class MixedGraphs:
             else:
                 run()   # warm-up: compiles kernels, sets up cuBLAS
                 torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    run()
+                graph = capture_graph(run, pool, stream)
                 pool = graph.pool() if pool is None else pool
             if k is None:
                 self.heads[size] = graph

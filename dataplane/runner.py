@@ -55,11 +55,13 @@ class ModelRunner:
         self.spec = spec
         self.draft = spec.draft if spec is not None else None   # dataplane.draft_model.DraftModel
         self.host_kv = host_kv   # the host KV tier (dataplane.kv_offload), or None
+        self.index = step_delta.RowIndex(self.batch)   # seq ids -> rows, by array
         self.seq_of_row = np.zeros(max_num_seqs, dtype=np.int64)
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
         # how each step's forward runs: decode graphs, piecewise (mixed) graphs, or eagerly
         self.forward = StepForward(model, kv_caches, device, max_num_seqs, graphs, mixed,
                                    self.draft, attention)
+        self.stager = staging.Stager(device)   # a step's inputs: one copy, from pinned buffers
         self.rank = rank
         self.rng = np.random.default_rng(seed)   # seeds of the unseeded rows' sampling noise
         self._last_done: torch.cuda.Event | None = None
@@ -100,7 +102,7 @@ class ModelRunner:
         the sampled ids to the host) without waiting for the device."""
         clock = time.perf_counter
         launched = Launched(step.step_id, clock())
-        delta = step_delta.apply(self.batch, step, self.seq_of_row, self.num_blocks,
+        delta = step_delta.apply(self.batch, self.index, step, self.seq_of_row, self.num_blocks,
                                  self.spec is not None)
         kv_offload.check_step(self.host_kv, step)
         if len(delta.rows) == 0:   # every sequence of the step stopped: its block copies still run
@@ -122,7 +124,7 @@ class ModelRunner:
         if batch.tokens is not None:
             launched.token_rows, launched.token_pos = sample_rows, batch.num_tokens[sample_rows].copy()
         launched.kind, launched.graph = step_kind(prep), self.forward.mode(prep)
-        dev = staging.upload(self._host_arrays(step, prep, launched.graph, delta, sampling), self.device)
+        dev = self.stager.upload(self._host_arrays(step, prep, launched.graph, delta, sampling))
         t_build = clock()
         if self.device.type == "cuda":   # after the upload is queued: host packing is not device time
             launched.begin, launched.previous = torch.cuda.Event(enable_timing=True), self._last_done
@@ -149,10 +151,11 @@ class ModelRunner:
         out.start_download()
         launched.sample_ms = (clock() - t_forward) * 1e3   # CPU: the sampling itself
         launched.out = out
-        launched.seq_ids = self.seq_of_row[sample_rows].tolist()
+        seq_ids = self.seq_of_row[sample_rows]
+        launched.seq_ids = seq_ids.tolist()
         keep = self.batch.history_mask(sample_rows)
         launched.histories = list(zip(np.flatnonzero(keep).tolist(), self.batch.count_sampled(sample_rows)))
-        launched.stop_watch = self.batch.stop_watch(sample_rows, launched.seq_ids)
+        launched.stop_watch = self.batch.stop_watch(sample_rows, seq_ids)
         launched.host_ms["sample"] = (clock() - t_forward) * 1e3
         return self._record_done(launched)
 
@@ -193,9 +196,8 @@ class ModelRunner:
             return True
         if self.batch.num_history_rows == 0:   # the common case costs nothing per step
             return False
-        rows = [self.batch.rows.get(s) for s in step.running_seq_ids]
-        rows = np.asarray([r for r in rows if r is not None], dtype=np.int64)
-        return bool(len(rows) and self.batch.history_mask(rows).any())
+        rows, found = self.index.lookup(np.array(step.running_seq_ids, dtype=np.uint64))
+        return bool(self.batch.history_mask(rows[found]).any())
 
     @torch.inference_mode()
     def finish(self, launched: Launched) -> pb.StepResult:

@@ -3,7 +3,7 @@ block tables cut back, new sequences in full, running ones' new blocks; returns 
 step computes and how many tokens each.
 
 The running sequences travel as parallel arrays (worker.proto), so their part is array work:
-ids to rows by one C-level lookup (``operator.itemgetter``), the protobuf arrays read into
+ids to rows by a search in the sorted held ids (``RowIndex``), the protobuf arrays read into
 numpy once, new blocks appended in one vectorised call. Only new sequences (their prompts
 and sampling parameters) are handled one by one.
 """
@@ -11,7 +11,6 @@ and sampling parameters) are handled one by one.
 from __future__ import annotations
 
 import dataclasses
-import operator
 
 import numpy as np
 
@@ -30,24 +29,48 @@ class StepRows:
 
 
 def _ints(values) -> np.ndarray:
-    return np.fromiter(values, dtype=np.int64, count=len(values))
+    """A protobuf repeated field as an int64 array (np.array reads it ~5x faster than
+    iterating it)."""
+    return np.array(values, dtype=np.int64)
 
 
-def rows_of(batch: InputBatch, seq_ids) -> np.ndarray:
-    """The rows of ``seq_ids`` (BatchError naming an unknown one)."""
-    if len(seq_ids) == 0:
-        return np.zeros(0, dtype=np.int64)
-    try:
-        found = operator.itemgetter(*seq_ids)(batch.rows)
-    except KeyError as exc:
-        raise BatchError(f"unknown sequence {exc.args[0]}") from None
-    return _ints(found) if len(seq_ids) > 1 else np.array([found], dtype=np.int64)
+class RowIndex:
+    """Seq id -> row for arrays of ids: the held ids sorted (rebuilt when the mirror's set of
+    sequences changed, ``InputBatch.version``) and searched."""
+
+    def __init__(self, batch: InputBatch):
+        self.batch, self._version = batch, -1
+        self._ids = np.zeros(0, dtype=np.uint64)
+        self._rows = np.zeros(0, dtype=np.int64)
+
+    def lookup(self, seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, found): each id's row (0 where it is not held) and whether it is held."""
+        if self._version != self.batch.version:
+            held = self.batch.rows
+            ids = np.array(list(held), dtype=np.uint64)
+            order = np.argsort(ids)
+            self._ids = ids[order]
+            self._rows = np.array(list(held.values()), dtype=np.int64)[order]
+            self._version = self.batch.version
+        if len(self._ids) == 0:
+            return np.zeros(len(seq_ids), dtype=np.int64), np.zeros(len(seq_ids), dtype=bool)
+        pos = np.minimum(np.searchsorted(self._ids, seq_ids), len(self._ids) - 1)
+        found = self._ids[pos] == seq_ids
+        return np.where(found, self._rows[pos], 0), found
+
+    def rows_of(self, seq_ids: np.ndarray) -> np.ndarray:
+        """The rows of ``seq_ids`` (BatchError naming an unknown one)."""
+        rows, found = self.lookup(seq_ids)
+        if not found.all():
+            raise BatchError(f"unknown sequence {seq_ids[~found][0]}")
+        return rows
 
 
-def apply(batch: InputBatch, step: pb.StepRequest, seq_of_row: np.ndarray, num_blocks: int,
-          speculating: bool) -> StepRows:
-    """Updates the mirror from ``step``; ``seq_of_row`` (row -> seq id) learns the new rows;
-    ``speculating``: whether the worker speculates (else running_num_spec is ignored)."""
+def apply(batch: InputBatch, index: RowIndex, step: pb.StepRequest, seq_of_row: np.ndarray,
+          num_blocks: int, speculating: bool) -> StepRows:
+    """Updates the mirror from ``step``; ``index``: the batch's RowIndex; ``seq_of_row`` (row ->
+    seq id) learns the new rows; ``speculating``: whether the worker speculates (else
+    running_num_spec is ignored)."""
     for sid in step.finished_seq_ids:
         batch.remove(sid)
     if step.truncate_seq_ids:
@@ -60,8 +83,8 @@ def apply(batch: InputBatch, step: pb.StepRequest, seq_of_row: np.ndarray, num_b
         new_rows.append(row)
         new_counts.append(new.num_scheduled_tokens)
         last.append((row_state.output_token_ids or row_state.prompt_token_ids)[-1])
-    running_ids = step.running_seq_ids
-    running = rows_of(batch, running_ids)
+    running_ids = np.array(step.running_seq_ids, dtype=np.uint64)
+    running = index.rows_of(running_ids)
     n_blocks = _ints(step.running_new_block_counts)
     if len(n_blocks) and n_blocks.any():
         if len(n_blocks) > len(running) or n_blocks.sum() != len(step.running_new_block_ids):
@@ -79,8 +102,7 @@ def apply(batch: InputBatch, step: pb.StepRequest, seq_of_row: np.ndarray, num_b
         raise BatchError("running_num_spec does not match running_seq_ids")
     spec = _ints(spec) if len(spec) and speculating else np.zeros(len(running), dtype=np.int64)
     if batch.stopped:   # sent before the control plane saw their stop token: not run
-        keep = np.fromiter((s not in batch.stopped for s in running_ids), dtype=bool,
-                           count=len(running_ids))
+        keep = ~np.isin(running_ids, np.array(list(batch.stopped), dtype=np.uint64))
         running, scheduled, spec = running[keep], scheduled[keep], spec[keep]
         rows = np.concatenate((rows[:len(new_rows)], running))
     src, dst = step.copy_src_blocks, step.copy_dst_blocks
