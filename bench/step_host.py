@@ -161,6 +161,11 @@ def main() -> None:
     except TypeError:   # an older worker (the regression hunt's baseline)
         worker = Worker(WorkerOptions(**opts))
     runner, rows = worker.runner, []
+    if hasattr(worker, "graphs") and hasattr(worker.graphs, "describe"):
+        g = worker.graphs
+        print(json.dumps(dict(graphs=g.describe(), graph_count=g.num_graphs, graph_mib=round(g.measured_bytes / 2**20),
+                              graph_estimated_mib=round(g.estimated_bytes / 2**20),
+                              graph_capture_s=round(g.capture_seconds, 2))), flush=True)
     if args.stub_model:
         stub_forward(runner.model)
     for mode in args.modes.split(","):
