@@ -190,14 +190,16 @@ def _requests():
             for i, n in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise"])
-def test_greedy_outputs_with_mixed_graphs_equal_eager(model_dir, mode):
+@pytest.mark.parametrize("mode,quantization", [("full_and_piecewise", None), ("piecewise", None),
+                                               ("full_and_piecewise", "int8")])
+def test_greedy_outputs_with_mixed_graphs_equal_eager(model_dir, mode, quantization):
     """Chunked prompts beside running decodes (max 48 tokens a step): prefill, mixed and decode
-    steps, replayed piecewise (and decodes by the full graphs), give eager's tokens."""
+    steps, replayed piecewise (and decodes by the full graphs), give eager's tokens; quantized
+    layers too."""
     cfg = EngineConfig(max_running=8, max_batched_tokens=48)
-    eager = _worker(model_dir, enforce_eager=True)
+    eager = _worker(model_dir, enforce_eager=True, quantization=quantization)
     reference, _ = asyncio.run(run(model_dir, eager, _requests(), cfg))
-    w = _worker(model_dir, cudagraph_mode=mode)
+    w = _worker(model_dir, cudagraph_mode=mode, quantization=quantization)
     g = graphs.attach(w, mode)
     seen = graphs.record_modes(w.runner)
     out, _ = asyncio.run(run(model_dir, w, _requests(), cfg))
