@@ -62,9 +62,14 @@ def dataplane_steps(port: int, steps_file: str) -> tuple[float, float]:
         return float(text or 0), 0.0
     import urllib.request
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    values = dict(line.split(" ", 1) for line in text.splitlines() if line and line[0] != "#")
-    return (float(values.get("headrace:dataplane_steps_total", 0)),
-            float(values.get("headrace:dataplane_step_device_seconds_sum", 0)))
+    values: dict[str, float] = {}
+    for line in text.splitlines():   # summed over labels (the step kinds)
+        if line and line[0] != "#":
+            name, _, value = line.rpartition(" ")
+            name = name.partition("{")[0]
+            values[name] = values.get(name, 0.0) + float(value)
+    return (values.get("headrace:dataplane_steps_total", 0.0),
+            values.get("headrace:dataplane_step_device_seconds_sum", 0.0))
 
 
 def run_whole(argv: list[str]) -> None:

@@ -54,10 +54,11 @@ def _load_triton():
 
 def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
                          max_query_len=None, decode_only=None, num_decodes=0, decode_order=None,
-                         k_scale=1.0, v_scale=1.0):
+                         k_scale=1.0, v_scale=1.0, out=None):
     """kernels.reference.paged_attention, taking (and ignoring) the Triton version's hints."""
-    return reference.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables,
-                                     scale, k_scale, v_scale)
+    result = reference.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables,
+                                       scale, k_scale, v_scale)
+    return result if out is None else out.copy_(result)
 
 
 def _on_cuda(fast, slow):
@@ -85,14 +86,16 @@ _paged_attention = _select(_reference_attention, "paged_attention")
 
 
 def paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
-                    flash=None, **hints):
+                    flash=None, out=None, **hints):
     """Causal attention of variable-length queries over paged KV (kernels.reference's
-    semantics); ``flash``: the step's flash-attn-4 plan, or None."""
+    semantics); ``flash``: the step's flash-attn-4 plan, or None; ``out``: where the result
+    goes (a tensor of the query's shape; the Triton kernels write it directly)."""
     if flash is None or not query.is_cuda or MODE == "reference":
         return _paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale,
-                                **hints)
-    return flash_attn4.paged_attention(query, kv_cache, flash, scale, _paged_attention,
-                                       hints.get("decode_order"))
+                                out=out, **hints)
+    result = flash_attn4.paged_attention(query, kv_cache, flash, scale, _paged_attention,
+                                         hints.get("decode_order"))
+    return result if out is None else out.copy_(result)
 
 
 sample_race = _select(reference.sample_race, "sample_race")

@@ -81,7 +81,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
                     max_query_len: int | None = None, decode_only: bool | None = None,
                     num_kv_splits: int | None = None, num_decodes: int = 0,
                     decode_order: torch.Tensor | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of variable-length queries over paged KV; see
     kernels.reference.paged_attention. Host-side hints avoid a device sync: ``decode_only=True``
     promises every sequence has exactly one query token; otherwise ``max_query_len`` (the longest
@@ -90,11 +90,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     ``num_decodes``: the first that many sequences of a mixed batch have one query token each;
     they take the decode kernel (a prefill tile would pad each of them to BLOCK_Q tokens).
     ``decode_order`` (int32, a permutation of the decode rows, longest context first) is the
-    order their programs start in: a scheduling hint that leaves the result unchanged."""
+    order their programs start in: a scheduling hint that leaves the result unchanged.
+    ``out``: a contiguous tensor of the query's shape to write (default: a new one)."""
     tokens, heads, head_dim = query.shape
     batch = seq_lens.shape[0]
     query = query if query.stride(-1) == 1 else query.contiguous()
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     if tokens == 0:
         return out
     if not decode_only:

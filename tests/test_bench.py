@@ -5,6 +5,7 @@ imports resolve without path hacks), and bench/gpu_run.sh runs only modules that
 from __future__ import annotations
 
 import importlib
+import json
 import pathlib
 import re
 import subprocess
@@ -16,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_reference",
            "random_checkpoint", "w4_bench", "quant_kernels", "quantize_checkpoint",
            "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream",
-           "draft_acceptance", "chunking_sim", "gpu_table", "tier_bench", "tier_targets"]
+           "draft_acceptance", "chunking_sim", "gpu_table", "tier_bench", "tier_targets", "step_host"]
 SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token", "w5_report"]   # imported, not run
 
 
@@ -61,6 +62,31 @@ def test_fa4_gpu_check_installs_offline_and_runs_benches_as_modules():
     assert "pkill" not in script and "killall" not in script
     for section in ("install", "tests", "bench", "w1", "long", "w3"):
         assert f"has {section}" in script, section
+
+
+def test_mixed_gpu_check_is_valid_and_runs_benches_as_modules():
+    script = (ROOT / "bench" / "mixed_gpu_check.sh").read_text()
+    subprocess.run(["bash", "-n", str(ROOT / "bench" / "mixed_gpu_check.sh")], check=True)
+    modules = set(re.findall(r"python3 -m bench\.(\w+)", script))
+    assert {"step_host", "inprocess_bench", "random_checkpoint"} <= modules <= set(BENCHES)
+    assert not re.search(r"python3? (-P )?bench/", script)
+    assert "pkill" not in script and "killall" not in script
+    for section in ("tests", "steps", "w1"):
+        assert f"has {section}" in script, section
+
+
+def test_step_host_times_every_phase_and_kind_on_a_cpu():
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.step_host", "--seqs", "4", "--context", "8", "--prefill", "16",
+         "--prefill-only", "32", "--steps", "2", "--warmup", "1", "--modes", "none"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"kind"')]
+    assert [r["kind"] for r in rows] == ["decode", "mixed", "prefill"]
+    for r in rows:
+        assert r["graph"] == "eager" and r["seqs"] == 4 and r["execute_ms"] > 0
+        assert set(r["host_ms"]) == {"apply", "build", "forward", "sample", "finish"}
+        assert all(v > 0 for v in r["host_ms"].values()), r
+    assert "mode               kind" in out   # the table
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ from dataplane.worker import WorkerOptions as DataPlaneWorkerOptions
 CHANGED = WorkerOptions(model="/models/x", device="cuda:1", dtype="float16", block_size=32,
                         max_model_len=4096, num_kv_blocks=123, max_num_seqs=77,
                         max_batched_tokens=999, cpu_kv_cache_gib=2.5,
-                        gpu_memory_utilization=0.55, cuda_graphs=False, seed=7,
+                        gpu_memory_utilization=0.55, cuda_graphs=False, enforce_eager=True,
+                        cudagraph_mode="piecewise", max_cudagraph_capture_size=1024, seed=7,
                         speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
                         quantization="fp8", kv_cache_dtype="fp8", attention_backend="flash-attn",
                         kv_offloading_size=1.5)
