@@ -123,6 +123,7 @@ def test_w5_runs_on_a_cpu_with_tiny_sizes_in_every_mode():
     assert never["hit_rate_host"] == 0 and never["host_hits_recomputed"] > 0 and never["blocks_in"] == 0
     assert on["load_us_per_token"] > 0 and off["load_us_per_token"] == 0
     assert "TTFT p50" in out.stdout and "same tokens in every mode: yes" in out.stdout
+    assert "same tokens in every alone mode: yes" in out.stdout
 
 
 def test_client_pool_streams_from_processes_and_reports_their_cpu():
@@ -210,7 +211,6 @@ def test_gpu_table_puts_each_target_beside_its_baseline(tmp_path):
     assert "TTFT p50 12.5 ms" in text and "sum 12.00 / TTFT 12.50 ms" in text
     assert "25000 / 26000 tok/s = 96.2%" in text
     assert "highest rate at the SLO: 140 req/s" in text and "1.74x" in text and "mixed:11.0/8.0" in text
-    assert "same tokens in every alone mode: yes" in out.stdout
 
 
 def test_w5_first_divergence_names_the_turn_and_token():

@@ -305,9 +305,10 @@ def test_every_metric_moves_as_expected(planes):
     assert d["dp_steps"] == d["dp_execute"] == steps and d["dp_sampled"] in (13, 13 + 1)
     # by step kind: each request's prompt was a prefill step, its other tokens decodes (a
     # prefill beside a decode is a mixed step); on a CPU every forward runs eagerly, but a step
-    # whose one sequence had stopped already (c's, at most) ran none
+    # whose one sequence had stopped already ran none: the steps sent past c's stop token
+    # before it came back (two at most at the default pipeline depth of 3)
     assert d["dp_prefill"] + d["dp_mixed"] >= 3 and d["dp_decode"] >= 1 and d["dp_verify"] == 0
-    assert d["dp_eager"] + d["dp_none"] == steps and d["dp_none"] <= 1
+    assert d["dp_eager"] + d["dp_none"] == steps and d["dp_none"] <= 2
     assert d["dp_sample_sum"] > 0
     assert cp(P + "time_to_first_token_seconds_sum") > 0
     assert cp(P + "step_time_seconds_sum", phase="execute") > 0
