@@ -30,6 +30,7 @@ from cli.options import (
     add_tls_args,
     check_device_name,
     check_speculative_config,
+    check_structured_outputs_backend,
     default_model,
     positive_int,
 )
@@ -113,6 +114,7 @@ def cmd_serve(args) -> int:
     from common.metrics import enable_multiprocess
 
     check_speculative_config(args)
+    check_structured_outputs_backend(args)
     check_device_name(args.device)
     args.model = _model_for_the_control_plane(args, weights=True)
     check_public_ports(args)
@@ -146,6 +148,7 @@ def cmd_controlplane(args) -> int:
     from cli.processes import run_control_plane
     from common.metrics import enable_multiprocess
 
+    check_structured_outputs_backend(args)
     args.model = _model_for_the_control_plane(args, weights=False)
     check_public_ports(args)
     private_dir = tempfile.mkdtemp(prefix="headrace-")

@@ -5,6 +5,10 @@ Runs as one asyncio task. Handlers talk to it through ``submit`` and ``abort``; 
 appends sampled tokens to the sequences and wakes their request (``Request.notify``); a
 request that cannot go on gets a ``Failure``.
 
+A request with a structured-output constraint reaches the scheduler once its grammar is
+compiled (``controlplane.structured``, off the loop); each step then carries its constrained
+rows' token bitmasks, and their matchers consume the tokens folded in.
+
 Requests are woken after the next step is sent (the device is fed before clients are), except
 in an engine core (``flush_woken``): there waking them is one message per front end, so while
 another step is still in flight (the device stays busy) a folded step's news goes out first.
@@ -26,9 +30,10 @@ from controlplane.block_manager import BlockManager
 from controlplane.engine_config import EngineConfig
 from controlplane.inflight import InFlightSteps
 from controlplane.policy import Policy
-from controlplane.request import Failure, Request, Sequence
+from controlplane.request import Failure, Request, Sequence, Status
 from controlplane.scheduler import Scheduler
 from controlplane.step import ScheduledStep
+from controlplane.structured.outputs import StructuredOutputs
 from controlplane.telemetry import EngineTelemetry
 from controlplane.worker_client import WorkerError, WorkerGroup
 from headrace.dataplane.v1 import worker_pb2 as wpb
@@ -60,6 +65,8 @@ class Engine:
         self._inflight: InFlightSteps | None = None   # the loop's, new each time it starts
         # the engine core's: sends its front ends their news at once (one message each)
         self.flush_woken = None
+        self.model_dir: str | None = None   # whose tokenizer grammars compile for (EnginePlane)
+        self.structured = StructuredOutputs(config.structured_outputs_backend)
 
     async def start(self, timeout: float = 600.0) -> None:
         self._build(await self.workers.describe(timeout))
@@ -84,6 +91,7 @@ class Engine:
         max_running = min([cfg.max_running] + [i.max_num_seqs for i in infos if i.max_num_seqs])
         max_tokens = min([cfg.max_batched_tokens] + [i.max_batched_tokens for i in infos
                                                       if i.max_batched_tokens])
+        self.structured.configure(self.model_dir, self.info.vocab_size, self.info.eos_token_ids)
         spec = speculative.from_proto(self.info.speculative)   # the worker's configuration
         self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark,
                                    fair_share=cfg.fair_share,
@@ -155,8 +163,22 @@ class Engine:
             request.stream_interval = self.config.stream_interval
         self.requests[request.request_id] = request
         self.telemetry.request_submitted(request)
+        if request.structured is not None:   # scheduled once its grammar is compiled
+            self.structured.submit(request, self._admit, self._refuse)
+            return
+        self._admit(request)
+
+    def _admit(self, request: Request) -> None:
         self.scheduler.add(request.sequences)
         self._wake.set()
+
+    def _refuse(self, request: Request, failure: Failure) -> None:
+        """Its grammar did not compile: the request ends with ``failure``, never scheduled."""
+        for seq in request.sequences:
+            seq.status, seq.finish_reason = Status.FINISHED, pb.FINISH_REASON_ABORTED
+        if self.requests.pop(request.request_id, None) is not None:
+            self.telemetry.request_done(request)
+        request.fail(failure)
 
     def abort(self, request: Request) -> None:
         """Client left (cancel, deadline): drop the request; its blocks are free at once."""
@@ -200,11 +222,13 @@ class Engine:
                 step = None
                 # a speculating step runs alone: the sequences' tokens must all be known
                 speculate = self.scheduler.may_speculate()
-                if inflight.has_room(self.scheduler.running) and not (speculate and inflight):
+                constrained = self.structured.live > 0
+                if inflight.has_room(self.scheduler.running, constrained) and not (speculate and inflight):
                     t0 = time.perf_counter()
                     step = self.scheduler.schedule(speculate)
                     if not step.empty:
-                        await inflight.send(step, time.perf_counter() - t0)
+                        masks = self.structured.step_masks(step) if constrained else None
+                        await inflight.send(step, time.perf_counter() - t0, masks)
                         self.scheduler.after_step(step)
                         continue
                 self._wake_requests()   # after the send: the device is fed before clients are
@@ -223,6 +247,7 @@ class Engine:
             if self.scheduler.tier_cost is not None:   # its recompute estimate: step times
                 self.scheduler.tier_cost.observe(sent.step, result, self.info.device != "cpu")
             self.telemetry.step_done(result, sent.traced, t2 - sent.at, time.perf_counter() - t2, emitted)
+        await self._inflight.send_late_bitmask()   # the next step's, now that its tokens are in
         if self.flush_woken is not None and self._to_wake and self._inflight:
             # a step still in flight keeps the device busy: the news goes out first (one loop
             # turn), then the next step is scheduled
@@ -248,7 +273,9 @@ class Engine:
 
     def _settle(self, seq: Sequence, reason: int) -> None:
         """Finishes ``seq`` for ``reason`` (UNSPECIFIED: it goes on) and queues its request to
-        wake: at its end, or once per stream_interval tokens."""
+        wake: at its end, or once per stream_interval tokens. A grammar consumes the token first."""
+        if seq.grammar is not None:
+            reason = self.structured.after_token(seq, reason)
         if reason != pb.FINISH_REASON_UNSPECIFIED:
             self._finish(seq, reason)
             self._to_wake.append(seq.request)
@@ -299,6 +326,7 @@ class Engine:
         self._to_wake.clear()
 
     def _finish(self, seq: Sequence, reason: int) -> None:
+        self.structured.release(seq)
         self.scheduler.finish(seq, reason)
         self.telemetry.seq_finished(seq, reason)
         if seq.request.finished and self.requests.pop(seq.request_id, None) is not None:

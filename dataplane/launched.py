@@ -43,3 +43,5 @@ class Launched:
     verified: Verified | None = None               # a speculative verify (spec_decode)
     token_rows: np.ndarray | None = None           # the rows that sampled, and where their
     token_pos: np.ndarray | None = None            # tokens go in the token mirror
+    awaiting: tuple | None = None   # launched with bitmask_follows: (logits, sampling, device
+                                    # arrays, prepared batch) until ``sample_late``

@@ -1,0 +1,140 @@
+"""Structured outputs in the engine: a constrained request's grammar is compiled (off the
+loop, ``compiler``) before its sequences reach the scheduler, each sequence gets its own
+matcher, the matcher consumes every token folded into its sequence, and each step carries
+the packed bitmasks of its constrained rows that sample (``StepMasks``).
+
+Overlapped scheduling: step N+1 is sent before step N's tokens are known, and a constrained
+row's bitmask for N+1 depends on its token of step N. Such a step goes out with
+``bitmask_follows``: the worker launches its forward pass at once and samples it when the
+bitmasks arrive, which the engine sends right after folding step N (``InFlightSteps``), so
+the forward pass hides the round trip. Rows whose tokens are all known (a first token, a step
+with nothing else in flight) get theirs inline. While any constrained sequence runs, two steps
+at most are in flight. With no constrained sequence alive nothing here runs per step.
+
+EOS is allowed by the bitmask only where the grammar accepts the output, and a complete
+grammar allows nothing else: the sequence ends with its EOS (FINISH_REASON_STOP; with
+``ignore_eos`` the engine stops it there too).
+Preemption keeps the matcher (it has consumed exactly the sequence's tokens); a sequence
+whose grammar rejects a token (it cannot happen with a correct mask) is finished with STOP
+and logged."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import numpy as np
+
+from controlplane.request import Failure, Request, Sequence, Status
+from controlplane.step import ScheduledStep
+from controlplane.structured import backends
+from controlplane.structured.compiler import GrammarCompiler
+from controlplane.structured.spec import ConstraintError
+from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.v1 import inference_pb2 as pb
+
+log = logging.getLogger("headrace.structured")
+
+
+class StepMasks:
+    """The constrained sequences that sample in one step, and their bitmasks."""
+
+    __slots__ = ("seqs", "ready", "step", "_outputs")
+
+    def __init__(self, outputs: "StructuredOutputs", step: ScheduledStep, seqs: list[Sequence]):
+        self._outputs, self.step, self.seqs = outputs, step, seqs
+        # every token the masks depend on is known (none of theirs is in flight)
+        self.ready = not any(s.num_inflight for s in seqs)
+
+    def build(self) -> wpb.TokenBitmask:
+        return self._outputs.bitmask(self.seqs)
+
+
+class StructuredOutputs:
+    def __init__(self, backend: str = "auto"):
+        self.compiler = GrammarCompiler(backend)
+        self.words = 0    # int32 words per bitmask row (the model's vocabulary / 32)
+        self.live = 0     # sequences with a matcher: steps carry bitmasks only while > 0
+        self.eos: frozenset[int] = frozenset()
+        self.num_rejected = 0
+
+    def configure(self, model_dir: str | None, vocab_size: int, eos_token_ids) -> None:
+        """The model served (engine start, reload)."""
+        self.words = backends.bitmask_words(vocab_size)
+        self.eos = frozenset(eos_token_ids)
+        if model_dir is not None:
+            self.compiler.configure(model_dir, vocab_size, eos_token_ids)
+
+    # -- requests ---------------------------------------------------------------------------
+    def submit(self, request: Request, admit, fail) -> None:
+        """Compiles ``request.structured``; ``admit(request)`` once its sequences have their
+        matchers (now, when the grammar is cached), ``fail(request, Failure)`` when it does not
+        compile. Until then its sequences wait outside the scheduler (``Status.GRAMMAR``)."""
+        for seq in request.sequences:
+            seq.status = Status.GRAMMAR
+        future = self.compiler.compile(request.structured)
+        if future.done():
+            self._compiled(request, future, admit, fail)
+            return
+        def done(wrapped: asyncio.Future) -> None:
+            if not wrapped.cancelled():
+                wrapped.exception()   # (retrieved: ``_compiled`` reads it from ``future``)
+            self._compiled(request, future, admit, fail)
+
+        asyncio.wrap_future(future).add_done_callback(done)
+
+    def _compiled(self, request: Request, future, admit, fail) -> None:
+        if any(s.status is not Status.GRAMMAR for s in request.sequences):
+            return   # aborted (client gone, drain) while it compiled
+        exc = future.exception()
+        if exc is not None:
+            if isinstance(exc, (ConstraintError, backends.BackendUnavailable)):
+                fail(request, Failure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+            else:
+                log.error("compiling a grammar failed: %r", exc)
+                fail(request, Failure(grpc.StatusCode.INTERNAL, f"structured: compiling failed: {exc!r}"))
+            return
+        compiled = future.result()
+        for seq in request.sequences:
+            seq.grammar = compiled.matcher()
+        self.live += len(request.sequences)
+        admit(request)
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence finished: its matcher goes."""
+        if seq.grammar is not None:
+            seq.grammar = None
+            self.live -= 1
+
+    # -- tokens -----------------------------------------------------------------------------
+    def after_token(self, seq: Sequence, reason: int) -> int:
+        """``seq`` got a token (its last output): the matcher consumes it. Returns the finish
+        reason: ``reason`` if set, else STOP when it was the grammar's final EOS (sampled under
+        ``ignore_eos``) or the grammar rejected it (its text is then not returned)."""
+        if reason != pb.FINISH_REASON_UNSPECIFIED:
+            return reason
+        matcher, token = seq.grammar, seq.output_token_ids[-1]
+        if not matcher.accept(token):
+            self.num_rejected += 1
+            log.warning("sequence %d: its grammar rejected token %d; finishing it", seq.seq_id, token)
+            return pb.FINISH_REASON_STOP
+        return pb.FINISH_REASON_STOP if token in self.eos and matcher.finished else reason
+
+    # -- steps ------------------------------------------------------------------------------
+    def step_masks(self, step: ScheduledStep) -> StepMasks | None:
+        """The bitmasks ``step`` needs (None: no constrained row samples in it). Call after
+        ``schedule`` and before ``after_step`` (a row samples when it computes its last token)."""
+        seqs = [seq for seq, n in step.scheduled()
+                if seq.grammar is not None and seq.num_computed + n == seq.num_total]
+        return StepMasks(self, step, seqs) if seqs else None
+
+    def bitmask(self, seqs: list[Sequence]) -> wpb.TokenBitmask:
+        """The packed bitmask of each sequence's next token (all ones for one that finished
+        meanwhile: its token is dropped anyway)."""
+        rows = np.full((len(seqs), self.words), -1, dtype="<i4")
+        live = [(i, s.grammar) for i, s in enumerate(seqs)
+                if s.grammar is not None and s.status is not Status.FINISHED]
+        if live:
+            self.compiler.backend.fill_rows([m for _, m in live], rows, [i for i, _ in live])
+        return wpb.TokenBitmask(seq_ids=[s.seq_id for s in seqs], bits=rows.tobytes())
