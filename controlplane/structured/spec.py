@@ -13,11 +13,11 @@ import dataclasses
 import hashlib
 import json
 
+from controlplane.limits import MAX_CONSTRAINT_BYTES
 from controlplane.validation import ValidationError
 from headrace.v1 import inference_pb2 as pb
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-MAX_CONSTRAINT_BYTES = 4 << 20   # a schema or grammar of 4 MiB at most (its compile is bounded too)
 MAX_CHOICES = 4096
 
 
