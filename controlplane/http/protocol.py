@@ -78,6 +78,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None   # false: tool_choice "required" makes one call
     # vLLM's chat extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False

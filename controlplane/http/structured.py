@@ -8,7 +8,8 @@
   (and ``guided_decoding_backend``);
 * chat's ``tool_choice``: a named function (``{"type": "function", "function": {"name"}}``)
   constrains the output to that tool's ``parameters`` schema, ``"required"`` to a JSON array of
-  calls (``[{"name", "parameters"}]``) of the given tools; the response then carries
+  calls (``[{"name", "parameters"}]``) of the given tools (one, with ``parallel_tool_calls:
+  false``); the response then carries
   ``tool_calls`` (``controlplane.http.tool_calls``). ``"auto"`` and ``"none"`` constrain nothing.
 
 At most one of them may be given; every problem is a 400 naming the parameter.
@@ -94,6 +95,8 @@ def _tool_schema(body) -> tuple[pb.StructuredOutputs | None, Any]:
                                                    "parameters": _parameters(f)},
                   "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if body.parallel_tool_calls is False:
+            schema["maxItems"] = 1
         return pb.StructuredOutputs(json_schema=json.dumps(schema)), "required"
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
