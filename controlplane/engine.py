@@ -30,7 +30,7 @@ from controlplane.block_manager import BlockManager
 from controlplane.engine_config import EngineConfig
 from controlplane.inflight import InFlightSteps
 from controlplane.policy import Policy
-from controlplane.request import Failure, Request, Sequence, Status
+from controlplane.request import Failure, Request, Sequence
 from controlplane.scheduler import Scheduler
 from controlplane.step import ScheduledStep
 from controlplane.structured.outputs import StructuredOutputs
@@ -164,21 +164,14 @@ class Engine:
         self.requests[request.request_id] = request
         self.telemetry.request_submitted(request)
         if request.structured is not None:   # scheduled once its grammar is compiled
-            self.structured.submit(request, self._admit, self._refuse)
+            self.structured.submit(request, self)
             return
-        self._admit(request)
+        self.admit(request)
 
-    def _admit(self, request: Request) -> None:
+    def admit(self, request: Request) -> None:
+        """Hands a submitted request's sequences to the scheduler."""
         self.scheduler.add(request.sequences)
         self._wake.set()
-
-    def _refuse(self, request: Request, failure: Failure) -> None:
-        """Its grammar did not compile: the request ends with ``failure``, never scheduled."""
-        for seq in request.sequences:
-            seq.status, seq.finish_reason = Status.FINISHED, pb.FINISH_REASON_ABORTED
-        if self.requests.pop(request.request_id, None) is not None:
-            self.telemetry.request_done(request)
-        request.fail(failure)
 
     def abort(self, request: Request) -> None:
         """Client left (cancel, deadline): drop the request; its blocks are free at once."""

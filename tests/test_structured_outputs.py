@@ -164,7 +164,14 @@ def test_bitmasks_ride_the_steps_inline_and_after_the_fold(planes):
     assert planes.engine.structured.live == 0 and planes.engine.structured.num_rejected == 0
 
 
+def _abandoned(planes) -> float:
+    registry = planes.engine.telemetry.metrics.registry
+    return sum(registry.get_sample_value("headrace:request_abandoned_total", {"reason": r}) or 0.0
+               for r in ("client_cancel", "deadline", "disconnect", "server_abort"))
+
+
 def test_compile_errors_are_invalid_argument(planes):
+    abandoned = _abandoned(planes)
     for bad, words in ((structured(regex="(unclosed"), "regex does not compile"),
                        (structured(json_schema='{"type": "frobnicate"}'), "json_schema does not compile"),
                        (structured(json_schema="{oops"), "not valid JSON"),
@@ -173,7 +180,7 @@ def test_compile_errors_are_invalid_argument(planes):
         with pytest.raises(grpc.RpcError) as info:
             run(planes, max_tokens=5, structured=bad)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details()
-    assert not planes.engine.requests
+    assert not planes.engine.requests and _abandoned(planes) == abandoned   # refused, not abandoned
     _, _, finish = run(planes, max_tokens=5, structured=structured(regex="[a-z]+"))   # still serving
     assert finish in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
 

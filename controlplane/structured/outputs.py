@@ -67,39 +67,46 @@ class StructuredOutputs:
             self.compiler.configure(model_dir, vocab_size, eos_token_ids)
 
     # -- requests ---------------------------------------------------------------------------
-    def submit(self, request: Request, admit, fail) -> None:
-        """Compiles ``request.structured``; ``admit(request)`` once its sequences have their
-        matchers (now, when the grammar is cached), ``fail(request, Failure)`` when it does not
-        compile. Until then its sequences wait outside the scheduler (``Status.GRAMMAR``)."""
+    def submit(self, request: Request, engine) -> None:
+        """Compiles ``request.structured``; the engine admits the request once its sequences
+        have their matchers (now, when the grammar is cached), or it fails INVALID_ARGUMENT
+        when the grammar does not compile. Meanwhile its sequences wait outside the scheduler
+        (``Status.GRAMMAR``)."""
         for seq in request.sequences:
             seq.status = Status.GRAMMAR
         future = self.compiler.compile(request.structured)
         if future.done():
-            self._compiled(request, future, admit, fail)
+            self._compiled(request, future, engine)
             return
+
         def done(wrapped: asyncio.Future) -> None:
             if not wrapped.cancelled():
                 wrapped.exception()   # (retrieved: ``_compiled`` reads it from ``future``)
-            self._compiled(request, future, admit, fail)
+            self._compiled(request, future, engine)
 
         asyncio.wrap_future(future).add_done_callback(done)
 
-    def _compiled(self, request: Request, future, admit, fail) -> None:
+    def _compiled(self, request: Request, future, engine) -> None:
         if any(s.status is not Status.GRAMMAR for s in request.sequences):
             return   # aborted (client gone, drain) while it compiled
         exc = future.exception()
-        if exc is not None:
-            if isinstance(exc, (ConstraintError, backends.BackendUnavailable)):
-                fail(request, Failure(grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
-            else:
-                log.error("compiling a grammar failed: %r", exc)
-                fail(request, Failure(grpc.StatusCode.INTERNAL, f"structured: compiling failed: {exc!r}"))
+        if exc is None:
+            compiled = future.result()
+            for seq in request.sequences:
+                seq.grammar = compiled.matcher()
+            self.live += len(request.sequences)
+            engine.admit(request)
             return
-        compiled = future.result()
-        for seq in request.sequences:
-            seq.grammar = compiled.matcher()
-        self.live += len(request.sequences)
-        admit(request)
+        if isinstance(exc, (ConstraintError, backends.BackendUnavailable)):
+            failure = Failure(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        else:
+            log.error("compiling a grammar failed: %r", exc)
+            failure = Failure(grpc.StatusCode.INTERNAL, f"structured: compiling failed: {exc!r}")
+        for seq in request.sequences:   # never scheduled: it ends here
+            seq.status, seq.finish_reason = Status.FINISHED, pb.FINISH_REASON_ABORTED
+        if engine.requests.pop(request.request_id, None) is not None:
+            engine.telemetry.request_done(request)
+        request.fail(failure)
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished: its matcher goes."""
