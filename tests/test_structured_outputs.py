@@ -238,3 +238,22 @@ def test_the_split_engine_core_constrains_too():
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in info.value.details()
     finally:
         planes.close()
+
+
+def test_the_client_library_sends_constraints(planes):
+    from headrace_client import Client, InvalidRequest
+    from headrace_client.types import build_request
+
+    with Client(planes.address) as client:
+        out = client.generate("Jane", max_tokens=120, temperature=1.0, seed=3, json_schema=SCHEMAS[0])
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.text), SCHEMAS[0])
+        chunks = list(client.stream("Jane", max_tokens=20, choice=["Longbourn", "Pemberley"]))
+        assert "".join(c.text for c in chunks) in ("Longbourn", "Pemberley")
+        with pytest.raises(InvalidRequest, match="regex does not compile"):
+            client.generate("Jane", max_tokens=5, regex="([a-z]")
+    assert build_request("x", regex="a+", structured_backend="guidance").structured.backend == "guidance"
+    assert build_request("x", json_object=True).structured.json_object
+    assert not build_request("x").HasField("structured")
+    with pytest.raises(TypeError, match="not regex, grammar"):
+        build_request("x", regex="a", grammar="root ::= \"a\"")
