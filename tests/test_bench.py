@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_reference",
            "random_checkpoint", "w4_bench", "quant_kernels", "quantize_checkpoint",
            "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream",
-           "draft_acceptance"]
+           "draft_acceptance", "structured_bench"]
 SUPPORT = ["serving_http"]   # modules the benchmarks import, not run on their own
 
 
@@ -87,3 +87,23 @@ def test_w5_runs_on_a_cpu_with_tiny_sizes_in_every_mode():
     assert never["hit_rate_host"] == 0 and never["host_hits_recomputed"] > 0 and never["blocks_in"] == 0
     assert on["load_us_per_token"] > 0 and off["load_us_per_token"] == 0
     assert "TTFT p50" in out.stdout and "same tokens in every mode: yes" in out.stdout
+
+
+def test_bytelevel_tokenizer_spells_text_for_grammars(tmp_path):
+    """``random_checkpoint --tokenizer bytelevel``: every byte is a token, the EOS is special,
+    and a grammar engine reads it (structured outputs need tokens that spell JSON)."""
+    from tokenizers import Tokenizer
+
+    from bench.random_checkpoint import write_bytelevel_tokenizer
+
+    write_bytelevel_tokenizer(tmp_path, 2000, 1500)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size() == 2000 and tok.id_to_token(1500) == "<|endoftext|>"
+    assert tok.decode([ord("{"), ord("a")]) == "{a" and tok.decode([1500], skip_special_tokens=True) == ""
+    from controlplane.structured import backends
+    from controlplane.structured.spec import Constraint
+
+    name = next((n for n in ("guidance", "xgrammar") if backends.installed(n)), None)
+    if name is not None:
+        m = backends.load(name, tmp_path, 2000, [1500]).compile(Constraint("regex", "[0-9]{2}")).matcher()
+        assert m.accept(tok.token_to_id("4")) and m.accept(tok.token_to_id("2"))

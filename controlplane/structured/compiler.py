@@ -5,19 +5,23 @@ Schema). It runs in a small pool of threads (both engines release the GIL while 
 grammar), so the engine loop keeps stepping and streaming while it runs. Results are cached
 by a hash of (backend, kind, text, tokenizer): a request with a grammar compiled before gets
 it at once, concurrent requests with the same text share one compilation, and a text that
-failed fails the same way without compiling again. The backend itself (the tokenizer's
-vocabulary as the grammar engine needs it) is loaded by the first compilation, in the pool
-too. ``configure`` starts over for another model (Admin reload)."""
+failed fails the same way without compiling again. ``configure`` loads the backend (the
+tokenizer's vocabulary as the grammar engine needs it) for the model served, at start and on
+reload: llguidance holds the GIL while it reads a vocabulary (~1-2 s for 150k tokens), so
+that happens before the engine serves, never beside running streams."""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import threading
+import time
 
 from controlplane.structured import backends
 from controlplane.structured.spec import Constraint, ConstraintError
 
+log = logging.getLogger("headrace.structured")
 COMPILE_THREADS = 2
 CACHE_SIZE = 256   # compiled grammars kept (least recently used dropped first)
 
@@ -41,6 +45,24 @@ class GrammarCompiler:
             with self._lock:
                 self._model, self._backend = model, None
             self._cache.clear()
+            self._preload()
+
+    def _preload(self) -> None:
+        """Loads the backend now (a missing engine under ``auto`` only refuses constrained
+        requests later; a failure is logged and retried by the first compilation)."""
+        try:
+            name = backends.resolve(self.requested)
+        except backends.BackendUnavailable as exc:
+            log.info("structured outputs unavailable: %s", exc)
+            return
+        start = time.perf_counter()
+        try:
+            backend = self.backend
+        except Exception as exc:  # noqa: BLE001 - reported to the requests that need it
+            log.warning("structured outputs: loading %s for %s failed: %s", name, self._model[0], exc)
+            return
+        log.info("structured outputs: %s ready for a vocabulary of %d in %.2fs", name,
+                 backend.vocab_size, time.perf_counter() - start)
 
     @property
     def backend(self) -> backends.Backend:
