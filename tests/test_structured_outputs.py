@@ -257,3 +257,67 @@ def test_the_client_library_sends_constraints(planes):
     assert not build_request("x").HasField("structured")
     with pytest.raises(TypeError, match="not regex, grammar"):
         build_request("x", regex="a", grammar="root ::= \"a\"")
+
+
+def _planes_with(**options):
+    from controlplane.engine import EngineConfig
+
+    worker = options.pop("worker_fields", None)
+    return Planes(default_model_dir(), config=EngineConfig(**options), worker_fields=worker)
+
+
+@pytest.mark.parametrize("options", [
+    dict(pipeline_depth=1),                                      # --no-overlap: every bitmask inline
+    dict(structured_outputs_backend="xgrammar"),
+    dict(worker_fields={"speculative_config": json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                                                          "prompt_lookup_min": 1, "prompt_lookup_max": 3})}),
+], ids=["no-overlap", "xgrammar", "ngram-speculation"])
+def test_other_configurations_constrain_too(options):
+    if options.get("structured_outputs_backend") == "xgrammar" and not backends.installed("xgrammar"):
+        pytest.skip("xgrammar is not installed")
+    planes = _planes_with(**options)
+    sent = []
+    real = planes.engine.workers.send
+
+    async def record(msg):
+        sent.append(msg)
+        return await real(msg)
+
+    planes.engine.workers.send = record
+    try:
+        # a repetitive prompt: n-gram lookups find drafts for the unconstrained request
+        free = planes.call(_both(planes, "the the the the the the the the the", SCHEMAS[1]))
+        text, finish = free
+        assert finish == pb.FINISH_REASON_STOP
+        jsonschema.validate(json.loads(text), SCHEMAS[1])
+        _, text, finish = run(planes, max_tokens=40, sampling=SAMPLED, structured=structured(
+            grammar='root ::= "(" [a-z]{1,4} (" " [a-z]{1,4}){1,3} ")"'))
+        assert finish == pb.FINISH_REASON_STOP and re.fullmatch(r"\([a-z]{1,4}( [a-z]{1,4}){1,3}\)", text)
+    finally:
+        planes.engine.workers.send = real
+        planes.close()
+    if options.get("pipeline_depth") == 1:
+        assert not any(m.bitmask_follows for m in sent) and any(m.HasField("bitmask") for m in sent)
+    if "worker_fields" in options:   # the unconstrained request speculated; the constrained did not
+        spec = planes.engine.scheduler.speculation
+        assert spec.num_drafts > 0 and planes.engine.structured.num_rejected == 0
+
+
+async def _both(planes, prompt: str, schema: dict):
+    """A free-text request beside a constrained one, on the engine directly; the latter's text."""
+    import asyncio
+
+    from headrace.v1 import inference_pb2 as pbm
+
+    async def one(req):
+        out, finish = [], 0
+        async for msg in planes.plane.requests.generate(req):
+            out.append(msg.text)
+            finish = msg.finish_reason or finish
+        return "".join(out), finish
+
+    free = pbm.GenerateRequest(prompt=prompt, max_tokens=40, sampling=pbm.SamplingParams(temperature=0))
+    constrained = pbm.GenerateRequest(prompt=prompt, max_tokens=80, sampling=pbm.SamplingParams(temperature=0),
+                                      structured=pbm.StructuredOutputs(json_schema=json.dumps(schema)))
+    _, result = await asyncio.gather(one(free), one(constrained))
+    return result
