@@ -18,11 +18,8 @@ DEVICE = triton_device()   # before triton is imported: the CPU interpreter or t
 import kernels.reference as ref  # noqa: E402
 from dataplane import bitmasks  # noqa: E402
 from dataplane.input_batch import BatchError  # noqa: E402
-from dataplane.server import serve  # noqa: E402
-from dataplane.worker import Worker, WorkerOptions  # noqa: E402
 from headrace.dataplane.v1 import worker_pb2 as wpb  # noqa: E402
-from headrace.dataplane.v1 import worker_pb2_grpc as wpb_grpc  # noqa: E402
-from tests.checkpoints import make_checkpoint  # noqa: E402
+from tests.test_dataplane import model_dir, worker_stub  # noqa: E402,F401 (fixtures: a qwen3 worker)
 
 VOCAB = 384
 WORDS = VOCAB // 32
@@ -74,20 +71,6 @@ def test_bitmask_arrays_map_sequences_to_sampling_rows():
 
 
 # -- the step protocol on a worker ------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("qwen3"), "qwen3", heads=4, kv_heads=2, head_dim=32)
-
-
-@pytest.fixture
-def stub(model_dir, tmp_path):
-    server = serve(Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=32)), f"unix:{tmp_path}/w.sock")
-    channel = grpc.insecure_channel(f"unix:{tmp_path}/w.sock")
-    yield wpb_grpc.WorkerStub(channel)
-    channel.close()
-    server.stop(0).wait()
-
-
 def prefill(step_id=1, seq_id=1, temperature=1.0, flush=False, **fields):
     step = wpb.StepRequest(step_id=step_id, flush=flush, **fields)
     step.new_seqs.add(seq_id=seq_id, prompt_token_ids=[5, 6, 7], block_ids=[0],
@@ -101,16 +84,16 @@ def decode(step_id, seq_id=1, flush=False, **fields):
                            running_new_block_counts=[0], flush=flush, **fields)
 
 
-def test_an_inline_bitmask_constrains_the_sample(stub):
+def test_an_inline_bitmask_constrains_the_sample(worker_stub):
     allowed = {17, 250, 383}
     for t in (0.0, 1.0, 5.0):
         step = prefill(temperature=t, flush=True,
                        bitmask=wpb.TokenBitmask(seq_ids=[1], bits=pack([allowed])))
-        (result,) = list(stub.Execute(iter([step])))
+        (result,) = list(worker_stub.Execute(iter([step])))
         assert result.token_ids[0] in allowed
 
 
-def test_late_bitmasks_complete_a_launched_step_in_order(stub):
+def test_late_bitmasks_complete_a_launched_step_in_order(worker_stub):
     """Step 2 is sent while step 1 is in flight, its bitmask promised; the next message
     brings it. The results come in step order; the late message has none of its own."""
     only = {42}
@@ -119,17 +102,17 @@ def test_late_bitmasks_complete_a_launched_step_in_order(stub):
              wpb.StepRequest(step_id=2, late_bitmask=True, bitmask=wpb.TokenBitmask(seq_ids=[1], bits=pack([only]))),
              decode(3, bitmask=wpb.TokenBitmask(seq_ids=[1], bits=pack([{7}]))),
              wpb.StepRequest(step_id=4, flush=True)]
-    results = list(stub.Execute(iter(steps)))
+    results = list(worker_stub.Execute(iter(steps)))
     assert [r.step_id for r in results] == [1, 2, 3, 4]
     assert list(results[1].token_ids) == [42] and list(results[2].token_ids) == [7]
 
 
-def test_greedy_under_a_mask_that_allows_the_free_choice_is_unchanged(stub):
-    (free,) = list(stub.Execute(iter([prefill(temperature=0.0, flush=True)])))
+def test_greedy_under_a_mask_that_allows_the_free_choice_is_unchanged(worker_stub):
+    (free,) = list(worker_stub.Execute(iter([prefill(temperature=0.0, flush=True)])))
     token = free.token_ids[0]
     masked = prefill(temperature=0.0, flush=True, seq_id=2,
                      bitmask=wpb.TokenBitmask(seq_ids=[2], bits=pack([{token, (token + 1) % VOCAB}])))
-    (result,) = list(stub.Execute(iter([masked])))
+    (result,) = list(worker_stub.Execute(iter([masked])))
     assert result.token_ids[0] == token
 
 
@@ -139,7 +122,7 @@ def test_greedy_under_a_mask_that_allows_the_free_choice_is_unchanged(stub):
     ([prefill(flush=True, bitmask=wpb.TokenBitmask(seq_ids=[1], bits=b"\0" * 8))], "bitmask"),
     ([prefill(), decode(2, bitmask_follows=True), wpb.StepRequest(step_id=5, late_bitmask=True)], "waits for none"),
 ])
-def test_protocol_mistakes_are_refused(stub, steps, words):
+def test_protocol_mistakes_are_refused(worker_stub, steps, words):
     with pytest.raises(grpc.RpcError) as info:
-        list(stub.Execute(iter(steps)))
+        list(worker_stub.Execute(iter(steps)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details()
