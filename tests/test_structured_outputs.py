@@ -321,3 +321,31 @@ async def _both(planes, prompt: str, schema: dict):
                                       structured=pbm.StructuredOutputs(json_schema=json.dumps(schema)))
     _, result = await asyncio.gather(one(free), one(constrained))
     return result
+
+
+def test_headrace_generate_takes_a_constraint(planes, tmp_path):
+    from tests.test_cli_failures import _headrace
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMAS[0]))
+    base = ("generate", "Jane", "--address", planes.address, "--max-tokens", "80", "--seed", "1")
+    out = _headrace(*base, "--json-schema", f"@{schema}")
+    assert out.returncode == 0, out.stderr
+    jsonschema.validate(json.loads(out.stdout), SCHEMAS[0])
+    out = _headrace(*base, "--choice", "Kitty", "--choice", "Lydia")
+    assert out.returncode == 0 and out.stdout.strip() in ("Kitty", "Lydia")
+    out = _headrace(*base, "--regex", "(x")
+    assert out.returncode == 1 and "regex does not compile" in out.stderr
+    out = _headrace(*base, "--regex", "a", "--choice", "b")
+    assert out.returncode == 2 and "not allowed with" in out.stderr
+
+
+def test_a_named_backend_that_is_missing_stops_the_command(monkeypatch):
+    import argparse
+
+    from cli.options import check_structured_outputs_backend
+
+    monkeypatch.setattr(backends, "installed", lambda name: False)
+    with pytest.raises(SystemExit, match=r"xgrammar is not installed; pip install 'headrace\[xgrammar\]'"):
+        check_structured_outputs_backend(argparse.Namespace(structured_outputs_backend="xgrammar"))
+    check_structured_outputs_backend(argparse.Namespace(structured_outputs_backend="auto"))   # no error
