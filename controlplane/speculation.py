@@ -39,8 +39,9 @@ def uses_history(seq: Sequence) -> bool:
     speculate for such sequences (its sampler applies them per row, not per position). Nor
     does a structured-output sequence: its drafts would need a bitmask per position."""
     s = seq.sampling
-    return (seq.grammar is not None or s.repetition_penalty != 1.0 or s.presence_penalty != 0.0
-            or s.frequency_penalty != 0.0 or (bool(s.stop_token_ids) and s.min_tokens > 0))
+    return (getattr(seq, "grammar", None) is not None or s.repetition_penalty != 1.0
+            or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
+            or (bool(s.stop_token_ids) and s.min_tokens > 0))
 
 
 class Speculation:
