@@ -220,7 +220,8 @@ class Engine:
                     t0 = time.perf_counter()
                     step = self.scheduler.schedule(speculate)
                     if not step.empty:
-                        masks = self.structured.step_masks(step) if constrained else None
+                        masks = self.structured.step_masks(step, self.scheduler.speculation) \
+                            if constrained else None
                         await inflight.send(step, time.perf_counter() - t0, masks)
                         self.scheduler.after_step(step)
                         continue
@@ -253,22 +254,24 @@ class Engine:
         returns how many tokens reached their sequences."""
         stopped = set(result.stopped_seq_ids)   # the worker alone applies the stop-token rule
         if result.num_tokens:   # a speculating step: up to k+1 tokens per sequence
-            return speculation.fold_verified(step, result, stopped, self.max_model_len,
+            return speculation.fold_verified(step, result, stopped, self._check,
                                              self.telemetry.first_token, self._settle,
                                              self.scheduler.verified)
         received = step_codec.decode(step, result)
-        max_len = self.max_model_len
         for seq in received:
             if len(seq.output_token_ids) == 1:
                 self.telemetry.first_token(seq)
-            self._settle(seq, seq.check_stop(seq.seq_id in stopped, max_len))
+            self._settle(seq, self._check(seq, seq.seq_id in stopped))
         return len(received)
+
+    def _check(self, seq: Sequence, stopped: bool) -> int:
+        """The finish reason after ``seq``'s new last token; its grammar consumes the token."""
+        reason = seq.check_stop(stopped, self.max_model_len)
+        return reason if seq.grammar is None else self.structured.after_token(seq, reason)
 
     def _settle(self, seq: Sequence, reason: int) -> None:
         """Finishes ``seq`` for ``reason`` (UNSPECIFIED: it goes on) and queues its request to
-        wake: at its end, or once per stream_interval tokens. A grammar consumes the token first."""
-        if seq.grammar is not None:
-            reason = self.structured.after_token(seq, reason)
+        wake: at its end, or once per stream_interval tokens."""
         if reason != pb.FINISH_REASON_UNSPECIFIED:
             self._finish(seq, reason)
             self._to_wake.append(seq.request)

@@ -60,7 +60,7 @@ class InFlightSteps:
         msg = step_codec.encode(step, next(self._step_ids), flush=self.depth == 1 or step.speculative)
         if masks is not None:
             if masks.ready:
-                msg.bitmask.CopyFrom(masks.build())
+                masks.apply(msg)
             else:
                 msg.bitmask_follows = True
                 self._late = (masks, msg.step_id)

@@ -178,7 +178,8 @@ class ModelRunner:
             kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, None))
             return launched
         batch = self.batch
-        drafts = self.spec.propose(batch, rows, spec) if spec.any() else None
+        drafts = self.spec.propose(batch, rows, spec, bitmasks.checked_drafts(step, batch.rows)) \
+            if spec.any() else None
         prep = batch.prepare(rows, counts if drafts is None else counts + drafts, drafts)
         sample_rows = prep.sample_rows
         if drafts is not None:

@@ -219,3 +219,27 @@ def test_a_large_schema_compiles_without_holding_the_gil():
     future.result()
     assert len(gaps) > 5 and max(gaps) < 0.5, max(gaps)
     compiler.shutdown()
+
+
+def test_drafts_are_cut_at_the_first_token_the_grammar_rejects(tokenizer):
+    """Checked drafts (speculative decoding): a bitmask after each draft the grammar allows,
+    none after the first it rejects; the matcher is left as it was."""
+    import types
+
+    from controlplane.request import Status
+    from controlplane.structured.outputs import StructuredOutputs
+
+    outputs = StructuredOutputs("auto")
+    outputs.configure(str(MODEL), VOCAB, [EOS])
+    grammar = outputs.compiler.compile(Constraint("regex", "[0-9]{3}x")).result(30)
+    seq = types.SimpleNamespace(seq_id=5, grammar=grammar.matcher(), status=Status.RUNNING)
+    digit = [tokenizer.encode(c, add_special_tokens=False)[0] for c in "12a3"]
+    drafts = {5: digit}
+    msg = outputs.bitmask([seq], drafts)
+    assert list(msg.seq_ids) == [5, 5, 5] and drafts == {5: digit[:2]}   # '1', '2' kept; 'a' cut
+    rows = np.frombuffer(msg.bits, dtype="<i4").reshape(3, -1)
+    for row in rows:   # each position allows digits only
+        bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+        assert bits[digit[0]] and bits[digit[3]] and not bits[digit[2]]
+    assert allowed(seq.grammar) == allowed(grammar.matcher())   # rolled back
+    outputs.compiler.shutdown()

@@ -162,3 +162,32 @@ def test_a_named_backend_that_is_missing_stops_the_command(monkeypatch):
     with pytest.raises(SystemExit, match=r"xgrammar is not installed; pip install 'headrace\[xgrammar\]'"):
         check_structured_outputs_backend(argparse.Namespace(structured_outputs_backend="xgrammar"))
     check_structured_outputs_backend(argparse.Namespace(structured_outputs_backend="auto"))   # no error
+
+
+def test_ngram_drafts_of_a_constrained_request_are_checked_and_accepted():
+    """A repetitive constrained output under n-gram speculation: the control plane proposes
+    the drafts, cuts them where the grammar would reject one, and ships a bitmask per verified
+    position; the worker verifies exactly those, so drafts are accepted and the output matches."""
+    planes = _planes_with(worker_fields={"speculative_config": json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})})
+    sent = []
+    real = planes.engine.workers.send
+
+    async def record(msg):
+        sent.append(msg)
+        return await real(msg)
+
+    planes.engine.workers.send = record
+    try:
+        regex = "(la ){12}fin"
+        _, text, finish = run(planes, max_tokens=60, sampling=pb.SamplingParams(temperature=0),
+                              structured=structured(regex=regex))
+        assert finish == pb.FINISH_REASON_STOP and re.fullmatch(regex, text), text
+        spec = planes.engine.scheduler.speculation
+        assert spec.num_accepted_tokens > 0
+    finally:
+        planes.engine.workers.send = real
+        planes.close()
+    checked = [m for m in sent if m.checked_draft_seq_ids]
+    assert checked and all(len(m.bitmask.seq_ids) == len(m.checked_draft_seq_ids) + sum(m.checked_draft_counts)
+                           for m in checked)

@@ -11,6 +11,14 @@ the forward pass hides the round trip. Rows whose tokens are all known (a first 
 with nothing else in flight) get theirs inline. While any constrained sequence runs, two steps
 at most are in flight. With no constrained sequence alive nothing here runs per step.
 
+Speculative decoding (n-gram): a constrained decode given draft positions gets the drafts the
+worker's rule would propose, computed here (``common.ngram``), each checked against the
+grammar: they stop at the first token the grammar rejects, the step carries a bitmask per
+verified position (the matcher advanced through the drafts, then rolled back) and the worker
+verifies exactly those drafts, so every token it emits is one the grammar allows, sampled from
+the masked distribution. Draft models' drafts are unknown before the step: constrained
+sequences do not speculate with them.
+
 EOS is allowed by the bitmask only where the grammar accepts the output, and a complete
 grammar allows nothing else: the sequence ends with its EOS (FINISH_REASON_STOP; with
 ``ignore_eos`` the engine stops it there too).
@@ -26,6 +34,7 @@ import logging
 import grpc
 import numpy as np
 
+from common.ngram import ngram_propose
 from controlplane.request import Failure, Request, Sequence, Status
 from controlplane.step import ScheduledStep
 from controlplane.structured import backends
@@ -38,17 +47,27 @@ log = logging.getLogger("headrace.structured")
 
 
 class StepMasks:
-    """The constrained sequences that sample in one step, and their bitmasks."""
+    """The constrained sequences that sample in one step, and their bitmasks; in a speculating
+    step also their n-gram drafts (seq id -> tokens), cut where the grammar rejects one."""
 
-    __slots__ = ("seqs", "ready", "step", "_outputs")
+    __slots__ = ("seqs", "ready", "step", "drafts", "_outputs")
 
     def __init__(self, outputs: "StructuredOutputs", step: ScheduledStep, seqs: list[Sequence]):
         self._outputs, self.step, self.seqs = outputs, step, seqs
         # every token the masks depend on is known (none of theirs is in flight)
         self.ready = not any(s.num_inflight for s in seqs)
+        self.drafts: dict[int, list[int]] = {}
 
     def build(self) -> wpb.TokenBitmask:
-        return self._outputs.bitmask(self.seqs)
+        return self._outputs.bitmask(self.seqs, self.drafts)
+
+    def apply(self, msg: wpb.StepRequest) -> None:
+        """Puts the bitmasks (and the checked drafts) into the step's message."""
+        msg.bitmask.CopyFrom(self.build())
+        for seq_id, drafts in self.drafts.items():
+            msg.checked_draft_seq_ids.append(seq_id)
+            msg.checked_draft_counts.append(len(drafts))
+            msg.checked_drafts.extend(drafts)
 
 
 class StructuredOutputs:
@@ -129,19 +148,57 @@ class StructuredOutputs:
         return pb.FINISH_REASON_STOP if token in self.eos and matcher.finished else reason
 
     # -- steps ------------------------------------------------------------------------------
-    def step_masks(self, step: ScheduledStep) -> StepMasks | None:
+    def step_masks(self, step: ScheduledStep, speculation=None) -> StepMasks | None:
         """The bitmasks ``step`` needs (None: no constrained row samples in it). Call after
-        ``schedule`` and before ``after_step`` (a row samples when it computes its last token)."""
+        ``schedule`` and before ``after_step`` (a row samples when it computes its last token).
+        In a speculating step (n-gram, ``speculation``), a constrained decode given positions
+        gets the drafts the worker's rule proposes (``common.ngram``), to be checked."""
         seqs = [seq for seq, n in step.scheduled()
                 if seq.grammar is not None and seq.num_computed + n == seq.num_total]
-        return StepMasks(self, step, seqs) if seqs else None
+        if not seqs:
+            return None
+        masks = StepMasks(self, step, seqs)
+        if step.speculative and speculation is not None:
+            cfg = speculation.config
+            given = dict(zip((s.seq_id for s in step.running.seqs), step.running.num_spec))
+            for seq in seqs:
+                if given.get(seq.seq_id):
+                    masks.drafts[seq.seq_id] = ngram_propose(
+                        np.asarray(seq.token_ids), given[seq.seq_id], cfg.prompt_lookup_min,
+                        cfg.prompt_lookup_max).tolist()
+        return masks
 
-    def bitmask(self, seqs: list[Sequence]) -> wpb.TokenBitmask:
+    def bitmask(self, seqs: list[Sequence], drafts: dict[int, list[int]] | None = None) -> wpb.TokenBitmask:
         """The packed bitmask of each sequence's next token (all ones for one that finished
-        meanwhile: its token is dropped anyway)."""
+        meanwhile: its token is dropped anyway); for a sequence with ``drafts``, also the
+        bitmask after each draft, cut (in ``drafts`` too) at the first the grammar rejects."""
         rows = np.full((len(seqs), self.words), -1, dtype="<i4")
         live = [(i, s.grammar) for i, s in enumerate(seqs)
                 if s.grammar is not None and s.status is not Status.FINISHED]
         if live:
             self.compiler.backend.fill_rows([m for _, m in live], rows, [i for i, _ in live])
-        return wpb.TokenBitmask(seq_ids=[s.seq_id for s in seqs], bits=rows.tobytes())
+        if not drafts:
+            return wpb.TokenBitmask(seq_ids=[s.seq_id for s in seqs], bits=rows.tobytes())
+        ids, parts = [], []
+        for i, seq in enumerate(seqs):
+            extra = self._draft_rows(seq.grammar, rows[i], drafts.get(seq.seq_id) or [])
+            if seq.seq_id in drafts:
+                drafts[seq.seq_id] = drafts[seq.seq_id][:len(extra)]
+            ids += [seq.seq_id] * (1 + len(extra))
+            parts += [rows[i:i + 1]] + extra
+        return wpb.TokenBitmask(seq_ids=ids, bits=np.concatenate(parts).tobytes())
+
+    def _draft_rows(self, matcher, row: np.ndarray, drafts: list[int]) -> list[np.ndarray]:
+        """The bitmask after each draft, as long as each is allowed by the one before (the
+        first draft the grammar rejects ends them); the matcher is rolled back after."""
+        out = []
+        for t in drafts:
+            if matcher is None or not (int(row[t >> 5]) >> (t & 31)) & 1 or not matcher.accept(t):
+                break
+            row = np.empty((1, self.words), dtype="<i4")
+            matcher.fill(row[0])
+            out.append(row)
+            row = row[0]
+        if out:
+            matcher.rollback(len(out))
+        return out
