@@ -19,7 +19,7 @@ QUEUE_PER_SLOT = 4           # default --max-queued: this many waiting sequences
 DEFAULT_MAX_N = 16
 JSON_EXPANSION = 6           # a JSON string escapes a character in at most 6 bytes per UTF-8 byte
 JSON_TOKEN_ID_BYTES = 12     # "4294967295, "
-MAX_CONSTRAINT_BYTES = 4 << 20  # a structured-output schema or grammar (controlplane.structured.spec)
+MAX_CONSTRAINT_BYTES = 2 << 20  # a structured-output schema or grammar (controlplane.structured.spec)
 # everything but the prompt: stop strings (64 x 512), ids, sampling, a structured-output constraint
 FIXED_REQUEST_BYTES = (1 << 20) + MAX_CONSTRAINT_BYTES
 
