@@ -9,6 +9,7 @@ counted as abandoned streams), and a 1 MB schema compiling beside a stream. Othe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -55,6 +56,23 @@ def planes():
 
 def structured(**kind) -> pb.StructuredOutputs:
     return pb.StructuredOutputs(**kind)
+
+
+@contextlib.contextmanager
+def recording(planes):
+    """Every StepRequest the engine sends to its workers while inside, in a list."""
+    sent, workers = [], planes.engine.workers
+    real = workers.send
+
+    async def record(msg):
+        sent.append(msg)
+        return await real(msg)
+
+    workers.send = record
+    try:
+        yield sent
+    finally:
+        workers.send = real
 
 
 def run(planes, **fields):
@@ -137,24 +155,13 @@ def test_bitmasks_ride_the_steps_inline_and_after_the_fold(planes):
     """Steps overlap (a step is sent before the one before it is answered): a decode's
     bitmask needs its previous token, so it follows the fold (late_bitmask) and the worker
     samples after it; the first token's comes inline. Unconstrained steps carry none."""
-    sent = []
-    workers = planes.engine.workers
-    real = workers.send
-
-    async def record(msg):
-        sent.append(msg)
-        return await real(msg)
-
-    workers.send = record
-    try:
+    with recording(planes) as sent:
         run(planes, max_tokens=12, sampling=SAMPLED)
         assert sent and not any(m.HasField("bitmask") or m.bitmask_follows or m.late_bitmask for m in sent)
         sent.clear()
         _, text, finish = run(planes, max_tokens=60, sampling=SAMPLED,
                               structured=structured(json_schema=json.dumps(SCHEMAS[0])))
         jsonschema.validate(json.loads(text), SCHEMAS[0])
-    finally:
-        workers.send = real
     follows = [m.step_id for m in sent if m.bitmask_follows]
     late = [m.step_id for m in sent if m.late_bitmask]
     assert follows and late == follows   # each promised bitmask came, in order

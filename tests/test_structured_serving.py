@@ -16,7 +16,8 @@ from controlplane.structured import backends
 from dataplane.default_model import default_model_dir
 from headrace.v1 import inference_pb2 as pb
 from tests.harness import Planes
-from tests.test_structured_outputs import SAMPLED, SCHEMAS, planes, run, structured  # noqa: F401
+from tests.test_structured_outputs import (SAMPLED, SCHEMAS, planes, recording, run,  # noqa: F401
+                                           structured)
 
 pytestmark = pytest.mark.skipif(not any(backends.installed(n) for n in ("guidance", "xgrammar")),
                                 reason="no grammar engine installed")
@@ -89,29 +90,20 @@ def test_other_configurations_constrain_too(options):
     if options.get("structured_outputs_backend") == "xgrammar" and not backends.installed("xgrammar"):
         pytest.skip("xgrammar is not installed")
     planes = _planes_with(**options)
-    sent = []
-    real = planes.engine.workers.send
-
-    async def record(msg):
-        sent.append(msg)
-        return await real(msg)
-
-    planes.engine.workers.send = record
     try:
-        # a repetitive prompt: n-gram lookups find drafts for the unconstrained request
-        free = planes.call(_both(planes, "the the the the the the the the the", SCHEMAS[1]))
-        text, finish = free
-        assert finish == pb.FINISH_REASON_STOP
-        jsonschema.validate(json.loads(text), SCHEMAS[1])
-        _, text, finish = run(planes, max_tokens=40, sampling=SAMPLED, structured=structured(
-            grammar='root ::= "(" [a-z]{1,4} (" " [a-z]{1,4}){1,3} ")"'))
-        assert finish == pb.FINISH_REASON_STOP and re.fullmatch(r"\([a-z]{1,4}( [a-z]{1,4}){1,3}\)", text)
+        with recording(planes) as sent:
+            # a repetitive prompt: n-gram lookups find drafts for the unconstrained request
+            text, finish = planes.call(_both(planes, "the the the the the the the the the", SCHEMAS[1]))
+            assert finish == pb.FINISH_REASON_STOP
+            jsonschema.validate(json.loads(text), SCHEMAS[1])
+            _, text, finish = run(planes, max_tokens=40, sampling=SAMPLED, structured=structured(
+                grammar='root ::= "(" [a-z]{1,4} (" " [a-z]{1,4}){1,3} ")"'))
+            assert finish == pb.FINISH_REASON_STOP and re.fullmatch(r"\([a-z]{1,4}( [a-z]{1,4}){1,3}\)", text)
     finally:
-        planes.engine.workers.send = real
         planes.close()
     if options.get("pipeline_depth") == 1:
         assert not any(m.bitmask_follows for m in sent) and any(m.HasField("bitmask") for m in sent)
-    if "worker_fields" in options:   # the unconstrained request speculated; the constrained did not
+    if "worker_fields" in options:   # the unconstrained request speculated
         spec = planes.engine.scheduler.speculation
         assert spec.num_drafts > 0 and planes.engine.structured.num_rejected == 0
 
@@ -170,23 +162,14 @@ def test_ngram_drafts_of_a_constrained_request_are_checked_and_accepted():
     position; the worker verifies exactly those, so drafts are accepted and the output matches."""
     planes = _planes_with(worker_fields={"speculative_config": json.dumps(
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})})
-    sent = []
-    real = planes.engine.workers.send
-
-    async def record(msg):
-        sent.append(msg)
-        return await real(msg)
-
-    planes.engine.workers.send = record
     try:
-        regex = "(la ){12}fin"
-        _, text, finish = run(planes, max_tokens=60, sampling=pb.SamplingParams(temperature=0),
-                              structured=structured(regex=regex))
-        assert finish == pb.FINISH_REASON_STOP and re.fullmatch(regex, text), text
-        spec = planes.engine.scheduler.speculation
-        assert spec.num_accepted_tokens > 0
+        with recording(planes) as sent:
+            regex = "(la ){12}fin"
+            _, text, finish = run(planes, max_tokens=60, sampling=pb.SamplingParams(temperature=0),
+                                  structured=structured(regex=regex))
+            assert finish == pb.FINISH_REASON_STOP and re.fullmatch(regex, text), text
+            assert planes.engine.scheduler.speculation.num_accepted_tokens > 0
     finally:
-        planes.engine.workers.send = real
         planes.close()
     checked = [m for m in sent if m.checked_draft_seq_ids]
     assert checked and all(len(m.bitmask.seq_ids) == len(m.checked_draft_seq_ids) + sum(m.checked_draft_counts)
