@@ -161,6 +161,19 @@ def text_prompt(tok: ModelTokenizer, rng: random.Random, n: int) -> list[int]:
     return tok.encode(rng.choice(_held_out_paragraphs()))[:n]
 
 
+def submitter(engine: Engine, tok: ModelTokenizer):
+    """``submit(prompt ids, max_tokens, temperature)``: a request (EOS ignored) given to
+    ``engine``, returned to be consumed."""
+    def submit(prompt, max_tokens, temperature):
+        req = build_request(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
+                                               ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature)),
+                            tok, seq_ids=engine.seq_ids, vocab_size=engine.info.vocab_size,
+                            max_model_len=engine.max_model_len, eos_token_ids=[])
+        engine.submit(req)
+        return req
+    return submit
+
+
 async def consume(request) -> int:
     count = 0
     while not request.delivered:
@@ -177,15 +190,7 @@ async def run(args) -> dict:
     engine = Engine(local, EngineConfig(max_running=256, max_batched_tokens=args.max_batched_tokens))
     await engine.start()
     tok = ModelTokenizer(args.model)
-
-    def submit(prompt, max_tokens, temperature):
-        req = build_request(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
-                                               ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature)),
-                            tok, seq_ids=engine.seq_ids, vocab_size=engine.info.vocab_size,
-                            max_model_len=engine.max_model_len, eos_token_ids=[])
-        engine.submit(req)
-        return req
-
+    submit = submitter(engine, tok)
     await consume(submit([1, 2, 3], 4, 0.6))     # warm-up
     local.runner_s = local.device_s = local.device_idle_s = 0.0
     local.steps = []

@@ -31,10 +31,12 @@ from cli.options import (
     check_device_name,
     check_speculative_config,
     check_structured_outputs_backend,
+    chunking,
     default_model,
     positive_int,
 )
 from cli.roles import cmd_core, cmd_dataplane, cmd_frontend
+from common import secret_env
 from common.logs import configure_logging
 from common.options import add_arguments, from_args, to_argv
 from common.worker_options import ParallelOptions, WorkerOptions
@@ -70,20 +72,14 @@ def serve_children_argvs(args, listens: list[str]) -> list[list[str]]:
         if world > 1 and opts.device.startswith("cuda"):
             rank_opts = dataclasses.replace(opts, device=f"cuda:{rank}")
         argvs.append(dataplane_argv(rank_opts, ParallelOptions(rank, world, dist_init), listen,
-                                    metrics + rank if metrics else 0, args.log_format, args.host))
+                                    metrics + rank if metrics else 0, args.log_format, args.metrics_host))
     return argvs
 
 
-# the control plane's own secrets: a data plane child never needs them
-CONTROL_PLANE_SECRETS = ("HEADRACE_API_TOKEN", "HEADRACE_API_TOKENS", "HEADRACE_ADMIN_TOKEN",
-                         "HEADRACE_CORE_SECRET")
-
-
-def child_env(environ, worker_secret: str) -> dict:
-    """A data plane child's environment: this one without the control plane's secrets, with
-    the worker secret (how it accepts only this control plane)."""
-    env = {k: v for k, v in environ.items() if k not in CONTROL_PLANE_SECRETS}
-    return dict(env, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=worker_secret)
+def dataplane_env(args, environ=os.environ) -> dict:
+    """A data plane child's environment: the worker secret (how it accepts only this control
+    plane) and no other secret (``common.secret_env``)."""
+    return dict(secret_env.role_env("dataplane", args, environ), NCCL_NVLS_ENABLE="0")
 
 
 def _model_for_the_control_plane(args, weights: bool) -> str:
@@ -116,6 +112,7 @@ def cmd_serve(args) -> int:
     check_speculative_config(args)
     check_structured_outputs_backend(args)
     check_device_name(args.device)
+    chunking(args)   # a bad combination of the chunking flags: one line, before any child starts
     args.model = _model_for_the_control_plane(args, weights=True)
     check_public_ports(args)
     world = args.tensor_parallel_size
@@ -123,15 +120,16 @@ def cmd_serve(args) -> int:
     try:
         listens = [f"unix:{sock_dir}/dataplane-{r}.sock" for r in range(world)]
         # the children accept only this control plane: a fresh shared secret, passed by environment
-        args.worker_secret = args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or secrets.token_hex(16)
-        env = child_env(os.environ, args.worker_secret)
+        secret_env.resolve(args)
+        args.worker_secret = args.worker_secret or secrets.token_hex(16)
+        env = dataplane_env(args)
         enable_multiprocess(os.path.join(sock_dir, "metrics"))   # the supervisor's metrics too
         from controlplane.metrics import ControlPlaneMetrics
 
         children = DataPlaneChildren(lambda: serve_children_argvs(args, listens), env,
                                      ready=health_probe(listens), metrics=ControlPlaneMetrics())
         try:
-            failed = run_control_plane(args, controlplane_parser(), listens, sock_dir, env,
+            failed = run_control_plane(args, controlplane_parser(), listens, sock_dir, dict(os.environ),
                                        stop_hook=children.when_fatal)
         finally:
             children.stop()
@@ -149,6 +147,7 @@ def cmd_controlplane(args) -> int:
     from common.metrics import enable_multiprocess
 
     check_structured_outputs_backend(args)
+    chunking(args)
     args.model = _model_for_the_control_plane(args, weights=False)
     check_public_ports(args)
     private_dir = tempfile.mkdtemp(prefix="headrace-")
@@ -256,11 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:50061",
                    help="host:port or unix:/path to serve the step protocol on")
     add_ops_args(p, 9401, control=False)
-    p.add_argument("--metrics-host", default=None,
-                   help="interface of /metrics (default: the --listen host; 127.0.0.1 for a unix socket)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="interface of /metrics (no authentication): 127.0.0.1 whatever --listen "
+                        "is; 0.0.0.0 for a Prometheus on another machine")
     add_tls_args(p)
     p.add_argument("--secret", default=None,
-                   help="serve only callers presenting this shared secret (default $HEADRACE_WORKER_SECRET)")
+                   help="serve only callers presenting this shared secret (default "
+                        "$HEADRACE_WORKER_SECRET; prefer it: a flag is visible in ps until the "
+                        "process starts)")
     p.set_defaults(func=cmd_dataplane)
 
     add_generate_parser(command("generate", "stream a completion from a running server"))
@@ -290,9 +292,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     if args.command not in ("health", "generate", "admin"):
+        # a secret given by flag leaves this process's command line (ps) at once; every
+        # secret is then read from its flag, else its environment variable, in one place
+        secret_env.scrub_argv(secret_env.flag_values(args))
         configure_logging(getattr(args, "log_format", None))
         bind_role(args)
     try:
+        if args.command not in ("health", "generate", "admin"):
+            secret_env.resolve(args)   # (a tokens file that cannot be read: one line)
         return args.func(args)
     except (ValueError, PortInUse, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         # a user's mistake (model, port, option, certificate file): one line, no traceback

@@ -59,6 +59,7 @@ class Engine:
         self.seq_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
         self._wake = asyncio.Event()
+        workers.on_stream_end = self._wake.set   # an idle engine notices a data plane gone
         self._task: asyncio.Task | None = None
         self._outage_since: float | None = None
         self._to_wake: list[Request] = []   # requests with news, woken once the next step is sent
@@ -80,9 +81,11 @@ class Engine:
             self.telemetry.metrics.retire(self.scheduler)
         self.info = infos[0]
         cfg = self.config
+        host = 0 if cfg.kv_offloading_policy == "off" else min(i.num_host_kv_blocks for i in infos)
         blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size, cfg.enable_prefix_cache,
-                              host_blocks=min(i.num_host_kv_blocks for i in infos))   # each rank: its shard
+                              host_blocks=host)   # each rank: its shard
         cost = tier_cost.TierCost.for_workers(cfg.kv_offloading_policy, infos, blocks)
+        blocks.offload_evicted = cost is None or cost.keeps_evicted()
         host_tier.report(blocks, cfg.preemption_mode, cost)
         # Every request must fit the KV pool alone, so preemption always makes progress.
         limit = min(self.info.max_model_len, blocks.num_blocks * blocks.block_size)
@@ -96,7 +99,8 @@ class Engine:
         self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark,
                                    fair_share=cfg.fair_share,
                                    speculation=spec and speculation.Speculation(spec, self.max_model_len),
-                                   preemption_mode=cfg.preemption_mode, tier_cost=cost)
+                                   preemption_mode=cfg.preemption_mode, tier_cost=cost,
+                                   chunking=cfg.chunking)
 
     @property
     def max_queued(self) -> int:
@@ -202,44 +206,48 @@ class Engine:
     async def _loop(self) -> None:
         """Schedules and sends steps while ``InFlightSteps`` has room (overlapped scheduling:
         the device computes step N+1 while this process handles step N's tokens), then folds
-        the oldest step's result. With nothing in flight and nothing to send it sleeps until an
-        event (``_wake``) can change that."""
+        the oldest step's result; with room but nothing to schedule, an event (``_wake``)
+        cuts that wait short. With nothing in flight and nothing to send it sleeps until an
+        event can change that."""
         self._inflight = inflight = InFlightSteps(self.workers, self.telemetry,
                                                   self.config.pipeline_depth, self._step_ids)
-        while True:
-            if not self.healthy:
-                self._wake_requests()
-                await self._reconnect()
-                continue
-            try:
-                step = None
-                # a speculating step runs alone: the sequences' tokens must all be known
-                speculate = self.scheduler.may_speculate()
-                constrained = self.structured.live > 0
-                if inflight.has_room(self.scheduler.running, constrained) and not (speculate and inflight):
-                    t0 = time.perf_counter()
-                    step = self.scheduler.schedule(speculate)
-                    if not step.empty:
-                        masks = self.structured.step_masks(step, self.scheduler.speculation) \
-                            if constrained else None
-                        await inflight.send(step, time.perf_counter() - t0, masks)
-                        self.scheduler.after_step(step)
-                        continue
-                self._wake_requests()   # after the send: the device is fed before clients are
-                if inflight:
-                    await self._fold_oldest()
-                else:
-                    await self._idle(step)
-            except WorkerError as exc:
-                self._workers_lost(exc)
+        try:
+            while True:
+                if not self.healthy:
+                    self._wake_requests()
+                    await self._reconnect()
+                    continue
+                try:
+                    step = None
+                    # a speculating step runs alone: the sequences' tokens must all be known
+                    speculate = self.scheduler.may_speculate()
+                    constrained = self.structured.live > 0
+                    room = inflight.has_room(self.scheduler.running, constrained) and not (speculate and inflight)
+                    if room:
+                        self._wake.clear()   # what happens from here on wakes the loop again
+                        t0 = time.perf_counter()
+                        step = self.scheduler.schedule(speculate)
+                        if not step.empty:
+                            masks = self.structured.step_masks(step, self.scheduler.speculation) \
+                                if constrained else None
+                            await inflight.send(step, time.perf_counter() - t0, masks)
+                            self.scheduler.after_step(step)
+                            continue
+                    self._wake_requests()   # after the send: the device is fed before clients are
+                    if not inflight:
+                        await self._idle(step)
+                    elif not room or await inflight.result_ready(self._wake):
+                        await self._fold_oldest()
+                except WorkerError as exc:
+                    self._workers_lost(exc)
+        finally:
+            inflight.close()
 
     async def _fold_oldest(self) -> None:
         sent, result = await self._inflight.receive()
         t2 = time.perf_counter()
         if sent.traced is not None or not sent.step.empty:
             emitted = self._fold(sent.step, result)
-            if self.scheduler.tier_cost is not None:   # its recompute estimate: step times
-                self.scheduler.tier_cost.observe(sent.step, result, self.info.device != "cpu")
             self.telemetry.step_done(result, sent.traced, t2 - sent.at, time.perf_counter() - t2, emitted)
         await self._inflight.send_late_bitmask()   # the next step's, now that its tokens are in
         if self.flush_woken is not None and self._to_wake and self._inflight:
@@ -271,12 +279,16 @@ class Engine:
 
     def _settle(self, seq: Sequence, reason: int) -> None:
         """Finishes ``seq`` for ``reason`` (UNSPECIFIED: it goes on) and queues its request to
-        wake: at its end, or once per stream_interval tokens."""
+        wake: at its end, at its first token (unless it asked for one message in all: TTFT
+        waits for no interval, as in vLLM) and then once per stream_interval tokens."""
         if reason != pb.FINISH_REASON_UNSPECIFIED:
             self._finish(seq, reason)
             self._to_wake.append(seq.request)
-        elif len(seq.output_token_ids) - seq.delivered >= seq.request.stream_interval:
-            self._to_wake.append(seq.request)
+        else:
+            interval = seq.request.stream_interval
+            if len(seq.output_token_ids) - seq.delivered >= interval or (
+                    not seq.delivered and interval < seq.max_tokens):
+                self._to_wake.append(seq.request)
 
     async def _idle(self, step: ScheduledStep) -> None:
         """Nothing in flight and ``step``, just scheduled, empty. A step that only preempted
@@ -288,8 +300,11 @@ class Engine:
             await asyncio.sleep(0)
             return
         self._wake.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), self.scheduler.retry_after)
+        if not self.workers.broken:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.scheduler.retry_after)
+        if self.workers.broken:   # health NOT_SERVING now, not at the next request
+            raise WorkerError("data plane closed its step stream")
 
     # -- outages ------------------------------------------------------------------------------
     def _workers_lost(self, exc: WorkerError) -> None:

@@ -203,7 +203,8 @@ class ModelRunner:
             launched.begin.record()
         if new_rows:
             self.last_token[dev["new_rows"]] = dev["new_last"]
-        kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, dev))
+        kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, dev),
+                              reads=prep.block_tables)
         logits = self._logits(prep, dev, graph_rows is not None)
         if sampling is None:   # a step of prefill chunks only: KV written, nothing sampled
             return self._record_done(launched)

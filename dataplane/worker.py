@@ -18,7 +18,7 @@ import torch
 import kernels
 from common import speculative
 from common.worker_options import WorkerOptions
-from dataplane import draft_model, kv_cache, kv_offload, parallel
+from dataplane import draft_model, kv_cache, kv_offload, parallel, prefill_profile
 from dataplane.config import ModelConfig, load_model_config
 from dataplane.cuda_graphs import DecodeGraphs
 from dataplane.draft_model import DraftModel
@@ -134,7 +134,7 @@ class Worker:
             with Progress(f"allocating the host KV tier ({num_host} blocks, "
                           f"{num_host * self.block_bytes / kv_cache.GiB:.2f} GiB)", 1, "pools", rank=rank) as progress:
                 host_kv = kv_offload.HostKV(caches, num_host, self.device)
-                self.host_load_rate = host_kv.measure_load_rate()
+                self.host_load_rate = host_kv.measure_load_rate(caches)
                 progress.update()
             phases.mark("host KV tier")
         log.info("host KV tier: %d blocks (%.2f GiB%s)%s", num_host, num_host * self.block_bytes / kv_cache.GiB,
@@ -155,6 +155,12 @@ class Worker:
         self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,
                                   opts.max_num_seqs, graphs, rank=rank, seed=opts.seed, spec=spec,
                                   attention=self.attention, host_kv=host_kv)
+        self.prefill_profile: tuple[list[int], list[float]] = ([], [])
+        if host_kv is not None:   # what recomputing a host-tier hit costs here
+            tokens = prefill_profile.sizes(opts.max_batched_tokens, self.max_model_len, num_blocks,
+                                           opts.block_size, self.device)
+            self.prefill_profile = (tokens, prefill_profile.measure(self.runner, tokens, self.cfg.vocab_size))
+            phases.mark("prefill profile")
         self.startup_seconds = time.perf_counter() - start
 
     @torch.inference_mode()
@@ -236,6 +242,7 @@ class Worker:
             kv_bytes_per_block=self.block_bytes, eos_token_ids=list(cfg.eos_token_ids),
             max_num_seqs=self.opts.max_num_seqs, max_batched_tokens=self.opts.max_batched_tokens,
             startup_seconds=self.startup_seconds,
-            host_kv_load_bytes_per_s=self.host_load_rate)
+            host_kv_load_bytes_per_s=self.host_load_rate,
+            prefill_profile_tokens=self.prefill_profile[0], prefill_profile_seconds=self.prefill_profile[1])
         speculative.to_proto(self.speculative, info.speculative)
         return info

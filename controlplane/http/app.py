@@ -99,7 +99,16 @@ class Api:
             self.check_auth(request)
             body = await self.body(request, ChatCompletionRequest if chat else CompletionRequest)
             self.check_model(body.model)
-            reqs = [convert.chat_request(body)] if chat else convert.completion_requests(body)
+            try:
+                reqs = [convert.chat_request(body)] if chat else convert.completion_requests(body)
+            except ValueError as exc:   # a value no field can hold (the known ones are bounded)
+                raise HttpError(400, f"invalid request: {exc}") from None
+            try:   # n x prompts against --max-n and the queue, before any prompt is tokenized
+                self.path.check_batch(len(reqs), body.n)
+            except RequestError as exc:
+                error = HttpError.from_request_error(exc, chat)
+                error.counted = False   # (refused here, not in the request path)
+                raise error from None
         except HttpError as exc:
             on_error(exc)
             return JSONResponse(exc.body(), exc.status)

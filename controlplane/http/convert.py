@@ -103,8 +103,9 @@ def completion_requests(body: CompletionRequest) -> list[pb.GenerateRequest]:
         if isinstance(p, str):
             req.prompt = p
         else:
-            if any(t < 0 for t in p):
-                raise HttpError(400, "prompt: token ids must be >= 0", "prompt")
+            bad = next((t for t in p if not 0 <= t < 1 << 32), None)
+            if bad is not None:
+                raise HttpError(400, f"prompt: token ids must be >= 0 and < 2**32, got {bad}", "prompt")
             req.prompt_token_ids.ids.extend(p)
         out.append(req)
     return out
