@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -67,14 +68,19 @@ async def itl(stub, batch: int, schema: dict | None, seed: int) -> dict:
             "itl_ms_p99": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1e3, "outs": outs}
 
 
-def check_outputs(model: str, vocab: int, eos: list[int], outs: list[dict]) -> int:
-    """Every constrained output's tokens are allowed, in order, by a fresh matcher of LONG;
-    returns how many tokens were checked."""
+@functools.lru_cache(maxsize=1)
+def long_grammar(model: str, vocab: int, eos: tuple[int, ...]):
     from controlplane.structured import backends
     from controlplane.structured.spec import Constraint
 
-    compiled = backends.load(backends.resolve("auto"), model, vocab, eos).compile(
+    return backends.load(backends.resolve("auto"), model, vocab, list(eos)).compile(
         Constraint("json", json.dumps(LONG)))
+
+
+def check_outputs(model: str, vocab: int, eos: list[int], outs: list[dict]) -> int:
+    """Every constrained output's tokens are allowed, in order, by a fresh matcher of LONG;
+    returns how many tokens were checked."""
+    compiled = long_grammar(model, vocab, tuple(eos))
     checked = 0
     for o in outs:
         m = compiled.matcher()
