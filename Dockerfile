@@ -30,7 +30,7 @@ COPY controlplane ./controlplane
 COPY dataplane ./dataplane
 COPY kernels ./kernels
 COPY headrace_client ./headrace_client
-RUN python -m pip install . && headrace --help > /dev/null
+RUN python -m pip install '.[structured]' && headrace --help > /dev/null
 
 # 50051 public gRPC (Inference, Admin, health, reflection); 50061 data plane step protocol;
 # 9400 / 9401 Prometheus /metrics of the control plane / data plane.

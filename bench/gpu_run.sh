@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout's root on the H200): GPU correctness, then the serving
 # workloads through the gRPC planes and in one process (bench/README.md). Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5swap w5l tier hf spy kern ragged tp spec specdraft
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5swap w5l tier hf spy kern ragged tp spec specdraft structured
 #   (default: tests w2 w1 w1o w3); TP_WATCH_S: seconds the tp section waits before dumping stacks
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # ragged: decode attention on W1's ragged batches, by KV split count and program start order.
@@ -38,6 +38,12 @@
 #     table), W2 with --pipeline-depth 2 and --no-overlap beside it (is the first token held
 #     back by the pipeline?), and core_overhead over the real GPU data plane with one front end;
 #     ~2 minutes. `bash bench/gpu_run.sh ttft w4 w1o w1s`: issue 31's call, ~6-7 minutes.
+# structured: structured outputs (issue 34); carried wheels from STRUCTURED_WHEELS (default
+#   .whl: llguidance, xgrammar, apache-tvm-ffi, jsonschema and its four) go into $SITE with pip
+#   --target; the GPU tests (bitmask kernel compiled, the bitmask protocol, schemas end to end),
+#   then Qwen3-0.6B (random weights, a byte-level 151,936-token vocabulary) through gRPC: ITL
+#   with a JSON-schema constraint vs unconstrained at batch 1 and 64, and W1 with no constrained
+#   request; a table last; ~3 minutes.
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/protos:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -175,6 +181,18 @@ if has w5l; then   # last: the 8B checkpoint takes /tmp/qwen3's place on disk (a
   log "w5 Llama-3.1-8B (48 conversations x 6 turns): host KV tier off and auto; one data plane"
   timeout 420 python3 -m bench.w5_bench --model /tmp/llama8b --num-kv-blocks 6144 --offload-gib 24 \
     --conversations 48 --turns 6 --modes off,auto | tee -a "$OUT/results.jsonl"
+fi
+if has structured; then
+  SITE=${SITE:-/tmp/site}; mkdir -p "$SITE"
+  log structured-install; python3 -m pip install -q --no-index --no-deps --target "$SITE" --upgrade \
+    "${STRUCTURED_WHEELS:-.whl}"/*.whl 2>&1 | tail -2
+  export PYTHONPATH=$PWD:$PWD/protos:$SITE:$PYTHONPATH
+  python3 -c "import llguidance, xgrammar, jsonschema; print('grammar engines import')" 2>&1 | tail -1
+  log structured-tests-gpu
+  HEADRACE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_structured_dataplane.py \
+    tests/test_structured_outputs.py -k "kernel or reference or protocol or late or inline or greedy or validates or bitmasks_ride" 2>&1 | tail -3
+  log structured-ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3-bl --device cuda --tokenizer bytelevel
+  log structured-bench; timeout 240 python3 -m bench.structured_bench --model /tmp/qwen3-bl | tee -a "$OUT/structured.jsonl"
 fi
 log done; cat "$OUT/results.jsonl" 2>/dev/null
 [ -f "$OUT/results.jsonl" ] && python3 -m bench.gpu_table "$OUT/results.jsonl"

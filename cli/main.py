@@ -30,6 +30,7 @@ from cli.options import (
     add_tls_args,
     check_device_name,
     check_speculative_config,
+    check_structured_outputs_backend,
     chunking,
     default_model,
     positive_int,
@@ -109,6 +110,7 @@ def cmd_serve(args) -> int:
     from common.metrics import enable_multiprocess
 
     check_speculative_config(args)
+    check_structured_outputs_backend(args)
     check_device_name(args.device)
     chunking(args)   # a bad combination of the chunking flags: one line, before any child starts
     args.model = _model_for_the_control_plane(args, weights=True)
@@ -144,6 +146,7 @@ def cmd_controlplane(args) -> int:
     from cli.processes import run_control_plane
     from common.metrics import enable_multiprocess
 
+    check_structured_outputs_backend(args)
     chunking(args)
     args.model = _model_for_the_control_plane(args, weights=False)
     check_public_ports(args)

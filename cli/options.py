@@ -15,6 +15,7 @@ from controlplane.engine import EngineConfig
 from controlplane.http.timeouts import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT
 from controlplane.limits import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS, QUEUE_PER_SLOT
 from controlplane.policy import POLICIES, Policy
+from controlplane.structured.backends import BACKENDS
 from controlplane.tier_cost import POLICIES as POLICIES_TIER
 
 
@@ -98,6 +99,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fair-share", action="store_true",
                    help="no fair share of running slots and KV blocks between tenants "
                         "(docs/scheduling.md)")
+    p.add_argument("--structured-outputs-backend", choices=BACKENDS, default="auto",
+                   help="grammar engine of structured outputs (JSON schema, regex, choice, "
+                        "grammar): guidance (llguidance, torch-free), xgrammar (imports torch "
+                        "into the engine core), auto: guidance if installed, else xgrammar "
+                        "(docs/structured_outputs.md)")
     p.add_argument("--max-n", type=positive_int, default=DEFAULT_MAX_N,
                    help="sequences a request may ask for at most: its parallel samples (n) times "
                         f"its prompts (default {DEFAULT_MAX_N})")
@@ -253,7 +259,18 @@ def engine_config(args) -> EngineConfig:
                         pipeline_depth=1 if args.no_overlap else args.pipeline_depth,
                         stream_interval=args.stream_interval,
                         preemption_mode=args.preemption_mode,
-                        kv_offloading_policy=args.kv_offloading_policy)
+                        kv_offloading_policy=args.kv_offloading_policy,
+                        structured_outputs_backend=args.structured_outputs_backend)
+
+
+def check_structured_outputs_backend(args) -> None:
+    """An explicitly chosen grammar engine that is not installed stops the command with one
+    line saying what to install (``auto`` without any only refuses constrained requests)."""
+    from controlplane.structured import backends
+
+    name = getattr(args, "structured_outputs_backend", "auto")
+    if name != "auto" and not backends.installed(name):
+        raise SystemExit(f"headrace: {backends.missing_message(name)}")
 
 
 def check_speculative_config(args) -> None:

@@ -13,6 +13,7 @@ import sys
 
 from cli.options import (
     check_speculative_config,
+    check_structured_outputs_backend,
     core_link_options,
     default_model,
     engine_config,
@@ -41,6 +42,7 @@ def _run_role(server_factory) -> int:
 def cmd_core(args) -> int:
     from controlplane.core.server import CoreServer
 
+    check_structured_outputs_backend(args)
     opts = plane_options(args)
     keys = ("metrics_port", "metrics_host", "admin_token", "log_requests", "log_prompts",
             "worker_credentials", "worker_secret", "chat_template", "generation_config",

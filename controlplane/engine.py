@@ -5,6 +5,10 @@ Runs as one asyncio task. Handlers talk to it through ``submit`` and ``abort``; 
 appends sampled tokens to the sequences and wakes their request (``Request.notify``); a
 request that cannot go on gets a ``Failure``.
 
+A request with a structured-output constraint reaches the scheduler once its grammar is
+compiled (``controlplane.structured``, off the loop); each step then carries its constrained
+rows' token bitmasks, and their matchers consume the tokens folded in.
+
 Requests are woken after the next step is sent (the device is fed before clients are), except
 in an engine core (``flush_woken``): there waking them is one message per front end, so while
 another step is still in flight (the device stays busy) a folded step's news goes out first.
@@ -29,6 +33,7 @@ from controlplane.policy import Policy
 from controlplane.request import Failure, Request, Sequence
 from controlplane.scheduler import Scheduler
 from controlplane.step import ScheduledStep
+from controlplane.structured.outputs import StructuredOutputs
 from controlplane.telemetry import EngineTelemetry
 from controlplane.worker_client import WorkerError, WorkerGroup
 from headrace.dataplane.v1 import worker_pb2 as wpb
@@ -61,6 +66,8 @@ class Engine:
         self._inflight: InFlightSteps | None = None   # the loop's, new each time it starts
         # the engine core's: sends its front ends their news at once (one message each)
         self.flush_woken = None
+        self.model_dir: str | None = None   # whose tokenizer grammars compile for (EnginePlane)
+        self.structured = StructuredOutputs(config.structured_outputs_backend)
 
     async def start(self, timeout: float = 600.0) -> None:
         self._build(await self.workers.describe(timeout))
@@ -87,6 +94,7 @@ class Engine:
         max_running = min([cfg.max_running] + [i.max_num_seqs for i in infos if i.max_num_seqs])
         max_tokens = min([cfg.max_batched_tokens] + [i.max_batched_tokens for i in infos
                                                       if i.max_batched_tokens])
+        self.structured.configure(self.model_dir, self.info.vocab_size, self.info.eos_token_ids)
         spec = speculative.from_proto(self.info.speculative)   # the worker's configuration
         self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark,
                                    fair_share=cfg.fair_share,
@@ -159,6 +167,13 @@ class Engine:
             request.stream_interval = self.config.stream_interval
         self.requests[request.request_id] = request
         self.telemetry.request_submitted(request)
+        if request.structured is not None:   # scheduled once its grammar is compiled
+            self.structured.submit(request, self)
+            return
+        self.admit(request)
+
+    def admit(self, request: Request) -> None:
+        """Hands a submitted request's sequences to the scheduler."""
         self.scheduler.add(request.sequences)
         self._wake.set()
 
@@ -206,13 +221,16 @@ class Engine:
                     step = None
                     # a speculating step runs alone: the sequences' tokens must all be known
                     speculate = self.scheduler.may_speculate()
-                    room = inflight.has_room(self.scheduler.running) and not (speculate and inflight)
+                    constrained = self.structured.live > 0
+                    room = inflight.has_room(self.scheduler.running, constrained) and not (speculate and inflight)
                     if room:
                         self._wake.clear()   # what happens from here on wakes the loop again
                         t0 = time.perf_counter()
                         step = self.scheduler.schedule(speculate)
                         if not step.empty:
-                            await inflight.send(step, time.perf_counter() - t0)
+                            masks = self.structured.step_masks(step, self.scheduler.speculation) \
+                                if constrained else None
+                            await inflight.send(step, time.perf_counter() - t0, masks)
                             self.scheduler.after_step(step)
                             continue
                     self._wake_requests()   # after the send: the device is fed before clients are
@@ -231,6 +249,7 @@ class Engine:
         if sent.traced is not None or not sent.step.empty:
             emitted = self._fold(sent.step, result)
             self.telemetry.step_done(result, sent.traced, t2 - sent.at, time.perf_counter() - t2, emitted)
+        await self._inflight.send_late_bitmask()   # the next step's, now that its tokens are in
         if self.flush_woken is not None and self._to_wake and self._inflight:
             # a step still in flight keeps the device busy: the news goes out first (one loop
             # turn), then the next step is scheduled
@@ -243,16 +262,20 @@ class Engine:
         returns how many tokens reached their sequences."""
         stopped = set(result.stopped_seq_ids)   # the worker alone applies the stop-token rule
         if result.num_tokens:   # a speculating step: up to k+1 tokens per sequence
-            return speculation.fold_verified(step, result, stopped, self.max_model_len,
+            return speculation.fold_verified(step, result, stopped, self._check,
                                              self.telemetry.first_token, self._settle,
                                              self.scheduler.verified)
         received = step_codec.decode(step, result)
-        max_len = self.max_model_len
         for seq in received:
             if len(seq.output_token_ids) == 1:
                 self.telemetry.first_token(seq)
-            self._settle(seq, seq.check_stop(seq.seq_id in stopped, max_len))
+            self._settle(seq, self._check(seq, seq.seq_id in stopped))
         return len(received)
+
+    def _check(self, seq: Sequence, stopped: bool) -> int:
+        """The finish reason after ``seq``'s new last token; its grammar consumes the token."""
+        reason = seq.check_stop(stopped, self.max_model_len)
+        return reason if seq.grammar is None else self.structured.after_token(seq, reason)
 
     def _settle(self, seq: Sequence, reason: int) -> None:
         """Finishes ``seq`` for ``reason`` (UNSPECIFIED: it goes on) and queues its request to
@@ -314,6 +337,7 @@ class Engine:
         self._to_wake.clear()
 
     def _finish(self, seq: Sequence, reason: int) -> None:
+        self.structured.release(seq)
         self.scheduler.finish(seq, reason)
         self.telemetry.seq_finished(seq, reason)
         if seq.request.finished and self.requests.pop(seq.request_id, None) is not None:

@@ -28,3 +28,4 @@ class EngineConfig:
     stream_interval: int = 1           # tokens per streamed message at least, unless a request says
     preemption_mode: str = "recompute"  # or "swap": a victim's KV waits in the host KV tier
     kv_offloading_policy: str = "auto"  # host-tier hits: loaded where cheaper (always, never; off: no tier)
+    structured_outputs_backend: str = "auto"  # grammar engine: auto, guidance or xgrammar

@@ -5,7 +5,10 @@ result comes back. A step without decodes (only prompt chunks: nobody else runs)
 the worker answers it once its device work is done instead of after launching the next step,
 so a first token does not wait for that launch, and no decode's overlap is lost. While the
 engine has nothing to schedule, ``result_ready`` waits for the oldest result or new work,
-whichever comes first: a request submitted meanwhile is scheduled at once, not after it."""
+whichever comes first: a request submitted meanwhile is scheduled at once, not after it.
+A step whose structured-output bitmasks depend on tokens still in flight goes out with
+``bitmask_follows``; ``send_late_bitmask`` sends them once it is the oldest step in flight
+(every token they depend on folded), before anything else."""
 
 from __future__ import annotations
 
@@ -38,32 +41,41 @@ class InFlightSteps:
         self._step_ids = step_ids
         self._sent: collections.deque[Sent] = collections.deque()
         self._last_flushed = True    # whether the newest step sent asked for its answer
+        self._late = None            # StepMasks of the step waiting for its bitmasks, and its id
         self._result: asyncio.Task | None = None   # the oldest step's result, being read
 
     def __len__(self) -> int:
         return len(self._sent)
 
-    def has_room(self, running: list[Sequence]) -> bool:
+    def has_room(self, running: list[Sequence], constrained: bool = False) -> bool:
         """Whether another step may go out. Two in flight hide the device's step from this
         process's work; a third hides the gRPC round trip too, which decides latency at small
         batches. A finished sequence costs one slot per step sent before its last token came
         back, so beyond two only sequences whose end the worker can see itself may run: a
         sampled stop token (the worker then leaves them out of the steps it already holds) or
         max_tokens (never scheduled past). Stop strings match detokenized text here: while a
-        running sequence has some, two steps at most."""
+        running sequence has some, two steps at most; so while one has a grammar
+        (``constrained``: each step's bitmasks need the tokens of the step before)."""
         n, depth = len(self._sent), self.depth
         if n and self._sent[-1].step.speculative:   # answered before anything else goes out
             return False
         if n < 2 or depth <= 2:
             return n < depth
-        return n < depth and not any(s.output.has_stop for s in running)
+        return n < depth and not constrained and not any(s.output.has_stop for s in running)
 
-    async def send(self, step: ScheduledStep, schedule_s: float) -> None:
+    async def send(self, step: ScheduledStep, schedule_s: float, masks=None) -> None:
+        """``masks``: the step's ``StepMasks`` (structured outputs), if it has constrained rows."""
         stages = stage_times.STAGES
         if stages is not None:
             scheduled = time.monotonic()
         flush = self.depth == 1 or step.speculative or not step.has_decodes
         msg = step_codec.encode(step, next(self._step_ids), flush=flush)
+        if masks is not None:
+            if masks.ready:
+                masks.apply(msg)
+            else:
+                msg.bitmask_follows = True
+                self._late = (masks, msg.step_id)
         traced = self.telemetry.step_scheduled(step, msg, schedule_s, msg.step_id)
         await self.workers.send(msg)
         if stages is not None:
@@ -71,6 +83,14 @@ class InFlightSteps:
             stages.stamp(f"step:{msg.step_id}", "sent")
         self._last_flushed = msg.flush
         self._sent.append(Sent(step, traced, time.perf_counter()))
+
+    async def send_late_bitmask(self) -> None:
+        """After a fold: the bitmasks of the step waiting for them, once it is the oldest step
+        in flight (the tokens they depend on have all been folded)."""
+        if self._late is None or not self._sent or self._sent[0].step is not self._late[0].step:
+            return
+        (masks, step_id), self._late = self._late, None
+        await self.workers.send(wpb.StepRequest(step_id=step_id, late_bitmask=True, bitmask=masks.build()))
 
     async def _ask(self) -> None:
         """Flushes when the workers may hold the oldest step back (nothing sent after it)."""
@@ -118,3 +138,4 @@ class InFlightSteps:
         for sent in self._sent:
             self.telemetry.step_failed(sent.traced, exc)
         self._sent.clear()
+        self._late = None

@@ -23,7 +23,9 @@ DEFAULT_MAX_N = 16
 DEFAULT_MAX_PROMPTS = 32     # prompts in one HTTP completions body (--max-prompts-per-request)
 JSON_EXPANSION = 6           # a JSON string escapes a character in at most 6 bytes per UTF-8 byte
 JSON_TOKEN_ID_BYTES = 12     # "4294967295, "
-FIXED_REQUEST_BYTES = 1 << 20   # everything but the prompt: stop strings (64 x 512), ids, sampling
+MAX_CONSTRAINT_BYTES = 2 << 20  # a structured-output schema or grammar (controlplane.structured.spec)
+# everything but the prompt: stop strings (64 x 512), ids, sampling, a structured-output constraint
+FIXED_REQUEST_BYTES = (1 << 20) + MAX_CONSTRAINT_BYTES
 
 
 def max_text_bytes(max_model_len: int, max_token_bytes: int) -> int:

@@ -210,7 +210,8 @@ class RequestPath:
                     for msg in responses:
                         yield msg
             except RequestError as exc:
-                reason = "server_abort"
+                # a refusal after submission (a grammar that does not compile) abandons nothing
+                reason = "refused" if exc.code == grpc.StatusCode.INVALID_ARGUMENT else "server_abort"
                 self._failed(api, method, exc)
                 raise
             finally:
@@ -218,7 +219,7 @@ class RequestPath:
                     reason = gone_reason()
                 elif reason is None and _aborted(req):
                     reason = "server_abort"   # drained or reloaded: a last ABORTED response
-                if reason is not None:
+                if reason not in (None, "refused"):
                     self._abandoned(req, api, reason)
                 self.engine.abort(req)   # no-op when finished; frees the blocks when the client left
 

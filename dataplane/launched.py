@@ -48,3 +48,5 @@ class Launched:
     # host time of launch's phases (ms): apply (the delta), build (inputs, their upload),
     # forward (its launches; on a CPU the forward itself), sample (sampling's launches)
     host_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    awaiting: tuple | None = None   # launched with bitmask_follows: (logits, sampling, device
+                                    # arrays, prepared batch) until ``sample_late``

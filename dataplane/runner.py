@@ -14,6 +14,11 @@ and the control plane processes them (the control plane's overlapped scheduling)
 third step in flight, a sequence whose sampled token is one of its stop tokens is left out of
 the steps that were sent before the control plane saw that token (one wasted slot at most).
 
+Structured outputs: a step's constrained rows come with packed token bitmasks
+(``dataplane.bitmasks``), uploaded with the step's inputs and applied to the logits on the
+device before sampling. A step sent with ``bitmask_follows`` is launched up to its logits and
+sampled by ``sample_late`` when its bitmasks arrive (the forward pass runs meanwhile).
+
 Under tensor parallelism every rank runs every step; the logits are gathered on every rank,
 rank 0 alone samples and broadcasts the token ids, so every rank's ``last_token`` table (and
 token history) holds the same ids whatever the sampling parameters or RNG states.
@@ -28,9 +33,9 @@ import numpy as np
 import torch
 
 import kernels
-from dataplane import kv_offload, parallel, staging, step_delta
+from dataplane import bitmasks, kv_offload, parallel, staging, step_delta
 from dataplane.forward import StepForward, step_kind
-from dataplane.input_batch import InputBatch, PreparedBatch
+from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
 from dataplane.launched import Launched
 from dataplane.model import CausalLM
 from dataplane.sampler import SampleOutput, SamplingBatch, device_arrays, sample
@@ -109,7 +114,8 @@ class ModelRunner:
             kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, None))
             return launched
         batch, rows = self.batch, delta.rows
-        drafts = self.spec.propose(batch, rows, delta.spec) if delta.spec.any() else None
+        drafts = self.spec.propose(batch, rows, delta.spec, bitmasks.checked_drafts(step, batch.rows)) \
+            if delta.spec.any() else None
         t_apply = clock()
         prep = batch.prepare(rows, delta.counts if drafts is None else delta.counts + drafts, drafts)
         sample_rows = prep.sample_rows
@@ -124,7 +130,10 @@ class ModelRunner:
         if batch.tokens is not None:
             launched.token_rows, launched.token_pos = sample_rows, batch.num_tokens[sample_rows].copy()
         launched.kind, launched.graph = step_kind(prep), self.forward.mode(prep)
-        dev = self.stager.upload(self._host_arrays(step, prep, launched.graph, delta, sampling))
+        host = self._host_arrays(step, prep, launched.graph, delta, sampling)
+        if sampling is not None and self.rank == 0 and step.HasField("bitmask"):
+            host.update(self._bitmask_arrays(step.bitmask, prep))
+        dev = self.stager.upload(host)
         t_build = clock()
         if self.device.type == "cuda":   # after the upload is queued: host packing is not device time
             launched.begin, launched.previous = torch.cuda.Event(enable_timing=True), self._last_done
@@ -139,6 +148,30 @@ class ModelRunner:
                                 forward=(t_forward - t_build) * 1e3)
         if sampling is None:   # a step of prefill chunks only: KV written, nothing sampled
             return self._record_done(launched)
+        if step.bitmask_follows:   # sampled by ``sample_late``; the forward pass runs meanwhile
+            launched.awaiting = (logits, sampling, dev, prep)
+            return launched
+        return self._sample_step(launched, logits, sampling, dev, prep.sample_rows)
+
+    def _bitmask_arrays(self, bitmask: pb.TokenBitmask, prep: PreparedBatch) -> dict[str, np.ndarray]:
+        return bitmasks.arrays(bitmask, self.seq_of_row[prep.sample_rows], prep.num_drafts,
+                               self.model.shard.vocab_size)
+
+    @torch.inference_mode()
+    def sample_late(self, launched: Launched, step: pb.StepRequest) -> Launched:
+        """Samples a step launched with ``bitmask_follows``, with the bitmasks ``step``
+        (``late_bitmask``) brings."""
+        if launched.awaiting is None or launched.step_id != step.step_id:
+            raise BatchError(f"late bitmasks for step {step.step_id}, which waits for none")
+        (logits, sampling, dev, prep), launched.awaiting = launched.awaiting, None
+        if self.rank == 0:
+            dev = dev | self.stager.upload(self._bitmask_arrays(step.bitmask, prep))
+        return self._sample_step(launched, logits, sampling, dev, prep.sample_rows)
+
+    def _sample_step(self, launched: Launched, logits: torch.Tensor, sampling: SamplingBatch,
+                     dev: dict[str, torch.Tensor], sample_rows: np.ndarray) -> Launched:
+        """Samples the launched step's logits, keeps the ids on the device for the next step
+        and queues their copy to the host."""
         if launched.begin is not None:
             launched.sample_begin = torch.cuda.Event(enable_timing=True)
             launched.sample_begin.record()

@@ -95,7 +95,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                     metrics.errors.labels("ABORTED").inc()
                     context.abort(grpc.StatusCode.ABORTED, "superseded by a newer control plane stream")
                 try:
-                    started[step.step_id] = (span, clock())
+                    if not step.late_bitmask:   # (that only completes a step started before)
+                        started[step.step_id] = (span, clock())
                     ready = pipeline.submit(step)
                 except BatchError as exc:
                     tracer.end(span, error=exc)

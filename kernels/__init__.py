@@ -2,8 +2,8 @@
 
 Each op has a plain-torch reference in ``kernels.reference`` and a Triton version (in
 ``kernels.triton_ops``, ``kernels.triton_attention`` (with ``kernels.triton_decode`` and
-``kernels.triton_flash``), ``kernels.triton_prologue``, ``kernels.triton_linear`` or
-``kernels.triton_sampling``; the quantized linears ``fp8_linear`` and ``wna16_linear``:
+``kernels.triton_flash``), ``kernels.triton_prologue``, ``kernels.triton_linear``,
+``kernels.triton_sampling`` or ``kernels.triton_bitmask`` (structured outputs' token mask); the quantized linears ``fp8_linear`` and ``wna16_linear``:
 ``kernels.reference_quant`` and ``kernels.triton_quant``) that must match it. The choice is resolved once, at import, from
 the environment variable ``HEADRACE_KERNELS``:
 
@@ -41,15 +41,16 @@ def _load_triton():
     if MODE == "reference" or (MODE == "auto" and not torch.cuda.is_available()):
         return None
     try:
-        from kernels import (triton_attention, triton_linear, triton_ops, triton_prologue,
-                             triton_quant, triton_sampling)
+        from kernels import (triton_attention, triton_bitmask, triton_linear, triton_ops,
+                             triton_prologue, triton_quant, triton_sampling)
     except ImportError:
         if MODE == "triton":
             raise
         return None
     return {"paged_attention": triton_attention, "sample_race": triton_sampling,
             "qk_norm_rope_write_kv": triton_prologue, "linear": triton_linear,
-            "fp8_linear": triton_quant, "wna16_linear": triton_quant}, triton_ops
+            "fp8_linear": triton_quant, "wna16_linear": triton_quant,
+            "apply_token_bitmask": triton_bitmask}, triton_ops
 
 
 def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
@@ -99,6 +100,7 @@ def paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, sc
 
 
 sample_race = _select(reference.sample_race, "sample_race")
+apply_token_bitmask = _select(reference.apply_token_bitmask, "apply_token_bitmask")
 qk_norm_rope_write_kv = _select(reference.qk_norm_rope_write_kv, "qk_norm_rope_write_kv")
 linear = _select(reference.linear, "linear")
 fp8_linear = _select(reference_quant.fp8_linear, "fp8_linear")

@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_reference",
            "random_checkpoint", "w4_bench", "quant_kernels", "quantize_checkpoint",
            "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream",
-           "draft_acceptance", "chunking_sim", "gpu_table", "tier_bench", "tier_targets", "step_host"]
+           "draft_acceptance", "chunking_sim", "gpu_table", "tier_bench", "tier_targets", "step_host",
+           "structured_bench"]
 SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token", "w5_report"]   # imported, not run
 
 
@@ -286,3 +287,23 @@ def test_tier_targets_judge_each_target_on_its_same_call_baseline(tmp_path):
     assert "swap/auto 9900 tok/s (1.10x, 480 preemptions)" in table["--preemption-mode swap vs recompute (reported)"][0]
     assert table["GPU exactness and copy tests pass"] == ("12 passed in 80.00s", "met")
     assert targets([], None)[0] == ("W5 Llama-3.1-8B", "not run", "-")
+
+
+def test_bytelevel_tokenizer_spells_text_for_grammars(tmp_path):
+    """``random_checkpoint --tokenizer bytelevel``: every byte is a token, the EOS is special,
+    and a grammar engine reads it (structured outputs need tokens that spell JSON)."""
+    from tokenizers import Tokenizer
+
+    from bench.random_checkpoint import write_bytelevel_tokenizer
+
+    write_bytelevel_tokenizer(tmp_path, 2000, 1500)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size() == 2000 and tok.id_to_token(1500) == "<|endoftext|>"
+    assert tok.decode([ord("{"), ord("a")]) == "{a" and tok.decode([1500], skip_special_tokens=True) == ""
+    from controlplane.structured import backends
+    from controlplane.structured.spec import Constraint
+
+    name = next((n for n in ("guidance", "xgrammar") if backends.installed(n)), None)
+    if name is not None:
+        m = backends.load(name, tmp_path, 2000, [1500]).compile(Constraint("regex", "[0-9]{2}")).matcher()
+        assert m.accept(tok.token_to_id("4")) and m.accept(tok.token_to_id("2"))

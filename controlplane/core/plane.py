@@ -43,6 +43,7 @@ class EnginePlane:
         self.workers = WorkerGroup(worker_addresses, worker_credentials, worker_secret)
         self.engine = Engine(self.workers, config or EngineConfig(),
                              EngineTelemetry(self.metrics, log_requests=log_requests))
+        self.engine.model_dir = model_dir   # structured outputs compile for its tokenizer
         self.engine.on_health_change = self.changed
         # ``request_options``: RequestPath's tenant tokens, trust_tenant_header, max_n, max_prompts
         self.requests = RequestPath(self.engine, model_dir, self.tokenizer, chat_template=chat_template,
@@ -104,6 +105,7 @@ class EnginePlane:
             self.engine.draining = was_draining
             self.changed()
             raise
+        self.engine.model_dir = model
         await self.engine.restart(infos)
         self.model_dir, self.tokenizer = model, tokenizer
         self.requests.set_model(model, tokenizer)

@@ -32,6 +32,7 @@ from common import stage_times, tracing
 from controlplane import limits
 from controlplane.request import Request, Sequence, Status
 from controlplane.service import model_info
+from controlplane.structured import spec
 from headrace.core.v1 import core_pb2 as cpb
 from headrace.core.v1 import core_pb2_grpc as cpb_grpc
 from headrace.v1 import inference_pb2 as pb
@@ -285,9 +286,15 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
             link.fail(s.handle, *refusal)
             return
         engine = self.plane.engine
+        try:
+            constraint = spec.from_proto(s.structured) if s.HasField("structured") else None
+        except spec.ConstraintError as exc:
+            link.fail(s.handle, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
         arrival = time.monotonic() - s.age   # on this clock (the front end's may be another host's)
         req = CoreRequest(request_id=s.request_id, n=len(s.sampling), stream_interval=s.stream_interval,
-                          arrival=arrival, link=link, handle=s.handle, tenant=s.tenant)
+                          arrival=arrival, link=link, handle=s.handle, tenant=s.tenant,
+                          structured=constraint)
         prompt, text = list(s.prompt_token_ids), CoreText(s.has_stop_strings)
         req.sequences = [Sequence(request=req, seq_id=next(engine.seq_ids), index=i,
                                   prompt_token_ids=prompt, sampling=sampling, max_tokens=s.max_tokens,

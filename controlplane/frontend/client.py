@@ -101,6 +101,8 @@ class CoreClient:
             age=time.monotonic() - request.arrival, tenant=request.tenant,
             trace_id=structlog.contextvars.get_contextvars().get("trace_id", ""))
         submit.sampling.extend(s.sampling for s in request.sequences)
+        if request.structured is not None:
+            submit.structured.CopyFrom(request.structured.to_proto())
         span = trace.get_current_span()
         if span.get_span_context().is_valid:
             submit.trace_context.update(tracing.inject(span))

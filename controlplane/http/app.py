@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from controlplane.http import convert, responses, streaming
+from controlplane.http import convert, responses, streaming, structured
 from controlplane.http.convert import HttpError
 from controlplane.http.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, error_body)
@@ -113,7 +113,8 @@ class Api:
             on_error(exc)
             return JSONResponse(exc.body(), exc.status)
         top_n = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs
-        fmt = streaming.Formatter(chat, body.model or self.path.model_name, body.n, top_n, self.token_text)
+        fmt = streaming.Formatter(chat, body.model or self.path.model_name, body.n, top_n, self.token_text,
+                                  tools=structured.tool_mode(body) if chat else None)
         if not body.stream:   # one message per sample at its end: no per-token wake-ups
             for r in reqs:
                 r.stream_interval = WHOLE

@@ -46,6 +46,14 @@ class _Sampling(_Body):
     priority: Int32 = 0
     stop_token_ids: list[TokenId] | None = None
     request_id: str | None = None
+    # structured outputs (controlplane.http.structured): OpenAI's, and vLLM's current and older
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -75,7 +83,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None   # false: tool_choice "required" makes one call
     # vLLM's chat extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
