@@ -240,6 +240,8 @@ class Engine:
                         await self._fold_oldest()
                 except WorkerError as exc:
                     self._workers_lost(exc)
+                except Exception as exc:   # a bug: its requests fail, the engine starts afresh
+                    await self._loop_failed(exc)
         finally:
             inflight.close()
 
@@ -313,6 +315,19 @@ class Engine:
         self._set_healthy(False)
         self._outage_since = time.monotonic()
         self.scheduler.reset()   # they resume by recompute when it is back
+
+    async def _loop_failed(self, exc: Exception) -> None:
+        """An unexpected error in the loop (a bug) must not leave every request waiting with
+        health SERVING: the requests in flight fail with INTERNAL (they may have hit the bug),
+        the step streams close (the workers forget their sequences) and the loop reconnects
+        from an empty state, as after a data plane outage."""
+        log.error("engine loop failed; failing %d requests: %r", len(self.requests), exc, exc_info=exc)
+        self.fail_all(grpc.StatusCode.INTERNAL, f"internal error in the engine ({type(exc).__name__}); "
+                      "the request was not completed")
+        self._inflight.fail(WorkerError(f"engine loop failed: {exc!r}"))
+        self._set_healthy(False)
+        self.scheduler.reset()
+        await self.workers.close_streams()
 
     async def _reconnect(self) -> None:
         """Waits for the workers to come back; requests kept through the outage fail with

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 
-from controlplane import admission, fairness, prefill_phase
+from controlplane import fairness, prefill_phase
 from controlplane.chunking import Chunking
 from controlplane.forks import Forks
 from controlplane.block_manager import BlockManager

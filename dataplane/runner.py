@@ -172,6 +172,7 @@ class ModelRunner:
                      dev: dict[str, torch.Tensor], sample_rows: np.ndarray) -> Launched:
         """Samples the launched step's logits, keeps the ids on the device for the next step
         and queues their copy to the host."""
+        t_sample = time.perf_counter()
         if launched.begin is not None:
             launched.sample_begin = torch.cuda.Event(enable_timing=True)
             launched.sample_begin.record()
@@ -183,14 +184,14 @@ class ModelRunner:
             launched.verified.accepted = staging.download(accepted)
         self.last_token[dev.get("sample_rows", dev["last_rows"])] = last
         out.start_download()
-        launched.sample_ms = (clock() - t_forward) * 1e3   # CPU: the sampling itself
+        launched.sample_ms = (time.perf_counter() - t_sample) * 1e3   # CPU: the sampling itself
         launched.out = out
         seq_ids = self.seq_of_row[sample_rows]
         launched.seq_ids = seq_ids.tolist()
         keep = self.batch.history_mask(sample_rows)
         launched.histories = list(zip(np.flatnonzero(keep).tolist(), self.batch.count_sampled(sample_rows)))
         launched.stop_watch = self.batch.stop_watch(sample_rows, seq_ids)
-        launched.host_ms["sample"] = (clock() - t_forward) * 1e3
+        launched.host_ms["sample"] = (time.perf_counter() - t_sample) * 1e3
         return self._record_done(launched)
 
     def _copier(self, step: pb.StepRequest, dev: dict | None):

@@ -262,3 +262,34 @@ def test_the_first_token_wakes_its_request_whatever_the_stream_interval(interval
         assert woken == woken_at
         await engine.stop()
     asyncio.run(main())
+
+
+def test_an_error_in_the_loop_fails_its_requests_and_the_engine_serves_again():
+    """A bug that raises inside the loop must not leave requests waiting forever with health
+    SERVING: they fail with INTERNAL, the workers' streams are reopened from nothing, and the
+    next request is served."""
+    import grpc
+
+    async def main():
+        workers = FakeWorkers(num_blocks=16, block_size=4)
+        engine = Engine(workers, EngineConfig(max_batched_tokens=8))
+        await engine.start()
+        schedule, raised = engine.scheduler.schedule, []
+
+        def broken(*args):
+            if not raised:
+                raised.append(1)
+                raise RuntimeError("a bug")
+            return schedule(*args)
+        engine.scheduler.schedule = broken
+        first = make_request(5, max_tokens=4)
+        engine.submit(first)
+        await _until(lambda: first.failure is not None)
+        assert first.failure.code == grpc.StatusCode.INTERNAL and "RuntimeError" in first.failure.message
+        assert engine.scheduler.blocks.num_free == 16 and not engine.requests
+        second = make_request(5, max_tokens=4)
+        engine.submit(second)
+        await _until(lambda: second.finished)
+        assert second.sequences[0].output_token_ids == [TOKEN] * 4 and engine.healthy
+        await engine.stop()
+    asyncio.run(main())
