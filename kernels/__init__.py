@@ -161,4 +161,4 @@ def wna16_linear_kernel(rows: int, device: str | torch.device = "cuda",
             return triton_w4a16.supports(bits, group_size, k)
         return quant_libs.takes(name, scheme="wna16", n=n, k=k, dtype=torch.bfloat16, bits=bits,
                                 group_size=group_size)
-    return quant_dispatch.plan("wna16", n, k, backend, takes).kernel(rows)
+    return quant_dispatch.plan(f"w{bits}a16", n, k, backend, takes).kernel(rows)

@@ -9,10 +9,11 @@ fp8        ``fp8_skinny`` (Triton W8A16, ``kernels.triton_fp8_linear``), ``scale
            per-token activation quantiser + ``torch._scaled_mm``, W8A8), ``gemlite_fp8``
            (gemlite's FP8 weight-only GEMV/GEMM), ``fbgemm_rowwise`` (FBGEMM GenAI's
            row-wise W8A8 ``f8f8bf16_rowwise``)
-wna16      ``triton_skinny`` (``kernels.triton_w4a16``), ``triton`` (``kernels.triton_quant``'s
+w4a16,     ``triton_skinny`` (``kernels.triton_w4a16``), ``triton`` (``kernels.triton_quant``'s
            general dequantise-and-dot kernel: any group layout, prefill sizes), ``tinygemm``
            (torch's built-in ``_weight_int4pack_mm``), ``gemlite``, ``fbgemm_i4`` (FBGEMM
-           GenAI's preshuffled CUTLASS ``bf16i4bf16_shuffled``)
+w8a16      GenAI's preshuffled CUTLASS ``bf16i4bf16_shuffled``); 4-bit kernels rank in w4a16,
+           8-bit ones in w8a16 (tinygemm and FBGEMM take 4-bit layers only)
 =========  =================================================================================
 
 ``--quant-backend``: ``triton`` runs our kernels (``fp8_skinny`` / ``triton_skinny`` up to
@@ -35,9 +36,10 @@ import pathlib
 from typing import Callable
 
 BACKENDS = ("auto", "triton", "torch", "gemlite", "fbgemm")
-SCHEMES = ("fp8", "wna16")
+SCHEMES = ("fp8", "w4a16", "w8a16")
+_INTEGER = ("triton_skinny", "triton", "tinygemm", "gemlite", "fbgemm_i4")
 KERNELS = {"fp8": ("fp8_skinny", "scaled_mm", "gemlite_fp8", "fbgemm_rowwise"),
-           "wna16": ("triton_skinny", "triton", "tinygemm", "gemlite", "fbgemm_i4")}
+           "w4a16": _INTEGER, "w8a16": _INTEGER}
 FAMILY = {"fp8_skinny": "triton", "scaled_mm": "triton", "triton_skinny": "triton",
           "triton": "triton", "tinygemm": "torch", "gemlite_fp8": "gemlite", "gemlite": "gemlite",
           "fbgemm_rowwise": "fbgemm", "fbgemm_i4": "fbgemm"}
@@ -45,7 +47,8 @@ FAMILY = {"fp8_skinny": "triton", "scaled_mm": "triton", "triton_skinny": "trito
 FAMILY_FP8 = {"triton": None, "torch": "scaled_mm", "gemlite": "gemlite_fp8",
               "fbgemm": "fbgemm_rowwise"}
 FAMILY_WNA16 = {"triton": None, "torch": "tinygemm", "gemlite": "gemlite", "fbgemm": "fbgemm_i4"}
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)   # kernels.skinny_gemm's, and LARGE (> 128)
+# kernels.skinny_gemm's row buckets, then 129..256 and prefill sizes (> 256)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 8192)
 MAX_ROWS = 128
 ALWAYS = ("fp8_skinny", "scaled_mm", "triton")    # take every layer of their scheme
 TABLE_PATH = pathlib.Path(__file__).with_name("quant_dispatch.json")
@@ -136,8 +139,15 @@ class Plan:
         return {name for _, name in self.by_bucket}
 
     def describe(self) -> str:
-        return ", ".join(f"{b if b <= MAX_ROWS else f'>{MAX_ROWS}'}: {name}"
-                         for b, name in self.by_bucket)
+        return ", ".join(f"{_rows(b)}: {name}" for b, name in self.by_bucket)
+
+
+def _rows(bucket: int) -> str:
+    """A bucket's rows as text: '16', '129-256', '>256'."""
+    below = BUCKETS[BUCKETS.index(bucket) - 1] if bucket != BUCKETS[0] else 0
+    if bucket <= MAX_ROWS:
+        return str(bucket)
+    return f">{below}" if bucket == BUCKETS[-1] else f"{below + 1}-{bucket}"
 
 
 def plan(scheme: str, n: int, k: int, backend: str, takes: Callable[[str], bool],

@@ -24,6 +24,7 @@ device. A kernel's output is in x's dtype, the bias added after.
 from __future__ import annotations
 
 import importlib
+import pathlib
 
 import torch
 
@@ -54,11 +55,21 @@ def _check(library: str) -> str | None:
         return None
     module, package, hint = PACKAGES[library]
     try:
-        importlib.import_module(module)
+        loaded = importlib.import_module(module)
     except Exception as exc:   # ImportError, or a wheel built for another torch failing to load
         return (f"the {package} package is not installed or does not import ({hint}): "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    if library == "gemlite":
+        _gemlite_configs(loaded)
     return None
+
+
+def _gemlite_configs(gemlite) -> None:
+    """gemlite ships tuned launch configs per GPU and picks them by device name; an H200 (an
+    H100's SM90 with more bandwidth) gets the H100's instead of tuning at every new shape."""
+    path = pathlib.Path(gemlite.__file__).parent / "configs" / "h100.json"
+    if "H200" in torch.cuda.get_device_name() and path.exists():
+        gemlite.load_config(str(path))
 
 
 def takes(kernel: str, *, scheme: str, n: int, k: int, dtype: torch.dtype, bits: int = 8,

@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_reference",
            "random_checkpoint", "w4_bench", "quant_kernels", "quantize_checkpoint",
            "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream",
-           "draft_acceptance"]
+           "draft_acceptance", "fp8_kv_attention"]
 SUPPORT = ["serving_http"]   # modules the benchmarks import, not run on their own
 
 

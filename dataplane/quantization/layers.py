@@ -96,13 +96,13 @@ class Fp8Linear(_Planned):
 
 
 class WNA16Linear(_Planned):
-    scheme = "wna16"
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  g_idx: torch.Tensor, perm: torch.Tensor | None, bits: int, group_size: int,
                  bias: torch.Tensor | None, backend: str = "auto"):
         super().__init__(backend)
         self.bits, self.group_size = bits, group_size
+        self.scheme = f"w{bits}a16"
         self.in_features, self.out_features = qweight.shape[0] * (32 // bits), qweight.shape[1]
         for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros),
                         ("g_idx", g_idx), ("perm", perm)):
