@@ -174,7 +174,8 @@ class Tuner:
         configs = list(dict.fromkeys(t for ts in tiles.values() for t in ts))
         self.tuned = triton.autotune([t.config() for t in configs], key=["M_BUCKET", "N", "K"],
                                      prune_configs_by={"early_config_prune": self._prune},
-                                     do_bench=_bench)(kernel)
+                                     do_bench=lambda fn, quantiles=None: _bench(fn, quantiles)
+                                     )(kernel)
         self.seen: set[tuple] = set()
 
     def _prune(self, configs, named_args, **kwargs):
