@@ -30,7 +30,9 @@ otherwise).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import json
 import pathlib
 from typing import Callable
@@ -55,10 +57,7 @@ TABLE_PATH = pathlib.Path(__file__).with_name("quant_dispatch.json")
 
 
 def bucket_of(m: int) -> int:
-    for b in BUCKETS:
-        if m <= b:
-            return b
-    return BUCKETS[-1]
+    return BUCKETS[min(bisect.bisect_left(BUCKETS, m), len(BUCKETS) - 1)]
 
 
 def default(scheme: str, bucket: int, skinny: bool = True) -> str:
@@ -130,9 +129,12 @@ class Plan:
 
     by_bucket: tuple[tuple[int, str], ...]
 
+    @functools.cached_property
+    def _lookup(self) -> dict[int, str]:
+        return dict(self.by_bucket)
+
     def kernel(self, m: int) -> str:
-        b = bucket_of(m)
-        return next(name for bucket, name in self.by_bucket if bucket == b)
+        return self._lookup[bucket_of(m)]
 
     @property
     def kernels(self) -> set[str]:

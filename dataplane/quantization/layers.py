@@ -43,7 +43,9 @@ class _Planned(nn.Module):
         if name is None:
             if self.plan is None:
                 self._make_plan(x2.dtype, x2.device)
-            name = self._by_rows[m] = self.plan.kernel(m)
+            name = self.plan.kernel(m)
+            if m <= quant_dispatch.BUCKETS[-2]:   # decode sizes: a bounded cache
+                self._by_rows[m] = name
         return name
 
     def _make_plan(self, dtype: torch.dtype, device: torch.device) -> None:
@@ -213,7 +215,7 @@ def warm_up(model: nn.Module, max_rows: int, dtype: torch.dtype) -> list[str]:
             continue
         seen.add(kind)
         device = layer.weight.device if isinstance(layer, Fp8Linear) else layer.qweight.device
-        rows = [b for b in skinny_gemm.M_BUCKETS if b <= max_rows] + [max_rows + 1]
+        rows = [b for b in quant_dispatch.BUCKETS if b <= max_rows] + [max_rows + 1]
         for m in rows:
             layer.matmul(torch.zeros(m, layer.in_features, dtype=dtype, device=device), None)
         if layer.plan is not None:
