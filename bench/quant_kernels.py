@@ -6,7 +6,7 @@ For Llama-3.1-8B's projection shapes (qkv, o, gate_up, down) and M rows (default
 ``kernels.quant_dispatch.KERNELS`` that is installed and takes the layer: FP8 per-channel weights
 (``fp8_skinny`` W8A16, ``scaled_mm`` W8A8 with the activation quantiser, ``gemlite_fp8``,
 ``fbgemm_rowwise``) and INT4 group-128 weights (``triton_skinny``, ``triton``, ``tinygemm``,
-``gemlite``, ``fbgemm_i4``). Each kernel is first checked against ``kernels.reference_quant``
+``gemlite``, ``fbgemm_i4``); ``--schemes ...,w8a16`` adds INT8 group-128 weights. Each kernel is first checked against ``kernels.reference_quant``
 (a wrong one is reported and never ranked). Times are device time per call, replayed from one
 CUDA graph over enough distinct copies of the weights (>= 256 MB) that the 50 MB L2 cannot
 serve repeats, as a decode step runs: no launch overhead, no autotuning (our skinny kernels
@@ -48,18 +48,23 @@ def _fp8_weights(n, k, seed):
     return ref.quantize_fp8_weight(torch.randn(n, k, device="cuda", generator=g) * 0.02)
 
 
-def _int4_weights(n, k, seed):
+def _int_weights(n, k, seed, bits):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), device="cuda", generator=g, dtype=torch.int32)
+    q = torch.randint(0, 1 << bits, (n, k), device="cuda", generator=g, dtype=torch.int32)
     scales = torch.rand(k // GROUP, n, device="cuda", generator=g) * 0.002 + 1e-4
-    zeros = torch.randint(0, 16, (k // GROUP, n), device="cuda", generator=g, dtype=torch.int32)
-    return ref.pack_along_k(q.to(torch.uint8), 4), scales, zeros.to(torch.uint8)
+    zeros = torch.randint(0, 1 << bits, (k // GROUP, n), device="cuda", generator=g,
+                          dtype=torch.int32)
+    return ref.pack_along_k(q.to(torch.uint8), bits), scales, zeros.to(torch.uint8)
+
+
+def _bits(scheme):
+    return {"w4a16": 4, "w8a16": 8}.get(scheme, 8)
 
 
 def _weight_bytes(scheme, n, k):
     if scheme == "bf16":
         return 2 * n * k
-    return n * k + 4 * n if scheme == "fp8" else n * k // 2 + 5 * n * (k // GROUP)
+    return n * k + 4 * n if scheme == "fp8" else n * k * _bits(scheme) // 8 + 5 * n * (k // GROUP)
 
 
 def _caller(scheme, kernel, w):
@@ -68,14 +73,15 @@ def _caller(scheme, kernel, w):
         return lambda x: torch.nn.functional.linear(x, w)
     if kernel in quant_libs.KERNEL_LIBRARY:
         state = (quant_libs.prepare_fp8(kernel, *w, DTYPE) if scheme == "fp8"
-                 else quant_libs.prepare_wna16(kernel, *w, 4, GROUP, DTYPE))
+                 else quant_libs.prepare_wna16(kernel, *w, _bits(scheme), GROUP, DTYPE))
         return lambda x: quant_libs.run(kernel, state, x, None)
     if scheme == "fp8":
         return lambda x: triton_quant.fp8_linear(x, *w, kernel=kernel)
+    bits = _bits(scheme)
     if kernel == "triton_skinny":
-        return lambda x: triton_w4a16.w4a16_linear(x, *w, None, 4, GROUP)
-    g_idx = (torch.arange(w[0].shape[0] * 8, device="cuda") // GROUP).to(torch.int32)
-    return lambda x: triton_quant.wna16_linear(x, *w, g_idx, None, 4, GROUP, kernel="triton")
+        return lambda x: triton_w4a16.w4a16_linear(x, *w, None, bits, GROUP)
+    g_idx = (torch.arange(w[0].shape[0] * 32 // bits, device="cuda") // GROUP).to(torch.int32)
+    return lambda x: triton_quant.wna16_linear(x, *w, g_idx, None, bits, GROUP, kernel="triton")
 
 
 def _reference(scheme, kernel, w, x):
@@ -83,8 +89,9 @@ def _reference(scheme, kernel, w, x):
         if kernel in ("scaled_mm", "fbgemm_rowwise"):   # W8A8: the activations rounded too
             return ref.fp8_linear(x, *w)
         return ref.fp8_weight_linear(x, *w)
-    g_idx = (torch.arange(w[0].shape[0] * 8, device="cuda") // GROUP).to(torch.int32)
-    return ref.wna16_linear(x.float(), w[0], w[1], w[2], g_idx, None, 4, GROUP)
+    bits = _bits(scheme)
+    g_idx = (torch.arange(w[0].shape[0] * 32 // bits, device="cuda") // GROUP).to(torch.int32)
+    return ref.wna16_linear(x.float(), w[0], w[1], w[2], g_idx, None, bits, GROUP)
 
 
 def candidates(scheme, n, k) -> list[str]:
@@ -93,7 +100,7 @@ def candidates(scheme, n, k) -> list[str]:
     for kernel in quant_dispatch.KERNELS[scheme]:
         if kernel in quant_libs.KERNEL_LIBRARY:
             if not quant_libs.takes(kernel, scheme="fp8" if scheme == "fp8" else "wna16", n=n,
-                                    k=k, dtype=DTYPE, bits=4, group_size=GROUP):
+                                    k=k, dtype=DTYPE, bits=_bits(scheme), group_size=GROUP):
                 continue
         out.append(kernel)
     return out
@@ -104,7 +111,8 @@ def measure(scheme, kernel, n, k, ms, tiles=False) -> dict[int, float | str]:
     ``tiles``: print the tile our skinny kernels tuned at each M."""
     make = {"bf16": lambda s: torch.randn(n, k, device="cuda", dtype=DTYPE, generator=torch.Generator(
         device="cuda").manual_seed(s)) * 0.02, "fp8": lambda s: _fp8_weights(n, k, s),
-        "w4a16": lambda s: _int4_weights(n, k, s)}[scheme]
+        "w4a16": lambda s: _int_weights(n, k, s, 4), "w8a16": lambda s: _int_weights(n, k, s, 8)
+    }[scheme]
     copies = max(1, math.ceil(ROTATE_BYTES / _weight_bytes(scheme, n, k)))
     try:
         weights = [make(seed) for seed in range(copies)]
@@ -159,7 +167,8 @@ def report(scheme, results, ms, shapes) -> dict:
             best = f"{ranked[0]} {timed[ranked[0]] / base:.2f}x" if ranked else "-"
             btb = (_weight_bytes("bf16", n, k) + act) / base / 1e6
             print(f"{name:>8} {m:>4} | {base:7.1f} ({btb:4.2f}) | " + " | ".join(cells) + f" | {best}")
-    targets = {1: 0.35, 16: 0.5} if scheme == "w4a16" else {m: 0.6 for m in ms if m <= 64}
+    targets = ({1: 0.35, 16: 0.5} if scheme == "w4a16" else {m: 0.6 for m in ms if m <= 64}
+               if scheme == "fp8" else {})
     for m, limit in targets.items():
         if m not in ms:
             continue
