@@ -157,6 +157,26 @@ def _store(acc, rows, cols, ok, col_ok, OUT, stride_om, S, stride_s, B, HAS_BIAS
     tl.store(out, acc.to(OUT.dtype.element_ty), mask=ok)
 
 
+def activations(x: torch.Tensor, k: int, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] as [M, K] with contiguous rows, its columns reordered by ``perm`` (act order)."""
+    x2 = x.reshape(-1, k)
+    if perm is not None:
+        return x2.index_select(1, perm)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def launch_args(x2: torch.Tensor, out: torch.Tensor) -> dict:
+    """The arguments every skinny kernel takes for x2 [M, K] -> out [M, N]: the output, the
+    split-K workspace, the row bucket and the tl.dot precision (bfloat16 operands are widened
+    to float32 under the interpreter)."""
+    m, n = out.shape
+    ws, cnt = workspace(x2.device, m, n)
+    dot_f32 = INTERPRETED and x2.dtype == torch.bfloat16
+    return dict(OUT=out, WS=ws, CNT=cnt, M=m, N=n, stride_xm=x2.stride(0), stride_om=out.stride(0),
+                M_BUCKET=m_bucket(m), DOT_F32=dot_f32,
+                PRECISION="ieee" if x2.dtype == torch.float32 or dot_f32 else "tf32")
+
+
 def _grid(m: int, n: int):
     return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]),
                          meta["SPLIT_K"])

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.skinny_gemm import Tile, Tuner, m_bucket, store_or_reduce, workspace
+from kernels.skinny_gemm import Tile, Tuner, activations, launch_args, store_or_reduce
 from kernels.triton_flash import INTERPRETED   # bfloat16 tl.dot operands widened there
 
 
@@ -113,26 +113,18 @@ def fp8_weight_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     (per tensor), bias [N] or None. ``tile``: one launch configuration instead of the tuned
     choice (tests, bench/quant_kernels.py's sweep)."""
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = activations(x, k)
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     scale = weight_scale.reshape(-1)
     if scale.numel() not in (1, n):
         raise ValueError(f"weight_scale has {scale.numel()} elements for {n} rows (1 or {n})")
-    m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.reshape(*x.shape[:-1], n)
-    bucket = m_bucket(m)
-    ws, cnt = workspace(x.device, m, n)
-    dot_f32 = INTERPRETED and x.dtype == torch.bfloat16
-    args = dict(X=x2, W=weight, S=scale, B=weight if bias is None else bias, OUT=out, WS=ws,
-                CNT=cnt, M=m, N=n, K=k, stride_xm=x2.stride(0), stride_wn=weight.stride(0),
-                stride_s=0 if scale.numel() == 1 else scale.stride(0), stride_om=out.stride(0),
-                M_BUCKET=bucket, HAS_BIAS=bias is not None,
-                PRECISION="ieee" if x.dtype == torch.float32 or dot_f32 else "tf32",
-                DOT_F32=dot_f32)
-    TUNER(m, n, args, (bucket, n, k, x.dtype, bias is not None, scale.numel() == 1), tile)
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        args = launch_args(x2, out)
+        args.update(X=x2, W=weight, S=scale, B=weight if bias is None else bias, K=k,
+                    stride_wn=weight.stride(0), stride_s=0 if scale.numel() == 1 else scale.stride(0),
+                    HAS_BIAS=bias is not None)
+        key = (args["M_BUCKET"], n, k, x.dtype, bias is not None, scale.numel() == 1)
+        TUNER(x2.shape[0], n, args, key, tile)
     return out.reshape(*x.shape[:-1], n)

@@ -226,10 +226,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         return triton_w4a16.w4a16_linear(x, qweight, scales, zeros, perm, bits, group_size, bias)
     if kernel != "triton":
         raise ValueError(f"kernel must be one of {WNA16_KERNELS}, not {kernel!r}")
-    if perm is not None:
-        x2 = x2.index_select(1, perm)
-    elif x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = skinny_gemm.activations(x, k, perm)
     m = x2.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:

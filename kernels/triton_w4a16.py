@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.skinny_gemm import Tile, Tuner, m_bucket, store_or_reduce, workspace
+from kernels.skinny_gemm import Tile, Tuner, activations, launch_args, store_or_reduce
 from kernels.triton_flash import INTERPRETED
 
 BLOCK_K = 128          # K values per step: one group of the common 128, 64 bytes of int4 a column
@@ -136,23 +136,13 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if not supports(bits, group_size, k):
         raise ValueError(f"w4a16_linear takes 4/8-bit weights in groups of a multiple of {BLOCK_K} "
                          f"(or one group), not {bits}-bit groups of {group_size}")
-    x2 = x.reshape(-1, k)
-    if perm is not None:
-        x2 = x2.index_select(1, perm)
-    elif x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.reshape(*x.shape[:-1], n)
-    bucket = m_bucket(m)
-    ws, cnt = workspace(x.device, m, n)
-    dot_f32 = INTERPRETED and x.dtype == torch.bfloat16
-    group = group_size if group_size < k else triton.cdiv(k, BLOCK_K) * BLOCK_K
-    args = dict(X=x2, QW=qweight, S=scales, Z=zeros, B=qweight if bias is None else bias, OUT=out,
-                WS=ws, CNT=cnt, M=m, N=n, K=k, GROUP=group, stride_xm=x2.stride(0),
-                stride_om=out.stride(0), M_BUCKET=bucket, BITS=bits, HAS_BIAS=bias is not None,
-                PRECISION="ieee" if x.dtype == torch.float32 or dot_f32 else "tf32",
-                DOT_F32=dot_f32)
-    TUNER(m, n, args, (bucket, n, k, x.dtype, bits, bias is not None), tile)
+    x2 = activations(x, k, perm)
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        args = launch_args(x2, out)
+        group = group_size if group_size < k else triton.cdiv(k, BLOCK_K) * BLOCK_K
+        args.update(X=x2, QW=qweight, S=scales, Z=zeros, B=qweight if bias is None else bias, K=k,
+                    GROUP=group, BITS=bits, HAS_BIAS=bias is not None)
+        TUNER(x2.shape[0], n, args, (args["M_BUCKET"], n, k, x.dtype, bits, bias is not None),
+              tile)
     return out.reshape(*x.shape[:-1], n)
