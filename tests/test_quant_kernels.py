@@ -229,7 +229,7 @@ def test_fp8_kv_attention_widens_tiles_not_the_cache(monkeypatch, compute):
         actual = triton_attention.paged_attention(*dev, scale, k_scale=0.02, v_scale=0.05,
                                                   max_query_len=9, num_decodes=2)
     torch.testing.assert_close(actual.cpu().float(), expect, atol=3e-2, rtol=3e-2)
-    assert Sizes.largest < dev[1][0].numel() // 4
+    assert Sizes.largest < dev[1][0].numel()      # not even K (or V) alone
     big = dev[0] * 1e6       # |q| ~ 1e6: float16 would overflow without the clamp
     out = triton_attention.paged_attention(big, *dev[1:], scale, k_scale=0.02, v_scale=0.05,
                                            max_query_len=9, num_decodes=2)
