@@ -4,7 +4,7 @@
 # Two device calls (each under the 10-minute limit):
 #   1. check and choose, ~6 min:  bash bench/quant_gpu_check.sh wheels tests gemm attention
 #      then commit $OUT/quant_dispatch.json as kernels/quant_dispatch.json
-#   2. the figures, ~7-8 min:     bash bench/quant_gpu_check.sh wheels serve
+#   2. the figures, ~6-7 min:     bash bench/quant_gpu_check.sh wheels serve
 # Sections:
 # wheels: installs the carried wheels (WHEELS, default .whl: gemlite, fbgemm-gpu-genai 1.6.0,
 #   compressed-tensors and its loguru/psutil; plus the serving kit for `serve`) into /tmp/site.
@@ -19,8 +19,9 @@
 # attention: bench/fp8_kv_attention.py: decode over an FP8 cache beside bf16 (its variants) and
 #   prefill over a cached prefix; ~1 min.
 # serve: W1 (Qwen3-0.6B) bf16 KV vs FP8 KV; Llama-3.1-8B W3 bf16 vs FP8 weights + FP8 KV and
-#   W2 bf16 vs INT4 (compressed-tensors W4A16 g128), each pair in this call, then the table of
-#   issue 32's serving targets; ~7-8 min (three Llama servers, two Qwen3 ones).
+#   W2 bf16 vs INT4 (compressed-tensors W4A16 g128) and FP8, each pair in this call, then the
+#   table of issue 32's serving targets; ~6-7 min (three Llama servers, two Qwen3 ones; their
+#   logs in $OUT/serve-N.log).
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/protos:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -48,17 +49,24 @@ if has attention; then
   log "FP8 KV attention"; timeout 150 python3 -m bench.fp8_kv_attention 2>&1 | tee "$OUT/fp8_kv.txt"
 fi
 if has serve; then
-  RES=$OUT/quant_serve.jsonl; : > "$RES"
-  bench() {   # LABEL MODEL WORKLOAD SERVE_ARGS...: one serving_bench run, its JSON line labelled
-    local label=$1 model=$2 workload=$3 every=0; shift 3
-    [ "$workload" != w2 ] && every=100000   # W1/W3: an offline client; W2 streams every token
-    log "$label"
-    timeout -k 5 300 python3 -m bench.serving_bench --model "$model" --workload "$workload" \
-      --num-seqs 256 --stream-interval $every --serve-args "--device cuda $*" > /tmp/q.txt 2>&1
+  RES=$OUT/quant_serve.jsonl; : > "$RES"; ADDR=127.0.0.1:50151; n=0
+  up() {      # MODEL SERVE_ARGS...: `headrace serve` in a process group of its own
+    n=$((n + 1)); log "serve $*"
+    HEADRACE_LOG_LEVEL=WARNING setsid python3 -m cli serve --model "$1" --host 127.0.0.1 \
+      --port 50151 --http-port 50152 --device cuda "${@:2}" > "$OUT/serve-$n.log" 2>&1 &
+    SERVER=$!
+  }
+  down() { kill -- -"$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null; sleep 2; }
+  bench() {   # LABEL WORKLOAD: one serving_bench run against the server, its JSON line labelled
+    local every=0
+    [ "$2" != w2 ] && every=100000   # W1/W3: an offline client; W2 streams every token
+    log "$1"
+    timeout -k 5 300 python3 -m bench.serving_bench --address $ADDR --workload "$2" \
+      --num-seqs 256 --stream-interval $every > /tmp/q.txt 2>&1
     tail -1 /tmp/q.txt | python3 -c "import json,sys
-try: d = json.loads(sys.stdin.read()); d['label'] = '$label'; print(json.dumps(d))
-except ValueError: print(json.dumps({'label': '$label', 'error': 'no result'}))" | tee -a "$RES"
-    grep -iE "error|Traceback" /tmp/q.txt | head -3
+try: d = json.loads(sys.stdin.read()); d['label'] = '$1'; print(json.dumps(d))
+except ValueError: print(json.dumps({'label': '$1', 'error': 'no result'}))" | tee -a "$RES"
+    grep -q '"label"' "$RES" && tail -1 "$RES" | grep -q error && tail -5 "$OUT/serve-$n.log"
   }
   log "checkpoints"
   python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda > /dev/null
@@ -66,12 +74,12 @@ except ValueError: print(json.dumps({'label': '$label', 'error': 'no result'}))"
   python3 -m bench.quantize_checkpoint /tmp/llama8b /tmp/llama8b-w4a16 --device cuda > /dev/null
   W1="--max-running 256 --max-batched-tokens 16384"
   L8="--max-running 256 --max-batched-tokens 8192 --max-model-len 4096"
-  bench "W1 qwen3 bf16 KV" /tmp/qwen3 w1 "$W1"
-  bench "W1 qwen3 fp8 KV" /tmp/qwen3 w1 "$W1 --kv-cache-dtype fp8"
-  bench "W2 llama8b bf16" /tmp/llama8b w2 "$L8"
-  bench "W2 llama8b int4" /tmp/llama8b-w4a16 w2 "$L8"
-  bench "W3 llama8b bf16" /tmp/llama8b w3 "$L8"
-  bench "W3 llama8b fp8 weights + fp8 KV" /tmp/llama8b w3 "$L8 --quantization fp8 --kv-cache-dtype fp8"
+  up /tmp/qwen3 $W1; bench "W1 qwen3 bf16 KV" w1; down
+  up /tmp/qwen3 $W1 --kv-cache-dtype fp8; bench "W1 qwen3 fp8 KV" w1; down
+  up /tmp/llama8b $L8; bench "W2 llama8b bf16" w2; bench "W3 llama8b bf16" w3; down
+  up /tmp/llama8b-w4a16 $L8; bench "W2 llama8b int4" w2; down
+  up /tmp/llama8b $L8 --quantization fp8 --kv-cache-dtype fp8
+  bench "W3 llama8b fp8 weights + fp8 KV" w3; bench "W2 llama8b fp8 weights + fp8 KV" w2; down
   log "serving targets (issue 32)"
   python3 - "$RES" <<'EOF'
 import json, sys
@@ -91,6 +99,8 @@ row("W2 Llama-8B ITL p50, bf16 | INT4", get("W2 llama8b bf16", "itl_ms_p50"),
     get("W2 llama8b int4", "itl_ms_p50"), "ms", "<= 0.45x")
 row("W2 Llama-8B TTFT p50, bf16 | INT4", get("W2 llama8b bf16", "ttft_ms_p50"),
     get("W2 llama8b int4", "ttft_ms_p50"), "ms", "-")
+row("W2 Llama-8B ITL p50, bf16 | FP8 + FP8 KV", get("W2 llama8b bf16", "itl_ms_p50"),
+    get("W2 llama8b fp8 weights + fp8 KV", "itl_ms_p50"), "ms", "-")
 EOF
 fi
 if has gemm; then log "GEMM targets"; grep -E "^target" "$OUT/quant_gemm.txt"; fi
