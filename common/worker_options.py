@@ -50,6 +50,12 @@ class WorkerOptions:
     quantization: str | None = option(
         None, "weight quantization (default: the checkpoint's quantization_config); fp8 and int8 "
         "quantize a float checkpoint at load", choices=("fp8", "int8", "gptq", "awq", "compressed-tensors"))
+    quant_backend: str = option(
+        "auto", "kernels of the quantized layers on the GPU: auto (per layer shape and batch size, "
+        "the fastest measured on the device among those installed: kernels/quant_dispatch.json), "
+        "triton (ours), torch (tinygemm INT4, _scaled_mm FP8), gemlite (pip install "
+        "'headrace[gemlite]') or fbgemm (pip install 'headrace[fbgemm]'); docs/quantization.md",
+        choices=("auto", "triton", "torch", "gemlite", "fbgemm"))
     kv_offloading_size: float = option(0.0, "GiB of host memory (pinned on CUDA) per data plane "
                                             "for a second KV tier: evicted prefix-cache blocks and "
                                             "swapped-out sequences (default 0: none; vLLM's name)")

@@ -25,11 +25,11 @@ from dataplane.draft_model import DraftModel
 from dataplane.loader import load_model
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.progress import Phases, Progress
-from dataplane.quantization import KV_CACHE_DTYPES, resolve as resolve_quantization
+from dataplane.quantization import KV_CACHE_DTYPES, layers as quant_layers, resolve as resolve_quantization
 from dataplane.runner import ModelRunner
 from dataplane.sampler import SamplingBatch, SamplingRow, sample
 from dataplane.spec_decode import SpecDecoder, graph_rows
-from kernels import attention_policy
+from kernels import attention_policy, quant_dispatch, quant_libs
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 log = logging.getLogger("headrace.dataplane")
@@ -93,6 +93,10 @@ class Worker:
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
         self.phases = phases = Phases()
         self.quant = resolve_quantization(opts.model, opts.quantization)
+        if self.quant is not None:
+            backend = quant_dispatch.resolve_backend(opts.quant_backend, self.device.type,
+                                                     quant_libs.why_not)
+            self.quant = dataclasses.replace(self.quant, backend=backend)
         if opts.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {opts.kv_cache_dtype!r}: choose from {KV_CACHE_DTYPES}")
         self.kv_dtype = torch.float8_e4m3fn if opts.kv_cache_dtype == "fp8" else self.dtype
@@ -176,6 +180,10 @@ class Worker:
         """Runs the largest step (max_batched_tokens tokens, max_num_seqs sampled with every
         filter on) against a one-block cache, so peak activation memory can be measured."""
         n, dev = self.opts.max_batched_tokens, self.device
+        if self.quant is not None:   # library layouts, skinny-GEMM tuning per row bucket
+            for line in quant_layers.warm_up(model, graph_rows(self.speculative,
+                                                               self.opts.max_num_seqs), self.dtype):
+                log.info("quantized %s", line)
         cache = kv_cache.allocate(self.local_cfg, 1, self.opts.block_size, self.kv_dtype, dev)
         torch.cuda.reset_peak_memory_stats(dev)
         baseline = torch.cuda.memory_allocated(dev)

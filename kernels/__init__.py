@@ -19,9 +19,11 @@ them. Its ``flash`` argument (a ``kernels.flash_attn4.Plan``, made once per step
 step's ``kernels.attention_policy`` choice is flash-attn-4) sends a CUDA step's prefill part to
 flash-attn-4 instead (``--attention-backend``); CPU tensors and ``reference`` ignore it.
 ``copy_blocks`` (copy on write, rare) is plain torch indexing on every device.
-``fp8_linear`` on the GPU is two kernels split by row count (``kernels.triton_quant``: FP8-weight
-skinny GEMM at decode, ``_scaled_mm`` above); ``fp8_linear_kernel`` says which one an input
-would take (``reference`` where the reference runs), for benchmarks to report.
+``fp8_linear`` and ``wna16_linear`` take a ``kernel`` name where Triton runs (the quantized
+layers pass ``kernels.quant_dispatch``'s choice; the reference ignores it):
+``fp8_linear_kernel`` / ``wna16_linear_kernel`` say which kernel an input of a layer would
+take (``reference`` where the reference runs), for benchmarks and logs; ``on_triton(x)``
+whether the Triton twins run for ``x``.
 """
 
 from __future__ import annotations
@@ -103,14 +105,65 @@ sample_race = _select(reference.sample_race, "sample_race")
 apply_token_bitmask = _select(reference.apply_token_bitmask, "apply_token_bitmask")
 qk_norm_rope_write_kv = _select(reference.qk_norm_rope_write_kv, "qk_norm_rope_write_kv")
 linear = _select(reference.linear, "linear")
-fp8_linear = _select(reference_quant.fp8_linear, "fp8_linear")
-wna16_linear = _select(reference_quant.wna16_linear, "wna16_linear")
 copy_blocks = reference.copy_blocks   # one indexed copy per layer: torch is the kernel
 
 
-def fp8_linear_kernel(rows: int, device: str | torch.device = "cuda") -> str:
+def on_triton(x: torch.Tensor | str | torch.device) -> bool:
+    """Whether the Triton twins run for a tensor (or device): HEADRACE_KERNELS and the device."""
+    device = x.device if isinstance(x, torch.Tensor) else torch.device(x)
+    return _triton is not None and (MODE == "triton" or device.type == "cuda")
+
+
+def fp8_linear(x, weight, weight_scale, input_scale=None, bias=None, kernel=None):
+    """kernels.reference_quant.fp8_linear's semantics; ``kernel`` (fp8_skinny / scaled_mm)
+    picks the Triton kernel where Triton runs."""
+    if on_triton(x):
+        return _triton[0]["fp8_linear"].fp8_linear(x, weight, weight_scale, input_scale, bias,
+                                                   kernel=kernel)
+    return reference_quant.fp8_linear(x, weight, weight_scale, input_scale, bias)
+
+
+def wna16_linear(x, qweight, scales, zeros, g_idx, perm, bits, group_size, bias=None, kernel=None):
+    """kernels.reference_quant.wna16_linear's semantics; ``kernel`` (triton_skinny / triton)
+    picks the Triton kernel where Triton runs."""
+    if on_triton(x):
+        return _triton[0]["wna16_linear"].wna16_linear(x, qweight, scales, zeros, g_idx, perm,
+                                                       bits, group_size, bias, kernel=kernel)
+    return reference_quant.wna16_linear(x, qweight, scales, zeros, g_idx, perm, bits, group_size,
+                                        bias)
+
+
+def fp8_linear_kernel(rows: int, device: str | torch.device = "cuda",
+                      shape: tuple[int, int] | None = None, backend: str = "auto") -> str:
     """Which kernel ``fp8_linear`` runs for an input of ``rows`` rows on ``device``:
-    'reference', or the GPU's 'fp8_skinny' / 'scaled_mm' (``triton_quant.fp8_kernel``)."""
-    if _triton is None or (MODE == "auto" and torch.device(device).type != "cuda"):
+    'reference', or on the GPU the default by rows ('fp8_skinny' / 'scaled_mm'), or with an
+    [N, K] ``shape`` what a layer of that shape dispatches to (``kernels.quant_dispatch``, the
+    libraries installed here)."""
+    if not on_triton(device):
         return "reference"
-    return _triton[0]["fp8_linear"].fp8_kernel(rows)
+    if shape is None:
+        return _triton[0]["fp8_linear"].fp8_kernel(rows)
+    from kernels import quant_dispatch, quant_libs
+    n, k = shape
+    return quant_dispatch.plan("fp8", n, k, backend, lambda name: quant_libs.takes(
+        name, scheme="fp8", n=n, k=k, dtype=torch.bfloat16)).kernel(rows)
+
+
+def wna16_linear_kernel(rows: int, device: str | torch.device = "cuda",
+                        shape: tuple[int, int] | None = None, bits: int = 4, group_size: int = 128,
+                        backend: str = "auto") -> str:
+    """As ``fp8_linear_kernel`` for the integer-weight layers (bfloat16 inputs)."""
+    if not on_triton(device):
+        return "reference"
+    quant = _triton[0]["wna16_linear"]
+    n, k = shape or (0, group_size)
+    if shape is None:
+        return quant.wna16_kernel(rows, bits, group_size, k)
+    from kernels import quant_dispatch, quant_libs, triton_w4a16
+
+    def takes(name: str) -> bool:
+        if name == "triton_skinny":
+            return triton_w4a16.supports(bits, group_size, k)
+        return quant_libs.takes(name, scheme="wna16", n=n, k=k, dtype=torch.bfloat16, bits=bits,
+                                group_size=group_size)
+    return quant_dispatch.plan(f"w{bits}a16", n, k, backend, takes).kernel(rows)
