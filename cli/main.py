@@ -29,14 +29,14 @@ from cli.options import (
 )
 from cli.roles import cmd_core, cmd_dataplane, cmd_frontend
 from cli.serve import (  # noqa: F401 (the commands' helpers, re-exported for their tests)
-    CONTROL_PLANE_SECRETS,
     _free_port,
-    child_env,
     cmd_controlplane,
     cmd_serve,
     dataplane_argv,
+    dataplane_env,
     serve_children_argvs,
 )
+from common import secret_env
 from common.logs import configure_logging
 from common.options import add_arguments
 from common.worker_options import ParallelOptions, WorkerOptions
@@ -146,11 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:50061",
                    help="host:port or unix:/path to serve the step protocol on")
     add_ops_args(p, 9401, control=False)
-    p.add_argument("--metrics-host", default=None,
-                   help="interface of /metrics (default: the --listen host; 127.0.0.1 for a unix socket)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="interface of /metrics (no authentication): 127.0.0.1 whatever --listen "
+                        "is; 0.0.0.0 for a Prometheus on another machine")
     add_tls_args(p)
     p.add_argument("--secret", default=None,
-                   help="serve only callers presenting this shared secret (default $HEADRACE_WORKER_SECRET)")
+                   help="serve only callers presenting this shared secret (default "
+                        "$HEADRACE_WORKER_SECRET; prefer it: a flag is visible in ps until the "
+                        "process starts)")
     p.set_defaults(func=cmd_dataplane)
 
     add_generate_parser(command("generate", "stream a completion from a running server"))
@@ -181,9 +184,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     if args.command not in ("health", "generate", "admin"):
+        # a secret given by flag leaves this process's command line (ps) at once; every
+        # secret is then read from its flag, else its environment variable, in one place
+        secret_env.scrub_argv(secret_env.flag_values(args))
         configure_logging(getattr(args, "log_format", None))
         bind_role(args)
     try:
+        if args.command not in ("health", "generate", "admin"):
+            secret_env.resolve(args)   # (a tokens file that cannot be read: one line)
         return args.func(args)
     except (ValueError, PortInUse, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         # a user's mistake (model, port, option, certificate file): one line, no traceback

@@ -13,13 +13,15 @@ serve`` / ``headrace controlplane``.
   option or file, already explained on stderr) ends the server instead.
 - The children share a private directory: the core's unix socket and, as
   ``PROMETHEUS_MULTIPROC_DIR``, the metric files the core's one /metrics sums.
-- Secrets (API, admin and worker tokens, the core secret) reach the children by environment,
-  not argv. The core and its front ends share a fresh core secret unless one is given; a TCP
-  core address beyond loopback needs TLS (``controlplane.core_link``), checked before any
-  child starts.
+- Secrets (API, admin and worker tokens, the core secret; given by flag, file or environment,
+  ``common.secret_env``) reach the children by environment, never argv, and each child gets
+  only those its role uses. The core and its front ends share a fresh core secret unless one
+  is given; a TCP core address beyond loopback needs TLS (``controlplane.core_link``), checked
+  before any child starts.
 - ``--data-parallel-size M``: M cores (``core i``), each over its own group of data planes and
   on its own address (``cli.data_parallel``); the front ends get every core's address. Core 0
   serves the control plane's /metrics (the others' state mirrored in, ``controlplane.dp_metrics``).
+  Every core gets exactly a core's secrets.
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ import sys
 import threading
 import time
 
+from common import secret_env
+
 log = logging.getLogger("headrace.supervisor")
 EXIT_USAGE = 2   # cli.main: a user's mistake, said in one line
-SECRETS = {"api_token": "HEADRACE_API_TOKEN", "admin_token": "HEADRACE_ADMIN_TOKEN",
-           "worker_secret": "HEADRACE_WORKER_SECRET", "core_secret": "HEADRACE_CORE_SECRET"}
+# never forwarded on a command line: the secrets (by environment) and the tokens file (read
+# by the supervisor, its entries passed by environment)
+NOT_FORWARDED = ("api_token", "api_tokens_file", "admin_token", "worker_secret", "core_secret")
 
 
 def default_api_server_count(cpus: int | None = None) -> int:
@@ -51,7 +56,7 @@ def forward_argv(parser: argparse.ArgumentParser, args: argparse.Namespace,
     argv, seen = [], set()
     for action in parser._actions:
         dest = action.dest
-        if not action.option_strings or dest in skip or dest in SECRETS or not hasattr(args, dest) \
+        if not action.option_strings or dest in skip or dest in NOT_FORWARDED or not hasattr(args, dest) \
                 or dest in seen:
             continue
         value = getattr(args, dest)
@@ -71,22 +76,11 @@ def forward_argv(parser: argparse.ArgumentParser, args: argparse.Namespace,
     return argv
 
 
-def secrets_env(args) -> dict[str, str]:
-    """The secrets the control plane's children need, by environment (never on a command line,
-    where ``ps`` shows them); several ``--api-token`` entries travel as HEADRACE_API_TOKENS."""
-    env = {}
-    for dest, name in SECRETS.items():
-        value = getattr(args, dest, None)
-        if isinstance(value, list):
-            name, value = "HEADRACE_API_TOKENS", ",".join(value)
-        if value:
-            env[name] = value
-    return env
-
-
 class Child:
-    def __init__(self, role: str, argv: list[str]):
-        self.role, self.argv = role, argv
+    """``role``: "core" or "frontend N"; ``env``: its own environment (None: the group's)."""
+
+    def __init__(self, role: str, argv: list[str], env: dict | None = None):
+        self.role, self.argv, self.env = role, argv, env
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
         self.backoff = 0.0
@@ -107,7 +101,8 @@ class RoleProcesses:
         self._thread.start()
 
     def _start(self, child: Child) -> None:
-        child.proc = subprocess.Popen(child.argv, env=self._env, start_new_session=True)
+        child.proc = subprocess.Popen(child.argv, env=child.env if child.env is not None else self._env,
+                                      start_new_session=True)
         child.started = time.monotonic()
 
     def _watch(self) -> None:
@@ -148,24 +143,28 @@ class RoleProcesses:
 
 
 def control_plane_children(args, parser: argparse.ArgumentParser, workers: list,
-                           core_address: str | list[str]) -> list[Child]:
-    """The engine cores first, then the front ends. ``workers``: the data planes of one core,
-    or a list of groups, one per core address (data parallelism)."""
+                           core_address: str | list[str], env: dict | None = None) -> list[Child]:
+    """The engine cores first, then the front ends, each with its role's secrets in its
+    environment (``env``, default this process's, without any other secret). ``workers``: the
+    data planes of one core, or a list of groups, one per core address (data parallelism)."""
+    env = os.environ if env is None else env
     common = forward_argv(parser, args, skip=("workers", "core_address", "api_server_count",
                                               "tensor_parallel_size", "dataplane_metrics_port"))
     python = [sys.executable, "-m", "cli"]
     cores = [core_address] if isinstance(core_address, str) else list(core_address)
     groups = workers if workers and isinstance(workers[0], list) else [workers]
+    core_env = secret_env.role_env("core", args, env)
     children = []
     for i, (address, group) in enumerate(zip(cores, groups, strict=True)):
         argv = python + ["core", *common, "--workers", ",".join(group), "--core-address", address]
         if len(cores) > 1:   # core 0 serves /metrics
             argv += ["--data-parallel-rank", str(i), "--data-parallel-size", str(len(cores))]
             argv += ["--metrics-port", "0"] if i else []
-        children.append(Child("core" if len(cores) == 1 else f"core {i}", argv))
+        children.append(Child("core" if len(cores) == 1 else f"core {i}", argv, core_env))
     count = args.api_server_count or default_api_server_count()
+    front_env = secret_env.role_env("frontend", args, env)
     return children + [Child(f"frontend {i}", python + ["frontend", "--index", str(i), *common,
-                                                        "--core-address", ",".join(cores)])
+                                                        "--core-address", ",".join(cores)], front_env)
                        for i in range(count)]
 
 
@@ -174,7 +173,8 @@ def prepare_core_link(args) -> None:
     network cannot read or use the link (``controlplane.core_link``); ValueError otherwise."""
     from controlplane import core_link
 
-    args.core_secret = args.core_secret or os.environ.get("HEADRACE_CORE_SECRET") or secrets.token_hex(16)
+    secret_env.resolve(args)
+    args.core_secret = args.core_secret or secrets.token_hex(16)
     tls = bool(args.core_tls_cert and args.core_tls_key and args.core_ca)
     for address in (args.core_address or "").split(","):
         if address.strip():
@@ -194,10 +194,10 @@ def run_control_plane(args, parser: argparse.ArgumentParser, workers: list[str],
     cores = data_parallel.core_addresses(args.core_address, private_dir, dp)
     if workers and not isinstance(workers[0], list):
         workers = data_parallel.split_workers(workers, dp)
-    env = dict(env, **secrets_env(args))
+    env = dict(env)
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):   # common.metrics.enable_multiprocess
         env["PROMETHEUS_MULTIPROC_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
-    children = control_plane_children(args, parser, workers, cores)
+    children = control_plane_children(args, parser, workers, cores, env)
     log.info("control plane: %d engine core(s) on %s, %d API front ends on port %d", dp,
              ", ".join(cores), len(children) - dp, args.port)
     done = threading.Event()

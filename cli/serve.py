@@ -12,7 +12,14 @@ import shutil
 import sys
 import tempfile
 
-from cli.options import check_device_name, check_speculative_config, default_model
+from cli.options import (
+    check_device_name,
+    check_speculative_config,
+    check_structured_outputs_backend,
+    chunking,
+    default_model,
+)
+from common import secret_env
 from common.options import from_args, to_argv
 from common.worker_options import ParallelOptions, WorkerOptions
 
@@ -49,20 +56,14 @@ def serve_children_argvs(args, listens: list[str], devices: list[str] | None = N
             rank_opts = dataclasses.replace(opts, device=f"cuda:{rank}")
         port = metrics + replica * world + rank if metrics else 0
         argvs.append(dataplane_argv(rank_opts, ParallelOptions(rank, world, dist_init), listen,
-                                    port, args.log_format, args.host))
+                                    port, args.log_format, args.metrics_host))
     return argvs
 
 
-# the control plane's own secrets: a data plane child never needs them
-CONTROL_PLANE_SECRETS = ("HEADRACE_API_TOKEN", "HEADRACE_API_TOKENS", "HEADRACE_ADMIN_TOKEN",
-                         "HEADRACE_CORE_SECRET")
-
-
-def child_env(environ, worker_secret: str) -> dict:
-    """A data plane child's environment: this one without the control plane's secrets, with
-    the worker secret (how it accepts only this control plane)."""
-    env = {k: v for k, v in environ.items() if k not in CONTROL_PLANE_SECRETS}
-    return dict(env, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=worker_secret)
+def dataplane_env(args, environ=os.environ) -> dict:
+    """A data plane child's environment (every replica's alike): the worker secret (how it
+    accepts only this control plane) and no other secret (``common.secret_env``)."""
+    return dict(secret_env.role_env("dataplane", args, environ), NCCL_NVLS_ENABLE="0")
 
 
 def _model_for_the_control_plane(args, weights: bool) -> str:
@@ -95,7 +96,9 @@ def cmd_serve(args) -> int:
     from common.metrics import enable_multiprocess
 
     check_speculative_config(args)
+    check_structured_outputs_backend(args)
     check_device_name(args.device)
+    chunking(args)   # a bad combination of the chunking flags: one line, before any child starts
     placement_of(args)
     args.model = _model_for_the_control_plane(args, weights=True)
     check_public_ports(args)
@@ -112,8 +115,9 @@ def cmd_serve(args) -> int:
         name = (lambda i, r: f"dataplane-{r}") if dp == 1 else (lambda i, r: f"dataplane-{i}-{r}")
         listens = [[f"unix:{sock_dir}/{name(i, r)}.sock" for r in range(world)] for i in range(dp)]
         # the children accept only this control plane: a fresh shared secret, passed by environment
-        args.worker_secret = args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or secrets.token_hex(16)
-        env = child_env(os.environ, args.worker_secret)
+        secret_env.resolve(args)
+        args.worker_secret = args.worker_secret or secrets.token_hex(16)
+        env = dataplane_env(args)
         enable_multiprocess(os.path.join(sock_dir, "metrics"))   # the supervisor's metrics too
         from controlplane.metrics import ControlPlaneMetrics
 
@@ -124,7 +128,7 @@ def cmd_serve(args) -> int:
                 ready=health_probe(listens[i]), metrics=metrics))
             if devices and data_parallel.sharing(devices) > 1 and i < dp - 1:
                 data_parallel.wait_loaded(groups[-1])   # the next sizes its KV from what is left
-        failed = run_control_plane(args, _parser(), listens, sock_dir, env,
+        failed = run_control_plane(args, _parser(), listens, sock_dir, dict(os.environ),
                                    stop_hook=lambda fn: [g.when_fatal(fn) for g in groups])
         fatal = next((g for g in groups if g.fatal), None)
         if fatal is not None:
@@ -144,6 +148,8 @@ def cmd_controlplane(args) -> int:
 
     from cli.options import placement_of
 
+    check_structured_outputs_backend(args)
+    chunking(args)
     args.model = _model_for_the_control_plane(args, weights=False)
     placement_of(args)
     check_public_ports(args)

@@ -78,14 +78,11 @@ class ApiTokens:
     @classmethod
     def load(cls, tokens=(), file: str | None = None, environ=os.environ) -> "ApiTokens":
         """From ``--api-token`` values, ``--api-tokens-file`` (one entry a line) and, when
-        neither is given, $HEADRACE_API_TOKENS (comma-separated) and $HEADRACE_API_TOKEN."""
-        entries = list(tokens or ())
-        if file:
-            entries += pathlib.Path(file).read_text().splitlines()
-        if not entries:
-            entries = environ.get("HEADRACE_API_TOKENS", "").split(",") + \
-                [environ.get("HEADRACE_API_TOKEN", "")]
-        return cls(entries)
+        neither is given, $HEADRACE_API_TOKENS (comma-separated) and $HEADRACE_API_TOKEN
+        (``common.secret_env``)."""
+        from common.secret_env import api_token_entries
+
+        return cls(api_token_entries(tokens, file, environ))
 
     def __bool__(self) -> bool:
         return bool(self.entries)

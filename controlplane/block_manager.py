@@ -54,6 +54,7 @@ class BlockManager:
         self.prefix_queries = 0                          # tokens looked up / found (metrics)
         self.prefix_hits = 0
         self.host = HostTier(host_blocks) if host_blocks > 0 else None
+        self.offload_evicted = True   # False: evicted blocks are dropped (the tier only swaps)
         self.events = None   # a cache_summary.CacheEvents, when watched
 
     def watch(self, events) -> None:
@@ -187,7 +188,7 @@ class BlockManager:
                 del self.cached[h]
                 if self.events is not None:
                     self.events.evicted.append(h)
-                if self.host is not None:
+                if self.host is not None and self.offload_evicted:
                     self.host.offload(block, h, self._tokens[block])
             self._hash[block] = self._tokens[block] = None
         self.ref[block] = 1
@@ -288,6 +289,11 @@ class BlockManager:
     def drop_swapped(self, seq_id: int) -> None:
         if self.host is not None:
             self.host.drop_seq(seq_id)
+
+    @property
+    def copies_pending(self) -> bool:
+        """Host-tier copies wait for the next step to carry them."""
+        return self.host is not None and bool(self.host.swap_in or self.host.swap_out)
 
     def take_ops(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The host-tier copies (swap_out, swap_in) the step being sent carries."""

@@ -109,6 +109,10 @@ def check_request(req: pb.GenerateRequest, *, vocab_size: int, max_model_len: in
         _check(req.max_tokens < max_model_len,
                f"max_tokens {req.max_tokens} exceeds max_model_len {max_model_len}")
     _sampling(req.sampling, vocab_size)
+    if req.HasField("structured"):
+        from controlplane.structured import spec   # (it builds on this module's ValidationError)
+
+        spec.from_proto(req.structured)
     kind = req.WhichOneof("input")
     _check(kind is not None, "prompt: set one of prompt, prompt_token_ids or messages")
     if kind == "prompt_token_ids":
@@ -156,6 +160,10 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids
     sampling.stop_token_ids.extend(sorted(stop_ids))
     request = Request(request_id=rid, n=max(1, req.n), stream_interval=req.stream_interval,
                       tenant=tenant)
+    if req.HasField("structured"):
+        from controlplane.structured import spec
+
+        request.structured = spec.from_proto(req.structured)
     for index in range(request.n):
         seq_sampling = wpb.Sampling()
         seq_sampling.CopyFrom(sampling)

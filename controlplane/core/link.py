@@ -9,6 +9,7 @@ import dataclasses
 
 import grpc
 
+from common import stage_times
 from controlplane.core import load_publisher
 from controlplane.request import Request, Status
 from headrace.core.v1 import core_pb2 as cpb
@@ -35,6 +36,12 @@ class CoreRequest(Request):
         self.link.mark(self)
 
 
+def num_queued(plane) -> int:
+    """The engine's queued sequences (what ``--max-queued`` bounds); 0 before a model."""
+    sched = plane.engine.scheduler
+    return sched.num_queued if sched is not None else 0
+
+
 def _columns() -> tuple[list[int], list[int], list[int], list[int]]:
     """Empty ``Down`` token columns: handles, sample indexes, counts, token ids."""
     return [], [], [], []
@@ -54,6 +61,7 @@ class FrontendLink:
         self._flush_scheduled = False
         self.closed = False
         self.placement = False   # the front end places requests: it gets ``Down.load``
+        self.sent_queued = -1   # the queue length this front end was last told
 
     def mark(self, request: CoreRequest) -> None:
         self._dirty[request] = None
@@ -88,7 +96,10 @@ class FrontendLink:
             return
         deltas, done = self._pending.deltas, []
         handles, indexes, counts, tokens = self._columns
+        stages = stage_times.STAGES
         for req in dirty:
+            if stages is not None and req.sequences[0].delivered == 0:   # its first tokens
+                stages.stamp(req.request_id, "core_flushed")
             if req.failure is not None:
                 self.fail(req.handle, req.failure.code, req.failure.message)
                 done.append(req)
@@ -142,9 +153,13 @@ class FrontendLink:
             msg.token_indexes.extend(indexes)
             msg.token_counts.extend(counts)
             msg.token_ids.extend(tokens)
-        sched = self.core.plane.engine.scheduler
-        msg.num_waiting = len(sched.waiting) if sched is not None else 0
+        msg.num_waiting = self.sent_queued = num_queued(self.core.plane)
         return msg
+
+    def note_queue(self, queued: int) -> None:
+        """Sends the queue length (``queued``) if this front end does not know it yet."""
+        if queued != self.sent_queued:
+            self._ready.set()
 
     def close(self) -> int:
         """The front end is gone: aborts its requests (their blocks are free at once)."""

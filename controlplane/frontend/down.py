@@ -26,7 +26,7 @@ class DownMessages:
                                           num_free_kv_blocks=load.num_free_kv_blocks,
                                           block_size=load.block_size)
             self.placed_since_report = 0
-        self._waiting.n = down.num_waiting
+        self._queue.num_queued = down.num_waiting
         woken, by_handle = {}, self._by_handle
         if down.token_handles:   # the columns first (a sample's deltas follow its columns)
             tokens, pos = list(down.token_ids), 0

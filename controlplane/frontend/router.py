@@ -38,15 +38,17 @@ log = get_logger("headrace.frontend")
 NO_CORE = "no engine core is ready (restarting?); retry"
 
 
-class _Waiting:
-    """The shortest reported queue of the ready cores (the request path's queue limit: a
-    request is refused only when no core would take it)."""
+class _QueueView:
+    """The shortest queue the ready cores last pushed (the request path's early queue check: a
+    request is refused only when no core would take it; each core decides again on its own
+    queue when the request reaches it)."""
 
     def __init__(self, router: "CoreRouter"):
         self.router = router
 
-    def __len__(self) -> int:
-        queues = [len(c.scheduler.waiting) for c in self.router.clients if c.ready]
+    @property
+    def num_queued(self) -> int:
+        queues = [c.scheduler.num_queued for c in self.router.clients if c.ready]
         return min(queues, default=0)
 
 
@@ -75,7 +77,7 @@ class CoreRouter:
         self.seq_ids = itertools.count(1)
         self._core_of: dict[str, int] = {}
         self._healthy = [False] * len(self.clients)
-        self._waiting = types.SimpleNamespace(waiting=_Waiting(self))
+        self._queue = _QueueView(self)
         self.placements = None if metrics is None else Counter(
             PREFIX + "placements", "Requests placed on each data-parallel engine core, by reason: "
             "prefix (it caches the prompt's prefix), load (the least loaded), balance (the least "
@@ -128,7 +130,7 @@ class CoreRouter:
 
     @property
     def scheduler(self):
-        return self._waiting if any(c.scheduler is not None for c in self.clients) else None
+        return self._queue if any(c.scheduler is not None for c in self.clients) else None
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, request: Request) -> None:

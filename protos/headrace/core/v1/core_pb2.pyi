@@ -27,7 +27,7 @@ class Resumed(_message.Message):
     def __init__(self, index: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("handle", "request_id", "prompt_token_ids", "sampling", "max_tokens", "priority", "stream_interval", "has_stop_strings", "trace_context", "trace_id", "tenant", "age", "resumed")
+    __slots__ = ("handle", "request_id", "prompt_token_ids", "sampling", "max_tokens", "priority", "stream_interval", "has_stop_strings", "trace_context", "trace_id", "tenant", "age", "structured", "resumed")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class Submit(_message.Message):
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     AGE_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     handle: int
     request_id: str
@@ -60,8 +61,9 @@ class Submit(_message.Message):
     trace_id: str
     tenant: str
     age: float
+    structured: _inference_pb2.StructuredOutputs
     resumed: _containers.RepeatedCompositeFieldContainer[Resumed]
-    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[_worker_pb2.Sampling, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., stream_interval: _Optional[int] = ..., has_stop_strings: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_id: _Optional[str] = ..., tenant: _Optional[str] = ..., age: _Optional[float] = ..., resumed: _Optional[_Iterable[_Union[Resumed, _Mapping]]] = ...) -> None: ...
+    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[_worker_pb2.Sampling, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., stream_interval: _Optional[int] = ..., has_stop_strings: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_id: _Optional[str] = ..., tenant: _Optional[str] = ..., age: _Optional[float] = ..., structured: _Optional[_Union[_inference_pb2.StructuredOutputs, _Mapping]] = ..., resumed: _Optional[_Iterable[_Union[Resumed, _Mapping]]] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("handle", "reason", "index")
