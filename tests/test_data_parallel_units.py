@@ -88,6 +88,7 @@ def test_a_data_plane_sharing_its_gpu_sizes_its_kv_cache_from_its_own_share(monk
     w = worker_mod.Worker.__new__(worker_mod.Worker)
     w.device, w.block_bytes = torch.device("cuda", 0), gib
     w.opts = types.SimpleNamespace(gpu_memory_utilization=0.45)
+    w.peak_bytes, w.graphs = 9 * gib, types.SimpleNamespace(static_bytes=lambda: 0)   # no CUDA graphs
     w.others_bytes = 0                                    # alone: 45 - 9 peak - 2 non-torch
     assert w._blocks_from_memory() == 34
     held["others"] = 50 * gib                             # another replica holds 50 GiB
