@@ -61,7 +61,8 @@ class Cores:
             fe = FrontEnd(len(self.frontends), addresses, MODEL, "127.0.0.1:0", reuse_port=False,
                           placement=Placement(placement), **options)
             await fe.start()
-            while not fe.client.ready:
+            # every core's stream up (a core just restarted: its connection out of back-off)
+            while not all(c.ready for c in getattr(fe.client, "clients", [fe.client])):
                 await asyncio.sleep(0.01)
             return fe
 
