@@ -3,11 +3,13 @@ prefix placement keeps a shared prefix on the core that caches it (hit rate >= 9
 core's on the same workload; round robin about half of it), a burst sharing a new prefix
 follows its first request, equal cores share the work, a core lost mid-generation (its process,
 or its data plane) hands its requests to the other with nothing lost, new requests avoid it,
-and Admin reaches both cores."""
+a structured request resumed on the other core goes on under its grammar, and Admin reaches
+both cores."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
 
 import grpc
@@ -15,6 +17,7 @@ import pytest
 
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
+from controlplane.structured import backends
 from headrace.v1 import inference_pb2 as pb
 from tests.dp_harness import Cores, generate
 from tests.harness import completion
@@ -82,14 +85,21 @@ def _run(stub, prompt: str) -> tuple:
     return tuple(completion([r for r in responses if r.index == i]) for i in range(extra.get("n", 1)))
 
 
-def _lose_mid_generation(cores, stub, lose, restore) -> None:
+def _generating(cores, tokens: int) -> int:
+    """Requests in the cores that have generated ``tokens`` tokens or more."""
+    return sum(len(r.sequences[0].output_token_ids) >= tokens
+               for c in cores.cores for r in list(c.engine.requests.values()))
+
+
+def _lose_mid_generation(cores, stub, lose, restore, run=_run, tokens: int = 0) -> list:
     prompts = [f"It is a truth universally acknowledged {i}" for i in range(8)]
-    undisturbed = [_run(stub, p) for p in prompts]
-    assert any(sample[2] == pb.FINISH_REASON_STOP_STRING for run in undisturbed for sample in run)
+    undisturbed = [run(stub, p) for p in prompts]
+    if run is _run:
+        assert any(sample[2] == pb.FINISH_REASON_STOP_STRING for run in undisturbed for sample in run)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(_run, stub, p) for p in prompts]
+        futures = [pool.submit(run, stub, p) for p in prompts]
         deadline = time.monotonic() + 30
-        while sum(len(c.engine.requests) for c in cores.cores) < 8 and time.monotonic() < deadline:
+        while _generating(cores, tokens) < 8 and time.monotonic() < deadline:
             time.sleep(0.005)
         busy = [len(c.engine.requests) for c in cores.cores]
         assert all(busy), f"both cores should be generating: {busy}"
@@ -97,8 +107,9 @@ def _lose_mid_generation(cores, stub, lose, restore) -> None:
         assert not all(f.done() for f in futures), "the loss came too late to matter"
         disturbed = [f.result(timeout=120) for f in futures]
     assert disturbed == undisturbed                      # nothing lost, nothing sent twice
-    assert all(_run(stub, p) == u for p, u in zip(prompts[:2], undisturbed))   # new ones avoid it
+    assert all(run(stub, p) == u for p, u in zip(prompts[:2], undisturbed))   # new ones avoid it
     restore()
+    return disturbed
 
 
 def test_a_core_lost_mid_generation_hands_its_requests_over(cores):
@@ -109,6 +120,28 @@ def test_a_core_lost_mid_generation_hands_its_requests_over(cores):
 def test_a_core_whose_data_plane_is_lost_hands_its_requests_over(cores):
     stub = cores.frontend("least-load")
     _lose_mid_generation(cores, stub, lambda: cores.stop_worker(1), lambda: cores.start_worker(1))
+
+
+NUMBERS = r"\[(\d{1,2}, ){12,16}\d{1,2}\]"
+
+
+def _run_structured(stub, prompt: str) -> tuple:
+    responses = list(stub.Generate(pb.GenerateRequest(
+        prompt=prompt, max_tokens=120, sampling=pb.SamplingParams(temperature=0),
+        structured=pb.StructuredOutputs(regex=NUMBERS)), timeout=120))
+    return completion(responses)
+
+
+@pytest.mark.skipif(not any(backends.installed(n) for n in ("guidance", "xgrammar")),
+                    reason="no grammar engine installed")
+def test_a_structured_request_resumes_on_another_core_under_its_grammar(cores):
+    """The new core's matcher consumes the tokens the request brings (Submit.resumed) before
+    its first mask: the greedy output is the undisturbed one and still matches."""
+    stub = cores.frontend("least-load")
+    outputs = _lose_mid_generation(cores, stub, lambda: cores.stop_core(1), lambda: cores.start_core(1),
+                                   run=_run_structured, tokens=4)
+    for _, text, finish in outputs:
+        assert finish == pb.FINISH_REASON_STOP and re.fullmatch(NUMBERS, text), text
 
 
 def test_admin_reaches_every_core(cores):

@@ -139,7 +139,7 @@ class CoreClient(DownMessages):
         msg = self._up.submits.add()
         msg.CopyFrom(submit)
         msg.handle, msg.age = handle, time.monotonic() - request.arrival
-        if resume:
+        if resume:   # (a structured request's new matcher there consumes these tokens first)
             msg.ClearField("sampling")
             for seq in request.sequences:
                 if not seq.finished:

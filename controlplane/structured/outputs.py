@@ -24,7 +24,9 @@ grammar allows nothing else: the sequence ends with its EOS (FINISH_REASON_STOP;
 ``ignore_eos`` the engine stops it there too).
 Preemption keeps the matcher (it has consumed exactly the sequence's tokens); a sequence
 whose grammar rejects a token (it cannot happen with a correct mask) is finished with STOP
-and logged."""
+and logged. A sequence that resumes on another engine core (data parallelism,
+``Submit.resumed``) gets a new matcher there, which consumes the tokens it brings before its
+first mask."""
 
 from __future__ import annotations
 
@@ -113,6 +115,7 @@ class StructuredOutputs:
             compiled = future.result()
             for seq in request.sequences:
                 seq.grammar = compiled.matcher()
+                self._replay(seq)
             self.live += len(request.sequences)
             engine.admit(request)
             return
@@ -126,6 +129,16 @@ class StructuredOutputs:
         if engine.requests.pop(request.request_id, None) is not None:
             engine.telemetry.request_done(request)
         request.fail(failure)
+
+    def _replay(self, seq: Sequence) -> None:
+        """A sequence that arrives with output tokens (it resumes here after its engine core was
+        lost, ``Submit.resumed``): its new matcher consumes them first, so its masks go on
+        from where the lost core's left off."""
+        for token in seq.output_token_ids:
+            if not seq.grammar.accept(token):
+                self.num_rejected += 1
+                log.warning("sequence %d: its grammar rejected resumed token %d", seq.seq_id, token)
+                return
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished: its matcher goes."""
