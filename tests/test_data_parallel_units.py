@@ -1,7 +1,8 @@
 """The parts of data parallelism that need no server: GPUs and memory shares per replica, the
-cores' addresses and worker groups, the supervisor's children, a data plane's KV budget beside
-another process on its GPU, the cores' load messages (merged when the stream is slow) and the
-server's metric totals of the cores' mirrored state."""
+cores' addresses and worker groups, the supervisor's children (each core with exactly a core's
+secrets), a data plane's KV budget beside another process on its GPU, the cores' load messages
+(merged when the stream is slow), the server's metric totals of the cores' mirrored state, and
+each core's own queue bound in placement."""
 
 from __future__ import annotations
 
@@ -174,3 +175,47 @@ def test_a_resumed_requests_stop_string_finds_its_sample_by_index():
     link.requests[5] = req
     service.abort(link, cpb.Abort(handle=5, reason=pb.FINISH_REASON_STOP_STRING, index=2))
     assert finished == [(2, pb.FINISH_REASON_STOP_STRING)] and req.sequences[0].final_sent
+
+
+def test_every_data_parallel_core_gets_exactly_a_cores_secrets():
+    from common import secret_env
+
+    environ = {"HEADRACE_API_TOKENS": "alpha=tok-a", "HEADRACE_ADMIN_TOKEN": "adm", "PATH": "/bin",
+               "HEADRACE_WORKER_SECRET": "wsec", "HEADRACE_CORE_SECRET": "csec"}
+    args = build_parser().parse_args(["serve", "--model", "/m", "-dp", "2", "--api-server-count", "1"])
+    secret_env.resolve(args, environ)
+    children = control_plane_children(args, controlplane_parser(), [["unix:/w0"], ["unix:/w1"]],
+                                      ["unix:/c0", "unix:/c1"], environ)
+    secrets = lambda env: {k: v for k, v in env.items() if k in secret_env.SECRET_VARS}  # noqa: E731
+    core0, core1, front = children
+    assert secrets(core0.env) == secrets(core1.env) == {"HEADRACE_WORKER_SECRET": "wsec",
+                                                        "HEADRACE_CORE_SECRET": "csec"}
+    assert set(secrets(front.env)) == {"HEADRACE_API_TOKENS", "HEADRACE_ADMIN_TOKEN", "HEADRACE_CORE_SECRET"}
+    assert all(not {"wsec", "csec", "adm"} & set(c.argv) for c in children)
+
+
+def test_each_core_bounds_its_own_queue_and_placement_passes_a_full_one():
+    import grpc
+
+    from controlplane.frontend.router import CoreRouter
+    from controlplane.placement import Placement
+    from controlplane.request import Failure
+    from tests.test_scheduler import make_request
+
+    router = CoreRouter(["unix:/c0", "unix:/c1"], 0, None, placement=Placement("round-robin"))
+    for client, queued in zip(router.clients, (4, 0)):
+        client.connected = True
+        client._set_state(cpb.CoreState(healthy=True, loaded=True, max_queued=4))
+        client._queue.num_queued = queued
+    assert router.scheduler.num_queued == 0              # the early check: some core has room
+    request = make_request(8, n=2)
+    router.submit(request)
+    assert request.request_id in router.clients[1].requests   # core 0's queue is full
+    router.clients[0]._queue.num_queued = 0             # core 1 refuses it all the same (a race)
+    router.clients[1].requests.pop(request.request_id)
+    assert router._failed(router.clients[1], request, Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "full"))
+    assert request.request_id in router.clients[0].requests
+    router.clients[1]._queue.num_queued = router.clients[0]._queue.num_queued = 4   # all full:
+    other = make_request(8)
+    router.submit(other)                                 # a core refuses it with its own reason
+    assert any(other.request_id in c.requests for c in router.clients)

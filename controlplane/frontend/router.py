@@ -14,6 +14,10 @@ for the request path, as one ``CoreClient`` does for one core.
   nothing the client received is sent again, nothing is lost; each request tries every core
   once at most), and new requests avoid it until it is back. With no other core ready, a lost core's requests fail
   UNAVAILABLE and an unhealthy core keeps its own (it resumes them when its data plane is back).
+- Queues: each core bounds its own queue (``--max-queued``) and refuses what would pass it
+  (``controlplane.core.service``). Placement leaves out a core whose queue, as it last pushed
+  it, has no room for the request while another's has; a core that refuses it
+  RESOURCE_EXHAUSTED all the same hands it to another core with room.
 - What the request path reads: ready / healthy while any core is; draining when every healthy
   core drains; the model's limits are the tightest of the loaded cores'.
 """
@@ -29,6 +33,7 @@ from prometheus_client import Counter
 
 from common.logs import get_logger
 from common.metrics import PREFIX
+from controlplane import limits
 from controlplane.cache_summary import prompt_hashes
 from controlplane.frontend.client import CoreClient
 from controlplane.placement import Placement
@@ -50,6 +55,11 @@ class _QueueView:
     def num_queued(self) -> int:
         queues = [c.scheduler.num_queued for c in self.router.clients if c.ready]
         return min(queues, default=0)
+
+
+def _queue_full(client: CoreClient, weight: int) -> bool:
+    """Whether ``client``'s core would refuse ``weight`` more sequences, as it last said."""
+    return limits.queue_refusal(client.max_queued, client.scheduler.num_queued, weight) is not None
 
 
 class _Unready:
@@ -153,6 +163,10 @@ class CoreRouter:
         """Sends ``request`` to the core placement chooses (``lost``: it resumes, not there)."""
         hashes = self._hashes(request)
         cores = [_Unready() if c is lost else c for c in self.clients]
+        weight = sum(not s.finished for s in request.sequences) or 1
+        full = [i for i, c in enumerate(cores) if c.ready and _queue_full(c, weight)]
+        if full and len(full) < sum(c.ready for c in cores):   # a core with room takes it
+            cores = [_Unready() if i in full else c for i, c in enumerate(cores)]
         choice = self.placement.choose(cores, hashes)
         if choice is None:
             self.requests.pop(request.request_id, None)
@@ -176,8 +190,13 @@ class CoreRouter:
     def _failed(self, client: CoreClient, request: Request, failure: Failure) -> bool:
         """Whether a request ``client``'s core could not serve goes on elsewhere."""
         tries = getattr(request, "core_tries", 1)
-        if failure.code != grpc.StatusCode.UNAVAILABLE or request.request_id not in self.requests \
-                or tries >= len(self.clients) or not any(c.ready for c in self.clients if c is not client):
+        others = [c for c in self.clients if c is not client and c.ready]
+        if failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED:   # its queue filled meanwhile
+            weight = sum(not s.finished for s in request.sequences) or 1
+            others = [c for c in others if not _queue_full(c, weight)]
+        elif failure.code != grpc.StatusCode.UNAVAILABLE:
+            return False
+        if request.request_id not in self.requests or tries >= len(self.clients) or not others:
             return False
         request.core_tries = tries + 1
         self._resume(client, [request])
