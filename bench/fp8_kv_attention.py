@@ -106,7 +106,7 @@ def prefill_row(layout, q_len, ctx) -> str:
             k_scale=K_SCALE, v_scale=V_SCALE))
         pairs = batch * q_len * (ctx - q_len) + batch * q_len * (q_len + 1) / 2
         cells.append(f"{4 * heads * head_dim * pairs / ms / 1e9:6.1f}")
-        del cache
+        cache = None   # (freed before the next dtype's; ``del`` reads as undefined in the lambda)
     return f"{layout:>12} prefill {q_len} over {ctx}: TFLOP/s bf16 {cells[0]}, fp8 {cells[1]}"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -13,6 +14,9 @@ from common import stage_times
 from controlplane.core import load_publisher
 from controlplane.request import Request, Status
 from headrace.core.v1 import core_pb2 as cpb
+
+if TYPE_CHECKING:
+    from controlplane.core.service import EngineCoreService
 
 
 class CoreText:
