@@ -110,6 +110,7 @@ def check_public_ports(args) -> None:
 def cmd_serve(args) -> int:
     from cli.processes import run_control_plane
     from cli.supervisor import EXIT_LOAD_FAILED, DataPlaneChildren, health_probe
+    from common import security
     from common.metrics import enable_multiprocess
 
     check_speculative_config(args)
@@ -121,7 +122,7 @@ def cmd_serve(args) -> int:
     try:
         listens = [f"unix:{sock_dir}/dataplane-{r}.sock" for r in range(world)]
         # the children accept only this control plane: a fresh shared secret, passed by environment
-        args.worker_secret = args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or secrets.token_hex(16)
+        args.worker_secret = security.worker_secret(args.worker_secret) or secrets.token_hex(16)
         env = child_env(os.environ, args.worker_secret)
         enable_multiprocess(os.path.join(sock_dir, "metrics"))   # the supervisor's metrics too
         from controlplane.metrics import ControlPlaneMetrics
@@ -257,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interface of /metrics (default: the --listen host; 127.0.0.1 for a unix socket)")
     add_tls_args(p)
     p.add_argument("--secret", default=None,
-                   help="serve only callers presenting this shared secret (default $HEADRACE_WORKER_SECRET)")
+                   help="serve only callers presenting this shared secret (default $HEADRACE_WORKER_SECRET, "
+                        "else the file $HEADRACE_WORKER_SECRET_FILE names)")
     p.set_defaults(func=cmd_dataplane)
 
     add_generate_parser(command("generate", "stream a completion from a running server"))

@@ -100,7 +100,8 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
                    help="take the tenant from the x-headrace-tenant header (only behind a "
                         "gateway that sets it)")
     p.add_argument("--worker-secret", default=None,
-                   help="shared secret presented to the data planes (default $HEADRACE_WORKER_SECRET)")
+                   help="shared secret presented to the data planes (default $HEADRACE_WORKER_SECRET, "
+                        "else the file $HEADRACE_WORKER_SECRET_FILE names)")
     p.add_argument("--worker-ca", default=None, help="verify the data planes' TLS certificates with this CA")
     p.add_argument("--worker-cert", default=None, help="client certificate for data planes with mutual TLS")
     p.add_argument("--worker-key", default=None, help="its private key")
@@ -168,7 +169,7 @@ def plane_options(args) -> dict:
                 tls=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
                 worker_credentials=security.channel_credentials(args.worker_ca, args.worker_cert,
                                                                 args.worker_key),
-                worker_secret=args.worker_secret or os.environ.get("HEADRACE_WORKER_SECRET") or None,
+                worker_secret=security.worker_secret(args.worker_secret),
                 http_port=args.http_port or None, chat_template=args.chat_template,
                 generation_config=args.generation_config,
                 http_tls=(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None)

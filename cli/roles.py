@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import pathlib
 import signal
 import sys
@@ -95,7 +94,7 @@ def cmd_dataplane(args) -> int:
     # listen at once (health NOT_SERVING) so probes see the model loading, not a closed port
     server = serve(None, args.listen, metrics_port=args.metrics_port or None, metrics_host=metrics_host,
                    credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
-                   secret=args.secret or os.environ.get("HEADRACE_WORKER_SECRET") or None)
+                   secret=security.worker_secret(args.secret))
     log = logging.getLogger("headrace.dataplane")
     log.info("data plane on %s: loading %s", args.listen, opts.model)
 

@@ -48,6 +48,25 @@ def channel_credentials(ca: str | None, cert: str | None = None,
                                         certificate_chain=_read(cert))
 
 
+def worker_secret(given: str | None = None, environ=os.environ) -> str | None:
+    """The planes' shared secret: ``given`` (a flag), else ``$HEADRACE_WORKER_SECRET``, else the
+    contents of the file ``$HEADRACE_WORKER_SECRET_FILE`` names (docker compose makes one on
+    first start, docs/operations.md); None when none is set. A named file that cannot be read
+    or is empty is a ValueError (one line)."""
+    if given or environ.get("HEADRACE_WORKER_SECRET"):
+        return given or environ["HEADRACE_WORKER_SECRET"]
+    path = environ.get("HEADRACE_WORKER_SECRET_FILE")
+    if not path:
+        return None
+    try:
+        secret = pathlib.Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"HEADRACE_WORKER_SECRET_FILE={path}: cannot read it ({exc.strerror})") from None
+    if not secret:
+        raise ValueError(f"HEADRACE_WORKER_SECRET_FILE={path}: the file is empty")
+    return secret
+
+
 def bind(server, address: str, credentials: grpc.ServerCredentials | None) -> int:
     """Binds ``address`` securely when credentials are given; returns the port (0: failed)."""
     if credentials is not None and not address.startswith("unix:"):
