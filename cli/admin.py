@@ -11,17 +11,22 @@ import grpc
 from google.protobuf import json_format
 
 from cli.client import add_address_args, channel
+from cli.options import deprecated_alias
 from controlplane.policy import POLICIES
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 
 
 def _connection_args(p: argparse.ArgumentParser, defaults: bool) -> None:
-    """--address and TLS/--token/--timeout: on ``admin`` with their defaults, and again on each
-    subcommand without (so they may come before or after it)."""
+    """--address and TLS/--api-token/--timeout: on ``admin`` with their defaults, and again on
+    each subcommand without (so they may come before or after it). The token flag is spelled
+    as on every other command (``--token`` still works, hidden)."""
     value = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
     add_address_args(p, suppress=not defaults)
-    p.add_argument("--token", default=value(None), help="admin token (default $HEADRACE_ADMIN_TOKEN)")
+    p.add_argument("--api-token", default=value(None),
+                   help="the server's admin token, sent as 'authorization: Bearer' (default "
+                        "$HEADRACE_ADMIN_TOKEN)")
+    deprecated_alias(p, "--token", "--api-token", dest="api_token")
     p.add_argument("--timeout", type=float, default=value(3600.0), help="seconds to wait for the call")
 
 
@@ -42,7 +47,8 @@ def add_admin_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
     s.add_argument("--policy", choices=POLICIES, help="scheduling policy (unset: unchanged)")
     s.add_argument("--aging-rate", type=float, help="rank units per second waited (< 0: default)")
     s.add_argument("--max-queue-delay", type=float, help="seconds (0: no guarantee)")
-    s.add_argument("--max-running", type=int, help="sequences per step at most (unset: unchanged)")
+    s.add_argument("--max-running", "--max-num-seqs", type=int, dest="max_running",
+                   help="sequences per step at most (unset: unchanged)")
     s.add_argument("--max-batched-tokens", type=int, help="tokens per step at most (unset: unchanged)")
     s.add_argument("--max-queued", type=int, help="waiting sequences at most (0: unbounded)")
     d = op("drain", "stop admitting requests; wait for in-flight ones")
@@ -58,7 +64,7 @@ def add_admin_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
 
 
 def run_admin_command(args) -> int:
-    token = args.token or os.environ.get("HEADRACE_ADMIN_TOKEN")
+    token = args.api_token or os.environ.get("HEADRACE_ADMIN_TOKEN")
     metadata = [("authorization", f"Bearer {token}")] if token else None
     _, chan = channel(args)
     with chan:

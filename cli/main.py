@@ -29,13 +29,24 @@ from cli.options import (
     add_security_args,
     add_tls_args,
     check_device_name,
+    deprecated_alias,
     check_speculative_config,
     default_model,
     positive_int,
 )
 from cli.roles import cmd_core, cmd_dataplane, cmd_frontend
 from common.logs import configure_logging
-from common.options import add_arguments, from_args, to_argv
+from common.options import (
+    OBSERVABILITY,
+    PARALLEL,
+    SECURITY,
+    SERVER,
+    add_arguments,
+    add_groups,
+    argument_group,
+    from_args,
+    to_argv,
+)
 from common.worker_options import ParallelOptions, WorkerOptions
 
 # what the control plane alone needs of the worker's options (its step limits, the tokenizer)
@@ -185,9 +196,9 @@ DESCRIPTION = """headrace serves LLMs over gRPC with a separated control plane a
 
 
 def _add_workers(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", default=os.environ.get("HEADRACE_WORKERS"),
-                   required=not os.environ.get("HEADRACE_WORKERS"),
-                   help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
+    argument_group(p, SERVER).add_argument(
+        "--workers", default=os.environ.get("HEADRACE_WORKERS"), required=not os.environ.get("HEADRACE_WORKERS"),
+        help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
 
 
 def add_controlplane_args(p: argparse.ArgumentParser, supervisor: bool = False) -> None:
@@ -196,12 +207,13 @@ def add_controlplane_args(p: argparse.ArgumentParser, supervisor: bool = False) 
     add_ops_args(p, 9400, control=True)
     add_security_args(p)
     if supervisor:   # serve, controlplane
-        p.add_argument("--api-server-count", type=positive_int, default=None,
-                       help="API front-end processes sharing the public ports (default: 1 below "
-                            "4 CPU cores, else min(4, cores // 2))")
-        p.add_argument("--core-address", default=None,
-                       help="where the engine core serves its front ends (default: a unix socket "
-                            "in the server's private directory; host:port for TCP)")
+        net = argument_group(p, SERVER)
+        net.add_argument("--api-server-count", type=positive_int, default=None,
+                         help="API front-end processes sharing the public ports (default: 1 below "
+                              "4 CPU cores, else min(4, cores // 2))")
+        net.add_argument("--core-address", default=None,
+                         help="where the engine core serves its front ends (default: a unix socket "
+                              "in the server's private directory; host:port for TCP)")
 
 
 def controlplane_parser() -> argparse.ArgumentParser:
@@ -217,20 +229,27 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+    def command(name: str, help: str, usage: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter,
+                              usage=usage)
+
+    many = "%(prog)s [options]   (options by topic below)"   # usage of the servers' commands
 
     p = command("serve", "serve a model: an engine core, API front ends and data plane child "
-                         "processes")
+                         "processes", many)
+    add_groups(p)
     add_arguments(p, WorkerOptions)
     add_controlplane_args(p, supervisor=True)
-    p.add_argument("--dataplane-metrics-port", type=int, default=9401,
-                   help="the data plane child's /metrics port, rank r on port + r (0 disables)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="data plane processes (ranks) sharing the model; cuda:r for rank r")
+    argument_group(p, OBSERVABILITY).add_argument(
+        "--dataplane-metrics-port", type=int, default=9401,
+        help="the data plane child's /metrics port, rank r on port + r (0 disables)")
+    argument_group(p, PARALLEL).add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="data plane processes (ranks) sharing the model; cuda:r for rank r")
     p.set_defaults(func=cmd_serve)
 
-    p = command("controlplane", "run the control plane alone (an engine core and API front ends)")
+    p = command("controlplane", "run the control plane alone (an engine core and API front ends)", many)
+    add_groups(p)
     add_arguments(p, WorkerOptions, only=CONTROL_PLANE_WORKER_OPTIONS)
     add_controlplane_args(p, supervisor=True)
     _add_workers(p)
@@ -248,18 +267,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--core-address", required=True, help="the engine core: unix:PATH or host:port")
     p.set_defaults(func=cmd_frontend)
 
-    p = command("dataplane", "run one data plane worker alone")
+    p = command("dataplane", "run one data plane worker alone", many)
+    add_groups(p)
     add_arguments(p, WorkerOptions)
     add_arguments(p, ParallelOptions)
-    p.add_argument("--listen", default="127.0.0.1:50061",
-                   help="host:port or unix:/path to serve the step protocol on")
+    argument_group(p, SERVER).add_argument(
+        "--listen", default="127.0.0.1:50061", help="host:port or unix:/path to serve the step protocol on")
     add_ops_args(p, 9401, control=False)
-    p.add_argument("--metrics-host", default=None,
-                   help="interface of /metrics (default: the --listen host; 127.0.0.1 for a unix socket)")
+    argument_group(p, OBSERVABILITY).add_argument(
+        "--metrics-host", default=None,
+        help="interface of /metrics (default: the --listen host; 127.0.0.1 for a unix socket)")
     add_tls_args(p)
-    p.add_argument("--secret", default=None,
-                   help="serve only callers presenting this shared secret (default $HEADRACE_WORKER_SECRET, "
-                        "else the file $HEADRACE_WORKER_SECRET_FILE names)")
+    argument_group(p, SECURITY).add_argument(
+        "--worker-secret", default=None,
+        help="serve only callers presenting this shared secret (default $HEADRACE_WORKER_SECRET, "
+             "else the file $HEADRACE_WORKER_SECRET_FILE names)")
+    deprecated_alias(p, "--secret", "--worker-secret", dest="worker_secret")
     p.set_defaults(func=cmd_dataplane)
 
     add_generate_parser(command("generate", "stream a completion from a running server"))

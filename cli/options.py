@@ -1,14 +1,18 @@
-"""The ``headrace`` command line's options: the argument groups the commands share (engine,
-TLS and security, operations) and the configuration objects built from them. The worker's
-options are generated from ``common.worker_options`` (``common.options.add_arguments``)."""
+"""The ``headrace`` command line's options: the options the commands share (engine, TLS and
+security, operations, the public APIs) and the configuration objects built from them. The
+worker's options are generated from ``common.worker_options`` (``common.options.add_arguments``).
+Each option is listed in ``--help`` under one heading (``common.options.GROUPS``): an option
+added here goes through ``argument_group(p, HEADING)``."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import sys
 
 from common.logs import LOG_FORMATS
+from common.options import MODEL, OBSERVABILITY, SCHEDULING, SECURITY, SERVER, argument_group
 from controlplane.engine import EngineConfig
 from controlplane.limits import DEFAULT_MAX_N, QUEUE_PER_SLOT
 from controlplane.policy import POLICIES, Policy
@@ -34,14 +38,32 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def check_device_name(device: str) -> None:
-    """ValueError unless ``device`` is cpu, cuda or cuda:N (whether that GPU exists is the
-    data plane's check: the control plane's process has no torch)."""
+    """ValueError unless ``device`` is auto, cpu, cuda or cuda:N (whether that GPU exists, and
+    what auto picks, is the data plane's business: the control plane's process has no torch)."""
     if not _DEVICE.fullmatch(device):
-        raise ValueError(f"--device {device}: not a device; use cpu, cuda or cuda:N")
+        raise ValueError(f"--device {device}: not a device; use auto, cpu, cuda or cuda:N")
+
+
+class _DeprecatedAlias(argparse.Action):
+    """A renamed option's old spelling: parsed as the new one, hidden from ``--help``, and
+    named on stderr (one line) when used."""
+
+    def __init__(self, option_strings, dest, renamed_to: str, **kwargs):
+        self.renamed_to = renamed_to
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"headrace: {option_string} is deprecated; use {self.renamed_to}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def deprecated_alias(p, alias: str, renamed_to: str, dest: str, **kwargs) -> None:
+    """``alias`` keeps working as ``renamed_to`` (into ``dest``) without showing in ``--help``."""
+    p.add_argument(alias, action=_DeprecatedAlias, renamed_to=renamed_to, dest=dest, **kwargs)
 
 
 def positive_int(text: str) -> int:
@@ -54,10 +76,12 @@ def positive_int(text: str) -> int:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The scheduler's options (its step limits, ``--max-num-seqs`` and
     ``--max-batched-tokens``, are the worker options of that name)."""
-    p.add_argument("--host", default="127.0.0.1",
-                   help="interface of the API and /metrics: 127.0.0.1 serves this machine only, "
-                        "0.0.0.0 every interface (then protect it with --api-token and TLS)")
-    p.add_argument("--port", type=int, default=50051, help="port of the gRPC API")
+    net = argument_group(p, SERVER)
+    net.add_argument("--host", default="127.0.0.1",
+                     help="interface of the API and /metrics: 127.0.0.1 serves this machine only, "
+                          "0.0.0.0 every interface (then protect it with --api-token and TLS)")
+    net.add_argument("--port", type=int, default=50051, help="port of the gRPC API")
+    p = argument_group(p, SCHEDULING)
     p.add_argument("--policy", choices=POLICIES, default="fifo", help="scheduling policy")
     p.add_argument("--aging-rate", type=float, default=None,
                    help="rank units a second of waiting is worth (default per policy)")
@@ -82,6 +106,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_tls_args(p: argparse.ArgumentParser) -> None:
+    p = argument_group(p, SECURITY)
     p.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
     p.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
     p.add_argument("--tls-client-ca", default=None,
@@ -90,6 +115,7 @@ def add_tls_args(p: argparse.ArgumentParser) -> None:
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
     add_tls_args(p)
+    p = argument_group(p, SECURITY)
     p.add_argument("--api-token", action="append", default=None, metavar="[TENANT=]TOKEN",
                    help="require 'authorization: Bearer TOKEN' on the public API; repeat for "
                         "several tokens, each naming its tenant (default $HEADRACE_API_TOKENS, "
@@ -116,13 +142,16 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -> None:
-    p.add_argument("--metrics-port", type=int, default=metrics_port,
-                   help=f"Prometheus /metrics HTTP port (0 disables; default {metrics_port})")
-    p.add_argument("--log-format", choices=LOG_FORMATS, default=None,
-                   help="json or console (default: console on a terminal, json otherwise)")
+    ops, sched, sec = (argument_group(p, title) for title in (OBSERVABILITY, SCHEDULING, SECURITY))
+    ops.add_argument("--metrics-port", type=int, default=metrics_port,
+                     help=f"Prometheus /metrics HTTP port (0 disables; default {metrics_port}); "
+                          "a port in use fails start-up")
+    ops.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                     help="json or console (default: console on a terminal, json otherwise)")
     if control:
-        p.add_argument("--metrics-host", default=None,
-                       help="the address /metrics binds (default: --host, where the API listens)")
+        ops.add_argument("--metrics-host", default=None,
+                         help="the address /metrics binds (default: --host, where the API listens)")
+        parser, p = p, sched
         p.add_argument("--max-queued", type=int, default=None,
                        help="waiting sequences at most; beyond, RESOURCE_EXHAUSTED (HTTP 429) "
                             f"(default {QUEUE_PER_SLOT} x --max-num-seqs; 0: unbounded)")
@@ -136,20 +165,22 @@ def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -
                             "step; 2 while a running request has stop strings)")
         p.add_argument("--no-overlap", action="store_true",
                        help="one step in flight (no overlapped scheduling)")
-        p.add_argument("--admin-token", default=None,
-                       help="bearer token for the Admin service (default $HEADRACE_ADMIN_TOKEN; "
-                            "without one, Admin serves loopback callers of a server bound to "
-                            "loopback, and is disabled on a server bound beyond it)")
-        p.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
-        p.add_argument("--disable-log-requests", action="store_true",
-                       help="no log line per finished request")
-        add_api_args(p)
+        sec.add_argument("--admin-token", default=None,
+                         help="bearer token for the Admin service (default $HEADRACE_ADMIN_TOKEN; "
+                              "without one, Admin serves loopback callers of a server bound to "
+                              "loopback, and is disabled on a server bound beyond it)")
+        ops.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
+        ops.add_argument("--disable-log-requests", action="store_true",
+                         help="no log line per finished request")
+        add_api_args(parser)
 
 
 def add_api_args(p: argparse.ArgumentParser) -> None:
     """The public APIs beside gRPC: OpenAI-compatible HTTP, chat templates, sampling defaults."""
-    p.add_argument("--http-port", type=int, default=8000,
-                   help="OpenAI-compatible HTTP API port on the gRPC host (0 disables; default 8000)")
+    argument_group(p, SERVER).add_argument(
+        "--http-port", type=int, default=8000,
+        help="OpenAI-compatible HTTP API port on the gRPC host (0 disables; default 8000)")
+    p = argument_group(p, MODEL)
     p.add_argument("--chat-template", default=None,
                    help="jinja chat template file (default: the model's own)")
     p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",

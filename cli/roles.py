@@ -69,14 +69,15 @@ def cmd_dataplane(args) -> int:
     from common.model_source import check_checkpoint, resolve_model
     from dataplane import parallel
     from dataplane.server import serve
-    from dataplane.worker import Worker, check_device, load_failure
+    from dataplane.worker import Worker, check_device, load_failure, resolve_device
 
     check_speculative_config(args)
     par = from_args(ParallelOptions, args)
     rank, world = par.rank, par.world_size
     if world > 1 and not par.dist_init:
         raise ValueError("--world-size > 1 needs --dist-init tcp://MASTER_HOST:PORT")
-    device = f"cuda:{rank}" if world > 1 and args.device == "cuda" else args.device
+    device = resolve_device(args.device)   # auto: cuda when a GPU is visible
+    device = f"cuda:{rank}" if world > 1 and device == "cuda" else device
     opts = from_args(WorkerOptions, args, model=args.model or default_model(), device=device)
     try:   # what cannot load is one line and EXIT_LOAD_FAILED (``serve`` then says no more)
         check_device(device)
@@ -94,7 +95,7 @@ def cmd_dataplane(args) -> int:
     # listen at once (health NOT_SERVING) so probes see the model loading, not a closed port
     server = serve(None, args.listen, metrics_port=args.metrics_port or None, metrics_host=metrics_host,
                    credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
-                   secret=security.worker_secret(args.secret))
+                   secret=security.worker_secret(args.worker_secret))
     log = logging.getLogger("headrace.dataplane")
     log.info("data plane on %s: loading %s", args.listen, opts.model)
 

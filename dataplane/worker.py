@@ -37,6 +37,13 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+def resolve_device(device: str) -> str:
+    """``auto`` is cuda when torch sees a GPU, else cpu; any other name is kept."""
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def check_device(device: str) -> None:
     """ValueError (one line, saying what to do) unless ``device`` is cpu or a visible GPU."""
     try:
@@ -68,6 +75,7 @@ def load_failure(exc: BaseException, opts: "WorkerOptions") -> str:
 class Worker:
     def __init__(self, opts: WorkerOptions, rank: int = 0, world_size: int = 1):
         start = time.perf_counter()
+        opts = dataclasses.replace(opts, device=resolve_device(opts.device))
         check_device(opts.device)
         self.opts = opts
         self.rank, self.world_size = rank, world_size

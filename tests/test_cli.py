@@ -37,7 +37,7 @@ def test_serve_without_arguments_then_generate_streams_text(tmp_path):
     try:
         out = subprocess.run(
             [sys.executable, "-m", "cli", "generate", "hello", "--address",
-             f"127.0.0.1:{port}", "--max-tokens", "24", "--wait", "120"],
+             f"127.0.0.1:{port}", "--max-tokens", "24", "--connect-timeout", "120"],
             capture_output=True, text=True, timeout=150, env=env)
         assert out.returncode == 0, out.stderr
         words = out.stdout.split()
