@@ -106,9 +106,9 @@ def _model_for_the_control_plane(args, weights: bool) -> str:
 
 
 def check_public_ports(args) -> None:
-    """The gRPC and HTTP ports are free (before any child starts; the front ends then share
-    them with SO_REUSEPORT, which would not refuse another server's port), and the core link
-    is safe (``cli.processes.prepare_core_link``)."""
+    """The gRPC, HTTP and /metrics ports are free (before any child starts; the front ends
+    then share the API ports with SO_REUSEPORT, which would not refuse another server's port),
+    and the core link is safe (``cli.processes.prepare_core_link``)."""
     from cli.processes import prepare_core_link
     from common import net
 
@@ -116,6 +116,11 @@ def check_public_ports(args) -> None:
     net.check_port(f"{args.host}:{args.port}")
     if args.http_port:
         net.check_port(f"{args.host}:{args.http_port}", "--http-port")
+    if args.metrics_port:
+        net.check_port(f"{args.metrics_host or args.host}:{args.metrics_port}", "--metrics-port")
+    first = getattr(args, "dataplane_metrics_port", 0)   # serve's children: rank r on first + r
+    for rank in range(getattr(args, "tensor_parallel_size", 1) if first else 0):
+        net.check_port(f"{args.host}:{first + rank}", "--dataplane-metrics-port")
 
 
 def cmd_serve(args) -> int:

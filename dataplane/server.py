@@ -182,14 +182,15 @@ def serve(worker: Worker | None, address: str, *, metrics_port: int | None = Non
         service.worker = worker
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.worker_port = net.bind_exclusive(   # the bound port
-        server, address, lambda srv, addr: security.bind(srv, addr, credentials))
-    if metrics_port is not None:
-        try:
-            service.metrics_port = service.metrics.serve(metrics_port, metrics_host)
-            log.info("data plane metrics on http://%s:%d/metrics", metrics_host, service.metrics_port)
-        except OSError as exc:   # serve anyway: a taken metrics port must not stop the worker
-            log.error("cannot serve metrics on port %s: %s", metrics_port, exc)
+    if metrics_port is not None:   # a port in use fails start-up (net.PortInUse), as --listen's
+        service.metrics_port = service.metrics.serve(metrics_port, metrics_host)
+        log.info("data plane metrics on http://%s:%d/metrics", metrics_host, service.metrics_port)
+    try:
+        server.worker_port = net.bind_exclusive(   # the bound port
+            server, address, lambda srv, addr: security.bind(srv, addr, credentials))
+    except net.PortInUse:
+        service.metrics.close()
+        raise
     server.start()
     if worker is not None:
         service.set_serving(True)

@@ -135,6 +135,24 @@ def test_a_port_in_use_is_refused_before_anything_starts(model_dir):
             _one_line(out, f"127.0.0.1:{port}", "in use")
 
 
+def test_a_metrics_port_in_use_is_refused_like_the_api_ports(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        free = str(_free_port())
+        for command, flag in (
+                (["serve", "--port", free, "--metrics-port", port], "--metrics-port"),
+                (["serve", "--port", free, "--metrics-port", "0", "--dataplane-metrics-port", port],
+                 "--dataplane-metrics-port"),
+                (["controlplane", "--workers", "127.0.0.1:1", "--port", free, "--metrics-port", port],
+                 "--metrics-port"),
+                (["dataplane", "--listen", f"127.0.0.1:{free}", "--metrics-port", port], "--metrics-port")):
+            out = _headrace(*command, "--model", str(model_dir))
+            assert out.returncode == 2, (command, out.stderr)
+            _one_line(out, f"127.0.0.1:{port}", "in use", flag)
+
+
 LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
 
 
