@@ -34,7 +34,7 @@ from cli.options import (
     default_model,
     positive_int,
 )
-from cli.roles import cmd_core, cmd_dataplane, cmd_frontend
+from cli.roles import SUPERVISOR_ENV, cmd_core, cmd_dataplane, cmd_frontend, failure_label
 from common.logs import configure_logging
 from common.options import (
     OBSERVABILITY,
@@ -93,7 +93,7 @@ def child_env(environ, worker_secret: str) -> dict:
     """A data plane child's environment: this one without the control plane's secrets, with
     the worker secret (how it accepts only this control plane)."""
     env = {k: v for k, v in environ.items() if k not in CONTROL_PLANE_SECRETS}
-    return dict(env, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=worker_secret)
+    return dict(env, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=worker_secret, **{SUPERVISOR_ENV: "serve"})
 
 
 def _model_for_the_control_plane(args, weights: bool) -> str:
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, PortInUse, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         # a user's mistake (model, port, option, certificate file): one line, no traceback
-        print(f"headrace {args.command}: {exc}", file=sys.stderr)
+        print(f"{failure_label(args)}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

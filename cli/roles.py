@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import pathlib
 import signal
 import sys
@@ -20,6 +21,24 @@ from cli.options import (
 )
 from common.options import from_args
 from common.worker_options import ParallelOptions, WorkerOptions
+
+# set by ``headrace serve`` / ``controlplane`` in their children's environment: the command
+# the user ran, which a child's one-line failure names (not the role command it runs as)
+SUPERVISOR_ENV = "HEADRACE_SUPERVISOR"
+
+
+def failure_label(args) -> str:
+    """How a command's one-line failure on stderr begins: ``headrace COMMAND``, or for a
+    child of ``headrace serve``, ``headrace serve: data plane`` (``engine core``, ``API front
+    end i``, ``data plane rank r``): the user ran serve and must see it named."""
+    parent = os.environ.get(SUPERVISOR_ENV)
+    if not parent or args.command not in ("core", "frontend", "dataplane"):
+        return f"headrace {args.command}"
+    role = {"core": "engine core", "frontend": f"API front end {getattr(args, 'index', 0)}",
+            "dataplane": "data plane"}[args.command]
+    if args.command == "dataplane" and getattr(args, "world_size", 1) > 1:
+        role += f" rank {args.rank}"
+    return f"headrace {parent}: {role}"
 
 
 def _run_role(server_factory) -> int:
@@ -84,7 +103,7 @@ def cmd_dataplane(args) -> int:
         opts = dataclasses.replace(opts, model=resolve_model(opts.model))
         check_checkpoint(opts.model, tokenizer=False)
     except ValueError as exc:
-        print(f"headrace dataplane: {exc}", file=sys.stderr)
+        print(f"{failure_label(args)}: {exc}", file=sys.stderr)
         return EXIT_LOAD_FAILED
     tracing.setup_tracing("headrace-dataplane")
     done = threading.Event()
@@ -109,7 +128,7 @@ def cmd_dataplane(args) -> int:
         worker = server.worker_service.load(make_worker)
     except Exception as exc:  # noqa: BLE001 - any load failure is one line, not a traceback
         log.debug("loading failed", exc_info=True)
-        print(f"headrace dataplane: {load_failure(exc, opts)}", file=sys.stderr)
+        print(f"{failure_label(args)}: {load_failure(exc, opts)}", file=sys.stderr)
         worker, code = None, EXIT_LOAD_FAILED
     else:
         log.info("data plane on %s: %s ready in %.1fs (%s), %d KV blocks", args.listen,

@@ -108,8 +108,25 @@ def test_weights_that_cannot_load_end_serve_without_a_restart_loop(broken):
                     "--model", str(broken["garbage"]), timeout=120)
     assert out.returncode == 1
     line = _one_line(out, "cannot load the model in", str(broken["garbage"]))
-    assert line.startswith("headrace dataplane: ")
+    assert line.startswith("headrace serve: data plane: ")   # the command the user ran
     assert "restarting" not in out.stderr and time.monotonic() - start < 90
+
+
+def test_a_childs_failure_names_the_command_the_user_ran(monkeypatch):
+    from cli.roles import SUPERVISOR_ENV, failure_label
+
+    parse = build_parser().parse_args
+    monkeypatch.delenv(SUPERVISOR_ENV, raising=False)
+    assert failure_label(parse(["dataplane"])) == "headrace dataplane"   # run by hand
+    monkeypatch.setenv(SUPERVISOR_ENV, "serve")
+    assert failure_label(parse(["dataplane"])) == "headrace serve: data plane"
+    assert failure_label(parse(["dataplane", "--rank", "1", "--world-size", "2"])) == \
+        "headrace serve: data plane rank 1"
+    assert failure_label(parse(["core", "--workers", "x:1", "--core-address", "unix:/c"])) == \
+        "headrace serve: engine core"
+    assert failure_label(parse(["frontend", "--index", "2", "--core-address", "unix:/c"])) == \
+        "headrace serve: API front end 2"
+    assert failure_label(parse(["generate", "hi"])) == "headrace generate"
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU may be present")
