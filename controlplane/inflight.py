@@ -1,7 +1,7 @@
 """The steps the engine has sent and not yet had answered, oldest first: how many may be in
 flight (pipeline depth) and the flush rule. A step the workers may hold back (no ``flush``)
 is always followed by another, if need be an empty flushing one, so that every step's
-result comes back."""
+result comes back. Profile commands (``controlplane.profiling``) ride on the steps sent."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 import typing
 
 from controlplane import step_codec
+from controlplane.profiling import Profiler
 from controlplane.request import Sequence
 from controlplane.step import ScheduledStep
 from controlplane.telemetry import EngineTelemetry
@@ -26,8 +27,9 @@ class Sent(typing.NamedTuple):
 
 class InFlightSteps:
     def __init__(self, workers: WorkerGroup, telemetry: EngineTelemetry, depth: int,
-                 step_ids: itertools.count):
+                 step_ids: itertools.count, profiler: Profiler | None = None):
         self.workers, self.telemetry = workers, telemetry
+        self.profiler = profiler or Profiler(1)   # Admin StartProfile: commands ride on steps
         self.depth = max(1, depth)   # 1 = no overlap: each step is answered at once
         self._step_ids = step_ids
         self._sent: collections.deque[Sent] = collections.deque()
@@ -53,6 +55,7 @@ class InFlightSteps:
 
     async def send(self, step: ScheduledStep, schedule_s: float) -> None:
         msg = step_codec.encode(step, next(self._step_ids), flush=self.depth == 1 or step.speculative)
+        self.profiler.attach(msg)
         traced = self.telemetry.step_scheduled(step, msg, schedule_s, msg.step_id)
         await self.workers.send(msg)
         self._last_flushed = msg.flush
@@ -61,14 +64,24 @@ class InFlightSteps:
     async def receive(self) -> tuple[Sent, wpb.StepResult]:
         """The oldest step and its result; flushes first when the workers hold it back."""
         if len(self._sent) == 1 and not self._last_flushed:
-            await self.workers.send(step_codec.flush_request(next(self._step_ids)))
-            self._last_flushed = True
-            self._sent.append(Sent(ScheduledStep(), None, time.perf_counter()))
+            await self.flush()
         result = await self.workers.receive()
+        if result.profile_reports:
+            self.profiler.received(result)
         return self._sent.popleft(), result
+
+    async def flush(self) -> None:
+        """Sends an empty step that makes the workers answer the one they hold back (and
+        carries a pending profile command to them while the engine is idle)."""
+        msg = step_codec.flush_request(next(self._step_ids))
+        self.profiler.attach(msg)
+        await self.workers.send(msg)
+        self._last_flushed = True
+        self._sent.append(Sent(ScheduledStep(), None, time.perf_counter()))
 
     def fail(self, exc: WorkerError) -> None:
         """The workers failed: every step in flight is lost."""
         for sent in self._sent:
             self.telemetry.step_failed(sent.traced, exc)
         self._sent.clear()
+        self.profiler.lost(str(exc))

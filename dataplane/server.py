@@ -22,6 +22,7 @@ from common import net, security, tracing
 from common.grpc_options import STEP_MAX_MESSAGE_BYTES, server_options
 from dataplane.input_batch import BatchError
 from dataplane.pipeline import StepPipeline
+from dataplane.profiling import StepProfiler
 from dataplane.telemetry import DataPlaneMetrics, StepTracer
 from dataplane.worker import Worker
 from headrace.dataplane.v1 import worker_pb2 as pb
@@ -77,6 +78,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             self._require_worker(context).runner.reset()
         metrics, tracer, clock = self.metrics, self.tracer, time.perf_counter
         started = {}   # step id -> (span, t0) of steps launched and not yet finished
+        profiler = StepProfiler(self.worker.rank, self.worker.device)   # Admin StartProfile
 
         def finish(step, launched):
             span, t0 = started.pop(step.step_id)
@@ -84,9 +86,21 @@ class WorkerService(pb_grpc.WorkerServicer):
             if step.new_seqs or step.running_seq_ids:   # an empty flush is no model step
                 metrics.step_done(step, result, clock() - t0)
             tracer.end(span, result)
+            profiler.on_result(step, result)
             return result
 
-        pipeline = StepPipeline(self.worker.runner, finish)
+        def launch(step):
+            with profiler.step_range(step):
+                return self.worker.runner.launch(step)
+
+        try:
+            yield from self._steps(request_iterator, context, generation, StepPipeline(
+                self.worker.runner, finish, launch), started, profiler)
+        finally:
+            profiler.close()
+
+    def _steps(self, request_iterator, context, generation, pipeline, started, profiler):
+        metrics, tracer, clock = self.metrics, self.tracer, time.perf_counter
         for step in request_iterator:
             span = tracer.start(step)
             with self._lock:
@@ -96,6 +110,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                     context.abort(grpc.StatusCode.ABORTED, "superseded by a newer control plane stream")
                 try:
                     started[step.step_id] = (span, clock())
+                    profiler.on_submit(step)
                     ready = pipeline.submit(step)
                 except BatchError as exc:
                     tracer.end(span, error=exc)
