@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_reference",
            "random_checkpoint", "w4_bench", "quant_kernels", "quantize_checkpoint",
            "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream",
-           "draft_acceptance"]
+           "draft_acceptance", "profile_summary"]
 SUPPORT = ["serving_http"]   # modules the benchmarks import, not run on their own
 
 
@@ -61,6 +61,16 @@ def test_fa4_gpu_check_installs_offline_and_runs_benches_as_modules():
     assert "pkill" not in script and "killall" not in script
     for section in ("install", "tests", "bench", "w1", "long", "w3"):
         assert f"has {section}" in script, section
+
+
+def test_profile_gpu_check_serves_w2_and_checks_the_trace_names_kernels():
+    script = (ROOT / "bench" / "profile_gpu_check.sh").read_text()
+    subprocess.run(["bash", "-n", str(ROOT / "bench" / "profile_gpu_check.sh")], check=True)
+    modules = set(re.findall(r"python3 -m bench\.(\w+)", script))
+    assert {"random_checkpoint", "serving_bench", "profile_summary"} <= modules <= set(BENCHES)
+    assert "--workload w2" in script and "admin profile" in script and "--steps 20" in script
+    assert "--require-kernels" in script
+    assert "pkill" not in script and "killall" not in script and "pgrep -f" not in script
 
 
 def test_w5_runs_on_a_cpu_with_tiny_sizes_in_every_mode():

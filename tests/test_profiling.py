@@ -68,6 +68,21 @@ def test_a_profile_records_exactly_the_steps_asked_for(split_planes, tmp_path):
     _check_files(split_planes.admin.StopProfile(apb.StopProfileRequest(wait_s=30), metadata=AUTH), 3)
 
 
+def test_profile_summary_reads_what_the_profile_wrote(split_planes, tmp_path, capsys):
+    from bench import profile_summary
+
+    split_planes.admin.StartProfile(apb.StartProfileRequest(dir=str(tmp_path), num_steps=2), metadata=AUTH)
+    split_planes.generate(prompt="hello", max_tokens=4, ignore_eos=True)
+    split_planes.admin.StopProfile(apb.StopProfileRequest(wait_s=30), metadata=AUTH)
+    assert profile_summary.main([str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (trace,) = out["traces"]
+    assert trace["steps"] == 2 and trace["kernels"] == 0   # a CPU: host ops, no CUDA kernels
+    assert trace["top"] and trace["by"].startswith("host op time") and out["core"]
+    assert profile_summary.main([str(tmp_path), "--require-kernels"]) == 1
+    assert profile_summary.main([str(tmp_path / "nothing")]) == 1
+
+
 def test_a_stop_ends_a_recording_early_even_when_the_server_is_idle(split_planes, tmp_path):
     split_planes.admin.StartProfile(apb.StartProfileRequest(dir=str(tmp_path), num_steps=1000), metadata=AUTH)
     split_planes.generate(prompt="hello", max_tokens=4, ignore_eos=True)
