@@ -44,6 +44,13 @@ def _headrace(*args, timeout=90, **env) -> subprocess.CompletedProcess:
                           timeout=timeout, env=_env(**env), cwd=ROOT)
 
 
+def _ctrl_c_reaches_it() -> None:
+    """``preexec_fn`` of a child the test sends Ctrl-C (SIGINT): a pytest started in the
+    background (``&``, nohup, CI) passes SIGINT on ignored, and Python keeps an ignored SIGINT
+    ignored; a terminal's foreground job gets it. Restore the default, as a terminal has it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -280,7 +287,8 @@ def test_generate_waits_for_a_loading_server_and_leaves_quietly_on_ctrl_c(model_
         _one_line(out, "loading")
         proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "hi", "--address", address,
                                  "--connect-timeout", "60"], env=_env(), cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=_ctrl_c_reaches_it)
         time.sleep(4)
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=30)
@@ -334,7 +342,7 @@ def test_ctrl_c_in_the_middle_of_a_stream_ends_the_line_quietly(model_dir):
     try:
         proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "hi", "--address", planes.address,
                                  "--ignore-eos", "--max-tokens", "250"], env=_env(), cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_ctrl_c_reaches_it)
         first = proc.stdout.read(1)
         proc.send_signal(signal.SIGINT)
         rest, stderr = proc.communicate(timeout=30)
