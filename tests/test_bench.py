@@ -73,6 +73,7 @@ def test_profile_gpu_check_serves_w2_and_checks_the_trace_names_kernels():
     assert "pkill" not in script and "killall" not in script and "pgrep -f" not in script
 
 
+@pytest.mark.slow   # a serve per mode
 def test_w5_runs_on_a_cpu_with_tiny_sizes_in_every_mode():
     """W5 (multi-turn chat) end to end with the embedded tiny model: offloading off, and on
     with host hits always loaded and never (recomputed), in one invocation; the same tokens

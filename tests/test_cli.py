@@ -24,6 +24,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow   # a serve process tree
 @pytest.mark.timeout(180)
 def test_serve_without_arguments_then_generate_streams_text(tmp_path):
     port, http_port = _free_port(), _free_port()

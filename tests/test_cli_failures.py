@@ -192,6 +192,7 @@ def _listening(port: int) -> set[str]:
     return found
 
 
+@pytest.mark.slow   # a serve process tree
 @pytest.mark.timeout(180)
 def test_serve_listens_on_loopback_by_default_and_leaves_no_temporary_directory(model_dir, tmp_path):
     """Also: ``--model org/name`` is served from a Hugging Face cache (offline)."""

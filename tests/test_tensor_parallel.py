@@ -25,6 +25,8 @@ from tests.checkpoints import make_checkpoint
 from tests.harness import DEVICE, Planes, completion
 from headrace.v1 import inference_pb2 as pb
 
+pytestmark = pytest.mark.slow   # rank processes (each imports torch)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NEW_TOKENS = 8
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 12], list(range(20, 60, 3))]
@@ -40,8 +42,9 @@ CASES = {
 
 @contextlib.contextmanager
 def _ranks(model: pathlib.Path, world: int, extra: tuple[str, ...] = ()):
-    """``world`` data plane rank processes over ``model``: yields (processes, addresses); stops
-    them (SIGKILL after 10 s) and removes their directory afterwards."""
+    """``world`` data plane rank processes over ``model``: yields (processes, addresses); kills
+    them (nothing here depends on a graceful stop, which a rank may spend in its process
+    group's teardown) and removes their directory afterwards."""
     # the ranks' logs (and sockets) go to HEADRACE_TP_LOG_DIR when set: kept for a device run;
     # else a short directory of their own (a unix socket path must stay under 108 bytes)
     keep = os.environ.get("HEADRACE_TP_LOG_DIR")
@@ -53,13 +56,9 @@ def _ranks(model: pathlib.Path, world: int, extra: tuple[str, ...] = ()):
         yield _start_ranks(model, world, extra, tmp, procs)
     finally:
         for p in procs:
-            p.terminate()
+            p.kill()
         for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            p.wait()
         if not keep:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -100,31 +99,64 @@ def _generate_all(planes: Planes) -> list[tuple[list[int], list[float]]]:
         return list(pool.map(run, range(len(PROMPTS) + 1)))
 
 
+def _reload(addresses: list[str], model: pathlib.Path) -> None:
+    """Every rank loads ``model`` (together: the ranks of a group load their shards at once)."""
+    import grpc
+
+    from headrace.dataplane.v1 import worker_pb2 as wpb
+    from headrace.dataplane.v1 import worker_pb2_grpc as wpb_grpc
+
+    def one(address):
+        with grpc.insecure_channel(address) as channel:
+            return wpb_grpc.WorkerStub(channel).Reload(wpb.ReloadRequest(model=str(model)), timeout=180)
+
+    with concurrent.futures.ThreadPoolExecutor(len(addresses)) as pool:
+        assert {i.model_name for i in pool.map(one, addresses)} == {load_model_config(model).name}
+
+
+@pytest.fixture(scope="module")
+def rank_groups():
+    """Rank processes kept for the module, one group per world size; each case after the
+    first reloads its checkpoint into them (Reload) instead of starting its own ranks (each
+    start imports torch: seconds of CPU per rank)."""
+    groups, stack = {}, contextlib.ExitStack()
+
+    def get(world: int, model: pathlib.Path) -> list[str]:
+        if world in groups:
+            _reload(groups[world], model)
+        else:
+            groups[world] = stack.enter_context(_ranks(model, world))[1]
+        return groups[world]
+
+    with stack:
+        yield get
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_tp_greedy_matches_single_worker(case, tmp_path):
+def test_tp_greedy_matches_single_worker(case, tmp_path, rank_groups):
     family, opts, world = CASES[case]
     if DEVICE == "cuda":
         import torch
         if torch.cuda.device_count() < world:
             pytest.skip(f"{world} GPUs needed")
     model = make_checkpoint(tmp_path / "ckpt", family, head_dim=32, **opts)
-    with _ranks(model, world) as (procs, addresses):   # they load while the reference runs
-        single = Planes(model, num_kv_blocks=64)
-        try:
-            expected = _generate_all(single)
-        finally:
-            single.close()
-        planes = Planes(model, workers=addresses)
-        try:
-            infos = planes.call(_describe(planes))
-            assert [i.rank for i in infos] == list(range(world))
-            assert {i.world_size for i in infos} == {world}
-            got = _generate_all(planes)
-        finally:
-            planes.close()
-        for (ids, lps), (ref_ids, ref_lps) in zip(got, expected):
-            assert ids == ref_ids
-            assert lps == pytest.approx(ref_lps, abs=1e-3)
+    addresses = rank_groups(world, model)
+    single = Planes(model, num_kv_blocks=64)
+    try:
+        expected = _generate_all(single)
+    finally:
+        single.close()
+    planes = Planes(model, workers=addresses)
+    try:
+        infos = planes.call(_describe(planes))
+        assert [i.rank for i in infos] == list(range(world))
+        assert {i.world_size for i in infos} == {world}
+        got = _generate_all(planes)
+    finally:
+        planes.close()
+    for (ids, lps), (ref_ids, ref_lps) in zip(got, expected):
+        assert ids == ref_ids
+        assert lps == pytest.approx(ref_lps, abs=1e-3)
 
 
 def test_tp_ranks_each_offload_their_shard_to_the_host_tier(tmp_path):
@@ -184,8 +216,6 @@ def test_dead_rank_makes_group_unhealthy(tmp_path):
             pool.shutdown(wait=False, cancel_futures=True)
         finally:
             planes.close()
-            for p in procs:   # rank 0 may still wait in a collective: no graceful stop
-                p.kill()
 
 
 async def _describe(planes: Planes):
