@@ -38,7 +38,8 @@ def trace_summary(path: str, top: int) -> dict:
     table = kernels if kernels else ops
     return {"trace": path, "steps": steps, "kernels": len(kernels), "kernel_us": round(sum(kernels.values()), 1),
             "by": "kernel device time" if kernels else "host op time (no CUDA kernels)",
-            "top": [{"name": n, "us": round(us, 1), "calls": calls[n] or None} for n, us in table.most_common(top)]}
+            "top": [{"name": n, "us": round(us, 1), "calls": calls[n] or None}
+                    for n, us in table.most_common(top)]}
 
 
 def core_summary(path: str, top: int) -> list[dict]:

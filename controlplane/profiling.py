@@ -165,7 +165,8 @@ class Profiler:
                     await asyncio.wait_for(rec.done.wait(), REPORT_TIMEOUT_S)
                 if not rec.done.is_set():
                     missing = sorted(set(range(rec.world_size)) - set(rec.reports))
-                    rec.errors.append(f"no report from data plane rank(s) {missing} within {REPORT_TIMEOUT_S:.0f}s")
+                    rec.errors.append(f"no report from data plane rank(s) {missing} "
+                                      f"within {REPORT_TIMEOUT_S:.0f}s")
                     self._finish(rec)
         if rec.written is not None:
             await rec.written

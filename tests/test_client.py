@@ -240,7 +240,8 @@ def test_the_methods_show_their_options_and_refuse_a_typo_at_the_call():
             assert all(p.kind is not inspect.Parameter.VAR_KEYWORD
                        for p in inspect.signature(method).parameters.values())
         for call in (client.generate, client.stream):
-            with pytest.raises(TypeError, match=rf"{call.__name__}\(\) got an unexpected keyword argument 'temprature'"):
+            typo = rf"{call.__name__}\(\) got an unexpected keyword argument 'temprature'"
+            with pytest.raises(TypeError, match=typo):
                 call("hi", temprature=0.5)   # stream too: at the call, before any iteration
     aio = AsyncClient("127.0.0.1:1")
     with pytest.raises(TypeError, match=r"stream\(\) got an unexpected keyword argument 'max_token'"):

@@ -51,7 +51,8 @@ def test_token_ids_too_long_with_their_max_tokens_are_refused_before_anything_el
 
 
 def test_the_n_limit_is_the_servers_max_n_for_every_api(tokenizer):
-    with pytest.raises(validation.ValidationError, match=r"n must be in \[1, 16\] \(the server's --max-n\), got 20"):
+    too_many = r"n must be in \[1, 16\] \(the server's --max-n\), got 20"
+    with pytest.raises(validation.ValidationError, match=too_many):
         _build(pb.GenerateRequest(prompt="hi", max_tokens=2, n=20), tokenizer)
     assert len(_build(pb.GenerateRequest(prompt="hi", max_tokens=2, n=20), tokenizer, max_n=32).sequences) == 20
     # the HTTP bodies leave the cap to the same check (no second, different bound of their own)
