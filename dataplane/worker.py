@@ -62,7 +62,9 @@ def check_device(device: str) -> None:
 
 
 def load_failure(exc: BaseException, opts: "WorkerOptions") -> str:
-    """One line for a model that failed to load: what failed, which path, what to do."""
+    """One line for a model that failed to load: what failed, which path (on which device
+    ``auto`` picked), what to do."""
+    opts = dataclasses.replace(opts, device=resolve_device(opts.device))
     if isinstance(exc, torch.OutOfMemoryError):
         return (f"cannot load {opts.model} on {opts.device}: out of memory; lower "
                 f"--gpu-memory-utilization or --max-model-len, or shard it (--tensor-parallel-size)")

@@ -9,6 +9,7 @@ copy engine itself (block contents, bad input, its measured load rate)."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import pytest
 import torch
@@ -151,7 +152,13 @@ def test_a_restarted_data_plane_forgets_its_host_tier(model_dir):
                                              dtype="float32", max_num_seqs=64, **OFFLOAD))
         planes.worker_server = serve(planes.worker, planes.worker_address)
         # the first step to the new data plane fails the old stream: the engine resets (both
-        # tiers forgotten), reconnects and computes the request again (bounded: 120 s)
+        # tiers forgotten), reconnects and computes the request again (bounded: 120 s). On a
+        # busy machine the engine may have seen the old stream break already (a trailing step
+        # of the last request) and still be reconnecting, when new requests are refused
+        # (UNAVAILABLE): wait for it first
+        deadline = time.monotonic() + 60
+        while not planes.engine.healthy and time.monotonic() < deadline:
+            time.sleep(0.05)
         again, cached = _gen(planes, prompt, 4)
         assert again == want and cached == 0     # admitted again without the lost host blocks
         assert planes.engine.healthy
