@@ -5,7 +5,7 @@
 # Needs the serving wheels carried to the GPU machine on PYTHONPATH (shared/REFERENCE.md 8).
 # 1. `headrace serve` of Qwen3-0.6B with random weights (bench/random_checkpoint.py);
 # 2. W2 (bench.serving_bench --workload w2) once without profiling: the baseline;
-# 3. W2 again while `headrace admin profile --steps 20` records 20 of its steps;
+# 3. W2 again while `headrace admin profile --steps 20` records its first 20 steps;
 # 4. bench.profile_summary: the trace parses, holds 20 step ranges and names CUDA kernels (the
 #    top 10 by device time), the engine core's profile loads; the table last compares W2's
 #    latency with and without the profile running.
@@ -29,12 +29,14 @@ python3 -m cli health --address "$ADDR" || { tail -20 "$OUT/profile-serve.log"; 
 log "w2 baseline"
 timeout 60 python3 -m bench.serving_bench --address "$ADDR" --workload w2 | tee "$OUT/profile-w2-baseline.json"
 log "w2 while profiling 20 steps"
-timeout 60 python3 -m bench.serving_bench --address "$ADDR" --workload w2 > "$OUT/profile-w2-profiled.json" &
-BENCH=$!
-sleep 2   # past the bench's warm-up request: its timed streams are running
-timeout 60 python3 -m cli admin profile --address "$ADDR" --steps 20 --dir "$PROFILE" --wait 30 \
-  > "$OUT/profile-status.json"; echo "headrace admin profile: exit status $?"
-wait $BENCH; cat "$OUT/profile-w2-profiled.json"
+# armed first (W2 lasts ~2 s on an H200): the profile records the next 20 steps the server
+# runs, the bench's first ones (its warm-up request's, then the first timed stream's)
+timeout 90 python3 -m cli admin profile --address "$ADDR" --steps 20 --dir "$PROFILE" --wait 60 \
+  > "$OUT/profile-status.json" &
+PROF=$!
+sleep 4   # the admin command started and armed the recording
+timeout 60 python3 -m bench.serving_bench --address "$ADDR" --workload w2 | tee "$OUT/profile-w2-profiled.json"
+wait $PROF; echo "headrace admin profile: exit status $?"
 cat "$OUT/profile-status.json"; ls -la "$PROFILE"
 log summary
 python3 -m bench.profile_summary "$PROFILE" --top 10 --require-kernels | tee "$OUT/profile-summary.txt"

@@ -42,9 +42,19 @@ def trace_summary(path: str, top: int) -> dict:
                     for n, us in table.most_common(top)]}
 
 
+# the event loop's own frames: they wrap everything the core does, and its idle waits
+_LOOP_FILES = {"base_events.py", "selectors.py", "events.py"}
+
+
+def _loop_frame(file: str, name: str) -> bool:
+    return os.path.basename(file) in _LOOP_FILES or "epoll" in name or "Context' objects" in name
+
+
 def core_summary(path: str, top: int) -> list[dict]:
+    """The engine core's functions by cumulative time, the event loop's frames left out."""
     stats = pstats.Stats(path)
-    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][3], reverse=True)   # cumulative time
+    rows = sorted(((key, value) for key, value in stats.stats.items() if not _loop_frame(key[0], key[2])),
+                  key=lambda kv: kv[1][3], reverse=True)   # cumulative time
     return [{"function": f"{os.path.basename(file)}:{line}({name})", "cumulative_s": round(ct, 4),
              "calls": nc} for (file, line, name), (_, nc, _, ct, _) in rows[:top]]
 
