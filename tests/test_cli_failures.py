@@ -44,11 +44,16 @@ def _headrace(*args, timeout=90, **env) -> subprocess.CompletedProcess:
                           timeout=timeout, env=_env(**env), cwd=ROOT)
 
 
-def _ctrl_c_reaches_it() -> None:
-    """``preexec_fn`` of a child the test sends Ctrl-C (SIGINT): a pytest started in the
-    background (``&``, nohup, CI) passes SIGINT on ignored, and Python keeps an ignored SIGINT
-    ignored; a terminal's foreground job gets it. Restore the default, as a terminal has it."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# Runs argv with SIGINT's default disposition: a pytest started in the background (``&``,
+# nohup, CI) passes SIGINT on ignored, and Python keeps an ignored SIGINT ignored, while a
+# terminal's foreground job gets Ctrl-C. (A ``preexec_fn`` would do it in the forked child,
+# which is unsafe beside this process's gRPC threads: it crashed there.)
+_WITH_CTRL_C = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                "os.execv(sys.argv[1], sys.argv[1:])")
+
+
+def _ctrl_c_reaches(argv: list[str]) -> list[str]:
+    return [sys.executable, "-c", _WITH_CTRL_C, *argv]
 
 
 def _free_port() -> int:
@@ -286,10 +291,9 @@ def test_generate_waits_for_a_loading_server_and_leaves_quietly_on_ctrl_c(model_
         out = _headrace("generate", "hi", "--address", address, "--connect-timeout", "1")
         assert out.returncode == 1
         _one_line(out, "loading")
-        proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "hi", "--address", address,
-                                 "--connect-timeout", "60"], env=_env(), cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=_ctrl_c_reaches_it)
+        proc = subprocess.Popen(_ctrl_c_reaches([sys.executable, "-m", "cli", "generate", "hi", "--address",
+                                                 address, "--connect-timeout", "60"]), env=_env(), cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(4)
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=30)
@@ -341,9 +345,9 @@ def test_every_option_has_help_with_its_default():
 def test_ctrl_c_in_the_middle_of_a_stream_ends_the_line_quietly(model_dir):
     planes = Planes(model_dir, num_kv_blocks=32)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "hi", "--address", planes.address,
-                                 "--ignore-eos", "--max-tokens", "250"], env=_env(), cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_ctrl_c_reaches_it)
+        proc = subprocess.Popen(_ctrl_c_reaches([sys.executable, "-m", "cli", "generate", "hi", "--address",
+                                                 planes.address, "--ignore-eos", "--max-tokens", "250"]),
+                                env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         first = proc.stdout.read(1)
         proc.send_signal(signal.SIGINT)
         rest, stderr = proc.communicate(timeout=30)
