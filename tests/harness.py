@@ -114,32 +114,19 @@ class Planes:
         return list(self.stub.Generate(pb.GenerateRequest(**fields), timeout=120))
 
     def close(self) -> None:
-        """Stops everything this started and leaves nothing behind: every task of the loop is
-        finished (none logs later, from a thread the test no longer owns), the loop closed,
-        the temporary directory removed."""
+        """Stops everything this started and removes its temporary directory. (The loop is
+        stopped, not closed: gRPC's shared poller may still deliver a late completion to it.)"""
         self.channel.close()
         with contextlib.suppress(Exception):
             self.call(self.plane.stop(grace=1))
         if self.core is not None:
             with contextlib.suppress(Exception):
                 self.call(self.core.stop(grace=1))
-        with contextlib.suppress(Exception):
-            self.call(_finish_tasks(), timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
-        if not self._thread.is_alive():
-            self._loop.close()
         if self.worker_server is not None:
             self.worker_server.stop(0).wait()
         shutil.rmtree(self._tmp, ignore_errors=True)
-
-
-async def _finish_tasks() -> None:
-    """Cancels the loop's other tasks (streams the servers left) and waits for them to end."""
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    await asyncio.wait(tasks, timeout=5) if tasks else None
 
 
 def completion(responses: list[pb.GenerateResponse]) -> tuple[list[int], str, int]:
