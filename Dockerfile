@@ -30,10 +30,14 @@ COPY controlplane ./controlplane
 COPY dataplane ./dataplane
 COPY kernels ./kernels
 COPY headrace_client ./headrace_client
-RUN python -m pip install . && headrace --help > /dev/null
+RUN python -m pip install '.[structured]' && headrace --help > /dev/null
 
 # 50051 public gRPC (Inference, Admin, health, reflection); 50061 data plane step protocol;
 # 9400 / 9401 Prometheus /metrics of the control plane / data plane.
 EXPOSE 50051 50061 9400 9401
 ENTRYPOINT ["headrace"]
-CMD ["serve", "--host", "0.0.0.0"]   # in a container the API must be reachable from outside it
+# In a container the API must be reachable from outside it; set HEADRACE_API_TOKEN (or
+# HEADRACE_API_TOKENS) and HEADRACE_ADMIN_TOKEN in its environment to protect it (serve passes
+# them to its children), and add --metrics-host 0.0.0.0 for a Prometheus outside the container.
+# (A comment after CMD's JSON array would turn it into a shell command: keep it on its own line.)
+CMD ["serve", "--host", "0.0.0.0"]

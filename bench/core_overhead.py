@@ -9,7 +9,10 @@ tokenizer (default ``qwen3-micro``: 1 layer, hidden 32, vocab 1024).
     python -m bench.core_overhead --layout whole       # ControlPlane in one process
 
 Measures (i) batch-1 TTFT and ITL through the public gRPC port (``--ttft-repeats`` requests
-one after the other; 128-token prompt, 32 new tokens), and (ii) many concurrent streaming
+one after the other; 128-token prompt, 32 new tokens) and where each first token spent its time
+(``first_token_ms``: the stages of ``bench.first_token``, from ``common.stage_times`` stamps the
+processes write; ``--no-stages`` runs without them, as the earlier figures did; a table of them
+goes to stderr), and (ii) many concurrent streaming
 requests (``--concurrency``, every token streamed): output tokens/s, the data plane's steps,
 and the engine core's CPU seconds per step and per streamed token (from /proc). With
 ``--profile DIR`` the core and front end 0 run under cProfile (stats in DIR/core.prof and
@@ -34,6 +37,8 @@ import time
 
 import grpc
 
+from bench.first_token import ClientStamps, decompose, table
+from common.stage_times import ENV as STAGES_ENV
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
@@ -57,9 +62,14 @@ def dataplane_steps(port: int, steps_file: str) -> tuple[float, float]:
         return float(text or 0), 0.0
     import urllib.request
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    values = dict(line.split(" ", 1) for line in text.splitlines() if line and line[0] != "#")
-    return (float(values.get("headrace:dataplane_steps_total", 0)),
-            float(values.get("headrace:dataplane_step_device_seconds_sum", 0)))
+    values: dict[str, float] = {}
+    for line in text.splitlines():   # summed over labels (the step kinds)
+        if line and line[0] != "#":
+            name, _, value = line.rpartition(" ")
+            name = name.partition("{")[0]
+            values[name] = values.get(name, 0.0) + float(value)
+    return (values.get("headrace:dataplane_steps_total", 0.0),
+            values.get("headrace:dataplane_step_device_seconds_sum", 0.0))
 
 
 def run_whole(argv: list[str]) -> None:
@@ -85,6 +95,9 @@ class Planes:
 
     def __init__(self, args, tmp: str):
         py, env = sys.executable, dict(os.environ, HEADRACE_LOG_LEVEL="WARNING")
+        self.stages = None if args.no_stages else os.path.join(tmp, "stages")
+        if self.stages:   # every process stamps the first-token path (bench.first_token)
+            env[STAGES_ENV] = self.stages
         self.port, self.dp_metrics = free_port(), free_port()
         dp, core = f"unix:{tmp}/dp.sock", f"unix:{tmp}/core.sock"
         self.procs: list[subprocess.Popen] = []
@@ -151,16 +164,23 @@ async def wait_serving(stub, timeout: float = 180.0) -> None:
             await asyncio.sleep(0.2)
 
 
-async def one(stub, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
-    """(TTFT, inter-message gaps, tokens) of one streamed request."""
+async def one(stub, prompt: list[int], max_tokens: int, request_id: str = "",
+              stamps: ClientStamps | None = None) -> tuple[float, list[float], int]:
+    """(TTFT, inter-message gaps, tokens) of one streamed request (``stamps``: its client-side
+    stage stamps, under ``request_id``)."""
     req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
-                             ignore_eos=True, sampling=pb.SamplingParams(temperature=0))
+                             ignore_eos=True, sampling=pb.SamplingParams(temperature=0),
+                             request_id=request_id)
+    if stamps is not None:
+        stamps.sent(request_id)
     start = last = time.perf_counter()
     ttft, gaps, n = None, [], 0
     async for resp in stub.Generate(req):
         now = time.perf_counter()
         if ttft is None:
             ttft = now - start
+            if stamps is not None:
+                stamps.first(request_id)
         else:
             gaps.append(now - last)
         last, n = now, n + len(resp.token_ids)
@@ -176,18 +196,24 @@ async def measure(args, planes: Planes) -> dict:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{planes.port}") as channel:
         stub = pb_grpc.InferenceStub(channel)
         await wait_serving(stub)
-        ttfts, gaps = [], []
+        ttfts, gaps, ids = [], [], []
+        stamps = ClientStamps(planes.stages) if planes.stages else None
         for i in range(args.ttft_repeats + 2):   # two warm-ups
             if i == 2:
                 steps0 = dataplane_steps(planes.dp_metrics, planes.steps_file)
-            t, g, _ = await one(stub, [rng.randrange(3, 1000) for _ in range(128)], 32)
+            rid = f"ttft-{i}"
+            t, g, _ = await one(stub, [rng.randrange(3, 1000) for _ in range(128)], 32, rid, stamps)
             if i >= 2:
                 ttfts.append(t)
                 gaps += g
+                ids.append(rid)
         steps, device = (b - a for a, b in zip(steps0, dataplane_steps(planes.dp_metrics, planes.steps_file)))
         out = {"ttft_p50_ms": ms(statistics.median(ttfts)), "ttft_min_ms": ms(min(ttfts)),
                "itl_p50_ms": ms(statistics.median(gaps)), "b1_steps_per_request": steps / args.ttft_repeats,
                "b1_device_ms_per_step": ms(device / max(steps, 1))}
+        if planes.stages:
+            out["first_token_ms"] = decompose(planes.stages, ids)
+            print(table(out["first_token_ms"]), file=sys.stderr)
         prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(100, 300))]
                    for _ in range(args.concurrency)]
         steps0, cpu0 = dataplane_steps(planes.dp_metrics, planes.steps_file)[0], planes.cpu()
@@ -243,6 +269,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--profile", default=None, help="a directory: cProfile the core and front end 0")
+    ap.add_argument("--label", default="", help="a name for this run in its JSON line (bench.gpu_table)")
+    ap.add_argument("--no-stages", action="store_true",
+                    help="no first-token stage stamps (common.stage_times) in the processes")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="headrace-overhead-") as tmp:
         if args.model is None:
@@ -253,7 +282,8 @@ def main() -> None:
             result = asyncio.run(measure(args, planes))
         finally:
             planes.stop()
-    result.update(dataplane=args.dataplane, layout=args.layout, frontends=args.frontends, pipeline_depth=args.pipeline_depth)
+    result.update(dataplane=args.dataplane, layout=args.layout, frontends=args.frontends,
+                  pipeline_depth=args.pipeline_depth, workload="core_overhead", label=args.label)
     if args.profile:
         result["stages_us_per_token"] = stages(args.profile, result["load_tokens"] + 32 * args.ttft_repeats)
     print(json.dumps(result))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout's root on the H200): GPU correctness, then the serving
 # workloads through the gRPC planes and in one process (bench/README.md). Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w3 w3tp w4 w5 w5w1 w5l hf spy kern ragged tp spec specdraft
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5swap w5l tier hf spy kern ragged tp spec specdraft structured
 #   (default: tests w2 w1 w1o w3); TP_WATCH_S: seconds the tp section waits before dumping stacks
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # ragged: decode attention on W1's ragged batches, by KV split count and program start order.
@@ -14,18 +14,41 @@
 #   embedded model's corpus with its tokenizer (train.py --device cuda; ~1-3 min), and
 #   tiny-draft as its draft; W2 ITL per output token on held-out text, speculation off vs
 #   draft_model (k = 4) vs ngram, with the measured acceptance; ~5 minutes.
-# w5: the host KV tier's GPU tests, multi-turn chat (W5) with the tier off, then on with host
-#     hits under the cost rule (--kv-offloading-policy auto) and always loaded; ~6-7 minutes.
-# w5w1: W1 with offloading configured but idle beside W1 without (the tier must cost nothing
-#     when unused); ~3 minutes.
-# w5l: W5 on Llama-3.1-8B (random weights), tier off and auto: recompute is ~6x dearer than
-#     the copy there, so auto must load (its estimates are in the JSON lines); ~6 minutes.
-# w4: serving under load (Poisson, lognormal lengths, streamed) for N = 1, 2, 4 API front ends
-#     (w4.json, and w4.png when matplotlib is installed, in $OUT); ~4-5 minutes.
+# tier: issue 33 in one call (~8 minutes): w5 w5w1 w5swap w5l, then the targets' table.
+# w5: the host KV tier's GPU tests (exactness: a block's K/V bits through the host and back,
+#     a conversation alone with the tier off/auto/always; the copy streams' ordering; the copy
+#     engine), then W5 on Qwen3-0.6B (64 conversations x 6 turns, 32 in flight, a 6,144-block
+#     device pool against ~11,600 blocks of history, 28 GiB host tier) off, auto, off again,
+#     one data plane for the three; ~3 minutes (tests ~2).
+# w5w1: W1 in one process on a worker with an idle 16 GiB host tier beside one without,
+#     alternated twice (bench.tier_bench --cases idle; the tier must cost nothing); ~1.5 min.
+# w5swap: --preemption-mode swap against recompute without a tier on a preemption-heavy W1
+#     (4,096 of 18,432 device blocks; bench.tier_bench --cases swap); ~1 minute.
+# w5l: W5 on Llama-3.1-8B (random weights; 48 conversations x 6 turns, 32 in flight, 6,144
+#     blocks against ~8,700 of history, 24 GiB host tier) off and auto: recompute is ~6x
+#     dearer than the copy there, so auto loads, ahead of compute; ~3 minutes with its checkpoint.
+# w4: serving under load (Poisson, lognormal lengths, streamed from 4 client processes) with
+#     serve's default front-end count (4 on 16 cores) at 60/100/140/180 req/s plus one bisection
+#     run towards the highest rate at the SLO, then N = 1 at 140 (N=4 / N=1 in the table); step
+#     time by kind and the device idle share per rate (w4.json, w4.png in $OUT); ~3 minutes.
+# w1s: W1 with every token streamed, from 8 client processes (their CPU use says whether the
+#     client was the limit); with w1o, W1 offline in the same call; ~1 minute for both.
+# ttft: W2's first token (issue 31): W2 through gRPC with the first-token stages stamped by the
+#     server's processes (common/stage_times.py; the decomposition is in the JSON line and the
+#     table), W2 with --pipeline-depth 2 and --no-overlap beside it (is the first token held
+#     back by the pipeline?), and core_overhead over the real GPU data plane with one front end;
+#     ~2 minutes. `bash bench/gpu_run.sh ttft w4 w1o w1s`: issue 31's call, ~6-7 minutes.
+# structured: structured outputs (issue 34); carried wheels from STRUCTURED_WHEELS (default
+#   .whl: llguidance, xgrammar, apache-tvm-ffi, jsonschema and its four) go into $SITE with pip
+#   --target; the GPU tests (bitmask kernel compiled, the bitmask protocol, schemas end to end),
+#   then Qwen3-0.6B (random weights, a byte-level 151,936-token vocabulary) through gRPC: ITL
+#   with a JSON-schema constraint vs unconstrained at batch 1 and 64, and W1 with no constrained
+#   request; a table last; ~3 minutes.
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/protos:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 SECTIONS=${*:-tests w2 w1 w1o w3}
+[[ " $SECTIONS " == *" tier "* ]] && SECTIONS="$SECTIONS w5 w5w1 w5swap w5l"
 log() { echo "== $* ($(date +%T))"; }
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 log gpu; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -51,7 +74,7 @@ if has tp; then   # NCCL tensor parallelism on every GPU the machine has (2 or 4
   wait $tp_pid; tail -15 "$OUT/tp-pytest.txt"
   tail -n 8 "$OUT"/tp-logs/*/rank-*.log 2>/dev/null | cut -c1-300
 fi
-if has w1 || has w1o || has w2 || has w4 || has w5 || has w5w1 || has hf || has spy || has kern || has spec; then
+if has w1 || has w1o || has w1s || has w2 || has ttft || has w4 || has w5 || has w5w1 || has w5swap || has hf || has spy || has kern || has spec; then
   log ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda
 fi
 for w in w2 w1; do
@@ -63,6 +86,25 @@ if has w1o; then
   log "w1 grpc, one message per request"
   timeout 150 python3 -m bench.serving_bench --model /tmp/qwen3 --workload w1 --stream-interval 100000 \
     | tee -a "$OUT/results.jsonl"
+fi
+if has w1s; then
+  log "w1 grpc, every token streamed to 8 client processes"
+  timeout 150 python3 -m bench.serving_bench --model /tmp/qwen3 --workload w1 --clients 8 --label streamed \
+    | tee -a "$OUT/results.jsonl"
+fi
+if has ttft; then
+  log "ttft: w2 grpc with the first token's stages (pipeline depth 3, the default)"
+  timeout 150 python3 -m bench.serving_bench --model /tmp/qwen3 --workload w2 --repeats 10 \
+    --stages "$OUT/stages-w2" --label depth3 | tee -a "$OUT/results.jsonl"
+  for variant in "--pipeline-depth 2:depth2" "--no-overlap:depth1"; do
+    log "ttft: w2 grpc with ${variant%%:*}"
+    timeout 120 python3 -m bench.serving_bench --model /tmp/qwen3 --workload w2 --repeats 10 --label "${variant#*:}" \
+      --serve-args "--device cuda --max-running 256 --max-batched-tokens 16384 ${variant%%:*}" | tee -a "$OUT/results.jsonl"
+  done
+  log "ttft: core_overhead over the real data plane on the GPU (one front end, stages)"
+  timeout 150 python3 -m bench.core_overhead --dataplane real --device cuda --model /tmp/qwen3 --ttft-repeats 30 \
+    --concurrency 64 --output-tokens 32 --label gpu 2>"$OUT/core-overhead.err" | tee -a "$OUT/results.jsonl"
+  tail -16 "$OUT/core-overhead.err"
 fi
 if has kern; then
   log "kernel windows"
@@ -101,23 +143,28 @@ if has specdraft; then
   done
 fi
 if has w4; then
-  log "w4 under load, N = 1, 2, 4 front ends"
-  timeout 420 python3 -m bench.w4_bench --model /tmp/qwen3 --api-server-counts 1,2,4 --rates 100,140,180 \
-    --duration 8 --clients 4 --out-dir "$OUT" | tee -a "$OUT/results.jsonl"
+  log "w4 under load, serve's default front-end count: 60..180 req/s, one bisection run"
+  timeout 300 python3 -m bench.w4_bench --model /tmp/qwen3 --api-server-counts 0 --rates 60,100,140,180 \
+    --search 1 --duration 8 --clients 4 --out-dir "$OUT" | tee -a "$OUT/results.jsonl"
+  log "w4 with one front end at 140 req/s"
+  timeout 150 python3 -m bench.w4_bench --model /tmp/qwen3 --api-server-counts 1 --rates 140 --duration 8 \
+    --clients 4 | tee -a "$OUT/results.jsonl"
 fi
 if has w5; then
-  log "host KV tier on the GPU: copy engine (side stream) and outputs equal with it on and off"
-  HEADRACE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kv_offload.py 2>&1 | tail -3
-  log "w5 multi-turn chat, host KV tier off, auto (cost rule) and always"
-  timeout 480 python3 -m bench.w5_bench --model /tmp/qwen3 --num-kv-blocks 8192 --offload-gib 48 \
-    --modes off,auto,always | tee -a "$OUT/results.jsonl"
+  log "host KV tier on the GPU: exactness, copy ordering, copy engine"
+  HEADRACE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kv_exactness.py \
+    tests/test_kv_transfer.py tests/test_kv_offload.py \
+    -k "not restarted and not evicted_from_the_device and not (outputs_equal and recompute)" \
+    > "$OUT/tier-tests.txt" 2>&1; echo "pytest exit $?" >> "$OUT/tier-tests.txt"; tail -4 "$OUT/tier-tests.txt"
+  log "w5 Qwen3-0.6B: host KV tier off, auto (cost rule, prefetch), off again; one data plane"
+  timeout 360 python3 -m bench.w5_bench --model /tmp/qwen3 --num-kv-blocks 6144 --offload-gib 28 \
+    --conversations 64 --turns 6 --modes off,auto,off | tee -a "$OUT/results.jsonl"
 fi
-if has w5w1; then
-  for o in "" "--kv-offloading-size 16"; do
-    log "w1 grpc, offloading: ${o:-off}"
-    timeout 150 python3 -m bench.serving_bench --model /tmp/qwen3 --workload w1 \
-      --serve-args "--device cuda --max-running 256 --max-batched-tokens 16384 $o" | tee -a "$OUT/results.jsonl"
-  done
+cases=""; has w5w1 && cases="idle"; has w5swap && cases="${cases:+$cases,}swap"
+if [ -n "$cases" ]; then   # one process: the tiered worker serves both cases
+  log "w1 in one process: an idle 16 GiB host tier beside none, alternated; preemption-heavy W1 (4,096 device blocks), recompute without a tier vs swap"
+  timeout 300 python3 -m bench.tier_bench --model /tmp/qwen3 --cases "$cases" --offload-gib 16 \
+    --swap-blocks 4096 | tee -a "$OUT/results.jsonl"
 fi
 if has hf; then log hf; timeout 120 python3 -m bench.hf_reference /tmp/qwen3 | tee -a "$OUT/results.jsonl"; fi
 if has w3 || has w3tp; then   # w3tp: the same with the model split over two GPUs (NCCL)
@@ -131,8 +178,24 @@ if has w3 || has w3tp; then   # w3tp: the same with the model split over two GPU
 fi
 if has w5l; then   # last: the 8B checkpoint takes /tmp/qwen3's place on disk (as w3's does)
   [ -d /tmp/llama8b ] || { log ckpt8b; rm -rf /tmp/qwen3; python3 -m bench.random_checkpoint llama-3.1-8b /tmp/llama8b --device cuda; }
-  log "w5 on llama-3.1-8b (64 conversations), host KV tier off and auto"
-  timeout 480 python3 -m bench.w5_bench --model /tmp/llama8b --num-kv-blocks 8192 --offload-gib 64 \
-    --conversations 64 --modes off,auto | tee -a "$OUT/results.jsonl"
+  log "w5 Llama-3.1-8B (48 conversations x 6 turns): host KV tier off and auto; one data plane"
+  timeout 420 python3 -m bench.w5_bench --model /tmp/llama8b --num-kv-blocks 6144 --offload-gib 24 \
+    --conversations 48 --turns 6 --modes off,auto | tee -a "$OUT/results.jsonl"
+fi
+if has structured; then
+  SITE=${SITE:-/tmp/site}; mkdir -p "$SITE"
+  log structured-install; python3 -m pip install -q --no-index --no-deps --target "$SITE" --upgrade \
+    "${STRUCTURED_WHEELS:-.whl}"/*.whl 2>&1 | tail -2
+  export PYTHONPATH=$PWD:$PWD/protos:$SITE:$PYTHONPATH
+  python3 -c "import llguidance, xgrammar, jsonschema; print('grammar engines import')" 2>&1 | tail -1
+  log structured-tests-gpu
+  HEADRACE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_structured_dataplane.py \
+    tests/test_structured_outputs.py -k "kernel or reference or protocol or late or inline or greedy or validates or bitmasks_ride" 2>&1 | tail -3
+  log structured-ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3-bl --device cuda --tokenizer bytelevel
+  log structured-bench; timeout 240 python3 -m bench.structured_bench --model /tmp/qwen3-bl | tee -a "$OUT/structured.jsonl"
 fi
 log done; cat "$OUT/results.jsonl" 2>/dev/null
+[ -f "$OUT/results.jsonl" ] && python3 -m bench.gpu_table "$OUT/results.jsonl"
+if has w5 || has w5w1 || has w5swap || has w5l; then   # last: the table of issue 33's targets
+  log "issue 33 targets"; python3 -m bench.tier_targets "$OUT/results.jsonl" --tests "$OUT/tier-tests.txt"
+fi

@@ -161,6 +161,19 @@ def text_prompt(tok: ModelTokenizer, rng: random.Random, n: int) -> list[int]:
     return tok.encode(rng.choice(_held_out_paragraphs()))[:n]
 
 
+def submitter(engine: Engine, tok: ModelTokenizer):
+    """``submit(prompt ids, max_tokens, temperature)``: a request (EOS ignored) given to
+    ``engine``, returned to be consumed."""
+    def submit(prompt, max_tokens, temperature):
+        req = build_request(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
+                                               ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature)),
+                            tok, seq_ids=engine.seq_ids, vocab_size=engine.info.vocab_size,
+                            max_model_len=engine.max_model_len, eos_token_ids=[])
+        engine.submit(req)
+        return req
+    return submit
+
+
 async def consume(request) -> int:
     count = 0
     while not request.delivered:
@@ -172,20 +185,13 @@ async def run(args) -> dict:
     worker = Worker(WorkerOptions(model=args.model, device=args.device, max_num_seqs=256,
                                   max_batched_tokens=args.max_batched_tokens,
                                   speculative_config=args.speculative_config,
-                                  attention_backend=args.attention_backend))
+                                  attention_backend=args.attention_backend,
+                                  cudagraph_mode=args.cudagraph_mode))
     local = TimedWorkers(worker)
     engine = Engine(local, EngineConfig(max_running=256, max_batched_tokens=args.max_batched_tokens))
     await engine.start()
     tok = ModelTokenizer(args.model)
-
-    def submit(prompt, max_tokens, temperature):
-        req = build_request(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
-                                               ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature)),
-                            tok, seq_ids=engine.seq_ids, vocab_size=engine.info.vocab_size,
-                            max_model_len=engine.max_model_len, eos_token_ids=[])
-        engine.submit(req)
-        return req
-
+    submit = submitter(engine, tok)
     await consume(submit([1, 2, 3], 4, 0.6))     # warm-up
     local.runner_s = local.device_s = local.device_idle_s = 0.0
     local.steps = []
@@ -255,7 +261,9 @@ async def run(args) -> dict:
         graphs = worker.runner.graphs
         if graphs is not None:   # verifies replayed in CUDA graphs (the rest ran eagerly)
             out.update(graph_replays=graphs.num_replays, verify_graph_replays=graphs.num_verify_replays)
-    out.update(attention_backend=args.attention_backend, attention=worker.attention.describe())
+    out.update(attention_backend=args.attention_backend, attention=worker.attention.describe(),
+               cudagraph_mode=worker.graph_mode, graph_capture_s=round(worker.graphs.capture_seconds, 1),
+               graph_mib=round(worker.graphs.measured_bytes / 2**20))
     out.update(workload=f"{args.workload}{'-grounded' if args.grounded else ''}"
                         f"{'-spec' if spec is not None else ''}-in-process", runner_s=round(local.runner_s, 3),
                device_s=round(local.device_s, 3), device_idle_s=round(local.device_idle_s, 3),
@@ -271,6 +279,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--attention-backend", choices=BACKENDS, default="auto",
                     help="the worker's --attention-backend (kernels/attention_policy.py)")
+    ap.add_argument("--cudagraph-mode", default="full_and_piecewise",
+                    help="the worker's --cudagraph-mode (full_decode_only: decode graphs only)")
     ap.add_argument("--prompt-tokens", type=int, default=30000, help="long: the prompt's length")
     ap.add_argument("--max-batched-tokens", type=int, default=16384,
                     help="tokens per step (nano-vllm's default, as its W1 benchmark runs)")

@@ -1,7 +1,12 @@
 """Writes Hugging Face checkpoints of real architectures with random bf16 weights (no model hub
 is reachable) plus a word-level tokenizer covering the whole vocabulary, for benchmarks.
 
-    python -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3-0.6b [--device cuda]
+    python -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3-0.6b [--device cuda] [--tokenizer bytelevel]
+
+``--tokenizer bytelevel`` writes a byte-level BPE vocabulary of the same size instead (the 256
+bytes, JSON punctuation, digits and seeded letter strings, as Qwen's or Llama's tokenizers
+spell them): grammars (structured outputs) need tokens that spell text, and their masks cost
+what a real 150k-token vocabulary costs.
 """
 
 from __future__ import annotations
@@ -79,7 +84,55 @@ def write_tokenizer(path: pathlib.Path, vocab_size: int, eos_id: int) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"w{eos_id}"}))
 
 
-def write_checkpoint(name: str, out: pathlib.Path, device: str = "cpu", seed: int = 0) -> pathlib.Path:
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-in of each byte (what byte-level BPE vocabularies store)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def write_bytelevel_tokenizer(path: pathlib.Path, vocab_size: int, eos_id: int, seed: int = 0) -> None:
+    import random
+
+    spell = _byte_chars()
+    enc = lambda text: "".join(spell[b] for b in text.encode())  # noqa: E731
+    tokens = [spell[b] for b in range(256)]
+    seen = set(tokens)
+    pieces = ['{"', '":', '": ', '", "', '"}', ', ', '[{', '}]', '},', ' {"', '"]', ' "', 'true', 'false',
+              'null'] + [f"{i:02d}" for i in range(100)] + [str(i) for i in range(100, 1000)]
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    while len(tokens) < vocab_size - 1:
+        text = pieces.pop(0) if pieces else (" " if rng.random() < 0.5 else "") + "".join(
+            rng.choice(letters) for _ in range(rng.randint(2, 7)))
+        if enc(text) not in seen:
+            seen.add(enc(text))
+            tokens.append(enc(text))
+    eos = "<|endoftext|>"
+    tokens.insert(eos_id, eos)
+    vocab = {t: i for i, t in enumerate(tokens[:vocab_size])}
+    tok = {"version": "1.0", "truncation": None, "padding": None, "normalizer": None,
+           "added_tokens": [{"id": eos_id, "content": eos, "single_word": False, "lstrip": False,
+                             "rstrip": False, "normalized": False, "special": True}],
+           "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                             "use_regex": True},
+           "post_processor": None,
+           "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+           "model": {"type": "BPE", "vocab": vocab, "merges": [], "dropout": None, "unk_token": None,
+                     "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                     "fuse_unk": False, "byte_fallback": False, "ignore_merges": True}}
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+
+
+def write_checkpoint(name: str, out: pathlib.Path, device: str = "cpu", seed: int = 0,
+                     tokenizer: str = "wordlevel") -> pathlib.Path:
     cfg = CONFIGS[name]
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -93,7 +146,10 @@ def write_checkpoint(name: str, out: pathlib.Path, device: str = "cpu", seed: in
         tensors[key] = t
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    write_tokenizer(out, cfg["vocab_size"], cfg["eos_token_id"])
+    if tokenizer == "bytelevel":
+        write_bytelevel_tokenizer(out, cfg["vocab_size"], cfg["eos_token_id"], seed)
+    else:
+        write_tokenizer(out, cfg["vocab_size"], cfg["eos_token_id"])
     return out
 
 
@@ -102,8 +158,10 @@ def main() -> None:
     ap.add_argument("name", choices=sorted(CONFIGS))
     ap.add_argument("out", type=pathlib.Path)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tokenizer", choices=("wordlevel", "bytelevel"), default="wordlevel",
+                    help="bytelevel: a byte-level BPE vocabulary that spells text (structured outputs)")
     args = ap.parse_args()
-    write_checkpoint(args.name, args.out, args.device)
+    write_checkpoint(args.name, args.out, args.device, tokenizer=args.tokenizer)
     print(f"wrote {args.name} to {args.out}")
 
 

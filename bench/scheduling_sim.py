@@ -9,7 +9,8 @@ arrival time (the engine's ``submit`` runs while a step is in flight), so ``wait
 and ``max_queue_delay`` count from the arrival. Per request: queue delay (arrival -> first
 scheduled), TTFT (arrival -> end of the step that sampled its first token), E2E (-> finish).
 Not modelled: (de)tokenization, network, the control plane's CPU time, sampling, stop
-strings, prefix sharing, parallel samples, aborts, step-time noise. See docs/scheduling.md.
+strings, prefix sharing, parallel samples, aborts, step-time noise. See docs/scheduling.md;
+``bench.chunking_sim`` runs the same simulation for the prefill chunking options.
 
     python -m bench.scheduling_sim --out docs --seed 0      # tables on stdout, docs/scheduling.png
 """
@@ -26,6 +27,7 @@ import pathlib
 import random
 
 from controlplane.block_manager import BlockManager
+from controlplane.chunking import Chunking
 from controlplane.output import OutputText
 from controlplane.policy import Policy
 from controlplane.request import Request, Sequence
@@ -130,7 +132,7 @@ class Record:
     e2e = property(lambda self: self.finished - self.req.arrival)
 
 
-SimResult = collections.namedtuple("SimResult", "records preemptions max_step_s end")
+SimResult = collections.namedtuple("SimResult", "records preemptions max_step_s end decode_steps_s")
 
 
 def step_seconds(step: ScheduledStep, cfg: SimConfig) -> float:
@@ -148,15 +150,16 @@ def _sequence(i: int, r: TraceRequest) -> Sequence:
     return req.sequences[0]
 
 
-def simulate(trace: list[TraceRequest], cfg: SimConfig) -> SimResult:
+def simulate(trace: list[TraceRequest], cfg: SimConfig, chunking: Chunking | None = None) -> SimResult:
     clock, delay = Clock(), cfg.max_queue_delay or None
     policy = Policy(cfg.policy, None if cfg.aging < 0 else cfg.aging, delay)
     sched = Scheduler(BlockManager(cfg.num_blocks, cfg.block_size, enable_prefix_cache=False),
-                      cfg.max_running, cfg.max_batched_tokens, policy, cfg.watermark, clock=clock)
+                      cfg.max_running, cfg.max_batched_tokens, policy, cfg.watermark, clock=clock,
+                      chunking=chunking)
     trace = sorted(trace, key=lambda r: r.arrival)
     records: dict[int, Record] = {}
     i = spins = 0
-    max_step = 0.0
+    max_step, decode_steps = 0.0, []   # the durations of steps that carried decodes
     while i < len(trace) or sched.has_work:
         if not sched.has_work and clock.now < trace[i].arrival:
             clock.now = trace[i].arrival        # idle: jump to the next arrival
@@ -188,6 +191,8 @@ def simulate(trace: list[TraceRequest], cfg: SimConfig) -> SimResult:
                 rec.first_scheduled = now
         dt = step_seconds(step, cfg)
         max_step, clock.now = max(max_step, dt), now + dt
+        if any(n == 1 and s.output_token_ids for s, n in step.scheduled()):
+            decode_steps.append(dt)
         sched.after_step(step)
         for seq, _ in step.scheduled():
             if seq.num_inflight:           # it sampled: its token arrives with the step's end
@@ -198,7 +203,7 @@ def simulate(trace: list[TraceRequest], cfg: SimConfig) -> SimResult:
                 if len(seq.output_token_ids) >= rec.req.output_len:
                     sched.finish(seq, pb.FINISH_REASON_LENGTH)
                     rec.finished, rec.preemptions = clock.now, seq.num_preemptions
-    return SimResult(list(records.values()), sched.num_preemptions, max_step, clock.now)
+    return SimResult(list(records.values()), sched.num_preemptions, max_step, clock.now, decode_steps)
 
 
 def pct(xs: list[float], q: float) -> float:

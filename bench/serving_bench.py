@@ -6,8 +6,14 @@
     python -m bench.serving_bench --model DIR --workload w1 --api http   # the same through HTTP SSE
 
 Starts `headrace serve` (unless --address is given) in its own process group, waits until it
-is SERVING (reports the seconds to ready), runs the workload from an asyncio gRPC client and
-prints a JSON line; then stops the server by its PID (its process group if it does not exit).
+is SERVING (reports the seconds to ready), runs the workload and prints a JSON line; then stops
+the server by its PID (its process group if it does not exit). W1 and W3 stream from
+``--clients`` processes (``bench.client_pool``; 8 by default) and report each one's CPU use
+(``client_cpu_max``, ``client_limited``: whether a client process, not the server, was the
+limit) and, from the data plane's /metrics, the steps and mean step times by kind and the
+device's idle share (``bench.dataplane_metrics``). W2 runs from this process; with ``--stages``
+the server's processes stamp each first token's path (``common.stage_times``) and the line
+adds its decomposition (``first_token_ms``, ``bench.first_token``).
 The workloads are defined in docs/benchmarks.md.
 """
 
@@ -26,7 +32,10 @@ import time
 
 import grpc
 
+from bench import client_pool, dataplane_metrics
+from bench.first_token import ClientStamps, decompose
 from bench.serving_http import HttpTarget, run_one_http
+from common.stage_times import ENV as STAGES_ENV
 from headrace_client import AsyncClient, NotReady
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
@@ -47,32 +56,19 @@ STREAM_INTERVAL = 0   # per request; 0 = the server's default (every token)
 SERVE = ["-m", "cli", "serve"]   # the `headrace serve` command line, as a module
 
 
-def device_seconds(port: int = 9401) -> tuple[float, float, float]:
-    """(device time of steps, device idle time, steps) so far, from the data plane's /metrics."""
-    import urllib.request
-    try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    except OSError:
-        return 0.0, 0.0, 0.0
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in ("headrace:dataplane_step_device_seconds_sum", "headrace:dataplane_device_idle_seconds_total",
-                    "headrace:dataplane_steps_total"):
-            values[name] = float(value)
-    return (values.get("headrace:dataplane_step_device_seconds_sum", 0.0),
-            values.get("headrace:dataplane_device_idle_seconds_total", 0.0),
-            values.get("headrace:dataplane_steps_total", 0.0))
-
-
-async def run_one(stub, prompt, max_tokens, temperature, stamps: list | None = None) -> int:
+async def run_one(stub, prompt, max_tokens, temperature, stamps: list | None = None,
+                  request_id: str = "", stages: ClientStamps | None = None) -> int:
     if isinstance(stub, HttpTarget):   # --api http
         return await run_one_http(stub, prompt, max_tokens, temperature, stamps)
     req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
                              ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature),
-                             stream_interval=STREAM_INTERVAL)
+                             stream_interval=STREAM_INTERVAL, request_id=request_id)
     count = 0
+    if stages is not None:
+        stages.sent(request_id)
     async for resp in stub.Generate(req):
+        if stages is not None and not count:
+            stages.first(request_id)
         count += len(resp.token_ids)
         if stamps is not None:
             stamps.append((time.perf_counter(), len(resp.token_ids)))
@@ -92,39 +88,51 @@ def start_py_spy(pid: int | None, out: str | None, seconds: float):
         return None
 
 
-async def throughput(stub, requests, profile=lambda: None) -> dict:
+async def throughput(stub, requests, args, profile=lambda: None) -> dict:
+    """The requests from ``--clients`` processes, all sent at once."""
     await run_one(stub, [1, 2, 3], 4, 0.6)    # warm-up
     spy = profile()
-    dev0, idle0, steps0 = device_seconds()
-    start = time.perf_counter()
-    counts = await asyncio.gather(*(run_one(stub, *r) for r in requests))
-    wall = time.perf_counter() - start
-    dev1, idle1, steps1 = device_seconds()
+    before = dataplane_metrics.snapshot(args.dataplane_metrics)
+    items = [(0.0, p, m, temp, STREAM_INTERVAL) for p, m, temp in requests]
+    results, usage, t0 = await asyncio.to_thread(
+        client_pool.run, args.address, items, args.clients, args.channels,
+        args.http_url if args.api == "http" else None)
+    steps = dataplane_metrics.delta(before, dataplane_metrics.snapshot(args.dataplane_metrics))
     if spy is not None:
         spy.wait(60)
-    return {"requests": len(requests), "output_tokens": sum(counts), "wall_s": round(wall, 3),
-            "output_tok_per_s": round(sum(counts) / wall, 1), "stream_interval": STREAM_INTERVAL,
-            "device_s": round(dev1 - dev0, 3), "device_idle_s": round(idle1 - idle0, 3),
-            "steps": int(steps1 - steps0)}
+    ok = [r for r in results if r["ok"]]
+    wall, tokens = max((r["end"] for r in ok), default=t0) - t0, sum(r["tokens"] for r in ok)
+    return {"requests": len(requests), "failed": len(results) - len(ok), "output_tokens": tokens,
+            "wall_s": round(wall, 3), "output_tok_per_s": round(tokens / wall, 1) if wall > 0 else 0,
+            "stream_interval": STREAM_INTERVAL, "device_s": steps["device_busy_s"],
+            "device_idle_s": steps["device_idle_s"], "device_idle_share": steps["device_idle_share"],
+            "steps": sum(k["steps"] for k in steps["steps_by_kind"].values()),
+            "steps_by_kind": steps["steps_by_kind"], **usage,
+            "first_error": next((r["error"] for r in results if not r["ok"]), None)}
 
 
-async def latency(stub, repeats: int = 5) -> dict:
+async def latency(stub, repeats: int = 5, stages_dir: str | None = None) -> dict:
     rng = random.Random(0)
     await run_one(stub, [1, 2, 3], 8, 0.0)
-    ttfts, itls = [], []
-    for _ in range(repeats):
+    ttfts, itls, ids = [], [], []
+    stages = ClientStamps(stages_dir) if stages_dir else None
+    for i in range(repeats):
         prompt = [rng.randint(0, 10000) for _ in range(128)]
         stamps: list = []
         start = time.perf_counter()
-        await run_one(stub, prompt, 256, 0.0, stamps)
+        ids.append(f"w2-{i}-{time.time_ns()}")
+        await run_one(stub, prompt, 256, 0.0, stamps, ids[-1], stages)
         ttfts.append(stamps[0][0] - start)
         for (t0, _), (t1, n) in zip(stamps, stamps[1:]):
             itls.extend([(t1 - t0) / n] * n)
     itls.sort()
     q = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3  # noqa: E731
-    return {"ttft_ms_p50": round(statistics.median(ttfts) * 1e3, 2),
-            "itl_ms_p50": round(q(itls, 0.5), 3), "itl_ms_p99": round(q(itls, 0.99), 3),
-            "tokens": len(itls) + repeats}
+    out = {"ttft_ms_p50": round(statistics.median(ttfts) * 1e3, 2),
+           "itl_ms_p50": round(q(itls, 0.5), 3), "itl_ms_p99": round(q(itls, 0.99), 3),
+           "tokens": len(itls) + repeats}
+    if stages is not None:
+        out["first_token_ms"] = decompose(stages_dir, ids)
+    return out
 
 
 async def main_async(args) -> dict:
@@ -141,14 +149,15 @@ async def main_async(args) -> dict:
             stub = HttpTarget(args.http_url)
         profile = lambda: start_py_spy(args.server_pid, args.py_spy, args.py_spy_seconds)  # noqa: E731
         if args.workload == "w1":
-            out = await throughput(stub, w1_requests(), profile)
+            out = await throughput(stub, w1_requests()[:args.num_seqs or None], args, profile)
         elif args.workload == "w3":
-            out = await throughput(stub, w3_requests(args.num_seqs), profile)
+            out = await throughput(stub, w3_requests(args.num_seqs or 512), args, profile)
         else:
-            out = await latency(stub)
+            out = await latency(stub, args.repeats, args.stages)
         if args.api == "http":
             await stub.close()
-        out.update(workload=args.workload, seconds_to_ready=round(ready, 1), api=args.api)
+        out.update(workload=args.workload, seconds_to_ready=round(ready, 1), api=args.api,
+                   label=args.label)
         return out
 
 
@@ -158,7 +167,8 @@ def main() -> None:
     ap.add_argument("--workload", choices=["w1", "w2", "w3"], default="w1")
     ap.add_argument("--address", default=None, help="use a running server instead of starting one")
     ap.add_argument("--port", type=int, default=50151)
-    ap.add_argument("--num-seqs", type=int, default=512, help="w3: sequences")
+    ap.add_argument("--num-seqs", type=int, default=0,
+                    help="w3: sequences (0: 512); w1: only the first N of its 256 (0: all; a smoke run)")
     ap.add_argument("--serve-args", default="--device cuda --max-running 256 --max-batched-tokens 16384",
                     help="W1 uses nano-vllm's own default step budget (16,384 tokens)")
     ap.add_argument("--stream-interval", type=int, default=0,
@@ -168,6 +178,17 @@ def main() -> None:
                     help="http: the same requests through /v1/completions with SSE streaming")
     ap.add_argument("--http-url", default=None,
                     help="--api http with --address: the server's HTTP base URL (default port 8000)")
+    ap.add_argument("--clients", type=int, default=8,
+                    help="w1/w3: client processes streaming the requests (bench.client_pool)")
+    ap.add_argument("--channels", type=int, default=4, help="w1/w3: connections per client process")
+    ap.add_argument("--repeats", type=int, default=5, help="w2: requests, one after the other")
+    ap.add_argument("--stages", default=None,
+                    help="w2: a directory: the server's processes stamp each first token's path there "
+                         "(HEADRACE_STAGE_TIMES; for --address, set it on the server) and the line "
+                         "adds the decomposition")
+    ap.add_argument("--dataplane-metrics", default="http://127.0.0.1:9401/metrics",
+                    help="w1/w3: the data plane's /metrics (steps by kind, device idle)")
+    ap.add_argument("--label", default="", help="a name for this run in its JSON line (bench.gpu_table)")
     ap.add_argument("--py-spy", default=None, help="w1/w3: write py-spy raw stacks of the server here")
     ap.add_argument("--py-spy-seconds", type=float, default=8)
     args = ap.parse_args()
@@ -180,8 +201,10 @@ def main() -> None:
                "--host", "127.0.0.1", "--port", str(args.port), "--http-port", str(args.port + 1),
                *args.serve_args.split()]
         args.http_url = args.http_url or f"http://127.0.0.1:{args.port + 1}"
-        server = subprocess.Popen(cmd, env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"),
-                                  start_new_session=True)
+        env = dict(os.environ, HEADRACE_LOG_LEVEL="WARNING")
+        if args.stages:
+            env[STAGES_ENV] = args.stages
+        server = subprocess.Popen(cmd, env=env, start_new_session=True)
         args.server_pid = server.pid
     if args.http_url is None:
         args.http_url = f"http://{args.address.rsplit(':', 1)[0]}:8000"

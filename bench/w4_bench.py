@@ -1,10 +1,14 @@
 """W4: serving under load (docs/benchmarks.md). Poisson arrivals at a sweep of request rates,
 a fixed seeded long-tailed (lognormal) length distribution with mean ~200 prompt / ~180 output
-tokens, every token streamed over gRPC by clients spread over several processes; per rate it
-reports request and output-token throughput, TTFT / ITL / end-to-end p50 and p99, goodput
-under the SLO (TTFT <= 200 ms and the request's ITL p99 <= 50 ms, per request, as
-`vllm bench serve --goodput` counts it) and whether the rate meets the SLO (TTFT p99 and ITL
-p99 of all requests within it); then the highest rate that does.
+tokens, every token streamed over gRPC by clients spread over several processes
+(``bench.client_pool``); per rate it reports request and output-token throughput, TTFT / ITL /
+end-to-end p50 and p99, goodput under the SLO (TTFT <= 200 ms and the request's ITL p99 <= 50
+ms, per request, as `vllm bench serve --goodput` counts it), whether the rate meets the SLO
+(TTFT p99 and ITL p99 of all requests within it), the client processes' CPU use
+(``client_limited``: one was the limit), and from the data plane's /metrics the steps, mean
+execute and device ms per step by kind and the device's idle share
+(``bench.dataplane_metrics``); then the highest rate that meets the SLO (``--search N``: N more
+runs bisecting towards it).
 
     python -m bench.w4_bench --model /tmp/qwen3 --api-server-counts 1,2,4 --out-dir docs
 
@@ -19,14 +23,14 @@ import argparse
 import asyncio
 import json
 import math
-import multiprocessing
 import os
 import pathlib
 import random
 import signal
 import subprocess
 import sys
-import time
+
+from bench import client_pool, dataplane_metrics
 
 SLO_TTFT_S, SLO_ITL_S = 0.200, 0.050
 
@@ -60,50 +64,12 @@ def quantile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def _one(stub, pb, prompt, max_tokens, start_at: float) -> dict:
-    await asyncio.sleep(max(0.0, start_at - time.time()))
-    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
-                             ignore_eos=True, sampling=pb.SamplingParams(temperature=0.0))
-    sent, stamps = time.perf_counter(), []
-    try:
-        async for resp in stub.Generate(req, timeout=600):
-            stamps.append((time.perf_counter(), len(resp.token_ids)))
-    except Exception as exc:  # noqa: BLE001 - counted as failed
-        return {"ok": False, "error": repr(exc)[:200]}
-    itls = [(t1 - t0) / n for (t0, _), (t1, n) in zip(stamps, stamps[1:]) for _ in range(n)]
-    return {"ok": True, "ttft": stamps[0][0] - sent, "e2e": stamps[-1][0] - sent, "itls": itls,
-            "tokens": sum(n for _, n in stamps), "end": time.time()}
-
-
-def _client(address: str, items: list, t0: float, channels: int) -> list[dict]:
-    """One client process: its share of the requests over a few connections (each may reach
-    another front end)."""
-    import grpc
-
-    from headrace.v1 import inference_pb2 as pb
-    from headrace.v1 import inference_pb2_grpc as pb_grpc
-
-    async def run():
-        chans = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-                 for _ in range(channels)]
-        stubs = [pb_grpc.InferenceStub(c) for c in chans]
-        results = await asyncio.gather(*(_one(stubs[i % channels], pb, p, m, t0 + off)
-                                         for i, (off, p, m) in enumerate(items)))
-        for c in chans:
-            await c.close()
-        return results
-
-    return asyncio.run(run())
-
-
 def run_rate(address: str, rate: float, args) -> dict:
-    items = workload(rate, args.duration, args.seed, args.prompt_mean, args.output_mean, args.max_length)
-    t0 = time.time() + 3.0   # the client processes start meanwhile
-    shares = [items[i::args.clients] for i in range(args.clients)]
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(args.clients) as pool:
-        parts = pool.starmap(_client, [(address, s, t0, args.channels) for s in shares])
-    results = [r for part in parts for r in part]
+    items = [(off, p, m, 0.0, 0) for off, p, m in workload(rate, args.duration, args.seed, args.prompt_mean,
+                                                         args.output_mean, args.max_length)]
+    before = dataplane_metrics.snapshot(args.dataplane_metrics)
+    results, usage, t0 = client_pool.run(address, items, args.clients, args.channels)
+    steps = dataplane_metrics.delta(before, dataplane_metrics.snapshot(args.dataplane_metrics))
     ok = [r for r in results if r["ok"]]
     wall = max((r["end"] for r in ok), default=t0) - t0
     ttfts, e2es = [r["ttft"] for r in ok], [r["e2e"] for r in ok]
@@ -121,13 +87,14 @@ def run_rate(address: str, rate: float, args) -> dict:
            "first_error": next((r["error"] for r in results if not r["ok"]), None)}
     out["meets_slo"] = (not out["failed"] and quantile(ttfts, .99) <= SLO_TTFT_S
                         and quantile(itls, .99) <= SLO_ITL_S)
-    return out
+    return out | usage | steps
 
 
 def start_server(args, count: int):
+    """``headrace serve`` with ``count`` API front ends (0: its default for this machine)."""
     cmd = [sys.executable, "-m", "cli", "serve", "--model", args.model, "--host", "127.0.0.1",
-           "--port", str(args.port), "--http-port", "0", "--api-server-count", str(count),
-           *args.serve_args.split()]
+           "--port", str(args.port), "--http-port", "0",
+           *(["--api-server-count", str(count)] if count else []), *args.serve_args.split()]
     return subprocess.Popen(cmd, env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"), start_new_session=True)
 
 
@@ -141,6 +108,9 @@ def stop_server(server) -> None:
 
 
 def sweep(address: str, args) -> list[dict]:
+    """The rates asked for, then ``--search`` more runs closing in on the highest rate that
+    meets the SLO: between the best that met it and the lowest above that failed (bisection);
+    above every rate when all met it (x1.25), below when none did (halving)."""
     from headrace_client import AsyncClient, NotReady
 
     try:
@@ -148,7 +118,27 @@ def sweep(address: str, args) -> list[dict]:
     except NotReady as exc:
         raise SystemExit(str(exc)) from None
     run_rate(address, 2.0, argparse.Namespace(**{**vars(args), "duration": 2.0}))   # warm-up
-    return [run_rate(address, rate, args) for rate in args.rates]
+    rows = [run_rate(address, rate, args) for rate in args.rates]
+    for _ in range(args.search):
+        rate = next_rate(rows)
+        if rate is None:
+            break
+        rows.append(run_rate(address, rate, args))
+    return sorted(rows, key=lambda r: r["rate"])
+
+
+def next_rate(rows: list[dict], resolution: float = 5.0) -> float | None:
+    """The next rate to try when looking for the highest one that meets the SLO (None: found
+    within ``resolution`` req/s)."""
+    met = [r["rate"] for r in rows if r["meets_slo"]]
+    best = max(met, default=None)
+    above = [r["rate"] for r in rows if not r["meets_slo"] and (best is None or r["rate"] > best)]
+    if best is None:
+        return round(min(above) / 2, 1)
+    if not above:
+        return round(best * 1.25, 1)
+    low = min(above)
+    return None if low - best <= resolution else round((best + low) / 2, 1)
 
 
 def plot(runs: dict, path: pathlib.Path) -> None:
@@ -184,19 +174,26 @@ def main() -> None:
     ap.add_argument("--address", default=None, help="use a running server (one N) instead of starting one")
     ap.add_argument("--port", type=int, default=50161)
     ap.add_argument("--serve-args", default="--device cuda --max-running 256 --max-batched-tokens 8192")
-    ap.add_argument("--api-server-counts", default="1", help="comma-separated N to sweep (e.g. 1,2,4)")
+    ap.add_argument("--api-server-counts", default="1",
+                    help="comma-separated N to sweep (e.g. 1,2,4; 0: serve's default for this machine)")
     ap.add_argument("--rates", default="40,80,120,160", help="comma-separated request rates (req/s)")
     ap.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per rate")
-    ap.add_argument("--clients", type=int, default=4, help="client processes")
+    ap.add_argument("--clients", type=int, default=4, help="client processes (bench.client_pool)")
     ap.add_argument("--channels", type=int, default=4, help="connections per client process")
     ap.add_argument("--prompt-mean", type=float, default=200)
     ap.add_argument("--output-mean", type=float, default=180)
     ap.add_argument("--max-length", type=int, default=1024, help="longest prompt, longest output")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--search", type=int, default=0,
+                    help="more runs after --rates, closing in on the highest rate that meets the SLO")
+    ap.add_argument("--dataplane-metrics", default="http://127.0.0.1:9401/metrics",
+                    help="the data plane's /metrics (step time by kind, device idle share per rate)")
     ap.add_argument("--out-dir", default=None, help="write w4.json (and w4.png) here")
     args = ap.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
-    counts = [int(c) for c in args.api_server_counts.split(",")]
+    from cli.processes import default_api_server_count
+
+    counts = [int(c) or default_api_server_count() for c in args.api_server_counts.split(",")]
     runs = {}
     for count in counts:
         server = None

@@ -33,6 +33,14 @@ def add_generate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None,
                    help="stop string, not returned (repeat for several)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    shape = p.add_mutually_exclusive_group()   # structured outputs (docs/structured_outputs.md)
+    shape.add_argument("--json-schema", default=None,
+                       help="the output is JSON valid against this schema (its JSON text, or @FILE)")
+    shape.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    shape.add_argument("--regex", default=None, help="the output matches this regular expression")
+    shape.add_argument("--choice", action="append", default=None,
+                       help="the output is one of these strings (repeat for each)")
+    shape.add_argument("--grammar", default=None, help="the output follows this GBNF grammar (or @FILE)")
     add_address_args(p)
     p.add_argument("--api-token", default=None,
                    help="bearer token of a server started with --api-token (default $HEADRACE_API_TOKEN)")
@@ -80,6 +88,7 @@ def run_generate(args) -> int:
         params["stop"] = args.stop
     if args.ignore_eos:
         params["ignore_eos"] = True
+    params.update(_structured(args))
     last = "\n"   # the last character written to stdout
     try:
         with Client(args.address, api_token=args.api_token, tls=args.tls, tls_ca=args.tls_ca,
@@ -102,6 +111,28 @@ def run_generate(args) -> int:
         return 1
     _newline(last)
     return 0
+
+
+def _structured(args) -> dict:
+    """The structured-output constraint given (``--json-schema`` and ``--grammar`` take @FILE)."""
+    def text(value: str) -> str:
+        if not value.startswith("@"):
+            return value
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                return f.read()
+        except OSError as exc:
+            raise SystemExit(f"headrace generate: cannot read {value[1:]}: {exc.strerror}") from None
+
+    if args.json_schema is not None:
+        return {"json_schema": text(args.json_schema)}
+    if args.grammar is not None:
+        return {"grammar": text(args.grammar)}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": args.choice}
+    return {"json_object": True} if args.json_object else {}
 
 
 def _newline(last: str) -> str:

@@ -31,10 +31,13 @@ from cli.options import (
     check_device_name,
     deprecated_alias,
     check_speculative_config,
+    check_structured_outputs_backend,
+    chunking,
     default_model,
     positive_int,
 )
 from cli.roles import SUPERVISOR_ENV, cmd_core, cmd_dataplane, cmd_frontend, failure_label
+from common import secret_env
 from common.logs import configure_logging
 from common.options import (
     OBSERVABILITY,
@@ -80,20 +83,16 @@ def serve_children_argvs(args, listens: list[str]) -> list[list[str]]:
         if world > 1 and opts.device.startswith("cuda"):
             rank_opts = dataclasses.replace(opts, device=f"cuda:{rank}")
         argvs.append(dataplane_argv(rank_opts, ParallelOptions(rank, world, dist_init), listen,
-                                    metrics + rank if metrics else 0, args.log_format, args.host))
+                                    metrics + rank if metrics else 0, args.log_format, args.metrics_host))
     return argvs
 
 
-# the control plane's own secrets: a data plane child never needs them
-CONTROL_PLANE_SECRETS = ("HEADRACE_API_TOKEN", "HEADRACE_API_TOKENS", "HEADRACE_ADMIN_TOKEN",
-                         "HEADRACE_CORE_SECRET")
-
-
-def child_env(environ, worker_secret: str) -> dict:
-    """A data plane child's environment: this one without the control plane's secrets, with
-    the worker secret (how it accepts only this control plane)."""
-    env = {k: v for k, v in environ.items() if k not in CONTROL_PLANE_SECRETS}
-    return dict(env, NCCL_NVLS_ENABLE="0", HEADRACE_WORKER_SECRET=worker_secret, **{SUPERVISOR_ENV: "serve"})
+def dataplane_env(args, environ=os.environ) -> dict:
+    """A data plane child's environment: the worker secret (how it accepts only this control
+    plane) and no other secret (``common.secret_env``), and the supervisor's name (its
+    one-line failures name ``headrace serve``, ``cli.roles.failure_label``)."""
+    return dict(secret_env.role_env("dataplane", args, environ), NCCL_NVLS_ENABLE="0",
+                **{SUPERVISOR_ENV: "serve"})
 
 
 def _model_for_the_control_plane(args, weights: bool) -> str:
@@ -117,20 +116,21 @@ def check_public_ports(args) -> None:
     if args.http_port:
         net.check_port(f"{args.host}:{args.http_port}", "--http-port")
     if args.metrics_port:
-        net.check_port(f"{args.metrics_host or args.host}:{args.metrics_port}", "--metrics-port")
+        net.check_port(f"{args.metrics_host}:{args.metrics_port}", "--metrics-port")
     first = getattr(args, "dataplane_metrics_port", 0)   # serve's children: rank r on first + r
-    for rank in range(getattr(args, "tensor_parallel_size", 1) if first else 0):
-        net.check_port(f"{args.host}:{first + rank}", "--dataplane-metrics-port")
+    for rank in range(getattr(args, "tensor_parallel_size", 1) if first else 0):   # (--metrics-host too)
+        net.check_port(f"{args.metrics_host}:{first + rank}", "--dataplane-metrics-port")
 
 
 def cmd_serve(args) -> int:
     from cli.processes import run_control_plane
     from cli.supervisor import EXIT_LOAD_FAILED, DataPlaneChildren, health_probe
-    from common import security
     from common.metrics import enable_multiprocess
 
     check_speculative_config(args)
+    check_structured_outputs_backend(args)
     check_device_name(args.device)
+    chunking(args)   # a bad combination of the chunking flags: one line, before any child starts
     args.model = _model_for_the_control_plane(args, weights=True)
     check_public_ports(args)
     world = args.tensor_parallel_size
@@ -138,15 +138,16 @@ def cmd_serve(args) -> int:
     try:
         listens = [f"unix:{sock_dir}/dataplane-{r}.sock" for r in range(world)]
         # the children accept only this control plane: a fresh shared secret, passed by environment
-        args.worker_secret = security.worker_secret(args.worker_secret) or secrets.token_hex(16)
-        env = child_env(os.environ, args.worker_secret)
+        secret_env.resolve(args)   # (flag, else $HEADRACE_WORKER_SECRET, else its _FILE)
+        args.worker_secret = args.worker_secret or secrets.token_hex(16)
+        env = dataplane_env(args)
         enable_multiprocess(os.path.join(sock_dir, "metrics"))   # the supervisor's metrics too
         from controlplane.metrics import ControlPlaneMetrics
 
         children = DataPlaneChildren(lambda: serve_children_argvs(args, listens), env,
                                      ready=health_probe(listens), metrics=ControlPlaneMetrics())
         try:
-            failed = run_control_plane(args, controlplane_parser(), listens, sock_dir, env,
+            failed = run_control_plane(args, controlplane_parser(), listens, sock_dir, dict(os.environ),
                                        stop_hook=children.when_fatal)
         finally:
             children.stop()
@@ -163,6 +164,8 @@ def cmd_controlplane(args) -> int:
     from cli.processes import run_control_plane
     from common.metrics import enable_multiprocess
 
+    check_structured_outputs_backend(args)
+    chunking(args)
     args.model = _model_for_the_control_plane(args, weights=False)
     check_public_ports(args)
     private_dir = tempfile.mkdtemp(prefix="headrace-")
@@ -280,13 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--listen", default="127.0.0.1:50061", help="host:port or unix:/path to serve the step protocol on")
     add_ops_args(p, 9401, control=False)
     argument_group(p, OBSERVABILITY).add_argument(
-        "--metrics-host", default=None,
-        help="interface of /metrics (default: the --listen host; 127.0.0.1 for a unix socket)")
+        "--metrics-host", default="127.0.0.1",
+        help="interface of /metrics (no authentication): 127.0.0.1 whatever --listen is; "
+             "0.0.0.0 for a Prometheus on another machine")
     add_tls_args(p)
     argument_group(p, SECURITY).add_argument(
         "--worker-secret", default=None,
         help="serve only callers presenting this shared secret (default $HEADRACE_WORKER_SECRET, "
-             "else the file $HEADRACE_WORKER_SECRET_FILE names)")
+             "else the file $HEADRACE_WORKER_SECRET_FILE names; prefer them: a flag is visible "
+             "in ps until the process starts)")
     deprecated_alias(p, "--secret", "--worker-secret", dest="worker_secret")
     p.set_defaults(func=cmd_dataplane)
 
@@ -317,9 +322,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     if args.command not in ("health", "generate", "admin"):
+        # a secret given by flag leaves this process's command line (ps) at once; every
+        # secret is then read from its flag, else its environment variable, in one place
+        secret_env.scrub_argv(secret_env.flag_values(args))
         configure_logging(getattr(args, "log_format", None))
         bind_role(args)
     try:
+        if args.command not in ("health", "generate", "admin"):
+            secret_env.resolve(args)   # (a tokens file that cannot be read: one line)
         return args.func(args)
     except (ValueError, PortInUse, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         # a user's mistake (model, port, option, certificate file): one line, no traceback

@@ -13,9 +13,14 @@ import sys
 
 from common.logs import LOG_FORMATS
 from common.options import MODEL, OBSERVABILITY, SCHEDULING, SECURITY, SERVER, argument_group
+from controlplane.chunking import (DEFAULT_MAX_LONG_PARTIAL_PREFILLS, DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
+                                   DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES, Chunking)
 from controlplane.engine import EngineConfig
-from controlplane.limits import DEFAULT_MAX_N, QUEUE_PER_SLOT
+from controlplane.http.timeouts import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT
+from controlplane.limits import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS, QUEUE_PER_SLOT
 from controlplane.policy import POLICIES, Policy
+from controlplane.structured.backends import BACKENDS
+from controlplane.tier_cost import POLICIES as POLICIES_TIER
 
 
 def default_model() -> str:
@@ -76,10 +81,10 @@ def positive_int(text: str) -> int:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The scheduler's options (its step limits, ``--max-num-seqs`` and
     ``--max-batched-tokens``, are the worker options of that name)."""
-    net = argument_group(p, SERVER)
+    parser, net = p, argument_group(p, SERVER)
     net.add_argument("--host", default="127.0.0.1",
-                     help="interface of the API and /metrics: 127.0.0.1 serves this machine only, "
-                          "0.0.0.0 every interface (then protect it with --api-token and TLS)")
+                     help="interface of the APIs (gRPC and HTTP): 127.0.0.1 serves this machine "
+                          "only, 0.0.0.0 every interface (then protect it with --api-token and TLS)")
     net.add_argument("--port", type=int, default=50051, help="port of the gRPC API")
     p = argument_group(p, SCHEDULING)
     p.add_argument("--policy", choices=POLICIES, default="fifo", help="scheduling policy")
@@ -87,22 +92,48 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rank units a second of waiting is worth (default per policy)")
     p.add_argument("--max-queue-delay", type=float, default=None,
                    help="seconds after which a waiting request is admitted ahead of the policy order")
+    p.add_argument("--max-prefill-tokens-with-decodes", type=positive_int,
+                   default=DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES,
+                   help="prompt tokens a step that carries decodes may compute at most (their "
+                        "inter-token latency budget, in tokens; a step without decodes fills "
+                        "--max-batched-tokens; docs/scheduling.md)")
+    p.add_argument("--max-num-partial-prefills", type=positive_int,
+                   default=DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
+                   help="prefills that share a step's prompt budget fairly (vLLM's name)")
+    p.add_argument("--max-long-partial-prefills", type=positive_int,
+                   default=DEFAULT_MAX_LONG_PARTIAL_PREFILLS,
+                   help="long prefills served before short ones at most; shorter prompts pass "
+                        "the others (vLLM's name; <= --max-num-partial-prefills)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="a prefill with more tokens left is long, and no prefill computes more "
+                        "in one step (vLLM's name; 0: no cap, long above an even share of "
+                        "--max-prefill-tokens-with-decodes)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable automatic prefix caching")
     p.add_argument("--watermark", type=float, default=0.01,
                    help="fraction of KV blocks that admission leaves free for running requests")
     p.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
                    help="a preempted request's KV: recompute it when resumed (default), or swap "
                         "it to the host KV tier and back (needs --kv-offloading-size)")
-    p.add_argument("--kv-offloading-policy", choices=("auto", "always", "never"), default="auto",
+    p.add_argument("--kv-offloading-policy", choices=POLICIES_TIER, default="auto",
                    help="prefix hits found in the host KV tier: auto loads them where copying "
                         "them to the device is cheaper than recomputing them (the data plane's "
-                        "measured copy rate against the step times), always loads them, never "
-                        "recomputes them")
+                        "measured copy rate against its measured prefill cost), always loads "
+                        "them, never recomputes them; off leaves the data planes' host tiers "
+                        "unused")
     p.add_argument("--no-fair-share", action="store_true",
                    help="no fair share of running slots and KV blocks between tenants "
                         "(docs/scheduling.md)")
+    argument_group(parser, MODEL).add_argument(
+        "--structured-outputs-backend", choices=BACKENDS, default="auto",
+        help="grammar engine of structured outputs (JSON schema, regex, choice, grammar): "
+             "guidance (llguidance, torch-free), xgrammar (imports torch into the engine core), "
+             "auto: guidance if installed, else xgrammar (docs/structured_outputs.md)")
     p.add_argument("--max-n", type=positive_int, default=DEFAULT_MAX_N,
-                   help=f"parallel samples (n) a request may ask for at most (default {DEFAULT_MAX_N})")
+                   help="sequences a request may ask for at most: its parallel samples (n) times "
+                        f"its prompts (default {DEFAULT_MAX_N})")
+    p.add_argument("--max-prompts-per-request", type=positive_int, default=DEFAULT_MAX_PROMPTS,
+                   help="prompts one HTTP completions body may list at most (more: HTTP 400; "
+                        f"default {DEFAULT_MAX_PROMPTS})")
 
 
 def add_tls_args(p: argparse.ArgumentParser) -> None:
@@ -119,7 +150,8 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-token", action="append", default=None, metavar="[TENANT=]TOKEN",
                    help="require 'authorization: Bearer TOKEN' on the public API; repeat for "
                         "several tokens, each naming its tenant (default $HEADRACE_API_TOKENS, "
-                        "comma-separated, and $HEADRACE_API_TOKEN)")
+                        "comma-separated, and $HEADRACE_API_TOKEN; a flag is visible in ps until "
+                        "the process starts: prefer the variables or --api-tokens-file)")
     p.add_argument("--api-tokens-file", default=None,
                    help="a file of [TENANT=]TOKEN lines, beside or instead of --api-token")
     p.add_argument("--trust-tenant-header", action="store_true",
@@ -149,8 +181,9 @@ def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -
     ops.add_argument("--log-format", choices=LOG_FORMATS, default=None,
                      help="json or console (default: console on a terminal, json otherwise)")
     if control:
-        ops.add_argument("--metrics-host", default=None,
-                         help="the address /metrics binds (default: --host, where the API listens)")
+        ops.add_argument("--metrics-host", default="127.0.0.1",
+                         help="interface of /metrics, both planes' (no authentication): 127.0.0.1 "
+                              "whatever --host is; 0.0.0.0 for a Prometheus on another machine")
         parser, p = p, sched
         p.add_argument("--max-queued", type=int, default=None,
                        help="waiting sequences at most; beyond, RESOURCE_EXHAUSTED (HTTP 429) "
@@ -159,7 +192,8 @@ def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -
                        help="seconds requests wait for a lost data plane before UNAVAILABLE")
         p.add_argument("--stream-interval", type=positive_int, default=1,
                        help="tokens per streamed message at least, for requests that do not set "
-                            "stream_interval (default 1: every token as it is sampled)")
+                            "stream_interval, after the first token, which goes out at once "
+                            "(default 1: every token as it is sampled)")
         p.add_argument("--pipeline-depth", type=positive_int, default=3,
                        help="steps in flight (default 3: the data plane always holds the next "
                             "step; 2 while a running request has stop strings)")
@@ -167,8 +201,15 @@ def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -
                        help="one step in flight (no overlapped scheduling)")
         sec.add_argument("--admin-token", default=None,
                          help="bearer token for the Admin service (default $HEADRACE_ADMIN_TOKEN; "
-                              "without one, Admin serves loopback callers of a server bound to "
-                              "loopback, and is disabled on a server bound beyond it)")
+                              "without one, Admin is disabled; visible in ps until the process "
+                              "starts: prefer the variable)")
+        sec.add_argument("--admin-insecure-loopback", action="store_true",
+                         help="without an admin token, serve Admin to every caller on the loopback "
+                              "interface of a server bound to loopback (any local user or proxy)")
+        sec.add_argument("--model-root", action="append", default=None, metavar="DIR",
+                         help="Admin's ReloadModel loads models from under this directory only; "
+                              "repeatable (default: the directory holding --model, and the Hugging "
+                              "Face cache)")
         ops.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
         ops.add_argument("--disable-log-requests", action="store_true",
                          help="no log line per finished request")
@@ -177,9 +218,14 @@ def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -
 
 def add_api_args(p: argparse.ArgumentParser) -> None:
     """The public APIs beside gRPC: OpenAI-compatible HTTP, chat templates, sampling defaults."""
-    argument_group(p, SERVER).add_argument(
-        "--http-port", type=int, default=8000,
-        help="OpenAI-compatible HTTP API port on the gRPC host (0 disables; default 8000)")
+    net = argument_group(p, SERVER)
+    net.add_argument("--http-port", type=int, default=8000,
+                     help="OpenAI-compatible HTTP API port on the gRPC host (0 disables; default 8000)")
+    net.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                     help="seconds a request's HTTP headers may take to arrive; then the "
+                          "connection is closed (slow clients)")
+    net.add_argument("--http-keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_TIMEOUT,
+                     help="seconds an idle HTTP keep-alive connection stays open")
     p = argument_group(p, MODEL)
     p.add_argument("--chat-template", default=None,
                    help="jinja chat template file (default: the model's own)")
@@ -189,46 +235,74 @@ def add_api_args(p: argparse.ArgumentParser) -> None:
 
 
 def plane_options(args) -> dict:
-    """ControlPlane keyword options from the command line."""
-    from common import security
+    """ControlPlane keyword options from the command line (secrets: its flags, else the
+    environment, ``common.secret_env``)."""
+    from common import secret_env, security
 
-    return dict(metrics_port=args.metrics_port or None, metrics_host=args.metrics_host or args.host,
-                admin_token=args.admin_token or os.environ.get("HEADRACE_ADMIN_TOKEN") or None,
+    secret_env.resolve(args)
+    return dict(metrics_port=args.metrics_port or None, metrics_host=args.metrics_host,
+                admin_token=args.admin_token,
                 log_requests=not args.disable_log_requests, log_prompts=args.log_prompts,
-                api_token=security.ApiTokens.load(args.api_token, args.api_tokens_file),
+                api_token=security.ApiTokens(args.api_token or ()),
                 trust_tenant_header=args.trust_tenant_header, max_n=args.max_n,
+                max_prompts=args.max_prompts_per_request,
                 tls=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
                 worker_credentials=security.channel_credentials(args.worker_ca, args.worker_cert,
                                                                 args.worker_key),
-                worker_secret=security.worker_secret(args.worker_secret),
+                worker_secret=args.worker_secret,
                 http_port=args.http_port or None, chat_template=args.chat_template,
                 generation_config=args.generation_config,
-                http_tls=(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None)
+                http_tls=(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
+                http_timeouts=(args.http_header_timeout, args.http_keep_alive_timeout),
+                admin_insecure_loopback=args.admin_insecure_loopback, model_roots=args.model_root)
 
 
 def core_link_options(args, side: str) -> dict:
     """The link's security for the engine core (``side="core"``: TLS server credentials) or a
     front end (``"frontend"``: the CA to verify the core with), and the shared secret."""
-    from common import security
+    from common import secret_env, security
 
-    secret = args.core_secret or os.environ.get("HEADRACE_CORE_SECRET") or None
+    secret_env.resolve(args)
+    secret = args.core_secret
     if side == "core":
         return dict(core_secret=secret,
                     core_tls=security.server_credentials(args.core_tls_cert, args.core_tls_key))
     return dict(core_secret=secret, core_credentials=security.channel_credentials(args.core_ca))
 
 
+def chunking(args) -> Chunking:
+    """The prefill chunking options (ValueError naming the flag when they do not fit)."""
+    try:
+        return Chunking(args.max_prefill_tokens_with_decodes, args.max_num_partial_prefills,
+                        args.max_long_partial_prefills, args.long_prefill_token_threshold)
+    except ValueError as exc:   # the fields' names as the flags' names
+        raise ValueError(re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", lambda m: "--" + m[0].replace("_", "-"),
+                                str(exc))) from None
+
+
 def engine_config(args) -> EngineConfig:
     return EngineConfig(max_running=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
                         max_model_len=getattr(args, "max_model_len", None),
                         policy=Policy(args.policy, args.aging_rate, args.max_queue_delay),
+                        chunking=chunking(args),
                         enable_prefix_cache=not args.no_prefix_cache, watermark=args.watermark,
                         max_queued=args.max_queued, outage_deadline_s=args.outage_deadline,
                         fair_share=not args.no_fair_share,
                         pipeline_depth=1 if args.no_overlap else args.pipeline_depth,
                         stream_interval=args.stream_interval,
                         preemption_mode=args.preemption_mode,
-                        kv_offloading_policy=args.kv_offloading_policy)
+                        kv_offloading_policy=args.kv_offloading_policy,
+                        structured_outputs_backend=args.structured_outputs_backend)
+
+
+def check_structured_outputs_backend(args) -> None:
+    """An explicitly chosen grammar engine that is not installed stops the command with one
+    line saying what to install (``auto`` without any only refuses constrained requests)."""
+    from controlplane.structured import backends
+
+    name = getattr(args, "structured_outputs_backend", "auto")
+    if name != "auto" and not backends.installed(name):
+        raise SystemExit(f"headrace: {backends.missing_message(name)}")
 
 
 def check_speculative_config(args) -> None:

@@ -13,10 +13,11 @@ serve`` / ``headrace controlplane``.
   option or file, already explained on stderr) ends the server instead.
 - The children share a private directory: the core's unix socket and, as
   ``PROMETHEUS_MULTIPROC_DIR``, the metric files the core's one /metrics sums.
-- Secrets (API, admin and worker tokens, the core secret) reach the children by environment,
-  not argv. The core and its front ends share a fresh core secret unless one is given; a TCP
-  core address beyond loopback needs TLS (``controlplane.core_link``), checked before any
-  child starts.
+- Secrets (API, admin and worker tokens, the core secret; given by flag, file or environment,
+  ``common.secret_env``) reach the children by environment, never argv, and each child gets
+  only those its role uses. The core and its front ends share a fresh core secret unless one
+  is given; a TCP core address beyond loopback needs TLS (``controlplane.core_link``), checked
+  before any child starts.
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ import sys
 import threading
 import time
 
+from common import secret_env
+
 log = logging.getLogger("headrace.supervisor")
 EXIT_USAGE = 2   # cli.main: a user's mistake, said in one line
-SECRETS = {"api_token": "HEADRACE_API_TOKEN", "admin_token": "HEADRACE_ADMIN_TOKEN",
-           "worker_secret": "HEADRACE_WORKER_SECRET", "core_secret": "HEADRACE_CORE_SECRET"}
+# never forwarded on a command line: the secrets (by environment) and the tokens file (read
+# by the supervisor, its entries passed by environment)
+NOT_FORWARDED = ("api_token", "api_tokens_file", "admin_token", "worker_secret", "core_secret")
 
 
 def default_api_server_count(cpus: int | None = None) -> int:
@@ -48,7 +52,7 @@ def forward_argv(parser: argparse.ArgumentParser, args: argparse.Namespace,
     argv, seen = [], set()
     for action in parser._actions:
         dest = action.dest
-        if not action.option_strings or dest in skip or dest in SECRETS or not hasattr(args, dest) \
+        if not action.option_strings or dest in skip or dest in NOT_FORWARDED or not hasattr(args, dest) \
                 or dest in seen:
             continue
         value = getattr(args, dest)
@@ -68,22 +72,11 @@ def forward_argv(parser: argparse.ArgumentParser, args: argparse.Namespace,
     return argv
 
 
-def secrets_env(args) -> dict[str, str]:
-    """The secrets the control plane's children need, by environment (never on a command line,
-    where ``ps`` shows them); several ``--api-token`` entries travel as HEADRACE_API_TOKENS."""
-    env = {}
-    for dest, name in SECRETS.items():
-        value = getattr(args, dest, None)
-        if isinstance(value, list):
-            name, value = "HEADRACE_API_TOKENS", ",".join(value)
-        if value:
-            env[name] = value
-    return env
-
-
 class Child:
-    def __init__(self, role: str, argv: list[str]):
-        self.role, self.argv = role, argv
+    """``role``: "core" or "frontend N"; ``env``: its own environment (None: the group's)."""
+
+    def __init__(self, role: str, argv: list[str], env: dict | None = None):
+        self.role, self.argv, self.env = role, argv, env
         self.proc: subprocess.Popen | None = None
         self.started = 0.0
         self.backoff = 0.0
@@ -104,7 +97,8 @@ class RoleProcesses:
         self._thread.start()
 
     def _start(self, child: Child) -> None:
-        child.proc = subprocess.Popen(child.argv, env=self._env, start_new_session=True)
+        child.proc = subprocess.Popen(child.argv, env=child.env if child.env is not None else self._env,
+                                      start_new_session=True)
         child.started = time.monotonic()
 
     def _watch(self) -> None:
@@ -144,16 +138,20 @@ class RoleProcesses:
 
 
 def control_plane_children(args, parser: argparse.ArgumentParser, workers: list[str],
-                           core_address: str) -> list[Child]:
-    """The engine core first, then the front ends."""
+                           core_address: str, env: dict | None = None) -> list[Child]:
+    """The engine core first, then the front ends, each with its role's secrets in its
+    environment (``env``, default this process's, without any other secret)."""
+    env = os.environ if env is None else env
     common = forward_argv(parser, args, skip=("workers", "core_address", "api_server_count",
                                               "tensor_parallel_size", "dataplane_metrics_port"))
     python = [sys.executable, "-m", "cli"]
     core = Child("core", python + ["core", *common, "--workers", ",".join(workers),
-                                   "--core-address", core_address])
+                                   "--core-address", core_address],
+                 secret_env.role_env("core", args, env))
     count = args.api_server_count or default_api_server_count()
+    front_env = secret_env.role_env("frontend", args, env)
     return [core] + [Child(f"frontend {i}", python + ["frontend", "--index", str(i), *common,
-                                                      "--core-address", core_address])
+                                                      "--core-address", core_address], front_env)
                      for i in range(count)]
 
 
@@ -162,7 +160,8 @@ def prepare_core_link(args) -> None:
     network cannot read or use the link (``controlplane.core_link``); ValueError otherwise."""
     from controlplane import core_link
 
-    args.core_secret = args.core_secret or os.environ.get("HEADRACE_CORE_SECRET") or secrets.token_hex(16)
+    secret_env.resolve(args)
+    args.core_secret = args.core_secret or secrets.token_hex(16)
     if args.core_address:
         core_link.check(args.core_address, bool(args.core_tls_cert and args.core_tls_key and args.core_ca),
                         args.core_secret)
@@ -176,10 +175,10 @@ def run_control_plane(args, parser: argparse.ArgumentParser, workers: list[str],
     prepare_core_link(args)
     core_address = args.core_address or f"unix:{private_dir}/core.sock"
     # the children's one-line failures name the command the user ran (cli.roles.failure_label)
-    env = dict(env, **secrets_env(args), HEADRACE_SUPERVISOR=getattr(args, "command", "serve"))
+    env = dict(env, HEADRACE_SUPERVISOR=getattr(args, "command", "serve"))
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):   # common.metrics.enable_multiprocess
         env["PROMETHEUS_MULTIPROC_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
-    children = control_plane_children(args, parser, workers, core_address)
+    children = control_plane_children(args, parser, workers, core_address, env)
     log.info("control plane: engine core on %s, %d API front ends on port %d", core_address,
              len(children) - 1, args.port)
     done = threading.Event()

@@ -14,6 +14,7 @@ import sys
 
 from cli.options import (
     check_speculative_config,
+    check_structured_outputs_backend,
     core_link_options,
     default_model,
     engine_config,
@@ -60,9 +61,11 @@ def _run_role(server_factory) -> int:
 def cmd_core(args) -> int:
     from controlplane.core.server import CoreServer
 
+    check_structured_outputs_backend(args)
     opts = plane_options(args)
     keys = ("metrics_port", "metrics_host", "admin_token", "log_requests", "log_prompts",
-            "worker_credentials", "worker_secret", "chat_template", "generation_config")
+            "worker_credentials", "worker_secret", "chat_template", "generation_config",
+            "admin_insecure_loopback", "model_roots")
     return _run_role(lambda: CoreServer(args.model or default_model(), args.workers.split(","),
                                         args.core_address, engine_config(args),
                                         **{k: opts[k] for k in keys}, **core_link_options(args, "core")))
@@ -73,7 +76,8 @@ def cmd_frontend(args) -> int:
 
     opts = plane_options(args)
     keys = ("api_token", "tls", "admin_token", "http_port", "http_tls", "chat_template",
-            "generation_config", "log_prompts", "trust_tenant_header", "max_n")
+            "generation_config", "log_prompts", "trust_tenant_header", "max_n", "max_prompts",
+            "http_timeouts", "admin_insecure_loopback")
     return _run_role(lambda: FrontEnd(args.index, args.core_address, args.model or default_model(),
                                       f"{args.host}:{args.port}", max_model_len=getattr(args, "max_model_len", None),
                                       **{k: opts[k] for k in keys},
@@ -84,7 +88,7 @@ def cmd_dataplane(args) -> int:
     import threading
 
     from cli.supervisor import EXIT_LOAD_FAILED
-    from common import net, security, tracing
+    from common import security, tracing
     from common.model_source import check_checkpoint, resolve_model
     from dataplane import parallel
     from dataplane.server import serve
@@ -109,12 +113,11 @@ def cmd_dataplane(args) -> int:
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
-    parts = net.split_address(args.listen)
-    metrics_host = args.metrics_host or (parts[0] if parts else "127.0.0.1")
+    metrics_host = args.metrics_host or "127.0.0.1"   # never the --listen host unless asked
     # listen at once (health NOT_SERVING) so probes see the model loading, not a closed port
     server = serve(None, args.listen, metrics_port=args.metrics_port or None, metrics_host=metrics_host,
                    credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
-                   secret=security.worker_secret(args.worker_secret))
+                   secret=args.worker_secret)   # (or its variables: common.secret_env, cli.main)
     log = logging.getLogger("headrace.dataplane")
     log.info("data plane on %s: loading %s", args.listen, opts.model)
 

@@ -50,21 +50,11 @@ def channel_credentials(ca: str | None, cert: str | None = None,
 
 def worker_secret(given: str | None = None, environ=os.environ) -> str | None:
     """The planes' shared secret: ``given`` (a flag), else ``$HEADRACE_WORKER_SECRET``, else the
-    contents of the file ``$HEADRACE_WORKER_SECRET_FILE`` names (docker compose makes one on
-    first start, docs/operations.md); None when none is set. A named file that cannot be read
-    or is empty is a ValueError (one line)."""
-    if given or environ.get("HEADRACE_WORKER_SECRET"):
-        return given or environ["HEADRACE_WORKER_SECRET"]
-    path = environ.get("HEADRACE_WORKER_SECRET_FILE")
-    if not path:
-        return None
-    try:
-        secret = pathlib.Path(path).read_text().strip()
-    except OSError as exc:
-        raise ValueError(f"HEADRACE_WORKER_SECRET_FILE={path}: cannot read it ({exc.strerror})") from None
-    if not secret:
-        raise ValueError(f"HEADRACE_WORKER_SECRET_FILE={path}: the file is empty")
-    return secret
+    contents of the file ``$HEADRACE_WORKER_SECRET_FILE`` names (``common.secret_env``, where
+    every secret is read)."""
+    from common import secret_env
+
+    return secret_env.worker_secret(given, environ)
 
 
 def bind(server, address: str, credentials: grpc.ServerCredentials | None) -> int:
@@ -97,14 +87,11 @@ class ApiTokens:
     @classmethod
     def load(cls, tokens=(), file: str | None = None, environ=os.environ) -> "ApiTokens":
         """From ``--api-token`` values, ``--api-tokens-file`` (one entry a line) and, when
-        neither is given, $HEADRACE_API_TOKENS (comma-separated) and $HEADRACE_API_TOKEN."""
-        entries = list(tokens or ())
-        if file:
-            entries += pathlib.Path(file).read_text().splitlines()
-        if not entries:
-            entries = environ.get("HEADRACE_API_TOKENS", "").split(",") + \
-                [environ.get("HEADRACE_API_TOKEN", "")]
-        return cls(entries)
+        neither is given, $HEADRACE_API_TOKENS (comma-separated) and $HEADRACE_API_TOKEN
+        (``common.secret_env``)."""
+        from common.secret_env import api_token_entries
+
+        return cls(api_token_entries(tokens, file, environ))
 
     def __bool__(self) -> bool:
         return bool(self.entries)

@@ -35,8 +35,19 @@ class WorkerOptions:
     cpu_kv_cache_gib: float = option(1.0, "KV cache size on CPU (GiB)", group=DEVICE)
     gpu_memory_utilization: float = option(0.9, "fraction of GPU memory for weights, "
                                                  "activations and the KV cache", group=DEVICE)
-    cuda_graphs: bool = option(True, "capture decode steps in CUDA graphs (default; "
-                                     "--no-cuda-graphs runs them eagerly)", group=DEVICE)
+    cuda_graphs: bool = option(True, "capture steps in CUDA graphs (default; --no-cuda-graphs "
+                                     "runs every step eagerly, as --enforce-eager)", group=DEVICE)
+    enforce_eager: bool = option(False, "no CUDA graphs at all: every step runs eagerly (vLLM's "
+                                        "name; the same as --cudagraph-mode none)", group=DEVICE)
+    cudagraph_mode: str = option(
+        "full_and_piecewise", "which steps replay CUDA graphs: full_and_piecewise (decode steps "
+        "a full graph, prefill and mixed steps piecewise graphs with attention between the "
+        "pieces), full_decode_only (decode steps only), piecewise (every step piecewise), "
+        "none (vLLM's CUDAGraphMode)",
+        choices=("full_and_piecewise", "full_decode_only", "piecewise", "none"), group=DEVICE)
+    max_cudagraph_capture_size: int | None = option(
+        None, "largest step, in tokens, the piecewise graphs cover (default: --max-batched-tokens, "
+              "at most 4096); larger steps run eagerly", group=DEVICE)
     seed: int = option(0, "the worker's random seed (requests without a seed)", group=MODEL)
     speculative_config: str | None = option(
         None, 'speculative decoding, as JSON (vLLM\'s): {"method": "ngram", '
@@ -48,6 +59,12 @@ class WorkerOptions:
         None, "weight quantization (default: the checkpoint's quantization_config); fp8 and int8 "
         "quantize a float checkpoint at load", choices=("fp8", "int8", "gptq", "awq", "compressed-tensors"),
         group=MODEL)
+    quant_backend: str = option(
+        "auto", "kernels of the quantized layers on the GPU: auto (per layer shape and batch size, "
+        "the fastest measured on the device among those installed: kernels/quant_dispatch.json), "
+        "triton (ours), torch (tinygemm INT4, _scaled_mm FP8), gemlite (pip install "
+        "'headrace[gemlite]') or fbgemm (pip install 'headrace[fbgemm]'); docs/quantization.md",
+        choices=("auto", "triton", "torch", "gemlite", "fbgemm"), group=DEVICE)
     kv_offloading_size: float = option(0.0, "GiB of host memory (pinned on CUDA) per data plane "
                                             "for a second KV tier: evicted prefix-cache blocks and "
                                             "swapped-out sequences (default 0: none; vLLM's name)",

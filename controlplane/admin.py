@@ -3,10 +3,15 @@ on-demand profiling (``controlplane.profiling``).
 
 Access (``admin_access``, logged at start): with an admin token (``--admin-token`` or
 ``HEADRACE_ADMIN_TOKEN``) every call must carry ``authorization: Bearer <token>``
-(UNAUTHENTICATED otherwise), from anywhere. Without one, a server bound to loopback or a unix
-socket serves callers on the loopback interface (PERMISSION_DENIED otherwise); a server bound
-beyond loopback disables Admin (every call PERMISSION_DENIED): behind a local proxy or mesh
-sidecar every remote caller would look local, so only a token can tell them apart.
+(UNAUTHENTICATED otherwise), from anywhere. Without one, Admin is disabled (every call
+PERMISSION_DENIED): behind a local proxy or mesh sidecar every remote caller looks local, so
+only a token can tell them apart. ``--admin-insecure-loopback`` opts back in to serving
+callers on the loopback interface without a token, on a server bound to loopback or a unix
+socket only (a server bound beyond loopback keeps Admin disabled).
+
+``ReloadModel`` loads only directories under the allowed model roots (``--model-root``;
+``controlplane.model_roots``), and refuses any other path with one message whether or not it
+exists.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import grpc
 
 from common import net
 from common.logs import get_logger
+from controlplane import model_roots
 from controlplane.policy import POLICIES, Policy
 from controlplane.profiling import ProfileRefused
 from controlplane.tokenizer import ModelTokenizer
@@ -42,16 +48,17 @@ def is_loopback_address(address: str) -> bool:
     return parts is None or net.is_loopback(parts[0])
 
 
-def admin_access(address: str, token: str | None) -> bool:
+def admin_access(address: str, token: str | None, insecure_loopback: bool = False) -> bool:
     """Whether the Admin service is enabled on a server bound to ``address``; logs the rule."""
     if token:
         log.info("Admin service: every call needs the admin token")
         return True
-    if is_loopback_address(address):
-        log.info("Admin service: loopback callers only (no --admin-token)")
+    if insecure_loopback and is_loopback_address(address):
+        log.warning("Admin service: loopback callers without a token (--admin-insecure-loopback)")
         return True
-    log.warning(f"Admin service DISABLED: {address} is bound beyond loopback and no --admin-token "
-                "(or HEADRACE_ADMIN_TOKEN) is set; set one to use Admin")
+    why = f"{address} is bound beyond loopback" if insecure_loopback else "no admin token"
+    log.warning(f"Admin service DISABLED: {why}; set --admin-token (or HEADRACE_ADMIN_TOKEN) to "
+                "use Admin")
     return False
 
 
@@ -70,8 +77,8 @@ class AdminService(apb_grpc.AdminServicer):
     async def _authorize(self, context) -> None:
         if not self.enabled:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                "the Admin service is disabled: the server listens beyond loopback "
-                                "without an admin token (start it with --admin-token)")
+                                "the Admin service is disabled: the server has no admin token "
+                                "(start it with --admin-token or HEADRACE_ADMIN_TOKEN)")
         if self.token is None:
             if self.local_only and not is_local_peer(context.peer()):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
@@ -116,7 +123,7 @@ class AdminService(apb_grpc.AdminServicer):
                 msg.host_load_seconds_per_token = cost.load_s_per_token or 0.0
                 msg.recompute_seconds_per_token = cost.recompute_s_per_token or 0.0
                 msg.host_hits_recomputed_tokens = cost.skipped_tokens
-            msg.running, msg.waiting = len(sched.running), len(sched.waiting)
+            msg.running, msg.waiting = len(sched.running), sched.num_queued
         else:
             msg.max_running, msg.max_batched_tokens = cfg.max_running, cfg.max_batched_tokens
         msg.worker_max_running, msg.worker_max_batched_tokens = self._worker_limits()
@@ -203,6 +210,8 @@ class AdminService(apb_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a model reload is already in progress")
         if self.plane.engine.scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet")
+        if request.model and not model_roots.allowed(request.model, self.plane.model_roots):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, model_roots.refusal(request.model))
         async with self._reload_lock:
             model = request.model or self.plane.model_dir
             try:

@@ -50,6 +50,7 @@ class BlockManager:
         self.prefix_queries = 0                          # tokens looked up / found (metrics)
         self.prefix_hits = 0
         self.host = HostTier(host_blocks) if host_blocks > 0 else None
+        self.offload_evicted = True   # False: evicted blocks are dropped (the tier only swaps)
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -166,7 +167,7 @@ class BlockManager:
         if h is not None:   # evict it from the prefix cache (to the host tier, if any)
             if self.cached.get(h) == block:
                 del self.cached[h]
-                if self.host is not None:
+                if self.host is not None and self.offload_evicted:
                     self.host.offload(block, h, self._tokens[block])
             self._hash[block] = self._tokens[block] = None
         self.ref[block] = 1
@@ -263,6 +264,11 @@ class BlockManager:
     def drop_swapped(self, seq_id: int) -> None:
         if self.host is not None:
             self.host.drop_seq(seq_id)
+
+    @property
+    def copies_pending(self) -> bool:
+        """Host-tier copies wait for the next step to carry them."""
+        return self.host is not None and bool(self.host.swap_in or self.host.swap_out)
 
     def take_ops(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The host-tier copies (swap_out, swap_in) the step being sent carries."""

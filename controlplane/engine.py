@@ -5,6 +5,10 @@ Runs as one asyncio task. Handlers talk to it through ``submit`` and ``abort``; 
 appends sampled tokens to the sequences and wakes their request (``Request.notify``); a
 request that cannot go on gets a ``Failure``.
 
+A request with a structured-output constraint reaches the scheduler once its grammar is
+compiled (``controlplane.structured``, off the loop); each step then carries its constrained
+rows' token bitmasks, and their matchers consume the tokens folded in.
+
 Requests are woken after the next step is sent (the device is fed before clients are), except
 in an engine core (``flush_woken``): there waking them is one message per front end, so while
 another step is still in flight (the device stays busy) a folded step's news goes out first.
@@ -30,6 +34,7 @@ from controlplane.profiling import Profiler
 from controlplane.request import Failure, Request, Sequence
 from controlplane.scheduler import Scheduler
 from controlplane.step import ScheduledStep
+from controlplane.structured.outputs import StructuredOutputs
 from controlplane.telemetry import EngineTelemetry
 from controlplane.worker_client import WorkerError, WorkerGroup
 from headrace.dataplane.v1 import worker_pb2 as wpb
@@ -55,6 +60,7 @@ class Engine:
         self.seq_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
         self._wake = asyncio.Event()
+        workers.on_stream_end = self._wake.set   # an idle engine notices a data plane gone
         self._task: asyncio.Task | None = None
         self._outage_since: float | None = None
         self._to_wake: list[Request] = []   # requests with news, woken once the next step is sent
@@ -63,6 +69,8 @@ class Engine:
         self.profiler = Profiler(len(getattr(workers, "addresses", ())) or 1, wake=self._wake.set)
         # the engine core's: sends its front ends their news at once (one message each)
         self.flush_woken = None
+        self.model_dir: str | None = None   # whose tokenizer grammars compile for (EnginePlane)
+        self.structured = StructuredOutputs(config.structured_outputs_backend)
 
     async def start(self, timeout: float = 600.0) -> None:
         self._build(await self.workers.describe(timeout))
@@ -76,9 +84,11 @@ class Engine:
             self.telemetry.metrics.retire(self.scheduler)
         self.info = infos[0]
         cfg = self.config
+        host = 0 if cfg.kv_offloading_policy == "off" else min(i.num_host_kv_blocks for i in infos)
         blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size, cfg.enable_prefix_cache,
-                              host_blocks=min(i.num_host_kv_blocks for i in infos))   # each rank: its shard
+                              host_blocks=host)   # each rank: its shard
         cost = tier_cost.TierCost.for_workers(cfg.kv_offloading_policy, infos, blocks)
+        blocks.offload_evicted = cost is None or cost.keeps_evicted()
         host_tier.report(blocks, cfg.preemption_mode, cost)
         # Every request must fit the KV pool alone, so preemption always makes progress.
         limit = min(self.info.max_model_len, blocks.num_blocks * blocks.block_size)
@@ -87,11 +97,13 @@ class Engine:
         max_running = min([cfg.max_running] + [i.max_num_seqs for i in infos if i.max_num_seqs])
         max_tokens = min([cfg.max_batched_tokens] + [i.max_batched_tokens for i in infos
                                                       if i.max_batched_tokens])
+        self.structured.configure(self.model_dir, self.info.vocab_size, self.info.eos_token_ids)
         spec = speculative.from_proto(self.info.speculative)   # the worker's configuration
         self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark,
                                    fair_share=cfg.fair_share,
                                    speculation=spec and speculation.Speculation(spec, self.max_model_len),
-                                   preemption_mode=cfg.preemption_mode, tier_cost=cost)
+                                   preemption_mode=cfg.preemption_mode, tier_cost=cost,
+                                   chunking=cfg.chunking)
 
     @property
     def max_queued(self) -> int:
@@ -158,6 +170,13 @@ class Engine:
             request.stream_interval = self.config.stream_interval
         self.requests[request.request_id] = request
         self.telemetry.request_submitted(request)
+        if request.structured is not None:   # scheduled once its grammar is compiled
+            self.structured.submit(request, self)
+            return
+        self.admit(request)
+
+    def admit(self, request: Request) -> None:
+        """Hands a submitted request's sequences to the scheduler."""
         self.scheduler.add(request.sequences)
         self._wake.set()
 
@@ -190,44 +209,55 @@ class Engine:
     async def _loop(self) -> None:
         """Schedules and sends steps while ``InFlightSteps`` has room (overlapped scheduling:
         the device computes step N+1 while this process handles step N's tokens), then folds
-        the oldest step's result. With nothing in flight and nothing to send it sleeps until an
-        event (``_wake``) can change that."""
+        the oldest step's result; with room but nothing to schedule, an event (``_wake``)
+        cuts that wait short. With nothing in flight and nothing to send it sleeps until an
+        event can change that."""
         self._inflight = inflight = InFlightSteps(self.workers, self.telemetry,
                                                   self.config.pipeline_depth, self._step_ids, self.profiler)
-        while True:
-            if not self.healthy:
-                self._wake_requests()
-                await self._reconnect()
-                continue
-            try:
-                step = None
-                # a speculating step runs alone: the sequences' tokens must all be known
-                speculate = self.scheduler.may_speculate()
-                if inflight.has_room(self.scheduler.running) and not (speculate and inflight):
-                    t0 = time.perf_counter()
-                    step = self.scheduler.schedule(speculate)
-                    if not step.empty:
-                        await inflight.send(step, time.perf_counter() - t0)
-                        self.scheduler.after_step(step)
-                        continue
-                self._wake_requests()   # after the send: the device is fed before clients are
-                if inflight:
-                    await self._fold_oldest()
-                elif self.profiler.pending_stop:   # idle workers hear it on an empty step
-                    await inflight.flush()
-                else:
-                    await self._idle(step)
-            except WorkerError as exc:
-                self._workers_lost(exc)
+        try:
+            while True:
+                if not self.healthy:
+                    self._wake_requests()
+                    await self._reconnect()
+                    continue
+                try:
+                    step = None
+                    # a speculating step runs alone: the sequences' tokens must all be known
+                    speculate = self.scheduler.may_speculate()
+                    constrained = self.structured.live > 0
+                    room = inflight.has_room(self.scheduler.running, constrained) and not (speculate and inflight)
+                    if room:
+                        self._wake.clear()   # what happens from here on wakes the loop again
+                        t0 = time.perf_counter()
+                        step = self.scheduler.schedule(speculate)
+                        if not step.empty:
+                            masks = self.structured.step_masks(step, self.scheduler.speculation) \
+                                if constrained else None
+                            await inflight.send(step, time.perf_counter() - t0, masks)
+                            self.scheduler.after_step(step)
+                            continue
+                    self._wake_requests()   # after the send: the device is fed before clients are
+                    if not inflight:
+                        if self.profiler.pending_stop:   # idle workers hear it on an empty step
+                            await inflight.flush()
+                        else:
+                            await self._idle(step)
+                    elif not room or await inflight.result_ready(self._wake):
+                        await self._fold_oldest()
+                except WorkerError as exc:
+                    self._workers_lost(exc)
+                except Exception as exc:   # a bug: its requests fail, the engine starts afresh
+                    await self._loop_failed(exc)
+        finally:
+            inflight.close()
 
     async def _fold_oldest(self) -> None:
         sent, result = await self._inflight.receive()
         t2 = time.perf_counter()
         if sent.traced is not None or not sent.step.empty:
             emitted = self._fold(sent.step, result)
-            if self.scheduler.tier_cost is not None:   # its recompute estimate: step times
-                self.scheduler.tier_cost.observe(sent.step, result, self.info.device != "cpu")
             self.telemetry.step_done(result, sent.traced, t2 - sent.at, time.perf_counter() - t2, emitted)
+        await self._inflight.send_late_bitmask()   # the next step's, now that its tokens are in
         if self.flush_woken is not None and self._to_wake and self._inflight:
             # a step still in flight keeps the device busy: the news goes out first (one loop
             # turn), then the next step is scheduled
@@ -240,25 +270,33 @@ class Engine:
         returns how many tokens reached their sequences."""
         stopped = set(result.stopped_seq_ids)   # the worker alone applies the stop-token rule
         if result.num_tokens:   # a speculating step: up to k+1 tokens per sequence
-            return speculation.fold_verified(step, result, stopped, self.max_model_len,
+            return speculation.fold_verified(step, result, stopped, self._check,
                                              self.telemetry.first_token, self._settle,
                                              self.scheduler.verified)
         received = step_codec.decode(step, result)
-        max_len = self.max_model_len
         for seq in received:
             if len(seq.output_token_ids) == 1:
                 self.telemetry.first_token(seq)
-            self._settle(seq, seq.check_stop(seq.seq_id in stopped, max_len))
+            self._settle(seq, self._check(seq, seq.seq_id in stopped))
         return len(received)
+
+    def _check(self, seq: Sequence, stopped: bool) -> int:
+        """The finish reason after ``seq``'s new last token; its grammar consumes the token."""
+        reason = seq.check_stop(stopped, self.max_model_len)
+        return reason if seq.grammar is None else self.structured.after_token(seq, reason)
 
     def _settle(self, seq: Sequence, reason: int) -> None:
         """Finishes ``seq`` for ``reason`` (UNSPECIFIED: it goes on) and queues its request to
-        wake: at its end, or once per stream_interval tokens."""
+        wake: at its end, at its first token (unless it asked for one message in all: TTFT
+        waits for no interval, as in vLLM) and then once per stream_interval tokens."""
         if reason != pb.FINISH_REASON_UNSPECIFIED:
             self._finish(seq, reason)
             self._to_wake.append(seq.request)
-        elif len(seq.output_token_ids) - seq.delivered >= seq.request.stream_interval:
-            self._to_wake.append(seq.request)
+        else:
+            interval = seq.request.stream_interval
+            if len(seq.output_token_ids) - seq.delivered >= interval or (
+                    not seq.delivered and interval < seq.max_tokens):
+                self._to_wake.append(seq.request)
 
     async def _idle(self, step: ScheduledStep) -> None:
         """Nothing in flight and ``step``, just scheduled, empty. A step that only preempted
@@ -270,8 +308,11 @@ class Engine:
             await asyncio.sleep(0)
             return
         self._wake.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), self.scheduler.retry_after)
+        if not self.workers.broken:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.scheduler.retry_after)
+        if self.workers.broken:   # health NOT_SERVING now, not at the next request
+            raise WorkerError("data plane closed its step stream")
 
     # -- outages ------------------------------------------------------------------------------
     def _workers_lost(self, exc: WorkerError) -> None:
@@ -280,6 +321,19 @@ class Engine:
         self._set_healthy(False)
         self._outage_since = time.monotonic()
         self.scheduler.reset()   # they resume by recompute when it is back
+
+    async def _loop_failed(self, exc: Exception) -> None:
+        """An unexpected error in the loop (a bug) must not leave every request waiting with
+        health SERVING: the requests in flight fail with INTERNAL (they may have hit the bug),
+        the step streams close (the workers forget their sequences) and the loop reconnects
+        from an empty state, as after a data plane outage."""
+        log.error("engine loop failed; failing %d requests: %r", len(self.requests), exc, exc_info=exc)
+        self.fail_all(grpc.StatusCode.INTERNAL, f"internal error in the engine ({type(exc).__name__}); "
+                      "the request was not completed")
+        self._inflight.fail(WorkerError(f"engine loop failed: {exc!r}"))
+        self._set_healthy(False)
+        self.scheduler.reset()
+        await self.workers.close_streams()
 
     async def _reconnect(self) -> None:
         """Waits for the workers to come back; requests kept through the outage fail with
@@ -304,6 +358,7 @@ class Engine:
         self._to_wake.clear()
 
     def _finish(self, seq: Sequence, reason: int) -> None:
+        self.structured.release(seq)
         self.scheduler.finish(seq, reason)
         self.telemetry.seq_finished(seq, reason)
         if seq.request.finished and self.requests.pop(seq.request_id, None) is not None:

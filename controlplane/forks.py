@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from controlplane.block_manager import BlockManager
 from controlplane.request import Sequence, Status
+from controlplane.step import NewSeq, ScheduledStep
 
 
 class Forks:
@@ -21,6 +22,11 @@ class Forks:
             child.status = Status.PENDING_FORK
         if children:
             self.pending[parent.seq_id] = children
+
+    @property
+    def num_pending(self) -> int:
+        """Children waiting for their parent's prompt."""
+        return sum(map(len, self.pending.values()))
 
     def orphans(self, parent: Sequence) -> list[Sequence]:
         """The children of a parent that finished: they will never fork and must wait."""
@@ -40,6 +46,17 @@ class Forks:
         child.status, child.on_worker = Status.RUNNING, True
         self.unsent.append(child)
         return copy
+
+    def send(self, step: ScheduledStep, blocks: BlockManager, budget: int, scheduled: set[int]) -> int:
+        """Puts the forked children into ``step`` (one token each: the one they recompute),
+        within ``budget``; returns the budget left."""
+        while self.unsent and budget >= 1:
+            child = self.unsent.pop(0)
+            if child.status is Status.RUNNING:
+                step.new.append(NewSeq(child, 1, blocks.block_ids(child.seq_id)))
+                scheduled.add(child.seq_id)
+                budget -= 1
+        return budget
 
     def discard(self, seq: Sequence) -> None:
         if seq in self.unsent:

@@ -1,15 +1,25 @@
 """The steps the engine has sent and not yet had answered, oldest first: how many may be in
 flight (pipeline depth) and the flush rule. A step the workers may hold back (no ``flush``)
 is always followed by another, if need be an empty flushing one, so that every step's
-result comes back. Profile commands (``controlplane.profiling``) ride on the steps sent."""
+result comes back. A step without decodes (only prompt chunks: nobody else runs) is flushed:
+the worker answers it once its device work is done instead of after launching the next step,
+so a first token does not wait for that launch, and no decode's overlap is lost. While the
+engine has nothing to schedule, ``result_ready`` waits for the oldest result or new work,
+whichever comes first: a request submitted meanwhile is scheduled at once, not after it.
+A step whose structured-output bitmasks depend on tokens still in flight goes out with
+``bitmask_follows``; ``send_late_bitmask`` sends them once it is the oldest step in flight
+(every token they depend on folded), before anything else. Profile commands
+(``controlplane.profiling``) ride on the steps sent."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import time
 import typing
 
+from common import stage_times
 from controlplane import step_codec
 from controlplane.profiling import Profiler
 from controlplane.request import Sequence
@@ -34,40 +44,90 @@ class InFlightSteps:
         self._step_ids = step_ids
         self._sent: collections.deque[Sent] = collections.deque()
         self._last_flushed = True    # whether the newest step sent asked for its answer
+        self._late = None            # StepMasks of the step waiting for its bitmasks, and its id
+        self._result: asyncio.Task | None = None   # the oldest step's result, being read
 
     def __len__(self) -> int:
         return len(self._sent)
 
-    def has_room(self, running: list[Sequence]) -> bool:
+    def has_room(self, running: list[Sequence], constrained: bool = False) -> bool:
         """Whether another step may go out. Two in flight hide the device's step from this
         process's work; a third hides the gRPC round trip too, which decides latency at small
         batches. A finished sequence costs one slot per step sent before its last token came
         back, so beyond two only sequences whose end the worker can see itself may run: a
         sampled stop token (the worker then leaves them out of the steps it already holds) or
         max_tokens (never scheduled past). Stop strings match detokenized text here: while a
-        running sequence has some, two steps at most."""
+        running sequence has some, two steps at most; so while one has a grammar
+        (``constrained``: each step's bitmasks need the tokens of the step before)."""
         n, depth = len(self._sent), self.depth
         if n and self._sent[-1].step.speculative:   # answered before anything else goes out
             return False
         if n < 2 or depth <= 2:
             return n < depth
-        return n < depth and not any(s.output.has_stop for s in running)
+        return n < depth and not constrained and not any(s.output.has_stop for s in running)
 
-    async def send(self, step: ScheduledStep, schedule_s: float) -> None:
-        msg = step_codec.encode(step, next(self._step_ids), flush=self.depth == 1 or step.speculative)
+    async def send(self, step: ScheduledStep, schedule_s: float, masks=None) -> None:
+        """``masks``: the step's ``StepMasks`` (structured outputs), if it has constrained rows."""
+        stages = stage_times.STAGES
+        if stages is not None:
+            scheduled = time.monotonic()
+        flush = self.depth == 1 or step.speculative or not step.has_decodes
+        msg = step_codec.encode(step, next(self._step_ids), flush=flush)
         self.profiler.attach(msg)
+        if masks is not None:
+            if masks.ready:
+                masks.apply(msg)
+            else:
+                msg.bitmask_follows = True
+                self._late = (masks, msg.step_id)
         traced = self.telemetry.step_scheduled(step, msg, schedule_s, msg.step_id)
         await self.workers.send(msg)
+        if stages is not None:
+            stages.stamp(f"step:{msg.step_id}", "scheduled", at=scheduled)
+            stages.stamp(f"step:{msg.step_id}", "sent")
         self._last_flushed = msg.flush
         self._sent.append(Sent(step, traced, time.perf_counter()))
 
-    async def receive(self) -> tuple[Sent, wpb.StepResult]:
-        """The oldest step and its result; flushes first when the workers hold it back."""
+    async def send_late_bitmask(self) -> None:
+        """After a fold: the bitmasks of the step waiting for them, once it is the oldest step
+        in flight (the tokens they depend on have all been folded)."""
+        if self._late is None or not self._sent or self._sent[0].step is not self._late[0].step:
+            return
+        (masks, step_id), self._late = self._late, None
+        await self.workers.send(wpb.StepRequest(step_id=step_id, late_bitmask=True, bitmask=masks.build()))
+
+    async def _ask(self) -> None:
+        """Flushes when the workers may hold the oldest step back (nothing sent after it)."""
         if len(self._sent) == 1 and not self._last_flushed:
             await self.flush()
-        result = await self.workers.receive()
+
+    async def result_ready(self, event: asyncio.Event) -> bool:
+        """Waits for the oldest step's result (True: ``receive`` has it at once) or for
+        ``event`` (False), whichever comes first; the result keeps being read meanwhile."""
+        if self._result is None:
+            await self._ask()
+            self._result = asyncio.ensure_future(self.workers.receive())
+        waiter = asyncio.ensure_future(event.wait())
+        try:
+            await asyncio.wait((self._result, waiter), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        return self._result.done()
+
+    async def receive(self) -> tuple[Sent, wpb.StepResult]:
+        """The oldest step and its result; flushes first when the workers hold it back."""
+        if self._result is not None:
+            task, self._result = self._result, None
+            result = await task
+        else:
+            await self._ask()
+            result = await self.workers.receive()
         if result.profile_reports:
             self.profiler.received(result)
+        if stage_times.STAGES is not None:
+            stage_times.STAGES.stamp(f"step:{result.step_id}", "result", execute_ms=result.execute_ms,
+                                     device_ms=result.device_ms, sample_ms=result.sample_ms,
+                                     idle_ms=result.device_idle_ms)
         return self._sent.popleft(), result
 
     async def flush(self) -> None:
@@ -79,9 +139,17 @@ class InFlightSteps:
         self._last_flushed = True
         self._sent.append(Sent(ScheduledStep(), None, time.perf_counter()))
 
+    def close(self) -> None:
+        """The loop ends: a result still being read is not awaited any more."""
+        if self._result is not None:
+            self._result.cancel()
+            self._result = None
+
     def fail(self, exc: WorkerError) -> None:
         """The workers failed: every step in flight is lost."""
+        self.close()
         for sent in self._sent:
             self.telemetry.step_failed(sent.traced, exc)
         self._sent.clear()
+        self._late = None
         self.profiler.lost(str(exc))

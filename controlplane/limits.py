@@ -1,7 +1,8 @@
 """Admission bounds derived from the model rather than fixed constants: the longest text a
 prompt (or a Tokenize request, or a chat's messages) may be, the largest valid public request
-in bytes (the gRPC receive limit and the HTTP body limit), the default queue bound and the cap
-on ``n``.
+in bytes (the gRPC receive limit and the HTTP body limit), the default queue bound, the cap
+on ``n`` and the queue's refusal (``queue_refusal``: a request weighs its n samples times its
+prompts, against the sequences already queued).
 
 A prompt of ``max_model_len`` tokens is at most ``max_model_len * max_token_bytes`` bytes of
 text (``ModelTokenizer.max_token_bytes``); ``TEXT_MARGIN`` covers what a normaliser drops. A
@@ -13,13 +14,18 @@ from __future__ import annotations
 import json
 import pathlib
 
+import grpc
+
 TEXT_MARGIN = 1.5
 DEFAULT_CONTEXT = 131072     # when config.json names no context length
 QUEUE_PER_SLOT = 4           # default --max-queued: this many waiting sequences per running slot
 DEFAULT_MAX_N = 16
+DEFAULT_MAX_PROMPTS = 32     # prompts in one HTTP completions body (--max-prompts-per-request)
 JSON_EXPANSION = 6           # a JSON string escapes a character in at most 6 bytes per UTF-8 byte
 JSON_TOKEN_ID_BYTES = 12     # "4294967295, "
-FIXED_REQUEST_BYTES = 1 << 20   # everything but the prompt: stop strings (64 x 512), ids, sampling
+MAX_CONSTRAINT_BYTES = 2 << 20  # a structured-output schema or grammar (controlplane.structured.spec)
+# everything but the prompt: stop strings (64 x 512), ids, sampling, a structured-output constraint
+FIXED_REQUEST_BYTES = (1 << 20) + MAX_CONSTRAINT_BYTES
 
 
 def max_text_bytes(max_model_len: int, max_token_bytes: int) -> int:
@@ -64,3 +70,17 @@ def max_http_body_bytes(text_bytes: int, max_tokens: int) -> int:
 
 def default_max_queued(max_running: int) -> int:
     return QUEUE_PER_SLOT * max_running
+
+
+def queue_refusal(bound: int, queued: int, weight: int = 1) -> tuple[grpc.StatusCode, str] | None:
+    """Why a request of ``weight`` sequences (n samples x prompts) cannot join ``queued``
+    queued ones under the bound (0: unbounded): RESOURCE_EXHAUSTED while the queue is too full,
+    INVALID_ARGUMENT when it could never fit; None when it fits."""
+    if not bound or queued + weight <= bound:
+        return None
+    if weight > bound > 0:
+        return (grpc.StatusCode.INVALID_ARGUMENT,
+                f"n x prompts: {weight} sequences can never fit a queue of {bound} waiting "
+                "sequences at most (the server's --max-queued)")
+    return (grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"queue is full ({bound} waiting sequences at most, the server's --max-queued); retry later")

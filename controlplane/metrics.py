@@ -50,7 +50,9 @@ class _EngineState:
         p = PREFIX
         running = GaugeMetricFamily(p + "num_requests_running", "Sequences in the running batch.")
         waiting = GaugeMetricFamily(p + "num_requests_waiting",
-                                    "Sequences waiting to be admitted (new or preempted).")
+                                    "Sequences waiting to be admitted (new or preempted, and "
+                                    "parallel samples waiting for their parent's prompt): what "
+                                    "--max-queued bounds.")
         usage = GaugeMetricFamily(p + "kv_cache_usage_perc",
                                   "Fraction of KV-cache blocks in use (1 = full).")
         free = GaugeMetricFamily(p + "num_free_kv_blocks",
@@ -69,7 +71,7 @@ class _EngineState:
         if sched is not None:
             blocks = sched.blocks
             running.add_metric([], len(sched.running))
-            waiting.add_metric([], len(sched.waiting))
+            waiting.add_metric([], sched.num_queued)
             usage.add_metric([], blocks.usage)
             free.add_metric([], blocks.num_free)
             total.add_metric([], blocks.num_blocks)
@@ -138,8 +140,9 @@ def _tiers(blocks, base, cost=None):
     if cost is not None:
         estimate = GaugeMetricFamily(p + "kv_tier_seconds_per_token", "The host tier cost "
                                      "rule's estimates: load (a host-tier token copied to the "
-                                     "device), recompute (one more token in a step; 0 until "
-                                     "fitted).", labels=["action"])
+                                     "device), recompute (one more token of prefill, from the "
+                                     "data plane's prefill profile; 0: not measured).",
+                                     labels=["action"])
         estimate.add_metric(["load"], cost.load_s_per_token or 0.0)
         estimate.add_metric(["recompute"], cost.recompute_s_per_token or 0.0)
         yield estimate
@@ -223,7 +226,8 @@ class ControlPlaneMetrics(Exporter):
         self.offload_out, self.offload_in = offload.labels("out"), offload.labels("in")
         self.offload_seconds = Counter(p + "kv_offload_copy_seconds", "Time the data plane "
                                        "(rank 0) spent copying between its KV tiers (device time "
-                                       "on a GPU: the copy stream's).", registry=r)
+                                       "on a GPU: the two copy streams' busy time, summed).",
+                                       registry=r)
         self.registry.register(_EngineState(self))
 
     def bind(self, engine) -> None:

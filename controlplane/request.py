@@ -28,6 +28,7 @@ class Status(enum.Enum):
     WAITING = 1
     RUNNING = 2
     FINISHED = 3
+    GRAMMAR = 4        # its structured-output grammar compiles: not yet with the scheduler
 
 
 @dataclasses.dataclass
@@ -44,6 +45,7 @@ class Request:
     n: int = 1
     stream_interval: int = 0   # tokens per streamed message at least (0: the engine's default)
     tenant: str = ""           # the client it is served for (fair share: ``controlplane.fairness``)
+    structured: object = None  # its structured-output constraint (``controlplane.structured.spec``)
     sequences: list["Sequence"] = dataclasses.field(default_factory=list)
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     failure: Failure | None = None
@@ -100,6 +102,7 @@ class Sequence:
     delivered: int = 0        # output tokens already sent to the client
     text_fed: int = 0         # output tokens already turned into text
     final_sent: bool = False
+    grammar: object = None    # its structured-output matcher (``controlplane.structured``)
 
     @property
     def request_id(self) -> str:

@@ -7,7 +7,8 @@ TTFT, ITL and e2e latency of each stream (``controlplane.stream_latency``).
 
 Tokenization and chat rendering of long texts run off the event loop
 (``controlplane.tokenizer.off_loop``), after every cheap check passed, so one client's prompt
-never delays another's tokens. Every stream that ends before its last response (client cancel,
+never delays another's tokens; a text is tokenized only as far as ``max_model_len`` tokens can
+reach (``ModelTokenizer.encode_within``), so one that can never fit costs no more. Every stream that ends before its last response (client cancel,
 deadline, disconnect, server abort) is logged and counted with its reason.
 
 ``generate`` yields ``GenerateResponse`` messages and raises ``RequestError`` (a gRPC status code
@@ -18,7 +19,6 @@ iterating (client gone) closes the generator, which aborts the request and frees
 from __future__ import annotations
 
 import contextlib
-import json
 import pathlib
 from typing import AsyncIterator, Iterable
 
@@ -26,20 +26,19 @@ import grpc
 import structlog
 from opentelemetry import trace
 
-from common import tracing
+from common import stage_times, tracing
 from common.logs import get_logger
 from common.security import DEFAULT_TENANT, ApiTokens
-from controlplane import limits
+from controlplane import chat_input, limits
 from controlplane.chat_template import ChatTemplate, ChatTemplateError
 from controlplane.engine import Engine
 from controlplane.sampling_defaults import SamplingDefaults
 from controlplane.stream_latency import StreamLatency
-from controlplane.tokenizer import INLINE_CHARS, ModelTokenizer, off_loop
+from controlplane.tokenizer import INLINE_CHARS, ModelTokenizer, TooLong, off_loop
 from controlplane.validation import ValidationError, build_request, check_request, check_text
 from headrace.v1 import inference_pb2 as pb
 
 log = get_logger("headrace.request")
-MAX_MESSAGES = 4096
 TENANT_HEADER = "x-headrace-tenant"
 
 
@@ -51,28 +50,8 @@ class RequestError(Exception):
         self.code, self.message = code, message
 
 
-def _json(field: str, text: str, kind: type):
-    if not text:
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise ValidationError(f"messages.{field} is not valid JSON: {exc}") from None
-    if not isinstance(value, kind):
-        raise ValidationError(f"messages.{field} must be a JSON {kind.__name__}")
-    return value
-
-
 def _aborted(req) -> bool:
     return any(s.finish_reason == pb.FINISH_REASON_ABORTED for s in req.sequences)
-
-
-def queue_full(bound: int, waiting: int) -> str | None:
-    """The refusal when ``waiting`` sequences already fill the queue bound (0: unbounded)."""
-    if bound and waiting >= bound:
-        return (f"queue is full ({bound} waiting sequences at most, the server's --max-queued); "
-                "retry later")
-    return None
 
 
 class RequestPath:
@@ -82,11 +61,12 @@ class RequestPath:
     def __init__(self, engine: Engine, model_dir: str, tokenizer: ModelTokenizer, *,
                  chat_template: str | None = None, generation_config: str = "auto",
                  log_prompts: bool = False, tokens: ApiTokens | None = None,
-                 trust_tenant_header: bool = False, max_n: int = limits.DEFAULT_MAX_N):
+                 trust_tenant_header: bool = False, max_n: int = limits.DEFAULT_MAX_N,
+                 max_prompts: int = limits.DEFAULT_MAX_PROMPTS):
         self.engine = engine
         self.log_prompts = log_prompts
         self.tokens, self.trust_tenant_header = tokens or ApiTokens(), trust_tenant_header
-        self.max_n = max_n
+        self.max_n, self.max_prompts = max_n, max_prompts
         self.chat_template_file = chat_template
         self.generation_config = generation_config
         self.tracer = tracing.get_tracer("headrace.controlplane")   # None: tracing off
@@ -123,6 +103,16 @@ class RequestPath:
         """The longest text worth tokenizing for the served model (``controlplane.limits``)."""
         return limits.max_text_bytes(self.engine.max_model_len, self.tokenizer.max_token_bytes)
 
+    @property
+    def prompt_limit(self) -> int:
+        """The most tokens a prompt may have (one output token must fit)."""
+        return max(self.engine.max_model_len - 1, 0)
+
+    def _too_long(self, name: str, exc: TooLong, limit: int | None = None) -> str:
+        limit = self.prompt_limit if limit is None else limit
+        return (f"{name} has more than {limit} tokens (at least {exc.at_least}); "
+                f"max_model_len is {self.engine.max_model_len} (counted without tokenizing all of it)")
+
     def tenant_of(self, metadata: Iterable[tuple[str, str]]) -> str:
         """The caller's tenant: a trusted ``x-headrace-tenant`` header, else its API token's."""
         headers = dict(metadata)
@@ -135,50 +125,16 @@ class RequestPath:
     # -- input -----------------------------------------------------------------------------
     def check_chat(self, chat: pb.ChatMessages) -> int:
         """The cheap checks of a conversation; returns its size in characters."""
-        if self.chat_template is None:
-            raise ValidationError("messages: the model has no chat template (no chat_template in "
-                                  "tokenizer_config.json, no chat_template.jinja); start the server "
-                                  "with --chat-template FILE or send a prompt")
-        if not chat.messages:
-            raise ValidationError("messages must not be empty")
-        if len(chat.messages) > MAX_MESSAGES:
-            raise ValidationError(f"messages: at most {MAX_MESSAGES} messages")
-        size = sum(len(m.content) + len(m.extra_json) + len(m.role) + len(m.name)
-                   for m in chat.messages) + len(chat.tools_json) \
-            + len(chat.documents_json) + len(chat.template_kwargs_json)
-        if size > self.max_text_bytes:
-            raise ValidationError(f"messages are longer than any prompt the model can take: at "
-                                  f"most {self.max_text_bytes} characters in all")
-        return size
+        return chat_input.check(chat, self.chat_template, self.max_text_bytes)
 
     def render_chat(self, chat: pb.ChatMessages) -> list[int]:
         """The prompt ids of a conversation: rendered with the chat template and tokenized
-        without adding special tokens (the template writes them)."""
-        self.check_chat(chat)
-        messages = []
-        for i, m in enumerate(chat.messages):
-            if not m.role:
-                raise ValidationError(f"messages[{i}].role must not be empty")
-            message = _json(f"messages[{i}].extra_json", m.extra_json, dict) or {}
-            message.update(role=m.role, content=m.content)
-            if m.HasField("name"):
-                message["name"] = m.name
-            messages.append(message)
-        kwargs = _json("template_kwargs_json", chat.template_kwargs_json, dict) or {}
-        for reserved in ("messages", "tools", "documents", "add_generation_prompt",
-                         "continue_final_message"):
-            kwargs.pop(reserved, None)
-        add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else \
-            not chat.continue_final_message
+        without adding special tokens (the template writes them), as far as a prompt may go."""
+        text = chat_input.render(chat, self.chat_template, self.max_text_bytes)
         try:
-            text = self.chat_template.render(
-                messages, add_generation_prompt=add_gen,
-                continue_final_message=chat.continue_final_message,
-                tools=_json("tools_json", chat.tools_json, list),
-                documents=_json("documents_json", chat.documents_json, list), **kwargs)
-        except ChatTemplateError as exc:
-            raise ValidationError(f"messages: {exc}") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.encode_within(text, self.prompt_limit, add_special_tokens=False)
+        except TooLong as exc:
+            raise ValidationError(self._too_long("messages", exc)) from None
 
     async def chat_ids(self, chat: pb.ChatMessages) -> list[int]:
         """``render_chat`` off the event loop when the conversation is long (ValidationError)."""
@@ -190,16 +146,23 @@ class RequestPath:
         """The Tokenize RPC and HTTP /tokenize: bounded like a prompt, encoded off the loop."""
         try:
             check_text("text", text, self.max_text_bytes)
+            return await self.tokenizer.encode_within_async(text, self.engine.max_model_len,
+                                                            add_special_tokens)
         except ValidationError as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        return await self.tokenizer.encode_async(text, add_special_tokens)
+        except TooLong as exc:
+            message = self._too_long("text", exc, self.engine.max_model_len)
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, message) from None
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int] | None:
         kind = request.WhichOneof("input")
         if kind == "messages":
             return await self.chat_ids(request.messages)
         if kind == "prompt":
-            return await self.tokenizer.encode_async(request.prompt)
+            try:
+                return await self.tokenizer.encode_within_async(request.prompt, self.prompt_limit)
+            except TooLong as exc:
+                raise ValidationError(self._too_long("prompt", exc)) from None
         return None   # token ids: build_request takes them as they are
 
     # -- generation ------------------------------------------------------------------------
@@ -215,6 +178,9 @@ class RequestPath:
         metadata = list(metadata)
         metrics = self.engine.telemetry.metrics
         latency = StreamLatency(metrics)   # received now: TTFT counts tokenisation too
+        stages = stage_times.STAGES   # a benchmark's timestamps of the first token (None: off)
+        if stages is not None:
+            stages.stamp(request.request_id, "fe_received")
         metrics.api_request(api, method)
         tracer = self.tracer if span_name else None
         with contextlib.ExitStack() as stack:
@@ -236,12 +202,16 @@ class RequestPath:
                     if req.failure is not None:
                         raise RequestError(req.failure.code, req.failure.message)
                     now = latency.handing(responses)
+                    if stages is not None and responses:   # the first response, only
+                        stages.stamp(req.request_id, "fe_first_response")
+                        stages = None
                     if req.delivered and not _aborted(req):
                         latency.finished(now)
                     for msg in responses:
                         yield msg
             except RequestError as exc:
-                reason = "server_abort"
+                # a refusal after submission (a grammar that does not compile) abandons nothing
+                reason = "refused" if exc.code == grpc.StatusCode.INVALID_ARGUMENT else "server_abort"
                 self._failed(api, method, exc)
                 raise
             finally:
@@ -249,26 +219,44 @@ class RequestPath:
                     reason = gone_reason()
                 elif reason is None and _aborted(req):
                     reason = "server_abort"   # drained or reloaded: a last ABORTED response
-                if reason is not None:
+                if reason not in (None, "refused"):
                     self._abandoned(req, api, reason)
                 self.engine.abort(req)   # no-op when finished; frees the blocks when the client left
 
-    def _check_queue(self) -> None:
-        problem = queue_full(self.engine.max_queued, len(self.engine.scheduler.waiting))
-        if problem:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, problem)
+    def check_queue(self, weight: int = 1) -> None:
+        """RequestError unless ``weight`` more sequences fit the queue bound now (in one
+        process the engine's own count; in a front end the core's, pushed on every change,
+        and the core decides again on submission)."""
+        refusal = limits.queue_refusal(self.engine.max_queued, self.engine.scheduler.num_queued, weight)
+        if refusal:
+            raise RequestError(*refusal)
+
+    def check_batch(self, prompts: int, n: int) -> None:
+        """The bounds of an HTTP body of ``prompts`` prompts of ``n`` samples each: at most
+        ``max_prompts`` prompts, ``max_n`` sequences in all, and room in the queue for them."""
+        if prompts > self.max_prompts:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"prompt: at most {self.max_prompts} prompts per request (the server's "
+                               f"--max-prompts-per-request), got {prompts}")
+        if prompts * n > self.max_n:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"n x prompts must be at most {self.max_n} sequences per request (the "
+                               f"server's --max-n), got {n} x {prompts}")
+        self.check_ready()
+        self.check_queue(prompts * max(n, 1))
 
     async def _admit(self, request: pb.GenerateRequest, tenant: str):
         engine = self.engine
+        weight = max(request.n, 1)
         self.check_ready()
-        self._check_queue()
+        self.check_queue(weight)
         request = self.defaults.apply(request)
         try:   # every cheap check first: refused requests cost no tokenization
             check_request(request, vocab_size=engine.info.vocab_size, max_model_len=engine.max_model_len,
                           max_n=self.max_n, max_text_bytes=self.max_text_bytes)
             ids = await self._prompt_ids(request)
             self.check_ready()   # a drain or reload may have begun meanwhile
-            self._check_queue()
+            self.check_queue(weight)
             req = build_request(request, self.tokenizer, seq_ids=engine.seq_ids, ids=ids,
                                 vocab_size=engine.info.vocab_size, max_model_len=engine.max_model_len,
                                 eos_token_ids=list(engine.info.eos_token_ids), max_n=self.max_n,
@@ -284,6 +272,8 @@ class RequestPath:
             log.info("request received", prompt=request.prompt or None, tenant=tenant,
                      prompt_token_ids=list(req.sequences[0].prompt_token_ids))
         engine.submit(req)
+        if stage_times.STAGES is not None:
+            stage_times.STAGES.stamp(req.request_id, "fe_submitted")
         return req
 
     def _abandoned(self, req, api: str, reason: str) -> None:

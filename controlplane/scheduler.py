@@ -1,13 +1,15 @@
 """Iteration-level scheduler: every step, which sequences run and how many tokens each
 computes, within a token budget and a cap on running sequences.
 
-Order of service each step: running decodes, then running prefills (chunked), then waiting
-sequences admitted in policy order (see ``policy``) with chunked prefill, so a long prompt
-is spread over steps and never blocks short ones. Admission leaves a watermark of free
-blocks. When a running sequence needs blocks that are not there, the policy's victims
-(never one already scheduled in this step) are preempted by recompute: their blocks are
-freed and they wait again with their generated tokens; the sequence preempts itself when
-it is the worst. A step that preempted admits nobody (no readmission thrash). Parallel samples fork from their parent once its prompt is computed,
+Order of service each step: running decodes, then the prefill chunks of running prefills and of
+waiting sequences admitted in policy order (``policy``), sized by ``controlplane.chunking`` (a
+budget for prompt tokens in a step with decodes, short prompts before long ones, a fair split;
+applied by ``controlplane.prefill_phase``), so a long prompt is spread over steps and never
+blocks short ones. Admission leaves a watermark of free blocks. When a running sequence needs
+blocks that are not there, the policy's victims (never one already scheduled in this step) are
+preempted by recompute: their blocks are freed and they wait again with their generated tokens;
+the sequence preempts itself when it is the worst. A step that preempted admits nobody (no
+readmission thrash). Parallel samples fork from their parent once its prompt is computed,
 sharing its blocks and copying the block they will write into (copy on write). With
 ``fair_share``, tenants share the running slots and blocks while more than one has work
 (``controlplane.fairness``: the order of admission, preemption for an under-share tenant).
@@ -19,19 +21,23 @@ With a host KV tier and ``preemption_mode="swap"`` a victim's KV is copied to th
 takes an admitted sequence's blocks), instead of recomputed; host-tier prefix hits are
 loaded where ``tier_cost`` finds that cheaper than recomputing them; the
 step carries the host-tier copies its decisions need (``ScheduledStep.swap_out/swap_in``).
+While other sequences run, a sequence that loads host-tier blocks is computed only once its
+loads should have landed (``controlplane.prefetch``): it waits meanwhile, holding them.
 """
 
 from __future__ import annotations
 
 import time
 
-from controlplane import admission, fairness
+from controlplane import fairness, prefill_phase
+from controlplane.chunking import Chunking
 from controlplane.forks import Forks
 from controlplane.block_manager import BlockManager
 from controlplane.policy import Policy
+from controlplane.prefetch import Prefetch
 from controlplane.request import Sequence, Status
 from controlplane.speculation import Speculation
-from controlplane.step import NewSeq, ScheduledStep
+from controlplane.step import ScheduledStep
 from controlplane.tier_cost import TierCost
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -43,7 +49,7 @@ class Scheduler:
                  policy: Policy | None = None, watermark: float = 0.01,
                  clock=time.monotonic, fair_share: bool = True,
                  speculation: Speculation | None = None, preemption_mode: str = "recompute",
-                 tier_cost: TierCost | None = None):
+                 tier_cost: TierCost | None = None, chunking: Chunking | None = None):
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption mode {preemption_mode!r}: choose from {PREEMPTION_MODES}")
         self.preemption_mode = preemption_mode
@@ -52,6 +58,7 @@ class Scheduler:
         self.max_running = max_running
         self.max_batched_tokens = max_batched_tokens
         self.policy = policy or Policy()
+        self.chunking = chunking or Chunking()
         self.watermark_blocks = int(watermark * blocks.num_blocks)
         self.clock = clock
         self.fair_share = fair_share
@@ -63,6 +70,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.speculation = speculation
         self._truncations: list[tuple[int, int]] = []   # (seq id, blocks) for the workers
+        self.prefetch = Prefetch(blocks, tier_cost, clock)   # host-tier loads ahead of compute
 
     # -- membership ---------------------------------------------------------------------
     def add(self, seqs: list[Sequence]) -> None:
@@ -85,6 +93,12 @@ class Scheduler:
         self.max_batched_tokens = self.max_batched_tokens if max_batched_tokens is None else max_batched_tokens
 
     @property
+    def num_queued(self) -> int:
+        """Sequences not yet admitted: waiting ones and parallel samples waiting for their
+        parent's prompt (what ``--max-queued`` bounds; a request of n samples counts n)."""
+        return len(self.waiting) + self.forks.num_pending
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -94,9 +108,10 @@ class Scheduler:
         (the policy ages waiting work or bounds its queue delay), or None when only an event
         can (a request added, finished or aborted; a new cap or budget)."""
         p = self.policy
+        landing = self.prefetch.retry_after(self.clock())   # a deferred sequence's KV lands
         if not self.waiting or (not p.aging and p.max_queue_delay is None):
-            return None
-        return TIME_RECHECK_S
+            return landing
+        return TIME_RECHECK_S if landing is None else min(landing, TIME_RECHECK_S)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
@@ -117,6 +132,7 @@ class Scheduler:
         for child in self.forks.orphans(seq):
             self._enqueue(child)
         seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.prefetch.forget(seq)
         self._release(seq)
         self.blocks.drop_swapped(seq.seq_id)
 
@@ -142,6 +158,7 @@ class Scheduler:
         self._copies.clear()
         self.forks.clear_unsent()
         self._truncations.clear()
+        self.prefetch.reset()
         self.blocks.reset_cache()
 
     def preempt(self, seq: Sequence) -> None:
@@ -160,6 +177,8 @@ class Scheduler:
         """Preempts victims (highest ``key`` first) until ``seq`` can cover ``num_tokens``;
         False if it cannot."""
         while not self.blocks.can_grow(seq.seq_id, num_tokens):
+            if self.prefetch.release():   # a deferred sequence's blocks first
+                continue
             victims = [r for r in self.running if r.seq_id not in scheduled and r is not seq
                        and key(r) > key(seq)]
             if not victims:
@@ -167,7 +186,7 @@ class Scheduler:
             self.preempt(max(victims, key=key))
         return True
 
-    def _register(self, seq: Sequence, end: int) -> None:
+    def register(self, seq: Sequence, end: int) -> None:
         self.blocks.register(seq.seq_id, lambda: seq.token_ids, end)
 
     def may_speculate(self) -> bool:
@@ -182,12 +201,7 @@ class Scheduler:
         budget = self.max_batched_tokens
         preemptions_before = self.num_preemptions
         scheduled: set[int] = set()
-        while self.forks.unsent and budget >= 1:
-            child = self.forks.unsent.pop(0)
-            if child.status is Status.RUNNING:
-                step.new.append(NewSeq(child, 1, self.blocks.block_ids(child.seq_id)))
-                scheduled.add(child.seq_id)
-                budget -= 1
+        budget = self.forks.send(step, self.blocks, budget, scheduled)
         shares = fairness.Shares.of(self) if self.fair_share else None
         if shares is not None:   # under-share tenants that wait get room first
             shares.make_room(shares.order(self.policy.order_waiting(self.waiting, now)), scheduled)
@@ -204,30 +218,29 @@ class Scheduler:
         order = [s for s in self.running if s.seq_id not in skip and s.may_sample_more]
         if not self._fits_unordered(order, budget):
             order.sort(key=lambda s: (s.in_prefill, self.policy.rank(s, now)))
+        prefills = []   # running prefills, in service order: chunked below with the admissions
         for seq in order:
             if budget < 1:
                 break
             if seq.status is not Status.RUNNING:
                 continue   # preempted for a better-ranked sequence in this loop
             start = seq.num_computed
-            n = min(seq.num_total - start, budget)
-            if n < 1:
-                continue   # its last token is still in flight
+            left = seq.num_total - start
+            if left != 1:
+                if left > 1:
+                    prefills.append(seq)
+                continue   # (none left: its last token is still in flight)
             new_blocks: list[int] | tuple = ()
-            if needs_blocks(seq.seq_id, start + n):   # the common decode does not
-                if not self._make_room(seq, start + n, scheduled, victim_key):
-                    if not seq.in_prefill:
-                        self.preempt(seq)   # a decode that cannot grow gives its blocks back
-                        continue
-                    n = blocks.max_tokens_growable(seq.seq_id) - start
-                    if n < 1:
-                        continue
-                new_blocks = blocks.grow(seq.seq_id, start + n)
+            if needs_blocks(seq.seq_id, start + 1):   # the common decode does not
+                grown = self.grow(seq, start, 1, scheduled, victim_key)
+                if grown is None:
+                    continue
+                new_blocks = grown[1]
                 running.new_block_ids.extend(new_blocks)
-            if (start + n) // bs > start // bs:   # a block fills up: publish it
-                self._register(seq, start + n)
+            if (start + 1) // bs > start // bs:   # a block fills up: publish it
+                self.register(seq, start + 1)
             k = 0
-            if spec is not None and n == 1 and seq.num_total - start == 1:   # a decode
+            if spec is not None:
                 k, more = spec.grant(seq, blocks, budget, add_spec is not None)
                 if more:
                     running.new_block_ids.extend(more)
@@ -235,32 +248,35 @@ class Scheduler:
             if add_spec is not None:
                 add_spec(max(0, k))
             add_seq(seq)
-            add_n(n)
+            add_n(1)
             add_count(len(new_blocks))
             scheduled.add(seq.seq_id)
-            budget -= n + max(0, k)
-        # A step that had to preempt admits nothing: the victims would be readmitted at once
-        # and throw their KV away again (thrashing) while running work still needs blocks.
-        admit = self.waiting if self.num_preemptions == preemptions_before else []
-        ordered = self.policy.order_waiting(admit, now)
-        for seq in ordered if shares is None else shares.order(ordered):
-            if budget < 1 or len(self.running) >= self.max_running:
-                break
-            if seq.num_inflight:
-                continue   # preempted with a token in flight: admitted once it arrives
-            n = self._admit(seq, budget)
-            if n == 0:
-                break   # strict order: the next in line waits for blocks
-            step.new.append(NewSeq(seq, n, self.blocks.block_ids(seq.seq_id)))
-            scheduled.add(seq.seq_id)
-            budget -= n
+            budget -= 1 + max(0, k)
+        step.has_decodes = bool(running.seqs or step.new)   # (so far: decodes, forked samples)
+        waiting = self.policy.order_waiting(self.waiting, now)
+        prefill_phase.fill(self, step, prefills, waiting if shares is None else shares.order(waiting),
+                           budget, step.has_decodes, preemptions_before, scheduled, victim_key, add_spec)
         step.num_preempted = self.num_preemptions - preemptions_before
-        if not step.empty:   # an empty step is not sent: what workers must drop waits for the next
+        if not step.empty or self.blocks.copies_pending:   # an empty step is not sent: what
+            # workers must drop waits for the next (one with only loads to start is sent)
             step.finished_seq_ids, self._forget = self._forget, []
             step.copies, self._copies = self._copies, []
             step.truncations, self._truncations = self._truncations, []
             step.swap_out, step.swap_in = self.blocks.take_ops()
         return step
+
+    def grow(self, seq: Sequence, start: int, n: int, scheduled: set[int], victim_key):
+        """Blocks for ``seq``'s next ``n`` tokens from ``start``, preempting victims for them:
+        (tokens it may compute, new block ids), or None when it cannot run in this step (a
+        decode that cannot grow gives its blocks back; a prefill computes what fits)."""
+        if not self._make_room(seq, start + n, scheduled, victim_key):
+            if not seq.in_prefill:
+                self.preempt(seq)
+                return None
+            n = self.blocks.max_tokens_growable(seq.seq_id) - start
+            if n < 1:
+                return None
+        return n, self.blocks.grow(seq.seq_id, start + n)
 
     def _fits_unordered(self, order: list[Sequence], budget: int) -> bool:
         """Whether every candidate is a decode and all of them fit the token budget and the
@@ -270,12 +286,16 @@ class Scheduler:
             return False
         return not any(s.num_total - s.num_computed > 1 for s in order)
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
-        n = admission.admit(self.blocks, seq, budget, self.watermark_blocks if self.running else 0,
-                            self.tier_cost)
+    def admit(self, seq: Sequence, budget: int) -> int | None:
+        """Admits ``seq`` with up to ``budget`` tokens: the tokens scheduled, 0 when its
+        blocks do not fit, None when its host-tier loads were started and its compute waits
+        for them (``controlplane.prefetch``)."""
+        busy = bool(self.running)   # loads can overlap other sequences' steps
+        n = self.prefetch.admit(seq, budget, self.watermark_blocks if busy else 0,
+                                busy and self.prefetch.held < self.max_running)
         if n:
             self.waiting.remove(seq)
-            self._register(seq, seq.num_computed + n)
+            self.register(seq, seq.num_computed + n)
             seq.status, seq.on_worker = Status.RUNNING, True
             self.running.append(seq)
         return n
@@ -289,7 +309,7 @@ class Scheduler:
         if seq.status is not Status.RUNNING:
             return
         seq.num_computed += accepted
-        self._register(seq, seq.num_computed)
+        self.register(seq, seq.num_computed)
         kept = self.blocks.truncate(seq.seq_id, seq.num_total)
         if kept is not None:
             self._truncations.append((seq.seq_id, kept))

@@ -19,11 +19,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import net, security, tracing
 from common.grpc_options import PUBLIC_MAX_SEND_BYTES, server_options
-from controlplane import limits, reflection
+from controlplane import limits, reflection, wire_check
 from controlplane.admin import AdminService, admin_access
 from controlplane.core.plane import EnginePlane
 from controlplane.engine import EngineConfig
 from controlplane.http.server import HttpFrontEnd, http_host
+from controlplane.http.timeouts import HTTP_TIMEOUTS
 from controlplane.lifecycle import (ADMIN, INFERENCE, BackgroundTasks, run_until_signal,  # noqa: F401
                                     set_health)
 from controlplane.metrics import ControlPlaneMetrics, MetricsInterceptor
@@ -50,7 +51,8 @@ def public_server(metrics: ControlPlaneMetrics, inference, admin, health_service
     ``shared_port``: bind with SO_REUSEPORT (API front ends), else exclusively;
     ``max_message_bytes``: the receive limit (``request_limits``)."""
     api_token = security.as_tokens(api_token)
-    interceptors = [MetricsInterceptor(metrics, skip=(f"/{INFERENCE}/Generate",))]
+    interceptors = [MetricsInterceptor(metrics, skip=(f"/{INFERENCE}/Generate",)),
+                    wire_check.WireCheckInterceptor()]   # malformed bytes: INVALID_ARGUMENT
     if api_token:   # the Admin service checks its own token
         interceptors.insert(0, security.BearerTokenInterceptor(api_token, exempt=(f"/{ADMIN}/",)))
     provider = tracing.tracer_provider()
@@ -83,33 +85,40 @@ class ControlPlane:
     ready (health SERVING when the workers have answered).
 
     ``metrics_port`` and ``http_port``: None serves none, 0 an ephemeral port
-    (``self.metrics_port`` / ``self.http.port`` tell which); ``metrics_host`` defaults to the
-    API's host. ``admin_token``: see ``controlplane.admin``. ``api_token``: a token, a list of
+    (``self.metrics_port`` / ``self.http.port`` tell which); ``metrics_host`` defaults to
+    loopback. ``admin_token``, ``admin_insecure_loopback``: see ``controlplane.admin``;
+    ``model_roots``: where Admin may reload a model from (``controlplane.model_roots``). ``api_token``: a token, a list of
     ``[TENANT=]TOKEN`` entries or ``security.ApiTokens``; ``trust_tenant_header``: take the
-    tenant from ``x-headrace-tenant`` (a gateway in front sets it); ``max_n``: the cap on n."""
+    tenant from ``x-headrace-tenant`` (a gateway in front sets it); ``http_timeouts``: the HTTP
+    header and idle keep-alive timeouts in seconds; ``max_n``: the cap on the
+    sequences of a request (n x prompts); ``max_prompts``: on the prompts of an HTTP body."""
 
     def __init__(self, model_dir: str, worker_addresses: list[str], address: str,
                  config: EngineConfig | None = None, *, metrics_port: int | None = None,
                  metrics_host: str | None = None, admin_token: str | None = None,
                  log_requests: bool = True, log_prompts: bool = False,
                  api_token=None, trust_tenant_header: bool = False,
-                 max_n: int = limits.DEFAULT_MAX_N, tls: grpc.ServerCredentials | None = None,
+                 max_n: int = limits.DEFAULT_MAX_N, max_prompts: int = limits.DEFAULT_MAX_PROMPTS,
+                 tls: grpc.ServerCredentials | None = None,
                  worker_credentials: grpc.ChannelCredentials | None = None,
                  worker_secret: str | None = None, http_port: int | None = None,
                  chat_template: str | None = None, generation_config: str = "auto",
-                 http_tls: tuple | None = None, metrics: ControlPlaneMetrics | None = None):
+                 http_tls: tuple | None = None, metrics: ControlPlaneMetrics | None = None,
+                 http_timeouts: tuple[float, float] = HTTP_TIMEOUTS,
+                 admin_insecure_loopback: bool = False, model_roots: list[str] | None = None):
         self.core = EnginePlane(model_dir, worker_addresses, config, metrics=metrics,
                                 log_requests=log_requests,
                                 log_prompts=log_prompts, worker_credentials=worker_credentials,
                                 worker_secret=worker_secret, chat_template=chat_template,
                                 generation_config=generation_config,
                                 tokens=security.as_tokens(api_token),
-                                trust_tenant_header=trust_tenant_header, max_n=max_n)
+                                trust_tenant_header=trust_tenant_header, max_n=max_n,
+                                max_prompts=max_prompts, model_roots=model_roots)
         self.metrics, self.workers, self.engine = self.core.metrics, self.core.workers, self.core.engine
         self.requests = self.core.requests
         self.tls, self.api_token = tls, api_token
         self.address = address
-        self.metrics_port, self.metrics_host = metrics_port, metrics_host or http_host(address)
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host or "127.0.0.1"
         self.health = health.aio.HealthServicer()
         tokens = security.as_tokens(api_token)
         self.max_message_bytes, max_body = request_limits(model_dir, self.core.tokenizer,
@@ -117,8 +126,10 @@ class ControlPlane:
         self.inference = InferenceService(self.requests, len(worker_addresses))
         self.http = None if http_port is None else HttpFrontEnd(
             self.requests, http_host(address), http_port, tokens,
-            tensor_parallel_size=len(worker_addresses), ssl=http_tls, max_body=max_body)
-        self.admin = AdminService(self.core, admin_token, enabled=admin_access(address, admin_token))
+            tensor_parallel_size=len(worker_addresses), ssl=http_tls, max_body=max_body,
+            header_timeout=http_timeouts[0], keep_alive_timeout=http_timeouts[1])
+        self.admin = AdminService(self.core, admin_token,
+                                  enabled=admin_access(address, admin_token, admin_insecure_loopback))
         self.server = public_server(self.metrics, self.inference, self.admin, self.health,
                                     api_token=tokens, max_message_bytes=self.max_message_bytes)
         self.port = 0

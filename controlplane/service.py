@@ -10,6 +10,7 @@ import grpc
 
 from common import tracing
 from common.logs import get_logger
+from controlplane import wire_check
 from controlplane.metrics import rpc_status
 from controlplane.request_path import RequestError, RequestPath
 from headrace.v1 import inference_pb2 as pb
@@ -34,6 +35,10 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.tp = tensor_parallel_size
 
     async def Generate(self, request: pb.GenerateRequest, context):
+        malformed = wire_check.refusal(request)   # (its stream is not wrapped by the check)
+        if malformed is not None:
+            self.engine.telemetry.metrics.rpc_error("Generate", grpc.StatusCode.INVALID_ARGUMENT, "grpc")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed)
         error = None
         try:
             async with contextlib.aclosing(self.path.generate(

@@ -61,7 +61,14 @@ class Speculation:
             return False
         state = self._state
         return any(not s.in_prefill and (s.seq_id not in state or not state[s.seq_id][1])
-                   and not uses_history(s) and self._left(s) > 0 and self.proposes(s) for s in running)
+                   and self._eligible(s) and self._left(s) > 0 and self.proposes(s) for s in running)
+
+    def _eligible(self, seq: Sequence) -> bool:
+        """No penalties; a structured-output sequence only with n-gram drafts, which the
+        control plane proposes too and checks against its grammar (``controlplane.structured``):
+        a draft model's drafts are not known before the step."""
+        return not uses_history(seq) and (getattr(seq, "grammar", None) is None
+                                          or self.config.method == "ngram")
 
     def proposes(self, seq: Sequence) -> bool:
         """Whether the worker's proposer finds drafts for ``seq``'s known tokens (always for a
@@ -97,7 +104,7 @@ class Speculation:
         if state[1]:
             state[1] -= 1
             return 0
-        if uses_history(seq) or not self.proposes(seq):
+        if not self._eligible(seq) or not self.proposes(seq):
             return 0
         return max(0, min(self.k, self._left(seq), self.max_model_len - seq.num_total, budget - 1))
 
@@ -144,14 +151,15 @@ class Speculation:
         self._grams.pop(seq_id, None)
 
 
-def fold_verified(step: ScheduledStep, result: wpb.StepResult, stopped: set[int], max_model_len: int,
+def fold_verified(step: ScheduledStep, result: wpb.StepResult, stopped: set[int],
+                  check: Callable[[Sequence, bool], int],
                   first_token: Callable[[Sequence], None], settle: Callable[[Sequence, int], None],
                   verified: Callable[[Sequence, int, int, int], None]) -> int:
     """The engine's fold of a speculating step's result: each sequence's tokens are appended
-    one by one, every stop rule checked after each (what follows a stop is dropped); then
-    ``settle`` finishes or wakes it and ``verified`` (the scheduler's) fixes its KV, blocks and
-    back-off. ``stopped``: sequences whose last token the worker's stop-token rule ended.
-    Returns how many tokens reached their sequences."""
+    one by one, ``check`` (the engine's stop rules and grammar) run after each (what follows a
+    stop is dropped); then ``settle`` finishes or wakes it and ``verified`` (the scheduler's)
+    fixes its KV, blocks and back-off. ``stopped``: sequences whose last token the worker's
+    stop-token rule ended. Returns how many tokens reached their sequences."""
     emitted = 0
     for v in step_codec.decode_verified(step, result):
         seq, last = v.seq, len(v.tokens) - 1
@@ -163,7 +171,7 @@ def fold_verified(step: ScheduledStep, result: wpb.StepResult, stopped: set[int]
             emitted += 1
             if len(seq.output_token_ids) == 1:
                 first_token(seq)
-            reason = seq.check_stop(j == last and seq.seq_id in stopped, max_model_len)
+            reason = check(seq, j == last and seq.seq_id in stopped)
             if reason != pb.FINISH_REASON_UNSPECIFIED:
                 break
         settle(seq, reason)

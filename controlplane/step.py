@@ -43,6 +43,7 @@ class ScheduledStep:
     # host KV tier copies, run before the step's other copies and its forward, out first
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (host, device)
+    has_decodes: bool = False   # some sequence computes its next token (not only prompt chunks)
 
     @property
     def speculative(self) -> bool:
@@ -51,7 +52,8 @@ class ScheduledStep:
 
     @property
     def empty(self) -> bool:
-        return not self.new and not self.running.seqs
+        """Nothing to compute and no host-tier copy to start: not sent."""
+        return not self.new and not self.running.seqs and not self.swap_in and not self.swap_out
 
     @property
     def num_tokens(self) -> int:

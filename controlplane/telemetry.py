@@ -23,6 +23,7 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import Link
 
+from common import stage_times
 from common.logs import get_logger
 from controlplane.metrics import ControlPlaneMetrics
 from common.tracing import epoch_ns, get_tracer, inject, traceparent
@@ -76,6 +77,8 @@ class EngineTelemetry:
         """Called in the request handler's context (its span is the current one)."""
         trace_id = structlog.contextvars.get_contextvars().get("trace_id", "")
         st = self._reqs[request.request_id] = _Req(request.arrival, trace_id)
+        if stage_times.STAGES is not None:
+            stage_times.STAGES.stamp(request.request_id, "core_received")
         if self.tracer is None:
             return
         span = trace.get_current_span()
@@ -101,6 +104,8 @@ class EngineTelemetry:
         now = time.monotonic()
         if st.first_token is None:
             st.first_token = now
+            if stage_times.STAGES is not None:   # (folded: just after its step's result)
+                stage_times.STAGES.stamp(seq.request_id, "core_first_token", at=now)
             m = self.metrics
             if st.first_sched is not None:
                 m.prefill.observe(now - st.first_sched)

@@ -1,30 +1,37 @@
 """The host KV tier's cost rule (``--kv-offloading-policy``): whether a prefix hit found in
-the host tier is loaded (copied back to the device) or recomputed, whichever is cheaper.
+the host tier is loaded (copied back to the device) or recomputed, whichever is cheaper, both
+priced from the data plane's own measurements at start.
 
 Loading a host block costs ``load_s_per_block``: the data plane's KV bytes per block (its
-rank's shard, ``WorkerInfo.kv_bytes_per_block``) over the host-to-device rate it measured
-at start on its pinned pool, through the swap-in path (``WorkerInfo.host_kv_load_bytes_per_s``;
-the slowest rank's under tensor parallelism: every rank copies its shard at once, the step
-waits for the last). Recomputing a token costs the marginal step time of one more token,
-``recompute_s_per_token``: the slope of step time against tokens computed, fitted online by
-exponentially weighted least squares over the step results (``StepFit``; device time on a
-GPU, host time on a CPU; steps that waited for a swap-in, and GPU steps without a device time,
-prefill chunks that sample nothing, are left out). The slope, not the
-average time per token: a step's fixed cost (launches, sampling) is paid whatever its size,
-and on a small model it dominates, so time/tokens would make recompute look dearer than it
-is exactly where it is cheap (Qwen3-0.6B on an H200: ~4.2 us/token to load over PCIe, about
-as much or less to recompute; Llama-3.1-8B: recompute ~6x dearer than the copy).
+rank's shard, ``WorkerInfo.kv_bytes_per_block``) over the host-to-device rate it measured on
+its pinned pool through the load path itself (block-sized copies on its copy stream, then the
+scatter into the KV cache: ``WorkerInfo.host_kv_load_bytes_per_s``; the slowest rank's under
+tensor parallelism: every rank copies its shard at once, the step waits for the last).
+
+Recomputing a token costs ``recompute_s_per_token``: the slope of prefill time against
+tokens over the prefills the data plane timed at start at the step sizes the scheduler emits
+(up to ``--max-batched-tokens``; ``WorkerInfo.prefill_profile_tokens`` / ``_seconds``, one
+sequence from position 0 as the runner runs it: device time on a GPU). The slope, not time
+over tokens: a step's fixed part (launches, sampling) is paid whatever its size. Session 8's
+rule fitted whole step times online instead, decodes and all, and priced Qwen3-0.6B's
+recompute at 78-96 us per token where a prefill costs a few: it loaded every hit. The slowest
+rank's slope under tensor parallelism.
 
 ``cut`` picks how many leading hits to adopt, k, minimizing
 ``load_s_per_block * (host blocks among hits[:k]) + recompute_s_per_token * block_size *
 (len(hits) - k)``: device hits are free, so this loads a host block only where that is
 cheaper than recomputing it (ties recompute), and a host block is loaded anyway when device
-hits beyond it make the rest worth it. Until the fit has seen enough steps with varied sizes
-(or when the data plane did not measure its copy rate) ``auto`` loads, the tier's behaviour
-without a rule; ``always`` loads every hit, ``never`` none (the tier then serves swap
-preemption only). A host block not loaded stays cached in the host tier, in its LRU place.
-Either way a sequence's tokens are the same: a recomputed block holds the KV of the same
-tokens. SGLang's HiCache has only a fixed floor (``load_back_threshold``, 10 tokens).
+hits beyond it make the rest worth it. Without both estimates (a data plane that measured
+neither) ``auto`` loads, the tier's behaviour without a rule; ``always`` loads every hit,
+``never`` none (the tier then serves swap preemption only); ``off`` leaves the workers' host
+tiers unused, as if they had none (``Engine``: one data plane, compared with and without its
+tier by restarting only the control plane). A host block not loaded stays
+cached in the host tier, in its LRU place. Where ``auto`` recomputes even a lone host block
+(the copy dearer than the tokens: Qwen3-0.6B on an H200), evicted blocks are not written
+back at all (``keeps_evicted``): they would only cost copies. Either way a sequence's tokens
+are the same: a recomputed block holds the KV of the same tokens. SGLang's HiCache has only
+a fixed floor
+(``load_back_threshold``, 10 tokens).
 """
 
 from __future__ import annotations
@@ -33,78 +40,70 @@ import logging
 
 log = logging.getLogger("headrace.engine")
 
-POLICIES = ("auto", "always", "never")
-HALF_LIFE_STEPS = 64     # the fit forgets a step's weight by half after this many steps
-MIN_STEPS = 8            # steps seen before the slope is trusted
-MIN_SPREAD = 0.1         # ... and their sizes' standard deviation over their mean at least
+POLICIES = ("auto", "always", "never", "off")   # off: the workers' host tiers are not used
 
 
-class StepFit:
-    """Step time against tokens computed, exponentially weighted (incremental means, variance
-    and covariance, West's update): the slope is seconds per extra token. ``slope`` is None
-    until enough varied steps were seen; afterwards it keeps its last good value while recent
-    steps are too alike to fit."""
-
-    def __init__(self, half_life: int = HALF_LIFE_STEPS):
-        self.alpha = 1.0 - 0.5 ** (1.0 / half_life)
-        self.steps = 0
-        self.mean_n = self.mean_t = self.var_n = self.cov = 0.0
-        self.slope: float | None = None
-
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens < 1 or seconds <= 0.0:
-            return
-        self.steps += 1
-        if self.steps == 1:
-            self.mean_n, self.mean_t = float(tokens), seconds
-            return
-        a, dn, dt = self.alpha, tokens - self.mean_n, seconds - self.mean_t
-        self.mean_n += a * dn
-        self.mean_t += a * dt
-        self.var_n = (1.0 - a) * (self.var_n + a * dn * dn)
-        self.cov = (1.0 - a) * (self.cov + a * dn * dt)
-        if self.steps >= MIN_STEPS and self.var_n > (MIN_SPREAD * self.mean_n) ** 2:
-            slope = self.cov / self.var_n
-            if slope > 0.0:
-                self.slope = slope
+def prefill_slope(tokens, seconds) -> float | None:
+    """Seconds per extra token: the least-squares slope of a prefill profile (None with fewer
+    than two sizes, or a slope that is not positive)."""
+    points = [(float(n), float(s)) for n, s in zip(tokens, seconds) if n > 0 and s > 0]
+    if len({n for n, _ in points}) < 2:
+        return None
+    mean_n = sum(n for n, _ in points) / len(points)
+    mean_s = sum(s for _, s in points) / len(points)
+    var = sum((n - mean_n) ** 2 for n, _ in points)
+    slope = sum((n - mean_n) * (s - mean_s) for n, s in points) / var
+    return slope if slope > 0 else None
 
 
 class TierCost:
     def __init__(self, policy: str = "auto", load_s_per_block: float | None = None,
-                 block_size: int = 16, fit: StepFit | None = None):
+                 block_size: int = 16, recompute_s_per_token: float | None = None):
         if policy not in POLICIES:
             raise ValueError(f"--kv-offloading-policy {policy!r}: choose from {POLICIES}")
         self.policy = policy
-        self.load_s_per_block = load_s_per_block or None   # 0: not measured
+        self.load_s_per_block = load_s_per_block or None            # 0: not measured
         self.block_size = block_size
-        self.fit = fit or StepFit()
+        self.recompute_s_per_token = recompute_s_per_token or None  # 0: not measured
+        self.profile: list[tuple[int, float]] = []   # (tokens, seconds) of the slowest rank
         self.skipped_tokens = 0     # host-hit tokens recomputed instead of loaded (metrics)
-        self._verdict: bool | None = None   # the last logged one: load (True) or recompute
 
     @classmethod
     def for_workers(cls, policy: str, infos, blocks) -> "TierCost | None":
         """The rule for a worker group's block manager ``blocks`` (None without a host tier):
-        loading costs its largest block over its slowest copy rate."""
+        loading costs its largest block over its slowest copy rate, recomputing the steepest
+        rank's prefill slope."""
         if blocks.host is None:
             return None
         rates = [i.host_kv_load_bytes_per_s for i in infos]
         load = max(i.kv_bytes_per_block for i in infos) / min(rates) if min(rates) > 0 else None
-        return cls(policy, load, blocks.block_size)
-
-    @property
-    def recompute_s_per_token(self) -> float | None:
-        return self.fit.slope
+        slopes = [prefill_slope(i.prefill_profile_tokens, i.prefill_profile_seconds) for i in infos]
+        rule = cls(policy, load, blocks.block_size, None if None in slopes else max(slopes))
+        if rule.recompute_s_per_token is not None:
+            slowest = infos[slopes.index(rule.recompute_s_per_token)]
+            rule.profile = list(zip(slowest.prefill_profile_tokens, slowest.prefill_profile_seconds))
+        return rule
 
     @property
     def load_s_per_token(self) -> float | None:
         return None if self.load_s_per_block is None else self.load_s_per_block / self.block_size
 
+    def load_seconds(self, num_blocks: int) -> float:
+        """The copy time of ``num_blocks`` host blocks (0 when the rate is not known)."""
+        return (self.load_s_per_block or 0.0) * num_blocks
+
     def loads(self) -> bool | None:
-        """Whether ``auto`` loads a lone host block now (None: not known, so it does)."""
-        r = self.fit.slope
+        """Whether ``auto`` loads a lone host block (None: not known, so it does)."""
+        r = self.recompute_s_per_token
         if self.load_s_per_block is None or r is None:
             return None
         return self.load_s_per_block < r * self.block_size
+
+    def keeps_evicted(self) -> bool:
+        """Whether evicted device blocks are worth writing back to the host tier: not where
+        ``auto`` would recompute every lone host hit (each write-back would be a copy and a
+        gather for nothing; the tier then serves swap preemption only)."""
+        return self.policy != "auto" or self.loads() is not False
 
     def cut(self, hits: list[int]) -> int:
         """How many leading prefix hits to adopt (a host hit is negative: ``~host_block``)."""
@@ -112,7 +111,7 @@ class TierCost:
             return len(hits)
         if self.policy == "never":
             return next(i for i, b in enumerate(hits) if b < 0)
-        r, c = self.fit.slope, self.load_s_per_block
+        r, c = self.recompute_s_per_token, self.load_s_per_block
         if r is None or c is None:
             return len(hits)
         per_block = r * self.block_size
@@ -127,24 +126,18 @@ class TierCost:
         """Counts the host hits an admission left for recompute (after ``cut``)."""
         self.skipped_tokens += sum(self.block_size for b in hits if b < 0)
 
-    def observe(self, step, result, on_device: bool) -> None:
-        """Feeds a step's size and time to the fit (not a step that waited for swap-ins);
-        logs when ``auto``'s verdict on host hits changes."""
-        if step.swap_in:
-            return
-        seconds = (result.device_ms if on_device else result.execute_ms) / 1e3
-        self.fit.observe(step.num_tokens + sum(step.running.num_spec), seconds)
-        verdict = self.loads()
-        if verdict is not None and verdict != self._verdict and self.policy == "auto":
-            self._verdict = verdict
-            log.info("KV offloading policy auto: host hits are %s (load %.2f us/token, "
-                     "recompute %.2f us/token)", "loaded" if verdict else "recomputed",
-                     self.load_s_per_token * 1e6, self.recompute_s_per_token * 1e6)
-
     def describe(self) -> str:
-        """The rule and its estimates, for the tiers' startup line."""
-        load = self.load_s_per_token
+        """The rule, its estimates and ``auto``'s verdict, for the tiers' startup line."""
         text = f"offloading policy {self.policy}"
-        if load is not None:
-            text += f", host load {load * 1e6:.2f} us/token"
-        return text + ", recompute cost fitted from step times"
+        load, recompute = self.load_s_per_token, self.recompute_s_per_token
+        text += f", host load {load * 1e6:.2f} us/token" if load is not None else ", load rate not measured"
+        if recompute is None:
+            return text + ", recompute cost not measured"
+        text += f", recompute {recompute * 1e6:.2f} us/token"
+        if self.profile:
+            text += " (prefills of " + ", ".join(f"{n}: {s * 1e3:.2f} ms" for n, s in self.profile) + ")"
+        verdict = self.loads()
+        if self.policy == "auto" and verdict is not None:
+            text += "; host hits are " + ("loaded" if verdict else
+                                          "recomputed, evicted blocks not written back")
+        return text

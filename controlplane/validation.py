@@ -115,6 +115,10 @@ def check_request(req: pb.GenerateRequest, *, vocab_size: int, max_model_len: in
     if req.HasField("max_tokens"):
         _check(req.max_tokens >= 1, f"max_tokens must be >= 1, got {req.max_tokens}")
     _sampling(req.sampling, vocab_size)
+    if req.HasField("structured"):
+        from controlplane.structured import spec   # (it builds on this module's ValidationError)
+
+        spec.from_proto(req.structured)
     kind = req.WhichOneof("input")
     _check(kind is not None, "prompt: set one of prompt, prompt_token_ids or messages")
     if kind == "prompt_token_ids":   # the prompt's length is known before any tokenization
@@ -163,6 +167,10 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids
     sampling.stop_token_ids.extend(sorted(stop_ids))
     request = Request(request_id=rid, n=max(1, req.n), stream_interval=req.stream_interval,
                       tenant=tenant)
+    if req.HasField("structured"):
+        from controlplane.structured import spec
+
+        request.structured = spec.from_proto(req.structured)
     for index in range(request.n):
         seq_sampling = wpb.Sampling()
         seq_sampling.CopyFrom(sampling)

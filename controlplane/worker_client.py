@@ -64,6 +64,7 @@ class WorkerGroup:
         self._calls: list = []
         self._queues: list[asyncio.Queue] = []
         self.infos: list[pb.WorkerInfo] = []
+        self.on_stream_end = None   # called when an open Execute stream ends by itself
 
     async def describe(self, timeout: float) -> list[pb.WorkerInfo]:
         """Waits (up to ``timeout`` seconds) until every worker answers Describe."""
@@ -112,6 +113,17 @@ class WorkerGroup:
         self._queues = [asyncio.Queue() for _ in self._stubs]
         self._calls = [stub.Execute(_drain(queue), wait_for_ready=True, metadata=self._metadata)
                        for stub, queue in zip(self._stubs, self._queues)]
+        for call in self._calls:
+            call.add_done_callback(self._stream_ended)
+
+    def _stream_ended(self, call) -> None:
+        if call in self._calls and self.on_stream_end is not None:   # (not one closed here)
+            self.on_stream_end()
+
+    @property
+    def broken(self) -> bool:
+        """Whether an open step stream ended (its worker gone), even with no step in flight."""
+        return any(call.done() for call in self._calls)
 
     async def close_streams(self) -> None:
         for queue in self._queues:   # each stream's writer ends ...

@@ -31,6 +31,21 @@ def batch_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
+def capture_graph(run, pool=None, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
+    """``run()`` captured into a new CUDA graph (in memory pool ``pool``; None: a new one, then
+    ``graph.pool()``), on ``stream`` (a side stream, as ``torch.cuda.graph`` captures). Unlike
+    ``torch.cuda.graph`` it runs no ``gc.collect()`` and ``empty_cache()`` per capture (vLLM
+    skips them too): with a thousand piecewise graphs they would add tens of seconds."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            run()
+        finally:
+            graph.capture_end()
+    return graph
+
+
 class EagerGraph:
     """``torch.cuda.CUDAGraph``'s stand-in off CUDA: ``replay`` runs the forward pass of its
     size over the static buffers into the static output (tests exercise the buffer logic)."""
@@ -39,7 +54,7 @@ class EagerGraph:
         self.graphs, self.size = graphs, size
 
     def replay(self) -> None:
-        self.graphs.outputs[self.size].copy_(self.graphs._forward(self.size))
+        self.graphs._forward(self.size)
 
 
 class DecodeGraphs:
@@ -57,6 +72,10 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), **i32)
         self.arange = torch.arange(max_batch, **i32)
         self.decode_order = self.arange.clone()   # attention's start order, longest first
+        # one logits buffer for every size (each graph writes its rows): a size's logits are
+        # read by its step's sampling, which runs before the next step's replay
+        self.logits = torch.zeros((max_batch, model.shard.vocab_size),
+                                  dtype=model.model.embed_tokens.weight.dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.sizes = batch_sizes(max_batch)
@@ -71,29 +90,36 @@ class DecodeGraphs:
                                  max_query_len=1, decode_only=True,
                                  decode_order=self.decode_order[:size])
         hidden = self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
-        return self.model.logits(hidden)
+        return self.model.logits(hidden, out=self.logits[:size])
+
+    def static_bytes(self) -> int:
+        """Device memory of the static buffers (the graphs' pool comes on top)."""
+        ts = [self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.query_start_loc,
+              self.block_tables, self.arange, self.decode_order, self.logits]
+        return sum(t.numel() * t.element_size() for t in ts)
 
     @torch.inference_mode()
-    def capture(self, progress=None) -> None:
-        """Captures every batch size; ``progress`` (``dataplane.progress.Progress``) counts them."""
+    def capture(self, progress=None, pool=None) -> None:
+        """Captures every batch size; ``progress`` (``dataplane.progress.Progress``) counts them;
+        ``pool``: a graph memory pool to capture into (None: a new one, ``self.pool`` after)."""
         start = time.perf_counter()
         if self.device.type != "cuda":
             for size in self.sizes:
                 self.outputs[size] = self._forward(size)
                 self.graphs[size] = EagerGraph(self, size)
             return
-        pool = None
+        stream = torch.cuda.Stream(self.device)
         for size in reversed(self.sizes):       # largest first: smaller ones reuse its memory
             self._forward(size)                 # warm-up: compiles kernels, sets up cuBLAS
             torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            pool = graph.pool()
+            graph = capture_graph(lambda s=size: self.outputs.__setitem__(s, self._forward(s)),
+                                  pool, stream)
+            pool = graph.pool() if pool is None else pool
             self.graphs[size] = graph
             if progress is not None:
                 progress.update()
         torch.cuda.synchronize(self.device)
+        self.pool = pool
         self.capture_seconds = time.perf_counter() - start
 
     def fits(self, batch: int) -> bool:

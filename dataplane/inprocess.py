@@ -1,7 +1,8 @@
 """A data plane worker as an in-process worker group: the interface the control plane's engine
 drives (``describe``, ``num_kv_blocks``, ``open``, ``send``, ``receive``, ``close_streams``,
-``close``) over a ``Worker`` in this process, with the same step pipeline as the data plane's
-``Execute`` stream (step N+1 launched before step N is finished) and no gRPC in between.
+``close``, ``broken``) over a ``Worker`` in this process, with the same step pipeline as the
+data plane's ``Execute`` stream (step N+1 launched before step N is finished) and no gRPC in
+between.
 
 The planes never import each other; code above both (benchmarks, tests) composes them:
 
@@ -28,6 +29,8 @@ LaunchHook = Callable[[pb.StepRequest, Callable[[], Launched]], Launched]
 
 class InProcessWorkerGroup:
     """One worker, one rank; its results come back in the order the steps were sent."""
+
+    broken = False   # an in-process stream never ends by itself
 
     def __init__(self, worker: Worker, launch_hook: LaunchHook | None = None):
         self.worker = worker

@@ -66,8 +66,10 @@ class InputBatch:
         self.min_tokens = np.zeros(max_seqs, dtype=np.int64)
         self.has_stops = np.zeros(max_seqs, dtype=bool)
         self.stop_ids: list[frozenset[int] | None] = [None] * max_seqs
+        self.stop_table = np.full((max_seqs, 1), -1, dtype=np.int64)   # the same, -1 padded
         self.stopped: set[int] = set()   # seq ids whose sampled token finished them
         self.rows: dict[int, int] = {}
+        self.version = 0   # bumped when a sequence is added or removed (``step_delta``'s index)
         self.sampling: list[SamplingRow | None] = [None] * max_seqs
         self._free_rows = list(range(max_seqs - 1, -1, -1))
         # every row's known tokens, when speculation proposes from them (``record``)
@@ -81,6 +83,7 @@ class InputBatch:
         row = self.rows.pop(seq_id, None)
         self.stopped.discard(seq_id)
         if row is not None:
+            self.version += 1
             self.sampling[row] = None
             self.stop_ids[row], self.has_stops[row] = None, False
             self.num_history_rows -= int(self.uses_history[row])
@@ -104,6 +107,7 @@ class InputBatch:
             raise BatchError(f"more than {self.max_seqs} sequences held")
         row = self._free_rows.pop()
         self.rows[seq_id] = row
+        self.version += 1
         self.sampling[row] = row_state
         n = len(row_state.prompt_token_ids) + len(row_state.output_token_ids)
         if n == 0:
@@ -120,10 +124,19 @@ class InputBatch:
         self.min_tokens[row] = r.min_tokens
         self.stop_ids[row] = frozenset(r.stop_token_ids) or None
         self.has_stops[row] = self.stop_ids[row] is not None
+        self._set_stops(row, sorted(self.stop_ids[row] or ()))
         self._set_blocks(row, 0, block_ids)
         if self.tokens is not None:
             self.tokens[row, :n] = r.prompt_token_ids + r.output_token_ids
         return row
+
+    def _set_stops(self, row: int, ids: list[int]) -> None:
+        if len(ids) > self.stop_table.shape[1]:   # a wider table (rarely: ids are few)
+            wider = np.full((self.max_seqs, len(ids)), -1, dtype=np.int64)
+            wider[:, :self.stop_table.shape[1]] = self.stop_table
+            self.stop_table = wider
+        self.stop_table[row] = -1
+        self.stop_table[row, :len(ids)] = ids
 
     def truncate(self, seq_ids, num_blocks) -> None:
         """Cuts block tables back (the control plane took back speculative blocks); sequences
@@ -178,16 +191,21 @@ class InputBatch:
     # stop when a step is launched, ``mark_stopped`` checks their tokens once they are known;
     # the StepResult reports the verdict and the control plane follows it.
 
-    def stop_watch(self, rows: np.ndarray, seq_ids: list[int]) -> list[tuple[int, int, frozenset[int]]]:
-        """For rows that just counted a sample (``count_sampled``) and may stop on it: (index in
-        ``rows``, seq id, stop tokens), for ``mark_stopped`` once the sampled values are known."""
+    def stop_watch(self, rows: np.ndarray, seq_ids: np.ndarray) -> tuple:
+        """For rows that just counted a sample (``count_sampled``) and may stop on it: their
+        indices in ``rows``, seq ids and stop ids (a copy of their table rows: the rows may be
+        reused before the tokens are known), for ``mark_stopped``. Array work only."""
         watch = np.flatnonzero(self.has_stops[rows] & (self.num_output[rows] >= self.min_tokens[rows]))
-        return [(int(i), seq_ids[i], self.stop_ids[int(rows[i])]) for i in watch]
+        return watch, seq_ids[watch], self.stop_table[rows[watch]]
 
-    def mark_stopped(self, watch: list[tuple[int, int, frozenset[int]]], tokens: list[int]) -> list[int]:
+    def mark_stopped(self, watch: tuple, tokens: list[int]) -> list[int]:
         """The watched sequences whose sampled token finishes them; those still held are left
         out of the steps that run next (``stopped``)."""
-        done = [seq_id for i, seq_id, stops in watch if tokens[i] in stops]
+        if not watch or not len(watch[0]):
+            return []
+        index, seq_ids, table = watch
+        sampled = np.asarray(tokens, dtype=np.int64)[index]
+        done = seq_ids[(table == sampled[:, None]).any(axis=1)].tolist()
         self.stopped.update(s for s in done if s in self.rows)
         return done
 

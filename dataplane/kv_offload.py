@@ -1,38 +1,37 @@
 """The host KV tier's memory and copy engine (``--kv-offloading-size``): a pool of KV blocks in
-host memory (pinned on CUDA), and the block copies each step carries between it and the
-device's KV cache, as the control plane's block manager decided them
+host memory (pinned on CUDA, allocated once at start), and the block copies each step carries
+between it and the device's KV cache, as the control plane's block manager decided them
 (``controlplane.host_tier``).
 
 The pool is block-major, ``[blocks, layers, 2, block_size, kv_heads, head_dim]``, so one host
 block is one contiguous chunk: a swap-out gathers its device blocks, every layer's K and V,
 into a device staging tensor (one kernel per layer) and copies each block to the host in
 one transfer; a swap-in copies each host block to a staging tensor and scatters it into the
-device blocks (one kernel per layer). A step's swap-outs come first, then its copy-on-write
-copies, then its swap-ins, all before the step's forward pass.
+device blocks (one kernel per layer). A step's copies act as if they ran before its forward
+pass, swap-outs first, then its copy-on-write copies, then its swap-ins.
 
-On CUDA the copies run on a side stream: it waits for the work queued before the step (so a
-block is saved after the steps that wrote it), and the step's forward waits for the gather
-and the swap-ins only, never the host: nothing here synchronizes. The device-to-host
-transfers of a swap-out overlap the forward, unless the step reads back a host block it
-writes. Copy time is measured with events and reported once they are done (``drain``). On
-the CPU the pool is a second tensor and the copies run at once (CI tests the logic so).
-At start ``measure_load_rate`` times the swap-in's host-to-device transfers once (the
+On CUDA they do not run before it: ``dataplane.kv_transfer`` queues swap-outs and swap-ins on
+two copy streams of their own and orders them by events, so the forward waits only for the
+gather of the blocks it may overwrite and for the loads of the blocks it reads; a swap-in
+whose blocks a later step reads (the control plane sends a waiting request's loads ahead of
+its compute: ``controlplane.prefetch``) overlaps the steps between. Nothing here waits for
+the host. On the CPU the pool is a second tensor and the copies run at once (CI tests the
+logic so). At start ``measure_load_rate`` times the load path itself (the
 ``WorkerInfo.host_kv_load_bytes_per_s`` that prices a host hit against recomputing it).
 Under tensor parallelism each rank holds its own shard's pool and makes the same copies.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 
+from dataplane import kv_transfer
 from dataplane.input_batch import BatchError
 from dataplane.kv_cache import GiB, available_host_bytes
 
 CHUNK_BLOCKS = 32   # blocks staged on the device at once (bounds the scratch memory)
-_nothing = contextlib.nullcontext
 
 
 def host_blocks_for(size_gib: float, block_bytes: int) -> int:
@@ -57,16 +56,34 @@ def check_step(host: "HostKV | None", step) -> None:
         raise BatchError("swap_out/swap_in sent to a worker without a host KV tier")
 
 
-def apply_step(host: "HostKV | None", caches: list[torch.Tensor], step, copy=None) -> None:
+def apply_step(host: "HostKV | None", caches: list[torch.Tensor], step, copy=None, reads=None) -> None:
     """A step's block copies before its forward: the host tier's swap-outs, the copy-on-write
     copies (``copy()``), then the swap-ins (a fork's source block that its parent freed may be
-    a swap-in's destination in the same step)."""
+    a swap-in's destination in the same step); on CUDA the forward then waits for the loads
+    of ``reads`` (the device blocks it reads and writes), of this step or an earlier one."""
     out_dev, in_dev = step.swap_out_device_blocks, step.swap_in_device_blocks
-    if host is not None and (out_dev or in_dev):
-        host.apply(caches, list(out_dev), list(step.swap_out_host_blocks),
-                   list(step.swap_in_host_blocks), list(in_dev), between=copy)
-    elif copy is not None:
-        copy()
+    if host is None or not (out_dev or in_dev or host.loads_pending):   # the common step
+        if copy is not None:
+            copy()
+        return
+    cow = (step.copy_src_blocks, step.copy_dst_blocks) if copy is not None else ()
+    host.apply(caches, list(out_dev), list(step.swap_out_host_blocks),
+               list(step.swap_in_host_blocks), list(in_dev), between=copy,
+               reads=reads, between_blocks=cow)
+
+
+def runs(blocks) -> list[tuple[int, int, int]]:
+    """(position, first block, length) of each run of consecutive ids in ``blocks``: one copy
+    each between the pool and a staging tensor (the host tier hands out blocks in the order it
+    freed them, so a sequence's blocks often come in runs; every copy costs a launch)."""
+    out: list[tuple[int, int, int]] = []
+    for i, b in enumerate(blocks):
+        if out and out[-1][1] + out[-1][2] == b:
+            p, first, n = out[-1]
+            out[-1] = (p, first, n + 1)
+        else:
+            out.append((i, b, 1))
+    return out
 
 
 class HostKV:
@@ -82,9 +99,13 @@ class HostKV:
         self.pool = torch.empty((num_blocks, len(caches), *shape[:1], *shape[2:]), dtype=dtype,
                                 pin_memory=cuda)
         self.block_bytes = self.pool[0].numel() * self.pool.element_size()
-        self.stream = torch.cuda.Stream(device) if cuda else None
-        self._timing: list[tuple[torch.cuda.Event, torch.cuda.Event, int, int]] = []
-        self._done = [0.0, 0, 0]   # ms, bytes out, bytes in (CPU: measured at once)
+        self.transfers = kv_transfer.Transfers(device) if cuda else None
+        self._done = [0.0, 0, 0]   # CPU: ms, bytes out, bytes in (measured at once)
+
+    @property
+    def loads_pending(self) -> bool:
+        """Whether a load may still be writing a device block (CUDA only; may be stale-true)."""
+        return self.transfers is not None and bool(self.transfers.loading)
 
     def check(self, out_dev, out_host, in_host, in_dev) -> None:
         if not (out_dev or out_host or in_host or in_dev):
@@ -95,66 +116,67 @@ class HostKV:
                 any(b >= self.num_blocks for b in list(out_host) + list(in_host)):
             raise BatchError("swap_out/swap_in: a block id out of range")
 
-    def apply(self, caches: list[torch.Tensor], out_dev, out_host, in_host, in_dev, between=None) -> None:
+    def apply(self, caches: list[torch.Tensor], out_dev, out_host, in_host, in_dev, between=None,
+              reads=None, between_blocks=()) -> None:
         """The step's copies: device -> host, then ``between()`` (the step's copy-on-write
-        copies, on the current stream), then host -> device; on CUDA queued on the side
-        stream, the current stream made to wait for what the step's forward needs."""
+        copies of ``between_blocks``, on the current stream), then host -> device; on CUDA
+        queued on the copy streams (``kv_transfer``), the current stream made to wait for
+        what the step's forward reads (``reads``)."""
         if self._raw:
             caches = [c.view(torch.uint8) for c in caches]
-        if self.stream is None:
+        t = self.transfers
+        if t is None:
             t0 = time.perf_counter()
-            self._swap_out(caches, out_dev, out_host)
+            self._download(self._gather(caches, out_dev), out_host)
             if between is not None:
                 between()
-            self._swap_in(caches, in_host, in_dev)
+            self._upload(caches, in_host, in_dev)
             self._done[0] += (time.perf_counter() - t0) * 1e3
             self._done[1] += len(out_dev) * self.block_bytes
             self._done[2] += len(in_dev) * self.block_bytes
             return
-        main = torch.cuda.current_stream(self.device)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.stream.wait_stream(main)   # after every op that wrote the blocks
-        read_back = bool(set(out_host) & set(in_host))
-        with torch.cuda.stream(self.stream):
-            begin.record()
-            staged = self._gather(caches, out_dev)
-            if read_back:
-                self._download(staged, out_host)
-            gathered = torch.cuda.Event()
-            gathered.record()
-        main.wait_event(gathered)   # nothing overwrites a block before it is gathered
+        if out_dev:
+            t.store(out_dev, out_host, lambda: self._gather(caches, out_dev),
+                    lambda staged: self._download(staged, out_host), self.block_bytes)
         if between is not None:
+            for blocks in between_blocks:   # a fresh block an earlier load may still write
+                t.wait_for(blocks)
             between()
         if in_dev:
-            self.stream.wait_stream(main)   # after the copy-on-write copies
-        with torch.cuda.stream(self.stream):
-            self._swap_in(caches, in_host, in_dev)
-            ready = torch.cuda.Event()
-            ready.record()
-            if not read_back:
-                self._download(staged, out_host)
-            end.record()
-        main.wait_event(ready)
-        self._timing.append((begin, end, len(out_dev) * self.block_bytes, len(in_dev) * self.block_bytes))
+            t.load(in_host, in_dev, lambda hosts, devs: self._upload(caches, hosts, devs),
+                   CHUNK_BLOCKS, self.block_bytes)
+        if reads is not None:
+            t.wait_for(reads)
 
-    def measure_load_rate(self, repeats: int = 3) -> float:
-        """Bytes per second the swap-in path moves host blocks to the device at: up to
-        CHUNK_BLOCKS pool blocks copied block by block into a device staging tensor, on the
-        copy stream, the best of ``repeats`` runs after an untimed one. The scatter into the
-        KV cache that follows in a real swap-in is device-internal and left out (nothing is
-        written to the cache here)."""
-        n = min(self.num_blocks, CHUNK_BLOCKS)
-        buf = torch.empty((n, *self.pool.shape[1:]), dtype=self.pool.dtype, device=self.device)
+    def measure_load_rate(self, caches: list[torch.Tensor], repeats: int = 3) -> float:
+        """Bytes per second the load path moves host blocks to the device at: up to
+        CHUNK_BLOCKS pool blocks copied block by block from pinned memory into a staging
+        tensor and scattered into the KV cache, on the load stream (device time between two
+        events), the best of ``repeats`` runs after an untimed one. Run at start, before any
+        block holds KV: it writes zeros into the cache, as it was allocated."""
+        if self._raw:
+            caches = [c.view(torch.uint8) for c in caches]
+        n = min(self.num_blocks, self.num_device_blocks, CHUNK_BLOCKS)
+        blocks = list(range(n))
+        self.pool[:n].zero_()   # the pool is not initialised; the cache's unwritten slots are zeros
         best = float("inf")
         for run in range(repeats + 1):
-            t0 = time.perf_counter()
-            with torch.cuda.stream(self.stream) if self.stream is not None else _nothing():
-                for b in range(n):
-                    buf[b].copy_(self.pool[b], non_blocking=True)
-            if self.stream is not None:
-                self.stream.synchronize()
+            if self.transfers is None:
+                t0 = time.perf_counter()
+                self._upload(caches, blocks, blocks)
+                seconds = time.perf_counter() - t0
+            else:
+                stream = self.transfers.load_stream
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    begin.record(stream)
+                    self._upload(caches, blocks, blocks)
+                    end.record(stream)
+                end.synchronize()
+                seconds = begin.elapsed_time(end) / 1e3
             if run:
-                best = min(best, time.perf_counter() - t0)
+                best = min(best, seconds)
         return n * self.block_bytes / max(best, 1e-9)
 
     def _gather(self, caches, out_dev) -> list[tuple[torch.Tensor, int]]:
@@ -172,39 +194,29 @@ class HostKV:
         """Block ids on the device; on CUDA from pinned memory (a pageable copy may wait for the
         stream, and the stream for the step before: the host would stall)."""
         ids = torch.as_tensor(list(blocks), dtype=torch.int64)
-        if self.stream is None:
+        if self.transfers is None:
             return ids
         return ids.pin_memory().to(self.device, non_blocking=True)
 
     def _download(self, staged, out_host) -> None:
         for buf, c in staged:
-            for i in range(buf.shape[0]):
-                self.pool[out_host[c + i]].copy_(buf[i], non_blocking=True)
+            for i, h, n in runs(out_host[c:c + buf.shape[0]]):
+                self.pool[h:h + n].copy_(buf[i:i + n], non_blocking=True)
 
-    def _swap_out(self, caches, out_dev, out_host) -> None:
-        self._download(self._gather(caches, out_dev), out_host)
-
-    def _swap_in(self, caches, in_host, in_dev) -> None:
+    def _upload(self, caches, in_host, in_dev) -> None:
+        """Host blocks ``in_host`` into device blocks ``in_dev``, CHUNK_BLOCKS at a time."""
         for c in range(0, len(in_dev), CHUNK_BLOCKS):
             hosts = in_host[c:c + CHUNK_BLOCKS]
             buf = torch.empty((len(hosts), *self.pool.shape[1:]), dtype=self.pool.dtype, device=self.device)
-            for i, h in enumerate(hosts):
-                buf[i].copy_(self.pool[h], non_blocking=True)
+            for i, h, n in runs(hosts):
+                buf[i:i + n].copy_(self.pool[h:h + n], non_blocking=True)
             idx = self._index(in_dev[c:c + CHUNK_BLOCKS])
             for layer, cache in enumerate(caches):
                 cache.index_copy_(1, idx, buf[:, layer].transpose(0, 1))
 
     def drain(self) -> tuple[float, int, int]:
         """(copy ms, bytes out, bytes in) of the copies finished since the last call."""
-        ms, out, into = self._done
-        self._done = [0.0, 0, 0]
-        pending = []
-        for begin, end, o, i in self._timing:
-            if end.query():
-                ms += begin.elapsed_time(end)
-                out += o
-                into += i
-            else:
-                pending.append((begin, end, o, i))
-        self._timing = pending
-        return ms, out, into
+        if self.transfers is not None:
+            return self.transfers.drain()
+        done, self._done = self._done, [0.0, 0, 0]
+        return done[0], done[1], done[2]

@@ -34,7 +34,7 @@ class Launched:
     seq_ids: list[int] = dataclasses.field(default_factory=list)
     out: SampleOutput | None = None
     histories: list[tuple[int, SamplingRow]] = dataclasses.field(default_factory=list)
-    stop_watch: list = dataclasses.field(default_factory=list)   # see InputBatch.stop_watch
+    stop_watch: tuple = ()   # see InputBatch.stop_watch
     begin: torch.cuda.Event | None = None      # device timeline: the step's first op ...
     done: torch.cuda.Event | None = None       # ... and its last (the ids are on the host)
     previous: torch.cuda.Event | None = None   # the last op of the step launched before
@@ -43,3 +43,10 @@ class Launched:
     verified: Verified | None = None               # a speculative verify (spec_decode)
     token_rows: np.ndarray | None = None           # the rows that sampled, and where their
     token_pos: np.ndarray | None = None            # tokens go in the token mirror
+    kind: str = ""      # decode, mixed, prefill or verify (``forward.step_kind``)
+    graph: str = ""     # how its forward ran: full, piecewise or eager (``forward.MODES``)
+    # host time of launch's phases (ms): apply (the delta), build (inputs, their upload),
+    # forward (its launches; on a CPU the forward itself), sample (sampling's launches)
+    host_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    awaiting: tuple | None = None   # launched with bitmask_follows: (logits, sampling, device
+                                    # arrays, prepared batch) until ``sample_late``

@@ -97,21 +97,31 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        q = self.prologue(positions, h, kv_cache, meta.slot_mapping)
+        return self.o_proj(self.attend(q, kv_cache, meta).reshape(-1, self.cfg.q_size))
+
+    def prologue(self, positions: torch.Tensor, h: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> torch.Tensor:
+        """q [tokens, heads, head_dim] (normed, rotated); k and v written to their slots."""
         cfg = self.cfg
         q, k, v = self.qkv_proj(h).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q = kernels.qk_norm_rope_write_kv(
+        return kernels.qk_norm_rope_write_kv(
             q, k, v, positions, self.cos_sin, self.q_norm.weight if cfg.qk_norm else None,
             self.k_norm.weight if cfg.qk_norm else None, cfg.rms_norm_eps, kv_cache,
-            meta.slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
-        o = kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
-                                    meta.block_tables, self.scale,
-                                    max_query_len=meta.max_query_len, decode_only=meta.decode_only,
-                                    num_decodes=meta.num_decodes, decode_order=meta.decode_order,
-                                    k_scale=self.k_scale, v_scale=self.v_scale, flash=meta.flash)
-        return self.o_proj(o.reshape(-1, cfg.q_size))
+            slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Paged attention of ``q`` over the cache (into ``out`` when given)."""
+        return kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
+                                       meta.block_tables, self.scale,
+                                       max_query_len=meta.max_query_len, decode_only=meta.decode_only,
+                                       num_decodes=meta.num_decodes, decode_order=meta.decode_order,
+                                       k_scale=self.k_scale, v_scale=self.v_scale, flash=meta.flash,
+                                       out=out)
 
 
 class MLP(nn.Module):
@@ -133,12 +143,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, h, residual, kv_cache, meta):
+        q, residual = self.pre_attention(positions, h, residual, kv_cache, meta.slot_mapping)
+        return self.post_attention(self.self_attn.attend(q, kv_cache, meta), residual)
+
+    # The layer's halves around attention: ``dataplane.mixed_graphs`` captures them in CUDA
+    # graphs and launches the attention between them.
+
+    def pre_attention(self, positions, h, residual, kv_cache, slot_mapping):
+        """(q, residual): the input norm, the q/k/v projection and the attention prologue."""
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = kernels.fused_add_rms_norm(h, residual, self.input_layernorm.weight,
                                                      self.input_layernorm.eps)
-        h = self.self_attn(positions, h, kv_cache, meta)
+        return self.self_attn.prologue(positions, h, kv_cache, slot_mapping), residual
+
+    def post_attention(self, o, residual):
+        """(h, residual) from the attention's output o: o_proj, the post-attention norm, MLP."""
+        h = self.self_attn.o_proj(o.reshape(-1, self.self_attn.cfg.q_size))
         h, residual = kernels.fused_add_rms_norm(h, residual, self.post_attention_layernorm.weight,
                                                  self.post_attention_layernorm.eps)
         return self.mlp(h), residual
@@ -158,8 +180,10 @@ class DecoderModel(nn.Module):
         h, residual = self.embed_tokens(input_ids), None
         for layer, cache in zip(self.layers, kv_caches):
             h, residual = layer(positions, h, residual, cache, meta)
-        h, _ = kernels.fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
-        return h
+        return self.final_norm(h, residual)
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return kernels.fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]
 
 
 class CausalLM(nn.Module):
@@ -178,13 +202,17 @@ class CausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[rows, vocab] logits of ``hidden``'s rows (written into ``out`` when given: the
+        CUDA graphs' one static logits buffer)."""
         weight = (self.model.embed_tokens.weight if self.cfg.tie_word_embeddings
                   else self.lm_head.weight)
+        if self.shard.world == 1 and out is not None:
+            return torch.mm(hidden, weight.t(), out=out)
         logits = torch.nn.functional.linear(hidden, weight)
-        if self.shard.world == 1:
-            return logits
-        return parallel.all_gather_last(logits)[:, :self.shard.vocab_size]
+        if self.shard.world > 1:
+            logits = parallel.all_gather_last(logits)[:, :self.shard.vocab_size]
+        return logits if out is None else out.copy_(logits)
 
     def rebind_rotary(self) -> None:
         """Points every layer at the module's own cos/sin buffer (after a device move)."""

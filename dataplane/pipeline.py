@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataplane.input_batch import BatchError
 from dataplane.launched import Launched
 from dataplane.runner import ModelRunner
 from headrace.dataplane.v1 import worker_pb2 as pb
@@ -13,7 +14,8 @@ class StepPipeline:
     the one before it is finished, unless it asks for ``flush`` (or samples nothing, or the
     next step's penalties need the previous token, or it verifies speculative drafts).
     ``submit`` returns the results that are ready, in step order; ``drain`` finishes what is
-    left. ``launch`` and ``finish`` replace the runner's own calls (to time or trace each
+    left. A step launched with ``bitmask_follows`` stays unsampled until the ``late_bitmask``
+    message that must come next. ``launch`` and ``finish`` replace the runner's own calls (to time or trace each
     step around them)."""
 
     def __init__(self, runner: ModelRunner, finish=None, launch=None):
@@ -23,6 +25,11 @@ class StepPipeline:
         self._pending: tuple[pb.StepRequest, Launched] | None = None
 
     def submit(self, step: pb.StepRequest) -> list[pb.StepResult]:
+        if step.late_bitmask:
+            return self._late_bitmask(step)
+        if self._pending is not None and self._pending[1].awaiting is not None:
+            raise BatchError(f"step {step.step_id} came before the bitmasks step "
+                             f"{self._pending[0].step_id} waits for")
         ready = []
         if self._pending is not None and self.runner.needs_history(step):
             ready.append(self._done())
@@ -30,9 +37,21 @@ class StepPipeline:
         if self._pending is not None:
             ready.append(self._done())
         self._pending = (step, launched)
-        if step.flush or launched.out is None or launched.verified is not None:
+        if launched.awaiting is None and self._answer_now(step, launched):
             ready.append(self._done())
         return ready
+
+    @staticmethod
+    def _answer_now(step: pb.StepRequest, launched: Launched) -> bool:
+        return step.flush or launched.out is None or launched.verified is not None
+
+    def _late_bitmask(self, msg: pb.StepRequest) -> list[pb.StepResult]:
+        """Samples the step waiting for these bitmasks (no result of its own)."""
+        if self._pending is None:
+            raise BatchError(f"late bitmasks for step {msg.step_id}, which waits for none")
+        step, launched = self._pending
+        self.runner.sample_late(launched, msg)
+        return [self._done()] if self._answer_now(step, launched) else []
 
     def drain(self) -> list[pb.StepResult]:
         return [self._done()] if self._pending is not None else []

@@ -1,6 +1,9 @@
-"""Executes steps: applies the control plane's step delta to the persistent ``InputBatch``,
-runs the model over the paged KV cache (replaying a CUDA graph for decode-only steps on a
-GPU, and for speculative verifies of decodes only: ``spec_decode.decode_rows``) and samples.
+"""Executes steps: applies the control plane's step delta to the persistent ``InputBatch``
+(``step_delta``), runs the model over the paged KV cache (``forward``: a full CUDA graph for
+decode-only steps and verifies of decodes only, piecewise graphs for prefill and mixed steps,
+eagerly otherwise) and samples. Each launched step records its host time per phase (apply
+the delta, build and upload the inputs, launch the forward, launch sampling) in
+``Launched.host_ms``, and its kind and graph mode, for the metrics and ``bench/step_host.py``.
 
 The mirror is updated only from StepRequests (the control plane decides everything); the
 runner keeps each sequence's last token on the device, so a decode reads the token sampled
@@ -10,6 +13,11 @@ Launching step N+1 before finishing step N keeps the GPU busy while the host rea
 and the control plane processes them (the control plane's overlapped scheduling). With a
 third step in flight, a sequence whose sampled token is one of its stop tokens is left out of
 the steps that were sent before the control plane saw that token (one wasted slot at most).
+
+Structured outputs: a step's constrained rows come with packed token bitmasks
+(``dataplane.bitmasks``), uploaded with the step's inputs and applied to the logits on the
+device before sampling. A step sent with ``bitmask_follows`` is launched up to its logits and
+sampled by ``sample_late`` when its bitmasks arrive (the forward pass runs meanwhile).
 
 Under tensor parallelism every rank runs every step; the logits are gathered on every rank,
 rank 0 alone samples and broadcasts the token ids, so every rank's ``last_token`` table (and
@@ -25,12 +33,14 @@ import numpy as np
 import torch
 
 import kernels
-from dataplane import kv_offload, parallel, staging
+from dataplane import bitmasks, kv_offload, parallel, staging, step_delta
+from dataplane.forward import StepForward, step_kind
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
-from dataplane.launched import Launched, sampling_row
-from dataplane.model import AttentionMetadata, CausalLM
+from dataplane.launched import Launched
+from dataplane.model import CausalLM
 from dataplane.sampler import SampleOutput, SamplingBatch, device_arrays, sample
-from dataplane.spec_decode import SpecDecoder, Verified, decode_rows, verify
+from dataplane.spec_decode import SpecDecoder, Verified, verify
+from dataplane.step_delta import StepRows
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 
@@ -38,9 +48,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
                  graphs=None, rank: int = 0, seed: int | None = None, spec: SpecDecoder | None = None,
-                 attention=None, host_kv: kv_offload.HostKV | None = None):
+                 attention=None, host_kv: kv_offload.HostKV | None = None, mixed=None):
         self.model = model
-        self.attention = attention   # kernels.attention_policy.Policy (None: Triton only)
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.num_blocks = kv_caches[0].shape[1]
@@ -51,75 +60,38 @@ class ModelRunner:
         self.spec = spec
         self.draft = spec.draft if spec is not None else None   # dataplane.draft_model.DraftModel
         self.host_kv = host_kv   # the host KV tier (dataplane.kv_offload), or None
+        self.index = step_delta.RowIndex(self.batch)   # seq ids -> rows, by array
         self.seq_of_row = np.zeros(max_num_seqs, dtype=np.int64)
         self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
-        self.graphs = graphs   # dataplane.cuda_graphs.DecodeGraphs or None
+        # how each step's forward runs: decode graphs, piecewise (mixed) graphs, or eagerly
+        self.forward = StepForward(model, kv_caches, device, max_num_seqs, graphs, mixed,
+                                   self.draft, attention)
+        self.stager = staging.Stager(device)   # a step's inputs: one copy, from pinned buffers
         self.rank = rank
         self.rng = np.random.default_rng(seed)   # seeds of the unseeded rows' sampling noise
         self._last_done: torch.cuda.Event | None = None
-        self._arange = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
+
+    # The forward's graphs and attention policy, as the worker (and tests) set them.
+    graphs = property(lambda self: self.forward.graphs,
+                      lambda self, g: setattr(self.forward, "graphs", g))   # DecodeGraphs or None
+    mixed = property(lambda self: self.forward.mixed,
+                     lambda self, g: setattr(self.forward, "mixed", g))     # MixedGraphs or None
+    attention = property(lambda self: self.forward.attention,
+                         lambda self, a: setattr(self.forward, "attention", a))
 
     def reset(self) -> None:
         """Forgets every sequence (a new control plane stream starts from nothing)."""
         self.batch.clear()
 
-    def _apply_diff(self, step: pb.StepRequest) -> tuple[np.ndarray, np.ndarray, list, list, np.ndarray]:
-        """Updates the mirror; returns the step's (rows, tokens scheduled), the new rows with
-        their last known token (the device's last-token table learns them from the upload) and
-        the speculative positions per row (zeros when the worker does not speculate)."""
-        batch = self.batch
-        for sid in step.finished_seq_ids:
-            batch.remove(sid)
-        batch.truncate(step.truncate_seq_ids, step.truncate_num_blocks)
-        rows, counts, last = [], [], []
-        for new in step.new_seqs:
-            row_state = sampling_row(new)
-            row = batch.add(new.seq_id, row_state, new.block_ids, new.num_computed_tokens)
-            self.seq_of_row[row] = new.seq_id
-            rows.append(row)
-            counts.append(new.num_scheduled_tokens)
-            last.append((row_state.output_token_ids or row_state.prompt_token_ids)[-1])
-        new_rows = list(rows)
-        running = batch.rows_of(step.running_seq_ids)
-        n_blocks = np.asarray(step.running_new_block_counts, dtype=np.int64)
-        if len(n_blocks) and n_blocks.any():
-            if len(n_blocks) > len(running) or n_blocks.sum() != len(step.running_new_block_ids):
-                raise BatchError("running_new_block_counts does not match running_new_block_ids")
-            nz = np.flatnonzero(n_blocks)
-            batch.append_blocks(np.asarray(running, dtype=np.int64)[nz], n_blocks[nz],
-                                np.asarray(step.running_new_block_ids, dtype=np.int64))
-        every = rows + running
-        if len(step.running_num_scheduled) != len(running) or len(set(every)) != len(every):
-            raise BatchError("running_num_scheduled does not match running_seq_ids, or a sequence repeats")
-        scheduled, spec = step.running_num_scheduled, step.running_num_spec
-        if len(spec) not in (0, len(running)):
-            raise BatchError("running_num_spec does not match running_seq_ids")
-        spec = list(spec) if len(spec) and self.spec is not None else [0] * len(running)
-        if batch.stopped:   # sent before the control plane saw their stop token: not run
-            keep = [i for i, s in enumerate(step.running_seq_ids) if s not in batch.stopped]
-            running, scheduled, spec = ([running[i] for i in keep], [scheduled[i] for i in keep],
-                                        [spec[i] for i in keep])
-        rows += running
-        counts.extend(scheduled)
-        src, dst = step.copy_src_blocks, step.copy_dst_blocks
-        if len(src) != len(dst) or any(b >= self.num_blocks for b in list(src) + list(dst)):
-            raise BatchError("copy_src_blocks/copy_dst_blocks: mismatched or out of range")
-        return (np.asarray(rows, dtype=np.int64), np.asarray(counts, dtype=np.int64), new_rows, last,
-                np.asarray([0] * len(new_rows) + spec, dtype=np.int64))
-
-    def _host_arrays(self, step: pb.StepRequest, prep: PreparedBatch, new_rows: list, new_last: list,
-                     sampling: SamplingBatch | None, rows: dict | None) -> dict[str, np.ndarray]:
+    def _host_arrays(self, step: pb.StepRequest, prep: PreparedBatch, mode: str, delta: StepRows,
+                     sampling: SamplingBatch | None) -> dict[str, np.ndarray]:
         """Every array the step's device work reads, to be uploaded in one copy."""
-        arrays = dict(positions=prep.positions, slot_mapping=prep.slot_mapping,
-                      seq_lens=prep.seq_lens, block_tables=prep.block_tables, last_rows=prep.last_rows,
-                      decode_order=prep.decode_order)
-        if not prep.decode_only:   # a decode reads its token from last_rows and samples every row
-            arrays.update(input_ids=prep.input_ids, last_index=prep.last_index,
-                          query_start_loc=prep.query_start_loc, sample_rows=prep.sample_rows,
-                          logits_indices=prep.logits_indices)
-        if new_rows:
-            arrays.update(new_rows=np.asarray(new_rows, dtype=np.int64),
-                          new_last=np.asarray(new_last, dtype=np.int64))
+        arrays = self.forward.host_arrays(prep, mode)
+        if not prep.decode_only:   # the rows whose sampled token becomes their last
+            arrays.update(sample_rows=prep.sample_rows)
+        if delta.new_rows:
+            arrays.update(new_rows=np.asarray(delta.new_rows, dtype=np.int64),
+                          new_last=np.asarray(delta.new_last, dtype=np.int64))
         if step.copy_src_blocks:
             arrays.update(copy_src=np.asarray(step.copy_src_blocks, dtype=np.int64),
                           copy_dst=np.asarray(step.copy_dst_blocks, dtype=np.int64))
@@ -127,54 +99,25 @@ class ModelRunner:
             arrays.update({"s_" + k: v for k, v in device_arrays(sampling, self.rng).items()})
         if prep.num_drafts is not None:
             arrays.update(self.spec.verify_arrays(prep))
-        if rows is not None:   # a verify replayed as decode rows: per-token lengths and tables
-            arrays.update(rows)
         return arrays
-
-    def _logits(self, prep: PreparedBatch, dev: dict[str, torch.Tensor], rows: bool) -> torch.Tensor | None:
-        """Logits of the step's sampling tokens (None when none samples); decodes read their
-        input ids from the device's last tokens."""
-        if prep.decode_only:
-            input_ids = self.last_token[dev["last_rows"]]
-        else:
-            input_ids = dev["input_ids"]
-            if len(prep.last_index):
-                input_ids[dev["last_index"]] = self.last_token[dev["last_rows"]]
-        if rows or (self.graphs is not None and prep.decode_only and self.graphs.fits(len(prep.positions))):
-            logits = self.graphs.run(input_ids, dev, verify=rows)   # every row samples
-            if self.draft is not None:
-                self.draft.sync_decode_rows(input_ids, dev)
-            return logits
-        qsl = dev["query_start_loc"] if "query_start_loc" in dev else self._arange[:len(prep.positions) + 1]
-        flash = kernels.flash_attn4.step_plan(self.attention, prep, qsl, dev["seq_lens"],
-                                              dev["block_tables"])
-        meta = AttentionMetadata(slot_mapping=dev["slot_mapping"], query_start_loc=qsl,
-                                 seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
-                                 max_query_len=prep.max_query_len, decode_only=prep.decode_only,
-                                 num_decodes=prep.num_decodes, decode_order=dev["decode_order"],
-                                 flash=flash)
-        hidden = self.model(input_ids, dev["positions"], self.kv_caches, meta)
-        if self.draft is not None:   # the draft's KV follows the target's, step by step
-            self.draft.sync(input_ids, dev["positions"], meta)
-        if len(prep.sample_rows) == 0:
-            return None
-        if len(prep.logits_indices) != hidden.shape[0]:
-            hidden = hidden[dev["logits_indices"]]
-        return self.model.logits(hidden)
 
     @torch.inference_mode()
     def launch(self, step: pb.StepRequest) -> Launched:
         """Enqueues the step's device work (inputs in one upload, forward, sampling, the copy of
         the sampled ids to the host) without waiting for the device."""
-        launched = Launched(step.step_id, time.perf_counter())
-        rows, counts, new_rows, new_last, spec = self._apply_diff(step)
+        clock = time.perf_counter
+        launched = Launched(step.step_id, clock())
+        delta = step_delta.apply(self.batch, self.index, step, self.seq_of_row, self.num_blocks,
+                                 self.spec is not None)
         kv_offload.check_step(self.host_kv, step)
-        if len(rows) == 0:   # every sequence of the step stopped: its block copies still run
+        if len(delta.rows) == 0:   # every sequence of the step stopped: its block copies still run
             kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, None))
             return launched
-        batch = self.batch
-        drafts = self.spec.propose(batch, rows, spec) if spec.any() else None
-        prep = batch.prepare(rows, counts if drafts is None else counts + drafts, drafts)
+        batch, rows = self.batch, delta.rows
+        drafts = self.spec.propose(batch, rows, delta.spec, bitmasks.checked_drafts(step, batch.rows)) \
+            if delta.spec.any() else None
+        t_apply = clock()
+        prep = batch.prepare(rows, delta.counts if drafts is None else delta.counts + drafts, drafts)
         sample_rows = prep.sample_rows
         if drafts is not None:
             SpecDecoder.unpropose(batch, rows, drafts)
@@ -186,23 +129,53 @@ class ModelRunner:
             sampling = batch.sampling_batch(sample_rows) if len(sample_rows) else None
         if batch.tokens is not None:
             launched.token_rows, launched.token_pos = sample_rows, batch.num_tokens[sample_rows].copy()
-        graphed = self.graphs is not None and self.graphs.fits(len(prep.positions))
-        graph_rows = decode_rows(prep) if graphed else None   # a verify the graphs replay
-        dev = staging.upload(self._host_arrays(step, prep, new_rows, new_last, sampling, graph_rows),
-                             self.device)
+        launched.kind, launched.graph = step_kind(prep), self.forward.mode(prep)
+        host = self._host_arrays(step, prep, launched.graph, delta, sampling)
+        if sampling is not None and self.rank == 0 and step.HasField("bitmask"):
+            host.update(self._bitmask_arrays(step.bitmask, prep))
+        dev = self.stager.upload(host)
+        t_build = clock()
         if self.device.type == "cuda":   # after the upload is queued: host packing is not device time
             launched.begin, launched.previous = torch.cuda.Event(enable_timing=True), self._last_done
             launched.begin.record()
-        if new_rows:
+        if delta.new_rows:
             self.last_token[dev["new_rows"]] = dev["new_last"]
-        kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, dev))
-        logits = self._logits(prep, dev, graph_rows is not None)
+        kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, dev),
+                              reads=prep.block_tables)
+        logits = self.forward.logits(prep, dev, launched.graph, self.last_token)
+        t_forward = clock()
+        launched.host_ms.update(apply=(t_apply - launched.started) * 1e3, build=(t_build - t_apply) * 1e3,
+                                forward=(t_forward - t_build) * 1e3)
         if sampling is None:   # a step of prefill chunks only: KV written, nothing sampled
             return self._record_done(launched)
+        if step.bitmask_follows:   # sampled by ``sample_late``; the forward pass runs meanwhile
+            launched.awaiting = (logits, sampling, dev, prep)
+            return launched
+        return self._sample_step(launched, logits, sampling, dev, prep.sample_rows)
+
+    def _bitmask_arrays(self, bitmask: pb.TokenBitmask, prep: PreparedBatch) -> dict[str, np.ndarray]:
+        return bitmasks.arrays(bitmask, self.seq_of_row[prep.sample_rows], prep.num_drafts,
+                               self.model.shard.vocab_size)
+
+    @torch.inference_mode()
+    def sample_late(self, launched: Launched, step: pb.StepRequest) -> Launched:
+        """Samples a step launched with ``bitmask_follows``, with the bitmasks ``step``
+        (``late_bitmask``) brings."""
+        if launched.awaiting is None or launched.step_id != step.step_id:
+            raise BatchError(f"late bitmasks for step {step.step_id}, which waits for none")
+        (logits, sampling, dev, prep), launched.awaiting = launched.awaiting, None
+        if self.rank == 0:
+            dev = dev | self.stager.upload(self._bitmask_arrays(step.bitmask, prep))
+        return self._sample_step(launched, logits, sampling, dev, prep.sample_rows)
+
+    def _sample_step(self, launched: Launched, logits: torch.Tensor, sampling: SamplingBatch,
+                     dev: dict[str, torch.Tensor], sample_rows: np.ndarray) -> Launched:
+        """Samples the launched step's logits, keeps the ids on the device for the next step
+        and queues their copy to the host."""
+        t_sample = time.perf_counter()
         if launched.begin is not None:
             launched.sample_begin = torch.cuda.Event(enable_timing=True)
             launched.sample_begin.record()
-        t0 = time.perf_counter()
         out = self._sample(logits, sampling,
                            {k[2:]: v for k, v in dev.items() if k.startswith("s_")})
         last = out.token_ids
@@ -211,12 +184,14 @@ class ModelRunner:
             launched.verified.accepted = staging.download(accepted)
         self.last_token[dev.get("sample_rows", dev["last_rows"])] = last
         out.start_download()
-        launched.sample_ms = (time.perf_counter() - t0) * 1e3   # CPU: the sampling itself
+        launched.sample_ms = (time.perf_counter() - t_sample) * 1e3   # CPU: the sampling itself
         launched.out = out
-        launched.seq_ids = self.seq_of_row[sample_rows].tolist()
+        seq_ids = self.seq_of_row[sample_rows]
+        launched.seq_ids = seq_ids.tolist()
         keep = self.batch.history_mask(sample_rows)
         launched.histories = list(zip(np.flatnonzero(keep).tolist(), self.batch.count_sampled(sample_rows)))
-        launched.stop_watch = self.batch.stop_watch(sample_rows, launched.seq_ids)
+        launched.stop_watch = self.batch.stop_watch(sample_rows, seq_ids)
+        launched.host_ms["sample"] = (time.perf_counter() - t_sample) * 1e3
         return self._record_done(launched)
 
     def _copier(self, step: pb.StepRequest, dev: dict | None):
@@ -256,9 +231,8 @@ class ModelRunner:
             return True
         if self.batch.num_history_rows == 0:   # the common case costs nothing per step
             return False
-        rows = [self.batch.rows.get(s) for s in step.running_seq_ids]
-        rows = np.asarray([r for r in rows if r is not None], dtype=np.int64)
-        return bool(len(rows) and self.batch.history_mask(rows).any())
+        rows, found = self.index.lookup(np.array(step.running_seq_ids, dtype=np.uint64))
+        return bool(self.batch.history_mask(rows[found]).any())
 
     @torch.inference_mode()
     def finish(self, launched: Launched) -> pb.StepResult:
@@ -272,6 +246,7 @@ class ModelRunner:
                 result.sample_ms = launched.sample_begin.elapsed_time(launched.done)
             else:
                 result.sample_ms = launched.sample_ms
+            ready = time.perf_counter()   # the device is done: what follows is host time
             tokens, logprobs, top_ids, top_vals = launched.out.to_host()
             if launched.verified is not None:
                 done = SpecDecoder.finish(self.batch, launched.verified, launched.seq_ids, tokens,
@@ -297,5 +272,8 @@ class ModelRunner:
                     result.top_logprobs.extend(vals)
         if self.host_kv is not None:
             result.swap_ms, result.swap_out_bytes, result.swap_in_bytes = self.host_kv.drain()
-        result.execute_ms = (time.perf_counter() - launched.started) * 1e3
+        end = time.perf_counter()
+        result.execute_ms = (end - launched.started) * 1e3
+        if launched.out is not None:
+            launched.host_ms["finish"] = (end - ready) * 1e3
         return result

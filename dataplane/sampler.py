@@ -9,7 +9,9 @@ sampling never waits on the host. The filters and penalties run only when some r
 them. The race's noise is a counter-based hash of (seed, output index, token id): a seeded
 sequence's tokens depend on nothing but its own seed and history (not on its batch neighbours,
 nor on preemption and resumption); unseeded rows get fresh random seeds every step (on a CPU,
-where hashing costs more than the model, torch's exponential noise instead).
+where hashing costs more than the model, torch's exponential noise instead). Rows a grammar
+constrains (structured outputs) have their forbidden tokens set to -inf first, on the device
+(``kernels.apply_token_bitmask``, from the ``mask_bits`` / ``mask_rows`` arrays).
 """
 
 from __future__ import annotations
@@ -178,6 +180,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch, dev: dict[str, torch.Tensor] 
         dev = staging.upload(device_arrays(b, rng or np.random.default_rng()), logits.device)
     want = int(b.logprobs.max()) if len(b.logprobs) else 0
     raw = logits.float().log_softmax(-1) if want else None
+    if "mask_bits" in dev:   # structured outputs: the grammar's tokens only (logprobs: the model's)
+        kernels.apply_token_bitmask(logits, dev["mask_bits"], dev["mask_rows"])
     if b.penalized:
         logits = logits.float()   # penalties write in place (a graph output is rewritten next step)
         _apply_penalties(logits, b.penalized)

@@ -84,8 +84,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             span, t0 = started.pop(step.step_id)
             result = self.worker.runner.finish(launched)
             if step.new_seqs or step.running_seq_ids:   # an empty flush is no model step
-                metrics.step_done(step, result, clock() - t0)
-            tracer.end(span, result)
+                metrics.step_done(step, result, clock() - t0, launched.kind, launched.graph)
+            tracer.end(span, result, launched=launched)
             profiler.on_result(step, result)
             return result
 
@@ -109,8 +109,9 @@ class WorkerService(pb_grpc.WorkerServicer):
                     metrics.errors.labels("ABORTED").inc()
                     context.abort(grpc.StatusCode.ABORTED, "superseded by a newer control plane stream")
                 try:
-                    started[step.step_id] = (span, clock())
-                    profiler.on_submit(step)
+                    if not step.late_bitmask:   # (that only completes a step started before)
+                        started[step.step_id] = (span, clock())
+                        profiler.on_submit(step)
                     ready = pipeline.submit(step)
                 except BatchError as exc:
                     tracer.end(span, error=exc)

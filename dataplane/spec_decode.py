@@ -29,35 +29,10 @@ import dataclasses
 import numpy as np
 import torch
 
+from common.ngram import ngram_propose  # noqa: F401 (the proposer; the control plane uses it too)
 from common.speculative import SpeculativeConfig
 from dataplane.input_batch import InputBatch, PreparedBatch, longest_first
 from dataplane.sampler import SamplingBatch
-
-
-def ngram_propose(tokens: np.ndarray, k: int, lo: int, hi: int) -> np.ndarray:
-    """Up to ``k`` tokens that followed the first earlier occurrence of the longest suffix of
-    ``tokens`` of ``hi`` .. ``lo`` tokens (empty when none occurs). One pass over the tokens
-    finds where the last token occurred before; only those places are extended backwards."""
-    n_tok = len(tokens)
-    hi = min(hi, n_tok - 1)
-    if hi < lo:
-        return tokens[:0]
-    ends = np.flatnonzero(tokens[:n_tok - 1] == tokens[n_tok - 1])   # each is followed by a token
-    length = np.ones(len(ends), np.int64)   # how much of the suffix ends at each of them
-    alive = np.ones(len(ends), bool)
-    for j in range(1, hi):
-        if not alive.any():
-            break
-        prev = ends - j
-        alive &= prev >= 0
-        alive[alive] = tokens[prev[alive]] == tokens[n_tok - 1 - j]
-        length += alive
-    for n in range(hi, lo - 1, -1):
-        hits = ends[length >= n]
-        if len(hits):   # the earliest end is the earliest start of an n-token match
-            start = int(hits[0]) + 1
-            return tokens[start:start + k]
-    return tokens[:0]
 
 
 def graph_rows(config: SpeculativeConfig | None, max_num_seqs: int) -> int:
@@ -117,10 +92,13 @@ class SpecDecoder:
         self.num_unproposed = 0   # steps that gave positions and found no drafts (the control
                                   # plane predicts proposals: this stays ~0)
 
-    def propose(self, batch: InputBatch, rows: np.ndarray, spec: np.ndarray) -> np.ndarray | None:
+    def propose(self, batch: InputBatch, rows: np.ndarray, spec: np.ndarray,
+                checked: dict[int, np.ndarray] | None = None) -> np.ndarray | None:
         """Drafts for the rows given speculative positions (``spec``: k per row); they go into
         the token mirror and count as known until ``unpropose``. Returns drafts per row, or None
-        when no row drafted anything. Rows that keep a token history (penalties) do not draft."""
+        when no row drafted anything. Rows that keep a token history (penalties) do not draft.
+        ``checked``: row -> the drafts the control plane checked against its grammar
+        (structured outputs), taken as they are instead of proposing."""
         self._drafts.clear()
         cfg, counts = self.config, np.zeros(len(rows), np.int64)
         wanted = []   # (index, row, k) of the decodes that draft
@@ -132,12 +110,17 @@ class SpecDecoder:
             k = min(int(spec[i]), batch.tokens.shape[1] - n)
             if k > 0:
                 wanted.append((i, row, k))
+        if checked:
+            given = [(w, checked[w[1]][:w[2]]) for w in wanted if w[1] in checked]
+            wanted = [w for w in wanted if w[1] not in checked]
         if self.draft is not None and wanted:
             proposals = self.draft.propose(batch, [w[1] for w in wanted], [w[2] for w in wanted])
         else:
             proposals = [ngram_propose(batch.tokens[row, :int(batch.num_tokens[row])], k,
                                        cfg.prompt_lookup_min, cfg.prompt_lookup_max)
                          for _, row, k in wanted]
+        if checked:
+            wanted, proposals = wanted + [w for w, _ in given], list(proposals) + [d for _, d in given]
         for (i, row, _), drafts in zip(wanted, proposals):
             n = int(batch.num_tokens[row])
             if len(drafts):

@@ -10,6 +10,10 @@ with a single asynchronous transfer and hands back typed device views of it. Pin
 torch's caching host allocator, which does not reuse a buffer before the copy that read it
 has run, so steps can be in flight back to back without overwriting each other's inputs.
 
+``Stager`` does the same from persistent pinned buffers (a ring of a few, grown to the largest
+step seen), the runner's per-step upload: no pinned allocation per step, and a buffer is reused
+only once the copy that read it has run (its event, normally long done).
+
 ``download`` is the other direction: an asynchronous copy into pinned memory, read by the
 host after the step's completion event (never a ``.tolist()`` on a device tensor, which would
 wait for every later step queued behind it too).
@@ -30,9 +34,37 @@ def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, tor
     return packed_copy(arrays, device, pin=True)
 
 
-def packed_copy(arrays: dict[str, np.ndarray], device: torch.device, pin: bool) -> dict[str, torch.Tensor]:
-    """One host buffer holding every array, one copy of it to ``device``, typed views back.
-    Arrays are grouped by dtype, so each group is one typed view of the copy, sliced per array."""
+class Stager:
+    """A runner's uploads through ``depth`` persistent pinned host buffers, used in turn."""
+
+    def __init__(self, device: torch.device, depth: int = 4, capacity: int = 1 << 16):
+        self.device, self.depth = device, depth
+        cuda = device.type == "cuda"
+        self._buffers = [torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+                         for _ in range(depth)] if cuda else []
+        self._copied = [torch.cuda.Event() for _ in range(depth)] if cuda else []
+        self._used = [False] * depth
+        self._next = 0
+
+    def upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """As ``upload``: the arrays on the device, from one copy of one pinned buffer."""
+        if self.device.type != "cuda":
+            return upload(arrays, self.device)
+        layout, total = _layout(arrays)
+        i, self._next = self._next, (self._next + 1) % self.depth
+        if self._used[i]:
+            self._copied[i].synchronize()   # the copy that read this buffer last has run
+        if total > self._buffers[i].numel():
+            self._buffers[i] = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
+        out = _copy(arrays, layout, total, self._buffers[i][:max(total, _ALIGN)], self.device)
+        self._copied[i].record()
+        self._used[i] = True
+        return out
+
+
+def _layout(arrays: dict[str, np.ndarray]) -> tuple[list, int]:
+    """Where each array goes in the packed buffer: [(dtype, byte offset, elements, [(name,
+    start, stop)])] and the buffer's size in bytes."""
     groups: dict[np.dtype, list[str]] = {}
     for name, a in arrays.items():
         groups.setdefault(a.dtype, []).append(name)
@@ -45,7 +77,21 @@ def packed_copy(arrays: dict[str, np.ndarray], device: torch.device, pin: bool) 
             n += -(-size // step) * step   # every array starts 16-byte aligned (see below)
         layout.append((dtype, total, n, parts))
         total += -(-n * dtype.itemsize // _ALIGN) * _ALIGN
+    return layout, total
+
+
+def packed_copy(arrays: dict[str, np.ndarray], device: torch.device, pin: bool) -> dict[str, torch.Tensor]:
+    """One host buffer holding every array, one copy of it to ``device``, typed views back.
+    Arrays are grouped by dtype, so each group is one typed view of the copy, sliced per array."""
+    layout, total = _layout(arrays)
     host = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin)
+    return _copy(arrays, layout, total, host, device)
+
+
+def _copy(arrays: dict[str, np.ndarray], layout: list, total: int, host: torch.Tensor,
+          device: torch.device) -> dict[str, torch.Tensor]:
+    """Packs ``arrays`` into ``host`` by ``layout``, copies it to ``device`` in one transfer and
+    returns the typed views of the copy."""
     host_np = host.numpy()
     for dtype, offset, n, parts in layout:
         typed = host_np[offset:offset + n * dtype.itemsize].view(dtype)

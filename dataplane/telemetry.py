@@ -1,8 +1,10 @@
 """Metrics (prometheus-client) and step spans (OpenTelemetry) of a data plane worker.
 
 Each worker process exports its own registry on its own port (``--metrics-port``, default
-9401). Per step: a few counter/histogram updates, and a span only when the control plane
-sent trace context with the step (it does so only for steps serving sampled requests).
+9401). Per step: a few counter/histogram updates (step time, device time and device idle by
+step ``kind``: decode, mixed, prefill, verify; steps by kind and ``graph``: how the forward
+ran), and a span only when the control plane sent trace context with the step (it does so
+only for steps serving sampled requests).
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ class _WorkerState:
                                     "Load, warm-up, KV allocation and CUDA-graph capture time.")
         startup.add_metric([], worker.startup_seconds)
         yield startup
+        graphs = worker.graphs
+        for name, text, value in (
+                ("cuda_graphs", "CUDA graphs captured (decode sizes, piecewise pieces, LM-head sizes).",
+                 graphs.num_graphs if graphs.capture_seconds else 0),
+                ("cuda_graph_memory_bytes", "Device memory the CUDA graphs took (measured at capture).",
+                 graphs.measured_bytes),
+                ("cuda_graph_capture_seconds", "Time the CUDA-graph capture took.", graphs.capture_seconds)):
+            gauge = GaugeMetricFamily(P + name, text)
+            gauge.add_metric([], value)
+            yield gauge
         if worker.device.type == "cuda":
             import torch
 
@@ -59,19 +71,24 @@ class DataPlaneMetrics(Exporter):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.steps = Counter(P + "steps", "Steps executed.", registry=r)
+        kind = ["kind"]   # decode, mixed, prefill or verify (dataplane.forward.step_kind)
         self.execute = Histogram(P + "step_execute_seconds",
                                  "Time to apply a step, run the forward pass and sample (the "
-                                 "device time the control plane reports as phase=execute).",
-                                 buckets=STEP_BUCKETS, registry=r)
+                                 "device time the control plane reports as phase=execute), by "
+                                 "step kind.", kind, buckets=STEP_BUCKETS, registry=r)
         self.device = Histogram(P + "step_device_seconds",
-                                "Device time of a step, its first op to its last (steps that sample).",
-                                buckets=STEP_BUCKETS, registry=r)
+                                "Device time of a step, its first op to its last (steps that "
+                                "sample), by step kind.", kind, buckets=STEP_BUCKETS, registry=r)
+        self.by_graph = Counter(P + "steps_by_graph", "Steps by kind and by how their forward ran: "
+                                "graph=full (a whole CUDA graph), piecewise (graphs around eager "
+                                "attention) or eager.", ["kind", "graph"], registry=r)
         self.sample = Histogram(P + "step_sample_seconds",
                                 "Sampling's time in a step (device time on a GPU, host time on a CPU).",
                                 buckets=STEP_BUCKETS, registry=r)
         self.device_idle = Counter(P + "device_idle_seconds",
                                    "Time the device waited between consecutive steps (for the "
-                                   "host or for work).", registry=r)
+                                   "host or for work), by the kind of the step it waited for.",
+                                   kind, registry=r)
         self.seqs = Histogram(P + "step_sequences", "Sequences per step.", buckets=TOKEN_BUCKETS,
                               registry=r)
         self.sampled = Counter(P + "sampled_tokens", "Tokens sampled.", registry=r)
@@ -82,16 +99,20 @@ class DataPlaneMetrics(Exporter):
         r.register(_WorkerState(service))
         self._http = None
 
-    def step_done(self, step, result, seconds: float) -> None:
+    def step_done(self, step, result, seconds: float, kind: str = "", graph: str = "") -> None:
+        """One step: ``kind`` and ``graph`` as ``Launched`` records them (a step whose every
+        sequence had stopped ran nothing: kind and graph ``none``)."""
+        kind, graph = kind or "none", graph or "none"
         self.steps.inc()
-        self.execute.observe(seconds)
+        self.execute.labels(kind).observe(seconds)
+        self.by_graph.labels(kind, graph).inc()
         self.seqs.observe(len(step.new_seqs) + len(step.running_seq_ids))
         if result.token_ids:
             self.sampled.inc(len(result.token_ids))
             self.sample.observe(result.sample_ms / 1e3)
         if result.device_ms:
-            self.device.observe(result.device_ms / 1e3)
-            self.device_idle.inc(result.device_idle_ms / 1e3)
+            self.device.labels(kind).observe(result.device_ms / 1e3)
+            self.device_idle.labels(kind).inc(result.device_idle_ms / 1e3)
 
 
 class StepTracer:
@@ -117,13 +138,16 @@ class StepTracer:
                                      "headrace.finished_seqs": len(step.finished_seq_ids)})
 
     @staticmethod
-    def end(span, result=None, error: BaseException | None = None) -> None:
+    def end(span, result=None, error: BaseException | None = None, launched=None) -> None:
         if span is None:
             return
         if error is not None:
             span.record_exception(error)
             span.set_status(Status(StatusCode.ERROR, str(error)))
         elif result is not None:
+            if launched is not None:
+                span.set_attributes({"headrace.step_kind": launched.kind or "none",
+                                     "headrace.graph": launched.graph or "none"})
             span.set_attributes({"headrace.execute_ms": result.execute_ms,
                                  "headrace.device_ms": result.device_ms,
                                  "headrace.device_idle_ms": result.device_idle_ms,

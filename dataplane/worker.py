@@ -18,18 +18,18 @@ import torch
 import kernels
 from common import speculative
 from common.worker_options import WorkerOptions
-from dataplane import draft_model, kv_cache, kv_offload, parallel
+from dataplane import draft_model, graph_capture, kv_cache, kv_offload, parallel, prefill_profile
 from dataplane.config import ModelConfig, load_model_config
-from dataplane.cuda_graphs import DecodeGraphs
+from dataplane.cuda_graphs import batch_sizes
 from dataplane.draft_model import DraftModel
 from dataplane.loader import load_model
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.progress import Phases, Progress
-from dataplane.quantization import KV_CACHE_DTYPES, resolve as resolve_quantization
+from dataplane.quantization import KV_CACHE_DTYPES, layers as quant_layers, resolve as resolve_quantization
 from dataplane.runner import ModelRunner
 from dataplane.sampler import SamplingBatch, SamplingRow, sample
 from dataplane.spec_decode import SpecDecoder, graph_rows
-from kernels import attention_policy
+from kernels import attention_policy, quant_dispatch, quant_libs
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 log = logging.getLogger("headrace.dataplane")
@@ -91,6 +91,8 @@ class Worker:
             raise RuntimeError(f"rank {rank} of {world_size}: the process group is not initialised "
                                f"(dataplane.parallel.init)")
         self.speculative = speculative.parse(opts.speculative_config)
+        mode = graph_capture.resolve_mode(opts)   # CUDA graphs exist on CUDA devices only
+        self.graph_mode = mode if self.device.type == "cuda" else "none"
         self.cfg: ModelConfig = load_model_config(opts.model)
         drafting = self.speculative is not None and self.speculative.method == "draft_model"
         if drafting:
@@ -101,6 +103,10 @@ class Worker:
         self.max_model_len = opts.max_model_len or self.cfg.max_position_embeddings
         self.phases = phases = Phases()
         self.quant = resolve_quantization(opts.model, opts.quantization)
+        if self.quant is not None:
+            backend = quant_dispatch.resolve_backend(opts.quant_backend, self.device.type,
+                                                     quant_libs.why_not)
+            self.quant = dataclasses.replace(self.quant, backend=backend)
         if opts.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {opts.kv_cache_dtype!r}: choose from {KV_CACHE_DTYPES}")
         self.kv_dtype = torch.float8_e4m3fn if opts.kv_cache_dtype == "fp8" else self.dtype
@@ -121,10 +127,18 @@ class Worker:
         self.block_bytes = kv_cache.bytes_per_block(self.local_cfg, opts.block_size, self.kv_dtype)
         if draft is not None:   # a block id holds the target's and the draft's KV
             self.block_bytes += draft.bytes_per_block(opts.block_size, self.kv_dtype)
+        self.activation_bytes = self.peak_bytes = 0
         if self.device.type == "cuda":
             self._warm_up(model)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)   # before the graphs'
             phases.mark("warm-up")
-        num_blocks = opts.num_kv_blocks or self._blocks_from_memory()
+        max_blocks = -(-self.max_model_len // opts.block_size)
+        # the graphs' static buffers now, their pool counted: both stay out of the KV budget
+        self.graphs = graph_capture.WorkerGraphs(
+            self.graph_mode, model, self.device, graph_rows(self.speculative, opts.max_num_seqs),
+            max_blocks, graph_capture.capture_tokens(opts))
+        graph_reserve = self.graphs.reserve_bytes(self.activation_bytes)
+        num_blocks = opts.num_kv_blocks or self._blocks_from_memory(graph_reserve)
         if num_blocks < 1:
             raise RuntimeError("no memory left for the KV cache")
         with Progress(f"allocating KV cache ({num_blocks} blocks, "
@@ -144,27 +158,31 @@ class Worker:
             with Progress(f"allocating the host KV tier ({num_host} blocks, "
                           f"{num_host * self.block_bytes / kv_cache.GiB:.2f} GiB)", 1, "pools", rank=rank) as progress:
                 host_kv = kv_offload.HostKV(caches, num_host, self.device)
-                self.host_load_rate = host_kv.measure_load_rate()
+                self.host_load_rate = host_kv.measure_load_rate(caches)
                 progress.update()
             phases.mark("host KV tier")
         log.info("host KV tier: %d blocks (%.2f GiB%s)%s", num_host, num_host * self.block_bytes / kv_cache.GiB,
                  ", pinned" if host_kv is not None and self.device.type == "cuda" else "",
                  f", loads at {self.host_load_rate / 1e9:.1f} GB/s" if host_kv is not None else "")
-        graphs = None
-        if self.device.type == "cuda" and opts.cuda_graphs:
-            graphs = DecodeGraphs(model, caches, graph_rows(self.speculative, opts.max_num_seqs),
-                                  -(-self.max_model_len // opts.block_size), self.device)
-            with Progress("capturing CUDA graphs", len(graphs.sizes), "graphs", rank=rank) as progress:
-                graphs.capture(progress)
+        if self.graphs.num_graphs:
+            self.graphs.capture(caches, rank)
             if draft is not None:   # the draft's decodes are as launch-bound as the target's
-                with Progress("capturing the draft's CUDA graphs", len(graphs.sizes), "graphs",
+                rows = graph_rows(self.speculative, opts.max_num_seqs)
+                with Progress("capturing the draft's CUDA graphs", len(batch_sizes(rows)), "graphs",
                               rank=rank) as progress:
-                    draft.capture_graphs(graphs.max_batch, -(-self.max_model_len // opts.block_size), progress)
+                    draft.capture_graphs(rows, max_blocks, progress)
             phases.mark("CUDA graphs")
         spec = SpecDecoder(self.speculative, draft) if self.speculative is not None else None
         self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,
-                                  opts.max_num_seqs, graphs, rank=rank, seed=opts.seed, spec=spec,
-                                  attention=self.attention, host_kv=host_kv)
+                                  opts.max_num_seqs, self.graphs.decode, rank=rank, seed=opts.seed,
+                                  spec=spec, attention=self.attention, host_kv=host_kv,
+                                  mixed=self.graphs.mixed)
+        self.prefill_profile: tuple[list[int], list[float]] = ([], [])
+        if host_kv is not None:   # what recomputing a host-tier hit costs here
+            tokens = prefill_profile.sizes(opts.max_batched_tokens, self.max_model_len, num_blocks,
+                                           opts.block_size, self.device)
+            self.prefill_profile = (tokens, prefill_profile.measure(self.runner, tokens, self.cfg.vocab_size))
+            phases.mark("prefill profile")
         self.startup_seconds = time.perf_counter() - start
 
     @torch.inference_mode()
@@ -172,8 +190,13 @@ class Worker:
         """Runs the largest step (max_batched_tokens tokens, max_num_seqs sampled with every
         filter on) against a one-block cache, so peak activation memory can be measured."""
         n, dev = self.opts.max_batched_tokens, self.device
+        if self.quant is not None:   # library layouts, skinny-GEMM tuning per row bucket
+            for line in quant_layers.warm_up(model, graph_rows(self.speculative,
+                                                               self.opts.max_num_seqs), self.dtype):
+                log.info("quantized %s", line)
         cache = kv_cache.allocate(self.local_cfg, 1, self.opts.block_size, self.kv_dtype, dev)
         torch.cuda.reset_peak_memory_stats(dev)
+        baseline = torch.cuda.memory_allocated(dev)
         meta = AttentionMetadata(
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
@@ -192,6 +215,7 @@ class Worker:
         sample(logits, SamplingBatch.of_rows([worst] * rows))
         plain = dataclasses.replace(worst, top_p=1.0, top_k=0, min_p=0.0, seed=None, logprobs=0)
         sample(logits, SamplingBatch.of_rows([plain] * rows))   # the race on the model's dtype
+        self.activation_bytes = torch.cuda.max_memory_allocated(dev) - baseline
         del cache, hidden, logits
         self._compile_attention_variants()
         torch.cuda.synchronize(dev)
@@ -216,12 +240,16 @@ class Worker:
         if self.attention.uses_flash:   # flash-attn-4 compiles its kernels at the first call
             kernels.flash_attn4.warm_up(cache, cfg.num_heads, self.dtype, self.opts.max_num_seqs)
 
-    def _blocks_from_memory(self) -> int:
+    def _blocks_from_memory(self, graph_reserve: int = 0) -> int:
+        """KV blocks that fit: on a GPU, what --gpu-memory-utilization leaves after the peak
+        (weights, the warm-up's activations), memory outside torch, the CUDA graphs' static
+        buffers (allocated after the peak) and ``graph_reserve`` (their memory pool)."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
+            peak = self.peak_bytes + self.graphs.static_bytes()
             non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-            budget = int(total * self.opts.gpu_memory_utilization) - peak - max(0, non_torch)
+            budget = (int(total * self.opts.gpu_memory_utilization) - peak - max(0, non_torch)
+                      - graph_reserve)
         else:
             budget = kv_cache.host_budget_bytes(self.opts.cpu_kv_cache_gib)
         return max(0, budget) // self.block_bytes
@@ -246,6 +274,7 @@ class Worker:
             kv_bytes_per_block=self.block_bytes, eos_token_ids=list(cfg.eos_token_ids),
             max_num_seqs=self.opts.max_num_seqs, max_batched_tokens=self.opts.max_batched_tokens,
             startup_seconds=self.startup_seconds,
-            host_kv_load_bytes_per_s=self.host_load_rate)
+            host_kv_load_bytes_per_s=self.host_load_rate,
+            prefill_profile_tokens=self.prefill_profile[0], prefill_profile_seconds=self.prefill_profile[1])
         speculative.to_proto(self.speculative, info.speculative)
         return info

@@ -4,7 +4,7 @@ Readiness is checked once, in a worker thread, with ``headrace_client.connection
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Iterable, Sequence
+from typing import Any, AsyncIterator, Iterable, Sequence
 
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
@@ -59,6 +59,9 @@ class AsyncClient:
                        stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
                        priority: int | None = None, logprobs: int | None = None, n: int | None = None,
                        stream_interval: int | None = None, request_id: str | None = None,
+                       json_schema: dict[str, Any] | str | None = None, regex: str | None = None,
+                       choice: Sequence[str] | None = None, grammar: str | None = None,
+                       json_object: bool = False, structured_backend: str | None = None,
                        timeout: float | None = None) -> Completion | list[Completion]:
         request = whole(request_from(locals()))
         collector = Collector()
@@ -77,6 +80,9 @@ class AsyncClient:
                stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
                priority: int | None = None, logprobs: int | None = None, n: int | None = None,
                stream_interval: int | None = None, request_id: str | None = None,
+               json_schema: dict[str, Any] | str | None = None, regex: str | None = None,
+               choice: Sequence[str] | None = None, grammar: str | None = None,
+               json_object: bool = False, structured_backend: str | None = None,
                timeout: float | None = None) -> AsyncIterator[Chunk]:
         """An async iterator of chunks (``Client.stream``'s options); a misspelt option is a
         TypeError here, at the call."""

@@ -4,7 +4,7 @@ connect timeout) for the server to be ready and raises ``NotReady`` naming its s
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
@@ -57,9 +57,15 @@ class Client:
                  stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
                  priority: int | None = None, logprobs: int | None = None, n: int | None = None,
                  stream_interval: int | None = None, request_id: str | None = None,
+                 json_schema: dict[str, Any] | str | None = None, regex: str | None = None,
+                 choice: Sequence[str] | None = None, grammar: str | None = None,
+                 json_object: bool = False, structured_backend: str | None = None,
                  timeout: float | None = None) -> Completion | list[Completion]:
         """The whole completion (one message from the server); a list of ``n`` when n > 1.
-        Options left None take the server's defaults (``GenerateRequest``'s fields)."""
+        Options left None take the server's defaults (``GenerateRequest``'s fields). Structured
+        outputs: at most one of ``json_schema`` (a dict or its JSON text), ``regex``, ``choice``,
+        ``grammar`` (GBNF) or ``json_object``; ``structured_backend`` names the server's grammar
+        engine to use (default: its own)."""
         request = whole(request_from(locals()))
         collector = Collector()
         with mapped_errors():
@@ -76,6 +82,9 @@ class Client:
                stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
                priority: int | None = None, logprobs: int | None = None, n: int | None = None,
                stream_interval: int | None = None, request_id: str | None = None,
+               json_schema: dict[str, Any] | str | None = None, regex: str | None = None,
+               choice: Sequence[str] | None = None, grammar: str | None = None,
+               json_object: bool = False, structured_backend: str | None = None,
                timeout: float | None = None) -> Iterator[Chunk]:
         """Chunks as the server sends them; leaving the loop early cancels the request. The
         options are ``generate``'s."""

@@ -5,7 +5,8 @@ and the streamed responses become ``Chunk``s and, put together, ``Completion``s.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+import json
+from typing import Any, Iterable, Sequence
 
 from headrace.v1 import inference_pb2 as pb
 
@@ -82,9 +83,15 @@ def build_request(prompt: str | None = None, token_ids: Sequence[int] | None = N
                   stop: str | Iterable[str] | None = None,
                   stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
                   priority: int | None = None, logprobs: int | None = None, n: int | None = None,
-                  stream_interval: int | None = None, request_id: str | None = None
+                  stream_interval: int | None = None, request_id: str | None = None,
+                  json_schema: dict[str, Any] | str | None = None, regex: str | None = None,
+                  choice: Sequence[str] | None = None, grammar: str | None = None,
+                  json_object: bool = False, structured_backend: str | None = None
                   ) -> pb.GenerateRequest:
-    """A GenerateRequest of exactly the options given (None: the server's default)."""
+    """A GenerateRequest of exactly the options given (None: the server's default).
+    Structured outputs: at most one of ``json_schema`` (a dict or its JSON text), ``regex``,
+    ``choice``, ``grammar`` (GBNF) or ``json_object``; ``structured_backend`` names the
+    grammar engine the server must use (default: its own)."""
     if (prompt is None) == (token_ids is None):
         raise TypeError("give either a prompt or token_ids")
     req = pb.GenerateRequest(request_id=request_id or "", ignore_eos=ignore_eos)
@@ -107,13 +114,38 @@ def build_request(prompt: str | None = None, token_ids: Sequence[int] | None = N
         req.stop.extend([stop] if isinstance(stop, str) else stop)
     if stop_token_ids is not None:
         req.stop_token_ids.extend(stop_token_ids)
+    constraint = structured_outputs(json_schema, regex, choice, grammar, json_object)
+    if constraint is not None:
+        req.structured.CopyFrom(constraint)
+        req.structured.backend = structured_backend or ""
     return req
+
+
+def structured_outputs(json_schema=None, regex=None, choice=None, grammar=None,
+                       json_object: bool = False) -> pb.StructuredOutputs | None:
+    """The ``StructuredOutputs`` of one constraint (None without any; TypeError for several)."""
+    given = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("choice", choice),
+                                      ("grammar", grammar), ("json_object", json_object or None))
+             if value is not None]
+    if len(given) > 1:
+        raise TypeError(f"give one structured-output constraint, not {', '.join(given)}")
+    if not given:
+        return None
+    if json_schema is not None:
+        text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        return pb.StructuredOutputs(json_schema=text)
+    if choice is not None:
+        return pb.StructuredOutputs(choice=pb.ChoiceList(choices=list(choice)))
+    if json_object:
+        return pb.StructuredOutputs(json_object=True)
+    return pb.StructuredOutputs(regex=regex) if regex is not None else pb.StructuredOutputs(grammar=grammar)
 
 
 _REQUEST_PARAMETERS = ("prompt", "token_ids", "temperature", "top_p", "top_k", "min_p",
                        "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                        "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "priority",
-                       "logprobs", "n", "stream_interval", "request_id")
+                       "logprobs", "n", "stream_interval", "request_id", "json_schema", "regex",
+                       "choice", "grammar", "json_object", "structured_backend")
 
 
 def request_from(arguments: dict) -> pb.GenerateRequest:

@@ -2,8 +2,8 @@
 
 Each op has a plain-torch reference in ``kernels.reference`` and a Triton version (in
 ``kernels.triton_ops``, ``kernels.triton_attention`` (with ``kernels.triton_decode`` and
-``kernels.triton_flash``), ``kernels.triton_prologue``, ``kernels.triton_linear`` or
-``kernels.triton_sampling``; the quantized linears ``fp8_linear`` and ``wna16_linear``:
+``kernels.triton_flash``), ``kernels.triton_prologue``, ``kernels.triton_linear``,
+``kernels.triton_sampling`` or ``kernels.triton_bitmask`` (structured outputs' token mask); the quantized linears ``fp8_linear`` and ``wna16_linear``:
 ``kernels.reference_quant`` and ``kernels.triton_quant``) that must match it. The choice is resolved once, at import, from
 the environment variable ``HEADRACE_KERNELS``:
 
@@ -19,9 +19,11 @@ them. Its ``flash`` argument (a ``kernels.flash_attn4.Plan``, made once per step
 step's ``kernels.attention_policy`` choice is flash-attn-4) sends a CUDA step's prefill part to
 flash-attn-4 instead (``--attention-backend``); CPU tensors and ``reference`` ignore it.
 ``copy_blocks`` (copy on write, rare) is plain torch indexing on every device.
-``fp8_linear`` on the GPU is two kernels split by row count (``kernels.triton_quant``: FP8-weight
-skinny GEMM at decode, ``_scaled_mm`` above); ``fp8_linear_kernel`` says which one an input
-would take (``reference`` where the reference runs), for benchmarks to report.
+``fp8_linear`` and ``wna16_linear`` take a ``kernel`` name where Triton runs (the quantized
+layers pass ``kernels.quant_dispatch``'s choice; the reference ignores it):
+``fp8_linear_kernel`` / ``wna16_linear_kernel`` say which kernel an input of a layer would
+take (``reference`` where the reference runs), for benchmarks and logs; ``on_triton(x)``
+whether the Triton twins run for ``x``.
 """
 
 from __future__ import annotations
@@ -41,23 +43,25 @@ def _load_triton():
     if MODE == "reference" or (MODE == "auto" and not torch.cuda.is_available()):
         return None
     try:
-        from kernels import (triton_attention, triton_linear, triton_ops, triton_prologue,
-                             triton_quant, triton_sampling)
+        from kernels import (triton_attention, triton_bitmask, triton_linear, triton_ops,
+                             triton_prologue, triton_quant, triton_sampling)
     except ImportError:
         if MODE == "triton":
             raise
         return None
     return {"paged_attention": triton_attention, "sample_race": triton_sampling,
             "qk_norm_rope_write_kv": triton_prologue, "linear": triton_linear,
-            "fp8_linear": triton_quant, "wna16_linear": triton_quant}, triton_ops
+            "fp8_linear": triton_quant, "wna16_linear": triton_quant,
+            "apply_token_bitmask": triton_bitmask}, triton_ops
 
 
 def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
                          max_query_len=None, decode_only=None, num_decodes=0, decode_order=None,
-                         k_scale=1.0, v_scale=1.0):
+                         k_scale=1.0, v_scale=1.0, out=None):
     """kernels.reference.paged_attention, taking (and ignoring) the Triton version's hints."""
-    return reference.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables,
-                                     scale, k_scale, v_scale)
+    result = reference.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables,
+                                       scale, k_scale, v_scale)
+    return result if out is None else out.copy_(result)
 
 
 def _on_cuda(fast, slow):
@@ -85,27 +89,81 @@ _paged_attention = _select(_reference_attention, "paged_attention")
 
 
 def paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
-                    flash=None, **hints):
+                    flash=None, out=None, **hints):
     """Causal attention of variable-length queries over paged KV (kernels.reference's
-    semantics); ``flash``: the step's flash-attn-4 plan, or None."""
+    semantics); ``flash``: the step's flash-attn-4 plan, or None; ``out``: where the result
+    goes (a tensor of the query's shape; the Triton kernels write it directly)."""
     if flash is None or not query.is_cuda or MODE == "reference":
         return _paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale,
-                                **hints)
-    return flash_attn4.paged_attention(query, kv_cache, flash, scale, _paged_attention,
-                                       hints.get("decode_order"))
+                                out=out, **hints)
+    result = flash_attn4.paged_attention(query, kv_cache, flash, scale, _paged_attention,
+                                         hints.get("decode_order"))
+    return result if out is None else out.copy_(result)
 
 
 sample_race = _select(reference.sample_race, "sample_race")
+apply_token_bitmask = _select(reference.apply_token_bitmask, "apply_token_bitmask")
 qk_norm_rope_write_kv = _select(reference.qk_norm_rope_write_kv, "qk_norm_rope_write_kv")
 linear = _select(reference.linear, "linear")
-fp8_linear = _select(reference_quant.fp8_linear, "fp8_linear")
-wna16_linear = _select(reference_quant.wna16_linear, "wna16_linear")
 copy_blocks = reference.copy_blocks   # one indexed copy per layer: torch is the kernel
 
 
-def fp8_linear_kernel(rows: int, device: str | torch.device = "cuda") -> str:
+def on_triton(x: torch.Tensor | str | torch.device) -> bool:
+    """Whether the Triton twins run for a tensor (or device): HEADRACE_KERNELS and the device."""
+    device = x.device if isinstance(x, torch.Tensor) else torch.device(x)
+    return _triton is not None and (MODE == "triton" or device.type == "cuda")
+
+
+def fp8_linear(x, weight, weight_scale, input_scale=None, bias=None, kernel=None):
+    """kernels.reference_quant.fp8_linear's semantics; ``kernel`` (fp8_skinny / scaled_mm)
+    picks the Triton kernel where Triton runs."""
+    if on_triton(x):
+        return _triton[0]["fp8_linear"].fp8_linear(x, weight, weight_scale, input_scale, bias,
+                                                   kernel=kernel)
+    return reference_quant.fp8_linear(x, weight, weight_scale, input_scale, bias)
+
+
+def wna16_linear(x, qweight, scales, zeros, g_idx, perm, bits, group_size, bias=None, kernel=None):
+    """kernels.reference_quant.wna16_linear's semantics; ``kernel`` (triton_skinny / triton)
+    picks the Triton kernel where Triton runs."""
+    if on_triton(x):
+        return _triton[0]["wna16_linear"].wna16_linear(x, qweight, scales, zeros, g_idx, perm,
+                                                       bits, group_size, bias, kernel=kernel)
+    return reference_quant.wna16_linear(x, qweight, scales, zeros, g_idx, perm, bits, group_size,
+                                        bias)
+
+
+def fp8_linear_kernel(rows: int, device: str | torch.device = "cuda",
+                      shape: tuple[int, int] | None = None, backend: str = "auto") -> str:
     """Which kernel ``fp8_linear`` runs for an input of ``rows`` rows on ``device``:
-    'reference', or the GPU's 'fp8_skinny' / 'scaled_mm' (``triton_quant.fp8_kernel``)."""
-    if _triton is None or (MODE == "auto" and torch.device(device).type != "cuda"):
+    'reference', or on the GPU the default by rows ('fp8_skinny' / 'scaled_mm'), or with an
+    [N, K] ``shape`` what a layer of that shape dispatches to (``kernels.quant_dispatch``, the
+    libraries installed here)."""
+    if not on_triton(device):
         return "reference"
-    return _triton[0]["fp8_linear"].fp8_kernel(rows)
+    if shape is None:
+        return _triton[0]["fp8_linear"].fp8_kernel(rows)
+    from kernels import quant_dispatch, quant_libs
+    n, k = shape
+    return quant_dispatch.plan("fp8", n, k, backend, lambda name: quant_libs.takes(
+        name, scheme="fp8", n=n, k=k, dtype=torch.bfloat16)).kernel(rows)
+
+
+def wna16_linear_kernel(rows: int, device: str | torch.device = "cuda",
+                        shape: tuple[int, int] | None = None, bits: int = 4, group_size: int = 128,
+                        backend: str = "auto") -> str:
+    """As ``fp8_linear_kernel`` for the integer-weight layers (bfloat16 inputs)."""
+    if not on_triton(device):
+        return "reference"
+    quant = _triton[0]["wna16_linear"]
+    n, k = shape or (0, group_size)
+    if shape is None:
+        return quant.wna16_kernel(rows, bits, group_size, k)
+    from kernels import quant_dispatch, quant_libs, triton_w4a16
+
+    def takes(name: str) -> bool:
+        if name == "triton_skinny":
+            return triton_w4a16.supports(bits, group_size, k)
+        return quant_libs.takes(name, scheme="wna16", n=n, k=k, dtype=torch.bfloat16, bits=bits,
+                                group_size=group_size)
+    return quant_dispatch.plan(f"w{bits}a16", n, k, backend, takes).kernel(rows)

@@ -191,3 +191,14 @@ def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Ten
         if cache.dtype == torch.float8_e4m3fn:   # float8 index_put is not on every device
             cache = cache.view(torch.uint8)
         cache[:, dst] = cache[:, src]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Structured outputs: in place, ``logits[rows[k], t] = -inf`` for every token ``t`` whose
+    bit is clear in ``bitmask[k]`` (int32 words, bit ``t % 32`` of word ``t // 32``)."""
+    if rows.numel() == 0:
+        return
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
+    allowed = allowed[:, :logits.shape[1]].to(logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

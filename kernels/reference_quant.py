@@ -82,7 +82,7 @@ def pack_along_k(q: torch.Tensor, bits: int) -> torch.Tensor:
     if k % per:
         raise ValueError(f"input size {k} is not a multiple of {per} ({bits}-bit packing)")
     v = q.to(torch.int64).t().reshape(k // per, per, n)
-    shifts = (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)
+    shifts = (torch.arange(per, dtype=torch.int64, device=q.device) * bits).view(1, per, 1)
     word = (v << shifts).sum(dim=1)                      # < 2^32
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels import triton_decode
 from kernels.triton_decode import num_decode_splits  # noqa: F401  (part of this module's API)
-from kernels.triton_flash import Launch, _attend, _operand
+from kernels.triton_flash import Launch, _attend, _query_operand
 
 # Launch configuration, tuned on an H200 (triton 3.6) with ``bench/kernels.py --sweep``: causal
 # bf16 prefill reaches 300-450 TFLOP/s (hd 128, GQA 4). Decode's is in ``kernels.triton_decode``.
@@ -36,7 +36,7 @@ def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, seq0, qk_scale, v_scale, st
                     stride_oh, stride_bt, stride_block, stride_slot, stride_head,
                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, KV_F16: tl.constexpr):
     # Tiles run last-first: the causal tail's longest tiles start early, the short ones fill in.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head, seq = tl.program_id(1), seq0 + tl.program_id(2)
@@ -52,7 +52,7 @@ def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, seq0, qk_scale, v_scale, st
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    q = _operand(q, DOT_F32)
+    q = _query_operand(q, KV_F16, DOT_F32)
     q_pos = ctx - q_len + tok
     first = ctx - q_len + tile * BLOCK_Q        # position of the tile's first query
     below = (first + 1) // BLOCK_N * BLOCK_N    # keys [0, below) are visible to every row
@@ -63,10 +63,10 @@ def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, seq0, qk_scale, v_scale, st
     bt_row = BT + seq * stride_bt
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, 0, below,
                             q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
-                            HEAD_DIM, False, PRECISION, DOT_F32, Q.dtype.element_ty)
+                            HEAD_DIM, False, PRECISION, DOT_F32 and not KV_F16, q.dtype)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, below, end,
                             q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
-                            HEAD_DIM, True, PRECISION, DOT_F32, Q.dtype.element_ty)
+                            HEAD_DIM, True, PRECISION, DOT_F32 and not KV_F16, q.dtype)
     out = acc * v_scale / tl.where(row_ok, l_i, 1.0)[:, None]
     tl.store(OUT + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
@@ -81,7 +81,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
                     max_query_len: int | None = None, decode_only: bool | None = None,
                     num_kv_splits: int | None = None, num_decodes: int = 0,
                     decode_order: torch.Tensor | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of variable-length queries over paged KV; see
     kernels.reference.paged_attention. Host-side hints avoid a device sync: ``decode_only=True``
     promises every sequence has exactly one query token; otherwise ``max_query_len`` (the longest
@@ -90,11 +90,12 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     ``num_decodes``: the first that many sequences of a mixed batch have one query token each;
     they take the decode kernel (a prefill tile would pad each of them to BLOCK_Q tokens).
     ``decode_order`` (int32, a permutation of the decode rows, longest context first) is the
-    order their programs start in: a scheduling hint that leaves the result unchanged."""
+    order their programs start in: a scheduling hint that leaves the result unchanged.
+    ``out``: a contiguous tensor of the query's shape to write (default: a new one)."""
     tokens, heads, head_dim = query.shape
     batch = seq_lens.shape[0]
     query = query if query.stride(-1) == 1 else query.contiguous()
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     if tokens == 0:
         return out
     if not decode_only:
@@ -129,5 +130,5 @@ def prefill(launch: Launch, query_start_loc: torch.Tensor, seq_lens: torch.Tenso
         seq0, launch.qk_scale, launch.v_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         *launch.cache_strides, G=group, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=block_size, PRECISION=launch.precision,
-        DOT_F32=launch.dot_f32, num_warps=PREFILL_WARPS if block_m >= 128 else 4,
+        DOT_F32=launch.dot_f32, KV_F16=launch.kv_f16, num_warps=PREFILL_WARPS if block_m >= 128 else 4,
         num_stages=2 if wide else PREFILL_STAGES)

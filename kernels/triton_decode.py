@@ -20,11 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_flash import Launch, _attend, _operand
+from kernels.triton_flash import Launch, _attend, _query_operand
 
 # Launch configuration, tuned on an H200 (triton 3.6) with ``bench/kernels.py --sweep``: decode
 # reaches 3.8-4.4 TB/s at batch >= 64 (Llama-3.1-8B layout).
 DECODE_BLOCK_N, DECODE_WARPS, DECODE_STAGES = 64, 4, 3     # BLOCK_N: keys per loop iteration
+# An FP8 cache's tile of the same bytes holds twice the keys: BLOCK_N 128 keeps as many bytes in
+# flight per iteration (bench/quant_kernels.py --attention compares the tiles on the GPU).
+FP8_DECODE_BLOCK_N, FP8_DECODE_WARPS, FP8_DECODE_STAGES = 128, 4, 3
 MIN_SPLIT_TOKENS = 256     # a decode split gets at least this much of the longest context
 MAX_SPLITS = 32
 
@@ -37,7 +40,7 @@ def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale
                    stride_head, NUM_SPLITS: tl.constexpr,
                    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-                   DOT_F32: tl.constexpr, HAS_ORDER: tl.constexpr):
+                   DOT_F32: tl.constexpr, HAS_ORDER: tl.constexpr, KV_F16: tl.constexpr):
     # Programs start in grid order, all of one sequence's (kv head, split) programs together;
     # with ORDER (sequences by context, longest first) the long ones start first and the short
     # ones fill in behind them: the last wave is short.
@@ -49,8 +52,8 @@ def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale
     rows = tl.arange(0, G_PAD)
     heads = kv_head * G + rows
     d = tl.arange(0, HEAD_DIM)
-    q = _operand(tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                         mask=(rows < G)[:, None], other=0.0), DOT_F32)
+    q = _query_operand(tl.load(Q + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                               mask=(rows < G)[:, None], other=0.0), KV_F16, DOT_F32)
     chunk = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(ctx, lo + chunk)
@@ -60,8 +63,8 @@ def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale
     q_pos = tl.full([G_PAD], ctx - 1, tl.int32)  # the one query sees every key below ctx
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, BT + seq * stride_bt, kv_head * stride_head,
                             lo, hi, q_pos, qk_scale, stride_block,
-                            stride_slot, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, PRECISION, DOT_F32,
-                            Q.dtype.element_ty)
+                            stride_slot, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, PRECISION,
+                            DOT_F32 and not KV_F16, q.dtype)
     acc = acc * v_scale
     if NUM_SPLITS == 1:   # the whole context in one program: the output itself, no combine
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -114,9 +117,18 @@ def num_decode_splits(batch: int, kv_heads: int, max_context: int, device: torch
     return splits
 
 
+def decode_config(fp8: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, stages) of the decode kernel over a bf16/fp16/fp32 or an FP8 cache."""
+    if fp8:
+        return FP8_DECODE_BLOCK_N, FP8_DECODE_WARPS, FP8_DECODE_STAGES
+    return DECODE_BLOCK_N, DECODE_WARPS, DECODE_STAGES
+
+
 def decode(launch: Launch, seq_lens: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
-           num_kv_splits: int | None, order: torch.Tensor | None) -> None:
-    """Launches decode attention for these sequences (one query token each) into ``out``."""
+           num_kv_splits: int | None, order: torch.Tensor | None,
+           config: tuple[int, int, int] | None = None) -> None:
+    """Launches decode attention for these sequences (one query token each) into ``out``;
+    ``config``: (BLOCK_N, warps, stages) instead of ``decode_config``'s (the bench's sweep)."""
     query, (keys, values) = launch.query, (launch.kv_cache[0], launch.kv_cache[1])
     batch, (_, heads, head_dim) = seq_lens.shape[0], query.shape
     kv_heads, block_size = keys.shape[2], keys.shape[1]
@@ -129,15 +141,16 @@ def decode(launch: Launch, seq_lens: torch.Tensor, block_tables: torch.Tensor, o
                              device=query.device)
         part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
     group = heads // kv_heads
+    block_n, warps, stages = config or decode_config(launch.fp8)
     _decode_kernel[(kv_heads * splits, batch)](
         query, keys, values, seq_lens, block_tables, seq_lens if order is None else order,
         part_o, part_lse, out, launch.qk_scale, launch.v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *launch.cache_strides,
         NUM_SPLITS=splits, G=group,
         G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=block_size, PRECISION=launch.precision,
-        DOT_F32=launch.dot_f32, HAS_ORDER=order is not None, num_warps=DECODE_WARPS,
-        num_stages=DECODE_STAGES)
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, PRECISION=launch.precision,
+        DOT_F32=launch.dot_f32, HAS_ORDER=order is not None, KV_F16=launch.kv_f16,
+        num_warps=warps, num_stages=stages)
     if splits > 1:
         _combine_kernel[(batch, heads)](part_o, part_lse, out, out.stride(0), out.stride(1),
                                         NUM_SPLITS=splits, HEAD_DIM=head_dim, num_warps=4)

@@ -7,6 +7,14 @@ cores), folds it into an online softmax in float32 in the log2 domain (exp2 is t
 native exponential) and accumulates P @ V; decode and prefill differ only in the tile of query
 rows they hold and in how they split the context over programs. ``Launch`` holds the
 per-call parameters both launches derive from the query and the cache.
+
+An FP8 (e4m3) cache is read as such (half the bytes of bf16) and widened in registers, tile by
+tile, never as a whole. By default (``FP8_COMPUTE = "float16"``) the query, the widened K/V
+tiles and the probabilities are float16 for the tensor cores: e4m3 -> float16 is one native
+conversion per two values on SM89+ (``cvt.rn.f16x2.e4m3x2``; to bfloat16 it takes a detour
+through float32), e4m3's values are exact in float16, and float16 keeps 3 more mantissa bits
+of q and P than bfloat16 (q is clamped to float16's range first). ``"query"`` widens to the
+query's dtype instead (the first version; the bench compares both).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+FP8_COMPUTE = "float16"    # or "query": the dtype an FP8 cache's tiles widen to
 # Triton's CPU interpreter multiplies bfloat16 tl.dot operands as raw bits (triton issue 11584),
 # so under it bfloat16 operands are widened to float32 first (DOT_F32); compiled kernels never are.
 INTERPRETED = triton.knobs.runtime.interpret
@@ -26,6 +35,15 @@ def _operand(x, DOT_F32: tl.constexpr):
     if DOT_F32:
         return x.to(tl.float32)
     return x
+
+
+@triton.jit
+def _query_operand(q, KV_F16: tl.constexpr, DOT_F32: tl.constexpr):
+    """The query as a tl.dot operand: float16 (clamped to its range) over an FP8 cache read
+    as float16, else as loaded (float32 under the interpreter's bfloat16 workaround)."""
+    if KV_F16:
+        return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return _operand(q, DOT_F32)
 
 
 @triton.jit
@@ -77,3 +95,6 @@ class Launch:
         fp8 = kv_cache.dtype == torch.float8_e4m3fn   # an FP8 cache holds k / k_scale, v / v_scale
         self.qk_scale = scale * LOG2E * (k_scale if fp8 else 1.0)
         self.v_scale = v_scale if fp8 else 1.0
+        self.fp8 = fp8
+        # K/V tiles widen to float16 (a float32 query keeps float32: tests, CPU-sized models)
+        self.kv_f16 = fp8 and FP8_COMPUTE == "float16" and query.dtype != torch.float32

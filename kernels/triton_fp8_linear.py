@@ -1,29 +1,34 @@
 """Triton skinny GEMM for FP8 weights at decode batch sizes: ``kernels.reference_quant.
 fp8_weight_linear`` (W8A16 semantics: e4m3 weight, activations left in their own dtype).
 
-Why: at decode (M = 1..~256 rows) a projection is bound by reading its weight, and FP8 halves
-those bytes, but ``torch._scaled_mm`` (cuBLASLt, row-wise scales) was measured on the H200 to
-read its weight at ~1.1 TB/s for M <= 256, a quarter of what the card copies (~4.3 TB/s): FP8
-weights bought nothing on the qkv / o projections. This kernel is ``kernels.triton_linear``'s
-design with a one-byte weight: each program owns BLOCK_N output columns for BLOCK_M rows,
-streams its [BLOCK_N, K] slice of the weight once with wide loads along K (contiguous rows),
-upcasts the e4m3 values to the activation dtype in registers (exact: e4m3's 3 mantissa bits
-and range fit bfloat16, float16 and float32), accumulates x @ w^T in float32 and applies each
-output column's float32 scale once, after the K loop, then adds the bias. Programs over the
-row tiles of one column tile are launched next to each other (axis 0), so a weight tile read
-from HBM serves them from L2. Where the output tiles are fewer than the SMs want (``_tiles``),
-K is split into slices whose float32 partial sums are added atomically into a zeroed
-workspace, as in ``kernels.triton_quant``'s W4A16 kernel. Fixed grid from static shapes, no
-host synchronisation: CUDA-graph safe.
+Why: at decode (M = 1..~128 rows) a projection is bound by reading its weight once, and FP8
+halves those bytes against bf16, but only if the kernel keeps the H200's memory busy: issue 32
+measured the first version of this kernel (fixed 16 x 32 x 256 tiles) and ``torch._scaled_mm``
+(cuBLASLt row-wise) reading FP8 weights at 0.2-1.1 TB/s where cuBLAS bf16 reads at 2-3.4 TB/s.
+So the launch is chosen on the device (``kernels.skinny_gemm.Tuner``: per row bucket a compact
+list of tiles, autotuned per shape at warm-up) among two program shapes:
+
+* FMA (M <= 4): each program owns BLOCK_N output columns for BLOCK_M rows and streams its
+  [BLOCK_N, K] slice of the weight in [BLOCK_N, BLOCK_K] tiles of 256-1024 contiguous bytes
+  per row (16-byte vector loads), upcasts e4m3 in registers (exact: e4m3's values all fit
+  bfloat16, float16 and float32) and reduces w * x along K on the CUDA cores in float32.
+  Tensor-core tiles would waste 15/16 of their rows on one token.
+* tl.dot with swapped operands (M >= 2): acc^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, BLOCK_K] @
+  X^T, so the weight (upcast in registers, the MMA's A operand) fills the tensor core's
+  64-row side and the few tokens its narrow side (16..128).
+
+K is split over programs (float32 partial sums in the self-cleaning workspace) where output
+tiles are few. Each output column's float32 scale (per channel, or one per tensor) is applied
+once in the epilogue, then the bias. Fixed grid from static shapes, no host synchronisation:
+CUDA-graph safe.
 
 Why no activation quantisation here: in a memory-bound shape the arithmetic is not the
-bottleneck, so running it on bf16 tensor cores instead of FP8 ones costs nothing while the
-weight bytes (the cost) are the same FP8 bytes; W8A8's per-token quantiser would only add a
-launch and a pass over x. Numerically this path is closer to the unquantised model than W8A8:
-the only error is the weight's rounding to e4m3; the activations keep their bfloat16 (or
-float16 / float32) values instead of being rounded to e4m3 (and, with a static input scale,
-saturated at 448 * scale), so a layer's decode rows and its W8A8 prefill rows differ by that
-activation rounding. A checkpoint's static ``input_scale`` is therefore not used here.
+bottleneck, so running it on bf16 tensor cores or CUDA cores instead of FP8 ones costs nothing
+while the weight bytes (the cost) are the same FP8 bytes; W8A8's per-token quantiser would only
+add a launch and a pass over x. Numerically this path is closer to the unquantised model than
+W8A8: the only error is the weight's rounding to e4m3 (a checkpoint's static ``input_scale`` is
+therefore not used here), so a layer's decode rows and its W8A8 prefill rows differ by the
+activations' e4m3 rounding.
 """
 
 from __future__ import annotations
@@ -32,98 +37,94 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.skinny_gemm import Tile, Tuner, activations, launch_args, store_or_reduce
 from kernels.triton_flash import INTERPRETED   # bfloat16 tl.dot operands widened there
 
-MIN_PROGRAMS = 264          # as triton_quant's W4A16: 2 per SM of an H200 (132)
-MIN_PROGRAMS_DECODE = 128   # narrow decode tiles: about one per SM
-MAX_SPLIT = 4               # not yet swept for FP8 (bench/quant_kernels.py --sweep)
 
-
-@triton.jit
-def _fp8_skinny_kernel(X, W, S, B, OUT, M, N, K, K_PER, stride_xm, stride_wn, stride_s,
-                       stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                       PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+@triton.jit(do_not_specialize=["M_BUCKET"])
+def _fp8_skinny_kernel(X, W, S, B, OUT, WS, CNT, M, N, K, stride_xm, stride_wn, stride_s,
+                       stride_om, M_BUCKET, SPLIT_K, HAS_BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    pid_k = tl.program_id(2)
-    k_lo = pid_k * K_PER                 # K_PER is a multiple of BLOCK_K: tiles stay in one slice
-    k_hi = tl.minimum(K, k_lo + K_PER)
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K   # whole K tiles per slice
+    k_lo = tl.program_id(2) * k_per
+    k_hi = tl.minimum(K, k_lo + k_per)
     row_ok, col_ok = rows < M, cols < N
     dtype = X.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_rows = W + cols[:, None].to(tl.int64) * stride_wn
+    x_rows = X + rows.to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        x = tl.load(X + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + k[None, :],
-                    mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        w = w.to(dtype)                  # e4m3 -> x's dtype: exact
-        if DOT_F32:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    acc *= tl.load(S + cols * stride_s, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        if pid_k == 0:
-            acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out_at = OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
-    out_ok = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_at, acc.to(OUT.dtype.element_ty), mask=out_ok)
-    else:                                # OUT is a zeroed float32 workspace the slices add into
-        tl.atomic_add(out_at, acc, mask=out_ok, sem="relaxed")
+        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_DOT:
+            xt = tl.load(x_rows[None, :] + k[:, None], mask=k_ok[:, None] & row_ok[None, :],
+                         other=0.0)
+            w = w.to(dtype)                       # e4m3 -> x's dtype: exact
+            if DOT_F32:
+                w, xt = w.to(tl.float32), xt.to(tl.float32)
+            acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+        else:
+            x = tl.load(x_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            acc += tl.sum(w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :], axis=2)
+    store_or_reduce(acc, rows, cols, row_ok, col_ok, OUT, stride_om, WS, CNT, N, S, stride_s, B,
+                    HAS_BIAS, SPLIT_K, True)
 
 
-def _tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, split_k) for m rows of an [n, k] weight. One-byte
-    weights: BLOCK_K 256 at decode is a 256-byte contiguous run per weight row (triton_linear's
-    bf16 tiles read 512). Not yet tuned on the H200 (bench/quant_kernels.py --sweep)."""
-    if m <= 16:
-        block_m, block_n, block_k, warps = 16, 32, 256, 4
-    elif m <= 32:
-        block_m, block_n, block_k, warps = 32, 64, 128, 4
-    elif m <= 64:
-        block_m, block_n, block_k, warps = 64, 64, 128, 4
-    else:
-        block_m, block_n, block_k, warps = 128, 128, 64, 8
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    least = MIN_PROGRAMS_DECODE if m <= 16 else MIN_PROGRAMS
-    split = 1 if tiles >= least else min(MAX_SPLIT, triton.cdiv(least, tiles))
-    return block_m, block_n, block_k, warps, max(1, min(split, k // (2 * block_k)))
+def _fma(m: int, n: int, k: int, warps: int = 4, split: int = 1) -> Tile:
+    return Tile(m, n, k, warps, 3, split, dot=False)
+
+
+# Candidate tiles per row bucket (bytes of one weight row per step = BLOCK_K). FMA tiles keep
+# BLOCK_M * BLOCK_N * BLOCK_K / threads <= 64 values a thread; the first tile of a bucket is
+# the one a graph capture falls back to, and the one the CPU interpreter runs.
+TILES = {
+    1: [_fma(1, 32, 256), _fma(1, 16, 512), _fma(1, 64, 256, 8), _fma(1, 32, 512, 8),
+        _fma(1, 16, 1024, 8), _fma(1, 32, 256, 4, 2), _fma(1, 16, 512, 4, 4)],
+    2: [_fma(2, 16, 256), _fma(2, 32, 256, 8), _fma(2, 16, 512, 8), Tile(16, 64, 256),
+        _fma(2, 16, 256, 4, 2)],
+    4: [Tile(16, 64, 256), _fma(4, 16, 256, 8), _fma(4, 16, 128), Tile(16, 32, 256, 4, 4),
+        Tile(16, 64, 256, 4, 3, 2)],
+    8: [Tile(16, 64, 256), Tile(16, 32, 256, 4, 4), Tile(16, 128, 128), Tile(16, 64, 512, 8),
+        Tile(16, 64, 256, 4, 3, 2), Tile(16, 128, 256, 8)],
+    32: [Tile(32, 64, 256), Tile(32, 128, 128), Tile(32, 64, 128, 4, 4), Tile(32, 128, 256, 8),
+         Tile(32, 64, 256, 4, 3, 2)],
+    64: [Tile(64, 64, 128), Tile(64, 128, 128, 8), Tile(64, 64, 256), Tile(64, 128, 128, 4, 4),
+         Tile(64, 64, 128, 4, 3, 2)],
+    128: [Tile(128, 128, 64, 8), Tile(64, 128, 128, 8), Tile(128, 64, 128, 8),
+          Tile(64, 64, 128, 4, 3, 2)],
+}
+TILES[16] = TILES[8]
+TILES[256] = TILES[128]       # more rows than the skinny range (tests, the bench's M = 256)
+if INTERPRETED:               # the CPU interpreter: one tile a bucket (no timing there)
+    TILES = {b: ts[:1] for b, ts in TILES.items()}
+
+TUNER = Tuner(_fp8_skinny_kernel, TILES)
 
 
 def fp8_weight_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None,
-                      config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
     """See kernels.reference_quant.fp8_weight_linear. x [..., K] bfloat16 / float16 / float32,
     weight [N, K] e4m3 (rows contiguous), weight_scale float32 [N] (per channel) or one element
-    (per tensor), bias [N] or None. ``config``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, split_k)
-    instead of ``_tiles``' choice (the sweep of bench/quant_kernels.py)."""
+    (per tensor), bias [N] or None. ``tile``: one launch configuration instead of the tuned
+    choice (tests, bench/quant_kernels.py's sweep)."""
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = activations(x, k)
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     scale = weight_scale.reshape(-1)
     if scale.numel() not in (1, n):
         raise ValueError(f"weight_scale has {scale.numel()} elements for {n} rows (1 or {n})")
-    m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out.reshape(*x.shape[:-1], n)
-    block_m, block_n, block_k, warps, split = config or _tiles(m, n, k)
-    k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_per)
-    dot_f32 = INTERPRETED and x.dtype == torch.bfloat16
-    precision = "ieee" if x.dtype == torch.float32 or dot_f32 else "tf32"
-    acc = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    _fp8_skinny_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
-        x2, weight, scale, weight if bias is None else bias, acc, m, n, k, k_per, x2.stride(0),
-        weight.stride(0), 0 if scale.numel() == 1 else scale.stride(0), acc.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SPLIT_K=split, PRECISION=precision, DOT_F32=dot_f32, num_warps=warps, num_stages=3)
-    if split > 1:
-        out.copy_(acc)
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        args = launch_args(x2, out)
+        args.update(X=x2, W=weight, S=scale, B=weight if bias is None else bias, K=k,
+                    stride_wn=weight.stride(0), stride_s=0 if scale.numel() == 1 else scale.stride(0),
+                    HAS_BIAS=bias is not None)
+        key = (args["M_BUCKET"], n, k, x.dtype, bias is not None, scale.numel() == 1)
+        TUNER(x2.shape[0], n, args, key, tile)
     return out.reshape(*x.shape[:-1], n)

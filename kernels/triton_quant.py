@@ -1,24 +1,26 @@
 """Triton twins of ``kernels.reference_quant``: the quantized linear layers on the GPU.
 
-* ``fp8_linear``: up to ``FP8_SKINNY_MAX_ROWS`` rows (decode) the FP8-weight skinny GEMM of
-  ``kernels.triton_fp8_linear`` (W8A16: x not quantised; there ``_scaled_mm`` reads its weight at
-  a quarter of the H200's bandwidth). Above it a Triton kernel quantises the activations to e4m3
-  (one program per row: max|x| -> scale, then x / scale; or one static scale), then
+* ``fp8_linear``: FP8 weights. Up to ``FP8_SKINNY_MAX_ROWS`` rows (decode) by default the
+  FP8-weight skinny GEMM of ``kernels.triton_fp8_linear`` (W8A16: x not quantised). Above it
+  (or with ``kernel="scaled_mm"``) a Triton kernel quantises the activations to e4m3 (one
+  program per row: max|x| -> scale, then x / scale; or one static scale), then
   ``torch._scaled_mm`` runs the GEMM on the FP8 tensor cores with row-wise scales (scale_a
   [M, 1], scale_b [1, N], float32) and a bfloat16 output (cast to x's dtype when that differs).
-  ``fp8_kernel(m)`` names the kernel m rows take.
-* ``wna16_linear``: W4A16 and W8A16 in one GEMM kernel. Each program owns a BLOCK_M x BLOCK_N
-  tile of the output and walks K: it loads the packed int32 words of a [BLOCK_K, BLOCK_N] weight
-  tile (GPTQ layout, 32 / BITS values per word along K), shifts the values out, dequantises
-  them with their group's scale and zero ((q - z) * s, rounded to x's dtype) in registers and
-  accumulates x @ w in float32. Groups are contiguous in K (act-order checkpoints are permuted
-  at load, and x's columns with them); when a group spans whole K tiles one scale row is loaded
-  per tile, otherwise (or with a per-column group index) the scales are gathered per column.
-  Decode-sized inputs split K over several programs (``_tiles``) whose float32 partial sums
-  are added atomically into a zeroed workspace, then cast: the weight is streamed by enough
-  programs to fill the GPU.
+  ``fp8_kernel(m)`` names the default for m rows; ``kernels.quant_dispatch`` chooses per layer.
+* ``wna16_linear``: W4A16 and W8A16. Up to ``skinny_gemm.MAX_ROWS`` rows, for groups of a
+  multiple of 128 columns (or one group), the decode kernel of ``kernels.triton_w4a16``
+  (``kernel="triton_skinny"``); otherwise (``kernel="triton"``) the general kernel here: each
+  program owns a BLOCK_M x BLOCK_N tile of the output and walks K: it loads the packed int32
+  words of a [BLOCK_K, BLOCK_N] weight tile (GPTQ layout, 32 / BITS values per word along K),
+  shifts the values out, dequantises them with their group's scale and zero ((q - z) * s,
+  rounded to x's dtype) in registers and accumulates x @ w in float32. Groups are contiguous
+  in K (act-order checkpoints are permuted at load, and x's columns with them); when a group
+  spans whole K tiles one scale row is loaded per tile, otherwise (or with a per-column group
+  index) the scales are gathered per column. Where output tiles are few, K is split over
+  programs (``_tiles``) whose float32 partial sums are added atomically into a zeroed
+  workspace, then cast.
 
-Both launch a fixed grid from static shapes, with no host synchronisation: CUDA-graph safe.
+All launch fixed grids from static shapes, with no host synchronisation: CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_fp8_linear
+from kernels import skinny_gemm, triton_fp8_linear, triton_w4a16
 from kernels.reference_quant import FP8, FP8_MAX, FP8_MIN_SCALE
 from kernels.triton_flash import INTERPRETED as _INTERPRETED   # bfloat16 tl.dot operands widened there
 
@@ -87,17 +89,23 @@ def per_token_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
     return xq, scale
 
 
-# Rows up to which fp8_linear takes the skinny FP8-weight kernel (W8A16) instead of activation
-# quantisation + _scaled_mm (W8A8). To be measured on the H200: bench/quant_kernels.py prints
-# both at M = 1..256 and this choice per row. 128 from the roofline only: at M <= 128 a bf16
-# tensor-core GEMM of an 8B projection is still bound by its FP8 weight bytes.
-FP8_SKINNY_MAX_ROWS = 128
+# Rows up to which fp8_linear takes the skinny FP8-weight kernel (W8A16) by default instead of
+# activation quantisation + _scaled_mm (W8A8): the skinny kernels' tuned range. Per layer and
+# row bucket kernels.quant_dispatch chooses from the H200's measurements (bench/quant_kernels.py).
+FP8_SKINNY_MAX_ROWS = skinny_gemm.MAX_ROWS
 FP8_KERNELS = ("fp8_skinny", "scaled_mm")
+WNA16_KERNELS = ("triton_skinny", "triton")
 
 
 def fp8_kernel(m: int) -> str:
-    """The kernel fp8_linear runs for an input of m rows: 'fp8_skinny' or 'scaled_mm'."""
+    """The kernel fp8_linear runs by default for m rows: 'fp8_skinny' or 'scaled_mm'."""
     return "fp8_skinny" if m <= FP8_SKINNY_MAX_ROWS else "scaled_mm"
+
+
+def wna16_kernel(m: int, bits: int, group_size: int, k: int) -> str:
+    """The kernel wna16_linear runs by default: 'triton_skinny' or 'triton'."""
+    skinny = m <= skinny_gemm.MAX_ROWS and triton_w4a16.supports(bits, group_size, k)
+    return "triton_skinny" if skinny else "triton"
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -106,7 +114,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """See kernels.reference_quant.fp8_linear (W8A8; the skinny kernel's rows:
     fp8_weight_linear, W8A16). weight [N, K] e4m3 (row-major, so weight.t() is the column-major
     operand _scaled_mm wants), weight_scale [N] float32. ``kernel``: one of FP8_KERNELS
-    instead of ``fp8_kernel``'s choice (the benchmark, the tests)."""
+    instead of ``fp8_kernel``'s choice (the layer's dispatch, the benchmark, the tests)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     kernel = kernel or fp8_kernel(x2.shape[0])
@@ -203,18 +211,22 @@ def _tiles(m: int, n: int, k: int, bits: int) -> tuple[int, int, int, int, int]:
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  g_idx: torch.Tensor, perm: torch.Tensor | None, bits: int, group_size: int,
                  bias: torch.Tensor | None = None,
-                 config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                 config: tuple[int, int, int, int, int] | None = None,
+                 kernel: str | None = None) -> torch.Tensor:
     """See kernels.reference_quant.wna16_linear. ``group_size`` > 0 (groups contiguous and
-    equal) lets the kernel index scales by k // group_size; 0 makes it read ``g_idx``.
-    ``config``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, split_k) instead of ``_tiles``' choice (the
-    sweep of bench/quant_kernels.py)."""
+    equal) lets the kernels index scales by k // group_size; 0 makes the general kernel read
+    ``g_idx``. ``kernel``: one of WNA16_KERNELS instead of ``wna16_kernel``'s choice;
+    ``config``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, split_k) of the general kernel instead of
+    ``_tiles``' choice (bench/quant_kernels.py's sweep)."""
     n = qweight.shape[1]
     k = qweight.shape[0] * (32 // bits)
     x2 = x.reshape(-1, k)
-    if perm is not None:
-        x2 = x2.index_select(1, perm)
-    elif x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    kernel = kernel or ("triton" if config else wna16_kernel(x2.shape[0], bits, group_size, k))
+    if kernel == "triton_skinny":
+        return triton_w4a16.w4a16_linear(x, qweight, scales, zeros, perm, bits, group_size, bias)
+    if kernel != "triton":
+        raise ValueError(f"kernel must be one of {WNA16_KERNELS}, not {kernel!r}")
+    x2 = skinny_gemm.activations(x, k, perm)
     m = x2.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:

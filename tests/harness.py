@@ -74,7 +74,9 @@ class Planes:
         async def build_split():
             address = core_address or f"unix:{self._tmp}/core.sock"
             link = core_options or {}
-            self.core = CoreServer(str(model_dir), workers, address, config, **link.get("core", {}))
+            core = dict(link.get("core", {}))   # (the front end's loopback opt-in reaches the core)
+            core.setdefault("admin_insecure_loopback", (plane_options or {}).get("admin_insecure_loopback", False))
+            self.core = CoreServer(str(model_dir), workers, address, config, **core)
             await self.core.start(ready_timeout=180)
             if address.endswith(":0"):   # an ephemeral TCP port: the bound one
                 address = f"{address.rsplit(':', 1)[0]}:{self.core.port}"

@@ -28,11 +28,13 @@ def free_port() -> int:
 
 
 class Served:
-    def __init__(self, log_path, api_server_count: int = 2, extra: tuple[str, ...] = ()):
+    def __init__(self, log_path, api_server_count: int = 2, extra: tuple[str, ...] = (),
+                 env: dict | None = None):
+        """``extra``: more options of ``serve``; ``env``: more environment variables."""
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log = open(log_path, "w+")
-        env = dict(os.environ, HEADRACE_LOG_LEVEL="INFO", HEADRACE_LOG_FORMAT="json")
+        env = dict(os.environ, HEADRACE_LOG_LEVEL="INFO", HEADRACE_LOG_FORMAT="json", **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--metrics-port", str(self.metrics_port), "--http-port", "0",

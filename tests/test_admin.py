@@ -37,7 +37,8 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def planes(checkpoints):
-    p = Planes(checkpoints[0], num_kv_blocks=64, config=EngineConfig(max_running=1))
+    p = Planes(checkpoints[0], num_kv_blocks=64, config=EngineConfig(max_running=1),
+               plane_options={"admin_insecure_loopback": True})
     p.admin = apb_grpc.AdminStub(p.channel)
     p.health = health_pb2_grpc.HealthStub(p.channel)
     yield p
@@ -270,6 +271,32 @@ def test_admin_token(planes):
         assert errors == 1
     finally:
         planes.plane.admin.token = None
+
+
+def test_reload_is_limited_to_the_model_roots_and_reveals_nothing_outside(planes, tmp_path):
+    """Outside the roots (default: the served model's parent directory, the hub cache), an
+    existing directory and a missing one get the same refusal, before anything is read."""
+    answers = []
+    for path in ("/etc", "/etc/no-such-dir-xyz", str(tmp_path / ".." / ".." / ".." / "etc")):
+        with pytest.raises(grpc.RpcError) as info:
+            planes.admin.ReloadModel(apb.ReloadModelRequest(model=path))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        answers.append(info.value.details().replace(repr(path), "PATH"))
+    assert len(set(answers)) == 1 and "--model-root" in answers[0]
+    assert _status(planes) == SERVING
+
+
+def test_admin_without_a_token_is_disabled_unless_opted_in(checkpoints):
+    """No admin token and no --admin-insecure-loopback: disabled, even for a loopback caller
+    of a loopback server (a local proxy would make every caller look local)."""
+    p = Planes(checkpoints[0], num_kv_blocks=16)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            apb_grpc.AdminStub(p.channel).GetConfig(apb.GetConfigRequest())
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "disabled" in info.value.details() and "--admin-token" in info.value.details()
+    finally:
+        p.close()
 
 
 def test_only_local_callers_without_a_token():

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from cli.main import CONTROL_PLANE_SECRETS, build_parser, child_env
+from cli.main import build_parser, dataplane_env
+from common import secret_env
 from cli.options import plane_options
 from common.security import DEFAULT_TENANT, ApiTokens
 from controlplane import limits
@@ -66,18 +67,21 @@ def test_bounds_follow_the_model(tmp_path):
 
 
 def test_a_data_plane_child_gets_no_control_plane_secret():
-    env = child_env({"PATH": "/bin", "HEADRACE_API_TOKEN": "a", "HEADRACE_API_TOKENS": "t=b",
-                     "HEADRACE_ADMIN_TOKEN": "c", "HEADRACE_MODEL": "/m"}, "worker-secret")
-    assert not set(CONTROL_PLANE_SECRETS) & set(env)
+    environ = {"PATH": "/bin", "HEADRACE_API_TOKEN": "a", "HEADRACE_API_TOKENS": "t=b",
+               "HEADRACE_ADMIN_TOKEN": "c", "HEADRACE_CORE_SECRET": "d", "HEADRACE_MODEL": "/m"}
+    args = build_parser().parse_args(["serve", "--worker-secret", "worker-secret"])
+    secret_env.resolve(args, environ)
+    env = dataplane_env(args, environ)
+    assert set(secret_env.SECRET_VARS) & set(env) == {"HEADRACE_WORKER_SECRET"}
     assert env["HEADRACE_WORKER_SECRET"] == "worker-secret" and env["PATH"] == "/bin"
     assert env["HEADRACE_MODEL"] == "/m"
 
 
-def test_metrics_bind_where_the_api_binds_unless_told(monkeypatch):
+def test_metrics_bind_loopback_unless_told(monkeypatch):
     for name in ("HEADRACE_API_TOKEN", "HEADRACE_API_TOKENS", "HEADRACE_ADMIN_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     args = build_parser().parse_args(["controlplane", "--workers", "x:1", "--host", "10.1.2.3"])
-    assert plane_options(args)["metrics_host"] == "10.1.2.3"   # where the API binds
+    assert plane_options(args)["metrics_host"] == "127.0.0.1"   # not where the API binds
     args = build_parser().parse_args(["controlplane", "--workers", "x:1", "--metrics-host", "0.0.0.0",
                                       "--api-token", "alpha=a", "--api-token", "beta=b", "--max-n", "4"])
     opts = plane_options(args)
@@ -85,9 +89,10 @@ def test_metrics_bind_where_the_api_binds_unless_told(monkeypatch):
     assert opts["max_n"] == 4
 
 
-def test_admin_is_disabled_beyond_loopback_without_a_token():
+def test_admin_is_disabled_without_a_token_unless_opted_in_on_loopback():
     for address in ("127.0.0.1:1", "[::1]:1", "localhost:1", "unix:/tmp/x", "127.0.0.2:1"):
-        assert is_loopback_address(address) and admin_access(address, None)
+        assert is_loopback_address(address) and admin_access(address, None, insecure_loopback=True)
+        assert not admin_access(address, None) and admin_access(address, "tok")
     for address in ("0.0.0.0:1", "[::]:1", "10.0.0.1:1", "myhost:1"):
         assert not is_loopback_address(address)
-        assert not admin_access(address, None) and admin_access(address, "tok")
+        assert not admin_access(address, None, insecure_loopback=True) and admin_access(address, "tok")

@@ -5,6 +5,7 @@ imports resolve without path hacks), and bench/gpu_run.sh runs only modules that
 from __future__ import annotations
 
 import importlib
+import json
 import pathlib
 import re
 import subprocess
@@ -16,8 +17,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_reference",
            "random_checkpoint", "w4_bench", "quant_kernels", "quantize_checkpoint",
            "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream",
-           "draft_acceptance", "profile_summary"]
-SUPPORT = ["serving_http"]   # modules the benchmarks import, not run on their own
+           "draft_acceptance", "profile_summary", "chunking_sim", "gpu_table", "tier_bench", "tier_targets",
+           "step_host", "structured_bench", "fp8_kv_attention"]
+SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token", "w5_report"]   # imported, not run
 
 
 @pytest.mark.parametrize("name", BENCHES)
@@ -47,7 +49,7 @@ def test_gpu_run_script_is_valid_and_runs_benches_as_modules():
     assert {"serving_bench", "inprocess_bench", "random_checkpoint", "kernels"} <= modules <= set(BENCHES)
     assert not re.search(r"python3? (-P )?bench/", script)      # no script paths: no sys.path games
     assert "pkill" not in script and "killall" not in script and "pgrep -f" not in script
-    for section in ("tests", "w1", "w1o", "w2", "w3", "tp"):
+    for section in ("tests", "w1", "w1o", "w1s", "ttft", "w2", "w3", "w4", "tp"):
         assert f"has {section}" in script, section
 
 
@@ -73,28 +75,245 @@ def test_profile_gpu_check_serves_w2_and_checks_the_trace_names_kernels():
     assert "pkill" not in script and "killall" not in script and "pgrep -f" not in script
 
 
+def test_mixed_gpu_check_is_valid_and_runs_benches_as_modules():
+    script = (ROOT / "bench" / "mixed_gpu_check.sh").read_text()
+    subprocess.run(["bash", "-n", str(ROOT / "bench" / "mixed_gpu_check.sh")], check=True)
+    modules = set(re.findall(r"python3 -m bench\.(\w+)", script))
+    assert {"step_host", "inprocess_bench", "random_checkpoint"} <= modules <= set(BENCHES)
+    assert not re.search(r"python3? (-P )?bench/", script)
+    assert "pkill" not in script and "killall" not in script
+    for section in ("tests", "steps", "w1"):
+        assert f"has {section}" in script, section
+
+
+def test_step_host_times_every_phase_and_kind_on_a_cpu():
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.step_host", "--seqs", "4", "--context", "8", "--prefill", "16",
+         "--prefill-only", "32", "--steps", "2", "--warmup", "1", "--modes", "none"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith('{"kind"')]
+    assert [r["kind"] for r in rows] == ["decode", "mixed", "prefill"]
+    for r in rows:
+        assert r["graph"] == "eager" and r["seqs"] == 4 and r["execute_ms"] > 0
+        assert set(r["host_ms"]) == {"apply", "build", "forward", "sample", "finish"}
+        assert all(v > 0 for v in r["host_ms"].values()), r
+    assert "mode               kind" in out   # the table
+
+
 @pytest.mark.slow   # a serve per mode
 def test_w5_runs_on_a_cpu_with_tiny_sizes_in_every_mode():
-    """W5 (multi-turn chat) end to end with the embedded tiny model: offloading off, and on
-    with host hits always loaded and never (recomputed), in one invocation; the same tokens
-    generated; the host tier hit only when loaded, its hits counted as recomputed by never."""
+    """W5 (multi-turn chat) end to end with the embedded tiny model, one data plane (with a host
+    tier) for every mode: offloading off, and on with host hits always loaded and never
+    (recomputed), off again, then two conversations one turn at a time; the same tokens
+    generated (float32: no rounding to flip a token), compared conversation by conversation
+    with the first mode of their kind; the host tier hit only when loaded, its hits counted as
+    recomputed by never."""
     import json
     import os
 
     cmd = [sys.executable, "-m", "bench.w5_bench", "--device", "cpu", "--conversations", "4",
            "--turns", "3", "--user-tokens", "40", "--output-tokens", "8", "--system-tokens", "32",
            "--num-kv-blocks", "24", "--offload-gib", "0.01", "--concurrency", "2",
-           "--port", "50271", "--metrics-port", "50273", "--modes", "off,always,never",
+           "--alone-conversations", "2", "--warmup-conversations", "1",
+           "--port", "50271", "--metrics-port", "50273",
+           "--modes", "off,always,never,off,always/alone,off/alone",
            "--serve-args", "--max-running 8 --max-batched-tokens 256", "--ready-timeout", "120"]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'protos'}")
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-2000:]
-    off, on, never = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [r["offloading"] for r in (off, on, never)] == ["off", "always", "never"]
-    assert off["turns"] == on["turns"] == never["turns"] == 12
-    assert off["histories_digest"] == on["histories_digest"] == never["histories_digest"]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    off, on, never, again, alone_on, alone_off = rows
+    assert [r["offloading"] for r in rows] == ["off", "always", "never", "off", "always/alone", "off/alone"]
+    assert off["turns"] == on["turns"] == never["turns"] == 12 and alone_on["turns"] == 6
+    assert off["histories_digest"] == on["histories_digest"] == never["histories_digest"] == again["histories_digest"]
+    assert alone_on["histories_digest"] == alone_off["histories_digest"]
+    for row, vs, n in ((on, "off", 4), (again, "off", 4), (alone_off, "always/alone", 2)):
+        assert row["tokens_vs_first"] == {"vs": vs, "same_conversations": n, "conversations": n}
     assert off["hit_rate_host"] == 0 and on["hit_rate_host"] > 0 and on["blocks_in"] > 0
     assert on["cached_prompt_tokens"] > off["cached_prompt_tokens"] and on["host_hits_recomputed"] == 0
     assert never["hit_rate_host"] == 0 and never["host_hits_recomputed"] > 0 and never["blocks_in"] == 0
     assert on["load_us_per_token"] > 0 and off["load_us_per_token"] == 0
     assert "TTFT p50" in out.stdout and "same tokens in every mode: yes" in out.stdout
+    assert "same tokens in every alone mode: yes" in out.stdout
+
+
+def test_client_pool_streams_from_processes_and_reports_their_cpu():
+    """bench.client_pool: requests split over client processes, every token counted, each
+    process's CPU use reported."""
+    from bench import client_pool
+    from dataplane.default_model import default_model_dir
+    from tests.harness import Planes
+
+    planes = Planes(default_model_dir())
+    try:
+        items = [(0.05 * i, [5, 9, 13 + i], 6, 0.0, 0) for i in range(5)] + [(0.0, [7, 8], 4, 0.0, 100000)]
+        results, usage, t0 = client_pool.run(planes.address, items, processes=2, channels=2, lead_s=2.0)
+    finally:
+        planes.close()
+    assert sorted(r["tokens"] for r in results) == [4] + [6] * 5 and all(r["ok"] for r in results)
+    assert all(r["end"] > t0 and r["ttft"] <= r["e2e"] for r in results)
+    assert sorted(len(r["itls"]) for r in results) == [0] + [5] * 5   # one message: no gaps
+    assert usage["client_processes"] == 2 and 0 < usage["client_cpu_mean"] <= usage["client_cpu_max"]
+    assert usage["client_limited"] == (usage["client_cpu_max"] >= client_pool.BUSY)
+
+
+def test_dataplane_metrics_by_step_kind_and_the_idle_share():
+    from bench.dataplane_metrics import delta, parse
+
+    def page(scale):
+        return "\n".join([
+            "# TYPE headrace:dataplane_step_execute_seconds histogram",
+            f'headrace:dataplane_step_execute_seconds_sum{{kind="decode"}} {0.5 * scale}',
+            f'headrace:dataplane_step_execute_seconds_count{{kind="decode"}} {100 * scale}',
+            f'headrace:dataplane_step_execute_seconds_sum{{kind="mixed"}} {0.2 * scale}',
+            f'headrace:dataplane_step_execute_seconds_count{{kind="mixed"}} {10 * scale}',
+            "# TYPE headrace:dataplane_step_device_seconds histogram",
+            f'headrace:dataplane_step_device_seconds_sum{{kind="decode"}} {0.3 * scale}',
+            f'headrace:dataplane_step_device_seconds_count{{kind="decode"}} {100 * scale}',
+            f'headrace:dataplane_step_device_seconds_sum{{kind="mixed"}} {0.1 * scale}',
+            f'headrace:dataplane_step_device_seconds_count{{kind="mixed"}} {10 * scale}',
+            "# TYPE headrace:dataplane_device_idle_seconds counter",
+            f'headrace:dataplane_device_idle_seconds_total{{kind="decode"}} {0.05 * scale}',
+            f'headrace:dataplane_device_idle_seconds_total{{kind="mixed"}} {0.05 * scale}', ""])
+
+    d = delta(parse(page(1)), parse(page(3)))
+    assert d["steps_by_kind"] == {"decode": {"steps": 200, "execute_ms": 5.0, "device_ms": 3.0},
+                                  "mixed": {"steps": 20, "execute_ms": 20.0, "device_ms": 10.0}}
+    assert d["device_busy_s"] == 0.8 and d["device_idle_s"] == 0.2 and d["device_idle_share"] == 0.2
+
+
+def test_w4_closes_in_on_the_highest_rate_that_meets_the_slo():
+    from bench.w4_bench import next_rate
+
+    rows = lambda *pairs: [{"rate": r, "meets_slo": ok} for r, ok in pairs]  # noqa: E731
+    assert next_rate(rows((60, True), (100, False), (140, False))) == 80.0
+    assert next_rate(rows((60, True), (100, True))) == 125.0
+    assert next_rate(rows((60, False), (100, False))) == 30.0
+    assert next_rate(rows((60, True), (64, False))) is None
+
+
+def test_gpu_table_puts_each_target_beside_its_baseline(tmp_path):
+    import json
+
+    from bench.first_token import STAGES
+    from bench.gpu_table import main
+
+    stages = {k: 1.0 for k in STAGES} | {"sum": 12.0, "ttft": 12.5, "requests": 10}
+    rate = lambda r, served: {"rate": r, "request_per_s": served, "ttft_ms_p50": 40, "ttft_ms_p99": 150,  # noqa: E731
+                              "itl_ms_p50": 9, "itl_ms_p99": 30, "meets_slo": True, "client_cpu_max": 0.4,
+                              "device_idle_share": 0.1,
+                              "steps_by_kind": {"mixed": {"steps": 9, "execute_ms": 11.0, "device_ms": 8.0}}}
+    lines = [{"workload": "w2", "label": "depth3", "ttft_ms_p50": 12.5, "itl_ms_p50": 1.3, "itl_ms_p99": 2.0,
+              "first_token_ms": stages},
+             {"workload": "w1", "api": "grpc", "stream_interval": 100000, "output_tok_per_s": 26000},
+             {"workload": "w1", "api": "grpc", "stream_interval": 0, "output_tok_per_s": 25000,
+              "client_processes": 8, "client_cpu_max": 0.5, "client_limited": False},
+             {"workload": "w4", "api_server_count": 4, "max_rate_at_slo": 140, "rates": [rate(140, 139.0)]},
+             {"workload": "w4", "api_server_count": 1, "max_rate_at_slo": 100, "rates": [rate(140, 80.0)]}]
+    path = tmp_path / "results.jsonl"
+    path.write_text("== a log line\n" + "\n".join(json.dumps(x) for x in lines) + "\n")
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main([str(path)])
+    text = out.getvalue()
+    assert "TTFT p50 12.5 ms" in text and "sum 12.00 / TTFT 12.50 ms" in text
+    assert "25000 / 26000 tok/s = 96.2%" in text
+    assert "highest rate at the SLO: 140 req/s" in text and "1.74x" in text and "mixed:11.0/8.0" in text
+
+
+def test_w5_first_divergence_names_the_turn_and_token():
+    from bench.w5_bench import parse_modes
+    from bench.w5_report import compare, first_divergence
+
+    assert first_divergence([[1, 2], [3, 4]], [[1, 2], [3, 4]]) is None
+    assert first_divergence([[1, 2], [3, 4, 5]], [[1, 2], [3, 9, 5]]) == (1, 1)
+    base = {"offloading": "off", "_outputs": [[[1, 2]], [[5, 6]], [[7]]]}
+    row = {"offloading": "auto", "_outputs": [[[1, 2]], [[5, 0]], [[0]]]}
+    assert compare(row, base) == {"vs": "off", "same_conversations": 1, "conversations": 3,
+                                  "first_divergence_turn_min": 0, "first_divergence_turn_median": 0,
+                                  "first_divergence_token_median": 0.5}
+    assert parse_modes("off, on,always/alone") == [("off", False), ("auto", False), ("always", True)]
+    with pytest.raises(SystemExit, match="modes"):
+        parse_modes("off,sometimes")
+
+
+@pytest.mark.slow
+def test_tier_bench_runs_on_a_cpu_with_tiny_sizes():
+    """The in-process tier comparisons with the embedded tiny model: an idle tier beside none
+    (both run, no preemption), and swap against recompute on a cut pool (both preempt; swap
+    copies to the host tier and back, recompute copies nothing)."""
+    import json
+
+    cmd = [sys.executable, "-m", "bench.tier_bench", "--model", str(ROOT / "dataplane/default_model/tiny"),
+           "--device", "cpu", "--requests", "4", "--tokens-cap", "16", "--num-kv-blocks", "64",
+           "--offload-gib", "0.01", "--repeats", "1", "--swap-blocks", "4", "--max-batched-tokens", "256"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    idle = [r for r in rows if r["workload"] == "w1-tier-idle"]
+    assert [r["host_tier"] for r in idle] == ["none", "idle tier"]
+    assert all(r["preemptions"] == 0 and r["blocks_out"] == r["blocks_in"] == 0 for r in idle)
+    assert idle[0]["output_tokens"] == idle[1]["output_tokens"] == 4 * 16
+    recompute, swap = [r for r in rows if r["workload"] == "w1-preemption"]
+    assert (recompute["preemption_mode"], recompute["kv_offloading_policy"]) == ("recompute", "off")
+    assert (swap["preemption_mode"], swap["kv_offloading_policy"]) == ("swap", "auto")
+    assert recompute["preemptions"] > 0 and swap["preemptions"] > 0 and recompute["num_kv_blocks"] == 4
+    assert recompute["blocks_out"] == 0 and swap["blocks_out"] > 0 and swap["blocks_in"] > 0
+    summary = {r["workload"]: r for r in rows if r["workload"].endswith("summary")}
+    assert summary["w1-tier-idle-summary"]["idle_over_none"] > 0
+    assert summary["w1-preemption-summary"]["over_first"]["recompute/off"] == 1.0
+
+
+def test_tier_targets_judge_each_target_on_its_same_call_baseline(tmp_path):
+    from bench.tier_targets import targets
+
+    def w5(model, mode, ttft, tput, **more):
+        return dict(workload="w5", model=model, offloading=mode, ttft_ms_p50=ttft, output_tok_per_s=tput,
+                    hit_rate_host=0.5, load_us_per_token=5.0, recompute_us_per_token=30.0, **more)
+
+    rows = [w5("llama8b", "off", 340.0, 2200.0), w5("llama8b", "auto", 150.0, 3000.0),
+            w5("qwen3", "off", 110.0, 7000.0), w5("qwen3", "auto", 120.0, 7100.0),
+            w5("qwen3", "off", 100.0, 7000.0,
+               tokens_vs_first={"vs": "off", "same_conversations": 90, "conversations": 96,
+                                "first_divergence_turn_min": 1}),
+            {"workload": "w1-tier-idle-summary", "none_tok_per_s": 26000.0, "idle_tier_tok_per_s": 25800.0,
+             "idle_over_none": 0.9923},
+            {"workload": "w1-preemption-summary", "tok_per_s": {"recompute/off": 9000.0, "swap/auto": 9900.0},
+             "over_first": {"recompute/off": 1.0, "swap/auto": 1.1},
+             "preemptions": {"recompute/off": 500, "swap/auto": 480}}]
+    tests = tmp_path / "tests.txt"
+    tests.write_text("....\n12 passed in 80.00s\n")
+    table = {t: (f, m) for t, f, m in targets(rows, str(tests))}
+    llama = table["W5 Llama-3.1-8B: TTFT p50 >= 2x, throughput >= 1.3x"]
+    assert llama[1] == "met" and "2.27x better" in llama[0] and "(1.36x)" in llama[0]
+    qwen = table["W5 Qwen3-0.6B: auto within 5% of off"]   # off's median: 105 ms, 7,000 tok/s
+    assert qwen[1] == "NOT met" and "off 105.0 / auto 120.0 ms" in qwen[0]
+    assert "90/96 conversations equal to off, first difference at turn >= 1" in \
+        table["W5 Qwen3-0.6B: tokens against the first mode"][0]
+    assert table["W1 with an idle tier within 2%"][1] == "met"
+    assert "swap/auto 9900 tok/s (1.10x, 480 preemptions)" in table["--preemption-mode swap vs recompute (reported)"][0]
+    assert table["GPU exactness and copy tests pass"] == ("12 passed in 80.00s", "met")
+    assert targets([], None)[0] == ("W5 Llama-3.1-8B", "not run", "-")
+
+
+def test_bytelevel_tokenizer_spells_text_for_grammars(tmp_path):
+    """``random_checkpoint --tokenizer bytelevel``: every byte is a token, the EOS is special,
+    and a grammar engine reads it (structured outputs need tokens that spell JSON)."""
+    from tokenizers import Tokenizer
+
+    from bench.random_checkpoint import write_bytelevel_tokenizer
+
+    write_bytelevel_tokenizer(tmp_path, 2000, 1500)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tok.get_vocab_size() == 2000 and tok.id_to_token(1500) == "<|endoftext|>"
+    assert tok.decode([ord("{"), ord("a")]) == "{a" and tok.decode([1500], skip_special_tokens=True) == ""
+    from controlplane.structured import backends
+    from controlplane.structured.spec import Constraint
+
+    name = next((n for n in ("guidance", "xgrammar") if backends.installed(n)), None)
+    if name is not None:
+        m = backends.load(name, tmp_path, 2000, [1500]).compile(Constraint("regex", "[0-9]{2}")).matcher()
+        assert m.accept(tok.token_to_id("4")) and m.accept(tok.token_to_id("2"))

@@ -97,6 +97,7 @@ def broken(tmp_path_factory, model_dir):
 @pytest.mark.parametrize("args, fragments", [
     (["--model", "/nonexistent/model"], ["--model /nonexistent/model", "no such directory"]),
     (["--device", "tpu"], ["--device tpu", "cpu, cuda or cuda:N"]),
+    (["--max-long-partial-prefills", "5"], ["--max-long-partial-prefills must be <= --max-num-partial-prefills"]),
 ])
 def test_serve_refuses_a_mistake_in_one_line(args, fragments):
     start = time.monotonic()
@@ -308,7 +309,7 @@ def test_generate_waits_for_a_loading_server_and_leaves_quietly_on_ctrl_c(model_
 
 
 def test_admin_takes_its_options_before_or_after_the_subcommand(model_dir):
-    planes = Planes(model_dir, num_kv_blocks=32)
+    planes = Planes(model_dir, num_kv_blocks=32, plane_options={"admin_insecure_loopback": True})
     try:
         for args in (("admin", "--address", planes.address, "config"),
                      ("admin", "config", "--address", planes.address)):
@@ -373,7 +374,7 @@ def test_health_and_admin_over_mutual_tls(model_dir, certs):
     (a TLS deployment's compose health checks and admin calls keep working)."""
     c = lambda n: str(certs / n)  # noqa: E731
     tls = security.server_credentials(c("server.pem"), c("server.key"), c("ca.pem"))
-    planes = Planes(model_dir, num_kv_blocks=32, plane_options={"tls": tls},
+    planes = Planes(model_dir, num_kv_blocks=32, plane_options={"tls": tls, "admin_insecure_loopback": True},
                     secure_channel=security.channel_credentials(c("ca.pem"), c("client.pem"), c("client.key")))
     flags = ("--tls-ca", c("ca.pem"), "--tls-cert", c("client.pem"), "--tls-key", c("client.key"))
     env = dict(HEADRACE_TLS_CA=c("ca.pem"), HEADRACE_TLS_CERT=c("client.pem"), HEADRACE_TLS_KEY=c("client.key"))

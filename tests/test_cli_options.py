@@ -34,10 +34,11 @@ from dataplane.worker import WorkerOptions as DataPlaneWorkerOptions
 CHANGED = WorkerOptions(model="/models/x", device="cuda:1", dtype="float16", block_size=32,
                         max_model_len=4096, num_kv_blocks=123, max_num_seqs=77,
                         max_batched_tokens=999, cpu_kv_cache_gib=2.5,
-                        gpu_memory_utilization=0.55, cuda_graphs=False, seed=7,
+                        gpu_memory_utilization=0.55, cuda_graphs=False, enforce_eager=True,
+                        cudagraph_mode="piecewise", max_cudagraph_capture_size=1024, seed=7,
                         speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
                         quantization="fp8", kv_cache_dtype="fp8", attention_backend="flash-attn",
-                        kv_offloading_size=1.5)
+                        kv_offloading_size=1.5, quant_backend="gemlite")
 
 
 def _dataplane(argv: list[str]):
@@ -103,11 +104,28 @@ def test_max_num_seqs_limits_the_scheduler_and_the_worker_alike():
     assert not not_its_own & set(vars(control))   # the control plane alone takes only its share
 
 
+def test_the_chunking_flags_reach_the_scheduler_and_a_bad_pair_is_named():
+    from controlplane.chunking import Chunking
+
+    assert engine_config(_serve()).chunking == Chunking()
+    args = _serve("--max-prefill-tokens-with-decodes", "512", "--max-num-partial-prefills", "3",
+                  "--max-long-partial-prefills", "2", "--long-prefill-token-threshold", "100")
+    assert engine_config(args).chunking == Chunking(512, 3, 2, 100)
+    control = build_parser().parse_args(["controlplane", "--workers", "x:1",
+                                         "--max-prefill-tokens-with-decodes", "64"])
+    assert engine_config(control).chunking.max_prefill_tokens_with_decodes == 64
+    with pytest.raises(ValueError, match="--max-long-partial-prefills must be <= --max-num-partial-prefills"):
+        engine_config(_serve("--max-long-partial-prefills", "5"))
+    with pytest.raises(SystemExit):
+        _serve("--max-num-partial-prefills", "0")
+
+
 def test_the_offloading_policy_is_the_control_planes():
     assert engine_config(_serve()).kv_offloading_policy == "auto"
     control = build_parser().parse_args(["controlplane", "--workers", "x:1",
                                          "--kv-offloading-policy", "never"])
     assert engine_config(control).kv_offloading_policy == "never"
+    assert engine_config(_serve("--kv-offloading-policy", "off")).kv_offloading_policy == "off"
     with pytest.raises(SystemExit):
         _serve("--kv-offloading-policy", "sometimes")
 

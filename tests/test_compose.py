@@ -105,6 +105,19 @@ def test_secret_init_makes_one_secret_and_keeps_it(tmp_path, monkeypatch):
         security.worker_secret(None, {"HEADRACE_WORKER_SECRET_FILE": str(tmp_path / "missing")})
 
 
+def test_the_image_command_is_exec_form_and_metrics_open_only_where_scraped():
+    """CMD must be a JSON array alone on its line (anything after it turns it into a shell
+    command); /metrics binds beyond loopback only where Prometheus scrapes it, by flag."""
+    import json
+
+    (cmd,) = [line for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("CMD ")]
+    assert json.loads(cmd[4:]) == ["serve", "--host", "0.0.0.0"]
+    services = _load(GPU_FILE)["services"] | {"dataplane-cpu": _load(CPU_FILE)["services"]["dataplane-cpu"]}
+    for name in ("controlplane", "dataplane", "dataplane-cpu"):
+        command = services[name]["command"]
+        assert command[command.index("--metrics-host") + 1] == "0.0.0.0", name
+
+
 def _compose_cli() -> list[str] | None:
     if shutil.which("docker") and subprocess.run(["docker", "compose", "version"],
                                                  capture_output=True).returncode == 0:

@@ -58,7 +58,8 @@ def tcp(certs):
                         "core_secret": SECRET},
                "frontend": {"core_credentials": security.channel_credentials(c("ca.pem")),
                             "core_secret": SECRET}}
-    planes = Planes(MODEL, split=True, core_address="127.0.0.1:0", core_options=options)
+    planes = Planes(MODEL, split=True, core_address="127.0.0.1:0", core_options=options,
+                    plane_options={"admin_insecure_loopback": True})
     yield planes, certs
     planes.close()
 

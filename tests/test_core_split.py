@@ -42,7 +42,8 @@ REQUESTS = {
 
 @pytest.fixture(scope="module")
 def pair():
-    whole, split = Planes(MODEL), Planes(MODEL, split=True, plane_options={"http_port": 0})
+    whole = Planes(MODEL)
+    split = Planes(MODEL, split=True, plane_options={"http_port": 0, "admin_insecure_loopback": True})
     yield whole, split
     whole.close()
     split.close()

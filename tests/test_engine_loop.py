@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import pytest
+
 from controlplane.engine import Engine, EngineConfig
 from controlplane.output import OutputText
 from controlplane.request import Request, Sequence, Status
@@ -19,6 +21,8 @@ TOKEN = 7
 class FakeWorkers:
     """Answers every step in order like a data plane's rank 0: a sequence samples once all
     the tokens it knows are computed (the token it sampled is then known to it)."""
+
+    broken = False   # (a data plane's step stream never ends by itself here)
 
     def __init__(self, num_blocks: int = 16, block_size: int = 4, step_s: float = 0.0):
         self.info = wpb.WorkerInfo(model_name="fake", vocab_size=16, max_model_len=num_blocks * block_size,
@@ -187,5 +191,105 @@ def test_an_idle_engine_without_work_does_not_schedule():
         req = make_request(3, max_tokens=2)
         engine.submit(req)
         await _until(lambda: req.finished, timeout=1.0)
+        await engine.stop()
+    asyncio.run(main())
+
+
+def test_a_request_submitted_while_a_step_is_out_is_scheduled_at_once():
+    """Nothing to schedule, a step in flight and room for another: a new request does not wait
+    for that step's result (a slow one here) before it is scheduled."""
+    async def main():
+        workers = FakeWorkers(num_blocks=32, block_size=4, step_s=0.3)
+        engine = Engine(workers, EngineConfig())
+        await engine.start()
+        first = make_request(4, max_tokens=2)   # two steps, then nothing to schedule until they end
+        engine.submit(first)
+        await _until(lambda: workers.steps == 2)
+        await asyncio.sleep(0.02)
+        second = make_request(6, max_tokens=2, token=5)
+        engine.submit(second)
+        waited = await _until(lambda: workers.steps == 3, timeout=1.0)
+        assert waited < 0.15, f"the new request waited {waited:.3f} s for a step in flight"
+        assert not first.finished   # (its steps' results had not come back)
+        await _until(lambda: first.finished and second.finished)
+        await engine.stop()
+    asyncio.run(main())
+
+
+def test_a_step_without_decodes_is_flushed_and_steps_with_decodes_are_not():
+    class Flushes(FakeWorkers):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.flushes = []
+
+        async def send(self, msg):
+            if msg.new_seqs or msg.running_seq_ids:
+                self.flushes.append(msg.flush)
+            await super().send(msg)
+
+    async def main():
+        workers = Flushes(num_blocks=32, block_size=4)
+        engine = Engine(workers, EngineConfig())
+        await engine.start()
+        req = make_request(4, max_tokens=5)
+        engine.submit(req)
+        await _until(lambda: req.finished)
+        assert workers.flushes[0] is True           # the prompt alone: answered at once
+        assert workers.flushes[1:] == [False] * 4   # decodes: the worker may hold them back
+        await engine.stop()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("interval, woken_at", [(5, [1, 6, 11, 12]), (12, [12]), (1, list(range(1, 13)))])
+def test_the_first_token_wakes_its_request_whatever_the_stream_interval(interval, woken_at):
+    """The first token goes out at once (TTFT); then every stream_interval tokens and at the
+    end; a request that asked for its whole completion in one message gets one."""
+    async def main():
+        engine = Engine(FakeWorkers(num_blocks=32, block_size=4), EngineConfig())
+        await engine.start()
+        req = make_request(4, max_tokens=12)
+        req.stream_interval = interval
+        seq, woken = req.sequences[0], []
+
+        def notify():   # a client that takes everything at every wake-up
+            if seq.delivered < len(seq.output_token_ids):
+                woken.append(len(seq.output_token_ids))
+                seq.delivered = len(seq.output_token_ids)
+        req.notify = notify
+        engine.submit(req)
+        await _until(lambda: req.finished)
+        await asyncio.sleep(0.01)
+        assert woken == woken_at
+        await engine.stop()
+    asyncio.run(main())
+
+
+def test_an_error_in_the_loop_fails_its_requests_and_the_engine_serves_again():
+    """A bug that raises inside the loop must not leave requests waiting forever with health
+    SERVING: they fail with INTERNAL, the workers' streams are reopened from nothing, and the
+    next request is served."""
+    import grpc
+
+    async def main():
+        workers = FakeWorkers(num_blocks=16, block_size=4)
+        engine = Engine(workers, EngineConfig(max_batched_tokens=8))
+        await engine.start()
+        schedule, raised = engine.scheduler.schedule, []
+
+        def broken(*args):
+            if not raised:
+                raised.append(1)
+                raise RuntimeError("a bug")
+            return schedule(*args)
+        engine.scheduler.schedule = broken
+        first = make_request(5, max_tokens=4)
+        engine.submit(first)
+        await _until(lambda: first.failure is not None)
+        assert first.failure.code == grpc.StatusCode.INTERNAL and "RuntimeError" in first.failure.message
+        assert engine.scheduler.blocks.num_free == 16 and not engine.requests
+        second = make_request(5, max_tokens=4)
+        engine.submit(second)
+        await _until(lambda: second.finished)
+        assert second.sequences[0].output_token_ids == [TOKEN] * 4 and engine.healthy
         await engine.stop()
     asyncio.run(main())

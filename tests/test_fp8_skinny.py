@@ -14,7 +14,8 @@ from tests.triton_device import triton_device
 
 DEVICE = triton_device()   # before triton is imported: the CPU interpreter or the GPU
 from kernels import reference_quant as ref  # noqa: E402
-from kernels import triton_fp8_linear, triton_quant  # noqa: E402
+from kernels import skinny_gemm, triton_fp8_linear, triton_quant  # noqa: E402
+from kernels.skinny_gemm import Tile  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
@@ -22,7 +23,8 @@ DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every float tensor torch.empty hands out starts as NaN: an output element the kernel
-    does not write shows up (the split-K workspace is torch.zeros, zeroed by contract)."""
+    does not write shows up (the split-K workspace is torch.zeros, and zero again after every
+    kernel by contract)."""
     empty = torch.empty
 
     def nan_empty(*args, **kwargs):
@@ -54,6 +56,13 @@ def _tol(expect, dtype):
     return dict(atol=1e-2 * scale, rtol=1e-2)
 
 
+# every program shape the tuner may pick: FMA rows 1 / 2 / 4, swapped tl.dot, K split 2..4 with
+# a ragged last slice (the self-cleaning workspace), several row and column tiles
+TILES = (Tile(1, 32, 64, dot=False), Tile(2, 16, 128, split=3, dot=False),
+         Tile(4, 16, 32, split=2, dot=False), Tile(16, 32, 32, split=3), Tile(16, 16, 64),
+         Tile(32, 64, 32, split=4))
+
+
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("n,k", [(64, 128), (96, 160)])
 @pytest.mark.parametrize("per_tensor,bias", [(False, False), (False, True), (True, False),
@@ -69,12 +78,12 @@ def test_fp8_skinny_matches_reference(poisoned, m, n, k, per_tensor, bias):
     actual = triton_fp8_linear.fp8_weight_linear(*dev)
     assert actual.dtype == dtype and actual.shape == (m, n) and not actual.isnan().any()
     torch.testing.assert_close(actual.cpu(), expect, **tol)
-    # K split over programs (float32 partial sums added atomically, the bias and scale once
-    # each): a ragged last slice, and several row and column tiles
-    for config in ((16, 32, 32, 4, 3), (16, 16, 64, 4, 2)):
-        split = triton_fp8_linear.fp8_weight_linear(*dev, config=config)
-        assert not split.isnan().any()
+    for tile in TILES[seed % 3::3]:
+        split = triton_fp8_linear.fp8_weight_linear(*dev, tile=tile)
+        assert not split.isnan().any(), tile
         torch.testing.assert_close(split.cpu(), expect, **tol)
+    ws, counters = skinny_gemm.WORKSPACE.buffers[torch.device(DEVICE)]
+    assert not ws.any() and not counters.any()     # the split-K workspace cleaned itself
 
 
 def test_fp8_skinny_leading_dims_and_strided_input(poisoned):
@@ -144,8 +153,7 @@ def test_fp8_linear_kernel_reports_the_dispatch(monkeypatch):
     """kernels.fp8_linear_kernel: 'reference' wherever the reference runs (no CUDA, or
     HEADRACE_KERNELS=reference), else the GPU op's choice by rows."""
     import kernels
-    if kernels._triton is None:     # this CPU host: the reference is the op itself
-        assert kernels.fp8_linear is ref.fp8_linear
+    if kernels._triton is None:     # this CPU host: the reference runs
         assert kernels.fp8_linear_kernel(1, "cpu") == kernels.fp8_linear_kernel(1) == "reference"
     monkeypatch.setattr(kernels, "_triton", ({"fp8_linear": triton_quant}, None))
     monkeypatch.setattr(kernels, "MODE", "auto")
@@ -159,13 +167,15 @@ def test_fp8_linear_kernel_reports_the_dispatch(monkeypatch):
     assert kernels.fp8_linear_kernel(8, "cuda") == "reference"
 
 
-def test_fp8_skinny_tiles_split_k_only_where_output_tiles_are_few():
-    """Llama-3.1-8B: the o projection at batch 64 has 64 output tiles, so K splits (at most
-    MAX_SPLIT, each slice two K tiles at least); at batch 1 its 128 narrow tiles and gate_up's
-    896 do not; a short K never splits."""
-    block_m, _, block_k, _, split = triton_fp8_linear._tiles(64, 4096, 4096)
-    assert block_m == 64 and 1 < split <= triton_fp8_linear.MAX_SPLIT
-    assert 4096 // split >= 2 * block_k
-    assert triton_fp8_linear._tiles(1, 4096, 4096)[4] == 1
-    assert triton_fp8_linear._tiles(1, 28672, 4096)[4] == 1
-    assert triton_fp8_linear._tiles(64, 4096, 128)[4] == 1
+def test_fp8_tiles_cover_every_bucket_and_fit_registers():
+    """Every row bucket (and the large one) has candidates, a program's tile holds all its rows
+    (tl.dot needs 16), and FMA tiles keep at most 64 products a thread in flight."""
+    for bucket in skinny_gemm.M_BUCKETS + (skinny_gemm.LARGE,):
+        tiles = triton_fp8_linear.TILES[bucket]
+        assert tiles, bucket
+        for t in tiles:
+            if t.dot:
+                assert min(t.block_m, t.block_n, t.block_k) >= 16
+            else:
+                assert t.block_m >= min(bucket, 4)
+                assert t.block_m * t.block_n * t.block_k <= 64 * 32 * t.warps, t

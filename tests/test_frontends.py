@@ -38,7 +38,8 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    server = Served(tmp_path_factory.mktemp("served") / "serve.log", api_server_count=2)
+    server = Served(tmp_path_factory.mktemp("served") / "serve.log", api_server_count=2,
+                    extra=("--admin-insecure-loopback", "--model-root", str(tmp_path_factory.getbasetemp())))
     try:
         server.wait_serving()
         yield server

@@ -81,9 +81,8 @@ class SimWorker:
 def _rule(policy, rng):
     if policy is None:
         return None
-    rule = TierCost(policy, rng.uniform(0.0, 2.0), 4)
-    rule.fit.slope = rng.uniform(0.01, 0.5)   # seconds per token: a block costs 0.04 to 2
-    return rule
+    # seconds per token: a block costs 0.04 to 2 to recompute, 0 to 2 to load
+    return TierCost(policy, rng.uniform(0.0, 2.0), 4, recompute_s_per_token=rng.uniform(0.01, 0.5))
 
 
 def _play(seed, blocks, host, mode, spec, crash, policy=None):
@@ -131,6 +130,7 @@ def _play(seed, blocks, host, mode, spec, crash, policy=None):
 
 
 def _step(sched, worker, rng):
+    sched.clock.now += 0.5   # deferred loads land after a few steps (a block costs up to 2 s)
     step = sched.schedule(speculate=sched.may_speculate())
     if step.empty:
         return

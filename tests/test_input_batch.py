@@ -75,3 +75,26 @@ def test_decodes_start_longest_first():
     prep = b.prepare(np.array(rows), np.array([1, 1, 1]))
     assert prep.seq_lens.tolist() == [5, 14, 9]
     assert prep.decode_order.tolist() == [1, 2, 0]
+
+
+def test_the_stop_rule_is_array_work_and_survives_row_reuse():
+    b = InputBatch(max_seqs=4, max_model_len=64, block_size=4, num_blocks=16)
+    rows = []
+    for sid, stops, min_tokens in ((1, [7], 0), (2, [3, 9, 11, 40], 0), (3, [], 0), (4, [7], 2)):
+        s = srow([1, 2])
+        s.stop_token_ids, s.min_tokens = stops, min_tokens
+        rows.append(b.add(sid, s, [sid], num_computed=1))
+    rows = np.array(rows)
+    assert b.stop_table.shape[1] == 4   # grew to the longest stop list
+    b.count_sampled(rows)
+    watch = b.stop_watch(rows, np.array([1, 2, 3, 4]))
+    assert watch[0].tolist() == [0, 1]          # 3 has no stop ids, 4 needs 2 outputs first
+    b.remove(2)                                 # its row is reused before the tokens are known
+    s = srow([5])
+    s.stop_token_ids = [5]
+    b.add(5, s, [5], num_computed=0)
+    # both stopped (reported); 2 is gone, so only 1 is left out of the next steps, and 2's
+    # stop ids were copied at launch: its row's new stop id (5) does not count
+    assert b.mark_stopped(watch, [7, 11, 7, 7]) == [1, 2] and b.stopped == {1}
+    assert b.mark_stopped(watch, [7, 5, 7, 7]) == [1] and b.mark_stopped((), []) == []
+    assert b.mark_stopped(b.stop_watch(rows[:1], np.array([1])), [8]) == []

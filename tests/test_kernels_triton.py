@@ -167,6 +167,23 @@ def test_verify_tokens_as_decode_rows(heads, kv_heads, head_dim, block_size, dty
     _close(actual, expect, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("splits", [None, 4])
+def test_attention_writes_into_a_given_output(splits):
+    """``out=``: the piecewise CUDA graphs' static attention buffer, written by the decode and
+    prefill kernels of a mixed step (rows beyond the step's tokens untouched)."""
+    torch.manual_seed(0)
+    q_lens, ctx_lens = [1, 1, 21, 30], [9, 300, 21, 130]
+    query, *rest = (a.to(DEVICE) for a in _paged_batch(q_lens, ctx_lens, 8, 2, 128, 16, torch.bfloat16))
+    buffer = torch.full((query.shape[0] + 5, *query.shape[1:]), 7.0, dtype=query.dtype, device=DEVICE)
+    out = buffer[:query.shape[0]]
+    got = triton_attention.paged_attention(query, *rest, 128 ** -0.5, max_query_len=30, num_decodes=2,
+                                           num_kv_splits=splits, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    _close(out, triton_attention.paged_attention(query, *rest, 128 ** -0.5, max_query_len=30,
+                                                 num_decodes=2, num_kv_splits=splits))
+    assert (buffer[query.shape[0]:] == 7.0).all()
+
+
 def test_attention_without_hints_finds_the_path():
     _check_attention([1, 1], [40, 7], 4, 2, 64, 16, torch.bfloat16)        # decode kernel
     # Two 256-query tiles (no GQA); a tile whose first query is one short of a 64-key boundary.

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from controlplane.engine import EngineConfig
+from controlplane.tier_cost import prefill_slope
 from dataplane.input_batch import BatchError
 from dataplane.kv_offload import HostKV, host_blocks_for
 from tests.checkpoints import make_checkpoint
@@ -89,7 +90,8 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy
     finally:
         ref.close()
     planes = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD,
-                    config=EngineConfig(kv_offloading_policy=policy.split(",")[0]))
+                    config=EngineConfig(kv_offloading_policy=policy.split(",")[0]),
+                    plane_options={"admin_insecure_loopback": True})
     try:
         assert planes.stub.GetModelInfo(pb.GetModelInfoRequest()).num_host_kv_blocks > 0
         first, cached = _gen(planes, prompt, 4)
@@ -102,9 +104,13 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy
         assert len(hits) == 3 and on_host >= 2
         hits_before = blocks.host.hits
         rule = planes.engine.scheduler.tier_cost
-        if policy == "auto, a dear copy":
-            assert rule.recompute_s_per_token > 0   # fitted from the steps so far
-            rule.load_s_per_block = 1e3
+        info = planes.worker.describe()   # the worker's own measurements price both sides
+        assert list(info.prefill_profile_tokens) == [32, 128]   # up to the pool's 8 blocks
+        assert all(s > 0 for s in info.prefill_profile_seconds)
+        assert rule.recompute_s_per_token == pytest.approx(
+            prefill_slope(info.prefill_profile_tokens, info.prefill_profile_seconds))
+        if policy == "auto, a dear copy":   # (a loaded CPU may time no rising profile)
+            rule.load_s_per_block, rule.recompute_s_per_token = 1e3, rule.recompute_s_per_token or 1e-5
         again, cached = _gen(planes, prompt, 4)
         assert again == want
         sample = planes.plane.metrics.registry.get_sample_value
@@ -112,6 +118,9 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy
         assert admin.kv_offloading_policy == policy.split(",")[0]
         assert admin.host_load_seconds_per_token == pytest.approx(rule.load_s_per_token)
         assert admin.host_load_seconds_per_token > 0
+        assert admin.recompute_seconds_per_token == pytest.approx(rule.recompute_s_per_token or 0.0)
+        assert sample("headrace:kv_tier_seconds_per_token", {"action": "recompute"}) == \
+            pytest.approx(rule.recompute_s_per_token or 0.0)
         skipped = sample("headrace:kv_tier_host_hits_recomputed_total")
         assert skipped == admin.host_hits_recomputed_tokens == rule.skipped_tokens
         assert sample("headrace:kv_tier_seconds_per_token", {"action": "load"}) == \
@@ -135,6 +144,26 @@ def test_a_prompt_evicted_from_the_device_is_found_on_the_host(model_dir, policy
         planes.close()
 
 
+def test_policy_off_leaves_the_workers_host_tier_unused(model_dir):
+    """One data plane compared with and without its tier: only the control plane changes."""
+    prompt = list(range(2, 66))
+    planes = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD,
+                    config=EngineConfig(kv_offloading_policy="off"),
+                    plane_options={"admin_insecure_loopback": True})
+    try:
+        assert planes.worker.runner.host_kv is not None and planes.engine.scheduler.blocks.host is None
+        want, _ = _gen(planes, prompt, 4)
+        for i in range(3):
+            _gen(planes, [300 - i] * 40, 4)
+        again, cached = _gen(planes, prompt, 4)
+        assert again == want and cached < 48   # evicted blocks are kept nowhere: recomputed
+        admin = apb_grpc.AdminStub(planes.channel).GetConfig(apb.GetConfigRequest())
+        assert admin.kv_offloading_policy == "off" and admin.num_host_kv_blocks == 0
+        assert planes.worker.runner.host_kv.drain()[1:] == (0, 0)   # not a byte copied
+    finally:
+        planes.close()
+
+
 def test_a_restarted_data_plane_forgets_its_host_tier(model_dir):
     from dataplane.server import serve
     from dataplane.worker import Worker, WorkerOptions
@@ -151,12 +180,10 @@ def test_a_restarted_data_plane_forgets_its_host_tier(model_dir):
         planes.worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=8, block_size=16,
                                              dtype="float32", max_num_seqs=64, **OFFLOAD))
         planes.worker_server = serve(planes.worker, planes.worker_address)
-        # the first step to the new data plane fails the old stream: the engine resets (both
-        # tiers forgotten), reconnects and computes the request again (bounded: 120 s). On a
-        # busy machine the engine may have seen the old stream break already (a trailing step
-        # of the last request) and still be reconnecting, when new requests are refused
+        # the old stream ended: the engine reset (both tiers forgotten) and reconnects; on a
+        # busy machine it may still be reconnecting, when new requests are refused
         # (UNAVAILABLE): wait for it first
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while not planes.engine.healthy and time.monotonic() < deadline:
             time.sleep(0.05)
         again, cached = _gen(planes, prompt, 4)
@@ -205,8 +232,9 @@ def test_a_swap_out_runs_before_the_copies_and_the_swap_in_of_its_step():
 
 
 def test_the_load_rate_is_measured_on_the_pool():
-    host = HostKV(_caches(), 4, torch.device(DEVICE))
-    rate = host.measure_load_rate()
+    caches = _caches()
+    host = HostKV(caches, 4, torch.device(DEVICE))
+    rate = host.measure_load_rate(caches)
     assert 0 < rate < float("inf")
     assert 4 * host.block_bytes / rate < 1.0   # bytes per second: four tiny blocks, well under 1 s
 
@@ -224,3 +252,28 @@ def test_bad_copies_and_sizes_are_refused():
     with pytest.raises(ValueError, match="host memory"):
         host_blocks_for(1 << 20, 1024)
     assert host_blocks_for(0, 1024) == 0 and host_blocks_for(1 / 1024, 1024) == 1024
+
+
+def test_consecutive_host_blocks_move_in_one_copy():
+    from dataplane.kv_offload import runs
+
+    assert runs([]) == [] and runs([4]) == [(0, 4, 1)]
+    assert runs([3, 4, 5, 9, 1, 2]) == [(0, 3, 3), (3, 9, 1), (4, 1, 2)]
+    caches = _caches(blocks=8)
+    before = [c.clone() for c in caches]
+    host = HostKV(caches, 8, torch.device(DEVICE))
+    host.apply(caches, [0, 1, 2, 5], [4, 5, 6, 1], [], [])       # runs 4-6 and 1
+    host.apply(caches, [], [], [5, 6, 1, 4], [7, 3, 0, 2])
+    _sync()
+    for c, b in zip(caches, before):
+        for dev, src in ((7, 1), (3, 2), (0, 5), (2, 0)):
+            assert torch.equal(c[:, dev], b[:, src])
+
+
+def test_measuring_the_load_rate_leaves_the_cache_zeroed():
+    caches = [torch.zeros(2, 6, 4, 2, 8, device=DEVICE) for _ in range(2)]
+    host = HostKV(caches, 4, torch.device(DEVICE))
+    host.pool.fill_(float("nan"))   # what an uninitialised pool may hold
+    host.measure_load_rate(caches)
+    _sync()
+    assert all(not c.isnan().any() and not c.any() for c in caches)

@@ -10,7 +10,8 @@ import time
 
 from cli.main import build_parser, controlplane_parser
 from cli.processes import (Child, RoleProcesses, control_plane_children, default_api_server_count,
-                           forward_argv, secrets_env)
+                           forward_argv)
+from common import secret_env
 
 
 def test_default_api_server_count_follows_the_cpu_count():
@@ -22,7 +23,9 @@ def test_serve_forwards_its_control_plane_options_and_keeps_secrets_off_argv():
         ["serve", "--model", "/m", "--port", "6000", "--http-port", "6001", "--policy", "sjf",
          "--max-num-seqs", "9", "--api-token", "sekrit", "--admin-token", "adm", "--no-prefix-cache",
          "--api-server-count", "3", "--device", "cpu", "--log-prompts"])
-    children = control_plane_children(args, controlplane_parser(), ["unix:/w.sock"], "unix:/c.sock")
+    secret_env.resolve(args, environ={})
+    children = control_plane_children(args, controlplane_parser(), ["unix:/w.sock"], "unix:/c.sock",
+                                      env={"PATH": "/bin"})
     assert [c.role for c in children] == ["core", "frontend 0", "frontend 1", "frontend 2"]
     assert children[0].argv[3] == "core" and children[2].argv[3:6] == ["frontend", "--index", "1"]
     for child in children:
@@ -32,7 +35,9 @@ def test_serve_forwards_its_control_plane_options_and_keeps_secrets_off_argv():
             ("/m", 6000, 6001, "sjf", 9)
         assert parsed.no_prefix_cache and parsed.log_prompts and parsed.core_address == "unix:/c.sock"
     assert "--device" not in " ".join(children[0].argv)   # a data plane option stays with serve
-    assert secrets_env(args) == {"HEADRACE_API_TOKENS": "sekrit", "HEADRACE_ADMIN_TOKEN": "adm"}
+    # the front ends get the API and admin tokens by environment; the core neither
+    assert children[1].env == {"PATH": "/bin", "HEADRACE_API_TOKENS": "sekrit\n", "HEADRACE_ADMIN_TOKEN": "adm"}
+    assert children[0].env == {"PATH": "/bin"}
     assert forward_argv(controlplane_parser(), build_parser().parse_args(["serve"])) == []
 
 
@@ -68,19 +73,20 @@ def test_serve_gives_the_core_link_a_fresh_secret_by_environment_and_forwards_it
     from cli.options import core_link_options
     from cli.processes import prepare_core_link
 
-    monkeypatch.delenv("HEADRACE_CORE_SECRET", raising=False)
+    for name in secret_env.SECRET_VARS:
+        monkeypatch.delenv(name, raising=False)
     c = lambda n: str(certs / n)  # noqa: E731
     args = build_parser().parse_args(
         ["serve", "--model", "/m", "--core-address", "127.0.0.1:7000", "--core-tls-cert", c("server.pem"),
          "--core-tls-key", c("server.key"), "--core-ca", c("ca.pem")])
     prepare_core_link(args)
     secret = args.core_secret
-    assert len(secret) == 32 and secrets_env(args)["HEADRACE_CORE_SECRET"] == secret
+    assert len(secret) == 32
     prepare_core_link(args)
     assert args.core_secret == secret   # once per server
     core, frontend = control_plane_children(args, controlplane_parser(), ["unix:/w.sock"], args.core_address)[:2]
     for child in (core, frontend):
-        assert secret not in " ".join(child.argv)
+        assert secret not in " ".join(child.argv) and child.env["HEADRACE_CORE_SECRET"] == secret
         parsed = build_parser().parse_args(child.argv[3:])
         assert (parsed.core_tls_cert, parsed.core_tls_key, parsed.core_ca) == \
             (c("server.pem"), c("server.key"), c("ca.pem"))

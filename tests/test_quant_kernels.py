@@ -196,3 +196,41 @@ def test_copy_blocks_copies_fp8_caches():
     kref.copy_blocks([cache], torch.tensor([1, 2], device=DEVICE), torch.tensor([3, 0], device=DEVICE))
     assert torch.equal(cache[:, 3].float(), cache[:, 1].float())
     assert torch.equal(cache[:, 0].float(), cache[:, 2].float())
+
+
+@pytest.mark.parametrize("compute", ["float16", "query"])
+def test_fp8_kv_attention_widens_tiles_not_the_cache(monkeypatch, compute):
+    """Both widenings of an FP8 cache's tiles (float16 tensor-core operands, the default, or the
+    query's dtype) give the attention of the dequantised cache, and no op of the call makes a
+    wider tensor the size of the cache (the kernels read e4m3 and widen each tile in registers;
+    the interpreter's own copies of the arguments are bytes).
+    Queries of magnitude past float16's range do not overflow (clamped before the cast)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kernels import triton_flash
+    monkeypatch.setattr(triton_flash, "FP8_COMPUTE", compute)
+    torch.manual_seed(1)
+    args, deq = _fp8_paged_batch([1, 1, 9], [300, 37, 120], 8, 2, 64, 16, 0.02, 0.05)
+    scale = 64 ** -0.5
+    expect = kref.paged_attention(args[0], deq, *args[2:], scale).float()
+
+    class Sizes(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.element_size() > 1:
+                    Sizes.largest = max(Sizes.largest, t.numel())
+            return out
+
+    dev = [a.to(DEVICE) for a in args]
+    with Sizes():
+        actual = triton_attention.paged_attention(*dev, scale, k_scale=0.02, v_scale=0.05,
+                                                  max_query_len=9, num_decodes=2)
+    torch.testing.assert_close(actual.cpu().float(), expect, atol=3e-2, rtol=3e-2)
+    assert Sizes.largest < dev[1][0].numel()      # not even K (or V) alone
+    big = dev[0] * 1e6       # |q| ~ 1e6: float16 would overflow without the clamp
+    out = triton_attention.paged_attention(big, *dev[1:], scale, k_scale=0.02, v_scale=0.05,
+                                           max_query_len=9, num_decodes=2)
+    assert torch.isfinite(out.float()).all()

@@ -49,3 +49,28 @@ def test_unsupported_scheme_fails_at_load_naming_it():
         Worker(WorkerOptions(model=str(TINY), quantization="int4"))
     with pytest.raises(ValueError, match="kv-cache-dtype 'int4'"):
         Worker(WorkerOptions(model=str(TINY), kv_cache_dtype="int4"))
+
+
+def test_a_quant_backend_that_cannot_run_fails_at_start_naming_it(monkeypatch):
+    """--quant-backend gemlite / fbgemm / torch need a CUDA device and their package: the
+    worker stops before reading weights, with the flag, the reason and the install hint."""
+    with pytest.raises(ValueError, match="--quant-backend gemlite: its kernels need a CUDA"):
+        Worker(WorkerOptions(model=str(TINY), quantization="fp8", quant_backend="gemlite"))
+    from kernels import quant_dispatch, quant_libs
+    monkeypatch.setattr(quant_libs, "why_not", lambda library: (
+        f"the {library} package is not installed or does not import "
+        f"(pip install 'headrace[{library}]')"))
+    read = []
+    monkeypatch.setattr("dataplane.worker.load_model", lambda *a, **kw: read.append(a))
+    with pytest.raises(ValueError, match=r"--quant-backend fbgemm: the fbgemm package .*headrace\[fbgemm\]"):
+        quant_dispatch.resolve_backend("fbgemm", "cuda", quant_libs.why_not)
+    with pytest.raises(ValueError, match=r"headrace\[gemlite\]"):
+        monkeypatch.setattr("dataplane.worker.check_device", lambda device: None)
+        Worker(WorkerOptions(model=str(TINY), quantization="fp8", quant_backend="gemlite",
+                             device="cuda"))
+    assert not read                      # no weight was read
+    # without quantized layers the flag has nothing to run: no error
+    monkeypatch.setattr("dataplane.worker.load_model", lambda *a, **kw: (_ for _ in ()).throw(
+        RuntimeError("loading")))
+    with pytest.raises(RuntimeError, match="loading"):
+        Worker(WorkerOptions(model=str(TINY), quant_backend="gemlite", device="cuda"))

@@ -91,24 +91,26 @@ def test_fifo_admission_respects_budget_and_cap():
     assert step.num_tokens == 16
 
 
-def test_long_prompt_is_chunked_and_does_not_block_short_ones():
+def test_long_prompt_is_chunked_and_short_ones_are_computed_beside_its_chunks():
     sched = sched_of(budget=16)
     long, short = make_request(50), make_request(3)
     sched.add(long.sequences)
     sched.add(short.sequences)
-    first = sched.schedule()
-    assert [(r.seq.request_id, r.num_tokens) for r in first.new] == [(long.request_id, 16)]
+    first = sched.schedule()   # the short prompt whole, the long one's chunk the rest
+    assert [(r.seq.request_id, r.num_tokens) for r in first.new] == [(long.request_id, 13),
+                                                                      (short.request_id, 3)]
     sched.after_step(first)
-    second = sched.schedule()
+    later = make_request(list(range(100, 105)))   # arrives while the long prompt is chunked
+    sched.add(later.sequences)
+    second = sched.schedule()  # the short one decodes; the new one is computed in this step
     assert [(s.request_id, n) for s, n in zip(second.running.seqs, second.running.num_tokens)] \
-        == [(long.request_id, 16)]
-    assert not second.new  # budget spent on the long prompt's chunk, in order
+        == [(short.request_id, 1), (long.request_id, 10)]
+    assert [(r.seq.request_id, r.num_tokens) for r in second.new] == [(later.request_id, 5)]
     sched.after_step(second)
-    sched.max_batched_tokens = 20
-    third = sched.schedule()
-    assert [(s.request_id, n) for s, n in zip(third.running.seqs, third.running.num_tokens)] \
-        == [(long.request_id, 18)]
-    assert [(r.seq.request_id, r.num_tokens) for r in third.new] == [(short.request_id, 2)]
+    sched.max_batched_tokens = 40
+    third = sched.schedule()   # nobody else needs prompt tokens: the long one takes the rest
+    assert dict((s.request_id, n) for s, n in zip(third.running.seqs, third.running.num_tokens)) \
+        == {short.request_id: 1, later.request_id: 1, long.request_id: 27}
 
 
 def test_priority_policy_orders_admission_and_keeps_priority_on_preemption():

@@ -204,14 +204,16 @@ def test_text_streams_in_pieces_that_join_to_the_full_decode(llama_planes):
 
 
 def test_stream_interval_batches_tokens_per_message(llama_planes):
-    """Every message but the last holds at least stream_interval tokens; an interval of
-    max_tokens or more gives the whole completion in one message; the tokens are the same."""
+    """The first token comes alone (at once: the TTFT waits for no interval); every message
+    after it but the last holds at least stream_interval tokens; an interval of max_tokens or
+    more gives the whole completion in one message; the tokens are the same."""
     prompt = dict(prompt_token_ids=pb.TokenIds(ids=[5, 9, 13]), max_tokens=11, ignore_eos=True,
                   sampling=GREEDY)
     every = llama_planes.generate(**prompt)
     chunked = llama_planes.generate(**prompt, stream_interval=4)
     whole = llama_planes.generate(**prompt, stream_interval=1000)
     assert completion(chunked)[0] == completion(whole)[0] == completion(every)[0]
-    assert all(len(r.token_ids) >= 4 for r in chunked[:-1]) and len(chunked) <= 3
+    assert len(chunked[0].token_ids) == 1
+    assert all(len(r.token_ids) >= 4 for r in chunked[1:-1]) and len(chunked) <= 4
     assert len(whole) == 1 and whole[0].finish_reason == pb.FINISH_REASON_LENGTH
     assert len(every) > len(chunked)

@@ -1,7 +1,7 @@
 """Speculative verifies replayed in the decode CUDA graphs: a verify of decodes only becomes one
-decode row per verified token (its own context length, its sequence's block table), mixed
-steps stay eager, and greedy output is identical to speculation off with the verify graphs
-actually replayed. On CPU the graphs are ``cuda_graphs.EagerGraph`` stand-ins over the same
+decode row per verified token (its own context length, its sequence's block table), prefill
+steps (and verifies beside prefill chunks) replay the piecewise graphs, and greedy output is
+identical to speculation off with the verify graphs actually replayed. On CPU the graphs are ``cuda_graphs.EagerGraph`` stand-ins over the same
 static buffers; with HEADRACE_TEST_DEVICE=cuda the worker captures real CUDA graphs (fp32)."""
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import pytest
 
 from common import speculative
 from controlplane.engine import EngineConfig
-from dataplane.cuda_graphs import DecodeGraphs, EagerGraph
+from dataplane.cuda_graphs import EagerGraph
 from dataplane.default_model import default_model_dir
 from dataplane.input_batch import InputBatch
 from dataplane.sampler import SamplingRow
 from dataplane.spec_decode import SpecDecoder, decode_rows, graph_rows
 from headrace.v1 import inference_pb2 as pb
+from tests.graphs import attach, record_modes
 from tests.spec_harness import NGRAM, run, worker
 
 MODEL = str(default_model_dir())
@@ -82,15 +83,9 @@ def _requests() -> list[dict]:
 
 
 def _graphed(w):
-    """The worker's runner with decode graphs (the CPU stand-in unless the worker has real ones)."""
-    r = w.runner
-    if r.graphs is None:
-        r.graphs = DecodeGraphs(r.model, r.kv_caches, graph_rows(w.speculative, 16),
-                                r.batch.max_blocks, r.device)
-        r.graphs.capture()
-    if r.draft is not None and r.draft.graphs is None:
-        r.draft.capture_graphs(r.graphs.max_batch, r.batch.max_blocks)
-    return r.graphs
+    """The worker's decode graphs (with the piecewise graphs of prefill and mixed steps beside
+    them: the CPU stand-ins unless the worker has real ones)."""
+    return attach(w).decode
 
 
 # the embedded model as its own draft: every greedy draft must be accepted, which holds only
@@ -110,6 +105,7 @@ def test_greedy_output_with_verify_graphs_is_identical_to_without_speculation(co
     w_on = worker(MODEL, config, max_batched_tokens=64, **opts)
     graphs = _graphed(w_on)
     assert isinstance(graphs.graphs[1], EagerGraph) != CUDA
+    seen = record_modes(w_on.runner)
     on, engine = asyncio.run(run(MODEL, w_on, reqs, cfg))
     for a, b in zip(off, on):
         for (ta, xa, ra, la), (tb, xb, rb, lb) in zip(a, b):
@@ -120,6 +116,8 @@ def test_greedy_output_with_verify_graphs_is_identical_to_without_speculation(co
     assert spec.num_accepted_tokens > 0
     assert g_off.num_replays > 0 and g_off.num_verify_replays == 0
     assert graphs.num_verify_replays > 0   # the verifies were replayed, not run eagerly
+    # ... and the prefill steps piecewise (a verify beside a prefill chunk too: test_mixed_graphs)
+    assert ("prefill", "piecewise") in seen and not any(mode == "eager" for _, mode in seen)
     if config is SELF_DRAFT:   # stops and max_tokens cut a few accepted drafts, nothing else
         assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens
         assert w_on.runner.draft.graphs.num_replays > 0   # proposals and syncs replayed graphs

@@ -43,3 +43,18 @@ def test_download_is_readable_after_the_stream_passes():
         host = staging.download(t.cuda())
         torch.cuda.synchronize()
     assert host.tolist() == list(range(10))
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_the_stager_reuses_its_pinned_buffers_only_after_their_copies_ran(device):
+    """More uploads than buffers, one larger than their capacity, queued behind a long kernel
+    (on a GPU): every upload arrives intact, so no buffer was refilled before its copy ran."""
+    stager = staging.Stager(torch.device(device), depth=2, capacity=16)
+    if device == "cuda":
+        torch.cuda._sleep(50_000_000)   # the copies below wait behind this on the stream
+    sets = [{"a": np.full(3 + 40 * i, i, dtype=np.int64), "b": np.arange(i + 1, dtype=np.int32)}
+            for i in range(5)]
+    outs = [stager.upload(arrays) for arrays in sets]
+    for arrays, out in zip(sets, outs):
+        for name, a in arrays.items():
+            np.testing.assert_array_equal(out[name].cpu().numpy(), a, err_msg=name)

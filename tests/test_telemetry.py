@@ -225,6 +225,7 @@ class Samples:
 
 
 P = "headrace:"
+KINDS = ("decode", "mixed", "prefill", "verify", "none")
 
 
 def test_every_metric_moves_as_expected(planes):
@@ -255,7 +256,9 @@ def test_every_metric_moves_as_expected(planes):
             **{f"step_{ph}": cp(P + "step_time_seconds_count", phase=ph)
                for ph in ("schedule", "transport", "execute", "process")},
             "dp_steps": dp(P + "dataplane_steps_total"),
-            "dp_execute": dp(P + "dataplane_step_execute_seconds_count"),
+            "dp_execute": sum(dp(P + "dataplane_step_execute_seconds_count", kind=k) for k in KINDS),
+            **{f"dp_{k}": dp(P + "dataplane_step_execute_seconds_count", kind=k) for k in KINDS},
+            "dp_eager": sum(dp(P + "dataplane_steps_by_graph_total", kind=k, graph="eager") for k in KINDS),
             "dp_sampled": dp(P + "dataplane_sampled_tokens_total"),
             "dp_sample_sum": dp(P + "dataplane_step_sample_seconds_sum"),
         }
@@ -300,6 +303,12 @@ def test_every_metric_moves_as_expected(planes):
     # came back (overlapped scheduling wastes at most one slot per request that stops early;
     # whether it does depends on when c arrived relative to b's last steps)
     assert d["dp_steps"] == d["dp_execute"] == steps and d["dp_sampled"] in (13, 13 + 1)
+    # by step kind: each request's prompt was a prefill step, its other tokens decodes (a
+    # prefill beside a decode is a mixed step); on a CPU every forward runs eagerly, but a step
+    # whose one sequence had stopped already ran none: the steps sent past c's stop token
+    # before it came back (two at most at the default pipeline depth of 3)
+    assert d["dp_prefill"] + d["dp_mixed"] >= 3 and d["dp_decode"] >= 1 and d["dp_verify"] == 0
+    assert d["dp_eager"] + d["dp_none"] == steps and d["dp_none"] <= 2
     assert d["dp_sample_sum"] > 0
     assert cp(P + "time_to_first_token_seconds_sum") > 0
     assert cp(P + "step_time_seconds_sum", phase="execute") > 0

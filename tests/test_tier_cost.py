@@ -1,67 +1,69 @@
-"""The host KV tier's cost rule (controlplane.tier_cost): the step-time fit recovers the
-marginal cost of a token whatever a step's fixed cost; ``cut`` adopts the prefix that costs
-least (a host block loaded only where that is cheaper than recomputing it), checked against
-brute force; through the scheduler a host hit is loaded when the copy is cheap and
-recomputed when it is dear, the host copy staying cached, with the same tokens either way.
-Random workloads with the rule on: tests/test_host_tier_workloads.py; end to end on CPU:
-tests/test_kv_offload.py."""
+"""The host KV tier's cost rule (controlplane.tier_cost): the recompute price is the slope of
+the data plane's prefill profile whatever a step's fixed cost, and the slowest rank's; ``cut``
+adopts the prefix that costs least (a host block loaded only where that is cheaper than
+recomputing it), checked against brute force; through the scheduler a host hit is loaded when
+the copy is cheap and recomputed when it is dear, the host copy staying cached, with the same
+tokens either way. Random workloads with the rule on: tests/test_host_tier_workloads.py; end
+to end on CPU (the worker's measured profile and rate): tests/test_kv_offload.py."""
 
 from __future__ import annotations
 
-import random
 import types
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.scheduler import Scheduler
-from controlplane.step import ScheduledStep
-from controlplane.tier_cost import MIN_STEPS, StepFit, TierCost
+from controlplane.block_manager import BlockManager
+from controlplane.tier_cost import TierCost, prefill_slope
 from tests.test_host_tier import _run, _sched
 
 
-def _fitted(slope_s: float, overhead_s: float = 0.0, seed: int = 0) -> StepFit:
-    fit, rng = StepFit(), random.Random(seed)
-    for _ in range(200):
-        n = rng.choice([1, 8, 64, 256, 1024, 2048])
-        fit.observe(n, overhead_s + slope_s * n)
-    return fit
-
-
 @settings(max_examples=60, deadline=None)
-@given(slope=st.floats(1e-7, 1e-3), overhead=st.floats(0.0, 0.05), seed=st.integers(0, 1000))
-def test_the_fit_finds_the_cost_of_one_more_token_whatever_the_fixed_cost(slope, overhead, seed):
-    assert _fitted(slope, overhead, seed).slope == pytest.approx(slope, rel=1e-6)
+@given(slope=st.floats(1e-7, 1e-3), overhead=st.floats(0.0, 0.05),
+       sizes=st.lists(st.integers(1, 16384), min_size=2, max_size=6, unique=True))
+def test_the_slope_is_the_cost_of_one_more_token_whatever_the_fixed_cost(slope, overhead, sizes):
+    assert prefill_slope(sizes, [overhead + slope * n for n in sizes]) == pytest.approx(slope, rel=1e-6)
 
 
-def test_the_fit_waits_for_varied_steps_and_keeps_its_estimate_through_alike_ones():
-    fit = StepFit()
-    for _ in range(100):
-        fit.observe(2048, 0.01)        # all alike: no slope to see
-    assert fit.slope is None
-    fit = _fitted(3e-6, 0.005)
-    for _ in range(1000):
-        fit.observe(2048, 0.005 + 3e-6 * 2048)   # the spread is forgotten: the slope stays
-    assert fit.slope == pytest.approx(3e-6, rel=1e-3)
-    fit = StepFit()
-    for n in (1, 2048) * (MIN_STEPS // 2 - 1):
-        fit.observe(n, 1e-3 + n * 1e-6)
-    assert fit.slope is None            # fewer steps than MIN_STEPS
+def test_a_profile_of_one_size_or_a_falling_one_prices_nothing():
+    assert prefill_slope([1024], [0.01]) is None
+    assert prefill_slope([1024, 1024], [0.01, 0.02]) is None
+    assert prefill_slope([512, 1024], [0.02, 0.01]) is None
+    assert prefill_slope([], []) is None
+    assert prefill_slope([0, 512, 1024], [0.5, 0.01, 0.02]) == pytest.approx(0.01 / 512)
 
 
-def test_a_noisy_fit_is_close():
-    fit, rng = StepFit(), random.Random(3)
-    for _ in range(2000):
-        n = rng.randrange(1, 2049)
-        fit.observe(n, (0.004 + 2e-6 * n) * rng.uniform(0.9, 1.1))
-    assert fit.slope == pytest.approx(2e-6, rel=0.2)
+def test_a_prefill_heavy_profile_is_priced_by_its_slope_not_by_its_average():
+    """Session 8's rule averaged whole steps and priced Qwen3-0.6B's recompute at 78-96 us per
+    token; a profile with a 5 ms fixed part and 3 us per token is priced at 3."""
+    tokens = [1024, 2048, 4096, 8192]
+    seconds = [0.005 + 3e-6 * n for n in tokens]
+    assert prefill_slope(tokens, seconds) == pytest.approx(3e-6)
+    assert seconds[0] / tokens[0] > 7e-6   # what time over tokens would say at 1,024
+
+
+def _info(rate=27e9, block=1_835_008, tokens=(1024, 8192), seconds=(0.004, 0.025)):
+    return types.SimpleNamespace(host_kv_load_bytes_per_s=rate, kv_bytes_per_block=block,
+                                 prefill_profile_tokens=list(tokens), prefill_profile_seconds=list(seconds))
+
+
+def test_the_rule_for_a_worker_group_takes_the_slowest_copy_and_the_steepest_prefill():
+    blocks = BlockManager(8, 16, True, host_blocks=4)
+    rule = TierCost.for_workers("auto", [_info(), _info(rate=20e9, tokens=(1024, 8192), seconds=(0.004, 0.039))],
+                                blocks)
+    assert rule.load_s_per_block == pytest.approx(1_835_008 / 20e9)
+    assert rule.recompute_s_per_token == pytest.approx(0.035 / 7168)
+    assert rule.profile == [(1024, 0.004), (8192, 0.039)]
+    assert rule.loads() is False   # 5.7 us to load a token, 4.9 to recompute it
+    assert TierCost.for_workers("auto", [_info()], BlockManager(8, 16, True)) is None   # no host tier
+    unmeasured = TierCost.for_workers("auto", [_info(rate=0.0, tokens=(), seconds=())], blocks)
+    assert unmeasured.load_s_per_block is None and unmeasured.recompute_s_per_token is None
+    assert unmeasured.cut([~0, ~1]) == 2 and unmeasured.loads() is None   # loads: it cannot know
 
 
 def _rule(load_s_per_block, recompute_s_per_token, bs=4, policy="auto"):
-    rule = TierCost(policy, load_s_per_block, bs)
-    rule.fit.slope = recompute_s_per_token
-    return rule
+    return TierCost(policy, load_s_per_block, bs, recompute_s_per_token)
 
 
 @settings(max_examples=300, deadline=None)
@@ -86,7 +88,7 @@ def test_cut_by_policy_and_before_anything_is_known():
     assert _rule(1.0, 1e-9, policy="always").cut(hits) == 5
     assert _rule(1e-9, 1.0, policy="never").cut(hits) == 2
     assert _rule(None, 1.0).cut(hits) == 5        # no copy rate measured: loads
-    assert _rule(1.0, None).cut(hits) == 5        # no step times fitted yet: loads
+    assert _rule(1.0, None).cut(hits) == 5        # no prefill profile: loads
     assert _rule(1.0, 1e-9).cut([0, 1, 2]) == 3   # device hits only: all of them
     dear = _rule(1.0, 1.0 / 4 * 0.9)              # a host block dearer than its 4 tokens
     assert dear.cut([0, 1, ~5, ~6]) == 2
@@ -130,49 +132,43 @@ def test_a_dear_copy_recomputes_and_leaves_the_host_copy_cached():
     assert third.num_cached_prompt_tokens == 8 and not steps[0].swap_in
 
 
-def _result(device_ms=0.0, execute_ms=0.0):
-    return types.SimpleNamespace(device_ms=device_ms, execute_ms=execute_ms)
-
-
-def test_step_results_feed_the_fit_and_swap_in_steps_do_not():
-    rule = TierCost("auto", 1e-6, 4)
-    sched = _sched(blocks=64, host=8, cost=rule)
-    for n in [1, 64, 8, 32] * 4:
-        step = ScheduledStep()
-        step.running.num_tokens.append(n)
-        rule.observe(step, _result(device_ms=2.0 + n * 0.01, execute_ms=99.0), on_device=True)
-    assert rule.recompute_s_per_token == pytest.approx(1e-5)
-    waited = ScheduledStep(swap_in=[(0, 0)])
-    waited.running.num_tokens.append(1)
-    rule.observe(waited, _result(device_ms=500.0), on_device=True)
-    assert rule.recompute_s_per_token == pytest.approx(1e-5)
-    assert rule.loads() is True and isinstance(sched, Scheduler)
-    cpu = TierCost("auto", 1.0, 4)
-    for n in [1, 64, 8, 32] * 4:
-        step = ScheduledStep()
-        step.running.num_tokens.append(n)
-        cpu.observe(step, _result(execute_ms=1.0 + n * 0.1), on_device=False)
-    assert cpu.recompute_s_per_token == pytest.approx(1e-4) and cpu.loads() is False
-
-
-def test_the_rule_is_logged_at_start_and_when_autos_verdict_changes(caplog):
+def test_the_rule_and_its_verdict_are_logged_at_start(caplog):
     from controlplane import host_tier
-    from controlplane.block_manager import BlockManager
 
-    rule = TierCost("auto", 4.2e-6 * 16, 16)
+    rule = TierCost.for_workers("auto", [_info(rate=1_835_008 / (4.2e-6 * 16), tokens=(1024, 8192),
+                                               seconds=(0.004, 0.004 + 7168 * 2.9e-6))],
+                                BlockManager(8, 16, True, host_blocks=4))
     with caplog.at_level("INFO", logger="headrace.engine"):
         host_tier.report(BlockManager(8, 16, True, host_blocks=4), "recompute", rule)
-        for n in [1, 64, 8, 32] * 4:   # 1 us per token: recompute is cheaper
-            step = ScheduledStep()
-            step.running.num_tokens.append(n)
-            rule.observe(step, _result(device_ms=1.0 + n * 1e-3), on_device=True)
-        for n in [1, 64, 8, 32] * 40:  # 10 us per token: loading is
-            step = ScheduledStep()
-            step.running.num_tokens.append(n)
-            rule.observe(step, _result(device_ms=1.0 + n * 1e-2), on_device=True)
-    lines = [r.getMessage() for r in caplog.records]
-    assert "offloading policy auto, host load 4.20 us/token" in lines[0]
-    verdicts = [line for line in lines if "host hits are" in line]
-    assert len(verdicts) == 2 and "recomputed" in verdicts[0] and "loaded" in verdicts[1]
-    assert "load 4.20 us/token, recompute 1.00 us/token" in verdicts[0]   # logged when it flips
-    assert rule.recompute_s_per_token == pytest.approx(1e-5, rel=0.05)   # the old regime fades
+    line = caplog.records[0].getMessage()
+    assert "offloading policy auto, host load 4.20 us/token, recompute 2.90 us/token" in line
+    assert "1024: 4.00 ms" in line and "host hits are recomputed, evicted blocks not written back" in line
+
+
+def test_auto_that_recomputes_lone_hits_writes_no_evicted_block_back():
+    dear = _rule(1.0, 1.0 / 4 * 0.9)
+    assert not dear.keeps_evicted()
+    assert _rule(1.0, 1.0).keeps_evicted() and _rule(None, 1.0).keeps_evicted()   # loads; unknown
+    assert _rule(1.0, 1e-9, policy="always").keeps_evicted()
+    assert _rule(1e-9, 1.0, policy="never").keeps_evicted()   # never: hits found, then recomputed
+    sched = _sched(blocks=4, host=8, cost=dear)
+    sched.blocks.offload_evicted = dear.keeps_evicted()
+    _run(sched, list(range(1, 10)), max_tokens=3)
+    _, steps = _run(sched, list(range(50, 64)))   # evicts the first prompt's blocks: dropped
+    assert not any(s.swap_out for s in steps) and not sched.blocks.host.cached
+
+
+def test_the_engine_sets_the_write_back_from_the_workers_measurements():
+    from controlplane.engine import Engine, EngineConfig
+    from headrace.dataplane.v1 import worker_pb2 as wpb
+
+    engine = Engine(types.SimpleNamespace(num_kv_blocks=64), EngineConfig(kv_offloading_policy="auto"))
+
+    def info(rate):
+        return wpb.WorkerInfo(block_size=16, num_host_kv_blocks=32, kv_bytes_per_block=1 << 20,
+                              max_model_len=4096, host_kv_load_bytes_per_s=rate,
+                              prefill_profile_tokens=[1024, 8192], prefill_profile_seconds=[0.004, 0.025])
+    engine._build([info(1e12)])   # 1 us a block: loads
+    assert engine.scheduler.blocks.offload_evicted and engine.scheduler.tier_cost.loads()
+    engine._build([info(1e9)])    # 1 ms a block against 47 us of prefill: recomputes
+    assert not engine.scheduler.blocks.offload_evicted and engine.scheduler.tier_cost.loads() is False

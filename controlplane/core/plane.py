@@ -13,6 +13,7 @@ import time
 
 import grpc
 
+from controlplane import model_roots as roots
 from controlplane.admin import wait_until
 from controlplane.engine import Engine, EngineConfig
 from controlplane.metrics import ControlPlaneMetrics
@@ -32,15 +33,19 @@ class EnginePlane:
                  *, metrics: ControlPlaneMetrics | None = None, log_requests: bool = True,
                  log_prompts: bool = False, worker_credentials: grpc.ChannelCredentials | None = None,
                  worker_secret: str | None = None, chat_template: str | None = None,
-                 generation_config: str = "auto", **request_options):
+                 generation_config: str = "auto", model_roots: list[str] | None = None,
+                 **request_options):
         self.model_dir = model_dir
+        # where Admin may reload a model from (``controlplane.model_roots``), fixed at start
+        self.model_roots = roots.roots_for(model_dir, model_roots)
         self.tokenizer = ModelTokenizer(model_dir)
         self.metrics = metrics or ControlPlaneMetrics()
         self.workers = WorkerGroup(worker_addresses, worker_credentials, worker_secret)
         self.engine = Engine(self.workers, config or EngineConfig(),
                              EngineTelemetry(self.metrics, log_requests=log_requests))
+        self.engine.model_dir = model_dir   # structured outputs compile for its tokenizer
         self.engine.on_health_change = self.changed
-        # ``request_options``: RequestPath's tenant tokens, trust_tenant_header and max_n
+        # ``request_options``: RequestPath's tenant tokens, trust_tenant_header, max_n, max_prompts
         self.requests = RequestPath(self.engine, model_dir, self.tokenizer, chat_template=chat_template,
                                     generation_config=generation_config, log_prompts=log_prompts,
                                     **request_options)
@@ -100,6 +105,7 @@ class EnginePlane:
             self.engine.draining = was_draining
             self.changed()
             raise
+        self.engine.model_dir = model
         await self.engine.restart(infos)
         self.model_dir, self.tokenizer = model, tokenizer
         self.requests.set_model(model, tokenizer)

@@ -33,9 +33,10 @@ class CoreServer:
                  config: EngineConfig | None = None, *, metrics_port: int | None = None,
                  metrics_host: str = "127.0.0.1", admin_token: str | None = None,
                  core_tls: grpc.ServerCredentials | None = None, core_secret: str | None = None,
-                 **plane_options):
+                 admin_insecure_loopback: bool = False, **plane_options):
         """``core_tls``: serve a TCP ``address`` with TLS; ``core_secret``: serve only front ends
-        presenting it (``controlplane.core_link``)."""
+        presenting it (``controlplane.core_link``); ``admin_insecure_loopback``: without a core
+        secret or an admin token, serve Admin to loopback callers (``controlplane.admin``)."""
         core_link.check(address, core_tls is not None, core_secret)
         self.plane = EnginePlane(model_dir, worker_addresses, config, **plane_options)
         self.engine = self.plane.engine
@@ -47,8 +48,9 @@ class CoreServer:
                                       interceptors=[core_link.interceptor(core_secret)] if core_secret else [])
         cpb_grpc.add_EngineCoreServicer_to_server(self.service, self.server)
         # with a secret every caller is a front end, which checked its own caller's access:
-        # the core's Admin then needs no loopback peer (the admin token is still checked)
-        admin = AdminService(self.plane, admin_token, local_only=not core_secret)
+        # the core's Admin then needs no loopback peer (an admin token is still checked)
+        admin = AdminService(self.plane, admin_token, local_only=not core_secret,
+                             enabled=bool(core_secret or admin_token or admin_insecure_loopback))
         apb_grpc.add_AdminServicer_to_server(admin, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._background = BackgroundTasks()

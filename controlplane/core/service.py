@@ -9,6 +9,11 @@ message: column by column for samples that run on (no message per sample and ste
 ``SeqDelta`` for a sample's last tokens and for tokens with logprobs. The stream's sender takes the whole pending message when gRPC lets it write, so a
 front end that reads slowly gets fewer, larger messages and the engine never waits on it.
 When a stream ends (front end gone), every request it submitted is aborted: blocks freed.
+
+The core owns the queue and decides its bound: a submission of n samples is refused when n
+more would pass ``--max-queued`` (taken one by one: several together cannot jointly pass it).
+The front ends' early check reads ``Down.num_waiting``, pushed whenever the queue changes
+(after submissions or aborts, a step's wake-ups, at least every ``QUEUE_PUSH_S``).
 """
 
 from __future__ import annotations
@@ -23,15 +28,17 @@ import grpc
 import structlog
 from opentelemetry import trace
 
-from common import tracing
-from controlplane.request_path import queue_full
+from common import stage_times, tracing
+from controlplane import limits
 from controlplane.request import Request, Sequence, Status
 from controlplane.service import model_info
+from controlplane.structured import spec
 from headrace.core.v1 import core_pb2 as cpb
 from headrace.core.v1 import core_pb2_grpc as cpb_grpc
 from headrace.v1 import inference_pb2 as pb
 
 log = logging.getLogger("headrace.core")
+QUEUE_PUSH_S = 0.25   # the queue length reaches every front end within this, whatever happens
 
 
 class CoreText:
@@ -55,6 +62,12 @@ class CoreRequest(Request):
         self.link.mark(self)
 
 
+def num_queued(plane) -> int:
+    """The engine's queued sequences (what ``--max-queued`` bounds); 0 before a model."""
+    sched = plane.engine.scheduler
+    return sched.num_queued if sched is not None else 0
+
+
 def _columns() -> tuple[list[int], list[int], list[int], list[int]]:
     """Empty ``Down`` token columns: handles, sample indexes, counts, token ids."""
     return [], [], [], []
@@ -73,6 +86,7 @@ class FrontendLink:
         self._ready = asyncio.Event()
         self._flush_scheduled = False
         self.closed = False
+        self.sent_queued = -1   # the queue length this front end was last told
 
     def mark(self, request: CoreRequest) -> None:
         self._dirty[request] = None
@@ -100,7 +114,10 @@ class FrontendLink:
             return
         deltas, done = self._pending.deltas, []
         handles, indexes, counts, tokens = self._columns
+        stages = stage_times.STAGES
         for req in dirty:
+            if stages is not None and req.sequences[0].delivered == 0:   # its first tokens
+                stages.stamp(req.request_id, "core_flushed")
             if req.failure is not None:
                 self.fail(req.handle, req.failure.code, req.failure.message)
                 done.append(req)
@@ -154,9 +171,13 @@ class FrontendLink:
             msg.token_indexes.extend(indexes)
             msg.token_counts.extend(counts)
             msg.token_ids.extend(tokens)
-        sched = self.core.plane.engine.scheduler
-        msg.num_waiting = len(sched.waiting) if sched is not None else 0
+        msg.num_waiting = self.sent_queued = num_queued(self.core.plane)
         return msg
+
+    def note_queue(self, queued: int) -> None:
+        """Sends the queue length (``queued``) if this front end does not know it yet."""
+        if queued != self.sent_queued:
+            self._ready.set()
 
     def close(self) -> int:
         """The front end is gone: aborts its requests (their blocks are free at once)."""
@@ -178,10 +199,22 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
         plane.engine.flush_woken = self.flush
 
     def flush(self) -> None:
-        """Every front end's news now (the engine woke its requests)."""
+        """Every front end's news now (the engine woke its requests), and the queue length."""
         for link in self.links:
             if link._flush_scheduled:
                 link.flush()
+        self.note_queue()
+
+    def note_queue(self) -> None:
+        """Every front end learns the queue length where it changed."""
+        queued = num_queued(self.plane)
+        for link in self.links:
+            link.note_queue(queued)
+
+    async def _push_queue(self, link: FrontendLink) -> None:
+        while True:
+            await asyncio.sleep(QUEUE_PUSH_S)
+            link.note_queue(num_queued(self.plane))
 
     def state(self) -> cpb.CoreState:
         plane, engine = self.plane, self.plane.engine
@@ -205,6 +238,7 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
         self.links.add(link)
         reader = asyncio.create_task(self._read(request_iterator, link))
         reader.add_done_callback(lambda _: link._ready.set())
+        pusher = asyncio.create_task(self._push_queue(link))
         link.push_state(self.state())
         try:
             while not reader.done():
@@ -214,6 +248,7 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
                 yield msg
         finally:
             reader.cancel()
+            pusher.cancel()
             self.links.discard(link)
             aborted = link.close()
             log.info("front end %d disconnected; aborted its %d requests", link.index, aborted)
@@ -228,6 +263,7 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
                     self.submit(link, submit)
                 for abort in up.aborts:
                     self.abort(link, abort)
+                self.note_queue()
 
     def _refusal(self, submit: cpb.Submit) -> tuple[grpc.StatusCode, str] | None:
         engine = self.plane.engine
@@ -235,9 +271,9 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
             return grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica"
         if not engine.healthy or engine.scheduler is None:
             return grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)"
-        problem = queue_full(engine.max_queued, len(engine.scheduler.waiting))
-        if problem:
-            return grpc.StatusCode.RESOURCE_EXHAUSTED, problem
+        refusal = limits.queue_refusal(engine.max_queued, engine.scheduler.num_queued, len(submit.sampling))
+        if refusal:
+            return refusal
         if submit.request_id in engine.requests:
             return grpc.StatusCode.INVALID_ARGUMENT, f"request_id {submit.request_id!r} is already in use"
         if not submit.sampling or len(submit.prompt_token_ids) + submit.max_tokens > engine.max_model_len:
@@ -250,9 +286,15 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
             link.fail(s.handle, *refusal)
             return
         engine = self.plane.engine
+        try:
+            constraint = spec.from_proto(s.structured) if s.HasField("structured") else None
+        except spec.ConstraintError as exc:
+            link.fail(s.handle, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
         arrival = time.monotonic() - s.age   # on this clock (the front end's may be another host's)
         req = CoreRequest(request_id=s.request_id, n=len(s.sampling), stream_interval=s.stream_interval,
-                          arrival=arrival, link=link, handle=s.handle, tenant=s.tenant)
+                          arrival=arrival, link=link, handle=s.handle, tenant=s.tenant,
+                          structured=constraint)
         prompt, text = list(s.prompt_token_ids), CoreText(s.has_stop_strings)
         req.sequences = [Sequence(request=req, seq_id=next(engine.seq_ids), index=i,
                                   prompt_token_ids=prompt, sampling=sampling, max_tokens=s.max_tokens,

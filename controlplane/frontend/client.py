@@ -36,16 +36,14 @@ CORE_DOWN = "the engine core is unavailable (restarting?); retry"
 RETRY_FIRST_S, RETRY_MAX_S = 0.2, 5.0   # reconnect back-off (a refused secret must not spin)
 
 
-class _Waiting:
-    """``len()`` of the core's queue as last reported (the request path's queue limit)."""
+class _QueueView:
+    """The core's queue as it last pushed its length (on every change, ``Down.num_waiting``):
+    what the request path's early queue check reads, in the scheduler's place."""
 
-    __slots__ = ("n",)
+    __slots__ = ("num_queued",)
 
     def __init__(self):
-        self.n = 0
-
-    def __len__(self) -> int:
-        return self.n
+        self.num_queued = 0
 
 
 class CoreClient:
@@ -62,8 +60,8 @@ class CoreClient:
         self.state = cpb.CoreState()
         self.info = None
         self.max_model_len = 0
-        self.scheduler = None                # a view with ``waiting`` while the model is loaded
-        self._waiting = _Waiting()
+        self.scheduler = None                # the queue's view while the model is loaded
+        self._queue = _QueueView()
         self._by_handle: dict[int, Request] = {}
         self._handles = itertools.count(1)
         self._up = cpb.Up()
@@ -103,6 +101,8 @@ class CoreClient:
             age=time.monotonic() - request.arrival, tenant=request.tenant,
             trace_id=structlog.contextvars.get_contextvars().get("trace_id", ""))
         submit.sampling.extend(s.sampling for s in request.sequences)
+        if request.structured is not None:
+            submit.structured.CopyFrom(request.structured.to_proto())
         span = trace.get_current_span()
         if span.get_span_context().is_valid:
             submit.trace_context.update(tracing.inject(span))
@@ -193,7 +193,7 @@ class CoreClient:
     def _apply(self, down: cpb.Down) -> None:
         if down.HasField("state"):
             self._set_state(down.state)
-        self._waiting.n = down.num_waiting
+        self._queue.num_queued = down.num_waiting
         woken, by_handle = {}, self._by_handle
         if down.token_handles:   # the columns first (a sample's deltas follow its columns)
             tokens, pos = list(down.token_ids), 0
@@ -258,7 +258,7 @@ class CoreClient:
         self.config.stream_interval = state.default_stream_interval
         if state.loaded:
             self.info, self.max_model_len = state.info, state.max_model_len
-            self.scheduler = types.SimpleNamespace(waiting=self._waiting)
+            self.scheduler = self._queue
         else:
             self.scheduler = None
         if model_changed:

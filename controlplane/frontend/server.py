@@ -21,6 +21,7 @@ from common import security
 from controlplane.frontend.admin_proxy import AdminProxy
 from controlplane.frontend.client import CoreClient
 from controlplane.http.server import HttpFrontEnd, http_host
+from controlplane.http.timeouts import HTTP_TIMEOUTS
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.request_path import RequestPath
 from controlplane import core_link, limits
@@ -49,6 +50,9 @@ class FrontEnd:
                  http_tls: tuple | None = None, chat_template: str | None = None,
                  generation_config: str = "auto", log_prompts: bool = False, reuse_port: bool = True,
                  trust_tenant_header: bool = False, max_n: int = limits.DEFAULT_MAX_N,
+                 max_prompts: int = limits.DEFAULT_MAX_PROMPTS,
+                 http_timeouts: tuple[float, float] = HTTP_TIMEOUTS,
+                 admin_insecure_loopback: bool = False,
                  max_model_len: int | None = None,
                  core_credentials: grpc.ChannelCredentials | None = None,
                  core_secret: str | None = None):
@@ -64,11 +68,13 @@ class FrontEnd:
         self.requests = RequestPath(self.client, model_dir, tokenizer,
                                     chat_template=chat_template, generation_config=generation_config,
                                     log_prompts=log_prompts, tokens=tokens,
-                                    trust_tenant_header=trust_tenant_header, max_n=max_n)
+                                    trust_tenant_header=trust_tenant_header, max_n=max_n,
+                                    max_prompts=max_prompts)
         self.max_message_bytes, max_body = request_limits(model_dir, tokenizer, max_model_len)
         self.inference = FrontEndInference(self.requests)
         self.admin_channel = core_link.channel(core_address, core_credentials)
-        self.admin = AdminProxy(self.admin_channel, admin_token, enabled=admin_access(address, admin_token),
+        self.admin = AdminProxy(self.admin_channel, admin_token,
+                                enabled=admin_access(address, admin_token, admin_insecure_loopback),
                                 secret=core_secret)
         self.health = health.aio.HealthServicer()
         self.server = public_server(self.metrics, self.inference, self.admin, self.health,
@@ -76,7 +82,7 @@ class FrontEnd:
                                     max_message_bytes=self.max_message_bytes)
         self.http = None if http_port is None else HttpFrontEnd(
             self.requests, http_host(address), http_port, tokens, ssl=http_tls, reuse_port=reuse_port,
-            max_body=max_body)
+            max_body=max_body, header_timeout=http_timeouts[0], keep_alive_timeout=http_timeouts[1])
         self.port = 0
 
     async def _core_changed(self) -> None:

@@ -1,4 +1,5 @@
 """The OpenAI-compatible HTTP front end (FastAPI on uvicorn, in the control plane's event loop):
 ``server`` runs it, ``app`` routes and authenticates, ``protocol`` holds the request models,
-``convert`` turns them into ``GenerateRequest``s, ``streaming`` writes SSE and whole responses.
+``convert`` turns them into ``GenerateRequest``s, ``streaming`` writes SSE and whole responses,
+``timeouts`` closes connections whose headers trickle in.
 Every generation goes through ``controlplane.request_path``, as gRPC's does."""

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from controlplane.http import convert, responses, streaming
+from controlplane.http import convert, responses, streaming, structured
 from controlplane.http.convert import HttpError
 from controlplane.http.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeRequest, error_body)
@@ -99,12 +99,22 @@ class Api:
             self.check_auth(request)
             body = await self.body(request, ChatCompletionRequest if chat else CompletionRequest)
             self.check_model(body.model)
-            reqs = [convert.chat_request(body)] if chat else convert.completion_requests(body)
+            try:
+                reqs = [convert.chat_request(body)] if chat else convert.completion_requests(body)
+            except ValueError as exc:   # a value no field can hold (the known ones are bounded)
+                raise HttpError(400, f"invalid request: {exc}") from None
+            try:   # n x prompts against --max-n and the queue, before any prompt is tokenized
+                self.path.check_batch(len(reqs), body.n)
+            except RequestError as exc:
+                error = HttpError.from_request_error(exc, chat)
+                error.counted = False   # (refused here, not in the request path)
+                raise error from None
         except HttpError as exc:
             on_error(exc)
             return JSONResponse(exc.body(), exc.status)
         top_n = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs
-        fmt = streaming.Formatter(chat, body.model or self.path.model_name, body.n, top_n, self.token_text)
+        fmt = streaming.Formatter(chat, body.model or self.path.model_name, body.n, top_n, self.token_text,
+                                  tools=structured.tool_mode(body) if chat else None)
         if not body.stream:   # one message per sample at its end: no per-token wake-ups
             for r in reqs:
                 r.stream_interval = WHOLE

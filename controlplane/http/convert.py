@@ -11,6 +11,8 @@ import grpc
 from controlplane.http.protocol import ChatCompletionRequest, ChatMessageIn, CompletionRequest, error_body
 from headrace.v1 import inference_pb2 as pb
 
+from controlplane.http import structured  # noqa: E402 (it reads HttpError from here)
+
 STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
           grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
           grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
@@ -23,6 +25,7 @@ _PARAM = re.compile(r"^(?:sampling\.)?([a-z_]+)")
 # controlplane.validation.check_fits: a prompt that fits alone but not with its max_tokens;
 # max_tokens is the parameter to change (OpenAI's clients read ``param`` so)
 _TOO_LONG = re.compile(r"^prompt \d+ tokens \+ max_tokens \d+ > max_model_len")
+STRUCTURED_PARAM = "response_format"   # the request path's "structured: ..." refusals
 
 
 class HttpError(Exception):
@@ -40,6 +43,8 @@ class HttpError(Exception):
             param = m.group(1)
             if param in ("prompt", "prompt_token_ids"):
                 param = "messages" if chat else "prompt"
+            elif param == "structured":
+                param = STRUCTURED_PARAM
         error = cls(status, exc.message, param)
         error.counted = True   # the request path counted it
         return error
@@ -56,7 +61,7 @@ def _unsupported(param: str, what: str = "") -> HttpError:
     return HttpError(400, f"{param} is not supported{what}", param)
 
 
-def _common(body, max_tokens: int | None, logprobs: int) -> pb.GenerateRequest:
+def _common(body, max_tokens: int | None, logprobs: int, chat: bool = False) -> pb.GenerateRequest:
     if body.logit_bias:
         raise _unsupported("logit_bias")
     if body.stream_options is not None and not body.stream:
@@ -74,6 +79,9 @@ def _common(body, max_tokens: int | None, logprobs: int) -> pb.GenerateRequest:
     s.top_k = 0 if body.top_k in (None, -1) else body.top_k   # vLLM: -1 disables
     s.min_p = body.min_p or 0.0
     s.presence_penalty, s.frequency_penalty = body.presence_penalty, body.frequency_penalty
+    constraint, _ = structured.constraint(body, chat)
+    if constraint is not None:
+        req.structured.CopyFrom(constraint)
     return req
 
 
@@ -100,8 +108,9 @@ def completion_requests(body: CompletionRequest) -> list[pb.GenerateRequest]:
         if isinstance(p, str):
             req.prompt = p
         else:
-            if any(t < 0 for t in p):
-                raise HttpError(400, "prompt: token ids must be >= 0", "prompt")
+            bad = next((t for t in p if not 0 <= t < 1 << 32), None)
+            if bad is not None:
+                raise HttpError(400, f"prompt: token ids must be >= 0 and < 2**32, got {bad}", "prompt")
             req.prompt_token_ids.ids.extend(p)
         out.append(req)
     return out
@@ -146,16 +155,12 @@ def chat_messages(messages: list[ChatMessageIn], *, add_generation_prompt: bool 
 
 
 def chat_request(body: ChatCompletionRequest) -> pb.GenerateRequest:
-    if body.tool_choice not in (None, "none", "auto"):
-        raise _unsupported("tool_choice", " (other than 'none' and 'auto': no tool-call parsing)")
-    if body.response_format and body.response_format.get("type") != "text":
-        raise _unsupported("response_format", " (other than {'type': 'text'})")
     if body.top_logprobs and not body.logprobs:
         raise HttpError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # logprobs without top_logprobs still return the sampled token's logprob: ask for one
     logprobs = max(body.top_logprobs or 0, 1) if body.logprobs else 0
-    req = _common(body, max_tokens, logprobs)
+    req = _common(body, max_tokens, logprobs, chat=True)
     req.messages.CopyFrom(chat_messages(
         body.messages, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message, tools=body.tools,

@@ -1,13 +1,18 @@
 """Pydantic models of the OpenAI-compatible request bodies (completions, chat completions,
 tokenize, detokenize) with vLLM's sampling extras, and the OpenAI error object. Unknown fields
 are ignored, as OpenAI's and vLLM's servers do; fields headrace cannot honour are refused by
-``convert`` with a 400 naming them."""
+``convert`` with a 400 naming them. Every integer is bounded by the range of the protobuf field
+it becomes (``Int32``, ``TokenId``): a larger one (``max_tokens: 1e20``) is a 400 naming it,
+never a 500 from the conversion."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+Int32 = Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)]
+TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]
 
 
 class _Body(BaseModel):
@@ -20,7 +25,7 @@ class StreamOptions(_Body):
 
 class _Sampling(_Body):
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = Field(1, ge=1, lt=1 << 32)   # at most the server's --max-n (controlplane.validation)
@@ -33,18 +38,26 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int32 = 0
     ignore_eos: bool = False
-    priority: int = 0
-    stop_token_ids: list[int] | None = None
+    priority: Int32 = 0
+    stop_token_ids: list[TokenId] | None = None
     request_id: str | None = None
+    # structured outputs (controlplane.http.structured): OpenAI's, and vLLM's current and older
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[int], list[list[int]]]   # ids: checked by ``convert``
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -65,12 +78,12 @@ class ChatMessageIn(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessageIn] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None   # false: tool_choice "required" makes one call
     # vLLM's chat extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -88,7 +101,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int32]
 
 
 ErrorType = Literal["invalid_request_error", "authentication_error", "not_found_error",

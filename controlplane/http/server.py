@@ -1,7 +1,9 @@
 """Runs the HTTP front end with uvicorn inside the control plane's asyncio loop, beside the
 gRPC aio server: binds its socket at start (so a taken port fails start-up), leaves signal
 handling to the control plane, and stops gracefully with it. A port in use is ``PortInUse``
-(one line from the command line, as for the gRPC port)."""
+(one line from the command line, as for the gRPC port). A connection is closed when a request's
+headers do not arrive within ``header_timeout`` seconds, or when it idles ``keep_alive_timeout``
+seconds between requests (``controlplane.http.timeouts``)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import socket
 import uvicorn
 
 from common import net
+from controlplane.http import timeouts
 from controlplane.http.app import MAX_BODY_BYTES, build_app
 from controlplane.request_path import RequestPath
 
@@ -37,7 +40,8 @@ class HttpFrontEnd:
 
     def __init__(self, path: RequestPath, host: str, port: int, api_token=None, *,
                  tensor_parallel_size: int = 1, ssl: tuple | None = None, reuse_port: bool = False,
-                 max_body: int = MAX_BODY_BYTES):
+                 max_body: int = MAX_BODY_BYTES, header_timeout: float = timeouts.DEFAULT_HEADER_TIMEOUT,
+                 keep_alive_timeout: float = timeouts.DEFAULT_KEEP_ALIVE_TIMEOUT):
         self.host, self.port, self.reuse_port = host, port, reuse_port
         self.app = build_app(path, api_token, tensor_parallel_size, max_body)
         options = {}
@@ -48,7 +52,8 @@ class HttpFrontEnd:
             options = dict(ssl_certfile=cert, ssl_keyfile=key, ssl_ca_certs=ca,
                            ssl_cert_reqs=ssl_module.CERT_REQUIRED if ca else ssl_module.CERT_NONE)
         self.config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off",
-                                     timeout_keep_alive=30, server_header=False, **options)
+                                     http=timeouts.timed_protocol(header_timeout),
+                                     timeout_keep_alive=keep_alive_timeout, server_header=False, **options)
         self.server: _Server | None = None
         self._task: asyncio.Task | None = None
 

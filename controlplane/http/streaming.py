@@ -13,6 +13,7 @@ import uuid
 from typing import AsyncIterator, Callable
 
 from controlplane.http.convert import FINISH, HttpError
+from controlplane.http.tool_calls import ToolCalls
 from controlplane.request_path import RequestError
 from headrace.v1 import inference_pb2 as pb
 
@@ -58,8 +59,11 @@ class Formatter:
     """Turns responses into OpenAI dicts for one endpoint (``chat`` or completions)."""
 
     def __init__(self, chat: bool, model: str, n: int, top_logprobs: int | None,
-                 token_text: Callable[[int], str]):
+                 token_text: Callable[[int], str], tools: str | None = None):
+        """``tools``: a forced tool choice (the function's name or "required"): chat answers
+        are ``tool_calls`` (``controlplane.http.tool_calls``)."""
         self.chat, self.model, self.n, self.top_n = chat, model, n, top_logprobs
+        self.tools = ToolCalls(tools) if tools and chat else None
         self.token_text = token_text
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -114,7 +118,10 @@ class Formatter:
         index = self.index(prompt, msg)
         choice = {"index": index, "logprobs": self.logprobs(index, msg),
                   "finish_reason": FINISH.get(msg.finish_reason)}
-        if self.chat:
+        if self.tools is not None:
+            choice["delta"] = self.tools.delta(index, msg.text, first, choice["finish_reason"])
+            choice["finish_reason"] = self.tools.finish_reason(choice["finish_reason"])
+        elif self.chat:
             choice["delta"] = {"role": "assistant", "content": msg.text} if first else \
                 ({"content": msg.text} if msg.text or not msg.finish_reason else {})
         else:
@@ -126,7 +133,7 @@ class Formatter:
     def sse(self, prompt: int, msg: pb.GenerateResponse, first: bool, include_usage: bool) -> bytes:
         """One SSE event; a plain text delta (most of a stream) is formatted without building
         the dict (a few microseconds per token in the control plane's loop)."""
-        if first or msg.finish_reason or (self.top_n is not None and msg.logprobs):
+        if first or msg.finish_reason or self.tools is not None or (self.top_n is not None and msg.logprobs):
             chunk = self.chunk(prompt, msg, first)
             if include_usage:
                 chunk["usage"] = None
@@ -200,7 +207,9 @@ async def whole(fmt: Formatter, streams: list[AsyncIterator], chat: bool) -> dic
     for index in sorted(choices):
         c = choices[index]
         text = "".join(c.pop("text"))
-        if chat:
+        if fmt.tools is not None:
+            c["message"], c["finish_reason"] = fmt.tools.message(text, c["finish_reason"])
+        elif chat:
             c["message"] = {"role": "assistant", "content": text}
         else:
             c["text"] = text

@@ -39,6 +39,7 @@ class QuantConfig:
     zero_offset: int = 0        # GPTQ v1 stores zero - 1: the loader adds this back
     static_input: bool = False  # FP8: a checkpoint input_scale instead of dynamic per-token
     ignore: tuple[str, ...] = ()
+    backend: str = "auto"       # --quant-backend: which kernels run the layers on the GPU
 
     @property
     def fp8(self) -> bool:

@@ -151,7 +151,7 @@ class QuantLoader:
                 parts.append(_shard(self.cfg, self.shard, proj, w))
             w = _merge(parts, f"model.layers.{i}.{merged}")
             setattr(parent, merged, layers.build(w, self.qc.bits, merged in ("o_proj", "down_proj"),
-                                                 pending.bias, device))
+                                                 pending.bias, device, self.qc.backend))
         if self.tensors:
             raise QuantizationError(f"unexpected quantized tensors for {sorted(self.tensors)[:3]}")
 
@@ -162,5 +162,5 @@ def quantize_online(model, qc: QuantConfig) -> None:
         old = getattr(parent, merged)
         w = formats.online(old.weight.detach(), qc)
         setattr(parent, merged, layers.build(w, qc.bits, merged in ("o_proj", "down_proj"),
-                                             old.bias, old.weight.device))
+                                             old.bias, old.weight.device, qc.backend))
         del old

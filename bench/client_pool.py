@@ -1,0 +1,93 @@
+"""Streaming clients spread over processes, for the serving benchmarks (``bench.serving_bench``
+W1 / W3, ``bench.w4_bench``): one asyncio client process cannot read 256 streams of every token
+as fast as the server writes them (W1 streamed from one process: 15,676-17,340 tok/s, from eight:
+27,563), and a benchmark must measure the server. Each process (spawned) runs its share of the
+requests over its own connections (each may reach another API front end) from a common start
+time, and reports the CPU it used (user + system) over the wall time it ran: a process near
+100% is the limit of the run, not the server (``usage``: ``client_limited``).
+
+Requests are ``(send offset s, prompt ids, max_tokens, temperature, stream_interval)`` (0: the
+server's default; 100000: one message per request, an offline client); each comes back as
+``{"ok", "ttft", "e2e", "itls" (per token), "tokens", "end" (epoch s)}`` or
+``{"ok": False, "error"}``."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+
+BUSY = 0.9   # a client process this busy (CPU seconds per wall second) is the limit
+
+
+async def _one(stub, target, pb, prompt, max_tokens: int, temperature: float, interval: int,
+               start_at: float) -> dict:
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    sent, stamps = time.perf_counter(), []
+    try:
+        if target is not None:   # HTTP SSE
+            from bench.serving_http import run_one_http
+
+            await run_one_http(target, prompt, max_tokens, temperature, stamps)
+        else:
+            req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
+                                     ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature),
+                                     stream_interval=interval)
+            async for resp in stub.Generate(req, timeout=600):
+                stamps.append((time.perf_counter(), len(resp.token_ids)))
+    except Exception as exc:  # noqa: BLE001 - counted as failed
+        return {"ok": False, "error": repr(exc)[:200]}
+    if not stamps:
+        return {"ok": False, "error": "no response"}
+    itls = [(t1 - t0) / n for (t0, _), (t1, n) in zip(stamps, stamps[1:]) for _ in range(n)]
+    return {"ok": True, "ttft": stamps[0][0] - sent, "e2e": stamps[-1][0] - sent, "itls": itls,
+            "tokens": sum(n for _, n in stamps), "end": time.time()}
+
+
+def _process(address: str, http_url: str | None, items: list, t0: float, channels: int) -> dict:
+    """One client process: its requests, and the CPU it used while they ran."""
+    import grpc
+
+    from headrace.v1 import inference_pb2 as pb
+    from headrace.v1 import inference_pb2_grpc as pb_grpc
+
+    async def run():
+        if http_url:
+            from bench.serving_http import HttpTarget
+
+            targets, stubs, chans = [HttpTarget(http_url)], [None], []
+        else:
+            chans = [grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+                     for _ in range(channels)]
+            targets, stubs = [None], [pb_grpc.InferenceStub(c) for c in chans]
+        cpu0 = time.process_time()
+        results = await asyncio.gather(*(
+            _one(stubs[i % len(stubs)], targets[i % len(targets)], pb, p, m, temp, interval, t0 + off)
+            for i, (off, p, m, temp, interval) in enumerate(items)))
+        cpu = time.process_time() - cpu0
+        for c in chans:
+            await c.close()
+        for t in targets:
+            if t is not None:
+                await t.close()
+        return results, cpu
+
+    results, cpu = asyncio.run(run())
+    end = max((r["end"] for r in results if r["ok"]), default=t0)
+    return {"results": results, "cpu_s": cpu, "wall_s": max(end - t0, 1e-9)}
+
+
+def run(address: str, items: list, processes: int, channels: int = 4, http_url: str | None = None,
+        lead_s: float = 3.0) -> tuple[list[dict], dict, float]:
+    """Runs ``items`` from ``processes`` client processes (offset 0 is ``lead_s`` from now,
+    after they started); returns every request's result, in no particular order, the clients'
+    CPU use, and the epoch second that offset 0 was."""
+    processes = max(1, min(processes, len(items)))
+    t0 = time.time() + lead_s
+    shares = [items[i::processes] for i in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        parts = pool.starmap(_process, [(address, http_url, s, t0, channels) for s in shares])
+    busy = [p["cpu_s"] / p["wall_s"] for p in parts]
+    usage = {"client_processes": processes, "client_cpu_max": round(max(busy), 3),
+             "client_cpu_mean": round(sum(busy) / len(busy), 3), "client_limited": max(busy) >= BUSY}
+    return [r for p in parts for r in p["results"]], usage, t0

@@ -1,0 +1,41 @@
+"""Triton twin of ``kernels.reference.apply_token_bitmask``: structured outputs' token mask.
+
+A grammar allows a few tokens of a 150k vocabulary; the control plane ships one bit per token
+(packed int32 words, 1/16 of the bf16 logits' bytes). Each program reads one chunk of one
+constrained row's words and writes -inf over the logits its bits forbid, in place, in the
+logits' own dtype: one launch for the step's constrained rows, no host work, no unpacked mask
+ever materialised (the reference builds a [rows, vocab] boolean tensor and a masked copy).
+Unconstrained rows are not touched (they are not in ``rows``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 4096
+
+
+@triton.jit
+def _bitmask_kernel(LOGITS, stride_row, BITS, n_words, ROWS, V, BLOCK: tl.constexpr):
+    k = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row = tl.load(ROWS + k).to(tl.int64)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < V
+    words = tl.load(BITS + k.to(tl.int64) * n_words + cols // 32, mask=inside, other=-1)
+    allowed = ((words >> (cols % 32)) & 1) != 0
+    minus_inf = tl.full([BLOCK], float("-inf"), tl.float32).to(LOGITS.dtype.element_ty)
+    tl.store(LOGITS + row * stride_row + cols, minus_inf, mask=inside & ~allowed)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    n, vocab = rows.numel(), logits.shape[1]
+    if n == 0:
+        return
+    if logits.stride(1) != 1:
+        raise ValueError("apply_token_bitmask: the logits' rows must be contiguous")
+    bitmask = bitmask.contiguous()
+    _bitmask_kernel[(n, triton.cdiv(vocab, _BLOCK))](logits, logits.stride(0), bitmask, bitmask.shape[1],
+                                                      rows, vocab, BLOCK=_BLOCK, num_warps=4)

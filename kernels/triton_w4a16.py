@@ -1,0 +1,148 @@
+"""Triton skinny GEMM for 4- and 8-bit integer weights at decode batch sizes (W4A16 / W8A16,
+``kernels.reference_quant.wna16_linear`` with contiguous groups of a multiple of 128 columns,
+or one group per output channel).
+
+Why: a decode projection is bound by its weight bytes, and INT4 reads a quarter of bf16's, but
+``kernels.triton_quant``'s general kernel (tiles for prefill: dequantise a [BLOCK_K, BLOCK_N]
+tile to the activation dtype, then tl.dot) read them at 0.3-1.1 TB/s on the H200 (issue 21).
+This kernel keeps the GPTQ layout (``qweight`` [K / P, N] int32, P = 32 / bits values of K per
+word, 16-byte loads along N) and does the least work per weight byte:
+
+* zero points folded out of the inner loop: a K tile lies inside one group (the group size is
+  a multiple of BLOCK_K = 128), so sum_k x_k (q_kn - z_n) s_n = s_n (sum_k x_k q_kn -
+  z_n sum_k x_k): the loop only shifts a value out of its word, converts it and multiplies-adds;
+  scale and zero apply once per tile and column, in float32 (more exact than the reference,
+  which rounds each dequantised weight to x's dtype);
+* value j of every word in the tile multiplies x at k = P * word + j (a strided load of x,
+  which stays in L1), so words are never reshaped across threads;
+* FMA programs (M <= 4) accumulate w * x element-wise over the words of the tile and reduce
+  across threads once per tile; tl.dot programs (M >= 2) compute acc^T = Q [BLOCK_N, K] @ X^T
+  with the unpacked values (exact in bfloat16) as the MMA's A operand, so the weight fills the
+  tensor core's 64-row side and the tokens its narrow side.
+
+Launch tiles are autotuned per row bucket and shape (``kernels.skinny_gemm``); K is split over
+programs with the self-cleaning workspace where output tiles are few. No host synchronisation:
+CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.skinny_gemm import Tile, Tuner, activations, launch_args, store_or_reduce
+from kernels.triton_flash import INTERPRETED
+
+BLOCK_K = 128          # K values per step: one group of the common 128, 64 bytes of int4 a column
+
+
+@triton.jit(do_not_specialize=["M_BUCKET", "GROUP"])
+def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm, stride_om,
+                         M_BUCKET, SPLIT_K, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    PER: tl.constexpr = 32 // BITS
+    KW: tl.constexpr = BLOCK_K // PER                 # packed words of K per step
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = tl.program_id(2) * k_per
+    k_hi = tl.minimum(K, k_lo + k_per)
+    row_ok, col_ok = rows < M, cols < N
+    dtype = X.dtype.element_ty
+    x_rows = X + rows.to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kw = k0 // PER + tl.arange(0, KW)
+        words = tl.load(QW + kw[None, :].to(tl.int64) * N + cols[:, None],
+                        mask=col_ok[:, None] & (kw < K // PER)[None, :], other=0)   # [BN, KW]
+        g = k0 // GROUP
+        s = tl.load(S + g * N + cols, mask=col_ok, other=0.0).to(tl.float32)
+        z = tl.load(Z + g * N + cols, mask=col_ok, other=0).to(tl.float32)
+        if USE_DOT:
+            t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            xsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for j in tl.static_range(PER):
+                xk = kw * PER + j
+                xt = tl.load(x_rows[None, :] + xk[:, None], mask=(xk < K)[:, None] & row_ok[None, :],
+                             other=0.0)                                       # [KW, BM]
+                q = (words >> (j * BITS)) & ((1 << BITS) - 1)
+                xsum += tl.sum(xt.to(tl.float32), axis=0)
+                if DOT_F32:
+                    q, xt = q.to(tl.float32), xt.to(tl.float32)
+                else:
+                    q = q.to(dtype)                                           # exact
+                t = tl.dot(q, xt, t, input_precision=PRECISION)
+        else:
+            t3 = tl.zeros([BLOCK_N, BLOCK_M, KW], dtype=tl.float32)
+            x3 = tl.zeros([BLOCK_M, KW], dtype=tl.float32)
+            for j in tl.static_range(PER):
+                xk = kw * PER + j
+                x = tl.load(x_rows[:, None] + xk[None, :], mask=row_ok[:, None] & (xk < K)[None, :],
+                            other=0.0).to(tl.float32)                         # [BM, KW]
+                q = ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+                t3 += q[:, None, :] * x[None, :, :]
+                x3 += x
+            t = tl.sum(t3, axis=2)
+            xsum = tl.sum(x3, axis=1)
+        acc += s[:, None] * (t - z[:, None] * xsum[None, :])
+    # scales are applied per tile above: the epilogue's scale is one
+    store_or_reduce(acc, rows, cols, row_ok, col_ok, OUT, stride_om, WS, CNT, N, S, 0, B, HAS_BIAS,
+                    SPLIT_K, False)
+
+
+def _fma(m: int, n: int, warps: int = 4, split: int = 1) -> Tile:
+    return Tile(m, n, BLOCK_K, warps, 3, split, dot=False)
+
+
+def _dot(m: int, n: int, warps: int = 4, split: int = 1, stages: int = 3) -> Tile:
+    return Tile(m, n, BLOCK_K, warps, stages, split)
+
+
+# Candidate tiles per row bucket; the first is the capture fallback and the interpreter's.
+TILES = {
+    1: [_fma(1, 128), _fma(1, 64), _fma(1, 256, 8), _fma(1, 128, 4, 2), _fma(1, 256, 8, 2),
+        _fma(1, 64, 4, 4)],
+    2: [_fma(2, 128), _fma(2, 64), _fma(2, 256, 8), _fma(2, 128, 4, 2), _dot(16, 128)],
+    4: [_dot(16, 128), _fma(4, 64), _fma(4, 128, 8), _dot(16, 64), _dot(16, 128, 4, 2)],
+    8: [_dot(16, 128), _dot(16, 64), _dot(16, 256, 8), _dot(16, 128, 4, 2), _dot(16, 256, 8, 2),
+        _dot(16, 64, 4, 4)],
+    32: [_dot(32, 128), _dot(32, 64), _dot(32, 256, 8), _dot(32, 128, 4, 2), _dot(32, 128, 8)],
+    64: [_dot(64, 128), _dot(64, 64), _dot(64, 128, 8), _dot(64, 256, 8), _dot(64, 128, 4, 2)],
+    128: [_dot(128, 128, 8), _dot(64, 128), _dot(128, 64), _dot(64, 128, 8, 2)],
+}
+TILES[16] = TILES[8]
+TILES[256] = TILES[128]
+if INTERPRETED:
+    TILES = {b: ts[:1] for b, ts in TILES.items()}
+
+TUNER = Tuner(_w4a16_skinny_kernel, TILES)
+
+
+def supports(bits: int, group_size: int, k: int) -> bool:
+    """Whether this kernel takes a layer: 4/8-bit values, groups of a multiple of BLOCK_K
+    columns or one group for all of K (group_size >= k), no per-column group index."""
+    return bits in (4, 8) and group_size > 0 and (group_size % BLOCK_K == 0 or group_size >= k)
+
+
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 perm: torch.Tensor | None, bits: int, group_size: int,
+                 bias: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
+    """See kernels.reference_quant.wna16_linear (groups contiguous, ``supports`` holds);
+    ``tile``: one launch configuration instead of the tuned choice."""
+    n = qweight.shape[1]
+    k = qweight.shape[0] * (32 // bits)
+    if not supports(bits, group_size, k):
+        raise ValueError(f"w4a16_linear takes 4/8-bit weights in groups of a multiple of {BLOCK_K} "
+                         f"(or one group), not {bits}-bit groups of {group_size}")
+    x2 = activations(x, k, perm)
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        args = launch_args(x2, out)
+        group = group_size if group_size < k else triton.cdiv(k, BLOCK_K) * BLOCK_K
+        args.update(X=x2, QW=qweight, S=scales, Z=zeros, B=qweight if bias is None else bias, K=k,
+                    GROUP=group, BITS=bits, HAS_BIAS=bias is not None)
+        TUNER(x2.shape[0], n, args, (args["M_BUCKET"], n, k, x.dtype, bits, bias is not None),
+              tile)
+    return out.reshape(*x.shape[:-1], n)

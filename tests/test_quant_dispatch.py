@@ -1,0 +1,100 @@
+"""Which kernel a quantized layer runs (``kernels.quant_dispatch``): the Triton defaults, the
+measured table's rankings under ``--quant-backend auto``, the library families, and the
+start-up check of the flag."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kernels import quant_dispatch as qd
+
+LLAMA_QKV = (6144, 4096)
+RANKINGS = {"w4a16": {"6144x4096": {"1": ["tinygemm", "triton_skinny", "gemlite"],
+                                    "16": ["gemlite", "triton_skinny"],
+                                    "256": ["triton", "tinygemm"]}},
+            "fp8": {"6144x4096": {"1": ["fbgemm_rowwise", "fp8_skinny"],
+                                  "64": ["scaled_mm", "fp8_skinny"]}}}
+
+
+def _by_bucket(plan):
+    return dict(plan.by_bucket)
+
+
+def test_buckets():
+    assert [qd.bucket_of(m) for m in (1, 3, 8, 9, 100, 128, 129, 256, 257, 10_000)] == \
+        [1, 4, 8, 16, 128, 128, 256, 256, 8192, 8192]
+
+
+def test_the_triton_backend_is_every_default():
+    fp8 = _by_bucket(qd.plan("fp8", *LLAMA_QKV, "triton", lambda name: True, RANKINGS))
+    assert set(fp8[b] for b in qd.BUCKETS if b <= qd.MAX_ROWS) == {"fp8_skinny"}
+    assert fp8[256] == fp8[8192] == "scaled_mm"
+    w4 = qd.plan("w4a16", *LLAMA_QKV, "triton", lambda name: True, RANKINGS)
+    assert w4.kernel(1) == w4.kernel(128) == "triton_skinny" and w4.kernel(129) == "triton"
+    # a layer the skinny kernel does not take (groups of 64, a g_idx): the general kernel
+    general = qd.plan("w4a16", *LLAMA_QKV, "triton", lambda name: False, RANKINGS)
+    assert general.kernels == {"triton"}
+
+
+def test_auto_takes_the_fastest_measured_kernel_that_can_run():
+    everything = qd.plan("w4a16", *LLAMA_QKV, "auto", lambda name: True, RANKINGS)
+    # M=1 ranking for bucket 1; bucket 2..16 read M=16's; 32..256 read M=256's
+    assert everything.kernel(1) == "tinygemm"
+    assert everything.kernel(2) == everything.kernel(16) == "gemlite"
+    assert everything.kernel(17) == everything.kernel(500) == "triton"
+    no_libraries = qd.plan("w4a16", *LLAMA_QKV, "auto",
+                           lambda name: name == "triton_skinny", RANKINGS)
+    assert no_libraries.kernel(1) == no_libraries.kernel(16) == "triton_skinny"
+    assert no_libraries.kernel(200) == "triton"
+    fp8 = qd.plan("fp8", *LLAMA_QKV, "auto", lambda name: False, RANKINGS)
+    assert fp8.kernel(1) == "fp8_skinny"       # fbgemm not installed: the next one
+    assert fp8.kernel(64) == fp8.kernel(300) == "scaled_mm"   # beyond 64 rows: M=64's ranking
+    # 8-bit layers read their own rankings (none here), not the 4-bit ones
+    assert qd.plan("w8a16", *LLAMA_QKV, "auto", lambda name: True, RANKINGS).kernel(1) == \
+        "triton_skinny"
+    # a shape the table does not hold: the defaults
+    other = qd.plan("fp8", 1024, 1024, "auto", lambda name: True, RANKINGS)
+    assert other.kernel(1) == "fp8_skinny" and other.kernel(129) == "scaled_mm"
+
+
+def test_library_backends_run_their_family_where_it_takes_the_layer():
+    torch_b = qd.plan("w4a16", *LLAMA_QKV, "torch", lambda name: name == "tinygemm", RANKINGS)
+    assert torch_b.kernels == {"tinygemm"}
+    assert qd.plan("fp8", *LLAMA_QKV, "torch", lambda name: True, RANKINGS).kernels == {"scaled_mm"}
+    gem = qd.plan("w4a16", *LLAMA_QKV, "gemlite", lambda name: name == "triton_skinny", RANKINGS)
+    assert gem.kernel(1) == "triton_skinny" and gem.kernel(300) == "triton"   # gemlite can't
+    fb = qd.plan("fp8", *LLAMA_QKV, "fbgemm", lambda name: True, RANKINGS)
+    assert fb.kernels == {"fbgemm_rowwise"}
+    assert "1: fbgemm_rowwise" in fb.describe() and "129-256: fbgemm_rowwise" in fb.describe()
+    assert ">256: fbgemm_rowwise" in fb.describe()
+
+
+def test_the_backend_flag_is_checked_at_start_up():
+    def missing(library):
+        return f"the {library} package is not installed (pip install 'headrace[{library}]')"
+
+    assert qd.resolve_backend("auto", "cpu", missing) == "auto"
+    assert qd.resolve_backend("triton", "cuda", missing) == "triton"
+    with pytest.raises(ValueError, match=r"headrace\[gemlite\]"):
+        qd.resolve_backend("gemlite", "cuda", missing)
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        qd.resolve_backend("fbgemm", "cpu", lambda library: None)
+    with pytest.raises(ValueError, match="choose from"):
+        qd.resolve_backend("marlin", "cuda", missing)
+    assert qd.resolve_backend("torch", "cuda", lambda library: None) == "torch"
+    with pytest.raises(ValueError, match="choose from"):
+        qd.plan("fp8", 8, 8, "cutlass", lambda name: True, {})
+
+
+def test_the_table_file(tmp_path):
+    assert qd.load_table(tmp_path / "absent.json") == {}
+    good = tmp_path / "t.json"
+    good.write_text(json.dumps({"device": "NVIDIA H200", "rankings": RANKINGS}))
+    assert qd.load_table(good) == RANKINGS
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rankings": {"fp8": {"8x8": {"1": ["marlin"]}}}}))
+    with pytest.raises(ValueError, match="unknown kernels"):
+        qd.load_table(bad)
+    qd.load_table()     # the committed table (if any) is well formed

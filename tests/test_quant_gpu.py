@@ -1,0 +1,90 @@
+"""The quantized layers on a GPU (skipped without one): every kernel a layer can dispatch to
+(ours and the installed libraries') against the plain-torch reference at decode and prefill
+row counts, and each captured in a real CUDA graph (no host synchronisation allowed while
+capturing) whose replay on new inputs equals the eager call. ``bench/quant_gpu_check.sh``
+runs this file on the H200."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_device import triton_device
+
+DEVICE = triton_device()
+pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+
+from dataplane.quantization import layers  # noqa: E402
+from kernels import quant_libs, reference_quant as ref  # noqa: E402
+
+N, K, GROUP = 1536, 2048, 128
+ROWS = (1, 3, 16, 64, 200)
+
+
+def _fp8_layer(backend: str) -> layers.Fp8Linear:
+    g = torch.Generator().manual_seed(0)
+    wq, ws = ref.quantize_fp8_weight(torch.randn(N, K, generator=g) * 0.05)
+    bias = torch.randn(N, generator=g).to(torch.bfloat16)
+    return layers.Fp8Linear(wq.cuda(), ws.cuda(), None, bias.cuda(), backend)
+
+
+def _int_layer(backend: str, bits: int) -> layers.WNA16Linear:
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 1 << bits, (N, K), generator=g, dtype=torch.int32).to(torch.uint8)
+    groups = K // GROUP
+    scales = torch.rand(groups, N, generator=g) * 0.01 + 0.001
+    zeros = torch.randint(0, 1 << bits, (groups, N), generator=g, dtype=torch.int32)
+    g_idx = (torch.arange(K) // GROUP).to(torch.int32)
+    return layers.WNA16Linear(ref.pack_along_k(q, bits).cuda(), scales.cuda(),
+                              zeros.to(torch.uint8).cuda(), g_idx.cuda(), None, bits, GROUP, None,
+                              backend)
+
+
+def _expect(layer, x):
+    if isinstance(layer, layers.Fp8Linear):
+        w8a16 = ref.fp8_weight_linear(x, layer.weight, layer.weight_scale, layer.bias)
+        return w8a16, ref.fp8_linear(x, layer.weight, layer.weight_scale, None, layer.bias)
+    y = ref.wna16_linear(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, None,
+                         layer.bits, layer.group_size)
+    return y, y
+
+
+def _layers():
+    made = []
+    for backend in ("triton", "torch", "gemlite", "fbgemm"):
+        if backend != "triton" and quant_libs.why_not(backend) is not None:
+            continue
+        made += [(backend, "fp8", lambda b=backend: _fp8_layer(b)),
+                 (backend, "w4a16", lambda b=backend: _int_layer(b, 4)),
+                 (backend, "w8a16", lambda b=backend: _int_layer(b, 8))]
+    return made
+
+
+@pytest.mark.parametrize("backend,scheme,make", _layers(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_kernel_matches_the_reference_and_replays_in_a_graph(backend, scheme, make):
+    layer = make()
+    layers.warm_up(layer, 128, torch.bfloat16)
+    for m in ROWS:
+        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+        got = layer(x).float()
+        w8a16, w8a8 = (e.float() for e in _expect(layer, x))
+        scale = w8a16.abs().max().item()
+        err = min((got - w8a16).abs().max().item(), (got - w8a8).abs().max().item())
+        assert err <= 2e-2 * scale, (layer.plan.kernel(m), m, err, scale)
+    for m in (1, 4, 16):
+        static = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+        layer(static)                                  # eager first: planned and tuned
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.cuda.set_sync_debug_mode("error")    # a host sync while capturing fails
+            try:
+                out = layer(static)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for _ in range(2):
+            static.copy_(torch.randn(m, K, device="cuda", dtype=torch.bfloat16))
+            graph.replay()
+            eager = layer(static).float()          # split-K sums in another order: not bitwise
+            torch.testing.assert_close(out.float(), eager, rtol=0,
+                                       atol=1e-2 * eager.abs().max().item())

@@ -1,0 +1,128 @@
+"""Structured outputs in the data plane: the token-bitmask kernel against its torch reference
+(and the reference against the bit layout), the step protocol's bitmasks (inline, and
+``bitmask_follows`` + ``late_bitmask``: the step is launched, sampled when its bitmasks come,
+and answered in order) on a worker over gRPC, its refusals, and ``dataplane.bitmasks``."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.triton_device import triton_device
+
+DEVICE = triton_device()   # before triton is imported: the CPU interpreter or the GPU
+import kernels.reference as ref  # noqa: E402
+from dataplane import bitmasks  # noqa: E402
+from dataplane.input_batch import BatchError  # noqa: E402
+from headrace.dataplane.v1 import worker_pb2 as wpb  # noqa: E402
+from tests.test_dataplane import model_dir, worker_stub  # noqa: E402,F401 (fixtures: a qwen3 worker)
+
+VOCAB = 384
+WORDS = VOCAB // 32
+
+
+def pack(allowed_rows: list[set[int]], vocab: int = VOCAB) -> bytes:
+    bits = np.zeros((len(allowed_rows), (vocab + 31) // 32 * 32), dtype=bool)
+    for i, allowed in enumerate(allowed_rows):
+        bits[i, sorted(allowed)] = True
+    return np.packbits(bits, axis=1, bitorder="little").tobytes()
+
+
+# -- the kernel ---------------------------------------------------------------------------------
+def test_the_reference_follows_the_bit_layout():
+    logits = torch.zeros(3, 70)
+    bits = torch.from_numpy(np.frombuffer(pack([{0, 31, 32, 69}, {5}], 70), dtype="<i4").reshape(2, 3).copy())
+    ref.apply_token_bitmask(logits, bits, torch.tensor([2, 0]))
+    assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [0, 31, 32, 69]
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [5]
+    assert torch.isfinite(logits[1]).all()   # a row without a bitmask is untouched
+
+
+@settings(max_examples=12, deadline=None)
+@given(vocab=st.integers(1, 9000), n_rows=st.integers(1, 5), seed=st.integers(0, 1000),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_triton_bitmask_matches_the_reference(vocab, n_rows, seed, dtype):
+    from kernels import triton_bitmask
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n_rows + 2, vocab, generator=g).to(dtype).to(DEVICE)
+    words = (vocab + 31) // 32
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (n_rows, words), generator=g, dtype=torch.int32).to(DEVICE)
+    rows = torch.randperm(n_rows + 2, generator=g)[:n_rows].to(DEVICE)
+    expected, actual = logits.clone(), logits.clone()
+    ref.apply_token_bitmask(expected, bits, rows)
+    triton_bitmask.apply_token_bitmask(actual, bits, rows)
+    assert torch.equal(actual.cpu(), expected.cpu())
+
+
+def test_bitmask_arrays_map_sequences_to_sampling_rows():
+    msg = wpb.TokenBitmask(seq_ids=[7, 3, 9], bits=pack([{1}, {2}, {3}]))
+    out = bitmasks.arrays(msg, np.array([3, 5, 7]), None, VOCAB)
+    assert out["s_mask_rows"].tolist() == [2, 0]   # 9 does not sample in this step: skipped
+    assert out["s_mask_bits"].shape == (2, WORDS) and out["s_mask_bits"][0, 0] == 2
+    verify = bitmasks.arrays(msg, np.array([3, 7]), np.array([2, 0]), VOCAB)   # 3 has 1 + 2 rows
+    assert verify["s_mask_rows"].tolist() == [3, 0]
+    with pytest.raises(BatchError, match="bytes for 3 rows"):
+        bitmasks.arrays(wpb.TokenBitmask(seq_ids=[7, 3, 9], bits=b"\0" * 12), np.array([3]), None, VOCAB)
+
+
+# -- the step protocol on a worker ------------------------------------------------------------
+def prefill(step_id=1, seq_id=1, temperature=1.0, flush=False, **fields):
+    step = wpb.StepRequest(step_id=step_id, flush=flush, **fields)
+    step.new_seqs.add(seq_id=seq_id, prompt_token_ids=[5, 6, 7], block_ids=[0],
+                      num_scheduled_tokens=3, sampling=wpb.Sampling(top_p=1, repetition_penalty=1,
+                                                                    temperature=temperature))
+    return step
+
+
+def decode(step_id, seq_id=1, flush=False, **fields):
+    return wpb.StepRequest(step_id=step_id, running_seq_ids=[seq_id], running_num_scheduled=[1],
+                           running_new_block_counts=[0], flush=flush, **fields)
+
+
+def test_an_inline_bitmask_constrains_the_sample(worker_stub):
+    allowed = {17, 250, 383}
+    for t in (0.0, 1.0, 5.0):
+        step = prefill(temperature=t, flush=True,
+                       bitmask=wpb.TokenBitmask(seq_ids=[1], bits=pack([allowed])))
+        (result,) = list(worker_stub.Execute(iter([step])))
+        assert result.token_ids[0] in allowed
+
+
+def test_late_bitmasks_complete_a_launched_step_in_order(worker_stub):
+    """Step 2 is sent while step 1 is in flight, its bitmask promised; the next message
+    brings it. The results come in step order; the late message has none of its own."""
+    only = {42}
+    steps = [prefill(temperature=1.0),
+             decode(2, bitmask_follows=True),
+             wpb.StepRequest(step_id=2, late_bitmask=True, bitmask=wpb.TokenBitmask(seq_ids=[1], bits=pack([only]))),
+             decode(3, bitmask=wpb.TokenBitmask(seq_ids=[1], bits=pack([{7}]))),
+             wpb.StepRequest(step_id=4, flush=True)]
+    results = list(worker_stub.Execute(iter(steps)))
+    assert [r.step_id for r in results] == [1, 2, 3, 4]
+    assert list(results[1].token_ids) == [42] and list(results[2].token_ids) == [7]
+
+
+def test_greedy_under_a_mask_that_allows_the_free_choice_is_unchanged(worker_stub):
+    (free,) = list(worker_stub.Execute(iter([prefill(temperature=0.0, flush=True)])))
+    token = free.token_ids[0]
+    masked = prefill(temperature=0.0, flush=True, seq_id=2,
+                     bitmask=wpb.TokenBitmask(seq_ids=[2], bits=pack([{token, (token + 1) % VOCAB}])))
+    (result,) = list(worker_stub.Execute(iter([masked])))
+    assert result.token_ids[0] == token
+
+
+@pytest.mark.parametrize("steps,words", [
+    ([wpb.StepRequest(step_id=1, late_bitmask=True)], "waits for none"),
+    ([prefill(), decode(2, bitmask_follows=True), decode(3)], "came before the bitmasks"),
+    ([prefill(flush=True, bitmask=wpb.TokenBitmask(seq_ids=[1], bits=b"\0" * 8))], "bitmask"),
+    ([prefill(), decode(2, bitmask_follows=True), wpb.StepRequest(step_id=5, late_bitmask=True)], "waits for none"),
+])
+def test_protocol_mistakes_are_refused(worker_stub, steps, words):
+    with pytest.raises(grpc.RpcError) as info:
+        list(worker_stub.Execute(iter(steps)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.details()
