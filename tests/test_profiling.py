@@ -83,11 +83,17 @@ def test_profile_summary_reads_what_the_profile_wrote(split_planes, tmp_path, ca
     assert profile_summary.main([str(tmp_path / "nothing")]) == 1
 
 
-def test_a_control_plane_in_one_process_profiles_too(llama_planes, tmp_path):
-    admin = apb_grpc.AdminStub(llama_planes.channel)   # no token: a loopback caller
-    admin.StartProfile(apb.StartProfileRequest(dir=str(tmp_path), num_steps=2))
-    llama_planes.generate(prompt="hello", max_tokens=5, ignore_eos=True)
-    _check_files(admin.StopProfile(apb.StopProfileRequest(wait_s=30)), 2)
+def test_a_control_plane_in_one_process_profiles_too(tmp_path_factory, tmp_path):
+    model = make_checkpoint(tmp_path_factory.mktemp("llama"), "llama", heads=4, kv_heads=2, head_dim=32)
+    # no token: a loopback caller, which Admin serves only when the server opts in (issue 29)
+    planes = Planes(model, num_kv_blocks=64, plane_options={"admin_insecure_loopback": True})
+    try:
+        admin = apb_grpc.AdminStub(planes.channel)
+        admin.StartProfile(apb.StartProfileRequest(dir=str(tmp_path), num_steps=2))
+        planes.generate(prompt="hello", max_tokens=5, ignore_eos=True)
+        _check_files(admin.StopProfile(apb.StopProfileRequest(wait_s=30)), 2)
+    finally:
+        planes.close()
 
 
 def test_a_stop_ends_a_recording_early_even_when_the_server_is_idle(split_planes, tmp_path):
