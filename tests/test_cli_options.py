@@ -159,19 +159,32 @@ def test_serve_help_lists_every_option_under_a_heading(capsys):
     sections = _sections(_help(capsys, "serve"))
     assert set(GROUPS) <= set(sections)
     assert sections["options"].count("--") == 1   # --help alone stays outside the headings
-    expect = {MODEL: ["--model", "--dtype", "--quantization", "--chat-template"],
-              DEVICE: ["--device", "--gpu-memory-utilization", "--kv-cache-dtype"],
+    expect = {MODEL: ["--model", "--dtype", "--quantization", "--chat-template",
+                      "--structured-outputs-backend"],
+              DEVICE: ["--device", "--gpu-memory-utilization", "--kv-cache-dtype", "--cudagraph-mode",
+                       "--enforce-eager", "--max-cudagraph-capture-size", "--quant-backend"],
               PARALLEL: ["--tensor-parallel-size"],
-              SCHEDULING: ["--policy", "--max-batched-tokens", "--max-queued"],
-              SERVER: ["--host", "--port", "--http-port", "--api-server-count"],
-              SECURITY: ["--api-token", "--admin-token", "--worker-secret", "--tls-cert"],
-              OBSERVABILITY: ["--metrics-port", "--log-format", "--dataplane-metrics-port"]}
+              SCHEDULING: ["--policy", "--max-batched-tokens", "--max-queued",
+                           "--max-prefill-tokens-with-decodes", "--max-num-partial-prefills",
+                           "--max-long-partial-prefills", "--long-prefill-token-threshold",
+                           "--kv-offloading-policy", "--max-prompts-per-request"],
+              SERVER: ["--host", "--port", "--http-port", "--api-server-count", "--http-header-timeout",
+                       "--http-keep-alive-timeout"],
+              SECURITY: ["--api-token", "--admin-token", "--worker-secret", "--tls-cert",
+                         "--admin-insecure-loopback", "--model-root"],
+              OBSERVABILITY: ["--metrics-port", "--log-format", "--dataplane-metrics-port", "--metrics-host"]}
     for title, flags in expect.items():
         for flag in flags:
-            assert f"  {flag} " in sections[title] or f"  {flag}\n" in sections[title], (title, flag)
+            assert any(f"  {flag}{end}" in sections[title] for end in " ,\n"), (title, flag)
     model = " ".join(sections[MODEL].split())
     assert "Hub id" in model and "{float32,bfloat16,float16," in model
     assert _serve().device == "auto" and "auto (CUDA when a GPU is visible" in " ".join(sections[DEVICE].split())
+
+
+@pytest.mark.parametrize("command", ["controlplane", "dataplane"])
+def test_the_planes_list_every_option_under_a_heading(command, capsys):
+    sections = _sections(_help(capsys, command))
+    assert sections["options"].count("--") == 1, sections["options"]
 
 
 def test_device_auto_picks_cuda_only_when_a_gpu_is_visible(monkeypatch):
