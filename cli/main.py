@@ -29,16 +29,27 @@ from cli.options import (
     add_security_args,
     add_tls_args,
     check_device_name,
+    deprecated_alias,
     check_speculative_config,
     check_structured_outputs_backend,
     chunking,
     default_model,
     positive_int,
 )
-from cli.roles import cmd_core, cmd_dataplane, cmd_frontend
+from cli.roles import SUPERVISOR_ENV, cmd_core, cmd_dataplane, cmd_frontend, failure_label
 from common import secret_env
 from common.logs import configure_logging
-from common.options import add_arguments, from_args, to_argv
+from common.options import (
+    OBSERVABILITY,
+    PARALLEL,
+    SECURITY,
+    SERVER,
+    add_arguments,
+    add_groups,
+    argument_group,
+    from_args,
+    to_argv,
+)
 from common.worker_options import ParallelOptions, WorkerOptions
 
 # what the control plane alone needs of the worker's options (its step limits, the tokenizer)
@@ -78,8 +89,10 @@ def serve_children_argvs(args, listens: list[str]) -> list[list[str]]:
 
 def dataplane_env(args, environ=os.environ) -> dict:
     """A data plane child's environment: the worker secret (how it accepts only this control
-    plane) and no other secret (``common.secret_env``)."""
-    return dict(secret_env.role_env("dataplane", args, environ), NCCL_NVLS_ENABLE="0")
+    plane) and no other secret (``common.secret_env``), and the supervisor's name (its
+    one-line failures name ``headrace serve``, ``cli.roles.failure_label``)."""
+    return dict(secret_env.role_env("dataplane", args, environ), NCCL_NVLS_ENABLE="0",
+                **{SUPERVISOR_ENV: "serve"})
 
 
 def _model_for_the_control_plane(args, weights: bool) -> str:
@@ -92,9 +105,9 @@ def _model_for_the_control_plane(args, weights: bool) -> str:
 
 
 def check_public_ports(args) -> None:
-    """The gRPC and HTTP ports are free (before any child starts; the front ends then share
-    them with SO_REUSEPORT, which would not refuse another server's port), and the core link
-    is safe (``cli.processes.prepare_core_link``)."""
+    """The gRPC, HTTP and /metrics ports are free (before any child starts; the front ends
+    then share the API ports with SO_REUSEPORT, which would not refuse another server's port),
+    and the core link is safe (``cli.processes.prepare_core_link``)."""
     from cli.processes import prepare_core_link
     from common import net
 
@@ -102,6 +115,11 @@ def check_public_ports(args) -> None:
     net.check_port(f"{args.host}:{args.port}")
     if args.http_port:
         net.check_port(f"{args.host}:{args.http_port}", "--http-port")
+    if args.metrics_port:
+        net.check_port(f"{args.metrics_host}:{args.metrics_port}", "--metrics-port")
+    first = getattr(args, "dataplane_metrics_port", 0)   # serve's children: rank r on first + r
+    for rank in range(getattr(args, "tensor_parallel_size", 1) if first else 0):   # (--metrics-host too)
+        net.check_port(f"{args.metrics_host}:{first + rank}", "--dataplane-metrics-port")
 
 
 def cmd_serve(args) -> int:
@@ -120,7 +138,7 @@ def cmd_serve(args) -> int:
     try:
         listens = [f"unix:{sock_dir}/dataplane-{r}.sock" for r in range(world)]
         # the children accept only this control plane: a fresh shared secret, passed by environment
-        secret_env.resolve(args)
+        secret_env.resolve(args)   # (flag, else $HEADRACE_WORKER_SECRET, else its _FILE)
         args.worker_secret = args.worker_secret or secrets.token_hex(16)
         env = dataplane_env(args)
         enable_multiprocess(os.path.join(sock_dir, "metrics"))   # the supervisor's metrics too
@@ -186,9 +204,9 @@ DESCRIPTION = """headrace serves LLMs over gRPC with a separated control plane a
 
 
 def _add_workers(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", default=os.environ.get("HEADRACE_WORKERS"),
-                   required=not os.environ.get("HEADRACE_WORKERS"),
-                   help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
+    argument_group(p, SERVER).add_argument(
+        "--workers", default=os.environ.get("HEADRACE_WORKERS"), required=not os.environ.get("HEADRACE_WORKERS"),
+        help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
 
 
 def add_controlplane_args(p: argparse.ArgumentParser, supervisor: bool = False) -> None:
@@ -197,12 +215,13 @@ def add_controlplane_args(p: argparse.ArgumentParser, supervisor: bool = False) 
     add_ops_args(p, 9400, control=True)
     add_security_args(p)
     if supervisor:   # serve, controlplane
-        p.add_argument("--api-server-count", type=positive_int, default=None,
-                       help="API front-end processes sharing the public ports (default: 1 below "
-                            "4 CPU cores, else min(4, cores // 2))")
-        p.add_argument("--core-address", default=None,
-                       help="where the engine core serves its front ends (default: a unix socket "
-                            "in the server's private directory; host:port for TCP)")
+        net = argument_group(p, SERVER)
+        net.add_argument("--api-server-count", type=positive_int, default=None,
+                         help="API front-end processes sharing the public ports (default: 1 below "
+                              "4 CPU cores, else min(4, cores // 2))")
+        net.add_argument("--core-address", default=None,
+                         help="where the engine core serves its front ends (default: a unix socket "
+                              "in the server's private directory; host:port for TCP)")
 
 
 def controlplane_parser() -> argparse.ArgumentParser:
@@ -218,20 +237,27 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+    def command(name: str, help: str, usage: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter,
+                              usage=usage)
+
+    many = "%(prog)s [options]   (options by topic below)"   # usage of the servers' commands
 
     p = command("serve", "serve a model: an engine core, API front ends and data plane child "
-                         "processes")
+                         "processes", many)
+    add_groups(p)
     add_arguments(p, WorkerOptions)
     add_controlplane_args(p, supervisor=True)
-    p.add_argument("--dataplane-metrics-port", type=int, default=9401,
-                   help="the data plane child's /metrics port, rank r on port + r (0 disables)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="data plane processes (ranks) sharing the model; cuda:r for rank r")
+    argument_group(p, OBSERVABILITY).add_argument(
+        "--dataplane-metrics-port", type=int, default=9401,
+        help="the data plane child's /metrics port, rank r on port + r (0 disables)")
+    argument_group(p, PARALLEL).add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="data plane processes (ranks) sharing the model; cuda:r for rank r")
     p.set_defaults(func=cmd_serve)
 
-    p = command("controlplane", "run the control plane alone (an engine core and API front ends)")
+    p = command("controlplane", "run the control plane alone (an engine core and API front ends)", many)
+    add_groups(p)
     add_arguments(p, WorkerOptions, only=CONTROL_PLANE_WORKER_OPTIONS)
     add_controlplane_args(p, supervisor=True)
     _add_workers(p)
@@ -249,20 +275,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--core-address", required=True, help="the engine core: unix:PATH or host:port")
     p.set_defaults(func=cmd_frontend)
 
-    p = command("dataplane", "run one data plane worker alone")
+    p = command("dataplane", "run one data plane worker alone", many)
+    add_groups(p)
     add_arguments(p, WorkerOptions)
     add_arguments(p, ParallelOptions)
-    p.add_argument("--listen", default="127.0.0.1:50061",
-                   help="host:port or unix:/path to serve the step protocol on")
+    argument_group(p, SERVER).add_argument(
+        "--listen", default="127.0.0.1:50061", help="host:port or unix:/path to serve the step protocol on")
     add_ops_args(p, 9401, control=False)
-    p.add_argument("--metrics-host", default="127.0.0.1",
-                   help="interface of /metrics (no authentication): 127.0.0.1 whatever --listen "
-                        "is; 0.0.0.0 for a Prometheus on another machine")
+    argument_group(p, OBSERVABILITY).add_argument(
+        "--metrics-host", default="127.0.0.1",
+        help="interface of /metrics (no authentication): 127.0.0.1 whatever --listen is; "
+             "0.0.0.0 for a Prometheus on another machine")
     add_tls_args(p)
-    p.add_argument("--secret", default=None,
-                   help="serve only callers presenting this shared secret (default "
-                        "$HEADRACE_WORKER_SECRET; prefer it: a flag is visible in ps until the "
-                        "process starts)")
+    argument_group(p, SECURITY).add_argument(
+        "--worker-secret", default=None,
+        help="serve only callers presenting this shared secret (default $HEADRACE_WORKER_SECRET, "
+             "else the file $HEADRACE_WORKER_SECRET_FILE names; prefer them: a flag is visible "
+             "in ps until the process starts)")
+    deprecated_alias(p, "--secret", "--worker-secret", dest="worker_secret")
     p.set_defaults(func=cmd_dataplane)
 
     add_generate_parser(command("generate", "stream a completion from a running server"))
@@ -303,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, PortInUse, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         # a user's mistake (model, port, option, certificate file): one line, no traceback
-        print(f"headrace {args.command}: {exc}", file=sys.stderr)
+        print(f"{failure_label(args)}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

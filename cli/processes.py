@@ -174,7 +174,8 @@ def run_control_plane(args, parser: argparse.ArgumentParser, workers: list[str],
     must have been checked free (``common.net.check_port``)."""
     prepare_core_link(args)
     core_address = args.core_address or f"unix:{private_dir}/core.sock"
-    env = dict(env)
+    # the children's one-line failures name the command the user ran (cli.roles.failure_label)
+    env = dict(env, HEADRACE_SUPERVISOR=getattr(args, "command", "serve"))
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):   # common.metrics.enable_multiprocess
         env["PROMETHEUS_MULTIPROC_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
     children = control_plane_children(args, parser, workers, core_address, env)

@@ -12,7 +12,7 @@ from controlplane import core_link
 from controlplane.admin import AdminService
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 
-METHODS = ("GetConfig", "UpdateConfig", "Drain", "Resume", "ReloadModel")
+METHODS = ("GetConfig", "UpdateConfig", "Drain", "Resume", "ReloadModel", "StartProfile", "StopProfile")
 NO_CORE = "the engine core is unavailable (restarting?); retry"
 
 
