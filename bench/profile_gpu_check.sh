@@ -20,6 +20,8 @@ log gpu; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,no
 [ -d /tmp/qwen3 ] || { log ckpt; timeout 120 python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda; }
 log serve
 rm -rf "$PROFILE"
+# Admin (profiling) needs an admin token since issue 29; the server and `admin` read the same one
+export HEADRACE_ADMIN_TOKEN=${HEADRACE_ADMIN_TOKEN:-profile-check-$RANDOM$RANDOM}
 HEADRACE_LOG_LEVEL=WARNING setsid python3 -m cli serve --model /tmp/qwen3 --device cuda --port "$PORT" \
   --http-port 0 --metrics-port 0 --dataplane-metrics-port 0 --max-running 256 > "$OUT/profile-serve.log" 2>&1 &
 SERVER=$!
