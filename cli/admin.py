@@ -1,5 +1,5 @@
 """``headrace admin``: a client of a running server's ``headrace.v1.Admin`` service (print or
-change the live configuration, drain, resume, reload the model)."""
+change the live configuration, drain, resume, reload the model, record a profile)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,28 @@ import grpc
 from google.protobuf import json_format
 
 from cli.client import add_address_args, channel
+from cli.options import deprecated_alias, positive_int
 from controlplane.policy import POLICIES
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 
 
 def _connection_args(p: argparse.ArgumentParser, defaults: bool) -> None:
-    """--address and TLS/--token/--timeout: on ``admin`` with their defaults, and again on each
-    subcommand without (so they may come before or after it)."""
+    """--address and TLS/--api-token/--timeout: on ``admin`` with their defaults, and again on
+    each subcommand without (so they may come before or after it). The token flag is spelled
+    as on every other command (``--token`` still works, hidden)."""
     value = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
     add_address_args(p, suppress=not defaults)
-    p.add_argument("--token", default=value(None), help="admin token (default $HEADRACE_ADMIN_TOKEN)")
+    p.add_argument("--api-token", default=value(None),
+                   help="the server's admin token, sent as 'authorization: Bearer' (default "
+                        "$HEADRACE_ADMIN_TOKEN)")
+    deprecated_alias(p, "--token", "--api-token", dest="api_token")
     p.add_argument("--timeout", type=float, default=value(3600.0), help="seconds to wait for the call")
 
 
 def add_admin_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
-    text = "read or change a running server's configuration, drain, resume, reload the model (the Admin service)"
+    text = ("read or change a running server's configuration, drain, resume, reload the model, "
+            "record a profile (the Admin service)")
     p = sub.add_parser("admin", help=text, description=text, formatter_class=formatter_class)
     _connection_args(p, defaults=True)
     ops = p.add_subparsers(dest="admin_command", required=True)
@@ -42,7 +48,8 @@ def add_admin_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
     s.add_argument("--policy", choices=POLICIES, help="scheduling policy (unset: unchanged)")
     s.add_argument("--aging-rate", type=float, help="rank units per second waited (< 0: default)")
     s.add_argument("--max-queue-delay", type=float, help="seconds (0: no guarantee)")
-    s.add_argument("--max-running", type=int, help="sequences per step at most (unset: unchanged)")
+    s.add_argument("--max-running", "--max-num-seqs", type=int, dest="max_running",
+                   help="sequences per step at most (unset: unchanged)")
     s.add_argument("--max-batched-tokens", type=int, help="tokens per step at most (unset: unchanged)")
     s.add_argument("--max-queued", type=int, help="waiting sequences at most (0: unbounded)")
     d = op("drain", "stop admitting requests; wait for in-flight ones")
@@ -54,11 +61,20 @@ def add_admin_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
                                                "(default: the current one)")
     r.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take before they are aborted")
+    f = op("profile", "record the next N engine steps: a torch.profiler trace per data plane rank "
+                      "(Chrome trace JSON for Perfetto or TensorBoard) and the engine core's cProfile")
+    f.add_argument("--steps", type=positive_int, default=20, help="engine steps to record")
+    f.add_argument("--dir", required=True,
+                   help="directory for the files, on the server's machine(s); a relative one is "
+                        "taken from this shell's directory (docs/operations.md, Profiling)")
+    f.add_argument("--wait", type=float, default=300.0,
+                   help="seconds to wait for the steps (the server must be busy meanwhile); then "
+                        "it stops with what was recorded")
     p.set_defaults(func=run_admin_command)
 
 
 def run_admin_command(args) -> int:
-    token = args.token or os.environ.get("HEADRACE_ADMIN_TOKEN")
+    token = args.api_token or os.environ.get("HEADRACE_ADMIN_TOKEN")
     metadata = [("authorization", f"Bearer {token}")] if token else None
     _, chan = channel(args)
     with chan:
@@ -82,6 +98,10 @@ def run_admin_command(args) -> int:
                 out = stub.Drain(apb.DrainRequest(timeout_s=args.wait, abort_remaining=args.abort), **call)
             elif op == "resume":
                 out = stub.Resume(apb.ResumeRequest(), **call)
+            elif op == "profile":
+                stub.StartProfile(apb.StartProfileRequest(dir=os.path.abspath(args.dir),
+                                                          num_steps=args.steps), **call)
+                out = stub.StopProfile(apb.StopProfileRequest(wait_s=args.wait), **call)
             else:
                 out = stub.ReloadModel(apb.ReloadModelRequest(model=args.model,
                                                               drain_timeout_s=args.drain_timeout), **call)
@@ -89,4 +109,7 @@ def run_admin_command(args) -> int:
             print(f"headrace admin {op}: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     print(json_format.MessageToJson(out, always_print_fields_with_no_presence=True))
+    if op == "profile" and (out.errors or not out.files):   # the reasons are in the JSON too
+        print(f"headrace admin profile: {'; '.join(out.errors) or 'no file was written'}", file=sys.stderr)
+        return 1
     return 0

@@ -8,8 +8,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from cli.options import deprecated_alias
+
+# as /v1/completions (OpenAI's default): a first try prints a line, not the whole context
+DEFAULT_MAX_TOKENS = 16
+
 # option -> GenerateRequest field; unset options take the server's defaults (see the API)
-SAMPLING = (("max_tokens", int, "tokens to generate at most (default: the server's, up to max_model_len)"),
+SAMPLING = (("max_tokens", int, f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}, as the "
+                                "HTTP API's completions; the gRPC API's own default is up to "
+                                "max_model_len)"),
             ("temperature", float, "sampling temperature, 0 = greedy (default: the server's, 1.0)"),
             ("top_p", float, "nucleus sampling mass in (0, 1] (default: the server's, 1.0 = off)"),
             ("top_k", int, "sample from the k most likely tokens (default: the server's, 0 = off)"),
@@ -21,7 +28,8 @@ SAMPLING = (("max_tokens", int, "tokens to generate at most (default: the server
 def add_generate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text")
     for name, kind, help in SAMPLING:
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help)
+        p.add_argument("--" + name.replace("_", "-"), type=kind,
+                       default=DEFAULT_MAX_TOKENS if name == "max_tokens" else None, help=help)
     p.add_argument("--stop", action="append", default=None,
                    help="stop string, not returned (repeat for several)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
@@ -36,11 +44,12 @@ def add_generate_parser(p: argparse.ArgumentParser) -> None:
     add_address_args(p)
     p.add_argument("--api-token", default=None,
                    help="bearer token of a server started with --api-token (default $HEADRACE_API_TOKEN)")
-    p.add_argument("--connect-timeout", "--wait", type=float, default=None,
+    p.add_argument("--connect-timeout", type=float, default=None,
                    help="seconds to wait for the server to be ready (default $HEADRACE_CONNECT_TIMEOUT, else 5)")
     p.add_argument("--session-id", default=None,
                    help="affinity key sent as x-session-id: a load balancer in front of several "
                         "servers keeps a session on one (default $HEADRACE_SESSION_ID)")
+    deprecated_alias(p, "--wait", "--connect-timeout", dest="connect_timeout", type=float)
     p.set_defaults(func=run_generate)
 
 

@@ -25,11 +25,13 @@ from cli.options import (
     add_ops_args,
     add_security_args,
     add_tls_args,
+    deprecated_alias,
     positive_int,
 )
-from cli.roles import cmd_core, cmd_dataplane, cmd_frontend
+from cli.roles import cmd_core, cmd_dataplane, cmd_frontend, failure_label
 from cli.serve import (  # noqa: F401 (the commands' helpers, re-exported for their tests)
     _free_port,
+    check_public_ports,
     cmd_controlplane,
     cmd_serve,
     dataplane_argv,
@@ -38,7 +40,15 @@ from cli.serve import (  # noqa: F401 (the commands' helpers, re-exported for th
 )
 from common import secret_env
 from common.logs import configure_logging
-from common.options import add_arguments
+from common.options import (
+    OBSERVABILITY,
+    PARALLEL,
+    SECURITY,
+    SERVER,
+    add_arguments,
+    add_groups,
+    argument_group,
+)
 from common.worker_options import ParallelOptions, WorkerOptions
 
 # what the control plane alone needs of the worker's options (its step limits, the tokenizer)
@@ -71,9 +81,9 @@ DESCRIPTION = """headrace serves LLMs over gRPC with a separated control plane a
 
 
 def _add_workers(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workers", default=os.environ.get("HEADRACE_WORKERS"),
-                   required=not os.environ.get("HEADRACE_WORKERS"),
-                   help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
+    argument_group(p, SERVER).add_argument(
+        "--workers", default=os.environ.get("HEADRACE_WORKERS"), required=not os.environ.get("HEADRACE_WORKERS"),
+        help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
 
 
 def add_controlplane_args(p: argparse.ArgumentParser, supervisor: bool = False) -> None:
@@ -83,12 +93,13 @@ def add_controlplane_args(p: argparse.ArgumentParser, supervisor: bool = False) 
     add_security_args(p)
     add_data_parallel_args(p, supervisor)
     if supervisor:   # serve, controlplane
-        p.add_argument("--api-server-count", type=positive_int, default=None,
-                       help="API front-end processes sharing the public ports (default: 1 below "
-                            "4 CPU cores, else min(4, cores // 2))")
-        p.add_argument("--core-address", default=None,
-                       help="where the engine core serves its front ends (default: a unix socket "
-                            "in the server's private directory; host:port for TCP)")
+        net = argument_group(p, SERVER)
+        net.add_argument("--api-server-count", type=positive_int, default=None,
+                         help="API front-end processes sharing the public ports (default: 1 below "
+                              "4 CPU cores, else min(4, cores // 2))")
+        net.add_argument("--core-address", default=None,
+                         help="where the engine core serves its front ends (default: a unix socket "
+                              "in the server's private directory; host:port for TCP)")
 
 
 def controlplane_parser() -> argparse.ArgumentParser:
@@ -104,20 +115,28 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+    def command(name: str, help: str, usage: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter,
+                              usage=usage)
+
+    many = "%(prog)s [options]   (options by topic below)"   # usage of the servers' commands
 
     p = command("serve", "serve a model: an engine core, API front ends and data plane child "
-                         "processes")
+                         "processes", many)
+    add_groups(p)
     add_arguments(p, WorkerOptions)
     add_controlplane_args(p, supervisor=True)
-    p.add_argument("--dataplane-metrics-port", type=int, default=9401,
-                   help="the data plane child's /metrics port, rank r on port + r (0 disables)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="data plane processes (ranks) sharing the model; cuda:r for rank r")
+    argument_group(p, OBSERVABILITY).add_argument(
+        "--dataplane-metrics-port", type=int, default=9401,
+        help="the data plane child's /metrics port, rank r on port + r; data-parallel replica i's "
+             "rank r on port + i x tensor-parallel-size + r (0 disables)")
+    argument_group(p, PARALLEL).add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="data plane processes (ranks) sharing the model; cuda:r for rank r")
     p.set_defaults(func=cmd_serve)
 
-    p = command("controlplane", "run the control plane alone (an engine core and API front ends)")
+    p = command("controlplane", "run the control plane alone (an engine core and API front ends)", many)
+    add_groups(p)
     add_arguments(p, WorkerOptions, only=CONTROL_PLANE_WORKER_OPTIONS)
     add_controlplane_args(p, supervisor=True)
     _add_workers(p)
@@ -127,10 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the engine core alone (serve and controlplane start it)")
     _add_workers(p)
     p.add_argument("--core-address", required=True, help="where front ends connect: unix:PATH or host:port")
-    p.add_argument("--data-parallel-rank", type=int, default=0,
-                   help="which of the server's data-parallel cores this is")
-    p.add_argument("--data-parallel-size", type=positive_int, default=1,
-                   help="the server's data-parallel cores")
+    par = argument_group(p, PARALLEL)
+    par.add_argument("--data-parallel-rank", type=int, default=0,
+                     help="which of the server's data-parallel cores this is")
+    par.add_argument("--data-parallel-size", type=positive_int, default=1,
+                     help="the server's data-parallel cores")
     p.set_defaults(func=cmd_core)
 
     p = sub.add_parser("frontend", parents=[controlplane_parser()], formatter_class=HelpFormatter,
@@ -140,20 +160,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine core: unix:PATH or host:port (comma-separated: the data-parallel cores)")
     p.set_defaults(func=cmd_frontend)
 
-    p = command("dataplane", "run one data plane worker alone")
+    p = command("dataplane", "run one data plane worker alone", many)
+    add_groups(p)
     add_arguments(p, WorkerOptions)
     add_arguments(p, ParallelOptions)
-    p.add_argument("--listen", default="127.0.0.1:50061",
-                   help="host:port or unix:/path to serve the step protocol on")
+    argument_group(p, SERVER).add_argument(
+        "--listen", default="127.0.0.1:50061", help="host:port or unix:/path to serve the step protocol on")
     add_ops_args(p, 9401, control=False)
-    p.add_argument("--metrics-host", default="127.0.0.1",
-                   help="interface of /metrics (no authentication): 127.0.0.1 whatever --listen "
-                        "is; 0.0.0.0 for a Prometheus on another machine")
+    argument_group(p, OBSERVABILITY).add_argument(
+        "--metrics-host", default="127.0.0.1",
+        help="interface of /metrics (no authentication): 127.0.0.1 whatever --listen is; "
+             "0.0.0.0 for a Prometheus on another machine")
     add_tls_args(p)
-    p.add_argument("--secret", default=None,
-                   help="serve only callers presenting this shared secret (default "
-                        "$HEADRACE_WORKER_SECRET; prefer it: a flag is visible in ps until the "
-                        "process starts)")
+    argument_group(p, SECURITY).add_argument(
+        "--worker-secret", default=None,
+        help="serve only callers presenting this shared secret (default $HEADRACE_WORKER_SECRET, "
+             "else the file $HEADRACE_WORKER_SECRET_FILE names; prefer them: a flag is visible "
+             "in ps until the process starts)")
+    deprecated_alias(p, "--secret", "--worker-secret", dest="worker_secret")
     p.set_defaults(func=cmd_dataplane)
 
     add_generate_parser(command("generate", "stream a completion from a running server"))
@@ -195,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, PortInUse, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         # a user's mistake (model, port, option, certificate file): one line, no traceback
-        print(f"headrace {args.command}: {exc}", file=sys.stderr)
+        print(f"{failure_label(args)}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

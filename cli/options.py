@@ -1,14 +1,18 @@
-"""The ``headrace`` command line's options: the argument groups the commands share (engine,
-TLS and security, operations) and the configuration objects built from them. The worker's
-options are generated from ``common.worker_options`` (``common.options.add_arguments``)."""
+"""The ``headrace`` command line's options: the options the commands share (engine, TLS and
+security, operations, the public APIs) and the configuration objects built from them. The
+worker's options are generated from ``common.worker_options`` (``common.options.add_arguments``).
+Each option is listed in ``--help`` under one heading (``common.options.GROUPS``): an option
+added here goes through ``argument_group(p, HEADING)``."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import sys
 
 from common.logs import LOG_FORMATS
+from common.options import MODEL, OBSERVABILITY, PARALLEL, SCHEDULING, SECURITY, SERVER, argument_group
 from controlplane.chunking import (DEFAULT_MAX_LONG_PARTIAL_PREFILLS, DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
                                    DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES, Chunking)
 from controlplane.engine import EngineConfig
@@ -40,14 +44,32 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def check_device_name(device: str) -> None:
-    """ValueError unless ``device`` is cpu, cuda or cuda:N (whether that GPU exists is the
-    data plane's check: the control plane's process has no torch)."""
+    """ValueError unless ``device`` is auto, cpu, cuda or cuda:N (whether that GPU exists, and
+    what auto picks, is the data plane's business: the control plane's process has no torch)."""
     if not _DEVICE.fullmatch(device):
-        raise ValueError(f"--device {device}: not a device; use cpu, cuda or cuda:N")
+        raise ValueError(f"--device {device}: not a device; use auto, cpu, cuda or cuda:N")
+
+
+class _DeprecatedAlias(argparse.Action):
+    """A renamed option's old spelling: parsed as the new one, hidden from ``--help``, and
+    named on stderr (one line) when used."""
+
+    def __init__(self, option_strings, dest, renamed_to: str, **kwargs):
+        self.renamed_to = renamed_to
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"headrace: {option_string} is deprecated; use {self.renamed_to}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def deprecated_alias(p, alias: str, renamed_to: str, dest: str, **kwargs) -> None:
+    """``alias`` keeps working as ``renamed_to`` (into ``dest``) without showing in ``--help``."""
+    p.add_argument(alias, action=_DeprecatedAlias, renamed_to=renamed_to, dest=dest, **kwargs)
 
 
 def positive_int(text: str) -> int:
@@ -60,10 +82,12 @@ def positive_int(text: str) -> int:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The scheduler's options (its step limits, ``--max-num-seqs`` and
     ``--max-batched-tokens``, are the worker options of that name)."""
-    p.add_argument("--host", default="127.0.0.1",
-                   help="interface of the APIs (gRPC and HTTP): 127.0.0.1 serves this machine "
-                        "only, 0.0.0.0 every interface (then protect it with --api-token and TLS)")
-    p.add_argument("--port", type=int, default=50051, help="port of the gRPC API")
+    parser, net = p, argument_group(p, SERVER)
+    net.add_argument("--host", default="127.0.0.1",
+                     help="interface of the APIs (gRPC and HTTP): 127.0.0.1 serves this machine "
+                          "only, 0.0.0.0 every interface (then protect it with --api-token and TLS)")
+    net.add_argument("--port", type=int, default=50051, help="port of the gRPC API")
+    p = argument_group(p, SCHEDULING)
     p.add_argument("--policy", choices=POLICIES, default="fifo", help="scheduling policy")
     p.add_argument("--aging-rate", type=float, default=None,
                    help="rank units a second of waiting is worth (default per policy)")
@@ -100,11 +124,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fair-share", action="store_true",
                    help="no fair share of running slots and KV blocks between tenants "
                         "(docs/scheduling.md)")
-    p.add_argument("--structured-outputs-backend", choices=BACKENDS, default="auto",
-                   help="grammar engine of structured outputs (JSON schema, regex, choice, "
-                        "grammar): guidance (llguidance, torch-free), xgrammar (imports torch "
-                        "into the engine core), auto: guidance if installed, else xgrammar "
-                        "(docs/structured_outputs.md)")
+    argument_group(parser, MODEL).add_argument(
+        "--structured-outputs-backend", choices=BACKENDS, default="auto",
+        help="grammar engine of structured outputs (JSON schema, regex, choice, grammar): "
+             "guidance (llguidance, torch-free), xgrammar (imports torch into the engine core), "
+             "auto: guidance if installed, else xgrammar (docs/structured_outputs.md)")
     p.add_argument("--max-n", type=positive_int, default=DEFAULT_MAX_N,
                    help="sequences a request may ask for at most: its parallel samples (n) times "
                         f"its prompts (default {DEFAULT_MAX_N})")
@@ -115,7 +139,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_data_parallel_args(p: argparse.ArgumentParser, supervisor: bool) -> None:
     """``--data-parallel-size`` (serve, controlplane) and how the front ends place requests on
-    the cores (forwarded to them; ``controlplane.placement``)."""
+    the cores (forwarded to them; ``controlplane.placement``), under the parallelism heading."""
+    p = argument_group(p, PARALLEL)
     if supervisor:
         p.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
                        help="engine cores, each with its own data plane group (its GPUs, a share "
@@ -141,6 +166,7 @@ def placement_of(args) -> "placement.Placement":
 
 
 def add_tls_args(p: argparse.ArgumentParser) -> None:
+    p = argument_group(p, SECURITY)
     p.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
     p.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
     p.add_argument("--tls-client-ca", default=None,
@@ -149,6 +175,7 @@ def add_tls_args(p: argparse.ArgumentParser) -> None:
 
 def add_security_args(p: argparse.ArgumentParser) -> None:
     add_tls_args(p)
+    p = argument_group(p, SECURITY)
     p.add_argument("--api-token", action="append", default=None, metavar="[TENANT=]TOKEN",
                    help="require 'authorization: Bearer TOKEN' on the public API; repeat for "
                         "several tokens, each naming its tenant (default $HEADRACE_API_TOKENS, "
@@ -160,7 +187,8 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
                    help="take the tenant from the x-headrace-tenant header (only behind a "
                         "gateway that sets it)")
     p.add_argument("--worker-secret", default=None,
-                   help="shared secret presented to the data planes (default $HEADRACE_WORKER_SECRET)")
+                   help="shared secret presented to the data planes (default $HEADRACE_WORKER_SECRET, "
+                        "else the file $HEADRACE_WORKER_SECRET_FILE names)")
     p.add_argument("--worker-ca", default=None, help="verify the data planes' TLS certificates with this CA")
     p.add_argument("--worker-cert", default=None, help="client certificate for data planes with mutual TLS")
     p.add_argument("--worker-key", default=None, help="its private key")
@@ -175,14 +203,17 @@ def add_security_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -> None:
-    p.add_argument("--metrics-port", type=int, default=metrics_port,
-                   help=f"Prometheus /metrics HTTP port (0 disables; default {metrics_port})")
-    p.add_argument("--log-format", choices=LOG_FORMATS, default=None,
-                   help="json or console (default: console on a terminal, json otherwise)")
+    ops, sched, sec = (argument_group(p, title) for title in (OBSERVABILITY, SCHEDULING, SECURITY))
+    ops.add_argument("--metrics-port", type=int, default=metrics_port,
+                     help=f"Prometheus /metrics HTTP port (0 disables; default {metrics_port}); "
+                          "a port in use fails start-up")
+    ops.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                     help="json or console (default: console on a terminal, json otherwise)")
     if control:
-        p.add_argument("--metrics-host", default="127.0.0.1",
-                       help="interface of /metrics, both planes' (no authentication): 127.0.0.1 "
-                            "whatever --host is; 0.0.0.0 for a Prometheus on another machine")
+        ops.add_argument("--metrics-host", default="127.0.0.1",
+                         help="interface of /metrics, both planes' (no authentication): 127.0.0.1 "
+                              "whatever --host is; 0.0.0.0 for a Prometheus on another machine")
+        parser, p = p, sched
         p.add_argument("--max-queued", type=int, default=None,
                        help="waiting sequences at most; beyond, RESOURCE_EXHAUSTED (HTTP 429) "
                             f"(default {QUEUE_PER_SLOT} x --max-num-seqs; 0: unbounded)")
@@ -197,32 +228,34 @@ def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -
                             "step; 2 while a running request has stop strings)")
         p.add_argument("--no-overlap", action="store_true",
                        help="one step in flight (no overlapped scheduling)")
-        p.add_argument("--admin-token", default=None,
-                       help="bearer token for the Admin service (default $HEADRACE_ADMIN_TOKEN; "
-                            "without one, Admin is disabled; visible in ps until the process "
-                            "starts: prefer the variable)")
-        p.add_argument("--admin-insecure-loopback", action="store_true",
-                       help="without an admin token, serve Admin to every caller on the loopback "
-                            "interface of a server bound to loopback (any local user or proxy)")
-        p.add_argument("--model-root", action="append", default=None, metavar="DIR",
-                       help="Admin's ReloadModel loads models from under this directory only; "
-                            "repeatable (default: the directory holding --model, and the Hugging "
-                            "Face cache)")
-        p.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
-        p.add_argument("--disable-log-requests", action="store_true",
-                       help="no log line per finished request")
-        add_api_args(p)
+        sec.add_argument("--admin-token", default=None,
+                         help="bearer token for the Admin service (default $HEADRACE_ADMIN_TOKEN; "
+                              "without one, Admin is disabled; visible in ps until the process "
+                              "starts: prefer the variable)")
+        sec.add_argument("--admin-insecure-loopback", action="store_true",
+                         help="without an admin token, serve Admin to every caller on the loopback "
+                              "interface of a server bound to loopback (any local user or proxy)")
+        sec.add_argument("--model-root", action="append", default=None, metavar="DIR",
+                         help="Admin's ReloadModel loads models from under this directory only; "
+                              "repeatable (default: the directory holding --model, and the Hugging "
+                              "Face cache)")
+        ops.add_argument("--log-prompts", action="store_true", help="log prompt text (off by default)")
+        ops.add_argument("--disable-log-requests", action="store_true",
+                         help="no log line per finished request")
+        add_api_args(parser)
 
 
 def add_api_args(p: argparse.ArgumentParser) -> None:
     """The public APIs beside gRPC: OpenAI-compatible HTTP, chat templates, sampling defaults."""
-    p.add_argument("--http-port", type=int, default=8000,
-                   help="OpenAI-compatible HTTP API port on the gRPC host (0 disables; default 8000)")
-    p.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
-                   help="seconds a request's HTTP headers may take to arrive; then the "
-                        "connection is closed (slow clients)")
-    p.add_argument("--http-keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_TIMEOUT,
-                   help="seconds an idle HTTP keep-alive connection stays open")
+    net = argument_group(p, SERVER)
+    net.add_argument("--http-port", type=int, default=8000,
+                     help="OpenAI-compatible HTTP API port on the gRPC host (0 disables; default 8000)")
+    net.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                     help="seconds a request's HTTP headers may take to arrive; then the "
+                          "connection is closed (slow clients)")
+    net.add_argument("--http-keep-alive-timeout", type=float, default=DEFAULT_KEEP_ALIVE_TIMEOUT,
+                     help="seconds an idle HTTP keep-alive connection stays open")
+    p = argument_group(p, MODEL)
     p.add_argument("--chat-template", default=None,
                    help="jinja chat template file (default: the model's own)")
     p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",

@@ -194,7 +194,8 @@ def run_control_plane(args, parser: argparse.ArgumentParser, workers: list[str],
     cores = data_parallel.core_addresses(args.core_address, private_dir, dp)
     if workers and not isinstance(workers[0], list):
         workers = data_parallel.split_workers(workers, dp)
-    env = dict(env)
+    # the children's one-line failures name the command the user ran (cli.roles.failure_label)
+    env = dict(env, HEADRACE_SUPERVISOR=getattr(args, "command", "serve"))
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):   # common.metrics.enable_multiprocess
         env["PROMETHEUS_MULTIPROC_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
     children = control_plane_children(args, parser, workers, cores, env)

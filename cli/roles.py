@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import pathlib
 import signal
 import sys
@@ -22,6 +23,24 @@ from cli.options import (
 )
 from common.options import from_args
 from common.worker_options import ParallelOptions, WorkerOptions
+
+# set by ``headrace serve`` / ``controlplane`` in their children's environment: the command
+# the user ran, which a child's one-line failure names (not the role command it runs as)
+SUPERVISOR_ENV = "HEADRACE_SUPERVISOR"
+
+
+def failure_label(args) -> str:
+    """How a command's one-line failure on stderr begins: ``headrace COMMAND``, or for a
+    child of ``headrace serve``, ``headrace serve: data plane`` (``engine core``, ``API front
+    end i``, ``data plane rank r``): the user ran serve and must see it named."""
+    parent = os.environ.get(SUPERVISOR_ENV)
+    if not parent or args.command not in ("core", "frontend", "dataplane"):
+        return f"headrace {args.command}"
+    role = {"core": "engine core", "frontend": f"API front end {getattr(args, 'index', 0)}",
+            "dataplane": "data plane"}[args.command]
+    if args.command == "dataplane" and getattr(args, "world_size", 1) > 1:
+        role += f" rank {args.rank}"
+    return f"headrace {parent}: {role}"
 
 
 def _run_role(server_factory) -> int:
@@ -77,21 +96,22 @@ def cmd_dataplane(args) -> int:
     from common.model_source import check_checkpoint, resolve_model
     from dataplane import parallel
     from dataplane.server import serve
-    from dataplane.worker import Worker, check_device, load_failure
+    from dataplane.worker import Worker, check_device, load_failure, resolve_device
 
     check_speculative_config(args)
     par = from_args(ParallelOptions, args)
     rank, world = par.rank, par.world_size
     if world > 1 and not par.dist_init:
         raise ValueError("--world-size > 1 needs --dist-init tcp://MASTER_HOST:PORT")
-    device = f"cuda:{rank}" if world > 1 and args.device == "cuda" else args.device
+    device = resolve_device(args.device)   # auto: cuda when a GPU is visible
+    device = f"cuda:{rank}" if world > 1 and device == "cuda" else device
     opts = from_args(WorkerOptions, args, model=args.model or default_model(), device=device)
     try:   # what cannot load is one line and EXIT_LOAD_FAILED (``serve`` then says no more)
         check_device(device)
         opts = dataclasses.replace(opts, model=resolve_model(opts.model))
         check_checkpoint(opts.model, tokenizer=False)
     except ValueError as exc:
-        print(f"headrace dataplane: {exc}", file=sys.stderr)
+        print(f"{failure_label(args)}: {exc}", file=sys.stderr)
         return EXIT_LOAD_FAILED
     tracing.setup_tracing("headrace-dataplane")
     done = threading.Event()
@@ -101,7 +121,7 @@ def cmd_dataplane(args) -> int:
     # listen at once (health NOT_SERVING) so probes see the model loading, not a closed port
     server = serve(None, args.listen, metrics_port=args.metrics_port or None, metrics_host=metrics_host,
                    credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
-                   secret=args.secret)   # (or $HEADRACE_WORKER_SECRET: cli.main)
+                   secret=args.worker_secret)   # (or its variables: common.secret_env, cli.main)
     log = logging.getLogger("headrace.dataplane")
     log.info("data plane on %s: loading %s", args.listen, opts.model)
 
@@ -115,7 +135,7 @@ def cmd_dataplane(args) -> int:
         worker = server.worker_service.load(make_worker)
     except Exception as exc:  # noqa: BLE001 - any load failure is one line, not a traceback
         log.debug("loading failed", exc_info=True)
-        print(f"headrace dataplane: {load_failure(exc, opts)}", file=sys.stderr)
+        print(f"{failure_label(args)}: {load_failure(exc, opts)}", file=sys.stderr)
         worker, code = None, EXIT_LOAD_FAILED
     else:
         log.info("data plane on %s: %s ready in %.1fs (%s), %d KV blocks", args.listen,

@@ -19,6 +19,7 @@ from cli.options import (
     chunking,
     default_model,
 )
+from cli.roles import SUPERVISOR_ENV
 from common import secret_env
 from common.options import from_args, to_argv
 from common.worker_options import ParallelOptions, WorkerOptions
@@ -62,8 +63,10 @@ def serve_children_argvs(args, listens: list[str], devices: list[str] | None = N
 
 def dataplane_env(args, environ=os.environ) -> dict:
     """A data plane child's environment (every replica's alike): the worker secret (how it
-    accepts only this control plane) and no other secret (``common.secret_env``)."""
-    return dict(secret_env.role_env("dataplane", args, environ), NCCL_NVLS_ENABLE="0")
+    accepts only this control plane) and no other secret (``common.secret_env``), and the
+    supervisor's name (its one-line failures name ``headrace serve``, ``cli.roles.failure_label``)."""
+    return dict(secret_env.role_env("dataplane", args, environ), NCCL_NVLS_ENABLE="0",
+                **{SUPERVISOR_ENV: "serve"})
 
 
 def _model_for_the_control_plane(args, weights: bool) -> str:
@@ -76,9 +79,13 @@ def _model_for_the_control_plane(args, weights: bool) -> str:
 
 
 def check_public_ports(args) -> None:
-    """The gRPC and HTTP ports are free (before any child starts; the front ends then share
-    them with SO_REUSEPORT, which would not refuse another server's port), and the core link
-    is safe (``cli.processes.prepare_core_link``)."""
+    """The gRPC, HTTP and /metrics ports are free (before any child starts; the front ends
+    then share the API ports with SO_REUSEPORT, which would not refuse another server's port),
+    and the core link is safe (``cli.processes.prepare_core_link``). /metrics: the control
+    plane's (--metrics-port, served by core 0 of a data-parallel server, the other cores none)
+    and serve's data plane children's, every rank of every replica (``serve_children_argvs``:
+    replica i's rank r on --dataplane-metrics-port + i x tensor-parallel-size + r), all on
+    --metrics-host."""
     from cli.processes import prepare_core_link
     from common import net
 
@@ -86,6 +93,12 @@ def check_public_ports(args) -> None:
     net.check_port(f"{args.host}:{args.port}")
     if args.http_port:
         net.check_port(f"{args.host}:{args.http_port}", "--http-port")
+    if args.metrics_port:
+        net.check_port(f"{args.metrics_host}:{args.metrics_port}", "--metrics-port")
+    first = getattr(args, "dataplane_metrics_port", 0)   # serve's children only
+    children = getattr(args, "tensor_parallel_size", 1) * getattr(args, "data_parallel_size", 1)
+    for k in range(children if first else 0):
+        net.check_port(f"{args.metrics_host}:{first + k}", "--dataplane-metrics-port")
 
 
 def cmd_serve(args) -> int:
@@ -115,7 +128,7 @@ def cmd_serve(args) -> int:
         name = (lambda i, r: f"dataplane-{r}") if dp == 1 else (lambda i, r: f"dataplane-{i}-{r}")
         listens = [[f"unix:{sock_dir}/{name(i, r)}.sock" for r in range(world)] for i in range(dp)]
         # the children accept only this control plane: a fresh shared secret, passed by environment
-        secret_env.resolve(args)
+        secret_env.resolve(args)   # (flag, else $HEADRACE_WORKER_SECRET, else its _FILE)
         args.worker_secret = args.worker_secret or secrets.token_hex(16)
         env = dataplane_env(args)
         enable_multiprocess(os.path.join(sock_dir, "metrics"))   # the supervisor's metrics too

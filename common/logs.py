@@ -27,6 +27,13 @@ def _format(fmt: str | None, stream) -> str:
     return "console" if getattr(stream, "isatty", lambda: False)() else "json"
 
 
+def _drop_color_message(_logger, _name, event_dict: dict) -> dict:
+    """uvicorn hands its records a copy of the message with ANSI colour codes as the extra
+    ``color_message``; our lines render ``event`` (coloured only on a terminal) and drop it."""
+    event_dict.pop("color_message", None)
+    return event_dict
+
+
 def configure_logging(fmt: str | None = None, level: str | int | None = None, stream=None,
                       cache_loggers: bool = True) -> str:
     """Configures structlog and the standard ``logging`` root; returns the format chosen."""
@@ -38,6 +45,7 @@ def configure_logging(fmt: str | None = None, level: str | int | None = None, st
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.stdlib.ExtraAdder(),
+        _drop_color_message,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.StackInfoRenderer(),
     ]

@@ -72,11 +72,21 @@ class Exporter:
     registry: CollectorRegistry
     _http = None
 
-    def serve(self, port: int, host: str = "0.0.0.0", registry: CollectorRegistry | None = None) -> int:
+    def serve(self, port: int, host: str = "0.0.0.0", registry: CollectorRegistry | None = None,
+              what: str = "--metrics-port") -> int:
         """Serves /metrics (``registry``, default the plane's own) on an HTTP port (0: an
-        ephemeral one); returns the port."""
-        self._http, _thread = prometheus_client.start_http_server(
-            port, addr=host, registry=registry if registry is not None else self.registry)
+        ephemeral one); returns the port. A port that cannot be bound is ``PortInUse`` (one
+        line naming the option ``what`` to change), which fails start-up as the API ports do:
+        a server that silently runs without its metrics is a monitoring gap."""
+        from common.net import PortInUse
+
+        try:
+            self._http, _thread = prometheus_client.start_http_server(
+                port, addr=host, registry=registry if registry is not None else self.registry)
+        except OSError as exc:
+            reason = exc.strerror.lower() if exc.strerror else str(exc)
+            raise PortInUse(f"cannot serve /metrics on {host}:{port}: {reason} (another server on "
+                            f"port {port}? choose another {what}, 0 disables it)") from None
         return self._http.server_port
 
     def close(self) -> None:

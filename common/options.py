@@ -4,7 +4,9 @@ instance serialises itself back to argv (how ``headrace serve`` starts its data 
 children), so no option is ever copied by hand between a parser, an argv and a constructor.
 
 A field's flag is ``--`` plus its name with dashes; a bool field gets ``--name/--no-name``;
-``Optional[X]`` fields default to None and are left out of argv while None."""
+``Optional[X]`` fields default to None and are left out of argv while None. Each field names
+the ``--help`` heading (argparse group) it is listed under; ``argument_group`` finds or makes a
+parser's group by that title, so options defined in several places share their headings."""
 
 from __future__ import annotations
 
@@ -16,14 +18,43 @@ import typing
 
 _BOOL = argparse.BooleanOptionalAction
 
+# The ``--help`` headings of the command line's options (argparse groups, in this order).
+MODEL = "model"
+DEVICE = "device, memory and kernels (the data plane)"
+PARALLEL = "parallelism (several GPUs or processes)"
+SCHEDULING = "scheduling and limits"
+SERVER = "network and API servers"
+SECURITY = "security: TLS, tokens and secrets"
+OBSERVABILITY = "logs and metrics"
+GROUPS = (MODEL, DEVICE, PARALLEL, SCHEDULING, SERVER, SECURITY, OBSERVABILITY)
+
+
+def argument_group(parser: argparse.ArgumentParser, title: str | None):
+    """``parser``'s argument group titled ``title`` (made on first use; None: the parser)."""
+    if title is None:
+        return parser
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
+
+
+def add_groups(parser: argparse.ArgumentParser, titles=GROUPS) -> None:
+    """Makes ``titles``' groups now, so ``--help`` lists them in this order."""
+    for title in titles:
+        argument_group(parser, title)
+
 
 def option(default=dataclasses.MISSING, help: str = "", *, aliases: tuple[str, ...] = (),
-           short: str | None = None, choices: tuple | None = None):
+           short: str | None = None, choices: tuple | None = None,
+           synonyms: tuple[str, ...] = (), group: str | None = None):
     """A dataclass field that is also a command-line option. ``aliases``: deprecated flags
-    parsed into the same field and hidden from ``--help``; ``short``: e.g. ``-tp``;
-    ``choices``: the values the command line accepts."""
+    parsed into the same field and hidden from ``--help``; ``synonyms``: other names shown
+    beside the flag (another project's name for the same option); ``short``: e.g. ``-tp``;
+    ``choices``: the values the command line accepts; ``group``: its ``--help`` heading."""
     return dataclasses.field(default=default, metadata={"help": help, "aliases": aliases,
-                                                        "short": short, "choices": choices})
+                                                        "short": short, "choices": choices,
+                                                        "synonyms": synonyms, "group": group})
 
 
 def flag(field: dataclasses.Field) -> str:
@@ -51,17 +82,18 @@ def add_arguments(parser: argparse.ArgumentParser, cls, *, only=None, skip=()) -
     kinds = _types(cls)
     for f in _fields(cls, only, skip):
         meta, kind = f.metadata, kinds[f.name]
+        target = argument_group(parser, meta.get("group"))
         default = None if f.default is dataclasses.MISSING else f.default
-        names = [flag(f)] + ([meta["short"]] if meta.get("short") else [])
+        names = [flag(f), *meta.get("synonyms", ())] + ([meta["short"]] if meta.get("short") else [])
         kwargs = dict(dest=f.name, default=default, help=meta.get("help", ""))
         if meta.get("choices"):
             kwargs["choices"] = meta["choices"]
         if kind is bool:
-            parser.add_argument(*names, action=_BOOL, **kwargs)
+            target.add_argument(*names, action=_BOOL, **kwargs)
         else:
-            parser.add_argument(*names, type=kind, **kwargs)
+            target.add_argument(*names, type=kind, **kwargs)
         for alias in meta.get("aliases", ()):
-            parser.add_argument(alias, dest=f.name, default=argparse.SUPPRESS,
+            target.add_argument(alias, dest=f.name, default=argparse.SUPPRESS,
                                 help=argparse.SUPPRESS, **({"action": _BOOL} if kind is bool
                                                           else {"type": kind}))
 

@@ -26,9 +26,11 @@ from typing import Iterable
 API_TOKEN, API_TOKENS = "HEADRACE_API_TOKEN", "HEADRACE_API_TOKENS"
 ADMIN_TOKEN, WORKER_SECRET, CORE_SECRET = "HEADRACE_ADMIN_TOKEN", "HEADRACE_WORKER_SECRET", "HEADRACE_CORE_SECRET"
 SECRET_VARS = (API_TOKEN, API_TOKENS, ADMIN_TOKEN, WORKER_SECRET, CORE_SECRET)
-# option dest -> its environment variable (``secret``: the data plane's name of the worker secret)
-SINGLE = {"admin_token": ADMIN_TOKEN, "worker_secret": WORKER_SECRET, "core_secret": CORE_SECRET,
-          "secret": WORKER_SECRET}
+# the worker secret's file, when $HEADRACE_WORKER_SECRET is unset (docker compose makes one on
+# first start: docs/operations.md); a path, not a secret, so children may inherit it
+WORKER_SECRET_FILE = "HEADRACE_WORKER_SECRET_FILE"
+# option dest -> its environment variable
+SINGLE = {"admin_token": ADMIN_TOKEN, "worker_secret": WORKER_SECRET, "core_secret": CORE_SECRET}
 ROLE_SECRETS = {"dataplane": ("worker_secret",), "core": ("worker_secret", "core_secret"),
                 "frontend": ("api_token", "admin_token", "core_secret")}
 
@@ -51,6 +53,24 @@ def api_token_entries(tokens=(), file: str | None = None, environ=os.environ) ->
     return entries or env_token_entries(environ)
 
 
+def worker_secret(given: str | None = None, environ=os.environ) -> str | None:
+    """The planes' shared secret: ``given`` (a flag), else ``$HEADRACE_WORKER_SECRET``, else the
+    contents of the file ``$HEADRACE_WORKER_SECRET_FILE`` names; None when none is set. A named
+    file that cannot be read or is empty is a ValueError (one line)."""
+    if given or environ.get(WORKER_SECRET):
+        return given or environ[WORKER_SECRET]
+    path = environ.get(WORKER_SECRET_FILE)
+    if not path:
+        return None
+    try:
+        secret = pathlib.Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{WORKER_SECRET_FILE}={path}: cannot read it ({exc.strerror})") from None
+    if not secret:
+        raise ValueError(f"{WORKER_SECRET_FILE}={path}: the file is empty")
+    return secret
+
+
 def flag_values(args) -> list[str]:
     """The secrets this command line itself carries (to scrub from argv)."""
     values = list(getattr(args, "api_token", None) or ())
@@ -61,7 +81,8 @@ def flag_values(args) -> list[str]:
 def resolve(args, environ=os.environ) -> None:
     """Fills ``args``' secrets from its flags, else the environment: ``api_token`` becomes the
     list of every entry (``--api-tokens-file`` read here, and then cleared); each single
-    secret its flag's value or its variable's (None when neither)."""
+    secret its flag's value or its variable's (None when neither; the worker secret, else
+    the file ``$HEADRACE_WORKER_SECRET_FILE`` names)."""
     if hasattr(args, "api_token"):
         args.api_token = api_token_entries(args.api_token, getattr(args, "api_tokens_file", None),
                                            environ) or None
@@ -70,6 +91,8 @@ def resolve(args, environ=os.environ) -> None:
     for dest, name in SINGLE.items():
         if hasattr(args, dest):
             setattr(args, dest, getattr(args, dest) or environ.get(name) or None)
+    if hasattr(args, "worker_secret"):   # else the file $HEADRACE_WORKER_SECRET_FILE names
+        args.worker_secret = worker_secret(args.worker_secret, environ)
 
 
 def role_env(role: str, args, environ=os.environ) -> dict[str, str]:

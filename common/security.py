@@ -48,6 +48,15 @@ def channel_credentials(ca: str | None, cert: str | None = None,
                                         certificate_chain=_read(cert))
 
 
+def worker_secret(given: str | None = None, environ=os.environ) -> str | None:
+    """The planes' shared secret: ``given`` (a flag), else ``$HEADRACE_WORKER_SECRET``, else the
+    contents of the file ``$HEADRACE_WORKER_SECRET_FILE`` names (``common.secret_env``, where
+    every secret is read)."""
+    from common import secret_env
+
+    return secret_env.worker_secret(given, environ)
+
+
 def bind(server, address: str, credentials: grpc.ServerCredentials | None) -> int:
     """Binds ``address`` securely when credentials are given; returns the port (0: failed)."""
     if credentials is not None and not address.startswith("unix:"):

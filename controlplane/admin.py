@@ -1,4 +1,5 @@
-"""The ``headrace.v1.Admin`` service: live configuration, drain/resume and model reload.
+"""The ``headrace.v1.Admin`` service: live configuration, drain/resume, model reload and
+on-demand profiling (``controlplane.profiling``).
 
 Access (``admin_access``, logged at start): with an admin token (``--admin-token`` or
 ``HEADRACE_ADMIN_TOKEN``) every call must carry ``authorization: Bearer <token>``
@@ -25,6 +26,7 @@ from common import net
 from common.logs import get_logger
 from controlplane import model_roots
 from controlplane.policy import POLICIES, Policy
+from controlplane.profiling import ProfileRefused
 from controlplane.tokenizer import ModelTokenizer
 from controlplane.worker_client import WorkerError
 from headrace.v1 import admin_pb2 as apb
@@ -228,6 +230,28 @@ class AdminService(apb_grpc.AdminServicer):
                 model=self.plane.model_dir, model_name=engine.info.model_name,
                 num_kv_blocks=engine.scheduler.blocks.num_blocks,
                 max_model_len=engine.max_model_len, aborted=aborted, seconds=seconds)
+
+
+    # -- profiling (controlplane.profiling) --------------------------------------------------
+    async def StartProfile(self, request: apb.StartProfileRequest, context):
+        await self._authorize(context)
+        if self.plane.engine.scheduler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet")
+        try:
+            status = self.plane.engine.profiler.start(request.dir, request.num_steps)
+        except ProfileRefused as exc:
+            await context.abort(exc.code, str(exc))
+        log.info("profiling started", dir=request.dir, num_steps=request.num_steps, peer=context.peer())
+        return status
+
+    async def StopProfile(self, request: apb.StopProfileRequest, context):
+        await self._authorize(context)
+        if not 0 <= request.wait_s < float("inf"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "wait_s must be >= 0")
+        try:
+            return await self.plane.engine.profiler.stop(request.wait_s)
+        except ProfileRefused as exc:
+            await context.abort(exc.code, str(exc))
 
 
 async def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:

@@ -30,6 +30,7 @@ from controlplane.block_manager import BlockManager
 from controlplane.engine_config import EngineConfig
 from controlplane.inflight import InFlightSteps
 from controlplane.policy import Policy
+from controlplane.profiling import Profiler
 from controlplane.request import Failure, Request, Sequence
 from controlplane.scheduler import Scheduler
 from controlplane.step import ScheduledStep
@@ -64,6 +65,8 @@ class Engine:
         self._outage_since: float | None = None
         self._to_wake: list[Request] = []   # requests with news, woken once the next step is sent
         self._inflight: InFlightSteps | None = None   # the loop's, new each time it starts
+        # Admin StartProfile: one report per worker (an in-process group has one)
+        self.profiler = Profiler(len(getattr(workers, "addresses", ())) or 1, wake=self._wake.set)
         # the engine core's: sends its front ends their news at once (one message each)
         self.flush_woken = None
         self.model_dir: str | None = None   # whose tokenizer grammars compile for (EnginePlane)
@@ -210,7 +213,7 @@ class Engine:
         cuts that wait short. With nothing in flight and nothing to send it sleeps until an
         event can change that."""
         self._inflight = inflight = InFlightSteps(self.workers, self.telemetry,
-                                                  self.config.pipeline_depth, self._step_ids)
+                                                  self.config.pipeline_depth, self._step_ids, self.profiler)
         try:
             while True:
                 if not self.healthy:
@@ -235,7 +238,10 @@ class Engine:
                             continue
                     self._wake_requests()   # after the send: the device is fed before clients are
                     if not inflight:
-                        await self._idle(step)
+                        if self.profiler.pending_stop:   # idle workers hear it on an empty step
+                            await inflight.flush()
+                        else:
+                            await self._idle(step)
                     elif not room or await inflight.result_ready(self._wake):
                         await self._fold_oldest()
                 except WorkerError as exc:

@@ -8,7 +8,8 @@ engine has nothing to schedule, ``result_ready`` waits for the oldest result or 
 whichever comes first: a request submitted meanwhile is scheduled at once, not after it.
 A step whose structured-output bitmasks depend on tokens still in flight goes out with
 ``bitmask_follows``; ``send_late_bitmask`` sends them once it is the oldest step in flight
-(every token they depend on folded), before anything else."""
+(every token they depend on folded), before anything else. Profile commands
+(``controlplane.profiling``) ride on the steps sent."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import typing
 
 from common import stage_times
 from controlplane import step_codec
+from controlplane.profiling import Profiler
 from controlplane.request import Sequence
 from controlplane.step import ScheduledStep
 from controlplane.telemetry import EngineTelemetry
@@ -35,8 +37,9 @@ class Sent(typing.NamedTuple):
 
 class InFlightSteps:
     def __init__(self, workers: WorkerGroup, telemetry: EngineTelemetry, depth: int,
-                 step_ids: itertools.count):
+                 step_ids: itertools.count, profiler: Profiler | None = None):
         self.workers, self.telemetry = workers, telemetry
+        self.profiler = profiler or Profiler(1)   # Admin StartProfile: commands ride on steps
         self.depth = max(1, depth)   # 1 = no overlap: each step is answered at once
         self._step_ids = step_ids
         self._sent: collections.deque[Sent] = collections.deque()
@@ -70,6 +73,7 @@ class InFlightSteps:
             scheduled = time.monotonic()
         flush = self.depth == 1 or step.speculative or not step.has_decodes
         msg = step_codec.encode(step, next(self._step_ids), flush=flush)
+        self.profiler.attach(msg)
         if masks is not None:
             if masks.ready:
                 masks.apply(msg)
@@ -95,9 +99,7 @@ class InFlightSteps:
     async def _ask(self) -> None:
         """Flushes when the workers may hold the oldest step back (nothing sent after it)."""
         if len(self._sent) == 1 and not self._last_flushed:
-            await self.workers.send(step_codec.flush_request(next(self._step_ids)))
-            self._last_flushed = True
-            self._sent.append(Sent(ScheduledStep(), None, time.perf_counter()))
+            await self.flush()
 
     async def result_ready(self, event: asyncio.Event) -> bool:
         """Waits for the oldest step's result (True: ``receive`` has it at once) or for
@@ -120,11 +122,22 @@ class InFlightSteps:
         else:
             await self._ask()
             result = await self.workers.receive()
+        if result.profile_reports:
+            self.profiler.received(result)
         if stage_times.STAGES is not None:
             stage_times.STAGES.stamp(f"step:{result.step_id}", "result", execute_ms=result.execute_ms,
                                      device_ms=result.device_ms, sample_ms=result.sample_ms,
                                      idle_ms=result.device_idle_ms)
         return self._sent.popleft(), result
+
+    async def flush(self) -> None:
+        """Sends an empty step that makes the workers answer the one they hold back (and
+        carries a pending profile command to them while the engine is idle)."""
+        msg = step_codec.flush_request(next(self._step_ids))
+        self.profiler.attach(msg)
+        await self.workers.send(msg)
+        self._last_flushed = True
+        self._sent.append(Sent(ScheduledStep(), None, time.perf_counter()))
 
     def close(self) -> None:
         """The loop ends: a result still being read is not awaited any more."""
@@ -139,3 +152,4 @@ class InFlightSteps:
             self.telemetry.step_failed(sent.traced, exc)
         self._sent.clear()
         self._late = None
+        self.profiler.lost(str(exc))

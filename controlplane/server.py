@@ -150,6 +150,9 @@ class ControlPlane:
         await set_health(self.health, self.engine.ready)
 
     async def start(self, ready_timeout: float = 600.0) -> None:
+        if self.metrics_port is not None:   # first: a port in use fails start-up (PortInUse)
+            self.metrics_port = self.metrics.serve(self.metrics_port, self.metrics_host)
+            log.info("control plane metrics on http://%s:%d/metrics", self.metrics_host, self.metrics_port)
         await self.sync_health()
         await self.health.set(ADMIN, health_pb2.HealthCheckResponse.SERVING)
         self.port = net.bind_exclusive(self.server, self.address,
@@ -158,14 +161,6 @@ class ControlPlane:
         if self.http is not None:
             await self.http.start()
             log.info("OpenAI-compatible HTTP API on http://%s:%d", self.http.host, self.http.port)
-        if self.metrics_port is not None:
-            try:
-                self.metrics_port = self.metrics.serve(self.metrics_port, self.metrics_host)
-                log.info("control plane metrics on http://%s:%d/metrics", self.metrics_host,
-                         self.metrics_port)
-            except OSError as exc:   # serve anyway: a taken metrics port must not stop inference
-                log.error("cannot serve metrics on port %s: %s", self.metrics_port, exc)
-                self.metrics_port = None
         log.info("control plane listening on %s (requests up to %d bytes); waiting for the data "
                  "plane", self.address, self.max_message_bytes)
         warn_if_open(self.address, self.tls, self.api_token)

@@ -90,6 +90,14 @@ def token_prompt(req: pb.GenerateRequest, vocab_size: int, checked: bool = False
     return ids
 
 
+def check_fits(prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """The prompt and the tokens asked for fit one sequence; the message names all three,
+    since either the prompt or max_tokens may be the one to cut."""
+    _check(prompt_tokens + max_tokens <= max_model_len,
+           f"prompt {prompt_tokens} tokens + max_tokens {max_tokens} > max_model_len {max_model_len}: "
+           f"shorten the prompt or lower max_tokens to at most {max(max_model_len - prompt_tokens, 0)}")
+
+
 def check_request(req: pb.GenerateRequest, *, vocab_size: int, max_model_len: int,
                   max_n: int = limits.DEFAULT_MAX_N, max_text_bytes: int | None = None) -> None:
     """Every check that needs no tokenization (``max_text_bytes``: the prompt text's bound)."""
@@ -106,8 +114,6 @@ def check_request(req: pb.GenerateRequest, *, vocab_size: int, max_model_len: in
     _check(req.min_tokens >= 0, f"min_tokens must be >= 0, got {req.min_tokens}")
     if req.HasField("max_tokens"):
         _check(req.max_tokens >= 1, f"max_tokens must be >= 1, got {req.max_tokens}")
-        _check(req.max_tokens < max_model_len,
-               f"max_tokens {req.max_tokens} exceeds max_model_len {max_model_len}")
     _sampling(req.sampling, vocab_size)
     if req.HasField("structured"):
         from controlplane.structured import spec   # (it builds on this module's ValidationError)
@@ -115,10 +121,12 @@ def check_request(req: pb.GenerateRequest, *, vocab_size: int, max_model_len: in
         spec.from_proto(req.structured)
     kind = req.WhichOneof("input")
     _check(kind is not None, "prompt: set one of prompt, prompt_token_ids or messages")
-    if kind == "prompt_token_ids":
+    if kind == "prompt_token_ids":   # the prompt's length is known before any tokenization
         n = len(req.prompt_token_ids.ids)
         _check(n < max_model_len,
                f"prompt_token_ids has {n} tokens; max_model_len is {max_model_len}")
+        if req.HasField("max_tokens"):
+            check_fits(n, req.max_tokens, max_model_len)
         token_prompt(req, vocab_size)
     elif kind == "prompt":
         _check(req.prompt != "", "prompt must not be empty")
@@ -151,8 +159,7 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids
            "(the KV pool and the model's context bound it; at least one output token must fit)")
     room = max_model_len - len(ids)
     max_tokens = req.max_tokens if req.HasField("max_tokens") else min(room, default_max_tokens or room)
-    _check(max_tokens <= room, f"max_tokens {max_tokens} plus the prompt's {len(ids)} tokens "
-                               f"exceeds max_model_len {max_model_len}")
+    check_fits(len(ids), max_tokens, max_model_len)
     _check(req.min_tokens <= max_tokens, f"min_tokens {req.min_tokens} exceeds max_tokens {max_tokens}")
     stop_ids = set(req.stop_token_ids) | (set() if req.ignore_eos else set(eos_token_ids))
     sampling.logprobs = req.logprobs

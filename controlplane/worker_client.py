@@ -153,6 +153,9 @@ class WorkerGroup:
             raise WorkerError(f"data plane stream closed: {exc}") from exc
         if any(r is grpc.aio.EOF for r in results):
             raise WorkerError("data plane closed its step stream")
+        for other in results[1:]:   # a profile's end: every rank's report, in rank 0's result
+            if other.profile_reports:
+                results[0].profile_reports.extend(other.profile_reports)
         return results[0]
 
     async def close(self) -> None:

@@ -16,6 +16,7 @@ stand-in replays by running the forward pass into the same static buffers.
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -35,14 +36,23 @@ def capture_graph(run, pool=None, stream: torch.cuda.Stream | None = None) -> to
     """``run()`` captured into a new CUDA graph (in memory pool ``pool``; None: a new one, then
     ``graph.pool()``), on ``stream`` (a side stream, as ``torch.cuda.graph`` captures). Unlike
     ``torch.cuda.graph`` it runs no ``gc.collect()`` and ``empty_cache()`` per capture (vLLM
-    skips them too): with a thousand piecewise graphs they would add tens of seconds."""
+    skips them too): with a thousand piecewise graphs they would add tens of seconds. It does
+    keep the garbage collector off while capturing: a collection then may destroy an earlier
+    graph (an older worker's, in a cycle), whose ``cudaGraphExecDestroy`` capture forbids
+    ("operation not permitted when stream is capturing"), which invalidates the capture."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
-        try:
-            run()
-        finally:
-            graph.capture_end()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool)
+            try:
+                run()
+            finally:
+                graph.capture_end()
+    finally:
+        if collecting:
+            gc.enable()
     return graph
 
 

@@ -22,6 +22,7 @@ from common import net, security, tracing
 from common.grpc_options import STEP_MAX_MESSAGE_BYTES, server_options
 from dataplane.input_batch import BatchError
 from dataplane.pipeline import StepPipeline
+from dataplane.profiling import StepProfiler
 from dataplane.telemetry import DataPlaneMetrics, StepTracer
 from dataplane.worker import Worker
 from headrace.dataplane.v1 import worker_pb2 as pb
@@ -77,6 +78,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             self._require_worker(context).runner.reset()
         metrics, tracer, clock = self.metrics, self.tracer, time.perf_counter
         started = {}   # step id -> (span, t0) of steps launched and not yet finished
+        profiler = StepProfiler(self.worker.rank, self.worker.device)   # Admin StartProfile
 
         def finish(step, launched):
             span, t0 = started.pop(step.step_id)
@@ -84,9 +86,21 @@ class WorkerService(pb_grpc.WorkerServicer):
             if step.new_seqs or step.running_seq_ids:   # an empty flush is no model step
                 metrics.step_done(step, result, clock() - t0, launched.kind, launched.graph)
             tracer.end(span, result, launched=launched)
+            profiler.on_result(step, result)
             return result
 
-        pipeline = StepPipeline(self.worker.runner, finish)
+        def launch(step):
+            with profiler.step_range(step):
+                return self.worker.runner.launch(step)
+
+        try:
+            yield from self._steps(request_iterator, context, generation, StepPipeline(
+                self.worker.runner, finish, launch), started, profiler)
+        finally:
+            profiler.close()
+
+    def _steps(self, request_iterator, context, generation, pipeline, started, profiler):
+        metrics, tracer, clock = self.metrics, self.tracer, time.perf_counter
         for step in request_iterator:
             span = tracer.start(step)
             with self._lock:
@@ -97,6 +111,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 try:
                     if not step.late_bitmask:   # (that only completes a step started before)
                         started[step.step_id] = (span, clock())
+                        profiler.on_submit(step)
                     ready = pipeline.submit(step)
                 except BatchError as exc:
                     tracer.end(span, error=exc)
@@ -183,14 +198,15 @@ def serve(worker: Worker | None, address: str, *, metrics_port: int | None = Non
         service.worker = worker
     pb_grpc.add_WorkerServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.worker_port = net.bind_exclusive(   # the bound port
-        server, address, lambda srv, addr: security.bind(srv, addr, credentials))
-    if metrics_port is not None:
-        try:
-            service.metrics_port = service.metrics.serve(metrics_port, metrics_host)
-            log.info("data plane metrics on http://%s:%d/metrics", metrics_host, service.metrics_port)
-        except OSError as exc:   # serve anyway: a taken metrics port must not stop the worker
-            log.error("cannot serve metrics on port %s: %s", metrics_port, exc)
+    if metrics_port is not None:   # a port in use fails start-up (net.PortInUse), as --listen's
+        service.metrics_port = service.metrics.serve(metrics_port, metrics_host)
+        log.info("data plane metrics on http://%s:%d/metrics", metrics_host, service.metrics_port)
+    try:
+        server.worker_port = net.bind_exclusive(   # the bound port
+            server, address, lambda srv, addr: security.bind(srv, addr, credentials))
+    except net.PortInUse:
+        service.metrics.close()
+        raise
     server.start()
     if worker is not None:
         service.set_serving(True)

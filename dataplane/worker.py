@@ -41,6 +41,13 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+def resolve_device(device: str) -> str:
+    """``auto`` is cuda when torch sees a GPU, else cpu; any other name is kept."""
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def check_device(device: str) -> None:
     """ValueError (one line, saying what to do) unless ``device`` is cpu or a visible GPU."""
     try:
@@ -59,7 +66,9 @@ def check_device(device: str) -> None:
 
 
 def load_failure(exc: BaseException, opts: "WorkerOptions") -> str:
-    """One line for a model that failed to load: what failed, which path, what to do."""
+    """One line for a model that failed to load: what failed, which path (on which device
+    ``auto`` picked), what to do."""
+    opts = dataclasses.replace(opts, device=resolve_device(opts.device))
     if isinstance(exc, torch.OutOfMemoryError):
         return (f"cannot load {opts.model} on {opts.device}: out of memory; lower "
                 f"--gpu-memory-utilization or --max-model-len, or shard it (--tensor-parallel-size)")
@@ -72,6 +81,7 @@ def load_failure(exc: BaseException, opts: "WorkerOptions") -> str:
 class Worker:
     def __init__(self, opts: WorkerOptions, rank: int = 0, world_size: int = 1):
         start = time.perf_counter()
+        opts = dataclasses.replace(opts, device=resolve_device(opts.device))
         check_device(opts.device)
         self.opts = opts
         self.rank, self.world_size = rank, world_size

@@ -4,13 +4,13 @@ Readiness is checked once, in a worker thread, with ``headrace_client.connection
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Iterable, Sequence
 
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 from headrace_client import connection
 from headrace_client.connection import ConnectionOptions, mapped_errors
-from headrace_client.types import (Chunk, Collector, Completion, ModelInfo, Tokens, build_request,
+from headrace_client.types import (Chunk, Collector, Completion, ModelInfo, Tokens, request_from,
                                    to_chunk, to_model_info, whole)
 
 
@@ -18,8 +18,12 @@ class AsyncClient:
     """``async with AsyncClient(address, ...) as client: await client.generate(...)``; see
     ``Client`` for the options."""
 
-    def __init__(self, address: str | None = None, **connection_options):
-        self.options = ConnectionOptions.resolve(address, **connection_options)
+    def __init__(self, address: str | None = None, *, api_token: str | None = None, tls: bool = False,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 connect_timeout: float | None = None, session_id: str | None = None):
+        self.options = ConnectionOptions.resolve(address, api_token=api_token, tls=tls, tls_ca=tls_ca,
+                                                 tls_cert=tls_cert, tls_key=tls_key,
+                                                 connect_timeout=connect_timeout, session_id=session_id)
         self._channel = None
         self._ready = False
 
@@ -47,9 +51,20 @@ class AsyncClient:
         return {"metadata": self.options.call_metadata(session_id), "timeout": timeout}
 
     async def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                       timeout: float | None = None, session_id: str | None = None,
-                       **params) -> Completion | list[Completion]:
-        request = whole(build_request(prompt, token_ids, **params))
+                       max_tokens: int | None = None, temperature: float | None = None,
+                       top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+                       repetition_penalty: float | None = None, presence_penalty: float | None = None,
+                       frequency_penalty: float | None = None, seed: int | None = None,
+                       min_tokens: int | None = None, stop: str | Iterable[str] | None = None,
+                       stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
+                       priority: int | None = None, logprobs: int | None = None, n: int | None = None,
+                       stream_interval: int | None = None, request_id: str | None = None,
+                       json_schema: dict[str, Any] | str | None = None, regex: str | None = None,
+                       choice: Sequence[str] | None = None, grammar: str | None = None,
+                       json_object: bool = False, structured_backend: str | None = None,
+                       timeout: float | None = None,
+                       session_id: str | None = None) -> Completion | list[Completion]:
+        request = whole(request_from(locals()))
         collector = Collector()
         options = await self._call_options(timeout, session_id)
         with mapped_errors():
@@ -57,10 +72,25 @@ class AsyncClient:
                 collector.add(to_chunk(msg))
         return collector.result(request.n)
 
-    async def stream(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                     timeout: float | None = None, session_id: str | None = None,
-                     **params) -> AsyncIterator[Chunk]:
-        request = build_request(prompt, token_ids, **params)
+    def stream(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
+               max_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+               repetition_penalty: float | None = None, presence_penalty: float | None = None,
+               frequency_penalty: float | None = None, seed: int | None = None,
+               min_tokens: int | None = None, stop: str | Iterable[str] | None = None,
+               stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
+               priority: int | None = None, logprobs: int | None = None, n: int | None = None,
+               stream_interval: int | None = None, request_id: str | None = None,
+               json_schema: dict[str, Any] | str | None = None, regex: str | None = None,
+               choice: Sequence[str] | None = None, grammar: str | None = None,
+               json_object: bool = False, structured_backend: str | None = None,
+               timeout: float | None = None, session_id: str | None = None) -> AsyncIterator[Chunk]:
+        """An async iterator of chunks (``Client.stream``'s options); a misspelt option is a
+        TypeError here, at the call."""
+        return self._stream(request_from(locals()), timeout, session_id)
+
+    async def _stream(self, request: pb.GenerateRequest, timeout: float | None,
+                      session_id: str | None) -> AsyncIterator[Chunk]:
         options = await self._call_options(timeout, session_id)
         call = self._stub.Generate(request, **options)
         try:

@@ -4,14 +4,13 @@ connect timeout) for the server to be ready and raises ``NotReady`` naming its s
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
-
+from typing import Any, Iterable, Iterator, Sequence
 
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 from headrace_client import connection
 from headrace_client.connection import ConnectionOptions, mapped_errors
-from headrace_client.types import (Chunk, Collector, Completion, ModelInfo, Tokens, build_request,
+from headrace_client.types import (Chunk, Collector, Completion, ModelInfo, Tokens, request_from,
                                    to_chunk, to_model_info, whole)
 
 
@@ -20,11 +19,16 @@ class Client:
     ``tls`` / ``tls_ca`` / ``tls_cert`` / ``tls_key``, ``connect_timeout``, ``session_id`` (a
     load balancer's affinity key); unset ones come from ``HEADRACE_*`` environment variables
     (see ``headrace_client.connection``).
-    Sampling options of ``generate``/``stream`` are ``GenerateRequest``'s fields; an option
-    not given takes the server's default."""
+    Sampling options of ``generate``/``stream`` are ``GenerateRequest``'s fields, as keyword
+    parameters (a misspelt one is a TypeError at the call); an option not given takes the
+    server's default."""
 
-    def __init__(self, address: str | None = None, **connection_options):
-        self.options = ConnectionOptions.resolve(address, **connection_options)
+    def __init__(self, address: str | None = None, *, api_token: str | None = None, tls: bool = False,
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 connect_timeout: float | None = None, session_id: str | None = None):
+        self.options = ConnectionOptions.resolve(address, api_token=api_token, tls=tls, tls_ca=tls_ca,
+                                                 tls_cert=tls_cert, tls_key=tls_key,
+                                                 connect_timeout=connect_timeout, session_id=session_id)
         self._channel = self.options.channel()
         self._stub = pb_grpc.InferenceStub(self._channel)
         self._ready = False
@@ -46,11 +50,26 @@ class Client:
 
     # -- calls -------------------------------------------------------------------------------
     def generate(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-                 timeout: float | None = None, session_id: str | None = None,
-                 **params) -> Completion | list[Completion]:
+                 max_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+                 repetition_penalty: float | None = None, presence_penalty: float | None = None,
+                 frequency_penalty: float | None = None, seed: int | None = None,
+                 min_tokens: int | None = None, stop: str | Iterable[str] | None = None,
+                 stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
+                 priority: int | None = None, logprobs: int | None = None, n: int | None = None,
+                 stream_interval: int | None = None, request_id: str | None = None,
+                 json_schema: dict[str, Any] | str | None = None, regex: str | None = None,
+                 choice: Sequence[str] | None = None, grammar: str | None = None,
+                 json_object: bool = False, structured_backend: str | None = None,
+                 timeout: float | None = None,
+                 session_id: str | None = None) -> Completion | list[Completion]:
         """The whole completion (one message from the server); a list of ``n`` when n > 1.
-        ``session_id``: this call's affinity key (default: the client's)."""
-        request = whole(build_request(prompt, token_ids, **params))
+        Options left None take the server's defaults (``GenerateRequest``'s fields). Structured
+        outputs: at most one of ``json_schema`` (a dict or its JSON text), ``regex``, ``choice``,
+        ``grammar`` (GBNF) or ``json_object``; ``structured_backend`` names the server's grammar
+        engine to use (default: its own). ``session_id``: this call's affinity key (default: the
+        client's)."""
+        request = whole(request_from(locals()))
         collector = Collector()
         with mapped_errors():
             for msg in self._stub.Generate(request, **self._call_options(timeout, session_id)):
@@ -58,10 +77,24 @@ class Client:
         return collector.result(request.n)
 
     def stream(self, prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
-               timeout: float | None = None, session_id: str | None = None,
-               **params) -> Iterator[Chunk]:
-        """Chunks as the server sends them; leaving the loop early cancels the request."""
-        request = build_request(prompt, token_ids, **params)
+               max_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+               repetition_penalty: float | None = None, presence_penalty: float | None = None,
+               frequency_penalty: float | None = None, seed: int | None = None,
+               min_tokens: int | None = None, stop: str | Iterable[str] | None = None,
+               stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
+               priority: int | None = None, logprobs: int | None = None, n: int | None = None,
+               stream_interval: int | None = None, request_id: str | None = None,
+               json_schema: dict[str, Any] | str | None = None, regex: str | None = None,
+               choice: Sequence[str] | None = None, grammar: str | None = None,
+               json_object: bool = False, structured_backend: str | None = None,
+               timeout: float | None = None, session_id: str | None = None) -> Iterator[Chunk]:
+        """Chunks as the server sends them; leaving the loop early cancels the request. The
+        options are ``generate``'s."""
+        return self._stream(request_from(locals()), timeout, session_id)
+
+    def _stream(self, request: pb.GenerateRequest, timeout: float | None,
+                session_id: str | None) -> Iterator[Chunk]:
         call = None
         try:
             with mapped_errors():

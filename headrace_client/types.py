@@ -141,6 +141,19 @@ def structured_outputs(json_schema=None, regex=None, choice=None, grammar=None,
     return pb.StructuredOutputs(regex=regex) if regex is not None else pb.StructuredOutputs(grammar=grammar)
 
 
+_REQUEST_PARAMETERS = ("prompt", "token_ids", "temperature", "top_p", "top_k", "min_p",
+                       "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
+                       "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "priority",
+                       "logprobs", "n", "stream_interval", "request_id", "json_schema", "regex",
+                       "choice", "grammar", "json_object", "structured_backend")
+
+
+def request_from(arguments: dict) -> pb.GenerateRequest:
+    """``build_request`` of a client method's own arguments (``locals()`` of ``generate`` or
+    ``stream``, whose explicit keyword parameters are ``build_request``'s)."""
+    return build_request(**{name: arguments[name] for name in _REQUEST_PARAMETERS})
+
+
 def whole(req: pb.GenerateRequest) -> pb.GenerateRequest:
     """Asks for one message per sample when the caller did not choose a stream interval."""
     if not req.stream_interval:

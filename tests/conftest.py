@@ -14,11 +14,13 @@ if not os.environ.get("HEADRACE_TEST_DEVICE", "").startswith("cuda"):
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import logging
 import pathlib
 import shutil
 import subprocess
 
 import pytest
+import structlog
 
 import cli.main
 import common.logs
@@ -36,6 +38,21 @@ def _configure_uncached(*args, cache_loggers: bool = True, **kwargs):
 
 
 common.logs.configure_logging = cli.main.configure_logging = _configure_uncached
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handler_outlives_its_test():
+    """A test that configures logging (a command's main() run in-process) leaves no handler
+    of ours behind: it writes to the stream the test had, which pytest closes after it, and a
+    server thread still finishing its work would log into a closed file ("--- Logging error
+    ---"). pytest's own handlers are left alone."""
+    root = logging.getLogger()
+    before, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in before and isinstance(handler.formatter, structlog.stdlib.ProcessorFormatter):
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 # (family, options): GQA ratios 1 and 4, head_dim 64 and 128, tied and untied embeddings,
 # qkv bias (qwen2), q/k norm (qwen3), llama3 rope scaling.

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import pathlib
+import shutil
 import tempfile
 import threading
 import time
@@ -115,6 +116,8 @@ class Planes:
         return list(self.stub.Generate(pb.GenerateRequest(**fields), timeout=120))
 
     def close(self) -> None:
+        """Stops everything this started and removes its temporary directory. (The loop is
+        stopped, not closed: gRPC's shared poller may still deliver a late completion to it.)"""
         self.channel.close()
         with contextlib.suppress(Exception):
             self.call(self.plane.stop(grace=1))
@@ -125,6 +128,7 @@ class Planes:
         self._thread.join(5)
         if self.worker_server is not None:
             self.worker_server.stop(0).wait()
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
 def completion(responses: list[pb.GenerateResponse]) -> tuple[list[int], str, int]:

@@ -17,8 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_reference",
            "random_checkpoint", "w4_bench", "quant_kernels", "quantize_checkpoint",
            "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream",
-           "draft_acceptance", "chunking_sim", "gpu_table", "tier_bench", "tier_targets", "step_host",
-           "structured_bench", "fp8_kv_attention", "placement_sim", "dp_bench"]
+           "draft_acceptance", "profile_summary", "chunking_sim", "gpu_table", "tier_bench", "tier_targets",
+           "step_host", "structured_bench", "fp8_kv_attention", "placement_sim", "dp_bench"]
 SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token", "w5_report"]   # imported, not run
 
 
@@ -65,6 +65,16 @@ def test_fa4_gpu_check_installs_offline_and_runs_benches_as_modules():
         assert f"has {section}" in script, section
 
 
+def test_profile_gpu_check_serves_w2_and_checks_the_trace_names_kernels():
+    script = (ROOT / "bench" / "profile_gpu_check.sh").read_text()
+    subprocess.run(["bash", "-n", str(ROOT / "bench" / "profile_gpu_check.sh")], check=True)
+    modules = set(re.findall(r"python3 -m bench\.(\w+)", script))
+    assert {"random_checkpoint", "serving_bench", "profile_summary"} <= modules <= set(BENCHES)
+    assert "--workload w2" in script and "admin profile" in script and "--steps 20" in script
+    assert "--require-kernels" in script
+    assert "pkill" not in script and "killall" not in script and "pgrep -f" not in script
+
+
 def test_mixed_gpu_check_is_valid_and_runs_benches_as_modules():
     script = (ROOT / "bench" / "mixed_gpu_check.sh").read_text()
     subprocess.run(["bash", "-n", str(ROOT / "bench" / "mixed_gpu_check.sh")], check=True)
@@ -90,7 +100,7 @@ def test_step_host_times_every_phase_and_kind_on_a_cpu():
     assert "mode               kind" in out   # the table
 
 
-@pytest.mark.slow
+@pytest.mark.slow   # a serve per mode
 def test_w5_runs_on_a_cpu_with_tiny_sizes_in_every_mode():
     """W5 (multi-turn chat) end to end with the embedded tiny model, one data plane (with a host
     tier) for every mode: offloading off, and on with host hits always loaded and never

@@ -24,6 +24,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow   # a serve process tree
 @pytest.mark.timeout(180)
 def test_serve_without_arguments_then_generate_streams_text(tmp_path):
     port, http_port = _free_port(), _free_port()
@@ -37,7 +38,7 @@ def test_serve_without_arguments_then_generate_streams_text(tmp_path):
     try:
         out = subprocess.run(
             [sys.executable, "-m", "cli", "generate", "hello", "--address",
-             f"127.0.0.1:{port}", "--max-tokens", "24", "--wait", "120"],
+             f"127.0.0.1:{port}", "--max-tokens", "24", "--connect-timeout", "120"],
             capture_output=True, text=True, timeout=150, env=env)
         assert out.returncode == 0, out.stderr
         words = out.stdout.split()

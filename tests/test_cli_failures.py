@@ -44,6 +44,18 @@ def _headrace(*args, timeout=90, **env) -> subprocess.CompletedProcess:
                           timeout=timeout, env=_env(**env), cwd=ROOT)
 
 
+# Runs argv with SIGINT's default disposition: a pytest started in the background (``&``,
+# nohup, CI) passes SIGINT on ignored, and Python keeps an ignored SIGINT ignored, while a
+# terminal's foreground job gets Ctrl-C. (A ``preexec_fn`` would do it in the forked child,
+# which is unsafe beside this process's gRPC threads: it crashed there.)
+_WITH_CTRL_C = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                "os.execv(sys.argv[1], sys.argv[1:])")
+
+
+def _ctrl_c_reaches(argv: list[str]) -> list[str]:
+    return [sys.executable, "-c", _WITH_CTRL_C, *argv]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -109,8 +121,25 @@ def test_weights_that_cannot_load_end_serve_without_a_restart_loop(broken):
                     "--model", str(broken["garbage"]), timeout=120)
     assert out.returncode == 1
     line = _one_line(out, "cannot load the model in", str(broken["garbage"]))
-    assert line.startswith("headrace dataplane: ")
+    assert line.startswith("headrace serve: data plane: ")   # the command the user ran
     assert "restarting" not in out.stderr and time.monotonic() - start < 90
+
+
+def test_a_childs_failure_names_the_command_the_user_ran(monkeypatch):
+    from cli.roles import SUPERVISOR_ENV, failure_label
+
+    parse = build_parser().parse_args
+    monkeypatch.delenv(SUPERVISOR_ENV, raising=False)
+    assert failure_label(parse(["dataplane"])) == "headrace dataplane"   # run by hand
+    monkeypatch.setenv(SUPERVISOR_ENV, "serve")
+    assert failure_label(parse(["dataplane"])) == "headrace serve: data plane"
+    assert failure_label(parse(["dataplane", "--rank", "1", "--world-size", "2"])) == \
+        "headrace serve: data plane rank 1"
+    assert failure_label(parse(["core", "--workers", "x:1", "--core-address", "unix:/c"])) == \
+        "headrace serve: engine core"
+    assert failure_label(parse(["frontend", "--index", "2", "--core-address", "unix:/c"])) == \
+        "headrace serve: API front end 2"
+    assert failure_label(parse(["generate", "hi"])) == "headrace generate"
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU may be present")
@@ -136,6 +165,24 @@ def test_a_port_in_use_is_refused_before_anything_starts(model_dir):
             _one_line(out, f"127.0.0.1:{port}", "in use")
 
 
+def test_a_metrics_port_in_use_is_refused_like_the_api_ports(model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        free = str(_free_port())
+        for command, flag in (
+                (["serve", "--port", free, "--metrics-port", port], "--metrics-port"),
+                (["serve", "--port", free, "--metrics-port", "0", "--dataplane-metrics-port", port],
+                 "--dataplane-metrics-port"),
+                (["controlplane", "--workers", "127.0.0.1:1", "--port", free, "--metrics-port", port],
+                 "--metrics-port"),
+                (["dataplane", "--listen", f"127.0.0.1:{free}", "--metrics-port", port], "--metrics-port")):
+            out = _headrace(*command, "--model", str(model_dir))
+            assert out.returncode == 2, (command, out.stderr)
+            _one_line(out, f"127.0.0.1:{port}", "in use", flag)
+
+
 LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
 
 
@@ -151,6 +198,7 @@ def _listening(port: int) -> set[str]:
     return found
 
 
+@pytest.mark.slow   # a serve process tree
 @pytest.mark.timeout(180)
 def test_serve_listens_on_loopback_by_default_and_leaves_no_temporary_directory(model_dir, tmp_path):
     """Also: ``--model org/name`` is served from a Hugging Face cache (offline)."""
@@ -244,8 +292,8 @@ def test_generate_waits_for_a_loading_server_and_leaves_quietly_on_ctrl_c(model_
         out = _headrace("generate", "hi", "--address", address, "--connect-timeout", "1")
         assert out.returncode == 1
         _one_line(out, "loading")
-        proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "hi", "--address", address,
-                                 "--connect-timeout", "60"], env=_env(), cwd=ROOT,
+        proc = subprocess.Popen(_ctrl_c_reaches([sys.executable, "-m", "cli", "generate", "hi", "--address",
+                                                 address, "--connect-timeout", "60"]), env=_env(), cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(4)
         proc.send_signal(signal.SIGINT)
@@ -298,9 +346,9 @@ def test_every_option_has_help_with_its_default():
 def test_ctrl_c_in_the_middle_of_a_stream_ends_the_line_quietly(model_dir):
     planes = Planes(model_dir, num_kv_blocks=32)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "hi", "--address", planes.address,
-                                 "--ignore-eos", "--max-tokens", "250"], env=_env(), cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(_ctrl_c_reaches([sys.executable, "-m", "cli", "generate", "hi", "--address",
+                                                 planes.address, "--ignore-eos", "--max-tokens", "250"]),
+                                env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         first = proc.stdout.read(1)
         proc.send_signal(signal.SIGINT)
         rest, stderr = proc.communicate(timeout=30)

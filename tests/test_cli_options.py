@@ -1,18 +1,32 @@
 """Worker options are defined once (``common.worker_options``): the ``headrace`` flags are
 generated from them, an instance serialises itself to argv and parses back equal, ``serve``
-hands its children every worker option, and ``--max-running`` is only a hidden alias of
-``--max-num-seqs``. Plus the gRPC settings both planes share agree with each other."""
+hands its children every worker option, ``--max-running`` is ``--max-num-seqs``'s synonym,
+``serve --help`` lists its options under headings, renamed flags keep their old spelling
+hidden, and the defaults a new user meets (``--device auto``, ``generate``'s 16 tokens). Plus
+the gRPC settings both planes share agree with each other."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
 from cli.main import CONTROL_PLANE_WORKER_OPTIONS, build_parser, serve_children_argvs
 from cli.options import engine_config
 from common import grpc_options
-from common.options import from_args, to_argv
+from common.options import (
+    DEVICE,
+    GROUPS,
+    MODEL,
+    OBSERVABILITY,
+    PARALLEL,
+    SCHEDULING,
+    SECURITY,
+    SERVER,
+    from_args,
+    to_argv,
+)
 from common.worker_options import ParallelOptions, WorkerOptions
 from dataplane.worker import WorkerOptions as DataPlaneWorkerOptions
 
@@ -116,15 +130,96 @@ def test_the_offloading_policy_is_the_control_planes():
         _serve("--kv-offloading-policy", "sometimes")
 
 
+def _help(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv, "--help"])
+    return capsys.readouterr().out
+
+
+def _sections(text: str) -> dict[str, str]:
+    """``--help`` output by heading (``title:`` lines at the start of a line)."""
+    out, title = {}, ""
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            title = line[:-1]
+        out[title] = out.get(title, "") + line + "\n"
+    return out
+
+
 @pytest.mark.parametrize("command", ["serve", "dataplane", "controlplane"])
-def test_max_running_is_a_hidden_alias_of_max_num_seqs(command, capsys):
+def test_max_running_is_a_visible_synonym_of_max_num_seqs(command, capsys):
     extra = ["--workers", "x:1"] if command == "controlplane" else []
     args = build_parser().parse_args([command, *extra, "--max-running", "9"])
     assert args.max_num_seqs == 9 and not hasattr(args, "max_running")
-    with pytest.raises(SystemExit):
-        build_parser().parse_args([command, "--help"])
-    out = capsys.readouterr().out
-    assert "--max-num-seqs" in out and "--max-running" not in out
+    sections = _sections(_help(capsys, command))
+    assert "--max-num-seqs MAX_NUM_SEQS, --max-running MAX_NUM_SEQS" in sections[SCHEDULING]
+
+
+def test_serve_help_lists_every_option_under_a_heading(capsys):
+    sections = _sections(_help(capsys, "serve"))
+    assert set(GROUPS) <= set(sections)
+    assert sections["options"].count("--") == 1   # --help alone stays outside the headings
+    expect = {MODEL: ["--model", "--dtype", "--quantization", "--chat-template",
+                      "--structured-outputs-backend"],
+              DEVICE: ["--device", "--gpu-memory-utilization", "--kv-cache-dtype", "--cudagraph-mode",
+                       "--enforce-eager", "--max-cudagraph-capture-size", "--quant-backend"],
+              PARALLEL: ["--tensor-parallel-size"],
+              SCHEDULING: ["--policy", "--max-batched-tokens", "--max-queued",
+                           "--max-prefill-tokens-with-decodes", "--max-num-partial-prefills",
+                           "--max-long-partial-prefills", "--long-prefill-token-threshold",
+                           "--kv-offloading-policy", "--max-prompts-per-request"],
+              SERVER: ["--host", "--port", "--http-port", "--api-server-count", "--http-header-timeout",
+                       "--http-keep-alive-timeout"],
+              SECURITY: ["--api-token", "--admin-token", "--worker-secret", "--tls-cert",
+                         "--admin-insecure-loopback", "--model-root"],
+              OBSERVABILITY: ["--metrics-port", "--log-format", "--dataplane-metrics-port", "--metrics-host"]}
+    for title, flags in expect.items():
+        for flag in flags:
+            assert any(f"  {flag}{end}" in sections[title] for end in " ,\n"), (title, flag)
+    model = " ".join(sections[MODEL].split())
+    assert "Hub id" in model and "{float32,bfloat16,float16," in model
+    assert _serve().device == "auto" and "auto (CUDA when a GPU is visible" in " ".join(sections[DEVICE].split())
+
+
+@pytest.mark.parametrize("command", ["controlplane", "dataplane"])
+def test_the_planes_list_every_option_under_a_heading(command, capsys):
+    sections = _sections(_help(capsys, command))
+    assert sections["options"].count("--") == 1, sections["options"]
+
+
+def test_device_auto_picks_cuda_only_when_a_gpu_is_visible(monkeypatch):
+    import torch
+
+    from dataplane.worker import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cuda" and resolve_device("cpu") == "cpu"
+    # serve passes auto on: each rank resolves it (cuda:r under tensor parallelism)
+    children = serve_children_argvs(_serve("-tp", "2"), ["unix:/a", "unix:/b"])
+    assert {from_args(WorkerOptions, _dataplane(argv[4:])).device for argv in children} == {"auto"}
+
+
+def test_renamed_flags_keep_their_old_spelling_hidden(capsys):
+    parse = build_parser().parse_args
+    assert parse(["admin", "--api-token", "t", "config"]).api_token == "t"
+    assert parse(["admin", "config", "--api-token", "t"]).api_token == "t"
+    assert parse(["admin", "config", "--token", "old"]).api_token == "old"
+    assert "--token is deprecated; use --api-token" in capsys.readouterr().err
+    assert parse(["dataplane", "--secret", "s"]).worker_secret == "s"
+    assert parse(["dataplane", "--worker-secret", "s"]).worker_secret == "s"
+    assert parse(["generate", "hi", "--wait", "7"]).connect_timeout == 7.0
+    assert parse(["admin", "set", "--max-num-seqs", "3"]).max_running == 3
+    capsys.readouterr()
+    for argv, old in ((("admin", "config"), "--token"), (("dataplane",), "--secret"),
+                      (("generate",), "--wait")):
+        assert not re.search(rf"(^|[\s,\[]){old}\b", _help(capsys, *argv)), old
+
+
+def test_generate_asks_for_16_tokens_by_default_like_the_http_api():
+    assert build_parser().parse_args(["generate", "hi"]).max_tokens == 16
+    assert build_parser().parse_args(["generate", "hi", "--max-tokens", "99"]).max_tokens == 99
 
 
 def test_cuda_graphs_flag_pair():

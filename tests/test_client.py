@@ -227,3 +227,28 @@ def test_async_client(planes):
             assert info.value.state == "down"
 
     asyncio.run(main())
+
+
+def test_the_methods_show_their_options_and_refuse_a_typo_at_the_call():
+    import inspect
+
+    request_options = set(inspect.signature(build_request).parameters)
+    with Client("127.0.0.1:1", connect_timeout=0.1) as client:
+        for method in (client.generate, client.stream, AsyncClient.generate, AsyncClient.stream):
+            params = set(inspect.signature(method).parameters) - {"self"}
+            assert params == request_options | {"timeout", "session_id"}, method
+            assert all(p.kind is not inspect.Parameter.VAR_KEYWORD
+                       for p in inspect.signature(method).parameters.values())
+        for call in (client.generate, client.stream):
+            typo = rf"{call.__name__}\(\) got an unexpected keyword argument 'temprature'"
+            with pytest.raises(TypeError, match=typo):
+                call("hi", temprature=0.5)   # stream too: at the call, before any iteration
+    aio = AsyncClient("127.0.0.1:1")
+    with pytest.raises(TypeError, match=r"stream\(\) got an unexpected keyword argument 'max_token'"):
+        aio.stream("hi", max_token=3)
+    with pytest.raises(TypeError, match=r"generate\(\) got an unexpected keyword argument 'max_token'"):
+        aio.generate("hi", max_token=3)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'token'"):
+        Client("127.0.0.1:1", token="x")
+    assert set(inspect.signature(Client).parameters) == set(inspect.signature(AsyncClient).parameters) == {
+        "address", "api_token", "tls", "tls_ca", "tls_cert", "tls_key", "connect_timeout", "session_id"}

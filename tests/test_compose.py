@@ -10,6 +10,7 @@ import pathlib
 import shutil
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -40,8 +41,7 @@ def test_compose_declares_the_operations_stack():
         env = service["environment"]
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
         assert env["OTEL_SERVICE_NAME"] == f"headrace-{name}"
-        # the planes share a secret that the file does not default (compose refuses to start without it)
-        assert env["HEADRACE_WORKER_SECRET"].startswith("${HEADRACE_WORKER_SECRET:?")
+        _reads_the_made_secret(service)
         assert "HEADRACE_API_TOKEN" not in env or name == "controlplane"
     # Prometheus scrapes both planes; the collector forwards traces to Jaeger
     prom = _load(ROOT / "deploy" / "prometheus.yml")
@@ -62,10 +62,47 @@ def test_cpu_variant_runs_without_gpus():
     assert "deploy" not in worker and "cpu" in worker["command"]
     assert worker["networks"]["default"]["aliases"] == ["dataplane"]
     assert worker["healthcheck"]["test"][:3] == ["CMD", "headrace", "health"]
-    assert worker["environment"]["HEADRACE_WORKER_SECRET"].startswith("${HEADRACE_WORKER_SECRET:?")
-    assert cpu["controlplane"]["image"] == worker["image"] == "headrace:cpu"
+    _reads_the_made_secret(worker)
+    assert cpu["controlplane"]["image"] == worker["image"] == cpu["secret-init"]["image"] == "headrace:cpu"
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "ARG BASE_IMAGE" in dockerfile and "ENTRYPOINT" in dockerfile
+
+
+def _reads_the_made_secret(service: dict) -> None:
+    """A plane takes the operator's HEADRACE_WORKER_SECRET when set (no ``:?``: compose must
+    start with nothing set), else the file secret-init made, from the volume, read-only."""
+    env = service["environment"]
+    assert env["HEADRACE_WORKER_SECRET"] in ("${HEADRACE_WORKER_SECRET:-}", "${HEADRACE_WORKER_SECRET}")
+    assert env["HEADRACE_WORKER_SECRET_FILE"] == "/run/headrace-secret/worker-secret"
+    assert "headrace-secret:/run/headrace-secret:ro" in service["volumes"]
+    assert service["depends_on"]["secret-init"]["condition"] == "service_completed_successfully"
+
+
+def test_secret_init_makes_one_secret_and_keeps_it(tmp_path, monkeypatch):
+    """The one-shot service's program, run against a directory here: a fresh 0600 secret the
+    first time, the same one on every later start; the planes read it through
+    ``common.security.worker_secret`` unless the operator set HEADRACE_WORKER_SECRET."""
+    from common import security
+
+    compose = _load(GPU_FILE)
+    init = compose["services"]["secret-init"]
+    assert init["restart"] == "no" and init["volumes"] == ["headrace-secret:/run/headrace-secret"]
+    assert "headrace-secret" in compose["volumes"]
+    program = init["entrypoint"][-1].replace("/run/headrace-secret", str(tmp_path))
+    subprocess.run([sys.executable, "-c", program], check=True)
+    secret_file = tmp_path / "worker-secret"
+    made = secret_file.read_text()
+    assert len(made) == 64 and int(made, 16) >= 0
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    subprocess.run([sys.executable, "-c", program], check=True)
+    assert secret_file.read_text() == made
+    env = {"HEADRACE_WORKER_SECRET": "", "HEADRACE_WORKER_SECRET_FILE": str(secret_file)}
+    assert security.worker_secret(None, env) == made
+    assert security.worker_secret(None, dict(env, HEADRACE_WORKER_SECRET="mine")) == "mine"
+    assert security.worker_secret("flag", env) == "flag"
+    assert security.worker_secret(None, {}) is None
+    with pytest.raises(ValueError, match="cannot read"):
+        security.worker_secret(None, {"HEADRACE_WORKER_SECRET_FILE": str(tmp_path / "missing")})
 
 
 def test_the_image_command_is_exec_form_and_metrics_open_only_where_scraped():
@@ -96,8 +133,12 @@ def test_compose_config_is_valid(files):
     if cli is None:
         pytest.skip("no compose CLI installed (docker compose / docker-compose); .ci/run installs one")
     args = [a for f in files for a in ("-f", str(f))]
+    bare = {k: v for k, v in os.environ.items() if not k.startswith(("HEADRACE_", "OTEL_"))}
+    done = subprocess.run(cli + args + ["config", "-q"], cwd=ROOT, capture_output=True, text=True, env=bare)
+    assert done.returncode == 0, done.stderr   # nothing set: a fresh clone's `docker compose up`
+    assert "WARNING" not in done.stderr, done.stderr   # no variable is unset without a default
     done = subprocess.run(cli + args + ["config", "-q"], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "HEADRACE_MODEL": "/models/x", "HEADRACE_WORKER_SECRET": "s"})
+                          env={**bare, "HEADRACE_MODEL": "/models/x", "HEADRACE_WORKER_SECRET": "s"})
     assert done.returncode == 0, done.stderr
 
 
@@ -162,8 +203,9 @@ def test_cpu_compose_stack_streams_a_generation(tmp_path):
     observability = all(_image_available(image) for image in extra.values())
     if observability:
         services += list(extra)
-    env = {**os.environ, "HEADRACE_MODELS": str(models), "HEADRACE_MODEL": "/models/tiny",
-           "HEADRACE_WORKER_SECRET": "smoke-test-secret",
+    # no HEADRACE_WORKER_SECRET: secret-init makes the planes' secret
+    env = {**{k: v for k, v in os.environ.items() if k != "HEADRACE_WORKER_SECRET"},
+           "HEADRACE_MODELS": str(models), "HEADRACE_MODEL": "/models/tiny",
            "HEADRACE_PORT": str(port), "JAEGER_UI_PORT": str(_free_port()),
            "PROMETHEUS_PORT": str(_free_port()),
            "OTEL_TRACES_EXPORTER": "otlp" if observability else "none"}

@@ -72,6 +72,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+@pytest.mark.slow   # 2,000 streams
 @pytest.mark.timeout(240)
 def test_streams_cancelled_at_random_points_leak_no_blocks(llama_planes):
     start_free = llama_planes.free_blocks

@@ -164,12 +164,10 @@ with concurrent.futures.ThreadPoolExecutor(n) as pool:
 """
 
 
-def test_oversized_calls_without_a_token_keep_memory_bounded(planes):
-    """32 concurrent 30 MiB calls without a token (sent from another process): refused
-    quickly, and the server grows by far less than one message per call (the whole messages
-    would be ~1 GiB; before, the server read each one whole before checking the token)."""
-    me = psutil.Process()
-    base, peak = me.memory_info().rss, 0
+def _oversized_calls(planes, me: psutil.Process) -> int:
+    """32 concurrent 30 MiB calls without a token from another process, all refused quickly;
+    returns the server process's peak RSS meanwhile."""
+    peak = 0
     proc = subprocess.Popen([sys.executable, "-c", CLIENT, planes.address, str(30 << 20), "32"],
                             stdout=subprocess.PIPE, text=True)
     while proc.poll() is None:
@@ -179,6 +177,20 @@ def test_oversized_calls_without_a_token_keep_memory_bounded(planes):
     assert len(results) == 32
     assert {code for code, _ in results} <= {"UNAUTHENTICATED", "RESOURCE_EXHAUSTED"}, results
     assert max(float(s) for _, s in results) < 20
+    return peak
+
+
+def test_oversized_calls_without_a_token_keep_memory_bounded(planes):
+    """32 concurrent 30 MiB calls without a token: refused quickly, and the server grows by
+    far less than one message per call (the whole messages would be ~1 GiB; before, the server
+    read each one whole before checking the token). Measured against a warmed baseline: a
+    first round makes what any burst of connections makes once (gRPC's threads and transport
+    buffers, the allocator's arenas), which a cold baseline counted as growth (230 MiB on a
+    busy machine); the second round's peak above it is what the calls themselves hold."""
+    me = psutil.Process()
+    _oversized_calls(planes, me)   # warm-up
+    base = me.memory_info().rss
+    peak = _oversized_calls(planes, me)
     assert peak - base < 160 << 20, (peak - base) >> 20
 
 

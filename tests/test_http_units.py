@@ -110,6 +110,8 @@ def test_chat_bodies():
 @pytest.mark.parametrize("code,message,chat,status,param", [
     (grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p must be in (0, 1]", False, 400, "top_p"),
     (grpc.StatusCode.INVALID_ARGUMENT, "prompt has 5000 tokens; max_model_len is 1024", True, 400, "messages"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "prompt 9 tokens + max_tokens 1024 > max_model_len 1024: shorten the "
+                                       "prompt or lower max_tokens to at most 1015", True, 400, "max_tokens"),
     (grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: token id 9 is out", False, 400, "prompt"),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is full", False, 429, None),
     (grpc.StatusCode.UNAVAILABLE, "server is draining", False, 503, None),

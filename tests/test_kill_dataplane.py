@@ -21,6 +21,8 @@ from tests.harness import completion
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
+pytestmark = pytest.mark.slow   # a serve process tree, 32 generations twice, a restart
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -73,7 +75,8 @@ def test_kill_9_of_the_data_plane_during_32_generations():
                 prompt=prompt, max_tokens=48, ignore_eos=True, sampling=pb.SamplingParams(temperature=0)),
                 timeout=180)))
 
-        undisturbed = [run(p) for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:   # greedy: batching changes nothing
+            undisturbed = list(pool.map(run, prompts))
         (child,) = _dataplanes(server.pid)
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
             futures = [pool.submit(run, p) for p in prompts]

@@ -180,7 +180,9 @@ def test_a_restarted_data_plane_forgets_its_host_tier(model_dir):
         planes.worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=8, block_size=16,
                                              dtype="float32", max_num_seqs=64, **OFFLOAD))
         planes.worker_server = serve(planes.worker, planes.worker_address)
-        # the old stream ended: the engine reset (both tiers forgotten) and reconnects
+        # the old stream ended: the engine reset (both tiers forgotten) and reconnects; on a
+        # busy machine it may still be reconnecting, when new requests are refused
+        # (UNAVAILABLE): wait for it first
         deadline = time.monotonic() + 120
         while not planes.engine.healthy and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -52,6 +52,19 @@ def test_format_follows_the_terminal(captured, monkeypatch):
     assert configure_logging(stream=_Tty(), cache_loggers=False) == "json"
 
 
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_uvicorns_colour_copy_of_its_message_stays_out_of_our_lines(captured, fmt):
+    out = io.StringIO()
+    configure_logging(fmt, stream=out, cache_loggers=False)
+    logging.getLogger("uvicorn.error").info(
+        "Uvicorn running on %s", "http://127.0.0.1:8000",
+        extra={"color_message": "Uvicorn running on \x1b[1m%s\x1b[0m", "port": 8000})
+    text = out.getvalue()
+    assert "Uvicorn running on http://127.0.0.1:8000" in text
+    assert "color_message" not in text and "\x1b" not in text   # no ANSI codes off a terminal
+    assert "8000" in text.replace("127.0.0.1:8000", "")   # other extras are kept
+
+
 def test_request_lines_carry_request_and_trace_ids_and_no_prompt(llama_planes, captured):
     configure_logging("json", stream=captured, cache_loggers=False)
     secret = "the quick brown fox"

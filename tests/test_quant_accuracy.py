@@ -29,6 +29,8 @@ from kernels import reference_quant
 from tests import quant_checkpoints as qc
 from tests.test_quant_loading import forward_logits
 
+pytestmark = pytest.mark.slow   # perplexity and greedy agreement of every scheme on the embedded model
+
 TINY = pathlib.Path(train.__file__).parent / "tiny"
 WINDOW, WINDOWS, PROMPTS, PROMPT_LEN, NEW = 256, 6, 8, 32, 24
 

@@ -260,6 +260,7 @@ def test_checkpoint_kv_scales_serve_the_fp8_cache(tmp_path):
     assert (fp8.argmax(-1) == base.argmax(-1)).float().mean() >= 0.6   # a random model: fragile
 
 
+@pytest.mark.slow   # quantizes a checkpoint in a subprocess
 def test_bench_quantize_checkpoint_writes_a_loadable_w4a16_copy(tmp_path):
     """bench/quantize_checkpoint.py (the GPU benchmarks' INT4 checkpoint): every projection
     round-to-nearest within half a quantisation step of the float weight."""

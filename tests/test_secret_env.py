@@ -53,7 +53,22 @@ def test_flags_and_environment_resolve_to_the_same_secrets(tmp_path):
     assert _serve([], {"HEADRACE_API_TOKEN": "one"}).api_token == ["one"]
     dataplane = build_parser().parse_args(["dataplane"])
     secret_env.resolve(dataplane, ALL)
-    assert dataplane.secret == "wsec"
+    assert dataplane.worker_secret == "wsec"
+
+
+def test_the_worker_secret_falls_back_to_the_file_compose_makes(tmp_path):
+    made = tmp_path / "worker-secret"
+    made.write_text("from-the-file\n")
+    env = {"HEADRACE_WORKER_SECRET_FILE": str(made)}
+    assert _serve([], env).worker_secret == "from-the-file"
+    assert _serve([], dict(env, HEADRACE_WORKER_SECRET="var")).worker_secret == "var"
+    assert _serve(["--worker-secret", "flag"], env).worker_secret == "flag"
+    dataplane = build_parser().parse_args(["dataplane"])
+    secret_env.resolve(dataplane, env)
+    assert dataplane.worker_secret == "from-the-file"
+    made.write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        _serve([], env)
 
 
 def test_each_role_gets_only_its_secrets_by_environment():

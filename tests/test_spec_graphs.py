@@ -93,6 +93,7 @@ def _graphed(w):
 SELF_DRAFT = {"method": "draft_model", "model": MODEL, "num_speculative_tokens": 4}
 
 
+@pytest.mark.slow   # every graph size, twice
 @pytest.mark.parametrize("config", [NGRAM, SELF_DRAFT], ids=["ngram", "draft_model"])
 def test_greedy_output_with_verify_graphs_is_identical_to_without_speculation(config):
     opts = dict(device="cuda", cuda_graphs=True) if CUDA else {}

@@ -7,9 +7,11 @@ and untied embeddings, and a vocabulary padded to a multiple of the world size."
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import time
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +24,8 @@ from dataplane.parallel import Shard
 from tests.checkpoints import make_checkpoint
 from tests.harness import DEVICE, Planes, completion
 from headrace.v1 import inference_pb2 as pb
+
+pytestmark = pytest.mark.slow   # rank processes (each imports torch)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NEW_TOKENS = 8
@@ -36,15 +40,34 @@ CASES = {
 }
 
 
-def _start_ranks(model: pathlib.Path, world: int, extra: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], list[str]]:
-    # the ranks' logs (and sockets) go to HEADRACE_TP_LOG_DIR when set: kept for a device run
+@contextlib.contextmanager
+def _ranks(model: pathlib.Path, world: int, extra: tuple[str, ...] = ()):
+    """``world`` data plane rank processes over ``model``: yields (processes, addresses); kills
+    them (nothing here depends on a graceful stop, which a rank may spend in its process
+    group's teardown) and removes their directory afterwards."""
+    # the ranks' logs (and sockets) go to HEADRACE_TP_LOG_DIR when set: kept for a device run;
+    # else a short directory of their own (a unix socket path must stay under 108 bytes)
     keep = os.environ.get("HEADRACE_TP_LOG_DIR")
     if keep:
         os.makedirs(keep, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="headrace-tp-", dir=keep or None)
+    procs: list[subprocess.Popen] = []
+    try:
+        yield _start_ranks(model, world, extra, tmp, procs)
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _start_ranks(model: pathlib.Path, world: int, extra: tuple[str, ...], tmp: str,
+                 procs: list[subprocess.Popen]) -> tuple[list[subprocess.Popen], list[str]]:
     dist_init = f"tcp://127.0.0.1:{_free_port()}"
     env = dict(os.environ, OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0")
-    procs, addresses = [], []
+    addresses = []
     for r in range(world):
         address = f"unix:{tmp}/dp-{r}.sock"
         argv = [sys.executable, "-m", "cli", "dataplane", "--model", str(model),
@@ -76,40 +99,64 @@ def _generate_all(planes: Planes) -> list[tuple[list[int], list[float]]]:
         return list(pool.map(run, range(len(PROMPTS) + 1)))
 
 
+def _reload(addresses: list[str], model: pathlib.Path) -> None:
+    """Every rank loads ``model`` (together: the ranks of a group load their shards at once)."""
+    import grpc
+
+    from headrace.dataplane.v1 import worker_pb2 as wpb
+    from headrace.dataplane.v1 import worker_pb2_grpc as wpb_grpc
+
+    def one(address):
+        with grpc.insecure_channel(address) as channel:
+            return wpb_grpc.WorkerStub(channel).Reload(wpb.ReloadRequest(model=str(model)), timeout=180)
+
+    with concurrent.futures.ThreadPoolExecutor(len(addresses)) as pool:
+        assert {i.model_name for i in pool.map(one, addresses)} == {load_model_config(model).name}
+
+
+@pytest.fixture(scope="module")
+def rank_groups():
+    """Rank processes kept for the module, one group per world size; each case after the
+    first reloads its checkpoint into them (Reload) instead of starting its own ranks (each
+    start imports torch: seconds of CPU per rank)."""
+    groups, stack = {}, contextlib.ExitStack()
+
+    def get(world: int, model: pathlib.Path) -> list[str]:
+        if world in groups:
+            _reload(groups[world], model)
+        else:
+            groups[world] = stack.enter_context(_ranks(model, world))[1]
+        return groups[world]
+
+    with stack:
+        yield get
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_tp_greedy_matches_single_worker(case, tmp_path):
+def test_tp_greedy_matches_single_worker(case, tmp_path, rank_groups):
     family, opts, world = CASES[case]
     if DEVICE == "cuda":
         import torch
         if torch.cuda.device_count() < world:
             pytest.skip(f"{world} GPUs needed")
     model = make_checkpoint(tmp_path / "ckpt", family, head_dim=32, **opts)
-    procs, addresses = _start_ranks(model, world)   # they load while the reference runs
+    addresses = rank_groups(world, model)
+    single = Planes(model, num_kv_blocks=64)
     try:
-        single = Planes(model, num_kv_blocks=64)
-        try:
-            expected = _generate_all(single)
-        finally:
-            single.close()
-        planes = Planes(model, workers=addresses)
-        try:
-            infos = planes.call(_describe(planes))
-            assert [i.rank for i in infos] == list(range(world))
-            assert {i.world_size for i in infos} == {world}
-            got = _generate_all(planes)
-        finally:
-            planes.close()
-        for (ids, lps), (ref_ids, ref_lps) in zip(got, expected):
-            assert ids == ref_ids
-            assert lps == pytest.approx(ref_lps, abs=1e-3)
+        expected = _generate_all(single)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        single.close()
+    planes = Planes(model, workers=addresses)
+    try:
+        infos = planes.call(_describe(planes))
+        assert [i.rank for i in infos] == list(range(world))
+        assert {i.world_size for i in infos} == {world}
+        got = _generate_all(planes)
+    finally:
+        planes.close()
+    for (ids, lps), (ref_ids, ref_lps) in zip(got, expected):
+        assert ids == ref_ids
+        assert lps == pytest.approx(ref_lps, abs=1e-3)
 
 
 def test_tp_ranks_each_offload_their_shard_to_the_host_tier(tmp_path):
@@ -123,7 +170,6 @@ def test_tp_ranks_each_offload_their_shard_to_the_host_tier(tmp_path):
         if torch.cuda.device_count() < 2:
             pytest.skip("2 GPUs needed")
     model = make_checkpoint(tmp_path / "ckpt", "qwen3", head_dim=32, heads=8, kv_heads=2)
-    procs, addresses = _start_ranks(model, 2, ("--num-kv-blocks", "6", "--kv-offloading-size", "0.001"))
     prompts = [list(range(30, 70)), [200 + i for i in range(40)], list(range(30, 70)) + [5, 6],
                [100 + 2 * i for i in range(36)]]
 
@@ -131,7 +177,7 @@ def test_tp_ranks_each_offload_their_shard_to_the_host_tier(tmp_path):
         return completion(planes.generate(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=NEW_TOKENS,
                                           ignore_eos=True, sampling=pb.SamplingParams(temperature=0)))[0]
 
-    try:
+    with _ranks(model, 2, ("--num-kv-blocks", "6", "--kv-offloading-size", "0.001")) as (procs, addresses):
         single = Planes(model, num_kv_blocks=64)
         try:
             expected = [run(single, p) for p in prompts]
@@ -148,22 +194,13 @@ def test_tp_ranks_each_offload_their_shard_to_the_host_tier(tmp_path):
         finally:
             planes.close()
         assert sequential == expected and concurrent_ == expected
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 def test_dead_rank_makes_group_unhealthy(tmp_path):
     """Killing rank 1 mid-service breaks its step stream: the control plane marks the group
     unhealthy (and rank 0, left in a collective, fails the step instead of hanging)."""
     model = make_checkpoint(tmp_path / "ckpt", "llama", heads=4, kv_heads=2, head_dim=32, layers=1)
-    procs, addresses = _start_ranks(model, 2)
-    try:
+    with _ranks(model, 2) as (procs, addresses):
         planes = Planes(model, workers=addresses)
         try:
             assert _generate_all(planes)
@@ -179,10 +216,6 @@ def test_dead_rank_makes_group_unhealthy(tmp_path):
             pool.shutdown(wait=False, cancel_futures=True)
         finally:
             planes.close()
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait(10)
 
 
 async def _describe(planes: Planes):

@@ -82,13 +82,10 @@ class CoreServer:
         if self.metrics_port is not None:
             registry = dp_metrics.registry() if data_parallel else \
                 multiprocess_registry(engine_state_collector(metrics))
-            try:
-                self.metrics_port = metrics.serve(self.metrics_port, self.metrics_host, registry)
-                log.info("control plane metrics on http://%s:%d/metrics", self.metrics_host,
-                         self.metrics_port)
-            except OSError as exc:   # serve anyway: a taken metrics port must not stop inference
-                log.error("cannot serve metrics on port %s: %s", self.metrics_port, exc)
-                self.metrics_port = None
+            # a port in use fails start-up (net.PortInUse), as the API ports do
+            self.metrics_port = metrics.serve(self.metrics_port, self.metrics_host, registry)
+            log.info("control plane metrics on http://%s:%d/metrics", self.metrics_host,
+                     self.metrics_port)
         log.info("engine core listening on %s; waiting for the data plane", self.address)
         await self.plane.start(ready_timeout)
         await set_health(self.health, self.engine.ready)

@@ -20,7 +20,7 @@ from controlplane.admin import AdminService
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 
-METHODS = ("GetConfig", "UpdateConfig", "Drain", "Resume", "ReloadModel")
+METHODS = ("GetConfig", "UpdateConfig", "Drain", "Resume", "ReloadModel", "StartProfile", "StopProfile")
 NO_CORE = "the engine core is unavailable (restarting?); retry"
 SUMMED = {apb.Config: ("running", "waiting", "in_flight_requests", "num_kv_blocks", "num_host_kv_blocks"),
           apb.DrainResponse: ("in_flight", "aborted"),

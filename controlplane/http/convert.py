@@ -22,6 +22,9 @@ GRPC_CODE = {v: k for k, v in STATUS.items()} | {413: grpc.StatusCode.INVALID_AR
 FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop",
           pb.FINISH_REASON_STOP_STRING: "stop", pb.FINISH_REASON_ABORTED: "abort"}
 _PARAM = re.compile(r"^(?:sampling\.)?([a-z_]+)")
+# controlplane.validation.check_fits: a prompt that fits alone but not with its max_tokens;
+# max_tokens is the parameter to change (OpenAI's clients read ``param`` so)
+_TOO_LONG = re.compile(r"^prompt \d+ tokens \+ max_tokens \d+ > max_model_len")
 STRUCTURED_PARAM = "response_format"   # the request path's "structured: ..." refusals
 
 
@@ -34,7 +37,9 @@ class HttpError(Exception):
     def from_request_error(cls, exc, chat: bool = False) -> "HttpError":
         status = STATUS.get(exc.code, 500)
         param = None
-        if status == 400 and (m := _PARAM.match(exc.message)):
+        if status == 400 and _TOO_LONG.match(exc.message):
+            param = "max_tokens"
+        elif status == 400 and (m := _PARAM.match(exc.message)):
             param = m.group(1)
             if param in ("prompt", "prompt_token_ids"):
                 param = "messages" if chat else "prompt"

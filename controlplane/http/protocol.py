@@ -28,7 +28,7 @@ class _Sampling(_Body):
     max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = Field(1, ge=1, le=64)
+    n: int = Field(1, ge=1, lt=1 << 32)   # at most the server's --max-n (controlplane.validation)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=1 << 64)
     presence_penalty: float = 0.0

@@ -135,3 +135,33 @@ class ReloadModelResponse(_message.Message):
     aborted: int
     seconds: float
     def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., aborted: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class StartProfileRequest(_message.Message):
+    __slots__ = ("dir", "num_steps")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    num_steps: int
+    def __init__(self, dir: _Optional[str] = ..., num_steps: _Optional[int] = ...) -> None: ...
+
+class StopProfileRequest(_message.Message):
+    __slots__ = ("wait_s",)
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    wait_s: float
+    def __init__(self, wait_s: _Optional[float] = ...) -> None: ...
+
+class ProfileStatus(_message.Message):
+    __slots__ = ("recording", "dir", "num_steps", "steps_recorded", "files", "errors")
+    RECORDING_FIELD_NUMBER: _ClassVar[int]
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_RECORDED_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    recording: bool
+    dir: str
+    num_steps: int
+    steps_recorded: int
+    files: _containers.RepeatedScalarFieldContainer[str]
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, recording: _Optional[bool] = ..., dir: _Optional[str] = ..., num_steps: _Optional[int] = ..., steps_recorded: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...

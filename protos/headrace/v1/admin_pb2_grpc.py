@@ -59,6 +59,16 @@ class AdminStub:
                 request_serializer=headrace_dot_v1_dot_admin__pb2.ReloadModelRequest.SerializeToString,
                 response_deserializer=headrace_dot_v1_dot_admin__pb2.ReloadModelResponse.FromString,
                 _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/headrace.v1.Admin/StartProfile',
+                request_serializer=headrace_dot_v1_dot_admin__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=headrace_dot_v1_dot_admin__pb2.ProfileStatus.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/headrace.v1.Admin/StopProfile',
+                request_serializer=headrace_dot_v1_dot_admin__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=headrace_dot_v1_dot_admin__pb2.ProfileStatus.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -102,6 +112,23 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartProfile(self, request, context):
+        """On-demand profiling: from the next engine step on, every data-plane rank records a
+        torch.profiler trace (Chrome trace JSON: Perfetto, TensorBoard) of num_steps steps, and
+        the engine core a cProfile of the same window (docs/operations.md, "Profiling").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Waits up to wait_s for the recording's steps, ends it (at once if they did not come)
+        and lists the files written.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +156,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ReloadModel,
                     request_deserializer=headrace_dot_v1_dot_admin__pb2.ReloadModelRequest.FromString,
                     response_serializer=headrace_dot_v1_dot_admin__pb2.ReloadModelResponse.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=headrace_dot_v1_dot_admin__pb2.StartProfileRequest.FromString,
+                    response_serializer=headrace_dot_v1_dot_admin__pb2.ProfileStatus.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=headrace_dot_v1_dot_admin__pb2.StopProfileRequest.FromString,
+                    response_serializer=headrace_dot_v1_dot_admin__pb2.ProfileStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +303,60 @@ class Admin:
             '/headrace.v1.Admin/ReloadModel',
             headrace_dot_v1_dot_admin__pb2.ReloadModelRequest.SerializeToString,
             headrace_dot_v1_dot_admin__pb2.ReloadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/headrace.v1.Admin/StartProfile',
+            headrace_dot_v1_dot_admin__pb2.StartProfileRequest.SerializeToString,
+            headrace_dot_v1_dot_admin__pb2.ProfileStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/headrace.v1.Admin/StopProfile',
+            headrace_dot_v1_dot_admin__pb2.StopProfileRequest.SerializeToString,
+            headrace_dot_v1_dot_admin__pb2.ProfileStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -129,7 +129,7 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "running_seq_ids", "running_num_scheduled", "running_new_block_counts", "running_new_block_ids", "finished_seq_ids", "copy_src_blocks", "copy_dst_blocks", "flush", "running_num_spec", "truncate_seq_ids", "truncate_num_blocks", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks", "trace_context", "trace_links", "bitmask", "bitmask_follows", "late_bitmask", "checked_draft_seq_ids", "checked_draft_counts", "checked_drafts")
+    __slots__ = ("step_id", "new_seqs", "running_seq_ids", "running_num_scheduled", "running_new_block_counts", "running_new_block_ids", "finished_seq_ids", "copy_src_blocks", "copy_dst_blocks", "flush", "running_num_spec", "truncate_seq_ids", "truncate_num_blocks", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks", "trace_context", "trace_links", "bitmask", "bitmask_follows", "late_bitmask", "checked_draft_seq_ids", "checked_draft_counts", "checked_drafts", "profile")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class StepRequest(_message.Message):
     CHECKED_DRAFT_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     CHECKED_DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     CHECKED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     running_seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -187,7 +188,8 @@ class StepRequest(_message.Message):
     checked_draft_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     checked_draft_counts: _containers.RepeatedScalarFieldContainer[int]
     checked_drafts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_seq_ids: _Optional[_Iterable[int]] = ..., running_num_scheduled: _Optional[_Iterable[int]] = ..., running_new_block_counts: _Optional[_Iterable[int]] = ..., running_new_block_ids: _Optional[_Iterable[int]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., flush: _Optional[bool] = ..., running_num_spec: _Optional[_Iterable[int]] = ..., truncate_seq_ids: _Optional[_Iterable[int]] = ..., truncate_num_blocks: _Optional[_Iterable[int]] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., bitmask_follows: _Optional[bool] = ..., late_bitmask: _Optional[bool] = ..., checked_draft_seq_ids: _Optional[_Iterable[int]] = ..., checked_draft_counts: _Optional[_Iterable[int]] = ..., checked_drafts: _Optional[_Iterable[int]] = ...) -> None: ...
+    profile: ProfileCommand
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_seq_ids: _Optional[_Iterable[int]] = ..., running_num_scheduled: _Optional[_Iterable[int]] = ..., running_new_block_counts: _Optional[_Iterable[int]] = ..., running_new_block_ids: _Optional[_Iterable[int]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., flush: _Optional[bool] = ..., running_num_spec: _Optional[_Iterable[int]] = ..., truncate_seq_ids: _Optional[_Iterable[int]] = ..., truncate_num_blocks: _Optional[_Iterable[int]] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., bitmask_follows: _Optional[bool] = ..., late_bitmask: _Optional[bool] = ..., checked_draft_seq_ids: _Optional[_Iterable[int]] = ..., checked_draft_counts: _Optional[_Iterable[int]] = ..., checked_drafts: _Optional[_Iterable[int]] = ..., profile: _Optional[_Union[ProfileCommand, _Mapping]] = ...) -> None: ...
 
 class TokenBitmask(_message.Message):
     __slots__ = ("seq_ids", "bits")
@@ -197,8 +199,32 @@ class TokenBitmask(_message.Message):
     bits: bytes
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., bits: _Optional[bytes] = ...) -> None: ...
 
+class ProfileCommand(_message.Message):
+    __slots__ = ("dir", "num_steps", "name", "stop")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    num_steps: int
+    name: str
+    stop: bool
+    def __init__(self, dir: _Optional[str] = ..., num_steps: _Optional[int] = ..., name: _Optional[str] = ..., stop: _Optional[bool] = ...) -> None: ...
+
+class ProfileReport(_message.Message):
+    __slots__ = ("rank", "files", "steps", "error")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    files: _containers.RepeatedScalarFieldContainer[str]
+    steps: int
+    error: str
+    def __init__(self, rank: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., steps: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "execute_ms", "device_ms", "device_idle_ms", "sample_ms", "stopped_seq_ids", "num_tokens", "num_draft_tokens", "swap_ms", "swap_out_bytes", "swap_in_bytes")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "execute_ms", "device_ms", "device_idle_ms", "sample_ms", "stopped_seq_ids", "num_tokens", "num_draft_tokens", "swap_ms", "swap_out_bytes", "swap_in_bytes", "profile_reports")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +241,7 @@ class StepResult(_message.Message):
     SWAP_MS_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_REPORTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -231,4 +258,5 @@ class StepResult(_message.Message):
     swap_ms: float
     swap_out_bytes: int
     swap_in_bytes: int
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., execute_ms: _Optional[float] = ..., device_ms: _Optional[float] = ..., device_idle_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., stopped_seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., swap_ms: _Optional[float] = ..., swap_out_bytes: _Optional[int] = ..., swap_in_bytes: _Optional[int] = ...) -> None: ...
+    profile_reports: _containers.RepeatedCompositeFieldContainer[ProfileReport]
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., execute_ms: _Optional[float] = ..., device_ms: _Optional[float] = ..., device_idle_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., stopped_seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., swap_ms: _Optional[float] = ..., swap_out_bytes: _Optional[int] = ..., swap_in_bytes: _Optional[int] = ..., profile_reports: _Optional[_Iterable[_Union[ProfileReport, _Mapping]]] = ...) -> None: ...
