@@ -3,7 +3,7 @@ share of one, or the CPU), behind the same API front ends (``headrace serve``; `
 controlplane`` over running data planes). The front ends place each request on a core
 (``controlplane.frontend.router``).
 
-- GPUs (``--device cuda``): rank r of replica i takes GPU i x TP + r when the machine has that
+- GPUs (``--device cuda``, or ``auto`` when this process counts a GPU: ``resolve_auto``): rank r of replica i takes GPU i x TP + r when the machine has that
   many (``visible_gpus``: $CUDA_VISIBLE_DEVICES, else the driver's entries, else nvidia-smi);
   with fewer, the replicas' ranks take the GPUs in turn and share them (``replica_devices``).
   ``--gpu-memory-utilization`` is one process's fraction of its GPU (as vLLM's): left at its
@@ -45,6 +45,16 @@ def visible_gpus() -> int | None:
         if count:
             return count
     return len(glob.glob("/proc/driver/nvidia/gpus/*")) or None
+
+
+def resolve_auto(device: str, gpus: int | None) -> str:
+    """``--device auto`` (the default) for data parallelism: the supervisor places the replicas
+    without torch, so auto is cuda when it counts a GPU (``visible_gpus``), else it stays auto
+    (each data plane then picks, as without data parallelism). Left to the data planes on a GPU
+    machine, every replica would take cuda:0 with the whole default memory share."""
+    if device != "auto":
+        return device
+    return "cuda" if gpus else "auto"
 
 
 def replica_devices(device: str, tp: int, dp: int, gpus: int | None) -> list[list[str]]:

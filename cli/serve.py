@@ -118,8 +118,8 @@ def cmd_serve(args) -> int:
     world, dp = args.tensor_parallel_size, args.data_parallel_size
     devices = None
     if dp > 1:   # each replica's GPUs (or a share of one)
-        gpus = data_parallel.visible_gpus() if args.device.startswith("cuda") else None
-        devices = data_parallel.replica_devices(args.device, world, dp, gpus)
+        gpus = data_parallel.visible_gpus() if args.device.startswith("cuda") or args.device == "auto" else None
+        devices = data_parallel.replica_devices(data_parallel.resolve_auto(args.device, gpus), world, dp, gpus)
         per_gpu = data_parallel.sharing(devices)
         args.gpu_memory_utilization = data_parallel.memory_utilization(args.gpu_memory_utilization, per_gpu)
     sock_dir = tempfile.mkdtemp(prefix="headrace-")

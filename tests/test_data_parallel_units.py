@@ -32,6 +32,17 @@ def test_replicas_take_gpus_in_turn_and_share_them_when_too_few():
         dp.replica_devices("cuda", 2, 2, 1)
 
 
+def test_device_auto_places_replicas_on_the_gpus_the_supervisor_counts():
+    # serve's default device: replicas spread over (or share) the GPUs, as with --device cuda
+    assert dp.resolve_auto("auto", 2) == "cuda"
+    assert dp.replica_devices(dp.resolve_auto("auto", 1), 1, 2, 1) == [["cuda:0"], ["cuda:0"]]
+    assert dp.replica_devices(dp.resolve_auto("auto", 2), 1, 2, 2) == [["cuda:0"], ["cuda:1"]]
+    # no GPU counted: auto stays for each data plane to resolve (the CPU)
+    assert dp.resolve_auto("auto", None) == dp.resolve_auto("auto", 0) == "auto"
+    assert dp.replica_devices("auto", 2, 2, None) == [["auto", "auto"]] * 2
+    assert dp.resolve_auto("cpu", 4) == "cpu" and dp.resolve_auto("cuda:1", None) == "cuda:1"
+
+
 def test_a_shared_gpu_divides_the_default_memory_and_refuses_too_much():
     assert dp.memory_utilization(0.9, 1) == 0.9
     assert dp.memory_utilization(0.9, 2) == 0.45              # the default: divided
