@@ -177,10 +177,22 @@ def test_a_metrics_port_in_use_is_refused_like_the_api_ports(model_dir):
                  "--dataplane-metrics-port"),
                 (["controlplane", "--workers", "127.0.0.1:1", "--port", free, "--metrics-port", port],
                  "--metrics-port"),
-                (["dataplane", "--listen", f"127.0.0.1:{free}", "--metrics-port", port], "--metrics-port")):
+                (["dataplane", "--listen", f"127.0.0.1:{free}", "--metrics-port", port], "--metrics-port"),
+                # data parallelism: replica 1's data plane on --dataplane-metrics-port + 1
+                *([(["serve", "-dp", "2", "--port", free, "--metrics-port", "0", "--dataplane-metrics-port",
+                     str(int(port) - 1)], "--dataplane-metrics-port")] if _is_free(int(port) - 1) else [])):
             out = _headrace(*command, "--model", str(model_dir))
             assert out.returncode == 2, (command, out.stderr)
             _one_line(out, f"127.0.0.1:{port}", "in use", flag)
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}

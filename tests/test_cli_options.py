@@ -163,7 +163,8 @@ def test_serve_help_lists_every_option_under_a_heading(capsys):
                       "--structured-outputs-backend"],
               DEVICE: ["--device", "--gpu-memory-utilization", "--kv-cache-dtype", "--cudagraph-mode",
                        "--enforce-eager", "--max-cudagraph-capture-size", "--quant-backend"],
-              PARALLEL: ["--tensor-parallel-size"],
+              PARALLEL: ["--tensor-parallel-size", "--data-parallel-size", "--data-parallel-placement",
+                         "--data-parallel-balance-threshold", "--data-parallel-balance-ratio"],
               SCHEDULING: ["--policy", "--max-batched-tokens", "--max-queued",
                            "--max-prefill-tokens-with-decodes", "--max-num-partial-prefills",
                            "--max-long-partial-prefills", "--long-prefill-token-threshold",
@@ -185,6 +186,10 @@ def test_serve_help_lists_every_option_under_a_heading(capsys):
 def test_the_planes_list_every_option_under_a_heading(command, capsys):
     sections = _sections(_help(capsys, command))
     assert sections["options"].count("--") == 1, sections["options"]
+    if command == "controlplane":   # the data-parallel cores over running data planes
+        for flag in ("--data-parallel-size", "--data-parallel-placement", "--data-parallel-balance-threshold",
+                     "--data-parallel-balance-ratio"):
+            assert f"  {flag}" in sections[PARALLEL], flag
 
 
 def test_device_auto_picks_cuda_only_when_a_gpu_is_visible(monkeypatch):

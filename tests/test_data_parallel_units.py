@@ -43,6 +43,30 @@ def test_device_auto_places_replicas_on_the_gpus_the_supervisor_counts():
     assert dp.resolve_auto("cpu", 4) == "cpu" and dp.resolve_auto("cuda:1", None) == "cuda:1"
 
 
+def test_start_up_checks_every_replicas_metrics_ports(monkeypatch):
+    """Before any child starts, serve checks the control plane's /metrics (core 0 serves it; the
+    other cores none) and every data plane child's: replica i's rank r on
+    --dataplane-metrics-port + i x TP + r, on --metrics-host."""
+    from cli import processes, serve
+    from common import net
+
+    checked = []
+    monkeypatch.setattr(processes, "prepare_core_link", lambda args: None)
+    monkeypatch.setattr(net, "check_port", lambda address, what="--port": checked.append((address, what)))
+    args = build_parser().parse_args(["serve", "-dp", "2", "-tp", "2", "--port", "5000", "--metrics-port",
+                                      "9400", "--dataplane-metrics-port", "9401", "--metrics-host", "127.0.0.2"])
+    serve.check_public_ports(args)
+    assert checked[1:2] == [("127.0.0.1:8000", "--http-port")]   # (the default HTTP port)
+    assert checked[:1] + checked[2:] == [("127.0.0.1:5000", "--port"), ("127.0.0.2:9400", "--metrics-port")] + [
+        (f"127.0.0.2:{port}", "--dataplane-metrics-port") for port in (9401, 9402, 9403, 9404)]
+    argvs = [argv for i in range(2) for argv in serve.serve_children_argvs(args, ["unix:/a", "unix:/b"], None, i)]
+    assert [argv[argv.index("--metrics-port") + 1] for argv in argvs] == ["9401", "9402", "9403", "9404"]
+    checked.clear()
+    serve.check_public_ports(build_parser().parse_args(
+        ["controlplane", "-dp", "2", "--workers", "a:1,b:1", "--metrics-port", "9500"]))
+    assert [what for _, what in checked] == ["--port", "--http-port", "--metrics-port"]   # no children's ports
+
+
 def test_a_shared_gpu_divides_the_default_memory_and_refuses_too_much():
     assert dp.memory_utilization(0.9, 1) == 0.9
     assert dp.memory_utilization(0.9, 2) == 0.45              # the default: divided
