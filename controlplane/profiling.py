@@ -14,7 +14,11 @@ and collects what was recorded. Files, in ``dir``:
 - ``core.{name}.pstats``: the engine core's cProfile (``python -m pstats``, snakeviz)
 - ``core.{name}.txt``: its summary, the top functions by cumulative and by own time
 
-``name`` is the recording's UTC start time, e.g. ``20261201T093000.123Z``."""
+``name`` is the recording's UTC start time, e.g. ``20261201T093000.123Z``; a data-parallel
+core's recording adds its core, ``20261201T093000.123Z-core1`` (``Profiler.label``), so the
+cores' files (and their data planes', rank 0 of each) never overwrite each other in one
+directory. A front end's Admin starts and stops every core's at once
+(``controlplane.frontend.admin_proxy``)."""
 
 from __future__ import annotations
 
@@ -46,9 +50,10 @@ class ProfileRefused(Exception):
 
 
 class Recording:
-    def __init__(self, directory: str, num_steps: int, world_size: int):
+    def __init__(self, directory: str, num_steps: int, world_size: int, label: str = ""):
         self.dir, self.num_steps, self.world_size = directory, num_steps, world_size
         self.name = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}Z"
+        self.name += f"-{label}" if label else ""
         self.started = False           # the start command has left with a step
         self.steps_sent = 0            # model steps sent since
         self.reports: dict[int, wpb.ProfileReport] = {}
@@ -68,10 +73,11 @@ class Recording:
 
 
 class Profiler:
-    """The engine's profiling state; ``wake`` wakes the engine loop (a stop to send)."""
+    """The engine's profiling state; ``wake`` wakes the engine loop (a stop to send);
+    ``label``: this core's part of the files' names (``core{i}`` under data parallelism)."""
 
-    def __init__(self, world_size: int, wake=lambda: None):
-        self.world_size, self.wake = world_size, wake
+    def __init__(self, world_size: int, wake=lambda: None, label: str = ""):
+        self.world_size, self.wake, self.label = world_size, wake, label
         self.recording: Recording | None = None
         self._command: wpb.ProfileCommand | None = None   # for the next step sent
 
@@ -90,7 +96,7 @@ class Profiler:
         except OSError as exc:
             raise ProfileRefused(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"cannot make {directory}: {exc.strerror or exc}") from None
-        rec = self.recording = Recording(directory, num_steps, self.world_size)
+        rec = self.recording = Recording(directory, num_steps, self.world_size, self.label)
         self._command = wpb.ProfileCommand(dir=directory, num_steps=num_steps, name=rec.name)
         log.info("profiling the next %d steps into %s", num_steps, directory)
         return rec.status(True)

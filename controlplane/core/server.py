@@ -50,6 +50,8 @@ class CoreServer:
         self.address, self.tls = address, core_tls
         self.metrics_port, self.metrics_host = metrics_port, metrics_host
         self.dp_rank, self.dp_size = data_parallel_rank, data_parallel_size
+        if data_parallel_size > 1:   # the cores' profiles share a directory: names apart
+            self.engine.profiler.label = f"core{data_parallel_rank}"
         self.mirror = None
         self.service = EngineCoreService(self.plane, len(worker_addresses), data_parallel_rank)
         self.health = health.aio.HealthServicer()

@@ -6,8 +6,9 @@ beside the caller's ``authorization``.
 
 Under data parallelism (several cores) every call goes to every core at once and the answers
 are combined (``combine``): one configuration with the cores' counts summed (running, waiting,
-in flight, KV blocks, workers), a drain that is done when every core is; the first error
-status of any core is the answer's."""
+in flight, KV blocks, workers), a drain that is done when every core is, a profile (StartProfile,
+StopProfile) with every core's files and errors (each error naming its core), recording while
+any core is, its steps summed; the first error status of any core is the answer's."""
 
 from __future__ import annotations
 
@@ -44,6 +45,13 @@ def combine(answers: list):
         elif isinstance(first, apb.ReloadModelResponse):
             first.max_model_len = min(first.max_model_len, other.max_model_len)
             first.seconds = max(first.seconds, other.seconds)
+    if isinstance(first, apb.ProfileStatus) and len(answers) > 1:
+        first.recording = any(a.recording for a in answers)
+        first.steps_recorded = sum(a.steps_recorded for a in answers)
+        del first.files[:], first.errors[:]
+        for i, answer in enumerate(answers):
+            first.files.extend(answer.files)
+            first.errors.extend(f"core {i}: {error}" for error in answer.errors)
     return first
 
 
