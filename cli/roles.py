@@ -31,8 +31,9 @@ SUPERVISOR_ENV = "HEADRACE_SUPERVISOR"
 
 def failure_label(args) -> str:
     """How a command's one-line failure on stderr begins: ``headrace COMMAND``, or for a
-    child of ``headrace serve``, ``headrace serve: data plane`` (``engine core``, ``API front
-    end i``, ``data plane rank r``): the user ran serve and must see it named."""
+    child of ``headrace serve``, ``headrace serve: data plane`` (``engine core``, ``engine core
+    i`` of several, ``API front end i``, ``data plane rank r``): the user ran serve and must see
+    it named."""
     parent = os.environ.get(SUPERVISOR_ENV)
     if not parent or args.command not in ("core", "frontend", "dataplane"):
         return f"headrace {args.command}"
@@ -40,6 +41,8 @@ def failure_label(args) -> str:
             "dataplane": "data plane"}[args.command]
     if args.command == "dataplane" and getattr(args, "world_size", 1) > 1:
         role += f" rank {args.rank}"
+    if args.command == "core" and getattr(args, "data_parallel_size", 1) > 1:
+        role += f" {args.data_parallel_rank}"   # which of the data-parallel cores
     return f"headrace {parent}: {role}"
 
 

@@ -137,6 +137,8 @@ def test_a_childs_failure_names_the_command_the_user_ran(monkeypatch):
         "headrace serve: data plane rank 1"
     assert failure_label(parse(["core", "--workers", "x:1", "--core-address", "unix:/c"])) == \
         "headrace serve: engine core"
+    assert failure_label(parse(["core", "--workers", "x:1", "--core-address", "unix:/c", "--data-parallel-rank",
+                                "1", "--data-parallel-size", "2"])) == "headrace serve: engine core 1"
     assert failure_label(parse(["frontend", "--index", "2", "--core-address", "unix:/c"])) == \
         "headrace serve: API front end 2"
     assert failure_label(parse(["generate", "hi"])) == "headrace generate"
