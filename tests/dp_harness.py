@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import tempfile
 import threading
 
@@ -100,6 +101,7 @@ class Cores:
         self.thread.join(5)
         for server in self.worker_servers:
             server.stop(0).wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)   # (issue 30: no temporary directory left)
 
 
 def generate(stub, ids: list[int], max_tokens: int = 4, **fields) -> list[pb.GenerateResponse]:

@@ -30,6 +30,9 @@ def served(tmp_path_factory):
                extra=("--data-parallel-size", "2", "--num-kv-blocks", "256"))
     s.wait_serving(180)
     s.wait_for(lambda: {"core 0", "core 1"} <= set(s.role_pids()), 30, "both cores")
+    # SERVING comes with the first ready core: on a loaded machine the other may still be loading
+    # its data plane, and placement passes over it (the first test saw every request on core 0)
+    s.wait_for(lambda: all(s.metric("headrace:core_ready", core=c) == 1 for c in "01"), 120, "both cores ready")
     yield s
     s.close()
 
