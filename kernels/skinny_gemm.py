@@ -121,7 +121,7 @@ _SMS: dict = {}
 
 
 def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return H200_SMS
     if device not in _SMS:
         _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
