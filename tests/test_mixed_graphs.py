@@ -62,8 +62,9 @@ def test_mode_flags_resolve_and_bad_ones_fail_with_the_flag_named(model_dir):
     assert graph_capture.capture_tokens(opts()) == 2048
     assert graph_capture.capture_tokens(opts(max_batched_tokens=16384)) == 4096
     assert graph_capture.capture_tokens(opts(max_cudagraph_capture_size=512)) == 512
-    with pytest.raises(ValueError, match="--cudagraph-mode 'full'"):
-        _worker(model_dir, cudagraph_mode="full")
+    assert graph_capture.resolve_mode(opts(cudagraph_mode="full")) == "full"
+    with pytest.raises(ValueError, match="--cudagraph-mode 'fully'"):
+        _worker(model_dir, cudagraph_mode="fully")
     with pytest.raises(ValueError, match="--max-cudagraph-capture-size 0"):
         _worker(model_dir, max_cudagraph_capture_size=0)
 
