@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels import triton_decode
+from kernels.host import cdiv, next_pow2
 from kernels.triton_decode import num_decode_splits  # noqa: F401  (part of this module's API)
 from kernels.triton_flash import Launch, _attend, _query_operand
 
@@ -119,12 +120,12 @@ def prefill(launch: Launch, query_start_loc: torch.Tensor, seq_lens: torch.Tenso
     _, heads, head_dim = query.shape
     kv_heads, block_size = keys.shape[2], keys.shape[1]
     group = heads // kv_heads
-    g_pad = triton.next_power_of_2(group)
+    g_pad = next_pow2(group)
     wide = query.element_size() > 2  # float32: a quarter of the tile and fewer stages fit smem
     block_m = min(PREFILL_BLOCK_M // (4 if wide else 1),
-                  max(16, triton.next_power_of_2(max_query_len) * g_pad))
+                  max(16, next_pow2(max_query_len) * g_pad))
     block_q = block_m // g_pad
-    grid = (triton.cdiv(max_query_len, block_q), kv_heads, seq_lens.shape[0] - seq0)
+    grid = (cdiv(max_query_len, block_q), kv_heads, seq_lens.shape[0] - seq0)
     _prefill_kernel[grid](
         query, keys, values, out, query_start_loc, seq_lens, block_tables,
         seq0, launch.qk_scale, launch.v_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),

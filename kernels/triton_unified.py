@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host import next_pow2
 from kernels.triton_flash import Launch, _attend, _query_operand
 
 # Rows (query tokens x padded group) per tile. 64 is a start value between vLLM's 16 (decode
@@ -106,9 +107,9 @@ def _unified_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, num_seqs, qk_scale, v_scale
 def tile_rows(tokens: int, group: int, wide: bool, block_m: int | None = None) -> int:
     """Rows of a tile: ``block_m`` (default BLOCK_M), at most 64 for float32 (shared memory),
     no more than the padded token range needs, at least 16 (tl.dot)."""
-    g_pad = triton.next_power_of_2(group)
+    g_pad = next_pow2(group)
     rows = min(block_m or BLOCK_M, 64 if wide else 256)
-    return max(16, g_pad, min(rows, triton.next_power_of_2(max(tokens, 1)) * g_pad))
+    return max(16, g_pad, min(rows, next_pow2(max(tokens, 1)) * g_pad))
 
 
 def num_programs(tokens: int, seqs: int, block_q: int) -> int:
@@ -134,7 +135,7 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_l
     keys, values = kv_cache[0], kv_cache[1]
     kv_heads, block_size = keys.shape[2], keys.shape[1]
     group = heads // kv_heads
-    g_pad = triton.next_power_of_2(group)
+    g_pad = next_pow2(group)
     wide = query.element_size() > 2
     rows = tile_rows(tokens, group, wide, block_m)
     block_q = rows // g_pad
