@@ -23,8 +23,9 @@ from dataplane.full_graphs import FullGraphs
 from dataplane.mixed_graphs import token_buckets
 from tests import graphs
 from tests.spec_harness import run
-from tests.test_mixed_graphs import (CUDA, _prep, _requests, _step, _worker, _written_slots,
-                                     model_dir)  # noqa: F401  (model_dir: a fixture)
+from tests.test_mixed_graphs import (CUDA, SPEC, _prep, _requests, _step, _worker,  # noqa: F401
+                                     _written_slots, compare_steps, model_dir,  # (a fixture)
+                                     verify_beside_chunk)
 
 
 def test_full_mode_captures_decode_graphs_and_one_graph_per_bucket(model_dir):
@@ -73,16 +74,7 @@ def test_padded_tokens_write_no_kv_and_logits_match_eager(model_dir):
     steps = [_step(1, new=[(1, [5, 6, 7, 8, 9], [0, 1]), (2, [3, 4, 5, 6, 7, 8], [2, 3])]),
              _step(2, new=[(3, [11, 12, 13, 14, 15, 16, 17], [4, 5])], running=[(1, []), (2, [])]),
              _step(3, running=[(1, []), (2, []), (3, [])])]
-    seen = []
-    for step in steps:
-        results = []
-        for w in (eager, full):
-            launched = w.runner.launch(step)
-            results.append(w.runner.finish(launched))
-            seen.append((launched.kind, launched.graph))
-        a, b = results
-        assert list(a.token_ids) == list(b.token_ids)
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    seen = compare_steps(eager, full, steps)
     assert seen == [("prefill", "eager"), ("prefill", "full"), ("mixed", "eager"), ("mixed", "full"),
                     ("decode", "eager"), ("decode", "full")]
     assert g.mixed.num_replays == 2 and g.decode.num_replays == 1   # the decode step: decode graphs
@@ -94,20 +86,10 @@ def test_padded_tokens_write_no_kv_and_logits_match_eager(model_dir):
 
 
 def test_a_verify_beside_a_prefill_chunk_replays_the_full_graph_as_eager_runs_it(model_dir):
-    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
-    workers = [_worker(model_dir, enforce_eager=True, speculative_config=spec),
-               _worker(model_dir, cudagraph_mode="full", speculative_config=spec)]
+    workers = [_worker(model_dir, enforce_eager=True, speculative_config=SPEC),
+               _worker(model_dir, cudagraph_mode="full", speculative_config=SPEC)]
     graphs.attach(workers[1], "full")
-    first = _step(1, new=[(1, [5, 6, 7, 8, 5, 6, 7], [0, 1, 2])])
-    first.new_seqs[0].num_scheduled_tokens = 6
-    second = _step(2, new=[(2, list(range(20, 30)), [3, 4, 5])], running=[(1, [])])
-    second.running_num_spec.append(3)
-    results, modes = [], []
-    for w in workers:
-        for step in (first, second):
-            launched = w.runner.launch(step)
-            results.append(w.runner.finish(launched))
-            modes.append((launched.kind, launched.graph))
+    results, modes = verify_beside_chunk(workers)
     assert modes == [("prefill", "eager"), ("verify", "eager"), ("prefill", "full"), ("verify", "full")]
     for field in ("seq_ids", "token_ids", "num_tokens", "num_draft_tokens"):
         assert list(getattr(results[1], field)) == list(getattr(results[3], field)), field

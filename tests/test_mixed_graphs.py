@@ -120,16 +120,13 @@ def _written_slots(caches) -> set[int]:
     return set(torch.nonzero(k.flatten(2).abs().sum(-1).flatten()).flatten().tolist())
 
 
-def test_padded_tokens_write_no_kv_and_logits_match_eager(model_dir):
-    eager = _worker(model_dir, num_kv_blocks=16, enforce_eager=True)
-    piecewise = _worker(model_dir, num_kv_blocks=16)
-    g = graphs.attach(piecewise)
-    steps = [_step(1, new=[(1, [5, 6, 7, 8, 9], [0, 1]), (2, [3, 4, 5, 6, 7, 8], [2, 3])]),
-             _step(2, new=[(3, [11, 12, 13, 14, 15, 16, 17], [4, 5])], running=[(1, []), (2, [])])]
+def compare_steps(eager, graphed, steps) -> list[tuple[str, str]]:
+    """Runs each step on both workers: the same tokens, logprobs and top ids; returns the
+    (kind, graph) of every launch, eager's then the other's, step by step."""
     seen = []
     for step in steps:
         results = []
-        for w in (eager, piecewise):
+        for w in (eager, graphed):
             launched = w.runner.launch(step)
             results.append(w.runner.finish(launched))
             seen.append((launched.kind, launched.graph))
@@ -137,6 +134,35 @@ def test_padded_tokens_write_no_kv_and_logits_match_eager(model_dir):
         assert list(a.token_ids) == list(b.token_ids)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
         assert list(a.top_token_ids) == list(b.top_token_ids)
+    return seen
+
+
+def verify_beside_chunk(workers) -> tuple[list, list[tuple[str, str]]]:
+    """A prompt whose last token is decoded next, then a verify of 3 ngram drafts beside a new
+    10-token prompt, on each worker in turn: (results, (kind, graph) of every launch)."""
+    first = _step(1, new=[(1, [5, 6, 7, 8, 5, 6, 7], [0, 1, 2])])
+    first.new_seqs[0].num_scheduled_tokens = 6      # its last prompt token is decoded next
+    second = _step(2, new=[(2, list(range(20, 30)), [3, 4, 5])], running=[(1, [])])
+    second.running_num_spec.append(3)               # drafts 8, 5, 6: the lookup matches 5 6 7
+    results, modes = [], []
+    for w in workers:
+        for step in (first, second):
+            launched = w.runner.launch(step)
+            results.append(w.runner.finish(launched))
+            modes.append((launched.kind, launched.graph))
+    return results, modes
+
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+
+
+def test_padded_tokens_write_no_kv_and_logits_match_eager(model_dir):
+    eager = _worker(model_dir, num_kv_blocks=16, enforce_eager=True)
+    piecewise = _worker(model_dir, num_kv_blocks=16)
+    g = graphs.attach(piecewise)
+    steps = [_step(1, new=[(1, [5, 6, 7, 8, 9], [0, 1]), (2, [3, 4, 5, 6, 7, 8], [2, 3])]),
+             _step(2, new=[(3, [11, 12, 13, 14, 15, 16, 17], [4, 5])], running=[(1, []), (2, [])])]
+    seen = compare_steps(eager, piecewise, steps)
     # 11 tokens ran in the 16-token bucket, then 2 decodes and 7 prompt tokens in it again
     assert seen == [("prefill", "eager"), ("prefill", "piecewise"), ("mixed", "eager"), ("mixed", "piecewise")]
     assert g.mixed.num_replays == 2 and g.mixed.bucket(11) == g.mixed.bucket(9) == 16
@@ -163,20 +189,10 @@ def test_the_lm_head_runs_over_the_sampled_rows_only(model_dir, monkeypatch):
 
 
 def test_a_verify_beside_a_prefill_chunk_replays_piecewise_as_eager_runs_it(model_dir):
-    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
-    workers = [_worker(model_dir, enforce_eager=True, speculative_config=spec),
-               _worker(model_dir, speculative_config=spec)]
+    workers = [_worker(model_dir, enforce_eager=True, speculative_config=SPEC),
+               _worker(model_dir, speculative_config=SPEC)]
     graphs.attach(workers[1])
-    first = _step(1, new=[(1, [5, 6, 7, 8, 5, 6, 7], [0, 1, 2])])
-    first.new_seqs[0].num_scheduled_tokens = 6      # its last prompt token is decoded next
-    second = _step(2, new=[(2, list(range(20, 30)), [3, 4, 5])], running=[(1, [])])
-    second.running_num_spec.append(3)               # drafts 8, 5, 6: the lookup matches 5 6 7
-    results, modes = [], []
-    for w in workers:
-        for step in (first, second):
-            launched = w.runner.launch(step)
-            results.append(w.runner.finish(launched))
-            modes.append((launched.kind, launched.graph))
+    results, modes = verify_beside_chunk(workers)
     assert modes == [("prefill", "eager"), ("verify", "eager"), ("prefill", "piecewise"), ("verify", "piecewise")]
     eager, piecewise = results[1], results[3]
     assert list(eager.seq_ids) == [2, 1] and list(eager.num_draft_tokens) == [0, 3]   # new ones first
