@@ -8,8 +8,9 @@
 # into /tmp/site first when WHEELS=DIR is set (pip --target --no-deps).
 # tests: the unified attention kernel compiled against kernels.reference (decode, prefill,
 #   mixed, cached prefixes, bucket padding, tile sizes, random ragged batches, FP8 KV); greedy
-#   outputs with --cudagraph-mode full equal eager and transformers on a tiny Llama and Qwen3
-#   (fp32) and eager on a Qwen3-0.6B-shaped checkpoint (fp32, 24 chunked prompts).
+#   outputs with --cudagraph-mode full_and_piecewise and full equal eager and transformers on a
+#   tiny Llama and Qwen3 (fp32) and eager on a Qwen3-0.6B-shaped checkpoint (fp32, 24 chunked
+#   prompts).
 # kernel: bench.unified_attention, device µs per layer of the unified kernel per BLOCK_M
 #   against the split decode + prefill launches, for decode / mixed / prefill / 2k-over-8k.
 # steps: bench.step_host on Qwen3-0.6B (random bf16) at 256 sequences: decode (256 decodes),
@@ -41,8 +42,8 @@ if has tests; then
       -p no:cacheprovider "${@:2}" >> "$OUT/mixed-tests.txt" 2>&1
     rc=$?; echo "pytest $2 ...: exit status $rc (124: timed out; over 128: killed by signal $((rc - 128)))"
   }
-  gpu_pytest 45 tests/test_unified_attention.py
-  gpu_pytest 50 tests/test_full_graphs.py -k gpu
+  gpu_pytest 40 tests/test_unified_attention.py
+  gpu_pytest 60 tests/test_mixed_graphs.py -k gpu
   grep -cE " PASSED" "$OUT/mixed-tests.txt" | sed 's/^/tests passed: /'
   grep -E "FAILED|ERROR|Error|Segmentation|Aborted" "$OUT/mixed-tests.txt" | head -8
 fi

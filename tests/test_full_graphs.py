@@ -1,29 +1,23 @@
 """Full CUDA graphs of prefill and mixed steps (``--cudagraph-mode full``,
 dataplane.full_graphs): one graph per bucket with the unified attention inside, its metadata
 in static buffers padded past the step's sequences; padded tokens write no KV, steps beyond
-the graphs run eagerly, and greedy outputs equal eager ones. On a CPU the graphs are the
-stand-ins (tests/graphs.py) running the same body over the same static buffers (the attention
-is the reference there; tests/test_unified_attention.py checks the Triton kernel); with
-HEADRACE_TEST_DEVICE=cuda the worker captures real graphs and is compared with eager and
-transformers."""
+the graphs run eagerly. On a CPU the graphs are the stand-ins (tests/graphs.py) running the
+same body over the same static buffers (the attention is the reference there;
+tests/test_unified_attention.py checks the Triton kernel). Greedy outputs equal eager ones on
+the stand-ins and, on a GPU, real graphs equal eager and transformers: tests/test_mixed_graphs.py
+runs those tests in every step-graph mode."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-
 import numpy as np
-import pytest
 import torch
 
-from controlplane.engine import EngineConfig
 from dataplane import graph_capture
 from dataplane.forward import StepForward
 from dataplane.full_graphs import FullGraphs
 from dataplane.mixed_graphs import token_buckets
 from tests import graphs
-from tests.spec_harness import run
-from tests.test_mixed_graphs import (CUDA, SPEC, _prep, _requests, _step, _worker,  # noqa: F401
+from tests.test_mixed_graphs import (SPEC, _prep, _step, _worker,  # noqa: F401
                                      _written_slots, compare_steps, model_dir,  # (a fixture)
                                      verify_beside_chunk)
 
@@ -94,64 +88,3 @@ def test_a_verify_beside_a_prefill_chunk_replays_the_full_graph_as_eager_runs_it
     for field in ("seq_ids", "token_ids", "num_tokens", "num_draft_tokens"):
         assert list(getattr(results[1], field)) == list(getattr(results[3], field)), field
 
-
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_greedy_outputs_with_full_graphs_equal_eager(model_dir, quantization):
-    """Chunked prompts beside running decodes (max 48 tokens a step): prefill and mixed steps
-    replay full graphs, decodes the decode graphs, and give eager's tokens and logprobs."""
-    cfg = EngineConfig(max_running=8, max_batched_tokens=48)
-    eager = _worker(model_dir, enforce_eager=True, quantization=quantization)
-    reference, _ = asyncio.run(run(model_dir, eager, _requests(), cfg))
-    w = _worker(model_dir, cudagraph_mode="full", quantization=quantization)
-    g = graphs.attach(w, "full")
-    seen = graphs.record_modes(w.runner)
-    out, _ = asyncio.run(run(model_dir, w, _requests(), cfg))
-    for a, b in zip(reference, out):
-        for (ta, _, ra, la), (tb, _, rb, lb) in zip(a, b):
-            assert (ta, ra) == (tb, rb)
-            np.testing.assert_allclose([v for _, v in la], [v for _, v in lb], atol=1e-4)
-    kinds = set(seen)
-    assert {("mixed", "full"), ("prefill", "full"), ("decode", "full")} <= kinds
-    assert not any(graph in ("eager", "piecewise") for _, graph in kinds), kinds
-    assert g.mixed.num_replays > 0
-
-
-@pytest.mark.skipif(not CUDA, reason="HEADRACE_TEST_DEVICE=cuda: real CUDA graphs")
-@pytest.mark.parametrize("variant", ["llama-gqa4-hd64-untied", "qwen3-qknorm-gqa4-hd128"])
-def test_gpu_full_graphs_equal_eager_and_transformers(variant, checkpoint_factory):
-    import transformers
-
-    path = str(checkpoint_factory(variant))
-    cfg = EngineConfig(max_running=8, max_batched_tokens=48)
-    eager, _ = asyncio.run(run(path, _worker(path, enforce_eager=True), _requests(), cfg))
-    w = _worker(path, cudagraph_mode="full")
-    assert isinstance(w.graphs.mixed, FullGraphs) and w.graphs.capture_seconds > 0
-    assert 0 < w.graphs.estimated_bytes and 0 < w.graphs.measured_bytes
-    seen = graphs.record_modes(w.runner)
-    out, _ = asyncio.run(run(path, w, _requests(), cfg))
-    assert {("mixed", "full"), ("decode", "full")} <= set(seen)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for req, a, b in zip(_requests(), eager, out):
-        prompt = list(req["prompt_token_ids"].ids)
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=req["max_tokens"], do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert a[0][0] == b[0][0] == ref
-
-
-@pytest.mark.skipif(not (CUDA and os.environ.get("HEADRACE_TEST_QWEN3_DIR")),
-                    reason="HEADRACE_TEST_DEVICE=cuda and HEADRACE_TEST_QWEN3_DIR")
-def test_gpu_qwen3_0_6b_full_graphs_equal_eager():
-    from headrace.v1 import inference_pb2 as pb
-
-    path = os.environ["HEADRACE_TEST_QWEN3_DIR"]
-    cfg = EngineConfig(max_running=64, max_batched_tokens=512)
-    reqs = [dict(prompt_token_ids=pb.TokenIds(ids=[(31 * i + 7 * j) % 10000 for j in range(40 + 37 * i)]),
-                 max_tokens=24, ignore_eos=True, sampling=pb.SamplingParams(temperature=0.0))
-            for i in range(24)]
-    opts = dict(num_kv_blocks=2048, block_size=16, max_num_seqs=64, max_batched_tokens=512)
-    eager, _ = asyncio.run(run(path, _worker(path, enforce_eager=True, **opts), reqs, cfg))
-    w = _worker(path, cudagraph_mode="full", **opts)
-    seen = graphs.record_modes(w.runner)
-    out, _ = asyncio.run(run(path, w, reqs, cfg))
-    assert ("mixed", "full") in set(seen)
-    assert [a[0][0] for a in eager] == [b[0][0] for b in out]

@@ -2,8 +2,8 @@
 step size, padded tokens write no KV, the LM head sees the sampled rows only, steps the graphs
 cannot hold run eagerly, and greedy outputs equal the eager ones. On a CPU the graphs are the
 stand-ins (tests/graphs.py); with HEADRACE_TEST_DEVICE=cuda the worker captures real graphs
-(float32: bit-for-bit equal kernels but for the padding) and the outputs are compared with
-eager and with transformers."""
+(float32: bit-for-bit equal kernels but for the padding), piecewise and full
+(tests/test_full_graphs.py), and the outputs are compared with eager and with transformers."""
 
 from __future__ import annotations
 
@@ -208,11 +208,12 @@ def _requests():
 
 
 @pytest.mark.parametrize("mode,quantization", [("full_and_piecewise", None), ("piecewise", None),
-                                               ("full_and_piecewise", "int8")])
+                                               ("full_and_piecewise", "int8"), ("full", None),
+                                               ("full", "int8")])
 def test_greedy_outputs_with_mixed_graphs_equal_eager(model_dir, mode, quantization):
     """Chunked prompts beside running decodes (max 48 tokens a step): prefill, mixed and decode
-    steps, replayed piecewise (and decodes by the full graphs), give eager's tokens; quantized
-    layers too."""
+    steps, replayed piecewise or by full step graphs (and decodes by the decode graphs, but in
+    piecewise mode), give eager's tokens and logprobs; quantized layers too."""
     cfg = EngineConfig(max_running=8, max_batched_tokens=48)
     eager = _worker(model_dir, enforce_eager=True, quantization=quantization)
     reference, _ = asyncio.run(run(model_dir, eager, _requests(), cfg))
@@ -224,26 +225,31 @@ def test_greedy_outputs_with_mixed_graphs_equal_eager(model_dir, mode, quantizat
         for (ta, xa, ra, la), (tb, xb, rb, lb) in zip(a, b):
             assert (ta, ra) == (tb, rb)
             np.testing.assert_allclose([v for _, v in la], [v for _, v in lb], atol=1e-4)
-    kinds = set(seen)
-    assert ("mixed", "piecewise") in kinds and ("prefill", "piecewise") in kinds
-    assert ("decode", "full" if mode == "full_and_piecewise" else "piecewise") in kinds
+    kinds, label = set(seen), "full" if mode == "full" else "piecewise"
+    assert ("mixed", label) in kinds and ("prefill", label) in kinds
+    assert ("decode", "piecewise" if mode == "piecewise" else "full") in kinds
     assert not any(graph == "eager" for _, graph in kinds) and g.mixed.num_replays > 0
 
 
+# the step graphs' modes on a GPU: (--cudagraph-mode, the graph label of a mixed step)
+GPU_MODES = [("full_and_piecewise", "piecewise"), ("full", "full")]
+
+
 @pytest.mark.skipif(not CUDA, reason="HEADRACE_TEST_DEVICE=cuda: real CUDA graphs")
+@pytest.mark.parametrize("mode,label", GPU_MODES)
 @pytest.mark.parametrize("variant", ["llama-gqa4-hd64-untied", "qwen3-qknorm-gqa4-hd128"])
-def test_gpu_graphs_equal_eager_and_transformers(variant, checkpoint_factory):
+def test_gpu_graphs_equal_eager_and_transformers(variant, mode, label, checkpoint_factory):
     import transformers
 
     path = str(checkpoint_factory(variant))
     cfg = EngineConfig(max_running=8, max_batched_tokens=48)
     eager, _ = asyncio.run(run(path, _worker(path, enforce_eager=True), _requests(), cfg))
-    w = _worker(path)
+    w = _worker(path, cudagraph_mode=mode)
     assert w.graphs.mixed is not None and w.graphs.capture_seconds > 0
     assert 0 < w.graphs.estimated_bytes and 0 < w.graphs.measured_bytes
     seen = graphs.record_modes(w.runner)
     out, _ = asyncio.run(run(path, w, _requests(), cfg))
-    assert ("mixed", "piecewise") in set(seen) and ("decode", "full") in set(seen)
+    assert ("mixed", label) in set(seen) and ("decode", "full") in set(seen)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for req, a, b in zip(_requests(), eager, out):
         prompt = list(req["prompt_token_ids"].ids)
@@ -255,15 +261,16 @@ def test_gpu_graphs_equal_eager_and_transformers(variant, checkpoint_factory):
 @pytest.mark.skipif(not (CUDA and os.environ.get("HEADRACE_TEST_QWEN3_DIR")),
                     reason="HEADRACE_TEST_DEVICE=cuda and HEADRACE_TEST_QWEN3_DIR (a Qwen3-0.6B-shaped "
                            "checkpoint, bench.random_checkpoint)")
-def test_gpu_qwen3_0_6b_graphs_equal_eager():
+@pytest.mark.parametrize("mode,label", GPU_MODES)
+def test_gpu_qwen3_0_6b_graphs_equal_eager(mode, label):
     path = os.environ["HEADRACE_TEST_QWEN3_DIR"]
     cfg = EngineConfig(max_running=64, max_batched_tokens=512)
     reqs = [dict(prompt_token_ids=pb.TokenIds(ids=[(31 * i + 7 * j) % 10000 for j in range(40 + 37 * i)]),
                  max_tokens=24, ignore_eos=True, sampling=GREEDY) for i in range(24)]
     opts = dict(num_kv_blocks=2048, block_size=16, max_num_seqs=64, max_batched_tokens=512)
     eager, _ = asyncio.run(run(path, _worker(path, enforce_eager=True, **opts), reqs, cfg))
-    w = _worker(path, **opts)
+    w = _worker(path, cudagraph_mode=mode, **opts)
     seen = graphs.record_modes(w.runner)
     out, _ = asyncio.run(run(path, w, reqs, cfg))
-    assert ("mixed", "piecewise") in set(seen)
+    assert ("mixed", label) in set(seen)
     assert [a[0][0] for a in eager] == [b[0][0] for b in out]
