@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from kernels import quant_dispatch
+from kernels.host import cdiv
 from kernels.triton_flash import INTERPRETED
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -171,7 +172,7 @@ WORKSPACE = Workspace()
 
 def workspace(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Room for any tile's split K of an [m, n] output (BLOCK_N >= 16 columns a tile)."""
-    return WORKSPACE.get(device, m * n, m * triton.cdiv(n, 16))
+    return WORKSPACE.get(device, m * n, m * cdiv(n, 16))
 
 
 @triton.jit
@@ -230,7 +231,7 @@ def launch_args(x2: torch.Tensor, out: torch.Tensor) -> dict:
 
 
 def _grid(m: int, n: int):
-    return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]),
+    return lambda meta: (cdiv(m, meta["BLOCK_M"]), cdiv(n, meta["BLOCK_N"]),
                          meta["SPLIT_K"])
 
 

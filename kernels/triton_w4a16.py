@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host import cdiv
 from kernels.skinny_gemm import Tile, Tuner, activations, launch_args, store_or_reduce
 from kernels.triton_flash import INTERPRETED
 
@@ -142,7 +143,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         args = launch_args(x2, out)
-        group = group_size if group_size < k else triton.cdiv(k, BLOCK_K) * BLOCK_K
+        group = group_size if group_size < k else cdiv(k, BLOCK_K) * BLOCK_K
         args.update(X=x2, QW=qweight, S=scales, Z=zeros, B=qweight if bias is None else bias, K=k,
                     GROUP=group, BITS=bits, HAS_BIAS=bias is not None)
         TUNER(x2.shape[0], n, args, (args["M_BUCKET"], n, k, x.dtype, bits, bias is not None),
