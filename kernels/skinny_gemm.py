@@ -110,7 +110,7 @@ def split_for(tile: Tile, bucket: int, n: int, k: int, sms: int, bits: int = 8) 
     than PROGRAMS_PER_SM an SM, each K slice at least two BLOCK_K steps long and the float32
     partial sums (added and read back) at most half the weight's bytes (``bits`` a weight)."""
     rows = min(bucket, MAX_ROWS)
-    programs = triton.cdiv(rows, tile.block_m) * triton.cdiv(n, tile.block_n)
+    programs = cdiv(rows, tile.block_m) * cdiv(n, tile.block_n)
     split = 1
     while (programs * split < PROGRAMS_PER_SM * sms and split < MAX_SPLIT
            and k >= 2 * split * 2 * tile.block_k and 2 * split * rows * 8 <= k * bits // 8):
