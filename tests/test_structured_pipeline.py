@@ -2,7 +2,8 @@
 no grammar engine): after a fold, a late bitmask is followed at once by the next step (the
 worker answers the step that waited for it only once the next one arrives; the folded step's
 news wait), and only a constrained sequence that runs keeps the pipeline two steps deep. Also
-the bitmask rows: written into the message's own field, in memory reused between steps."""
+the bitmask rows: written into the message's own field, in memory reused between steps, and
+read by the worker without a copy."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 from controlplane.engine import Engine, EngineConfig
 from controlplane.request import Status
 from controlplane.structured.outputs import StructuredOutputs
+from dataplane import bitmasks
 from headrace.dataplane.v1 import worker_pb2 as wpb
 from tests.test_engine_loop import FakeWorkers, _until, make_request
 
@@ -125,3 +127,13 @@ def test_bitmask_rows_are_reused_and_written_into_the_message():
     assert np.frombuffer(first.bitmask.bits, "<i4").tolist() == [5, 5, 5, -1, -1, -1]   # a copy went out
     outputs.compiler.shutdown()
 
+
+def test_the_worker_reads_every_row_without_copying_them():
+    words = 2
+    msg = wpb.TokenBitmask(seq_ids=[4, 8], bits=np.arange(4, dtype="<i4").tobytes())
+    out = bitmasks.arrays(msg, np.array([8, 4]), None, 64)
+    assert out["s_mask_rows"].tolist() == [1, 0] and out["s_mask_bits"].shape == (2, words)
+    assert not out["s_mask_bits"].flags.owndata   # a view of the message's bytes
+    assert out["s_mask_bits"].tolist() == [[0, 1], [2, 3]]
+    part = bitmasks.arrays(msg, np.array([8]), None, 64)   # 4 does not sample: its row is left out
+    assert part["s_mask_bits"].tolist() == [[2, 3]]
