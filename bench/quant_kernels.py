@@ -1,25 +1,32 @@
 """Every candidate quantized GEMM side by side at decode row counts, on the GPU: which kernel
-wins per scheme, weight shape and M, and the table ``kernels.quant_dispatch`` reads.
+wins per scheme, weight shape and M, the skinny kernels' best tile per bucket, and the table
+``kernels.quant_dispatch`` reads (rankings and pinned tiles).
 
-For Llama-3.1-8B's projection shapes (qkv, o, gate_up, down) and M rows (default 1, 4, 16, 64,
-128, 256, and 2048 for prefill chunks), times bf16 ``torch.nn.functional.linear`` (cuBLAS, the baseline) and each kernel of
-``kernels.quant_dispatch.KERNELS`` that is installed and takes the layer: FP8 per-channel weights
-(``fp8_skinny`` W8A16, ``scaled_mm`` W8A8 with the activation quantiser, ``gemlite_fp8``,
-``fbgemm_rowwise``) and INT4 group-128 weights (``triton_skinny``, ``triton``, ``tinygemm``,
-``gemlite``, ``fbgemm_i4``); ``--schemes ...,w8a16`` adds INT8 group-128 weights. Each kernel is first checked against ``kernels.reference_quant``
-(a wrong one is reported and never ranked). Times are device time per call, replayed from one
-CUDA graph over enough distinct copies of the weights (>= 256 MB) that the 50 MB L2 cannot
-serve repeats, as a decode step runs: no launch overhead, no autotuning (our skinny kernels
-tune at their first, eager call). Prints per scheme µs, TB/s of the bytes a call must read
+For Llama-3.1-8B's projection shapes (qkv, o, gate_up, down) and M rows (default 1, 16, 64),
+times bf16 ``torch.nn.functional.linear`` (cuBLAS, the baseline, once per shape) and each
+kernel of ``kernels.quant_dispatch.KERNELS`` that is installed, asked for (``--libs``) and
+takes the layer: FP8 per-channel weights (``fp8_skinny`` W8A16, ``scaled_mm`` W8A8 with the
+activation quantiser, ``gemlite_fp8``, ``fbgemm_rowwise``) and INT4 group-128 weights
+(``triton_skinny``, ``triton``, ``tinygemm``, ``gemlite``, ``fbgemm_i4``); ``--schemes
+...,w8a16`` adds INT8 group-128 weights. Times are device time per call, replayed from one CUDA
+graph over enough distinct copies of the weights (>= 256 MB, built once per shape and scheme
+and shared by every kernel) that the 50 MB L2 cannot serve repeats, as a decode step runs.
+
+Our skinny kernels time ``--sweep`` tiles per row bucket here (the fixed tile of
+``kernels.skinny_gemm`` first, then the bucket's list), outside ``triton.autotune``; the
+fastest is their time and is written to the table's ``tiles``, so the server runs it without
+timing anything. Each kernel is checked once against ``kernels.reference_quant`` on a small
+input (a wrong one is reported and never ranked). A library whose first kernel (its layouts,
+its compile, the check, the timings of one shape) fails is skipped from then on, and so is one
+whose first kernel takes longer than ``--lib-first-call`` seconds, or any once ``--budget``
+seconds have passed (ours are always measured). gemlite is not
+in the default ``--libs``: its kernels take N and K as compile-time constants (a compile per
+shape and kernel, ~10 a scheme here). Prints per scheme µs, TB/s of the bytes a call must read
 (weights, scales, activations) and each kernel's time against bf16's, the winner, and the
 issue-32 targets (FP8 <= 0.6x bf16; INT4 <= 0.35x at M = 1, <= 0.5x at M = 16).
 
-    python -m bench.quant_kernels [--m 1,4,16,64,128,256,2048] [--shapes qkv,o,gate_up,down]
-                                  [--schemes fp8,w4a16] [--table OUT.json] [--tiles]
-
-``--table``: writes the rankings (fastest first, per scheme, shape and M) in
-``kernels/quant_dispatch.json``'s format. ``--tiles``: also prints the tile our skinny
-kernels' autotuner chose per shape and M.
+    python -m bench.quant_kernels [--m 1,16,64] [--shapes qkv,o,gate_up,down]
+        [--schemes fp8,w4a16] [--libs torch,fbgemm] [--sweep 4] [--table OUT.json]
 """
 
 from __future__ import annotations
@@ -41,20 +48,28 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 GROUP = 128
 ROTATE_BYTES = 256 << 20          # distinct weights per graph: past the H200's 50 MB L2
 DTYPE = torch.bfloat16
+DEVICE = "cuda"                   # "cpu": the tests' interpreted smoke run
+SKINNY = {"fp8_skinny": triton_fp8_linear, "triton_skinny": triton_w4a16}
 
 
-def _fp8_weights(n, k, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return ref.quantize_fp8_weight(torch.randn(n, k, device="cuda", generator=g) * 0.02)
-
-
-def _int_weights(n, k, seed, bits):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randint(0, 1 << bits, (n, k), device="cuda", generator=g, dtype=torch.int32)
-    scales = torch.rand(k // GROUP, n, device="cuda", generator=g) * 0.002 + 1e-4
-    zeros = torch.randint(0, 1 << bits, (k // GROUP, n), device="cuda", generator=g,
+def _weights(scheme, n, k, seed):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    if scheme == "bf16":
+        return torch.randn(n, k, device=DEVICE, dtype=DTYPE, generator=g) * 0.02
+    if scheme == "fp8":
+        return ref.quantize_fp8_weight(torch.randn(n, k, device=DEVICE, generator=g) * 0.02)
+    bits = _bits(scheme)
+    q = torch.randint(0, 1 << bits, (n, k), device=DEVICE, generator=g, dtype=torch.int32)
+    scales = torch.rand(k // GROUP, n, device=DEVICE, generator=g) * 0.002 + 1e-4
+    zeros = torch.randint(0, 1 << bits, (k // GROUP, n), device=DEVICE, generator=g,
                           dtype=torch.int32)
     return ref.pack_along_k(q.to(torch.uint8), bits), scales, zeros.to(torch.uint8)
+
+
+def copies(scheme, n, k) -> list:
+    """Distinct weights of one layer, >= ROTATE_BYTES together."""
+    return [_weights(scheme, n, k, seed)
+            for seed in range(max(1, math.ceil(ROTATE_BYTES / _weight_bytes(scheme, n, k))))]
 
 
 def _bits(scheme):
@@ -67,20 +82,23 @@ def _weight_bytes(scheme, n, k):
     return n * k + 4 * n if scheme == "fp8" else n * k * _bits(scheme) // 8 + 5 * n * (k // GROUP)
 
 
-def _caller(scheme, kernel, w):
-    """A function of x for one copy of the weights ``w``, through ``kernel``."""
+def _caller(scheme, kernel, w, tile=None):
+    """A function of x for one copy of the weights ``w``, through ``kernel`` (a skinny one at
+    ``tile``, or its pinned / fixed tile)."""
     if scheme == "bf16":
         return lambda x: torch.nn.functional.linear(x, w)
     if kernel in quant_libs.KERNEL_LIBRARY:
         state = (quant_libs.prepare_fp8(kernel, *w, DTYPE) if scheme == "fp8"
                  else quant_libs.prepare_wna16(kernel, *w, _bits(scheme), GROUP, DTYPE))
         return lambda x: quant_libs.run(kernel, state, x, None)
+    if kernel == "fp8_skinny":
+        return lambda x: triton_fp8_linear.fp8_weight_linear(x, *w, tile=tile)
     if scheme == "fp8":
         return lambda x: triton_quant.fp8_linear(x, *w, kernel=kernel)
     bits = _bits(scheme)
     if kernel == "triton_skinny":
-        return lambda x: triton_w4a16.w4a16_linear(x, *w, None, bits, GROUP)
-    g_idx = (torch.arange(w[0].shape[0] * 32 // bits, device="cuda") // GROUP).to(torch.int32)
+        return lambda x: triton_w4a16.w4a16_linear(x, *w, None, bits, GROUP, tile=tile)
+    g_idx = (torch.arange(w[0].shape[0] * 32 // bits, device=DEVICE) // GROUP).to(torch.int32)
     return lambda x: triton_quant.wna16_linear(x, *w, g_idx, None, bits, GROUP, kernel="triton")
 
 
@@ -90,53 +108,61 @@ def _reference(scheme, kernel, w, x):
             return ref.fp8_linear(x, *w)
         return ref.fp8_weight_linear(x, *w)
     bits = _bits(scheme)
-    g_idx = (torch.arange(w[0].shape[0] * 32 // bits, device="cuda") // GROUP).to(torch.int32)
+    g_idx = (torch.arange(w[0].shape[0] * 32 // bits, device=DEVICE) // GROUP).to(torch.int32)
     return ref.wna16_linear(x.float(), w[0], w[1], w[2], g_idx, None, bits, GROUP)
 
 
-def candidates(scheme, n, k) -> list[str]:
-    """The kernels of ``scheme`` that are installed and take an [n, k] layer (bf16 inputs)."""
+def candidates(scheme, n, k, libs) -> list[str]:
+    """Our kernels of ``scheme`` and those of the libraries in ``libs`` that are installed and
+    take an [n, k] layer (bf16 inputs)."""
     out = []
     for kernel in quant_dispatch.KERNELS[scheme]:
-        if kernel in quant_libs.KERNEL_LIBRARY:
-            if not quant_libs.takes(kernel, scheme="fp8" if scheme == "fp8" else "wna16", n=n,
-                                    k=k, dtype=DTYPE, bits=_bits(scheme), group_size=GROUP):
-                continue
+        library = quant_libs.KERNEL_LIBRARY.get(kernel)
+        if library is not None and (library not in libs or not quant_libs.takes(
+                kernel, scheme="fp8" if scheme == "fp8" else "wna16", n=n, k=k, dtype=DTYPE,
+                bits=_bits(scheme), group_size=GROUP)):
+            continue
         out.append(kernel)
     return out
 
 
-def measure(scheme, kernel, n, k, ms, tiles=False) -> dict[int, float | str]:
-    """µs per call at each M (or why the kernel failed) for ``kernel`` on an [n, k] layer;
-    ``tiles``: print the tile our skinny kernels tuned at each M."""
-    make = {"bf16": lambda s: torch.randn(n, k, device="cuda", dtype=DTYPE, generator=torch.Generator(
-        device="cuda").manual_seed(s)) * 0.02, "fp8": lambda s: _fp8_weights(n, k, s),
-        "w4a16": lambda s: _int_weights(n, k, s, 4), "w8a16": lambda s: _int_weights(n, k, s, 8)
-    }[scheme]
-    copies = max(1, math.ceil(ROTATE_BYTES / _weight_bytes(scheme, n, k)))
-    try:
-        weights = [make(seed) for seed in range(copies)]
-        calls = [_caller(scheme, kernel, w) for w in weights]
-    except Exception as exc:     # a library that cannot prepare this layer
-        return {m: f"prepare failed: {type(exc).__name__}: {exc}"[:90] for m in ms}
+def sweep_tiles(scheme, kernel, n, k, m, count) -> list:
+    """The skinny kernel's fixed tile for M rows, then up to ``count`` - 1 more of its bucket's
+    list (a tile of another K step than the kernel's does not fit it)."""
+    module, bucket = SKINNY[kernel], skinny_gemm.m_bucket(m)
+    listed = [t for t in module.TILES[bucket] if module.TUNER.fits(t, {})]
+    first = next(t for t in listed if t.split == 1)
+    fixed = skinny_gemm.split_for(first, bucket, n, k, skinny_gemm.sm_count(torch.device(DEVICE)),
+                                  _bits(scheme))
+    return list(dict.fromkeys([fixed] + listed))[:max(1, count)]
+
+
+def measure(scheme, kernel, weights, n, k, ms, sweep, tiles_out) -> dict:
+    """µs per call at each M (or why not) for ``kernel`` over ``weights`` (its copies); the
+    skinny kernels' best of their swept tiles (recorded in ``tiles_out[m]``). Raises when the
+    kernel cannot prepare or run the layer, or is wrong on the check input."""
+    calls = [_caller(scheme, kernel, w) for w in weights]
+    x = torch.randn(ms[0], k, device=DEVICE, dtype=DTYPE)
+    if scheme != "bf16":
+        got, want = calls[0](x).float(), _reference(scheme, kernel, weights[0], x).float()
+        err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+        if not err <= 2e-2:
+            raise ValueError(f"wrong (max error {err:.3g} of the output's scale)")
     out = {}
     for m in ms:
-        x = torch.randn(m, k, device="cuda", dtype=DTYPE)
-        try:
-            if scheme != "bf16":
-                got, want = calls[0](x).float(), _reference(scheme, kernel, weights[0], x).float()
-                err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
-                if not err <= 2e-2:
-                    out[m] = f"wrong (max error {err:.3g} of the output's scale)"
-                    continue
-                if tiles and kernel in ("fp8_skinny", "triton_skinny"):
-                    tuner = (triton_fp8_linear if scheme == "fp8" else triton_w4a16).TUNER
-                    print(f"  {kernel} {n}x{k} M={m}: tile {tuner.chosen()}", flush=True)
+        x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+        if kernel not in SKINNY:
             out[m] = graph_ms([lambda c=c: c(x) for c in calls], replays=5) * 1e3
-        except Exception as exc:
-            out[m] = f"failed: {type(exc).__name__}: {exc}"[:90]
-    del weights, calls
-    torch.cuda.empty_cache()
+            continue
+        timed = {}
+        for tile in sweep_tiles(scheme, kernel, n, k, m, sweep):
+            tiled = [_caller(scheme, kernel, w, tile) for w in weights]
+            timed[tile] = graph_ms([lambda c=c: c(x) for c in tiled], replays=5) * 1e3
+        best = min(timed, key=timed.get)
+        out[m], tiles_out[m] = timed[best], best
+        print(f"  {kernel} {n}x{k} M={m}: " + ", ".join(
+            f"{t.block_m}x{t.block_n}x{t.block_k}/{t.warps}w{t.stages}s/split{t.split}"
+            f"{'' if t.dot else ' fma'} {us:.1f}" for t, us in timed.items()), flush=True)
     return out
 
 
@@ -182,35 +208,70 @@ def report(scheme, results, ms, shapes) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--m", default="1,4,16,64,128,256,2048")
+    ap.add_argument("--m", default="1,16,64")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--schemes", default="fp8,w4a16")
-    ap.add_argument("--table", help="write the rankings here (kernels/quant_dispatch.json format)")
-    ap.add_argument("--tiles", action="store_true", help="print our skinny kernels' tuned tiles")
+    ap.add_argument("--libs", default="torch,fbgemm", help="libraries to measure (and gemlite)")
+    ap.add_argument("--sweep", type=int, default=4, help="tiles timed per bucket (skinny kernels)")
+    ap.add_argument("--lib-first-call", type=float, default=20.0)
+    ap.add_argument("--budget", type=float, default=130.0, help="seconds; then ours only")
+    ap.add_argument("--table", help="write rankings and tiles here (quant_dispatch.json format)")
     args = ap.parse_args()
-    ms = [int(m) for m in args.m.split(",")]
-    shapes = args.shapes.split(",")
+    ms, shapes, schemes = ([int(m) for m in args.m.split(",")], args.shapes.split(","),
+                           args.schemes.split(","))
+    libs = set(args.libs.split(",")) - {""}
     for library in ("torch", "gemlite", "fbgemm"):
-        print(f"{library}: {quant_libs.why_not(library) or 'available'}")
-    start, rankings = time.time(), {}
-    for scheme in args.schemes.split(","):
-        results = {}
-        for name in shapes:
-            n, k = SHAPES[name]
-            results[name] = {"bf16": measure("bf16", None, n, k, ms)}
-            for kernel in candidates(scheme, n, k):
-                results[name][kernel] = measure(scheme, kernel, n, k, ms, args.tiles)
-            print(f"[{time.time() - start:5.0f} s] {scheme} {name} measured", flush=True)
-        rankings[scheme] = report(scheme, results, ms, shapes)
+        print(f"{library}: {quant_libs.why_not(library) or 'available'}"
+              f"{'' if library in libs else ' (not measured: --libs)'}")
+    start, skipped = time.time(), {}
+    results = {name: {} for name in shapes}
+    tiles = {scheme: {} for scheme in schemes}
+    for name in shapes:
+        n, k = SHAPES[name]
+        for scheme in ["bf16"] + schemes:
+            weights = copies(scheme, n, k)
+            for kernel in [None] if scheme == "bf16" else candidates(scheme, n, k, libs):
+                library = quant_libs.KERNEL_LIBRARY.get(kernel)
+                if library and time.time() - start > args.budget:
+                    skipped.setdefault(library, f"skipped: past the {args.budget:.0f} s budget")
+                if library in skipped:
+                    results[name].setdefault(scheme, {})[kernel] = {m: skipped[library] for m in ms}
+                    continue
+                began, by_m = time.time(), {}
+                try:
+                    got = measure(scheme, kernel, weights, n, k, ms, args.sweep, by_m)
+                except Exception as exc:   # cannot prepare or run the layer, or wrong
+                    got = {m: f"failed: {type(exc).__name__}: {exc}"[:90] for m in ms}
+                    if library:
+                        skipped[library] = f"skipped: {library} failed"
+                if library and time.time() - began > args.lib_first_call and library not in skipped:
+                    skipped[library] = f"skipped: {library} too slow"
+                results[name].setdefault(scheme, {})["bf16" if kernel is None else kernel] = got
+                for m, tile in by_m.items():
+                    tiles[scheme].setdefault(f"{n}x{k}", {})[str(skinny_gemm.m_bucket(m))] = \
+                        tile.as_list()
+            del weights
+            torch.cuda.empty_cache()
+        print(f"[{time.time() - start:5.0f} s] {name} measured", flush=True)
+    rankings = {}
+    for scheme in schemes:
+        merged = {name: {"bf16": results[name]["bf16"]["bf16"], **results[name][scheme]}
+                  for name in shapes}
+        rankings[scheme] = report(scheme, merged, ms, shapes)
     if args.table:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
         with open(args.table, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "commit": commit, "date": datetime.date.today().isoformat(),
-                       "rows": ms, "rankings": rankings}, f, indent=1)
-        print(f"rankings written to {args.table} (commit as kernels/quant_dispatch.json)")
-    print(f"skinny buckets {skinny_gemm.M_BUCKETS}; done in {time.time() - start:.0f} s")
+            json.dump(table(rankings, tiles, ms, commit), f, indent=1)
+        print(f"rankings and tiles written to {args.table} (commit as kernels/quant_dispatch.json)")
+    print(f"done in {time.time() - start:.0f} s")
+
+
+def table(rankings, tiles, ms, commit) -> dict:
+    """quant_dispatch.json's content."""
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "commit": commit, "date": datetime.date.today().isoformat(),
+            "rows": ms, "rankings": rankings, "tiles": {s: t for s, t in tiles.items() if t}}
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ only`` tokens of new prompts). Each is timed twice: serially (each step finished
 next is launched: ``execute_ms`` against ``device_ms``, and host time outside the device,
 ``execute - device``) and pipelined as the worker serves (step N+1 launched before step N is
 finished: wall time and device idle per step). Modes are ``--cudagraph-mode`` values, switched
-on one worker (its graphs are captured once). On a CPU every forward runs eagerly and
+on one worker (its graphs are captured once; ``full``'s step graphs are captured beside the
+worker's own, into the same memory pool, when asked for). On a CPU every forward runs eagerly and
 ``forward`` is the model itself: the other phases are the host's real cost. Prints a table
 and one JSON line per (mode, kind).
 """
@@ -125,11 +126,33 @@ def run_kind(runner, plane: SyntheticPlane, kind: str, decodes: list[int], args)
                 pipelined_idle_ms=round(idle, 3))
 
 
+def add_full_graphs(worker) -> dict:
+    """Captures ``--cudagraph-mode full``'s step graphs beside the worker's (its decode graphs'
+    logits and memory pool shared) as ``worker.graphs.full``; their count, time and memory."""
+    import torch
+
+    from dataplane.full_graphs import FullGraphs
+
+    graphs, runner = worker.graphs, worker.runner
+    cuda = runner.device.type == "cuda"
+    free = torch.cuda.mem_get_info(runner.device)[0] if cuda else 0
+    full = FullGraphs(runner.model, runner.kv_caches, graphs.mixed.max_tokens, graphs.decode.max_batch,
+                      graphs.decode.max_batch, runner.batch.max_blocks, runner.device,
+                      logits=graphs.decode.logits)
+    full.capture(pool=graphs.decode.pool if cuda else None)
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+    graphs.full = full
+    return dict(full_graphs=full.num_graphs, full_capture_s=round(full.capture_seconds, 2),
+                full_mib=round((free - torch.cuda.mem_get_info(runner.device)[0]) / 2**20) if cuda else 0)
+
+
 def set_mode(worker, mode: str) -> None:
     """Switches the runner between the worker's captured graphs (``--cudagraph-mode`` values)."""
     graphs, runner = worker.graphs, worker.runner
-    runner.graphs = graphs.decode if mode in ("full_and_piecewise", "full_decode_only") else None
-    runner.mixed = graphs.mixed if mode in ("full_and_piecewise", "piecewise") else None
+    runner.graphs = graphs.decode if mode in ("full_and_piecewise", "full_decode_only", "full") else None
+    runner.mixed = (graphs.mixed if mode in ("full_and_piecewise", "piecewise")
+                    else getattr(graphs, "full", None) if mode == "full" else None)
 
 
 def main() -> None:
@@ -166,6 +189,8 @@ def main() -> None:
         print(json.dumps(dict(graphs=g.describe(), graph_count=g.num_graphs, graph_mib=round(g.measured_bytes / 2**20),
                               graph_estimated_mib=round(g.estimated_bytes / 2**20),
                               graph_capture_s=round(g.capture_seconds, 2))), flush=True)
+    if "full" in args.modes.split(",") and getattr(worker.graphs, "mixed", None) is not None:
+        print(json.dumps(add_full_graphs(worker)), flush=True)
     if args.stub_model:
         stub_forward(runner.model)
     for mode in args.modes.split(","):

@@ -43,6 +43,17 @@ BOUNDED = {"type": "object", "additionalProperties": False, "required": ["name",
                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
 
 
+def w1_workload(args) -> list:
+    """W1's requests (the first ``--w1-requests``; output lengths capped at ``--w1-max-tokens``)."""
+    return [(p, min(m, args.w1_max_tokens), t) for p, m, t in w1_requests()[:args.w1_requests]]
+
+
+def w1_args(args) -> argparse.Namespace:
+    """What ``serving_bench.throughput`` reads of its own command line."""
+    return argparse.Namespace(address=args.address, clients=args.clients, channels=4, api="grpc",
+                              http_url=None, dataplane_metrics=args.dataplane_metrics)
+
+
 async def one(stub, prompt: list[int], max_tokens: int, schema: dict | None) -> dict:
     req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
                              ignore_eos=True, sampling=pb.SamplingParams(temperature=0.0))
@@ -58,10 +69,10 @@ async def one(stub, prompt: list[int], max_tokens: int, schema: dict | None) -> 
     return {"ids": ids, "text": "".join(text), "finish": finish, "gaps": gaps}
 
 
-async def itl(stub, batch: int, schema: dict | None, seed: int) -> dict:
+async def itl(stub, batch: int, schema: dict | None, seed: int, new_tokens: int = 256) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randint(300, 10000) for _ in range(128)] for _ in range(batch)]
-    outs = await asyncio.gather(*(one(stub, p, 256, schema) for p in prompts))
+    outs = await asyncio.gather(*(one(stub, p, new_tokens, schema) for p in prompts))
     gaps = sorted(g for o in outs for g in o["gaps"])
     per_request = [statistics.mean(o["gaps"]) for o in outs if o["gaps"]]
     return {"itl_ms_mean": statistics.mean(per_request) * 1e3, "itl_ms_p50": gaps[len(gaps) // 2] * 1e3,
@@ -111,7 +122,7 @@ async def main_async(args) -> list[dict]:
             checked = 0
             for r in range(args.repeats):
                 for mode in ("off", "on"):
-                    res = await itl(stub, batch, LONG if mode == "on" else None, seed=r)
+                    res = await itl(stub, batch, LONG if mode == "on" else None, r, args.new_tokens)
                     if mode == "on":
                         checked += check_outputs(args.model, info.vocab_size, list(info.eos_token_ids), res["outs"])
                     res.pop("outs")
@@ -123,8 +134,8 @@ async def main_async(args) -> list[dict]:
             rows.append({"measure": f"ITL batch {batch}: unconstrained / JSON schema (ms)",
                          "value": f"{off:.3f} / {on:.3f} = {on / off:.3f}x (target <= {target}x; "
                                   f"{checked} constrained tokens checked)"})
-        if args.w1:
-            w1 = await throughput(stub, w1_requests())
+        if args.w1_requests:   # last: it must not disturb the ITL comparison
+            w1 = await throughput(stub, w1_workload(args), w1_args(args))
             print(json.dumps({"workload": "w1", **w1}), flush=True)
             rows.append({"measure": "W1, no constrained request (tok/s)", "value": f"{w1['output_tok_per_s']:.0f}"})
     return rows
@@ -136,7 +147,12 @@ def main() -> None:
     ap.add_argument("--address", default=None, help="a running server (default: start one)")
     ap.add_argument("--port", type=int, default=50171)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--no-w1", dest="w1", action="store_false", help="skip W1 (a CPU smoke run)")
+    ap.add_argument("--w1-requests", type=int, default=256, help="W1's requests (0: skip W1)")
+    ap.add_argument("--w1-max-tokens", type=int, default=1024, help="cap on W1's output lengths")
+    ap.add_argument("--clients", type=int, default=8, help="W1: client processes")
+    ap.add_argument("--dataplane-metrics", default="http://127.0.0.1:9401/metrics",
+                    help="the data plane's /metrics (W1's device busy / idle time)")
+    ap.add_argument("--new-tokens", type=int, default=256, help="ITL: tokens per request")
     ap.add_argument("--batches", default="1,64", help="batch sizes of the ITL comparison")
     ap.add_argument("--serve-args", default="--device cuda --max-running 256 --max-batched-tokens 16384")
     args = ap.parse_args()

@@ -43,11 +43,12 @@ class WorkerOptions:
         "full_and_piecewise", "which steps replay CUDA graphs: full_and_piecewise (decode steps "
         "a full graph, prefill and mixed steps piecewise graphs with attention between the "
         "pieces), full_decode_only (decode steps only), piecewise (every step piecewise), "
-        "none (vLLM's CUDAGraphMode)",
-        choices=("full_and_piecewise", "full_decode_only", "piecewise", "none"), group=DEVICE)
+        "full (decode steps the decode graphs, prefill and mixed steps one whole graph per "
+        "bucket, attention inside), none (vLLM's CUDAGraphMode)",
+        choices=("full_and_piecewise", "full_decode_only", "piecewise", "full", "none"), group=DEVICE)
     max_cudagraph_capture_size: int | None = option(
-        None, "largest step, in tokens, the piecewise graphs cover (default: --max-batched-tokens, "
-              "at most 4096); larger steps run eagerly", group=DEVICE)
+        None, "largest step, in tokens, the piecewise or full step graphs cover (default: "
+              "--max-batched-tokens, at most 4096); larger steps run eagerly", group=DEVICE)
     seed: int = option(0, "the worker's random seed (requests without a seed)", group=MODEL)
     speculative_config: str | None = option(
         None, 'speculative decoding, as JSON (vLLM\'s): {"method": "ngram", '

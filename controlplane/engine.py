@@ -225,7 +225,8 @@ class Engine:
                     # a speculating step runs alone: the sequences' tokens must all be known
                     speculate = self.scheduler.may_speculate()
                     constrained = self.structured.live > 0
-                    room = inflight.has_room(self.scheduler.running, constrained) and not (speculate and inflight)
+                    room = inflight.has_room(self.scheduler.running, constrained and self.structured.running(
+                        self.scheduler.running)) and not (speculate and inflight)
                     if room:
                         self._wake.clear()   # what happens from here on wakes the loop again
                         t0 = time.perf_counter()
@@ -257,10 +258,11 @@ class Engine:
         if sent.traced is not None or not sent.step.empty:
             emitted = self._fold(sent.step, result)
             self.telemetry.step_done(result, sent.traced, t2 - sent.at, time.perf_counter() - t2, emitted)
-        await self._inflight.send_late_bitmask()   # the next step's, now that its tokens are in
-        if self.flush_woken is not None and self._to_wake and self._inflight:
+        late = await self._inflight.send_late_bitmask()   # the next step's, now that its tokens are in
+        if self.flush_woken is not None and self._to_wake and self._inflight and not late:
             # a step still in flight keeps the device busy: the news goes out first (one loop
-            # turn), then the next step is scheduled
+            # turn), then the next step is scheduled. Not after late bitmasks: the step that
+            # waited for them is answered once the next step reaches the worker.
             self._wake_requests()
             self.flush_woken()
             await asyncio.sleep(0)

@@ -58,7 +58,8 @@ class InFlightSteps:
         sampled stop token (the worker then leaves them out of the steps it already holds) or
         max_tokens (never scheduled past). Stop strings match detokenized text here: while a
         running sequence has some, two steps at most; so while one has a grammar
-        (``constrained``: each step's bitmasks need the tokens of the step before)."""
+        (``constrained``: a running sequence has a grammar; each step's bitmasks need the tokens
+        of the step before)."""
         n, depth = len(self._sent), self.depth
         if n and self._sent[-1].step.speculative:   # answered before anything else goes out
             return False
@@ -88,13 +89,17 @@ class InFlightSteps:
         self._last_flushed = msg.flush
         self._sent.append(Sent(step, traced, time.perf_counter()))
 
-    async def send_late_bitmask(self) -> None:
+    async def send_late_bitmask(self) -> bool:
         """After a fold: the bitmasks of the step waiting for them, once it is the oldest step
-        in flight (the tokens they depend on have all been folded)."""
+        in flight (the tokens they depend on have all been folded). True when they went: the
+        worker answers that step only once the next one reaches it, so the next goes out now."""
         if self._late is None or not self._sent or self._sent[0].step is not self._late[0].step:
-            return
+            return False
         (masks, step_id), self._late = self._late, None
-        await self.workers.send(wpb.StepRequest(step_id=step_id, late_bitmask=True, bitmask=masks.build()))
+        msg = wpb.StepRequest(step_id=step_id, late_bitmask=True)
+        masks.fill(msg.bitmask)
+        await self.workers.send(msg)
+        return True
 
     async def _ask(self) -> None:
         """Flushes when the workers may hold the oldest step back (nothing sent after it)."""

@@ -3,7 +3,8 @@ sequence, as the control plane computed it from the sequence's grammar; one per 
 position for a sequence verifying checked drafts) becomes the arrays the sampler applies on the
 device: ``s_mask_bits`` [rows, words] int32 and ``s_mask_rows``, each bitmask row's index among
 the step's sampling rows. Sequences the step does not sample (left out because they stopped)
-are skipped; a malformed message is a ``BatchError``. ``checked_drafts`` reads the drafts the
+are skipped; a malformed message is a ``BatchError``. The rows are read where the message
+holds them (a read-only view; the upload to the device is their one copy). ``checked_drafts`` reads the drafts the
 control plane checked against the grammars (``StepRequest.checked_drafts``)."""
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ def arrays(bitmask: pb.TokenBitmask, sample_seq_ids: np.ndarray, num_drafts: np.
             keep.append(i)
             rows.append(g[0])
             g[0], g[1] = g[0] + 1, g[1] - 1
-    return {"s_mask_bits": bits.reshape(len(ids), words)[keep].astype(np.int32),
-            "s_mask_rows": np.asarray(rows, dtype=np.int64)}
+    table = bits.reshape(len(ids), words)
+    if len(keep) != len(ids):   # (all kept: the message's own bytes, uncopied; the upload copies)
+        table = table[keep]
+    return {"s_mask_bits": table, "s_mask_rows": np.asarray(rows, dtype=np.int64)}
 
 
 def checked_drafts(step: pb.StepRequest, rows: dict[int, int]) -> dict[int, np.ndarray]:

@@ -1,7 +1,8 @@
 """How a prepared step's forward pass runs, and what the device needs for it: a full CUDA graph
 of the decode forward (``cuda_graphs.DecodeGraphs``: decode-only steps and verifies of decodes
-only), the piecewise graphs of prefill and mixed steps (``mixed_graphs.MixedGraphs``), or
-eagerly (no graphs, or a step larger than the largest bucket).
+only), the step graphs of prefill and mixed steps (``mixed_graphs.MixedGraphs``, piecewise, or
+``full_graphs.FullGraphs``, one whole graph per bucket: ``--cudagraph-mode full``), or eagerly
+(no graphs, or a step larger than the largest bucket).
 
 ``mode`` picks the path before the step's inputs are uploaded, ``host_arrays`` lists the model
 inputs that path reads (the runner adds sampling's and the block copies' arrays and uploads
@@ -38,25 +39,34 @@ class StepForward:
                  max_num_seqs: int, graphs=None, mixed=None, draft=None, attention=None):
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.graphs = graphs        # DecodeGraphs or None
-        self.mixed = mixed          # MixedGraphs or None
+        self.mixed = mixed          # MixedGraphs, FullGraphs or None: prefill and mixed steps
         self.draft = draft          # dataplane.draft_model.DraftModel or None
         self.attention = attention  # kernels.attention_policy.Policy (None: Triton only)
         self._arange = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
+        self._stepping = None       # the prep ``mode`` sent to the step graphs (``mixed``)
 
     def mode(self, prep: PreparedBatch) -> str:
+        """The step's ``graph`` label: full (the decode graphs, or the full step graphs),
+        piecewise or eager."""
         n = len(prep.positions)
+        self._stepping = None
         if self.graphs is not None and self.graphs.fits(n) and (
                 prep.decode_only or decode_rows(prep) is not None):
             return "full"
-        if self.mixed is not None and self.mixed.fits(n, len(prep.logits_indices)):
-            return "piecewise"
+        if self.mixed is not None and self.mixed.fits(n, len(prep.logits_indices), len(prep.seq_lens)):
+            self._stepping = prep
+            return self.mixed.label
         return "eager"
+
+    def _step_graphs(self, prep: PreparedBatch, mode: str) -> bool:
+        """Whether ``mode`` (``self.mode(prep)``'s) replays the step graphs."""
+        return mode != "eager" and self._stepping is prep
 
     def host_arrays(self, prep: PreparedBatch, mode: str) -> dict[str, np.ndarray]:
         """The model inputs the step's ``mode`` reads, as host arrays."""
         arrays = dict(seq_lens=prep.seq_lens, block_tables=prep.block_tables,
                       last_rows=prep.last_rows, decode_order=prep.decode_order)
-        if mode == "piecewise":   # ids, positions, slots and sampled indices: one [4, bucket] array
+        if self._step_graphs(prep, mode):   # ids, positions, slots, sampled indices: [4, bucket]
             n, m = len(prep.positions), len(prep.logits_indices)
             rows = np.zeros((4, self.mixed.bucket(n)), dtype=np.int64)
             if not prep.decode_only:
@@ -64,7 +74,7 @@ class StepForward:
             rows[1, :n], rows[2, :n], rows[2, n:] = prep.positions, prep.slot_mapping, -1
             rows[3, :m] = prep.logits_indices
             arrays.update(graph_inputs=rows, last_index=prep.last_index,
-                          query_start_loc=prep.query_start_loc)
+                          query_start_loc=prep.query_start_loc, **self.mixed.meta_arrays(prep))
             return arrays
         arrays.update(positions=prep.positions, slot_mapping=prep.slot_mapping)
         if not prep.decode_only:   # a decode reads its token from last_rows and samples every row
@@ -78,7 +88,7 @@ class StepForward:
                last_token: torch.Tensor) -> torch.Tensor | None:
         """Logits of the step's sampling tokens (None when none samples); decodes read their
         input ids from the device's last tokens (``last_token``, by row)."""
-        if mode == "full":
+        if mode == "full" and not self._step_graphs(prep, mode):
             if prep.decode_only:
                 input_ids = last_token[dev["last_rows"]]
             else:
@@ -89,16 +99,19 @@ class StepForward:
             return logits
         n = len(prep.positions)
         qsl = dev["query_start_loc"] if "query_start_loc" in dev else self._arange[:n + 1]
-        flash = kernels.flash_attn4.step_plan(self.attention, prep, qsl, dev["seq_lens"],
-                                              dev["block_tables"])
-        if mode == "piecewise":
-            mixed = self.mixed
+        if self._step_graphs(prep, mode):
+            mixed = self.mixed   # a full graph's attention is Triton's, inside it: no flash plan
+            flash = None if mode == "full" else kernels.flash_attn4.step_plan(
+                self.attention, prep, qsl, dev["seq_lens"], dev["block_tables"])
             meta = self._meta(prep, dev, qsl, flash, mixed.slot_mapping[:n])
             logits = mixed.run(dev["graph_inputs"], n, len(prep.logits_indices), meta,
-                               dev["last_index"], last_token[dev["last_rows"]])
+                               dev["last_index"], last_token[dev["last_rows"]],
+                               dev.get("graph_meta"))
             if self.draft is not None:
                 self.draft.sync(mixed.input_ids[:n], mixed.positions[:n], meta)
             return logits
+        flash = kernels.flash_attn4.step_plan(self.attention, prep, qsl, dev["seq_lens"],
+                                              dev["block_tables"])
         input_ids = (last_token[dev["last_rows"]] if prep.decode_only
                      else self._input_ids(prep, dev, last_token))
         meta = self._meta(prep, dev, qsl, flash, dev["slot_mapping"])

@@ -13,7 +13,10 @@ Modes, as vLLM's ``CUDAGraphMode``: ``full_and_piecewise`` (default): decode-onl
 verifies of decodes replay a full graph (``cuda_graphs.DecodeGraphs``), prefill and mixed
 steps the piecewise graphs (``mixed_graphs.MixedGraphs``); ``full_decode_only``: the decode
 graphs only (the behaviour before piecewise graphs); ``piecewise``: every step piecewise (the
-decodes' attention launched between pieces too); ``none``: every step eagerly.
+decodes' attention launched between pieces too); ``full``: decode-only steps and verifies of
+decodes replay the decode graphs, prefill and mixed steps one full graph per bucket
+(``full_graphs.FullGraphs``: the unified attention kernel inside); ``none``: every step eagerly.
+Whichever graphs serve prefill and mixed steps are the runner's ``mixed``.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ import time
 import torch
 
 from dataplane.cuda_graphs import DecodeGraphs
+from dataplane.full_graphs import FullGraphs
 from dataplane.kv_cache import GiB
 from dataplane.mixed_graphs import MixedGraphs
 from dataplane.progress import Progress
 
 log = logging.getLogger("headrace.dataplane")
 
-MODES = ("full_and_piecewise", "full_decode_only", "piecewise", "none")
+MODES = ("full_and_piecewise", "full_decode_only", "piecewise", "full", "none")
 DEFAULT_MAX_CAPTURE_TOKENS = 4096   # above: device-bound steps, where launches cost ~nothing
 
 
@@ -45,24 +49,28 @@ def resolve_mode(opts) -> str:
 
 
 def capture_tokens(opts) -> int:
-    """The largest step the piecewise graphs cover."""
+    """The largest step the piecewise or full step graphs cover."""
     cap = opts.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_TOKENS
     return min(opts.max_batched_tokens, cap)
 
 
 class WorkerGraphs:
-    """A worker's decode graphs and piecewise graphs (either may be None), built with their
-    static buffers before the KV cache exists; ``capture`` records them over the cache."""
+    """A worker's decode graphs and step graphs of prefill and mixed steps (``mixed``:
+    piecewise or full; either may be None), built with their static buffers before the KV
+    cache exists; ``capture`` records them over the cache."""
 
     def __init__(self, mode: str, model, device: torch.device, max_rows: int,
                  max_blocks_per_seq: int, max_tokens: int):
         self.mode = mode
         self.decode = self.mixed = None
-        if mode in ("full_and_piecewise", "full_decode_only"):
+        if mode in ("full_and_piecewise", "full_decode_only", "full"):
             self.decode = DecodeGraphs(model, [], max_rows, max_blocks_per_seq, device)
+        logits = self.decode.logits if self.decode else None
         if mode in ("full_and_piecewise", "piecewise"):
-            self.mixed = MixedGraphs(model, [], max(max_tokens, 1), max_rows, device,
-                                     logits=self.decode.logits if self.decode else None)
+            self.mixed = MixedGraphs(model, [], max(max_tokens, 1), max_rows, device, logits=logits)
+        elif mode == "full":
+            self.mixed = FullGraphs(model, [], max(max_tokens, 1), max_rows, max_rows,
+                                    max_blocks_per_seq, device, logits=logits)
         self.device = device
         self.capture_seconds = 0.0
         self.measured_bytes = 0
@@ -115,7 +123,8 @@ class WorkerGraphs:
             parts.append(f"{len(self.decode.sizes)} decode sizes up to {self.decode.max_batch}")
         if self.mixed is not None:
             parts.append(f"{len(self.mixed.buckets)} prefill/mixed buckets up to "
-                         f"{self.mixed.max_tokens} tokens x {self.mixed.num_layers + 1} pieces + "
+                         f"{self.mixed.max_tokens} tokens x {self.mixed.pieces_per_bucket} "
+                         f"{'pieces' if self.mixed.label == 'piecewise' else 'full graph'} + "
                          f"{len(self.mixed.row_sizes)} LM-head sizes")
         return (f"CUDA graphs ({self.mode}): {'; '.join(parts)} = {self.num_graphs} graphs, "
                 f"captured in {self.capture_seconds:.1f}s; {self.measured_bytes / GiB:.2f} GiB "

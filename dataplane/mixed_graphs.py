@@ -93,9 +93,7 @@ class MixedGraphs:
         self.rows = torch.zeros((4, max_tokens), dtype=torch.int64, device=device)
         self.rows[2].fill_(-1)
         self.input_ids, self.positions, self.slot_mapping, self.sample_index = self.rows
-        self.q = torch.zeros((max_tokens, cfg.num_heads, cfg.head_dim), **act)
-        self.attn = torch.zeros((max_tokens, cfg.num_heads, cfg.head_dim), **act)
-        self.residual = torch.zeros((max_tokens, cfg.hidden_size), **act)
+        self.buffers = self._buffers(max_tokens, act)   # what the pieces carry between them
         self.sampled = torch.zeros((self.max_rows, cfg.hidden_size), **act)
         self.lm_head = lm_head
         if lm_head and logits is None:
@@ -108,13 +106,26 @@ class MixedGraphs:
         self.capture_seconds = 0.0
         self.num_replays = 0
 
+    label = "piecewise"   # the ``graph`` label of the steps it runs (``forward.MODES``)
+
+    def _buffers(self, max_tokens: int, act: dict) -> list[torch.Tensor]:
+        cfg = self.model.cfg
+        self.q = torch.zeros((max_tokens, cfg.num_heads, cfg.head_dim), **act)
+        self.attn = torch.zeros((max_tokens, cfg.num_heads, cfg.head_dim), **act)
+        self.residual = torch.zeros((max_tokens, cfg.hidden_size), **act)
+        return [self.q, self.attn, self.residual]
+
+    @property
+    def pieces_per_bucket(self) -> int:
+        return self.num_layers + 1
+
     @property
     def num_graphs(self) -> int:
-        return len(self.buckets) * (self.num_layers + 1) + len(self.row_sizes)
+        return len(self.buckets) * self.pieces_per_bucket + len(self.row_sizes)
 
     def static_bytes(self) -> int:
         """Device memory of the static buffers (the graphs' pool comes on top)."""
-        ts = [self.rows, self.q, self.attn, self.residual, self.sampled]
+        ts = [self.rows, self.sampled, *self.buffers]
         return sum(t.numel() * t.element_size() for t in ts) + (
             self.logits.numel() * self.logits.element_size() if self.lm_head else 0)
 
@@ -144,7 +155,7 @@ class MixedGraphs:
         graph memory pool to share (the decode graphs'); ``progress`` counts graphs."""
         start = time.perf_counter()
         cuda = self.device.type == "cuda"
-        jobs = [(size, k) for size in reversed(self.buckets) for k in range(self.num_layers + 1)]
+        jobs = [(size, k) for size in reversed(self.buckets) for k in range(self.pieces_per_bucket)]
         jobs += [(rows, None) for rows in reversed(self.row_sizes)]
         stream = torch.cuda.Stream(self.device) if cuda else None
         for size, k in jobs:
@@ -167,22 +178,35 @@ class MixedGraphs:
         self.pool = pool
         self.capture_seconds = time.perf_counter() - start
 
-    def fits(self, num_tokens: int, num_rows: int) -> bool:
+    def fits(self, num_tokens: int, num_rows: int, num_seqs: int = 0) -> bool:
         """Whether a step of ``num_tokens`` tokens sampling ``num_rows`` rows can replay."""
         return bool(self.pieces) and num_tokens <= self.max_tokens and num_rows <= self.max_rows
 
     def bucket(self, num_tokens: int) -> int:
         return next(s for s in self.buckets if s >= num_tokens)
 
+    def meta_arrays(self, prep) -> dict:
+        """Host arrays of a step's metadata its graphs read (the pieces: none, the attention
+        between them reads the step's own)."""
+        return {}
+
+    def _replay_head(self, num_rows: int) -> torch.Tensor | None:
+        if num_rows == 0 or not self.lm_head:
+            return None
+        head_rows = next(s for s in self.row_sizes if s >= num_rows)
+        self.heads[head_rows].replay()
+        return self.logits[:num_rows]
+
     def run(self, rows: torch.Tensor, num_tokens: int, num_rows: int, meta: AttentionMetadata,
-            last_index: torch.Tensor | None = None, last_tokens: torch.Tensor | None = None
-            ) -> torch.Tensor | None:
+            last_index: torch.Tensor | None = None, last_tokens: torch.Tensor | None = None,
+            graph_meta: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [num_rows, vocab] of the step (None when it samples nothing). ``rows``: the
         step's [4, bucket] int64 inputs on the device (``graph_inputs``: ids, positions, slots
         padded with -1, sampled token indices), copied into the static buffers in stream
         order; ``last_index``/``last_tokens``: the decodes' input ids, which live on the device
         (the tokens just sampled), scattered into the ids after the copy; ``meta``: the real
-        tokens' attention metadata (its slot_mapping is not read)."""
+        tokens' attention metadata (its slot_mapping is not read); ``graph_meta``: the
+        uploaded ``meta_arrays`` (full graphs)."""
         size = rows.shape[1]
         self.rows[:, :size].copy_(rows)
         if last_index is not None and len(last_index):
@@ -194,8 +218,4 @@ class MixedGraphs:
             if k < self.num_layers:
                 layers[k].self_attn.attend(self.q[:n], self.kv_caches[k], meta, out=self.attn[:n])
         self.num_replays += 1
-        if num_rows == 0 or not self.lm_head:
-            return None
-        head_rows = next(s for s in self.row_sizes if s >= num_rows)
-        self.heads[head_rows].replay()
-        return self.logits[:num_rows]
+        return self._replay_head(num_rows)

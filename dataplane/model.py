@@ -35,6 +35,8 @@ class AttentionMetadata:
     num_decodes: int = 0              # the first num_decodes sequences compute one token each
     decode_order: torch.Tensor | None = None  # [decodes] int32: longest context first (a hint)
     flash: object | None = None       # the step's kernels.flash_attn4.Plan (--attention-backend)
+    unified: bool = False             # one launch by token count (kernels.unified_attention): the
+                                      # full graphs' static, padded metadata; the hints unused
 
 
 class Linear(nn.Linear):
@@ -116,6 +118,10 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """Paged attention of ``q`` over the cache (into ``out`` when given)."""
+        if meta.unified:
+            return kernels.unified_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
+                                             meta.block_tables, self.scale, k_scale=self.k_scale,
+                                             v_scale=self.v_scale, out=out)
         return kernels.paged_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
                                        meta.block_tables, self.scale,
                                        max_query_len=meta.max_query_len, decode_only=meta.decode_only,

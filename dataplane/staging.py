@@ -30,7 +30,8 @@ _ALIGN = 16
 def upload(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
     """The same arrays on ``device`` (names kept); on the CPU they share the numpy memory."""
     if device.type != "cuda":
-        return {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+        return {k: torch.from_numpy(np.ascontiguousarray(a) if a.flags.writeable else a.copy())
+                for k, a in arrays.items()}
     return packed_copy(arrays, device, pin=True)
 
 

@@ -2,7 +2,7 @@
 
 Each op has a plain-torch reference in ``kernels.reference`` and a Triton version (in
 ``kernels.triton_ops``, ``kernels.triton_attention`` (with ``kernels.triton_decode`` and
-``kernels.triton_flash``), ``kernels.triton_prologue``, ``kernels.triton_linear``,
+``kernels.triton_flash``; ``unified_attention``: ``kernels.triton_unified``), ``kernels.triton_prologue``, ``kernels.triton_linear``,
 ``kernels.triton_sampling`` or ``kernels.triton_bitmask`` (structured outputs' token mask); the quantized linears ``fp8_linear`` and ``wna16_linear``:
 ``kernels.reference_quant`` and ``kernels.triton_quant``) that must match it. The choice is resolved once, at import, from
 the environment variable ``HEADRACE_KERNELS``:
@@ -44,7 +44,7 @@ def _load_triton():
         return None
     try:
         from kernels import (triton_attention, triton_bitmask, triton_linear, triton_ops,
-                             triton_prologue, triton_quant, triton_sampling)
+                             triton_prologue, triton_quant, triton_sampling, triton_unified)
     except ImportError:
         if MODE == "triton":
             raise
@@ -52,7 +52,7 @@ def _load_triton():
     return {"paged_attention": triton_attention, "sample_race": triton_sampling,
             "qk_norm_rope_write_kv": triton_prologue, "linear": triton_linear,
             "fp8_linear": triton_quant, "wna16_linear": triton_quant,
-            "apply_token_bitmask": triton_bitmask}, triton_ops
+            "apply_token_bitmask": triton_bitmask, "unified_attention": triton_unified}, triton_ops
 
 
 def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
@@ -62,6 +62,18 @@ def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_table
     result = reference.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables,
                                        scale, k_scale, v_scale)
     return result if out is None else out.copy_(result)
+
+
+def _reference_unified(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
+                       k_scale=1.0, v_scale=1.0, out=None):
+    """kernels.reference.paged_attention with triton_unified's padding: query rows past
+    ``query_start_loc[-1]`` keep their value in ``out``."""
+    result = reference.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables,
+                                       scale, k_scale, v_scale)
+    if out is None:
+        return result
+    real = torch.arange(query.shape[0], device=query.device) < query_start_loc[-1]   # no sync
+    return out.copy_(torch.where(real[:, None, None], result, out))
 
 
 def _on_cuda(fast, slow):
@@ -101,6 +113,8 @@ def paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, sc
     return result if out is None else out.copy_(result)
 
 
+# One launch for a whole mixed batch, its grid by token count (full CUDA graphs of mixed steps)
+unified_attention = _select(_reference_unified, "unified_attention")
 sample_race = _select(reference.sample_race, "sample_race")
 apply_token_bitmask = _select(reference.apply_token_bitmask, "apply_token_bitmask")
 qk_norm_rope_write_kv = _select(reference.qk_norm_rope_write_kv, "qk_norm_rope_write_kv")

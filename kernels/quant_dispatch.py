@@ -23,9 +23,11 @@ w8a16      GenAI's preshuffled CUTLASS ``bf16i4bf16_shuffled``); 4-bit kernels r
 shape among those installed and able to take the layer, and the defaults for shapes the table
 does not hold. The table (``quant_dispatch.json`` beside this file) is
 ``bench/quant_kernels.py --table``'s output, kept in the repository once measured:
-``{"rankings": {scheme: {"NxK": {"M": [kernel, ...fastest first]}}}, "device": ..., ...}``;
+``{"rankings": {scheme: {"NxK": {"M": [kernel, ...fastest first]}}}, "tiles": {scheme:
+{"NxK": {"bucket": [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, dot]}}}, "device": ...}``;
 a row bucket reads the ranking measured at the smallest M at or above it (the largest M
-otherwise).
+otherwise). ``tiles`` pins the skinny kernels' launch per scheme, shape and row bucket (the
+bench's sweep winners; ``kernels.skinny_gemm`` computes a tile for the others).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import bisect
 import dataclasses
 import functools
 import json
+import os
 import pathlib
 from typing import Callable
 
@@ -54,6 +57,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 8192)
 MAX_ROWS = 128
 ALWAYS = ("fp8_skinny", "scaled_mm", "triton")    # take every layer of their scheme
 TABLE_PATH = pathlib.Path(__file__).with_name("quant_dispatch.json")
+# HEADRACE_QUANT_AUTOTUNE=1: our skinny kernels (kernels.skinny_gemm) and gemlite time their
+# tiles per shape at first use instead of the pinned / fixed ones (minutes at start-up)
+AUTOTUNE = os.environ.get("HEADRACE_QUANT_AUTOTUNE", "0") not in ("", "0")
 
 
 def bucket_of(m: int) -> int:
@@ -103,7 +109,24 @@ def load_table(path: str | pathlib.Path | None = None) -> dict:
     return rankings
 
 
+def load_tiles(path: str | pathlib.Path | None = None) -> dict:
+    """The pinned skinny-kernel tiles ({} when the file or its "tiles" are absent)."""
+    path = pathlib.Path(path) if path is not None else TABLE_PATH
+    if not path.exists():
+        return {}
+    tiles = json.loads(path.read_text()).get("tiles", {})
+    for scheme, shapes in tiles.items():
+        for shape, by_bucket in shapes.items():
+            for bucket, tile in by_bucket.items():
+                if (scheme not in SCHEMES or not str(bucket).isdigit() or len(tile) != 7
+                        or not all(isinstance(v, int) and v >= 0 for v in tile)):
+                    raise ValueError(f"{path}: tile {scheme} {shape} bucket {bucket}: {tile!r} "
+                                     f"is not [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, dot]")
+    return tiles
+
+
 _TABLE: dict | None = None
+_TILES: dict | None = None
 
 
 def table() -> dict:
@@ -111,6 +134,14 @@ def table() -> dict:
     if _TABLE is None:
         _TABLE = load_table()
     return _TABLE
+
+
+def pinned_tile(scheme: str, n: int, k: int, bucket: int) -> list[int] | None:
+    """The tile the table pins for a skinny kernel of ``scheme`` at this shape and row bucket."""
+    global _TILES
+    if _TILES is None:
+        _TILES = load_tiles()
+    return _TILES.get(scheme, {}).get(f"{n}x{k}", {}).get(str(bucket))
 
 
 def ranking(rankings: dict, scheme: str, n: int, k: int, bucket: int) -> list[str]:

@@ -28,7 +28,7 @@ import pathlib
 
 import torch
 
-from kernels import reference_quant
+from kernels import quant_dispatch, reference_quant
 
 PACKAGES = {"gemlite": ("gemlite", "gemlite", "pip install 'headrace[gemlite]'"),
             "fbgemm": ("fbgemm_gpu.experimental.gen_ai", "fbgemm-gpu-genai",
@@ -66,10 +66,15 @@ def _check(library: str) -> str | None:
 
 def _gemlite_configs(gemlite) -> None:
     """gemlite ships tuned launch configs per GPU and picks them by device name; an H200 (an
-    H100's SM90 with more bandwidth) gets the H100's instead of tuning at every new shape."""
+    H100's SM90 with more bandwidth) gets the H100's. A shape they do not hold would be
+    autotuned at its first call ("fast": timing a dozen configs, each compiled for that N and
+    K, seconds a shape and kernel): gemlite's single default config runs instead unless
+    HEADRACE_QUANT_AUTOTUNE=1."""
     path = pathlib.Path(gemlite.__file__).parent / "configs" / "h100.json"
     if "H200" in torch.cuda.get_device_name() and path.exists():
         gemlite.load_config(str(path))
+    if not quant_dispatch.AUTOTUNE:
+        gemlite.set_autotune("default")
 
 
 def takes(kernel: str, *, scheme: str, n: int, k: int, dtype: torch.dtype, bits: int = 8,

@@ -1,16 +1,31 @@
-"""What the decode-shape ("skinny") low-precision GEMMs share: row buckets, per-bucket tile
-lists autotuned on the device (``Tuner``), and the self-cleaning split-K workspace.
+"""What the decode-shape ("skinny") low-precision GEMMs share: row buckets, the launch tile
+per (bucket, shape) (``Tuner``), and the self-cleaning split-K workspace.
 
 Why: at decode a projection of M = 1..128 rows is bound by reading its weight once, so its
 kernel must keep enough bytes in flight on every SM (132 on an H200) to reach the copy
 bandwidth (~4.3 TB/s). Which tile does that (how many output columns a program owns, how many
 bytes of each weight row it loads per step, how many warps and pipeline stages, whether K is
 split over programs) depends on M, N, K and the chip, and was measured to matter 3-10x on the
-H200 (issue 32: a fixed tile read FP8 weights at 0.2-0.4 TB/s). So each kernel has a compact
-list of candidate tiles per row bucket, and ``triton.autotune`` (keyed on the bucket, N and K)
-times them at the first call of each key (the engine's warm-up, before CUDA-graph capture:
-the decode graphs run each batch size eagerly first). A call inside a graph capture whose key
-was never tuned takes the bucket's first tile instead of timing (timing syncs the device).
+H200 (issue 32: a fixed tile read FP8 weights at 0.2-0.4 TB/s).
+
+Which tile runs (``Tuner.choose``), in order:
+
+1. a tile pinned for (scheme, N, K, bucket) in ``kernels/quant_dispatch.json`` (``"tiles"``:
+   the winners of ``bench/quant_kernels.py``'s sweep on the device, measured offline);
+2. otherwise the bucket's first tile with K split by arithmetic (``split_for``): Little's law
+   at 4.3 TB/s and ~1 us of memory latency wants ~4 MB in flight, ~32 KB an SM, and one
+   program streams a [BLOCK_N, BLOCK_K] weight tile of ~8 KB a step (FP8 32 x 256 bytes, INT4
+   128 columns x 64 bytes), so about ``PROGRAMS_PER_SM`` = 4 programs an SM; where the output
+   tiles are fewer, K is split (2 or ``MAX_SPLIT`` = 4 slices, each at least two K tiles long,
+   while the partial sums' bytes stay under half the weight's);
+3. with ``HEADRACE_QUANT_AUTOTUNE=1`` (``AUTOTUNE``), ``triton.autotune`` instead times the
+   bucket's list per (bucket, N, K) at the first call of each key (minutes over a model's
+   shapes: off by default, so a server starts without timing anything).
+
+Without autotuning a (bucket, shape) costs nothing at start but a compile of its tile, and the
+compiled kernels are shared across shapes (N and K are runtime arguments), so the engine's
+warm-up compiles a handful of tiles. A call inside a graph capture never times (an autotuned
+key not seen eagerly takes the fixed choice): timing would synchronise the device.
 
 Split K: where a shape has few output tiles, programs also split K and add their float32
 partial sums into a workspace; the program that finishes a tile last (a per-tile counter,
@@ -21,7 +36,6 @@ ends. One launch, no memset and no cast kernel: the workspace is allocated once 
 and shared by every skinny GEMM, which is safe because kernels of one stream run one after
 another.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -32,11 +46,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import quant_dispatch
+from kernels.host import cdiv
 from kernels.triton_flash import INTERPRETED
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_ROWS = M_BUCKETS[-1]        # the decode range the buckets are tuned for
 LARGE = 2 * MAX_ROWS            # the bucket of every larger input (tests, benchmarks)
+AUTOTUNE = quant_dispatch.AUTOTUNE   # HEADRACE_QUANT_AUTOTUNE=1
+PROGRAMS_PER_SM = 4             # programs in flight an SM for the fixed tile (docstring)
+MAX_SPLIT = 4
+H200_SMS = 132                  # the interpreter's stand-in for the SM count
 
 
 def m_bucket(m: int) -> int:
@@ -74,15 +94,48 @@ class Tile:
         return cls(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], config.num_warps,
                    config.num_stages, kw["SPLIT_K"], kw["USE_DOT"])
 
+    def as_list(self) -> list:
+        """[BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, dot]: quant_dispatch.json's form."""
+        return [self.block_m, self.block_n, self.block_k, self.warps, self.stages, self.split,
+                int(self.dot)]
+
+    @classmethod
+    def from_list(cls, values) -> "Tile":
+        *ints, dot = values
+        return cls(*(int(v) for v in ints), dot=bool(dot))
+
+
+def split_for(tile: Tile, bucket: int, n: int, k: int, sms: int, bits: int = 8) -> Tile:
+    """``tile`` (unsplit) with K split 2 or MAX_SPLIT ways where its output tiles are fewer
+    than PROGRAMS_PER_SM an SM, each K slice at least two BLOCK_K steps long and the float32
+    partial sums (added and read back) at most half the weight's bytes (``bits`` a weight)."""
+    rows = min(bucket, MAX_ROWS)
+    programs = cdiv(rows, tile.block_m) * cdiv(n, tile.block_n)
+    split = 1
+    while (programs * split < PROGRAMS_PER_SM * sms and split < MAX_SPLIT
+           and k >= 2 * split * 2 * tile.block_k and 2 * split * rows * 8 <= k * bits // 8):
+        split *= 2
+    return dataclasses.replace(tile, split=split)
+
+
+_SMS: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return H200_SMS
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
 
 def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _bench(fn, quantiles=None):
-    """The autotuner's timing: triton's do_bench (L2 flushed before each call) kept short,
-    since the engine tunes every (bucket, shape) at start-up; under the CPU interpreter one
-    timed call (tests)."""
+    """The autotuner's timing (HEADRACE_QUANT_AUTOTUNE=1): triton's do_bench (L2 flushed
+    before each call) kept short; under the CPU interpreter one timed call (tests)."""
     if INTERPRETED:
         start = time.perf_counter()
         fn()
@@ -119,7 +172,7 @@ WORKSPACE = Workspace()
 
 def workspace(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Room for any tile's split K of an [m, n] output (BLOCK_N >= 16 columns a tile)."""
-    return WORKSPACE.get(device, m * n, m * triton.cdiv(n, 16))
+    return WORKSPACE.get(device, m * n, m * cdiv(n, 16))
 
 
 @triton.jit
@@ -178,15 +231,15 @@ def launch_args(x2: torch.Tensor, out: torch.Tensor) -> dict:
 
 
 def _grid(m: int, n: int):
-    return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]),
+    return lambda meta: (cdiv(m, meta["BLOCK_M"]), cdiv(n, meta["BLOCK_N"]),
                          meta["SPLIT_K"])
 
 
 class Tuner:
-    """A skinny kernel autotuned per (M_BUCKET, N, K) over ``tiles[bucket]`` (those ``fits``
-    allows for the call's arguments). The kernel takes M_BUCKET, N, K, SPLIT_K and the Tile's
-    constexprs (BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT) and runs on grid (M / BLOCK_M, N / BLOCK_N,
-    SPLIT_K)."""
+    """A skinny kernel's launch per (M_BUCKET, N, K): the pinned or fixed tile (``choose``), or
+    with AUTOTUNE the fastest of ``tiles[bucket]`` (those ``fits`` allows for the call's
+    arguments). The kernel takes M_BUCKET, N, K, SPLIT_K and the Tile's constexprs (BLOCK_M,
+    BLOCK_N, BLOCK_K, USE_DOT) and runs on grid (M / BLOCK_M, N / BLOCK_N, SPLIT_K)."""
 
     def __init__(self, kernel, tiles: dict[int, list[Tile]],
                  fits: Callable[[Tile, dict], bool] = lambda tile, args: True):
@@ -197,6 +250,7 @@ class Tuner:
                                      do_bench=lambda fn, quantiles=None: _bench(fn, quantiles)
                                      )(kernel)
         self.seen: set[tuple] = set()
+        self.fixed: dict[tuple, Tile] = {}
 
     def _prune(self, configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
@@ -209,21 +263,37 @@ class Tuner:
             raise ValueError(f"no tile of bucket {bucket} fits these arguments")
         return fitting
 
+    def choose(self, scheme: str, args: dict, key: tuple) -> Tile:
+        """The tile without timing: pinned in quant_dispatch.json for (scheme, N, K, bucket)
+        when it fits, else the bucket's first unsplit tile with ``split_for``'s K split."""
+        tile = self.fixed.get(key)
+        if tile is None:
+            bucket, n, k = args["M_BUCKET"], args["N"], args["K"]
+            pinned = quant_dispatch.pinned_tile(scheme, n, k, bucket)
+            tile = None if pinned is None else Tile.from_list(pinned)
+            if tile is None or not self.fits(tile, args):
+                first = next((t for t in self.candidates(bucket, args) if t.split == 1),
+                             self.candidates(bucket, args)[0])
+                tile = split_for(first, bucket, n, k, sm_count(args["X"].device),
+                                 args.get("BITS", 8))
+            self.fixed[key] = tile
+        return tile
+
     def chosen(self) -> Tile | None:
         """The tile of the last autotuned launch (None before any)."""
         config = getattr(self.tuned, "best_config", None)
         return None if config is None else Tile.of(config)
 
-    def __call__(self, m: int, n: int, args: dict, key: tuple, tile: Tile | None = None) -> None:
+    def __call__(self, m: int, n: int, args: dict, key: tuple, tile: Tile | None = None,
+                 scheme: str = "fp8") -> None:
         """Launches for an [m, n] output; ``args`` name every kernel argument but the tile's;
-        ``key`` identifies the shape and dtypes (capture falls back when it was never tuned);
+        ``key`` identifies the shape and dtypes; ``scheme`` names the pinned tiles' table;
         ``tile`` forces one launch configuration (tests, benchmark sweeps)."""
-        if tile is None and (capturing(args["X"].device) and key not in self.seen
-                             or len(self.candidates(args["M_BUCKET"], args)) == 1):
-            tile = self.candidates(args["M_BUCKET"], args)[0]
-        if tile is not None:
-            self.kernel[_grid(m, n)(tile.meta)](**args, **tile.meta, num_warps=tile.warps,
-                                                num_stages=tile.stages)
+        if tile is None and AUTOTUNE and not (capturing(args["X"].device) and key not in self.seen) \
+                and len(self.candidates(args["M_BUCKET"], args)) > 1:
+            self.tuned[_grid(m, n)](**args)
+            self.seen.add(key)
             return
-        self.tuned[_grid(m, n)](**args)
-        self.seen.add(key)
+        tile = tile or self.choose(scheme, args, key)
+        self.kernel[_grid(m, n)(tile.meta)](**args, **tile.meta, num_warps=tile.warps,
+                                            num_stages=tile.stages)

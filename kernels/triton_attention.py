@@ -22,8 +22,9 @@ import triton
 import triton.language as tl
 
 from kernels import triton_decode
+from kernels.host import cdiv, next_pow2
 from kernels.triton_decode import num_decode_splits  # noqa: F401  (part of this module's API)
-from kernels.triton_flash import Launch, _attend, _query_operand
+from kernels.triton_flash import Launch, _causal_tile
 
 # Launch configuration, tuned on an H200 (triton 3.6) with ``bench/kernels.py --sweep``: causal
 # bf16 prefill reaches 300-450 TFLOP/s (hd 128, GQA 4). Decode's is in ``kernels.triton_decode``.
@@ -44,32 +45,10 @@ def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, seq0, qk_scale, v_scale, st
     q_len = tl.load(QSL + seq + 1) - q_start
     if tile * BLOCK_Q >= q_len:
         return
-    ctx = tl.load(SEQ_LENS + seq)
-    rows = tl.arange(0, BLOCK_Q * G_PAD)  # row = query token * G_PAD + head within the group
-    tok = tile * BLOCK_Q + rows // G_PAD
-    heads = kv_head * G + rows % G_PAD
-    row_ok = (tok < q_len) & (rows % G_PAD < G)
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    q = _query_operand(q, KV_F16, DOT_F32)
-    q_pos = ctx - q_len + tok
-    first = ctx - q_len + tile * BLOCK_Q        # position of the tile's first query
-    below = (first + 1) // BLOCK_N * BLOCK_N    # keys [0, below) are visible to every row
-    end = tl.minimum(ctx, first + BLOCK_Q)      # the tile's last query sees keys [0, end)
-    acc = tl.zeros([BLOCK_Q * G_PAD, HEAD_DIM], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_Q * G_PAD], dtype=tl.float32)
-    m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), dtype=tl.float32)
-    bt_row = BT + seq * stride_bt
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, 0, below,
-                            q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
-                            HEAD_DIM, False, PRECISION, DOT_F32 and not KV_F16, q.dtype)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, below, end,
-                            q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
-                            HEAD_DIM, True, PRECISION, DOT_F32 and not KV_F16, q.dtype)
-    out = acc * v_scale / tl.where(row_ok, l_i, 1.0)[:, None]
-    tl.store(OUT + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    _causal_tile(Q, K, V, OUT, BT, seq, tile, kv_head, q_start, q_len, tl.load(SEQ_LENS + seq),
+                 qk_scale, v_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                 stride_block, stride_slot, stride_head, G, G_PAD, BLOCK_Q, HEAD_DIM, BLOCK_N,
+                 BLOCK_SIZE, PRECISION, DOT_F32, KV_F16)
 
 
 def _max_query_len(query_start_loc: torch.Tensor) -> int:
@@ -119,12 +98,12 @@ def prefill(launch: Launch, query_start_loc: torch.Tensor, seq_lens: torch.Tenso
     _, heads, head_dim = query.shape
     kv_heads, block_size = keys.shape[2], keys.shape[1]
     group = heads // kv_heads
-    g_pad = triton.next_power_of_2(group)
+    g_pad = next_pow2(group)
     wide = query.element_size() > 2  # float32: a quarter of the tile and fewer stages fit smem
     block_m = min(PREFILL_BLOCK_M // (4 if wide else 1),
-                  max(16, triton.next_power_of_2(max_query_len) * g_pad))
+                  max(16, next_pow2(max_query_len) * g_pad))
     block_q = block_m // g_pad
-    grid = (triton.cdiv(max_query_len, block_q), kv_heads, seq_lens.shape[0] - seq0)
+    grid = (cdiv(max_query_len, block_q), kv_heads, seq_lens.shape[0] - seq0)
     _prefill_kernel[grid](
         query, keys, values, out, query_start_loc, seq_lens, block_tables,
         seq0, launch.qk_scale, launch.v_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),

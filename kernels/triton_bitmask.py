@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host import cdiv
+
 _BLOCK = 4096
 
 
@@ -37,5 +39,5 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     if logits.stride(1) != 1:
         raise ValueError("apply_token_bitmask: the logits' rows must be contiguous")
     bitmask = bitmask.contiguous()
-    _bitmask_kernel[(n, triton.cdiv(vocab, _BLOCK))](logits, logits.stride(0), bitmask, bitmask.shape[1],
+    _bitmask_kernel[(n, cdiv(vocab, _BLOCK))](logits, logits.stride(0), bitmask, bitmask.shape[1],
                                                       rows, vocab, BLOCK=_BLOCK, num_warps=4)

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host import next_pow2
 from kernels.triton_flash import Launch, _attend, _query_operand
 
 # Launch configuration, tuned on an H200 (triton 3.6) with ``bench/kernels.py --sweep``: decode
@@ -147,7 +148,7 @@ def decode(launch: Launch, seq_lens: torch.Tensor, block_tables: torch.Tensor, o
         part_o, part_lse, out, launch.qk_scale, launch.v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *launch.cache_strides,
         NUM_SPLITS=splits, G=group,
-        G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        G_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, PRECISION=launch.precision,
         DOT_F32=launch.dot_f32, HAS_ORDER=order is not None, KV_F16=launch.kv_f16,
         num_warps=warps, num_stages=stages)

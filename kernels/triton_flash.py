@@ -1,5 +1,6 @@
 """The inner loop both Triton paged-attention kernels share (``kernels.triton_decode`` and
-``kernels.triton_attention``'s prefill), and what every Triton module needs to know about
+``kernels.triton_attention``'s prefill; ``_causal_tile``: a query tile of the prefill and the
+unified kernels, ``kernels.triton_unified``), and what every Triton module needs to know about
 running under Triton's CPU interpreter.
 
 ``_attend`` gathers a tile of keys through the block table, scores it with tl.dot (tensor
@@ -80,6 +81,44 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
         acc = tl.dot(p, _operand(v, DOT_F32), acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _causal_tile(Q, K, V, OUT, BT, seq, tile, kv_head, q_start, q_len, ctx, qk_scale, v_scale,
+                 stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_block, stride_slot,
+                 stride_head, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 PRECISION: tl.constexpr, DOT_F32: tl.constexpr, KV_F16: tl.constexpr):
+    """One query tile of a sequence (its queries are the last q_len of its ctx positions, at
+    rows q_start.. of Q and OUT): BLOCK_Q tokens x the GQA group as the tile's rows, so a K/V
+    tile is loaded once per group; keys below the tile's first query unmasked, the causal
+    diagonal masked. The prefill kernel and the unified kernel differ only in how a program
+    finds its (sequence, tile)."""
+    rows = tl.arange(0, BLOCK_Q * G_PAD)  # row = query token * G_PAD + head within the group
+    tok = tile * BLOCK_Q + rows // G_PAD
+    heads = kv_head * G + rows % G_PAD
+    row_ok = (tok < q_len) & (rows % G_PAD < G)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    q = _query_operand(q, KV_F16, DOT_F32)
+    q_pos = ctx - q_len + tok
+    first = ctx - q_len + tile * BLOCK_Q        # position of the tile's first query
+    below = (first + 1) // BLOCK_N * BLOCK_N    # keys [0, below) are visible to every row
+    end = tl.minimum(ctx, first + BLOCK_Q)      # the tile's last query sees keys [0, end)
+    acc = tl.zeros([BLOCK_Q * G_PAD, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * G_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q * G_PAD], float("-inf"), dtype=tl.float32)
+    bt_row = BT + seq * stride_bt
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, 0, below,
+                            q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
+                            HEAD_DIM, False, PRECISION, DOT_F32 and not KV_F16, q.dtype)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, below, end,
+                            q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
+                            HEAD_DIM, True, PRECISION, DOT_F32 and not KV_F16, q.dtype)
+    out = acc * v_scale / tl.where(row_ok & (l_i > 0), l_i, 1.0)[:, None]
+    tl.store(OUT + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
 class Launch:

@@ -5,8 +5,9 @@ Why: at decode (M = 1..~128 rows) a projection is bound by reading its weight on
 halves those bytes against bf16, but only if the kernel keeps the H200's memory busy: issue 32
 measured the first version of this kernel (fixed 16 x 32 x 256 tiles) and ``torch._scaled_mm``
 (cuBLASLt row-wise) reading FP8 weights at 0.2-1.1 TB/s where cuBLAS bf16 reads at 2-3.4 TB/s.
-So the launch is chosen on the device (``kernels.skinny_gemm.Tuner``: per row bucket a compact
-list of tiles, autotuned per shape at warm-up) among two program shapes:
+So the launch tile is chosen per row bucket and shape (``kernels.skinny_gemm.Tuner``: pinned by
+the bench's measurements in kernels/quant_dispatch.json, else computed; autotuned over a compact
+list per bucket only with HEADRACE_QUANT_AUTOTUNE=1) among two program shapes:
 
 * FMA (M <= 4): each program owns BLOCK_N output columns for BLOCK_M rows and streams its
   [BLOCK_N, K] slice of the weight in [BLOCK_N, BLOCK_K] tiles of 256-1024 contiguous bytes
@@ -80,8 +81,9 @@ def _fma(m: int, n: int, k: int, warps: int = 4, split: int = 1) -> Tile:
 
 
 # Candidate tiles per row bucket (bytes of one weight row per step = BLOCK_K). FMA tiles keep
-# BLOCK_M * BLOCK_N * BLOCK_K / threads <= 64 values a thread; the first tile of a bucket is
-# the one a graph capture falls back to, and the one the CPU interpreter runs.
+# BLOCK_M * BLOCK_N * BLOCK_K / threads <= 64 values a thread; the first (unsplit) tile of a
+# bucket is the fixed choice (K split by skinny_gemm.split_for) and the interpreter's; the rest
+# are bench/quant_kernels.py's sweep and the autotuner's (HEADRACE_QUANT_AUTOTUNE=1).
 TILES = {
     1: [_fma(1, 32, 256), _fma(1, 16, 512), _fma(1, 64, 256, 8), _fma(1, 32, 512, 8),
         _fma(1, 16, 1024, 8), _fma(1, 32, 256, 4, 2), _fma(1, 16, 512, 4, 4)],
@@ -110,8 +112,8 @@ def fp8_weight_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
                       bias: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
     """See kernels.reference_quant.fp8_weight_linear. x [..., K] bfloat16 / float16 / float32,
     weight [N, K] e4m3 (rows contiguous), weight_scale float32 [N] (per channel) or one element
-    (per tensor), bias [N] or None. ``tile``: one launch configuration instead of the tuned
-    choice (tests, bench/quant_kernels.py's sweep)."""
+    (per tensor), bias [N] or None. ``tile``: one launch configuration instead of the pinned
+    or fixed one (tests, bench/quant_kernels.py's sweep)."""
     n, k = weight.shape
     x2 = activations(x, k)
     if weight.stride(-1) != 1:
@@ -126,5 +128,5 @@ def fp8_weight_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
                     stride_wn=weight.stride(0), stride_s=0 if scale.numel() == 1 else scale.stride(0),
                     HAS_BIAS=bias is not None)
         key = (args["M_BUCKET"], n, k, x.dtype, bias is not None, scale.numel() == 1)
-        TUNER(x2.shape[0], n, args, key, tile)
+        TUNER(x2.shape[0], n, args, key, tile, scheme="fp8")
     return out.reshape(*x.shape[:-1], n)

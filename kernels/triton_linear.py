@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host import cdiv
 from kernels.triton_flash import INTERPRETED   # bfloat16 tl.dot operands widened there
 
 MAX_ROWS = 16
@@ -71,7 +72,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     dot_f32 = INTERPRETED and x.dtype == torch.bfloat16
     precision = "ieee" if x.dtype == torch.float32 or dot_f32 else "tf32"
-    _skinny_kernel[(triton.cdiv(n, block_n),)](
+    _skinny_kernel[(cdiv(n, block_n),)](
         x2, weight, bias if bias is not None else weight, out, rows, n, k, x2.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n,
         BLOCK_K=block_k if x.element_size() <= 2 else 128, PRECISION=precision, DOT_F32=dot_f32,

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host import cdiv, next_pow2
+
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
     """x itself when its last dimension is contiguous, else a contiguous copy."""
@@ -63,7 +65,7 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, normed_dtype),
                       device=x.device)
     n = x.shape[-1]
-    block = triton.next_power_of_2(n)
+    block = next_pow2(n)
     _rms_norm_kernel[(x3.shape[0] * x3.shape[1],)](
         x3, r3, weight, out, out if res_out is None else res_out, x3.shape[1],
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), n, eps,
@@ -99,7 +101,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     d = gate_up.shape[-1] // 2
     x = _unit_last(gate_up.reshape(-1, 2 * d))
     out = torch.empty((*gate_up.shape[:-1], d), dtype=gate_up.dtype, device=gate_up.device)
-    block = min(1024, triton.next_power_of_2(d))
-    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(d, block))](
+    block = min(1024, next_pow2(d))
+    _silu_and_mul_kernel[(x.shape[0], cdiv(d, block))](
         x, out, x.stride(0), d, BLOCK=block, num_warps=_warps(block))
     return out

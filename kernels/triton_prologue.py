@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host import next_pow2
 from kernels.triton_quant import _INTERPRETED, scaled_e4m3
 
 
@@ -99,7 +100,7 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
-    block_h, block_kvh = triton.next_power_of_2(heads), triton.next_power_of_2(kv_heads)
+    block_h, block_kvh = next_pow2(heads), next_pow2(kv_heads)
     _prologue_kernel[(tokens,)](
         q, k, v, positions, cos_sin, q_weight if has_norm else q, k_weight if has_norm else k,
         out, kv_cache, slot_mapping, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1),

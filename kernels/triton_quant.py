@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels import skinny_gemm, triton_fp8_linear, triton_w4a16
+from kernels.host import cdiv, next_pow2
 from kernels.reference_quant import FP8, FP8_MAX, FP8_MIN_SCALE
 from kernels.triton_flash import INTERPRETED as _INTERPRETED   # bfloat16 tl.dot operands widened there
 
@@ -85,7 +86,7 @@ def per_token_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
         _per_token_fp8_kernel[(m,)](
             x, xq, scale, scale if input_scale is None else input_scale, k, x.stride(0),
             xq.stride(0), STATIC=input_scale is not None, FMAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE,
-            BLOCK_K=min(1024, triton.next_power_of_2(k)), ROUND_FIRST=_INTERPRETED, num_warps=4)
+            BLOCK_K=min(1024, next_pow2(k)), ROUND_FIRST=_INTERPRETED, num_warps=4)
     return xq, scale
 
 
@@ -202,9 +203,9 @@ def _tiles(m: int, n: int, k: int, bits: int) -> tuple[int, int, int, int, int]:
         block_m, block_n, block_k, warps = 64, 64, 64, 4
     else:
         block_m, block_n, block_k, warps = 128, 128, 32, 8
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
     least = MIN_PROGRAMS_DECODE if m <= 16 else MIN_PROGRAMS
-    split = 1 if tiles >= least else min(MAX_SPLIT, triton.cdiv(least, tiles))
+    split = 1 if tiles >= least else min(MAX_SPLIT, cdiv(least, tiles))
     return block_m, block_n, block_k, warps, max(1, min(split, k // (2 * block_k)))
 
 
@@ -234,12 +235,12 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     block_m, block_n, block_k, warps, split = config or _tiles(m, n, k, bits)
     if 16 <= group_size < block_k and group_size & (group_size - 1) == 0:   # one scale row a tile
         block_k = group_size
-    k_per = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_per)
+    k_per = cdiv(cdiv(k, split), block_k) * block_k
+    split = cdiv(k, k_per)
     dot_f32 = _INTERPRETED and x.dtype == torch.bfloat16
     precision = "ieee" if x.dtype == torch.float32 or dot_f32 else "tf32"
     acc = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    _wna16_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
+    _wna16_kernel[(cdiv(m, block_m), cdiv(n, block_n), split)](
         x2, qweight, scales, zeros, g_idx, qweight if bias is None else bias, acc, m, n, k, k_per,
         x2.stride(0), acc.stride(0), BITS=bits, GROUP_SIZE=max(group_size, 1),
         HAS_GIDX=group_size <= 0, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,

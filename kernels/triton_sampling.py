@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.host import cdiv, next_pow2
 from kernels.triton_flash import INTERPRETED   # no fast log in Triton's CPU interpreter
 
 _CHUNK = 4096
@@ -79,7 +80,7 @@ def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    n_chunks = triton.cdiv(vocab, _CHUNK)
+    n_chunks = cdiv(vocab, _CHUNK)
     best_val = torch.empty((rows, n_chunks), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((rows, n_chunks), dtype=torch.int32, device=logits.device)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -89,5 +90,5 @@ def sample_race(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
                                          best_val, best_idx, vocab, n_chunks, BLOCK=_CHUNK,
                                          FAST_LOG=not INTERPRETED, num_warps=8)
     _race_reduce_kernel[(rows,)](best_val, best_idx, out, n_chunks,
-                                 BLOCK=max(16, triton.next_power_of_2(n_chunks)), num_warps=1)
+                                 BLOCK=max(16, next_pow2(n_chunks)), num_warps=1)
     return out

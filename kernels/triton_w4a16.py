@@ -20,7 +20,8 @@ word, 16-byte loads along N) and does the least work per weight byte:
   with the unpacked values (exact in bfloat16) as the MMA's A operand, so the weight fills the
   tensor core's 64-row side and the tokens its narrow side.
 
-Launch tiles are autotuned per row bucket and shape (``kernels.skinny_gemm``); K is split over
+The launch tile per row bucket and shape is pinned by the measured table or computed
+(``kernels.skinny_gemm``; autotuned only with HEADRACE_QUANT_AUTOTUNE=1); K is split over
 programs with the self-cleaning workspace where output tiles are few. No host synchronisation:
 CUDA-graph safe.
 """
@@ -31,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host import cdiv
 from kernels.skinny_gemm import Tile, Tuner, activations, launch_args, store_or_reduce
 from kernels.triton_flash import INTERPRETED
 
@@ -100,7 +102,8 @@ def _dot(m: int, n: int, warps: int = 4, split: int = 1, stages: int = 3) -> Til
     return Tile(m, n, BLOCK_K, warps, stages, split)
 
 
-# Candidate tiles per row bucket; the first is the capture fallback and the interpreter's.
+# Candidate tiles per row bucket: the first (unsplit) one is the fixed choice (K split by
+# skinny_gemm.split_for) and the interpreter's; the rest are the sweep's and autotuner's.
 TILES = {
     1: [_fma(1, 128), _fma(1, 64), _fma(1, 256, 8), _fma(1, 128, 4, 2), _fma(1, 256, 8, 2),
         _fma(1, 64, 4, 4)],
@@ -117,7 +120,7 @@ TILES[256] = TILES[128]
 if INTERPRETED:
     TILES = {b: ts[:1] for b, ts in TILES.items()}
 
-TUNER = Tuner(_w4a16_skinny_kernel, TILES)
+TUNER = Tuner(_w4a16_skinny_kernel, TILES, fits=lambda tile, args: tile.block_k == BLOCK_K)
 
 
 def supports(bits: int, group_size: int, k: int) -> bool:
@@ -130,7 +133,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  perm: torch.Tensor | None, bits: int, group_size: int,
                  bias: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
     """See kernels.reference_quant.wna16_linear (groups contiguous, ``supports`` holds);
-    ``tile``: one launch configuration instead of the tuned choice."""
+    ``tile``: one launch configuration instead of the pinned or fixed one."""
     n = qweight.shape[1]
     k = qweight.shape[0] * (32 // bits)
     if not supports(bits, group_size, k):
@@ -140,9 +143,9 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         args = launch_args(x2, out)
-        group = group_size if group_size < k else triton.cdiv(k, BLOCK_K) * BLOCK_K
+        group = group_size if group_size < k else cdiv(k, BLOCK_K) * BLOCK_K
         args.update(X=x2, QW=qweight, S=scales, Z=zeros, B=qweight if bias is None else bias, K=k,
                     GROUP=group, BITS=bits, HAS_BIAS=bias is not None)
         TUNER(x2.shape[0], n, args, (args["M_BUCKET"], n, k, x.dtype, bits, bias is not None),
-              tile)
+              tile, scheme=f"w{bits}a16")
     return out.reshape(*x.shape[:-1], n)

@@ -18,7 +18,8 @@ BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_
            "random_checkpoint", "w4_bench", "quant_kernels", "quantize_checkpoint",
            "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream",
            "draft_acceptance", "profile_summary", "chunking_sim", "gpu_table", "tier_bench", "tier_targets",
-           "step_host", "structured_bench", "fp8_kv_attention", "placement_sim", "dp_bench"]
+           "step_host", "structured_bench", "fp8_kv_attention", "unified_attention", "placement_sim",
+           "dp_bench"]
 SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token", "w5_report"]   # imported, not run
 
 
@@ -317,3 +318,29 @@ def test_bytelevel_tokenizer_spells_text_for_grammars(tmp_path):
     if name is not None:
         m = backends.load(name, tmp_path, 2000, [1500]).compile(Constraint("regex", "[0-9]{2}")).matcher()
         assert m.accept(tok.token_to_id("4")) and m.accept(tok.token_to_id("2"))
+
+
+@pytest.mark.slow
+def test_structured_bench_runs_end_to_end_on_a_cpu_with_tiny_sizes(tmp_path):
+    """structured_bench through a CPU server on a tiny byte-level checkpoint: the bounded
+    schema's outputs, the ITL rows at two batch sizes (constrained tokens checked) and W1
+    last (its call once lacked serving_bench.throughput's ``args``: a TypeError after the
+    ITL rows, on the H200)."""
+    pytest.importorskip("llguidance")
+    pytest.importorskip("jsonschema")
+    model = tmp_path / "qwen3-bl"
+    make = subprocess.run([sys.executable, "-m", "bench.random_checkpoint", "qwen3-tiny", str(model),
+                           "--tokenizer", "bytelevel"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert make.returncode == 0, make.stderr[-2000:]
+    cmd = [sys.executable, "-m", "bench.structured_bench", "--model", str(model), "--port", "50179",
+           "--repeats", "1", "--batches", "1,2", "--new-tokens", "24", "--w1-requests", "3",
+           "--w1-max-tokens", "6", "--clients", "1", "--serve-args", "--device cpu --max-running 8"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    assert [(x["batch"], x["mode"]) for x in lines if "batch" in x] == [(1, "off"), (1, "on"), (2, "off"), (2, "on")]
+    w1 = [x for x in lines if x.get("workload") == "w1"]
+    assert len(w1) == 1 and w1[0]["failed"] == 0 and w1[0]["output_tokens"] == sum(
+        min(m, 6) for _, m, _ in __import__("bench.serving_bench").serving_bench.w1_requests()[:3])
+    table = out.stdout[out.stdout.index("| measurement |"):]
+    assert "ITL batch 1:" in table and "ITL batch 2:" in table and table.rstrip().splitlines()[-1].startswith("| W1")

@@ -56,34 +56,42 @@ def _tol(expect, dtype):
     return dict(atol=1e-2 * scale, rtol=1e-2)
 
 
-# every program shape the tuner may pick: FMA rows 1 / 2 / 4, swapped tl.dot, K split 2..4 with
-# a ragged last slice (the self-cleaning workspace), several row and column tiles
-TILES = (Tile(1, 32, 64, dot=False), Tile(2, 16, 128, split=3, dot=False),
-         Tile(4, 16, 32, split=2, dot=False), Tile(16, 32, 32, split=3), Tile(16, 16, 64),
-         Tile(32, 64, 32, split=4))
+# every program shape a bucket may run: FMA rows 1 / 2 / 4, swapped tl.dot, K split 2..4 with a
+# ragged last slice (the self-cleaning workspace), several row and column tiles; each with rows
+# that fill it (ragged where it has more than one row)
+TILES = ((1, Tile(1, 32, 64, dot=False)), (2, Tile(2, 16, 128, split=3, dot=False)),
+         (3, Tile(4, 16, 32, split=2, dot=False)), (17, Tile(16, 32, 32, split=3)),
+         (9, Tile(16, 16, 64)), (40, Tile(32, 64, 32, split=4)))
+# (m, n, k, per-tensor scale, bias, dtype): every scale / bias pairing, each dtype, rows of the
+# FMA and tl.dot buckets, even and ragged N and K; the fixed tile of each row bucket. Kept to a
+# few cases: on the GPU each (tile, dtype, bias, scale kind) is a compile of its own.
+CASES = [(1, 64, 128, False, False, torch.bfloat16), (1, 96, 160, True, True, torch.float16),
+         (3, 64, 128, True, False, torch.float32), (3, 96, 160, False, True, torch.bfloat16),
+         (17, 96, 160, True, False, torch.bfloat16), (17, 64, 128, False, True, torch.float32),
+         (40, 96, 160, True, True, torch.float16)]
 
 
-@pytest.mark.parametrize("m", [1, 3, 17])
-@pytest.mark.parametrize("n,k", [(64, 128), (96, 160)])
-@pytest.mark.parametrize("per_tensor,bias", [(False, False), (False, True), (True, False),
-                                             (True, True)])
-def test_fp8_skinny_matches_reference(poisoned, m, n, k, per_tensor, bias):
-    seed = m * 1000 + n * 10 + k + 7 * per_tensor + 3 * bias
-    dtype = DTYPES[seed % 3]
-    x, wq, scale, b = _case(m, n, k, dtype, per_tensor, bias, seed)
-    expect = ref.fp8_weight_linear(x, wq, scale, b)
-    assert expect.dtype == dtype and expect.shape == (m, n)
-    dev = [None if t is None else t.to(DEVICE) for t in (x, wq, scale, b)]
-    tol = _tol(expect, dtype)
-    actual = triton_fp8_linear.fp8_weight_linear(*dev)
-    assert actual.dtype == dtype and actual.shape == (m, n) and not actual.isnan().any()
-    torch.testing.assert_close(actual.cpu(), expect, **tol)
-    for tile in TILES[seed % 3::3]:
-        split = triton_fp8_linear.fp8_weight_linear(*dev, tile=tile)
-        assert not split.isnan().any(), tile
-        torch.testing.assert_close(split.cpu(), expect, **tol)
+def _check(dev, expect, dtype, tile=None):
+    actual = triton_fp8_linear.fp8_weight_linear(*dev, tile=tile)
+    assert actual.dtype == dtype and actual.shape == expect.shape and not actual.isnan().any()
+    torch.testing.assert_close(actual.cpu(), expect, **_tol(expect, dtype))
     ws, counters = skinny_gemm.WORKSPACE.buffers[torch.device(DEVICE)]
     assert not ws.any() and not counters.any()     # the split-K workspace cleaned itself
+
+
+@pytest.mark.parametrize("m,n,k,per_tensor,bias,dtype", CASES)
+def test_fp8_skinny_matches_reference(poisoned, m, n, k, per_tensor, bias, dtype):
+    x, wq, scale, b = _case(m, n, k, dtype, per_tensor, bias, m * 1000 + n * 10 + k)
+    expect = ref.fp8_weight_linear(x, wq, scale, b)
+    assert expect.dtype == dtype and expect.shape == (m, n)
+    _check([None if t is None else t.to(DEVICE) for t in (x, wq, scale, b)], expect, dtype)
+
+
+@pytest.mark.parametrize("m,tile", TILES, ids=[str(t[1]) for t in TILES])
+def test_fp8_skinny_every_program_shape(poisoned, m, tile):
+    x, wq, scale, b = _case(m, 96, 160, torch.bfloat16, False, True, m)
+    expect = ref.fp8_weight_linear(x, wq, scale, b)
+    _check([t.to(DEVICE) for t in (x, wq, scale, b)], expect, torch.bfloat16, tile)
 
 
 def test_fp8_skinny_leading_dims_and_strided_input(poisoned):

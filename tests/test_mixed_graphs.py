@@ -2,8 +2,8 @@
 step size, padded tokens write no KV, the LM head sees the sampled rows only, steps the graphs
 cannot hold run eagerly, and greedy outputs equal the eager ones. On a CPU the graphs are the
 stand-ins (tests/graphs.py); with HEADRACE_TEST_DEVICE=cuda the worker captures real graphs
-(float32: bit-for-bit equal kernels but for the padding) and the outputs are compared with
-eager and with transformers."""
+(float32: bit-for-bit equal kernels but for the padding), piecewise and full
+(tests/test_full_graphs.py), and the outputs are compared with eager and with transformers."""
 
 from __future__ import annotations
 
@@ -62,8 +62,9 @@ def test_mode_flags_resolve_and_bad_ones_fail_with_the_flag_named(model_dir):
     assert graph_capture.capture_tokens(opts()) == 2048
     assert graph_capture.capture_tokens(opts(max_batched_tokens=16384)) == 4096
     assert graph_capture.capture_tokens(opts(max_cudagraph_capture_size=512)) == 512
-    with pytest.raises(ValueError, match="--cudagraph-mode 'full'"):
-        _worker(model_dir, cudagraph_mode="full")
+    assert graph_capture.resolve_mode(opts(cudagraph_mode="full")) == "full"
+    with pytest.raises(ValueError, match="--cudagraph-mode 'fully'"):
+        _worker(model_dir, cudagraph_mode="fully")
     with pytest.raises(ValueError, match="--max-cudagraph-capture-size 0"):
         _worker(model_dir, max_cudagraph_capture_size=0)
 
@@ -119,16 +120,13 @@ def _written_slots(caches) -> set[int]:
     return set(torch.nonzero(k.flatten(2).abs().sum(-1).flatten()).flatten().tolist())
 
 
-def test_padded_tokens_write_no_kv_and_logits_match_eager(model_dir):
-    eager = _worker(model_dir, num_kv_blocks=16, enforce_eager=True)
-    piecewise = _worker(model_dir, num_kv_blocks=16)
-    g = graphs.attach(piecewise)
-    steps = [_step(1, new=[(1, [5, 6, 7, 8, 9], [0, 1]), (2, [3, 4, 5, 6, 7, 8], [2, 3])]),
-             _step(2, new=[(3, [11, 12, 13, 14, 15, 16, 17], [4, 5])], running=[(1, []), (2, [])])]
+def compare_steps(eager, graphed, steps) -> list[tuple[str, str]]:
+    """Runs each step on both workers: the same tokens, logprobs and top ids; returns the
+    (kind, graph) of every launch, eager's then the other's, step by step."""
     seen = []
     for step in steps:
         results = []
-        for w in (eager, piecewise):
+        for w in (eager, graphed):
             launched = w.runner.launch(step)
             results.append(w.runner.finish(launched))
             seen.append((launched.kind, launched.graph))
@@ -136,6 +134,35 @@ def test_padded_tokens_write_no_kv_and_logits_match_eager(model_dir):
         assert list(a.token_ids) == list(b.token_ids)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
         assert list(a.top_token_ids) == list(b.top_token_ids)
+    return seen
+
+
+def verify_beside_chunk(workers) -> tuple[list, list[tuple[str, str]]]:
+    """A prompt whose last token is decoded next, then a verify of 3 ngram drafts beside a new
+    10-token prompt, on each worker in turn: (results, (kind, graph) of every launch)."""
+    first = _step(1, new=[(1, [5, 6, 7, 8, 5, 6, 7], [0, 1, 2])])
+    first.new_seqs[0].num_scheduled_tokens = 6      # its last prompt token is decoded next
+    second = _step(2, new=[(2, list(range(20, 30)), [3, 4, 5])], running=[(1, [])])
+    second.running_num_spec.append(3)               # drafts 8, 5, 6: the lookup matches 5 6 7
+    results, modes = [], []
+    for w in workers:
+        for step in (first, second):
+            launched = w.runner.launch(step)
+            results.append(w.runner.finish(launched))
+            modes.append((launched.kind, launched.graph))
+    return results, modes
+
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+
+
+def test_padded_tokens_write_no_kv_and_logits_match_eager(model_dir):
+    eager = _worker(model_dir, num_kv_blocks=16, enforce_eager=True)
+    piecewise = _worker(model_dir, num_kv_blocks=16)
+    g = graphs.attach(piecewise)
+    steps = [_step(1, new=[(1, [5, 6, 7, 8, 9], [0, 1]), (2, [3, 4, 5, 6, 7, 8], [2, 3])]),
+             _step(2, new=[(3, [11, 12, 13, 14, 15, 16, 17], [4, 5])], running=[(1, []), (2, [])])]
+    seen = compare_steps(eager, piecewise, steps)
     # 11 tokens ran in the 16-token bucket, then 2 decodes and 7 prompt tokens in it again
     assert seen == [("prefill", "eager"), ("prefill", "piecewise"), ("mixed", "eager"), ("mixed", "piecewise")]
     assert g.mixed.num_replays == 2 and g.mixed.bucket(11) == g.mixed.bucket(9) == 16
@@ -162,20 +189,10 @@ def test_the_lm_head_runs_over_the_sampled_rows_only(model_dir, monkeypatch):
 
 
 def test_a_verify_beside_a_prefill_chunk_replays_piecewise_as_eager_runs_it(model_dir):
-    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
-    workers = [_worker(model_dir, enforce_eager=True, speculative_config=spec),
-               _worker(model_dir, speculative_config=spec)]
+    workers = [_worker(model_dir, enforce_eager=True, speculative_config=SPEC),
+               _worker(model_dir, speculative_config=SPEC)]
     graphs.attach(workers[1])
-    first = _step(1, new=[(1, [5, 6, 7, 8, 5, 6, 7], [0, 1, 2])])
-    first.new_seqs[0].num_scheduled_tokens = 6      # its last prompt token is decoded next
-    second = _step(2, new=[(2, list(range(20, 30)), [3, 4, 5])], running=[(1, [])])
-    second.running_num_spec.append(3)               # drafts 8, 5, 6: the lookup matches 5 6 7
-    results, modes = [], []
-    for w in workers:
-        for step in (first, second):
-            launched = w.runner.launch(step)
-            results.append(w.runner.finish(launched))
-            modes.append((launched.kind, launched.graph))
+    results, modes = verify_beside_chunk(workers)
     assert modes == [("prefill", "eager"), ("verify", "eager"), ("prefill", "piecewise"), ("verify", "piecewise")]
     eager, piecewise = results[1], results[3]
     assert list(eager.seq_ids) == [2, 1] and list(eager.num_draft_tokens) == [0, 3]   # new ones first
@@ -191,11 +208,12 @@ def _requests():
 
 
 @pytest.mark.parametrize("mode,quantization", [("full_and_piecewise", None), ("piecewise", None),
-                                               ("full_and_piecewise", "int8")])
+                                               ("full_and_piecewise", "int8"), ("full", None),
+                                               ("full", "int8")])
 def test_greedy_outputs_with_mixed_graphs_equal_eager(model_dir, mode, quantization):
     """Chunked prompts beside running decodes (max 48 tokens a step): prefill, mixed and decode
-    steps, replayed piecewise (and decodes by the full graphs), give eager's tokens; quantized
-    layers too."""
+    steps, replayed piecewise or by full step graphs (and decodes by the decode graphs, but in
+    piecewise mode), give eager's tokens and logprobs; quantized layers too."""
     cfg = EngineConfig(max_running=8, max_batched_tokens=48)
     eager = _worker(model_dir, enforce_eager=True, quantization=quantization)
     reference, _ = asyncio.run(run(model_dir, eager, _requests(), cfg))
@@ -207,26 +225,31 @@ def test_greedy_outputs_with_mixed_graphs_equal_eager(model_dir, mode, quantizat
         for (ta, xa, ra, la), (tb, xb, rb, lb) in zip(a, b):
             assert (ta, ra) == (tb, rb)
             np.testing.assert_allclose([v for _, v in la], [v for _, v in lb], atol=1e-4)
-    kinds = set(seen)
-    assert ("mixed", "piecewise") in kinds and ("prefill", "piecewise") in kinds
-    assert ("decode", "full" if mode == "full_and_piecewise" else "piecewise") in kinds
+    kinds, label = set(seen), "full" if mode == "full" else "piecewise"
+    assert ("mixed", label) in kinds and ("prefill", label) in kinds
+    assert ("decode", "piecewise" if mode == "piecewise" else "full") in kinds
     assert not any(graph == "eager" for _, graph in kinds) and g.mixed.num_replays > 0
 
 
+# the step graphs' modes on a GPU: (--cudagraph-mode, the graph label of a mixed step)
+GPU_MODES = [("full_and_piecewise", "piecewise"), ("full", "full")]
+
+
 @pytest.mark.skipif(not CUDA, reason="HEADRACE_TEST_DEVICE=cuda: real CUDA graphs")
+@pytest.mark.parametrize("mode,label", GPU_MODES)
 @pytest.mark.parametrize("variant", ["llama-gqa4-hd64-untied", "qwen3-qknorm-gqa4-hd128"])
-def test_gpu_graphs_equal_eager_and_transformers(variant, checkpoint_factory):
+def test_gpu_graphs_equal_eager_and_transformers(variant, mode, label, checkpoint_factory):
     import transformers
 
     path = str(checkpoint_factory(variant))
     cfg = EngineConfig(max_running=8, max_batched_tokens=48)
     eager, _ = asyncio.run(run(path, _worker(path, enforce_eager=True), _requests(), cfg))
-    w = _worker(path)
+    w = _worker(path, cudagraph_mode=mode)
     assert w.graphs.mixed is not None and w.graphs.capture_seconds > 0
     assert 0 < w.graphs.estimated_bytes and 0 < w.graphs.measured_bytes
     seen = graphs.record_modes(w.runner)
     out, _ = asyncio.run(run(path, w, _requests(), cfg))
-    assert ("mixed", "piecewise") in set(seen) and ("decode", "full") in set(seen)
+    assert ("mixed", label) in set(seen) and ("decode", "full") in set(seen)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for req, a, b in zip(_requests(), eager, out):
         prompt = list(req["prompt_token_ids"].ids)
@@ -238,15 +261,16 @@ def test_gpu_graphs_equal_eager_and_transformers(variant, checkpoint_factory):
 @pytest.mark.skipif(not (CUDA and os.environ.get("HEADRACE_TEST_QWEN3_DIR")),
                     reason="HEADRACE_TEST_DEVICE=cuda and HEADRACE_TEST_QWEN3_DIR (a Qwen3-0.6B-shaped "
                            "checkpoint, bench.random_checkpoint)")
-def test_gpu_qwen3_0_6b_graphs_equal_eager():
+@pytest.mark.parametrize("mode,label", GPU_MODES)
+def test_gpu_qwen3_0_6b_graphs_equal_eager(mode, label):
     path = os.environ["HEADRACE_TEST_QWEN3_DIR"]
     cfg = EngineConfig(max_running=64, max_batched_tokens=512)
     reqs = [dict(prompt_token_ids=pb.TokenIds(ids=[(31 * i + 7 * j) % 10000 for j in range(40 + 37 * i)]),
                  max_tokens=24, ignore_eos=True, sampling=GREEDY) for i in range(24)]
     opts = dict(num_kv_blocks=2048, block_size=16, max_num_seqs=64, max_batched_tokens=512)
     eager, _ = asyncio.run(run(path, _worker(path, enforce_eager=True, **opts), reqs, cfg))
-    w = _worker(path, **opts)
+    w = _worker(path, cudagraph_mode=mode, **opts)
     seen = graphs.record_modes(w.runner)
     out, _ = asyncio.run(run(path, w, reqs, cfg))
-    assert ("mixed", "piecewise") in set(seen)
+    assert ("mixed", label) in set(seen)
     assert [a[0][0] for a in eager] == [b[0][0] for b in out]

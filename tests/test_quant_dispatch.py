@@ -98,3 +98,20 @@ def test_the_table_file(tmp_path):
     with pytest.raises(ValueError, match="unknown kernels"):
         qd.load_table(bad)
     qd.load_table()     # the committed table (if any) is well formed
+
+
+def test_the_table_pins_skinny_tiles(tmp_path, monkeypatch):
+    """"tiles" (the bench's sweep winners) pin a launch per scheme, shape and row bucket;
+    malformed entries are refused; absent ones (or no file) pin nothing."""
+    tiles = {"fp8": {"6144x4096": {"1": [1, 32, 256, 4, 3, 4, 0], "64": [64, 64, 128, 4, 3, 2, 1]}}}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"rankings": RANKINGS, "tiles": tiles}))
+    assert qd.load_tiles(path) == tiles and qd.load_tiles(tmp_path / "absent.json") == {}
+    monkeypatch.setattr(qd, "_TILES", qd.load_tiles(path))
+    assert qd.pinned_tile("fp8", *LLAMA_QKV, 64) == [64, 64, 128, 4, 3, 2, 1]
+    assert qd.pinned_tile("fp8", *LLAMA_QKV, 16) is None
+    assert qd.pinned_tile("w4a16", *LLAMA_QKV, 1) is None
+    path.write_text(json.dumps({"tiles": {"fp8": {"6144x4096": {"1": [1, 32, 256]}}}}))
+    with pytest.raises(ValueError, match="is not"):
+        qd.load_tiles(path)
+    qd.load_tiles()     # the committed table's tiles (if any) are well formed

@@ -98,3 +98,18 @@ def test_a_missing_package_names_its_install(monkeypatch):
                                                          "pip install 'headrace[gemlite]'"))
     reason = quant_libs._check("gemlite")
     assert "gemlite package is not installed" in reason and "headrace[gemlite]" in reason
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+def test_gemlite_runs_its_default_config_unless_autotuning_is_asked(monkeypatch, autotune):
+    """gemlite autotunes every shape its shipped configs lack at the first call (seconds a
+    shape and kernel, at every start): its single default config runs instead, unless
+    HEADRACE_QUANT_AUTOTUNE=1; an H200 loads the H100's tuned configs."""
+    calls = []
+    fake = type("Gemlite", (), {"__file__": "/nowhere/gemlite/__init__.py",
+                                "load_config": staticmethod(lambda path: calls.append(path)),
+                                "set_autotune": staticmethod(lambda mode: calls.append(mode))})
+    monkeypatch.setattr(quant_libs.torch.cuda, "get_device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(quant_libs.quant_dispatch, "AUTOTUNE", autotune)
+    quant_libs._gemlite_configs(fake)
+    assert calls == ([] if autotune else ["default"])     # no h100.json under /nowhere

@@ -1,7 +1,9 @@
-"""What the skinny GEMMs share (``kernels.skinny_gemm``): row buckets, the autotuner over a
-bucket's tiles, the fallback inside CUDA-graph capture, and the split-K workspace that only
-grows outside capture. Under Triton's CPU interpreter here (the autotuner times one call per
-candidate there); compiled with HEADRACE_TEST_DEVICE=cuda."""
+"""What the skinny GEMMs share (``kernels.skinny_gemm``): row buckets, the launch tile without
+timing (pinned by kernels/quant_dispatch.json, else the bucket's first tile with K split by
+arithmetic), the autotuner only when asked (HEADRACE_QUANT_AUTOTUNE=1), the fixed tile inside
+CUDA-graph capture, and the split-K workspace that only grows outside capture. Under Triton's
+CPU interpreter here (the autotuner times one call per candidate there); compiled with
+HEADRACE_TEST_DEVICE=cuda."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from tests.triton_device import triton_device
 
 DEVICE = triton_device()
 from kernels import reference_quant as ref  # noqa: E402
-from kernels import skinny_gemm, triton_fp8_linear  # noqa: E402
+from kernels import quant_dispatch, skinny_gemm, triton_fp8_linear, triton_w4a16  # noqa: E402
 from kernels.skinny_gemm import Tile, Tuner  # noqa: E402
 
 
@@ -36,9 +38,66 @@ def _fp8_case(m, n=64, k=256, seed=0):
     return x, wq, ws, ref.fp8_weight_linear(x, wq, ws)
 
 
+class _Spy:
+    """Wraps a kernel: records each launch's tile constexprs."""
+
+    def __init__(self, kernel):
+        self.kernel, self.tiles = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(**kw):
+            self.tiles.append(Tile(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], kw["num_warps"],
+                                   kw["num_stages"], kw["SPLIT_K"], kw["USE_DOT"]))
+            return self.kernel[grid](**kw)
+        return launch
+
+
+def test_by_default_nothing_is_timed_and_the_table_pins_tiles(monkeypatch):
+    """Without HEADRACE_QUANT_AUTOTUNE no call times anything: a shape the table pins runs its
+    pinned tile, another the bucket's first tile (split by split_for), each chosen once."""
+    monkeypatch.setattr(skinny_gemm, "AUTOTUNE", False)
+    tiles = {b: [Tile(b if b < 16 else 16, 16, 64, dot=b >= 16), Tile(1, 32, 64, dot=False)]
+             for b in skinny_gemm.M_BUCKETS + (skinny_gemm.LARGE,)}
+    tuner = Tuner(triton_fp8_linear._fp8_skinny_kernel, tiles)
+    monkeypatch.setattr(tuner, "tuned", None)                  # any autotuner call would fail
+    monkeypatch.setattr(skinny_gemm, "_bench", None)
+    spy = _Spy(tuner.kernel)
+    monkeypatch.setattr(tuner, "kernel", spy)
+    monkeypatch.setattr(triton_fp8_linear, "TUNER", tuner)
+    pinned = Tile(1, 16, 32, warps=2, stages=2, split=2, dot=False)
+    monkeypatch.setattr(quant_dispatch, "_TILES", {"fp8": {"64x256": {"1": pinned.as_list()}}})
+    for n in (64, 64, 48):
+        x, wq, ws, expect = _fp8_case(1, n=n)
+        got = triton_fp8_linear.fp8_weight_linear(*(t.to(DEVICE) for t in (x, wq, ws)))
+        torch.testing.assert_close(got.cpu(), expect, atol=1e-4, rtol=1e-4)
+    assert spy.tiles == [pinned, pinned, Tile(1, 16, 64, split=2, dot=False)]  # 3 programs
+    assert len(tuner.fixed) == 2 and not tuner.seen
+
+
+def test_the_fixed_tile_splits_k_where_output_tiles_are_few():
+    """split_for on Llama-3.1-8B's shapes (132 SMs): FP8 at one row, 32 columns a program, has
+    192 (qkv) or 128 (o, down) programs and splits K 4 ways; gate_up's 896 do not split; 64
+    rows of INT4 (64 x 128 tiles, 32 or 224 programs) split 4 ways, 128 rows only twice (the
+    partial sums would outweigh half the weight's bytes); a short K is never split below two K
+    steps a slice."""
+    fp8 = triton_fp8_linear.TILES[1][0] if not triton_fp8_linear.INTERPRETED else Tile(
+        1, 32, 256, dot=False)
+    assert (fp8.block_n, fp8.split) == (32, 1)
+    assert [skinny_gemm.split_for(fp8, 1, n, k, 132).split for n, k in
+            ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))] == [4, 4, 1, 4]
+    w4 = Tile(64, 128, triton_w4a16.BLOCK_K)
+    assert [skinny_gemm.split_for(w4, 64, n, 4096, 132, 4).split for n in (4096, 28672)] == [4, 4]
+    assert skinny_gemm.split_for(w4, 128, 4096, 4096, 132, 4).split == 2
+    one = Tile(1, 32, 128, dot=False)
+    assert skinny_gemm.split_for(one, 1, 4096, 512, 132).split == 2     # 256-column slices
+    assert skinny_gemm.split_for(one, 1, 4096, 256, 132).split == 1
+
+
 def test_the_tuner_times_a_buckets_tiles_once_per_shape(monkeypatch):
-    """Two candidates for one row: the autotuner runs (times) both at the first call of a
-    shape, keeps one, and later calls of that key launch it without timing again."""
+    """With HEADRACE_QUANT_AUTOTUNE=1, two candidates for one row: the autotuner runs (times)
+    both at the first call of a shape, keeps one, and later calls of that key launch it
+    without timing again."""
+    monkeypatch.setattr(skinny_gemm, "AUTOTUNE", True)
     tiles = {b: [Tile(b if b < 16 else 16, 16, 64, dot=b >= 16)]
              for b in skinny_gemm.M_BUCKETS + (skinny_gemm.LARGE,)}
     tiles[1] = [Tile(1, 32, 64, dot=False), Tile(1, 16, 128, split=2, dot=False)]
@@ -59,8 +118,9 @@ def test_the_tuner_times_a_buckets_tiles_once_per_shape(monkeypatch):
 
 
 def test_capture_launches_the_first_tile_of_an_untuned_shape(monkeypatch):
-    """Inside CUDA-graph capture a shape that was never tuned takes its bucket's first tile
-    (timing would synchronise the device): the autotuner is not called."""
+    """With autotuning on, inside CUDA-graph capture a shape that was never tuned takes the
+    fixed tile (timing would synchronise the device): the autotuner is not called."""
+    monkeypatch.setattr(skinny_gemm, "AUTOTUNE", True)
     tuner = triton_fp8_linear.TUNER
     x, wq, ws, expect = _fp8_case(3, n=48, k=128, seed=1)
     dev = [t.to(DEVICE) for t in (x, wq, ws)]

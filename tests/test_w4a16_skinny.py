@@ -18,10 +18,11 @@ from kernels import skinny_gemm, triton_quant, triton_w4a16  # noqa: E402
 from kernels.skinny_gemm import Tile  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float32, torch.float16)
-# FMA rows 1 / 2 / 4 and swapped tl.dot, K split 2..4 (a ragged last slice), several tiles
-TILES = (Tile(1, 32, 128, dot=False), Tile(2, 16, 128, split=3, dot=False),
-         Tile(4, 64, 128, split=2, dot=False), Tile(16, 32, 128, split=3), Tile(16, 16, 128),
-         Tile(32, 64, 128, split=4))
+# FMA rows 1 / 2 / 4 and swapped tl.dot, K split 2..4 (a ragged last slice), several tiles;
+# (rows, bits, tile): 4- and 8-bit values through FMA and tl.dot programs
+TILES = ((1, 4, Tile(1, 32, 128, dot=False)), (2, 8, Tile(2, 16, 128, split=3, dot=False)),
+         (3, 4, Tile(4, 64, 128, split=2, dot=False)), (17, 8, Tile(16, 32, 128, split=3)),
+         (9, 4, Tile(16, 16, 128)), (40, 4, Tile(32, 64, 128, split=4)))
 
 
 def _layer(n, k, bits, group_size, act_order, seed):
@@ -62,9 +63,21 @@ def test_w4a16_skinny_matches_reference(bits, m, group_size, act_order, bias):
     got = triton_w4a16.w4a16_linear(dev[0], *dev[1:5], bits, group_size, dev[5])
     assert got.dtype == dtype and got.shape == (m, n)
     torch.testing.assert_close(got.cpu(), expect, **tol)
-    for tile in TILES[seed % 3::3]:
-        torch.testing.assert_close(triton_w4a16.w4a16_linear(
-            dev[0], *dev[1:5], bits, group_size, dev[5], tile=tile).cpu(), expect, **tol)
+    ws, counters = skinny_gemm.WORKSPACE.buffers[torch.device(DEVICE)]
+    assert not ws.any() and not counters.any()
+
+
+@pytest.mark.parametrize("m,bits,tile", TILES, ids=[f"{t[1]}-bit {t[2]}" for t in TILES])
+def test_w4a16_skinny_every_program_shape(m, bits, tile):
+    """Each program shape a bucket may run (groups of 256 over K = 512, bf16 with a bias: one
+    compile a tile on the GPU); the workspace is all zeros after each."""
+    qweight, scales, zeros, g_idx, _ = _layer(96, 512, bits, 256, False, m)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    b = torch.randn(96).to(torch.bfloat16)
+    expect = ref.wna16_linear(x, qweight, scales, zeros, g_idx, None, bits, 256, b)
+    dev = [t.to(DEVICE) for t in (x, qweight, scales, zeros)]
+    got = triton_w4a16.w4a16_linear(*dev, None, bits, 256, b.to(DEVICE), tile=tile)
+    torch.testing.assert_close(got.cpu(), expect, **_tol(expect, torch.bfloat16))
     ws, counters = skinny_gemm.WORKSPACE.buffers[torch.device(DEVICE)]
     assert not ws.any() and not counters.any()
 

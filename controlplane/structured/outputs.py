@@ -61,11 +61,17 @@ class StepMasks:
         self.drafts: dict[int, list[int]] = {}
 
     def build(self) -> wpb.TokenBitmask:
-        return self._outputs.bitmask(self.seqs, self.drafts)
+        out = wpb.TokenBitmask()
+        self.fill(out)
+        return out
+
+    def fill(self, field: wpb.TokenBitmask) -> None:
+        """Writes the bitmasks into ``field`` (a message's own: no copy of a built one)."""
+        self._outputs.bitmask(self.seqs, self.drafts, field)
 
     def apply(self, msg: wpb.StepRequest) -> None:
         """Puts the bitmasks (and the checked drafts) into the step's message."""
-        msg.bitmask.CopyFrom(self.build())
+        self.fill(msg.bitmask)
         for seq_id, drafts in self.drafts.items():
             msg.checked_draft_seq_ids.append(seq_id)
             msg.checked_draft_counts.append(len(drafts))
@@ -79,6 +85,7 @@ class StructuredOutputs:
         self.live = 0     # sequences with a matcher: steps carry bitmasks only while > 0
         self.eos: frozenset[int] = frozenset()
         self.num_rejected = 0
+        self._rows = np.empty((0, 0), dtype="<i4")   # reused: no fresh pages for each step's masks
 
     def configure(self, model_dir: str | None, vocab_size: int, eos_token_ids) -> None:
         """The model served (engine start, reload)."""
@@ -181,17 +188,35 @@ class StructuredOutputs:
                         cfg.prompt_lookup_max).tolist()
         return masks
 
-    def bitmask(self, seqs: list[Sequence], drafts: dict[int, list[int]] | None = None) -> wpb.TokenBitmask:
+    def running(self, seqs: list[Sequence]) -> bool:
+        """Whether one of ``seqs`` (the running ones) has a grammar: the pipeline is then two
+        steps deep; steps with no constrained sequence running keep its full depth."""
+        return any(s.grammar is not None for s in seqs)
+
+    def rows(self, n: int) -> np.ndarray:
+        """``n`` bitmask rows to fill, in memory reused from step to step."""
+        if self._rows.shape[0] < n or self._rows.shape[1] != self.words:
+            self._rows = np.empty((max(n, 2 * self._rows.shape[0]), self.words), dtype="<i4")
+        return self._rows[:n]
+
+    def bitmask(self, seqs: list[Sequence], drafts: dict[int, list[int]] | None = None,
+                out: wpb.TokenBitmask | None = None) -> wpb.TokenBitmask:
         """The packed bitmask of each sequence's next token (all ones for one that finished
         meanwhile: its token is dropped anyway); for a sequence with ``drafts``, also the
-        bitmask after each draft, cut (in ``drafts`` too) at the first the grammar rejects."""
-        rows = np.full((len(seqs), self.words), -1, dtype="<i4")
+        bitmask after each draft, cut (in ``drafts`` too) at the first the grammar rejects.
+        Written into ``out`` when given (a message's field), else into a new message."""
+        out = wpb.TokenBitmask() if out is None else out
+        rows = self.rows(len(seqs))
         live = [(i, s.grammar) for i, s in enumerate(seqs)
                 if s.grammar is not None and s.status is not Status.FINISHED]
+        if len(live) < len(seqs):
+            rows.fill(-1)
         if live:
             self.compiler.backend.fill_rows([m for _, m in live], rows, [i for i, _ in live])
         if not drafts:
-            return wpb.TokenBitmask(seq_ids=[s.seq_id for s in seqs], bits=rows.tobytes())
+            out.seq_ids.extend(s.seq_id for s in seqs)
+            out.bits = rows.tobytes()
+            return out
         ids, parts = [], []
         for i, seq in enumerate(seqs):
             extra = self._draft_rows(seq.grammar, rows[i], drafts.get(seq.seq_id) or [])
@@ -199,7 +224,9 @@ class StructuredOutputs:
                 drafts[seq.seq_id] = drafts[seq.seq_id][:len(extra)]
             ids += [seq.seq_id] * (1 + len(extra))
             parts += [rows[i:i + 1]] + extra
-        return wpb.TokenBitmask(seq_ids=ids, bits=np.concatenate(parts).tobytes())
+        out.seq_ids.extend(ids)
+        out.bits = np.concatenate(parts).tobytes()
+        return out
 
     def _draft_rows(self, matcher, row: np.ndarray, drafts: list[int]) -> list[np.ndarray]:
         """The bitmask after each draft, as long as each is allowed by the one before (the

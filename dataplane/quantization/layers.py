@@ -6,8 +6,9 @@ and zeros, activations in the model dtype) call the kernels in ``kernels``: the 
 reference where it runs (CPU), and on the GPU the kernel ``kernels.quant_dispatch`` plans for
 the layer's scheme, shape and row count under ``--quant-backend`` (our Triton kernels, or a
 library's: ``kernels.quant_libs``). The plan, and any library layout it needs, is made at the
-layer's first GPU call (the worker's warm-up, eager; ``warm_up`` then tunes every row bucket
-before CUDA graphs are captured). ``build`` turns a (sharded, merged) ``QWeight`` into a layer;
+layer's first GPU call (the worker's warm-up, eager; ``warm_up`` then compiles every row
+bucket's kernel before CUDA graphs are captured: the skinny kernels' tiles are pinned by the
+measured table or computed, so this is a few compiles shared across shapes, no timing). ``build`` turns a (sharded, merged) ``QWeight`` into a layer;
 ``RowParallel`` variants all-reduce their partial products.
 """
 
@@ -205,8 +206,10 @@ def quantized_layers(model: nn.Module) -> list[_Planned]:
 @torch.inference_mode()
 def warm_up(model: nn.Module, max_rows: int, dtype: torch.dtype) -> list[str]:
     """Runs one quantized layer of each kind and shape at every row bucket up to ``max_rows``
-    (and one larger input), so the skinny kernels are autotuned and every kernel compiled before
-    serving and before CUDA-graph capture; returns one line per layer kind: its plan."""
+    (and one larger input), so every kernel is compiled, its split-K workspace sized and its
+    library layout made before serving and before CUDA-graph capture (the skinny kernels'
+    tiles are fixed per bucket and shape, autotuned only with HEADRACE_QUANT_AUTOTUNE=1);
+    returns one line per layer kind: its plan."""
     seen, lines = set(), []
     for layer in quantized_layers(model):
         kind = (type(layer).__name__, layer.out_features, layer.in_features,

@@ -1,0 +1,62 @@
+"""bench/quant_kernels.py's parts that run without a GPU: which kernels it measures, the tiles
+its sweep times per row bucket (the fixed tile first), and the table it writes, read back by
+``kernels.quant_dispatch`` (rankings and pinned tiles)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.triton_device import triton_device
+
+DEVICE = triton_device()
+from bench import quant_kernels as qk  # noqa: E402
+from kernels import quant_dispatch, skinny_gemm  # noqa: E402
+from kernels.skinny_gemm import Tile  # noqa: E402
+
+
+def test_candidates_are_ours_and_the_libraries_asked_for():
+    assert qk.candidates("w4a16", 4096, 4096, libs=set()) == ["triton_skinny", "triton"]
+    assert qk.candidates("fp8", 4096, 4096, libs=set()) == ["fp8_skinny", "scaled_mm"]
+
+
+def test_the_sweep_times_the_fixed_tile_first():
+    sweep = qk.sweep_tiles("fp8", "fp8_skinny", 6144, 4096, 1, 4)
+    first = qk.triton_fp8_linear.TILES[1][0]
+    assert sweep[0] == Tile(first.block_m, first.block_n, first.block_k, first.warps,
+                            first.stages, split=4, dot=first.dot)    # 192 programs: split K
+    assert len(sweep) == len(set(sweep)) <= 4
+    w4 = qk.sweep_tiles("w4a16", "triton_skinny", 28672, 4096, 16, 3)
+    assert all(t.block_k == qk.triton_w4a16.BLOCK_K for t in w4) and len(w4) <= 3
+    assert qk.sweep_tiles("fp8", "fp8_skinny", 4096, 4096, 64, 0)[:1] == \
+        qk.sweep_tiles("fp8", "fp8_skinny", 4096, 4096, 64, 1)
+
+
+def test_the_table_it_writes_pins_tiles_for_the_dispatch(tmp_path):
+    rankings = {"fp8": {"6144x4096": {"1": ["fp8_skinny", "scaled_mm"]}}}
+    tiles = {"fp8": {"6144x4096": {str(skinny_gemm.m_bucket(1)): Tile(1, 32, 256, split=4,
+                                                                      dot=False).as_list()}},
+             "w4a16": {}}
+    path = tmp_path / "quant_dispatch.json"
+    path.write_text(json.dumps(qk.table(rankings, tiles, [1], "abc")))
+    assert quant_dispatch.load_table(path) == rankings
+    pinned = quant_dispatch.load_tiles(path)
+    assert pinned == {"fp8": tiles["fp8"]}
+    assert Tile.from_list(pinned["fp8"]["6144x4096"]["1"]) == Tile(1, 32, 256, split=4, dot=False)
+
+
+def test_the_bench_runs_end_to_end_on_a_tiny_shape(tmp_path, monkeypatch, capsys):
+    """main() on one small shape under the interpreter (timing stubbed): every scheme's table,
+    the targets, the sweep's lines, and a table file the dispatch reads."""
+    monkeypatch.setattr(qk, "DEVICE", "cpu")
+    monkeypatch.setattr(qk, "SHAPES", {"tiny": (128, 256)})
+    monkeypatch.setattr(qk, "ROTATE_BYTES", 1)
+    monkeypatch.setattr(qk, "graph_ms", lambda calls, replays=10: [c() for c in calls] and 1e-3)
+    out = tmp_path / "t.json"
+    monkeypatch.setattr("sys.argv", ["quant_kernels", "--m", "1,16", "--shapes", "tiny",
+                                     "--table", str(out)])
+    qk.main()
+    printed = capsys.readouterr().out
+    assert "target fp8 M=1" in printed and "target w4a16 M=16" in printed
+    assert "  fp8_skinny 128x256 M=1:" in printed and "  triton_skinny 128x256 M=16:" in printed
+    assert set(quant_dispatch.load_table(out)) == {"fp8", "w4a16"}
+    assert set(quant_dispatch.load_tiles(out)["w4a16"]["128x256"]) == {"1", "16"}
