@@ -34,7 +34,7 @@ INTERPRETED = triton.knobs.runtime.interpret
 @triton.jit
 def _operand(x, DOT_F32: tl.constexpr):
     if DOT_F32:
-        return x.to(tl.float32)
+        x = x.to(tl.float32)
     return x
 
 
@@ -42,9 +42,13 @@ def _operand(x, DOT_F32: tl.constexpr):
 def _query_operand(q, KV_F16: tl.constexpr, DOT_F32: tl.constexpr):
     """The query as a tl.dot operand: float16 (clamped to its range) over an FP8 cache read
     as float16, else as loaded (float32 under the interpreter's bfloat16 workaround)."""
+    # one return statement: compiled Triton rejects returns of different types, even under a
+    # constexpr branch (the interpreter does not)
     if KV_F16:
-        return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    return _operand(q, DOT_F32)
+        out = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    else:
+        out = _operand(q, DOT_F32)
+    return out
 
 
 @triton.jit

@@ -75,7 +75,7 @@ def _check(dev, expect, dtype, tile=None):
     actual = triton_fp8_linear.fp8_weight_linear(*dev, tile=tile)
     assert actual.dtype == dtype and actual.shape == expect.shape and not actual.isnan().any()
     torch.testing.assert_close(actual.cpu(), expect, **_tol(expect, dtype))
-    ws, counters = skinny_gemm.WORKSPACE.buffers[torch.device(DEVICE)]
+    ws, counters = skinny_gemm.WORKSPACE.buffers[actual.device]
     assert not ws.any() and not counters.any()     # the split-K workspace cleaned itself
 
 

@@ -63,7 +63,7 @@ def test_w4a16_skinny_matches_reference(bits, m, group_size, act_order, bias):
     got = triton_w4a16.w4a16_linear(dev[0], *dev[1:5], bits, group_size, dev[5])
     assert got.dtype == dtype and got.shape == (m, n)
     torch.testing.assert_close(got.cpu(), expect, **tol)
-    ws, counters = skinny_gemm.WORKSPACE.buffers[torch.device(DEVICE)]
+    ws, counters = skinny_gemm.WORKSPACE.buffers[got.device]
     assert not ws.any() and not counters.any()
 
 
@@ -78,7 +78,7 @@ def test_w4a16_skinny_every_program_shape(m, bits, tile):
     dev = [t.to(DEVICE) for t in (x, qweight, scales, zeros)]
     got = triton_w4a16.w4a16_linear(*dev, None, bits, 256, b.to(DEVICE), tile=tile)
     torch.testing.assert_close(got.cpu(), expect, **_tol(expect, torch.bfloat16))
-    ws, counters = skinny_gemm.WORKSPACE.buffers[torch.device(DEVICE)]
+    ws, counters = skinny_gemm.WORKSPACE.buffers[got.device]
     assert not ws.any() and not counters.any()
 
 
