@@ -86,7 +86,6 @@ class Worker:
         self.opts = opts
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(opts.device)
-        self.others_bytes = self._memory_of_others()
         dtype_name = opts.dtype or ("float32" if self.device.type == "cpu" else "bfloat16")
         if dtype_name not in DTYPES:
             raise ValueError(f"unknown dtype {dtype_name!r}; choose from {sorted(DTYPES)}")
@@ -120,6 +119,7 @@ class Worker:
             None if self.device.type != "cuda" else kernels.flash_attn4.unusable(
                 self.device, self.dtype, self.kv_dtype, self.local_cfg.head_dim))
         log.info("%s", self.attention.describe())
+        self.others_bytes = self._memory_of_others()   # before this process's weights and cache
         model = load_model(pathlib.Path(opts.model), self.cfg, self.device, self.dtype,
                            self.max_model_len, self.shard, self.quant)
         if self.device.type == "cuda":
@@ -247,7 +247,7 @@ class Worker:
 
     def _memory_of_others(self) -> int:
         """GPU memory other processes held when this one started (0 on a CPU)."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or not torch.cuda.is_available():
             return 0
         free, total = torch.cuda.mem_get_info(self.device)
         return max(0, total - free - CUDA_CONTEXT_BYTES)
