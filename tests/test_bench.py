@@ -334,7 +334,9 @@ def test_structured_bench_runs_end_to_end_on_a_cpu_with_tiny_sizes(tmp_path):
     assert make.returncode == 0, make.stderr[-2000:]
     cmd = [sys.executable, "-m", "bench.structured_bench", "--model", str(model), "--port", "50179",
            "--repeats", "1", "--batches", "1,2", "--new-tokens", "24", "--w1-requests", "3",
-           "--w1-max-tokens", "6", "--clients", "1", "--serve-args", "--device cpu --max-running 8"]
+           "--w1-max-tokens", "6", "--clients", "1",
+           "--serve-args", "--device cpu --max-running 8 --metrics-port 50181 --dataplane-metrics-port 50182",
+           "--dataplane-metrics", "http://127.0.0.1:50182/metrics"]   # not 9400/9401: pytest -n 2
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
     lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]

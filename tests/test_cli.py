@@ -27,10 +27,11 @@ def _free_port() -> int:
 @pytest.mark.slow   # a serve process tree
 @pytest.mark.timeout(180)
 def test_serve_without_arguments_then_generate_streams_text(tmp_path):
-    port, http_port = _free_port(), _free_port()
+    port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
     env = dict(os.environ, HEADRACE_LOG_LEVEL="WARNING")
     serve = BLOCK_TORCH + ("from cli.main import main\n"
-                           f"sys.exit(main(['serve', '--port', '{port}', '--http-port', '{http_port}']))")
+                           f"sys.exit(main(['serve', '--port', '{port}', '--http-port', '{http_port}', '--metrics-port', "
+                           f"'{metrics_port}', '--dataplane-metrics-port', '0']))")
     log = open(tmp_path / "serve.log", "w+")   # a file, not a pipe: nothing can block on it
     server = subprocess.Popen([sys.executable, "-c", serve], env=env, start_new_session=True,
                               stderr=log)

@@ -38,8 +38,12 @@ def _env(**extra) -> dict:
 
 
 def _headrace(*args, timeout=90, **env) -> subprocess.CompletedProcess:
-    if args[0] in ("serve", "controlplane") and "--http-port" not in args:
-        args += ("--http-port", "0")   # not the default 8000, which a parallel run may hold
+    # Not the default HTTP and metrics ports (8000, 9400, 9401), which another test running
+    # beside this one (pytest -n 2) or a server of the user's may hold.
+    if args[0] in ("serve", "controlplane"):
+        for flag in ("--http-port", "--metrics-port") + (("--dataplane-metrics-port",) if args[0] == "serve" else ()):
+            if flag not in args:
+                args += (flag, "0")
     return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=_env(**env), cwd=ROOT)
 
