@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -34,7 +36,11 @@ class Served:
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log = open(log_path, "w+")
-        env = dict(os.environ, HEADRACE_LOG_LEVEL="INFO", HEADRACE_LOG_FORMAT="json", **(env or {}))
+        # serve's temporary directory (sockets, metric files) goes in one of ours, removed by
+        # close(): a test that kills the server with SIGKILL leaves nothing in /tmp either
+        self.tmpdir = tempfile.mkdtemp(prefix="hrs-")
+        env = dict(os.environ, HEADRACE_LOG_LEVEL="INFO", HEADRACE_LOG_FORMAT="json", TMPDIR=self.tmpdir,
+                   **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--metrics-port", str(self.metrics_port), "--http-port", "0",
@@ -147,3 +153,4 @@ class Served:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.log.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
