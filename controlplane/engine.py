@@ -339,7 +339,8 @@ class Engine:
 
     async def _reconnect(self) -> None:
         """Waits for the workers to come back; requests kept through the outage fail with
-        UNAVAILABLE once it lasts longer than ``outage_deadline_s``."""
+        UNAVAILABLE once it lasts longer than ``outage_deadline_s``, and so does a request
+        that arrives later in the same outage (at the next attempt)."""
         try:
             await self.workers.describe(timeout=self.config.reconnect_interval_s * 5)
             await self.workers.open()
@@ -350,8 +351,7 @@ class Engine:
             since = self._outage_since
             if since is not None and time.monotonic() - since > self.config.outage_deadline_s:
                 self.fail_all(grpc.StatusCode.UNAVAILABLE,
-                              f"data plane unavailable for more than {self.config.outage_deadline_s:.0f}s")
-                self._outage_since = None
+                              f"data plane unavailable for more than {self.config.outage_deadline_s:g}s")
             await asyncio.sleep(self.config.reconnect_interval_s)
 
     def _wake_requests(self) -> None:

@@ -1,0 +1,63 @@
+"""The engine through a data plane outage (controlplane/engine.py's ``_reconnect``), with
+stand-in workers that go down on demand: requests kept through the outage fail with
+UNAVAILABLE once it outlasts ``outage_deadline_s``, and so does one handed to the engine
+later in the same outage (a front end checks readiness, then awaits tokenization: the
+outage can begin in between)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from controlplane.engine import Engine, EngineConfig
+from controlplane.worker_client import WorkerError
+from tests.test_engine_loop import FakeWorkers, _until, make_request
+
+
+class WorkersThatGoDown(FakeWorkers):
+    down = False
+
+    @property
+    def broken(self) -> bool:
+        return self.down
+
+    async def describe(self, timeout: float):
+        if self.down:
+            await asyncio.sleep(min(timeout, 0.05))
+            raise WorkerError("data plane not ready")
+        return await super().describe(timeout)
+
+    async def send(self, msg) -> None:
+        if self.down:
+            raise WorkerError("data plane stream closed")
+        await super().send(msg)
+
+
+def test_a_request_kept_through_the_outage_and_one_arriving_after_its_deadline_both_fail():
+    async def main():
+        workers = WorkersThatGoDown(num_blocks=16, block_size=4)
+        engine = Engine(workers, EngineConfig(outage_deadline_s=0.3, reconnect_interval_s=0.05))
+        await engine.start()
+        workers.down = True
+        kept = make_request(5, max_tokens=4)
+        engine.submit(kept)                      # its step finds the stream closed
+        await _until(lambda: not engine.healthy)
+        assert await _until(lambda: kept.failure is not None, timeout=3.0) < 1.5
+        assert kept.failure.code == grpc.StatusCode.UNAVAILABLE
+        await asyncio.sleep(0.5)                 # the outage goes on past its deadline
+        late = make_request(5, max_tokens=4)
+        engine.submit(late)
+        assert await _until(lambda: late.failure is not None, timeout=3.0) < 1.0, \
+            "a request handed over later in the outage waited for the data plane"
+        assert late.failure.code == grpc.StatusCode.UNAVAILABLE
+        assert "data plane unavailable for more than 0.3s" in late.failure.message
+        assert not engine.requests and engine.scheduler.blocks.num_free == 16
+        workers.down = False                     # back: the engine serves again
+        await _until(lambda: engine.healthy)
+        again = make_request(5, max_tokens=3)
+        engine.submit(again)
+        await _until(lambda: again.finished)
+        assert again.failure is None
+        await engine.stop()
+    asyncio.run(main())
