@@ -19,7 +19,9 @@ while fewer than that many are deferred; no more sequences are deferred at once 
 
 A deferred sequence holds its blocks while it waits; when a running one needs blocks that are
 not there, deferred ones give theirs back first, newest first (``release``): the loaded
-blocks stay in the device prefix cache, where its admission finds them again.
+blocks stay in the device prefix cache, where its admission finds them again. So do they
+when nothing runs and a waiting sequence (deferred or not) does not fit: no running sequence
+will ever free a block then, and deferred ones that each need one more would wait forever.
 """
 
 from __future__ import annotations
@@ -98,12 +100,13 @@ class Prefetch:
         self._deferred.pop(seq.seq_id, None)
         self._probed.discard(seq.seq_id)
 
-    def release(self) -> bool:
-        """Gives back the blocks of the newest deferred sequence (it waits again, from its
-        prompt: its loaded prefix hits stay cached on the device); False when none is."""
-        if not self._deferred:
+    def release(self, keep: Sequence | None = None) -> bool:
+        """Gives back the blocks of the newest deferred sequence other than ``keep`` (it waits
+        again, from its prompt: its loaded prefix hits stay cached on the device); False when
+        none is."""
+        seq = next((s for s in reversed(self._deferred.values()) if s is not keep), None)
+        if seq is None:
             return False
-        seq = self._deferred[next(reversed(self._deferred))]
         self.blocks.free(seq.seq_id)
         seq.num_computed = 0
         self.forget(seq)

@@ -300,6 +300,8 @@ class Scheduler:
         busy = bool(self.running)   # loads can overlap other sequences' steps
         n = self.prefetch.admit(seq, budget, self.watermark_blocks if busy else 0,
                                 busy and self.prefetch.held < self.max_running)
+        while n == 0 and not busy and self.prefetch.release(keep=seq):
+            n = self.prefetch.admit(seq, budget, 0, False)   # nothing runs to free blocks
         if n:
             self.waiting.remove(seq)
             self.register(seq, seq.num_computed + n)
