@@ -24,9 +24,7 @@ import time
 
 import grpc
 
-from common import speculative
-from controlplane import host_tier, limits, speculation, step_codec, tier_cost
-from controlplane.block_manager import BlockManager
+from controlplane import limits, sizing, speculation, step_codec
 from controlplane.engine_config import EngineConfig
 from controlplane.inflight import InFlightSteps
 from controlplane.policy import Policy
@@ -83,27 +81,9 @@ class Engine:
         if self.scheduler is not None:
             self.telemetry.metrics.retire(self.scheduler)
         self.info = infos[0]
-        cfg = self.config
-        host = 0 if cfg.kv_offloading_policy == "off" else min(i.num_host_kv_blocks for i in infos)
-        blocks = BlockManager(self.workers.num_kv_blocks, self.info.block_size, cfg.enable_prefix_cache,
-                              host_blocks=host)   # each rank: its shard
-        cost = tier_cost.TierCost.for_workers(cfg.kv_offloading_policy, infos, blocks)
-        blocks.offload_evicted = cost is None or cost.keeps_evicted()
-        host_tier.report(blocks, cfg.preemption_mode, cost)
-        # Every request must fit the KV pool alone, so preemption always makes progress.
-        limit = min(self.info.max_model_len, blocks.num_blocks * blocks.block_size)
-        self.max_model_len = min(cfg.max_model_len or limit, limit)
-        # A step may hold no more than every worker can run.
-        max_running = min([cfg.max_running] + [i.max_num_seqs for i in infos if i.max_num_seqs])
-        max_tokens = min([cfg.max_batched_tokens] + [i.max_batched_tokens for i in infos
-                                                      if i.max_batched_tokens])
         self.structured.configure(self.model_dir, self.info.vocab_size, self.info.eos_token_ids)
-        spec = speculative.from_proto(self.info.speculative)   # the worker's configuration
-        self.scheduler = Scheduler(blocks, max_running, max_tokens, cfg.policy, cfg.watermark,
-                                   fair_share=cfg.fair_share,
-                                   speculation=spec and speculation.Speculation(spec, self.max_model_len),
-                                   preemption_mode=cfg.preemption_mode, tier_cost=cost,
-                                   chunking=cfg.chunking)
+        self.scheduler, self.max_model_len = sizing.build_scheduler(self.config, infos,
+                                                                    self.workers.num_kv_blocks)
 
     @property
     def max_queued(self) -> int:

@@ -1,26 +1,26 @@
 """Iteration-level scheduler: every step, which sequences run and how many tokens each
 computes, within a token budget and a cap on running sequences.
 
-Order of service each step: running decodes, then the prefill chunks of running prefills and of
-waiting sequences admitted in policy order (``policy``), sized by ``controlplane.chunking`` (a
-budget for prompt tokens in a step with decodes, short prompts before long ones, a fair split;
-applied by ``controlplane.prefill_phase``), so a long prompt is spread over steps and never
-blocks short ones. Admission leaves a watermark of free blocks. When a running sequence needs
-blocks that are not there, the policy's victims (never one already scheduled in this step) are
-preempted by recompute: their blocks are freed and they wait again with their generated tokens;
-the sequence preempts itself when it is the worst. A step that preempted admits nobody (no
-readmission thrash). Parallel samples fork from their parent once its prompt is computed,
-sharing its blocks and copying the block they will write into (copy on write). With
-``fair_share``, tenants share the running slots and blocks while more than one has work
-(``controlplane.fairness``: the order of admission, preemption for an under-share tenant).
+Order of service each step: running decodes (``controlplane.decode_phase``), then the prefill
+chunks of running prefills and of waiting sequences admitted in policy order (``policy``), sized
+by ``controlplane.chunking`` (a budget for prompt tokens in a step with decodes, short prompts
+before long ones, a fair split; applied by ``controlplane.prefill_phase``), so a long prompt is
+spread over steps and never blocks short ones. Admission leaves a watermark of free blocks. When
+a running sequence needs blocks that are not there, the policy's victims (never one already
+scheduled in this step) are preempted by recompute: their blocks are freed and they wait again
+with their generated tokens; the sequence preempts itself when it is the worst. A step that
+preempted admits nobody (no readmission thrash). Parallel samples fork from their parent once
+its prompt is computed, sharing its blocks and copying the block they will write into (copy on
+write). With ``fair_share``, tenants share the running slots and blocks while more than one has
+work (``controlplane.fairness``: the order of admission, preemption for an under-share tenant).
 Speculating steps give decodes k draft positions, budgeted as tokens, with blocks taken only
 when free (never by preempting); ``verified`` registers the accepted drafts' full blocks (so
-rejected K/V is never shared) and gives the rejected positions' blocks back.
-With a host KV tier and ``preemption_mode="swap"`` a victim's KV is copied to the host tier
-(``BlockManager.swap_out``) and copied back when it is resumed (``controlplane.admission``
-takes an admitted sequence's blocks), instead of recomputed; host-tier prefix hits are
-loaded where ``tier_cost`` finds that cheaper than recomputing them; the
-step carries the host-tier copies its decisions need (``ScheduledStep.swap_out/swap_in``).
+rejected K/V is never shared) and gives the rejected positions' blocks back. With a host KV tier
+and ``preemption_mode="swap"`` a victim's KV is copied to the host tier
+(``BlockManager.swap_out``) and copied back when it is resumed (``controlplane.admission`` takes
+an admitted sequence's blocks), instead of recomputed; host-tier prefix hits are loaded where
+``tier_cost`` finds that cheaper than recomputing them; the step carries the host-tier copies
+its decisions need (``ScheduledStep.swap_out/swap_in``).
 While other sequences run, a sequence that loads host-tier blocks is computed only once its
 loads should have landed (``controlplane.prefetch``): it waits meanwhile, holding them.
 """
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 
-from controlplane import fairness, prefill_phase
+from controlplane import decode_phase, fairness, prefill_phase
 from controlplane.chunking import Chunking
 from controlplane.forks import Forks
 from controlplane.block_manager import BlockManager
@@ -216,49 +216,9 @@ class Scheduler:
         victim_key = self.policy.victim_key if shares is None else shares.victim_key
         unsent = {s.seq_id for s in self.forks.unsent}
         skip = scheduled | unsent
-        blocks, bs = self.blocks, self.blocks.block_size
-        needs_blocks = blocks.needs_blocks
-        running = step.running   # its columns, appended to without a call per sequence:
-        add_seq, add_n, add_count = running.seqs.append, running.num_tokens.append, running.new_block_counts.append
-        spec = self.speculation
-        add_spec = running.num_spec.append if speculate and spec is not None else None
-        order = [s for s in self.running if s.seq_id not in skip and s.may_sample_more]
-        if not self._fits_unordered(order, budget):
-            order.sort(key=lambda s: (s.in_prefill, self.policy.rank(s, now)))
-        prefills = []   # running prefills, in service order: chunked below with the admissions
-        for seq in order:
-            if budget < 1:
-                break
-            if seq.status is not Status.RUNNING:
-                continue   # preempted for a better-ranked sequence in this loop
-            start = seq.num_computed
-            left = seq.num_total - start
-            if left != 1:
-                if left > 1:
-                    prefills.append(seq)
-                continue   # (none left: its last token is still in flight)
-            new_blocks: list[int] | tuple = ()
-            if needs_blocks(seq.seq_id, start + 1):   # the common decode does not
-                grown = self.grow(seq, start, 1, scheduled, victim_key)
-                if grown is None:
-                    continue
-                new_blocks = grown[1]
-                running.new_block_ids.extend(new_blocks)
-            if (start + 1) // bs > start // bs:   # a block fills up: publish it
-                self.register(seq, start + 1)
-            k = 0
-            if spec is not None:
-                k, more = spec.grant(seq, blocks, budget, add_spec is not None)
-                if more:
-                    running.new_block_ids.extend(more)
-                    new_blocks = list(new_blocks) + more
-            if add_spec is not None:
-                add_spec(max(0, k))
-            add_seq(seq)
-            add_n(1)
-            add_count(len(new_blocks))
-            scheduled.add(seq.seq_id)
-            budget -= 1 + max(0, k)
+        running = step.running
+        add_spec = running.num_spec.append if speculate and self.speculation is not None else None
+        budget, prefills = decode_phase.fill(self, step, budget, scheduled, skip, victim_key, add_spec, now)
         step.has_decodes = bool(running.seqs or step.new)   # (so far: decodes, forked samples)
         waiting = self.policy.order_waiting(self.waiting, now)
         prefill_phase.fill(self, step, prefills, waiting if shares is None else shares.order(waiting),
@@ -284,14 +244,6 @@ class Scheduler:
             if n < 1:
                 return None
         return n, self.blocks.grow(seq.seq_id, start + n)
-
-    def _fits_unordered(self, order: list[Sequence], budget: int) -> bool:
-        """Whether every candidate is a decode and all of them fit the token budget and the
-        free blocks: then nobody is left out or preempted and the service order is moot (the
-        common steady state; sorting it costs a policy rank per sequence and step)."""
-        if len(order) > budget or len(order) > self.blocks.num_free:
-            return False
-        return not any(s.num_total - s.num_computed > 1 for s in order)
 
     def admit(self, seq: Sequence, budget: int) -> int | None:
         """Admits ``seq`` with up to ``budget`` tokens: the tokens scheduled, 0 when its
