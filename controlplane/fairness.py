@@ -13,8 +13,15 @@ and more than one active tenant (one with running or waiting sequences):
 * when an under-share tenant's next waiting sequence cannot be admitted for want of a slot or
   blocks, running sequences of tenants *above* their share are preempted (by recompute, the
   policy's victim first, from the tenant furthest above its share) until it can;
-* preemption to grow a running sequence takes over-share tenants' sequences first, and never
-  an under-share tenant's sequence for an over-share one.
+* preemption to grow a running sequence takes over-share tenants' sequences first, for an
+  under-share tenant's sequence;
+* a sequence is preempted for a tenant under share only if its own tenant is left with at
+  least the use (in shares) that tenant then has. A preemption that merely swapped who is
+  over share (two tenants and one running slot; a pool too small for both tenants'
+  sequences) would be undone the next step, and with recompute the two tenants would preempt
+  each other forever, neither finishing. Where fairness does not decide, the policy does, as
+  without fair share: its best running sequence can always grow, so some request always
+  finishes.
 
 A tenant alone gets everything; with none waiting the rule costs nothing.
 """
@@ -67,7 +74,32 @@ class Shares:
 
     def excess(self, t: str) -> float:
         """How far above its share a tenant is (> 0: a preemption victim for others)."""
-        return max(self.slots[t] / self.slot_share, self.blocks[t] / self.block_share) - 1.0
+        return self.usage(t) - 1.0
+
+    def usage(self, t: str, slots: int = 0, blocks: int = 0) -> float:
+        """A tenant's use in shares (1.0: exactly its share), with ``slots`` and ``blocks``
+        more (negative: fewer)."""
+        return max((self.slots[t] + slots) / self.slot_share, (self.blocks[t] + blocks) / self.block_share)
+
+    def evens_out(self, victim: Sequence, t: str, slots: int, blocks: int) -> bool:
+        """Whether preempting ``victim`` for tenant ``t``, which then holds ``slots`` and
+        ``blocks`` more, leaves the victim's tenant with at least ``t``'s use: a preemption
+        that only swapped who is over share would be undone the next step, and with
+        recompute the two tenants would preempt each other forever."""
+        held = len(self.sched.blocks.block_ids(victim.seq_id))
+        return self.usage(tenant(victim), -1, -held) >= self.usage(t, slots, blocks)
+
+    def gives_way(self, victim: Sequence, seq: Sequence, blocks: int) -> bool:
+        """Whether ``victim`` is preempted so that ``seq`` grows by ``blocks``: for fairness
+        when the victim's tenant is over share, ``seq``'s is not and the move ``evens_out``;
+        otherwise as the policy ranks them (as without fair share: so the policy's best
+        running sequence can always grow, and two prefills that each need a block never wait
+        for each other)."""
+        v, t = tenant(victim), tenant(seq)
+        if v != t and self.over(v) and not self.over(t) and self.evens_out(victim, t, 0, blocks):
+            return True
+        policy = self.sched.policy
+        return policy.victim_key(victim) > policy.victim_key(seq)
 
     def order(self, ordered: list[Sequence]) -> list[Sequence]:
         """Waiting sequences (in policy order): under-share tenants first, interleaved."""
@@ -100,7 +132,8 @@ class Shares:
             need = blocks.blocks_for(min(seq.num_tokens, sched.max_batched_tokens))
             while free_slots < 1 or free_blocks < need:
                 victims = [r for r in sched.running if r.seq_id not in scheduled
-                           and self.excess(tenant(r)) > 0 and tenant(r) != t]
+                           and self.excess(tenant(r)) > 0 and tenant(r) != t
+                           and self.evens_out(r, t, 1, need)]
                 if not victims:
                     return
                 worst = max(self.excess(tenant(r)) for r in victims)

@@ -71,6 +71,7 @@ class Scheduler:
         self.speculation = speculation
         self._truncations: list[tuple[int, int]] = []   # (seq id, blocks) for the workers
         self.prefetch = Prefetch(blocks, tier_cost, clock)   # host-tier loads ahead of compute
+        self._shares: fairness.Shares | None = None   # the step's tenants' shares (fair_share)
 
     # -- membership ---------------------------------------------------------------------
     def add(self, seqs: list[Sequence]) -> None:
@@ -186,11 +187,15 @@ class Scheduler:
         while not self.blocks.can_grow(seq.seq_id, num_tokens):
             if self.prefetch.release():   # a deferred sequence's blocks first
                 continue
-            victims = [r for r in self.running if r.seq_id not in scheduled and r is not seq
-                       and key(r) > key(seq)]
+            shares, more = self._shares, self.blocks.blocks_needed(seq.seq_id, num_tokens)
+            victims = [r for r in self.running if r.seq_id not in scheduled and r is not seq and (
+                key(r) > key(seq) if shares is None else shares.gives_way(r, seq, more))]
             if not victims:
                 return False
-            self.preempt(max(victims, key=key))
+            victim = max(victims, key=key)
+            if shares is not None:
+                shares.remove(victim, len(self.blocks.block_ids(victim.seq_id)))
+            self.preempt(victim)
         return True
 
     def register(self, seq: Sequence, end: int) -> None:
@@ -214,6 +219,7 @@ class Scheduler:
             shares.make_room(shares.order(self.policy.order_waiting(self.waiting, now)), scheduled)
             shares = fairness.Shares.of(self)
         victim_key = self.policy.victim_key if shares is None else shares.victim_key
+        self._shares = shares   # the step's, for preemptions between tenants (``_make_room``)
         unsent = {s.seq_id for s in self.forks.unsent}
         skip = scheduled | unsent
         running = step.running
