@@ -265,12 +265,14 @@ def test_every_metric_moves_as_expected(planes):
 
     def delta(before):
         # a step sent before the last request finished may still be in flight (overlapped
-        # scheduling): wait until every scheduled step's result has been processed
+        # scheduling): wait until every scheduled step's result has been processed (and the
+        # engine's thread may observe a step between two reads of one snapshot: two
+        # snapshots in a row must agree)
         deadline = time.monotonic() + 10
-        now = counts()
-        while now["step_schedule"] != now["step_process"] and time.monotonic() < deadline:
+        last, now = None, counts()
+        while (now != last or now["step_schedule"] != now["step_process"]) and time.monotonic() < deadline:
             time.sleep(0.01)
-            now = counts()
+            last, now = now, counts()
         return {k: now[k] - before[k] for k in now}
 
     # -- three requests one after another: every per-request metric moves exactly
