@@ -241,8 +241,8 @@ class Engine:
         late = await self._inflight.send_late_bitmask()   # the next step's, now that its tokens are in
         if self.flush_woken is not None and self._to_wake and self._inflight and not late:
             # a step still in flight keeps the device busy: the news goes out first (one loop
-            # turn), then the next step is scheduled. Not after late bitmasks: the step that
-            # waited for them is answered once the next step reaches the worker.
+            # turn), then the next step is scheduled. Not after late bitmasks: the next step
+            # goes first (the worker's forward pass of it waits for nothing else).
             self._wake_requests()
             self.flush_woken()
             await asyncio.sleep(0)

@@ -92,7 +92,7 @@ class InFlightSteps:
     async def send_late_bitmask(self) -> bool:
         """After a fold: the bitmasks of the step waiting for them, once it is the oldest step
         in flight (the tokens they depend on have all been folded). True when they went: the
-        worker answers that step only once the next one reaches it, so the next goes out now."""
+        next step goes out now (the worker may hold that step's answer until it launches it)."""
         if self._late is None or not self._sent or self._sent[0].step is not self._late[0].step:
             return False
         (masks, step_id), self._late = self._late, None

@@ -49,4 +49,10 @@ class Launched:
     # forward (its launches; on a CPU the forward itself), sample (sampling's launches)
     host_ms: dict[str, float] = dataclasses.field(default_factory=dict)
     awaiting: tuple | None = None   # launched with bitmask_follows: (logits, sampling, device
-                                    # arrays, prepared batch) until ``sample_late``
+                                    # arrays, prepared batch) until ``sample_late``; () when
+                                    # none of its rows samples (they stopped the step before)
+    logits_ready: torch.cuda.Event | None = None   # ... and its forward pass's end (GPU)
+
+    def forward_done(self) -> bool:
+        """Whether the forward pass has run (always on a CPU, where launching runs it)."""
+        return self.logits_ready is None or self.logits_ready.query()

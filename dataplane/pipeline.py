@@ -46,12 +46,19 @@ class StepPipeline:
         return step.flush or launched.out is None or launched.verified is not None
 
     def _late_bitmask(self, msg: pb.StepRequest) -> list[pb.StepResult]:
-        """Samples the step waiting for these bitmasks (no result of its own)."""
+        """Samples the step waiting for these bitmasks (no result of its own). It is answered
+        at once when its forward pass is already done: the device waits for the bitmasks
+        then, so the control plane's round trip (the token, the next bitmasks) is the step's
+        critical path, and holding the answer for the next step's launch would lengthen it.
+        While the forward pass still runs, the answer waits for the next step as usual (that
+        step is launched before this one's tokens are waited for: no bubble on the device)."""
         if self._pending is None:
             raise BatchError(f"late bitmasks for step {msg.step_id}, which waits for none")
         step, launched = self._pending
         self.runner.sample_late(launched, msg)
-        return [self._done()] if self._answer_now(step, launched) else []
+        if self._answer_now(step, launched) or launched.forward_done():
+            return [self._done()]
+        return []
 
     def drain(self) -> list[pb.StepResult]:
         return [self._done()] if self._pending is not None else []

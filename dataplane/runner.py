@@ -112,7 +112,7 @@ class ModelRunner:
         kv_offload.check_step(self.host_kv, step)
         if len(delta.rows) == 0:   # every sequence of the step stopped: its block copies still run
             kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, None))
-            return launched
+            return self._nothing_sampled(step, launched)
         batch, rows = self.batch, delta.rows
         drafts = self.spec.propose(batch, rows, delta.spec, bitmasks.checked_drafts(step, batch.rows)) \
             if delta.spec.any() else None
@@ -147,11 +147,23 @@ class ModelRunner:
         launched.host_ms.update(apply=(t_apply - launched.started) * 1e3, build=(t_build - t_apply) * 1e3,
                                 forward=(t_forward - t_build) * 1e3)
         if sampling is None:   # a step of prefill chunks only: KV written, nothing sampled
-            return self._record_done(launched)
+            return self._record_done(self._nothing_sampled(step, launched))
         if step.bitmask_follows:   # sampled by ``sample_late``; the forward pass runs meanwhile
             launched.awaiting = (logits, sampling, dev, prep)
+            if self.device.type == "cuda":
+                launched.logits_ready = torch.cuda.Event()
+                launched.logits_ready.record()
             return launched
         return self._sample_step(launched, logits, sampling, dev, prep.sample_rows)
+
+    @staticmethod
+    def _nothing_sampled(step: pb.StepRequest, launched: Launched) -> Launched:
+        """A step none of whose rows samples. Sent with ``bitmask_follows`` (its rows stopped
+        at the step before, answered before this one came): its late bitmasks still come, and
+        complete nothing."""
+        if step.bitmask_follows:
+            launched.awaiting = ()
+        return launched
 
     def _bitmask_arrays(self, bitmask: pb.TokenBitmask, prep: PreparedBatch) -> dict[str, np.ndarray]:
         return bitmasks.arrays(bitmask, self.seq_of_row[prep.sample_rows], prep.num_drafts,
@@ -163,7 +175,10 @@ class ModelRunner:
         (``late_bitmask``) brings."""
         if launched.awaiting is None or launched.step_id != step.step_id:
             raise BatchError(f"late bitmasks for step {step.step_id}, which waits for none")
-        (logits, sampling, dev, prep), launched.awaiting = launched.awaiting, None
+        awaiting, launched.awaiting = launched.awaiting, None
+        if not awaiting:   # nothing left to sample: its rows stopped at the step before
+            return launched
+        logits, sampling, dev, prep = awaiting
         if self.rank == 0:
             dev = dev | self.stager.upload(self._bitmask_arrays(step.bitmask, prep))
         return self._sample_step(launched, logits, sampling, dev, prep.sample_rows)

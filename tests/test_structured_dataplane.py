@@ -1,9 +1,12 @@
 """Structured outputs in the data plane: the token-bitmask kernel against its torch reference
 (and the reference against the bit layout), the step protocol's bitmasks (inline, and
 ``bitmask_follows`` + ``late_bitmask``: the step is launched, sampled when its bitmasks come,
-and answered in order) on a worker over gRPC, its refusals, and ``dataplane.bitmasks``."""
+and answered in order, at once when its forward pass is done) on a worker over gRPC, its
+refusals, and ``dataplane.bitmasks``."""
 
 from __future__ import annotations
+
+import threading
 
 import grpc
 import numpy as np
@@ -105,6 +108,48 @@ def test_late_bitmasks_complete_a_launched_step_in_order(worker_stub):
     results = list(worker_stub.Execute(iter(steps)))
     assert [r.step_id for r in results] == [1, 2, 3, 4]
     assert list(results[1].token_ids) == [42] and list(results[2].token_ids) == [7]
+
+
+def test_a_late_masked_step_whose_forward_is_done_is_answered_before_the_next_step(worker_stub):
+    """Its forward pass is done when its bitmasks come (always on a CPU): the worker answers
+    it at once, since the control plane waits for its token to compute the next bitmasks, and
+    does not hold it until the next step arrives."""
+    answered, flushed = threading.Event(), threading.Event()
+
+    def steps():
+        yield prefill(temperature=1.0)
+        yield decode(2, bitmask_follows=True)
+        yield wpb.StepRequest(step_id=2, late_bitmask=True, bitmask=wpb.TokenBitmask(seq_ids=[1], bits=pack([{9}])))
+        answered.wait(10)   # (a GPU whose forward pass still ran holds it: the flush ends the wait)
+        flushed.set()
+        yield wpb.StepRequest(step_id=3, flush=True)
+
+    results = []
+    for r in worker_stub.Execute(steps()):
+        results.append(r)
+        if r.step_id == 2:
+            early = not flushed.is_set()
+            answered.set()
+    assert [r.step_id for r in results] == [1, 2, 3] and list(results[1].token_ids) == [9]
+    if DEVICE == "cpu":
+        assert early
+
+
+def test_late_bitmasks_of_a_step_whose_rows_stopped_complete_nothing(worker_stub):
+    """Step 2's token is a stop token and step 2 is answered before step 3 comes: step 3 runs
+    nothing, and its promised bitmasks are still taken."""
+    first = prefill(temperature=1.0)
+    first.new_seqs[0].sampling.stop_token_ids.append(9)
+    steps = [first,
+             decode(2, bitmask_follows=True),
+             wpb.StepRequest(step_id=2, late_bitmask=True, bitmask=wpb.TokenBitmask(seq_ids=[1], bits=pack([{9}]))),
+             decode(3, bitmask_follows=True),
+             wpb.StepRequest(step_id=3, late_bitmask=True, bitmask=wpb.TokenBitmask(seq_ids=[1], bits=pack([{5}]))),
+             wpb.StepRequest(step_id=4, flush=True)]
+    results = list(worker_stub.Execute(iter(steps)))
+    assert [r.step_id for r in results] == [1, 2, 3, 4]
+    assert list(results[1].token_ids) == [9] and list(results[1].stopped_seq_ids) == [1]
+    assert not results[2].token_ids
 
 
 def test_greedy_under_a_mask_that_allows_the_free_choice_is_unchanged(worker_stub):

@@ -1,7 +1,7 @@
 """The engine's side of the constrained pipeline against a fake worker group (fake grammars,
 no grammar engine): after a fold, a late bitmask is followed at once by the next step (the
-worker answers the step that waited for it only once the next one arrives; the folded step's
-news wait), and only a constrained sequence that runs keeps the pipeline two steps deep. Also
+worker may answer the step that waited for it only once the next one arrives; the folded
+step's news wait), and only a constrained sequence that runs keeps the pipeline two steps deep. Also
 the bitmask rows: written into the message's own field, in memory reused between steps, and
 read by the worker without a copy."""
 
