@@ -118,10 +118,11 @@ def load_tiles(path: str | pathlib.Path | None = None) -> dict:
     for scheme, shapes in tiles.items():
         for shape, by_bucket in shapes.items():
             for bucket, tile in by_bucket.items():
-                if (scheme not in SCHEMES or not str(bucket).isdigit() or len(tile) != 7
+                if (scheme not in SCHEMES or not str(bucket).isdigit() or len(tile) not in (7, 8)
                         or not all(isinstance(v, int) and v >= 0 for v in tile)):
                     raise ValueError(f"{path}: tile {scheme} {shape} bucket {bucket}: {tile!r} "
-                                     f"is not [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, dot]")
+                                     f"is not [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, dot"
+                                     f"(, pipe)]")
     return tiles
 
 

@@ -70,7 +70,10 @@ def m_bucket(m: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Tile:
     """One candidate launch: BLOCK_M rows x BLOCK_N output columns per program, BLOCK_K of K
-    per step, ``split`` programs along K, and tl.dot (tensor cores) or FMA reductions."""
+    per step, ``split`` programs along K, and tl.dot (tensor cores) or FMA reductions.
+    ``pipe`` (FMA programs of kernels that have it): the next K tile is loaded into registers
+    before the current one is used and products are summed element-wise, reduced across threads
+    once at the end (twice the bytes in flight a program, no shuffles in the loop)."""
 
     block_m: int
     block_n: int
@@ -79,11 +82,12 @@ class Tile:
     stages: int = 3
     split: int = 1
     dot: bool = True
+    pipe: bool = False
 
     @property
     def meta(self) -> dict:
         return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "BLOCK_K": self.block_k,
-                "SPLIT_K": self.split, "USE_DOT": self.dot}
+                "SPLIT_K": self.split, "USE_DOT": self.dot, "PIPE": self.pipe}
 
     def config(self) -> triton.Config:
         return triton.Config(self.meta, num_warps=self.warps, num_stages=self.stages)
@@ -92,17 +96,18 @@ class Tile:
     def of(cls, config: triton.Config) -> "Tile":
         kw = config.kwargs
         return cls(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"], config.num_warps,
-                   config.num_stages, kw["SPLIT_K"], kw["USE_DOT"])
+                   config.num_stages, kw["SPLIT_K"], kw["USE_DOT"], kw.get("PIPE", False))
 
     def as_list(self) -> list:
-        """[BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, dot]: quant_dispatch.json's form."""
+        """[BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, dot(, pipe)]: quant_dispatch.json's
+        form (``pipe`` only when set, so tables written before it read the same)."""
         return [self.block_m, self.block_n, self.block_k, self.warps, self.stages, self.split,
-                int(self.dot)]
+                int(self.dot)] + ([1] if self.pipe else [])
 
     @classmethod
     def from_list(cls, values) -> "Tile":
-        *ints, dot = values
-        return cls(*(int(v) for v in ints), dot=bool(dot))
+        *ints, dot = values[:7]
+        return cls(*(int(v) for v in ints), dot=bool(dot), pipe=bool(values[7:] and values[7]))
 
 
 def split_for(tile: Tile, bucket: int, n: int, k: int, sms: int, bits: int = 8) -> Tile:

@@ -46,7 +46,8 @@ from kernels.triton_flash import INTERPRETED   # bfloat16 tl.dot operands widene
 def _fp8_skinny_kernel(X, W, S, B, OUT, WS, CNT, M, N, K, stride_xm, stride_wn, stride_s,
                        stride_om, M_BUCKET, SPLIT_K, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                       USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+                       PIPE: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K   # whole K tiles per slice
@@ -56,6 +57,12 @@ def _fp8_skinny_kernel(X, W, S, B, OUT, WS, CNT, M, N, K, stride_xm, stride_wn, 
     dtype = X.dtype.element_ty
     w_rows = W + cols[:, None].to(tl.int64) * stride_wn
     x_rows = X + rows.to(tl.int64) * stride_xm
+    if PIPE and not USE_DOT:
+        acc = _fma_pipelined(X, x_rows, w_rows, row_ok, col_ok, k_lo, k_hi, BLOCK_M, BLOCK_N,
+                             BLOCK_K)
+        store_or_reduce(acc, rows, cols, row_ok, col_ok, OUT, stride_om, WS, CNT, N, S, stride_s,
+                        B, HAS_BIAS, SPLIT_K, True)
+        return
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -76,27 +83,62 @@ def _fp8_skinny_kernel(X, W, S, B, OUT, WS, CNT, M, N, K, stride_xm, stride_wn, 
                     HAS_BIAS, SPLIT_K, True)
 
 
+@triton.jit
+def _fma_pipelined(X, x_rows, w_rows, row_ok, col_ok, k_lo, k_hi, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] of the K slice [k_lo, k_hi) on the CUDA cores: each step issues
+    the next tile's loads before it multiplies the current one, and the products add up
+    element-wise ([BLOCK_N, BLOCK_M, BLOCK_K] in registers), reduced across threads once."""
+    k = k_lo + tl.arange(0, BLOCK_K)
+    ok = k < k_hi
+    w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & ok[None, :], other=0.0)
+    x = tl.load(x_rows[:, None] + k[None, :], mask=row_ok[:, None] & ok[None, :], other=0.0)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kn = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
+        okn = kn < k_hi
+        w_next = tl.load(w_rows + kn[None, :], mask=col_ok[:, None] & okn[None, :], other=0.0)
+        x_next = tl.load(x_rows[:, None] + kn[None, :], mask=row_ok[:, None] & okn[None, :],
+                         other=0.0)
+        acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
+        w, x = w_next, x_next
+    return tl.sum(acc3, axis=2)
+
+
 def _fma(m: int, n: int, k: int, warps: int = 4, split: int = 1) -> Tile:
     return Tile(m, n, k, warps, 3, split, dot=False)
+
+
+def _pipe(m: int, n: int, k: int, warps: int = 4, split: int = 1, stages: int = 1) -> Tile:
+    return Tile(m, n, k, warps, stages, split, dot=False, pipe=True)
 
 
 # Candidate tiles per row bucket (bytes of one weight row per step = BLOCK_K). FMA tiles keep
 # BLOCK_M * BLOCK_N * BLOCK_K / threads <= 64 values a thread; the first (unsplit) tile of a
 # bucket is the fixed choice (K split by skinny_gemm.split_for) and the interpreter's; the rest
-# are bench/quant_kernels.py's sweep and the autotuner's (HEADRACE_QUANT_AUTOTUNE=1).
+# are bench/quant_kernels.py's sweep and the autotuner's (HEADRACE_QUANT_AUTOTUNE=1). Pipelined
+# FMA tiles (``_pipe``) hold the next tile in registers, so they run without Triton's own
+# pipelining (1 stage) unless listed otherwise.
 TILES = {
-    1: [_fma(1, 32, 256), _fma(1, 16, 512), _fma(1, 64, 256, 8), _fma(1, 32, 512, 8),
-        _fma(1, 16, 1024, 8), _fma(1, 32, 256, 4, 2), _fma(1, 16, 512, 4, 4)],
-    2: [_fma(2, 16, 256), _fma(2, 32, 256, 8), _fma(2, 16, 512, 8), Tile(16, 64, 256),
+    1: [_pipe(1, 16, 512), _pipe(1, 32, 512, 8), _pipe(1, 8, 1024), _pipe(1, 16, 1024, 8),
+        _pipe(1, 32, 256), _pipe(1, 16, 256, 4, 2), _pipe(1, 16, 512, 4, 2),
+        _pipe(1, 32, 512, 8, 2), _pipe(1, 16, 512, 4, 4), _pipe(1, 16, 512, 4, 1, 3),
+        _fma(1, 16, 512), _fma(1, 32, 256, 4, 4), _fma(1, 32, 256), _fma(1, 64, 256, 8)],
+    2: [_pipe(2, 16, 256), _pipe(2, 16, 512, 8), _pipe(2, 8, 512), _pipe(2, 16, 256, 4, 2),
+        _fma(2, 16, 256), _fma(2, 32, 256, 8), _fma(2, 16, 512, 8), Tile(16, 64, 256),
         _fma(2, 16, 256, 4, 2)],
-    4: [Tile(16, 64, 256), _fma(4, 16, 256, 8), _fma(4, 16, 128), Tile(16, 32, 256, 4, 4),
+    4: [Tile(16, 64, 256), _pipe(4, 8, 256), _pipe(4, 16, 256, 8), _pipe(4, 8, 256, 4, 2),
+        _fma(4, 16, 256, 8), _fma(4, 16, 128), Tile(16, 32, 256, 4, 4),
         Tile(16, 64, 256, 4, 3, 2)],
     8: [Tile(16, 64, 256), Tile(16, 32, 256, 4, 4), Tile(16, 128, 128), Tile(16, 64, 512, 8),
-        Tile(16, 64, 256, 4, 3, 2), Tile(16, 128, 256, 8)],
+        Tile(16, 64, 256, 4, 3, 2), Tile(16, 128, 256, 8), Tile(16, 64, 256, 4, 4, 4),
+        Tile(16, 64, 128, 4, 4, 4), Tile(16, 64, 256, 4, 3, 8), Tile(16, 128, 256, 8, 3, 4),
+        Tile(16, 64, 256, 4, 3, 4)],
     32: [Tile(32, 64, 256), Tile(32, 128, 128), Tile(32, 64, 128, 4, 4), Tile(32, 128, 256, 8),
-         Tile(32, 64, 256, 4, 3, 2)],
+         Tile(32, 64, 256, 4, 3, 2), Tile(32, 64, 256, 4, 3, 4), Tile(32, 64, 128, 4, 4, 4)],
     64: [Tile(64, 64, 128), Tile(64, 128, 128, 8), Tile(64, 64, 256), Tile(64, 128, 128, 4, 4),
-         Tile(64, 64, 128, 4, 3, 2)],
+         Tile(64, 64, 128, 4, 3, 2), Tile(64, 64, 128, 4, 4, 4), Tile(64, 64, 256, 8, 3, 4),
+         Tile(64, 128, 128, 8, 3, 4), Tile(64, 64, 128, 4, 3, 8), Tile(64, 64, 128, 4, 5, 4)],
     128: [Tile(128, 128, 64, 8), Tile(64, 128, 128, 8), Tile(128, 64, 128, 8),
           Tile(64, 64, 128, 4, 3, 2)],
 }

@@ -43,7 +43,8 @@ BLOCK_K = 128          # K values per step: one group of the common 128, 64 byte
 def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm, stride_om,
                          M_BUCKET, SPLIT_K, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+                         PIPE: tl.constexpr = False):   # no pipelined variant here (Tile.pipe)
     PER: tl.constexpr = 32 // BITS
     KW: tl.constexpr = BLOCK_K // PER                 # packed words of K per step
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -56,12 +56,16 @@ def _tol(expect, dtype):
     return dict(atol=1e-2 * scale, rtol=1e-2)
 
 
-# every program shape a bucket may run: FMA rows 1 / 2 / 4, swapped tl.dot, K split 2..4 with a
+# every program shape a bucket may run: FMA rows 1 / 2 / 4 (plain and pipelined), swapped tl.dot, K split 2..4 with a
 # ragged last slice (the self-cleaning workspace), several row and column tiles; each with rows
 # that fill it (ragged where it has more than one row)
 TILES = ((1, Tile(1, 32, 64, dot=False)), (2, Tile(2, 16, 128, split=3, dot=False)),
          (3, Tile(4, 16, 32, split=2, dot=False)), (17, Tile(16, 32, 32, split=3)),
-         (9, Tile(16, 16, 64)), (40, Tile(32, 64, 32, split=4)))
+         (9, Tile(16, 16, 64)), (40, Tile(32, 64, 32, split=4)),
+         # pipelined FMA: one row, and two rows with a ragged K split (the next tile masked
+         # at the slice's end, not only at K's)
+         (1, Tile(1, 16, 64, stages=1, dot=False, pipe=True)),
+         (2, Tile(2, 16, 32, stages=1, split=3, dot=False, pipe=True)))
 # (m, n, k, per-tensor scale, bias, dtype): every scale / bias pairing, each dtype, rows of the
 # FMA and tl.dot buckets, even and ragged N and K; the fixed tile of each row bucket. Kept to a
 # few cases: on the GPU each (tile, dtype, bias, scale kind) is a compile of its own.
