@@ -119,6 +119,12 @@ def pack_nibbles(q: torch.Tensor, high_first: bool) -> torch.Tensor:
     return ((even << 4) | odd) if high_first else ((odd << 4) | (even & 0xF))
 
 
+def signed_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Unsigned 4-bit values q (0..15) as the signed nibbles of q - 8 (two's complement, what
+    FBGEMM's int4 kernels read: its weights are recentred, w = (q - 8) * scale + zero)."""
+    return q.to(torch.uint8) ^ 8
+
+
 def tinygemm_scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """[G, N, 2] bfloat16: (scale, float zero) per group and column."""
     s, z = float_zero_form(scales, zeros, 4)
@@ -141,7 +147,7 @@ def prepare_wna16(kernel: str, qweight: torch.Tensor, scales: torch.Tensor, zero
             W_nbits=bits, group_size=gs)
     if kernel == "fbgemm_i4":
         s, z = float_zero_form(scales, zeros, 4)
-        packed = pack_nibbles(q, high_first=False).view(torch.int8).contiguous()
+        packed = pack_nibbles(signed_nibbles(q), high_first=False).view(torch.int8).contiguous()
         wq, group_scale = torch.ops.fbgemm.preshuffle_i4(packed, s.to(torch.bfloat16).contiguous())
         return wq, group_scale, z.to(torch.bfloat16).contiguous()
     raise ValueError(f"{kernel} is not a library W4A16/W8A16 kernel")

@@ -57,9 +57,10 @@ def _fp8_skinny_kernel(X, W, S, B, OUT, WS, CNT, M, N, K, stride_xm, stride_wn, 
     dtype = X.dtype.element_ty
     w_rows = W + cols[:, None].to(tl.int64) * stride_wn
     x_rows = X + rows.to(tl.int64) * stride_xm
-    if PIPE and not USE_DOT:
-        acc = _fma_pipelined(X, x_rows, w_rows, row_ok, col_ok, k_lo, k_hi, BLOCK_M, BLOCK_N,
-                             BLOCK_K)
+    if PIPE and not USE_DOT:      # one row a program
+        tl.static_assert(BLOCK_M == 1)
+        acc = _fma_pipelined(X + tl.program_id(0).to(tl.int64) * stride_xm, w_rows, col_ok,
+                             k_lo, k_hi, BLOCK_N, BLOCK_K)   # grid: M programs, each row exists
         store_or_reduce(acc, rows, cols, row_ok, col_ok, OUT, stride_om, WS, CNT, N, S, stride_s,
                         B, HAS_BIAS, SPLIT_K, True)
         return
@@ -84,25 +85,28 @@ def _fp8_skinny_kernel(X, W, S, B, OUT, WS, CNT, M, N, K, stride_xm, stride_wn, 
 
 
 @triton.jit
-def _fma_pipelined(X, x_rows, w_rows, row_ok, col_ok, k_lo, k_hi, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] of the K slice [k_lo, k_hi) on the CUDA cores: each step issues
-    the next tile's loads before it multiplies the current one, and the products add up
-    element-wise ([BLOCK_N, BLOCK_M, BLOCK_K] in registers), reduced across threads once."""
+def _fma_pipelined(x_row, w_rows, col_ok, k_lo, k_hi, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, 1] of the row at ``x_row`` over the K slice
+    [k_lo, k_hi) on the CUDA cores: each step issues the next tile's loads before it multiplies
+    the current one, and the products add up element-wise in registers, reduced across threads
+    once. 2-D tiles only, x loaded already broadcast over the tile's BLOCK_N rows (repeat
+    reads hit L1): a 3-D [BLOCK_N, BLOCK_M, BLOCK_K] product, or a 1-D x broadcast after its
+    load, makes Triton change a layout through shared memory (with barriers) every step."""
+    wide = tl.zeros([BLOCK_N, 1], dtype=tl.int32)
     k = k_lo + tl.arange(0, BLOCK_K)
-    ok = k < k_hi
-    w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & ok[None, :], other=0.0)
-    x = tl.load(x_rows[:, None] + k[None, :], mask=row_ok[:, None] & ok[None, :], other=0.0)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_M, BLOCK_K], dtype=tl.float32)
+    ok = (k < k_hi)[None, :]
+    w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & ok, other=0.0)
+    x = tl.load(x_row + (wide + k[None, :]), mask=(wide == 0) & ok, other=0.0)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kn = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
-        okn = kn < k_hi
-        w_next = tl.load(w_rows + kn[None, :], mask=col_ok[:, None] & okn[None, :], other=0.0)
-        x_next = tl.load(x_rows[:, None] + kn[None, :], mask=row_ok[:, None] & okn[None, :],
-                         other=0.0)
-        acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
+        okn = (kn < k_hi)[None, :]
+        w_next = tl.load(w_rows + kn[None, :], mask=col_ok[:, None] & okn, other=0.0)
+        x_next = tl.load(x_row + (wide + kn[None, :]), mask=(wide == 0) & okn, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)
         w, x = w_next, x_next
-    return tl.sum(acc3, axis=2)
+    return tl.sum(acc, axis=1)[:, None]
 
 
 def _fma(m: int, n: int, k: int, warps: int = 4, split: int = 1) -> Tile:
@@ -117,19 +121,17 @@ def _pipe(m: int, n: int, k: int, warps: int = 4, split: int = 1, stages: int = 
 # BLOCK_M * BLOCK_N * BLOCK_K / threads <= 64 values a thread; the first (unsplit) tile of a
 # bucket is the fixed choice (K split by skinny_gemm.split_for) and the interpreter's; the rest
 # are bench/quant_kernels.py's sweep and the autotuner's (HEADRACE_QUANT_AUTOTUNE=1). Pipelined
-# FMA tiles (``_pipe``) hold the next tile in registers, so they run without Triton's own
-# pipelining (1 stage) unless listed otherwise.
+# FMA tiles (``_pipe``, one row a program) hold the next tile in registers, so they run without
+# Triton's own pipelining (1 stage) unless listed otherwise.
 TILES = {
-    1: [_pipe(1, 16, 512), _pipe(1, 32, 512, 8), _pipe(1, 8, 1024), _pipe(1, 16, 1024, 8),
-        _pipe(1, 32, 256), _pipe(1, 16, 256, 4, 2), _pipe(1, 16, 512, 4, 2),
-        _pipe(1, 32, 512, 8, 2), _pipe(1, 16, 512, 4, 4), _pipe(1, 16, 512, 4, 1, 3),
-        _fma(1, 16, 512), _fma(1, 32, 256, 4, 4), _fma(1, 32, 256), _fma(1, 64, 256, 8)],
-    2: [_pipe(2, 16, 256), _pipe(2, 16, 512, 8), _pipe(2, 8, 512), _pipe(2, 16, 256, 4, 2),
-        _fma(2, 16, 256), _fma(2, 32, 256, 8), _fma(2, 16, 512, 8), Tile(16, 64, 256),
-        _fma(2, 16, 256, 4, 2)],
-    4: [Tile(16, 64, 256), _pipe(4, 8, 256), _pipe(4, 16, 256, 8), _pipe(4, 8, 256, 4, 2),
-        _fma(4, 16, 256, 8), _fma(4, 16, 128), Tile(16, 32, 256, 4, 4),
-        Tile(16, 64, 256, 4, 3, 2)],
+    1: [_pipe(1, 16, 512), _pipe(1, 32, 256), _pipe(1, 8, 1024), _pipe(1, 32, 512, 8),
+        _pipe(1, 16, 1024, 8), _pipe(1, 64, 256, 8), _pipe(1, 16, 256), _pipe(1, 16, 512, 4, 2),
+        _pipe(1, 32, 256, 4, 2), _pipe(1, 16, 256, 4, 2), _pipe(1, 16, 512, 4, 4),
+        _pipe(1, 16, 512, 4, 1, 3), _pipe(1, 16, 512, 8), _fma(1, 16, 512)],
+    2: [_fma(2, 16, 256), _fma(2, 32, 256, 8), _fma(2, 16, 512, 8), Tile(16, 64, 256),
+        _fma(2, 16, 256, 4, 2), Tile(16, 64, 128, 4, 4, 4)],
+    4: [Tile(16, 64, 256), _fma(4, 16, 256, 8), _fma(4, 16, 128), Tile(16, 32, 256, 4, 4),
+        Tile(16, 64, 256, 4, 3, 2), Tile(16, 64, 128, 4, 4, 4)],
     8: [Tile(16, 64, 256), Tile(16, 32, 256, 4, 4), Tile(16, 128, 128), Tile(16, 64, 512, 8),
         Tile(16, 64, 256, 4, 3, 2), Tile(16, 128, 256, 8), Tile(16, 64, 256, 4, 4, 4),
         Tile(16, 64, 128, 4, 4, 4), Tile(16, 64, 256, 4, 3, 8), Tile(16, 128, 256, 8, 3, 4),

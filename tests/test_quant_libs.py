@@ -30,6 +30,21 @@ def test_float_zero_form_is_the_same_weight():
                                                             torch.float32), atol=1e-6, rtol=1e-6)
 
 
+def test_fbgemm_reads_the_recentred_value_from_each_nibble():
+    """FBGEMM's int4 weights are signed (q - 8): a packed byte's low nibble, read as a signed
+    4-bit integer, times the scale plus float_zero_form's zero is the reference weight."""
+    q = torch.arange(16, dtype=torch.uint8).repeat(3, 2)                  # [3, 32], every value
+    packed = quant_libs.pack_nibbles(quant_libs.signed_nibbles(q), high_first=False)
+    low, high = packed & 0xF, packed >> 4
+    as_signed = lambda v: v.to(torch.int16) - 16 * (v >= 8).to(torch.int16)
+    read = torch.stack([as_signed(low), as_signed(high)], dim=2).reshape(3, 32)
+    assert torch.equal(read, q.to(torch.int16) - 8)
+    scales, zeros = torch.full((1, 3), 0.5), torch.tensor([[3.0, 8.0, 12.0]])
+    s, z = quant_libs.float_zero_form(scales, zeros, 4)
+    torch.testing.assert_close(read.float() * s[0][:, None] + z[0][:, None],
+                               (q.float() - zeros[0][:, None]) * scales[0][:, None])
+
+
 @pytest.mark.parametrize("high_first", [True, False])
 def test_pack_nibbles(high_first):
     q, *_ = _int_layer(8, 16)

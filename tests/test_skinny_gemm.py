@@ -80,9 +80,7 @@ def test_the_fixed_tile_splits_k_where_output_tiles_are_few():
     rows of INT4 (64 x 128 tiles, 32 or 224 programs) split 4 ways, 128 rows only twice (the
     partial sums would outweigh half the weight's bytes); a short K is never split below two K
     steps a slice."""
-    fp8 = triton_fp8_linear.TILES[1][0] if not triton_fp8_linear.INTERPRETED else Tile(
-        1, 32, 256, dot=False)
-    assert (fp8.block_n, fp8.split) == (32, 1)
+    fp8 = Tile(1, 32, 256, dot=False)
     assert [skinny_gemm.split_for(fp8, 1, n, k, 132).split for n, k in
             ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))] == [4, 4, 1, 4]
     w4 = Tile(64, 128, triton_w4a16.BLOCK_K)
