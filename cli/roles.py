@@ -12,15 +12,15 @@ import pathlib
 import signal
 import sys
 
-from cli.options import (
+from cli.configs import (
     check_speculative_config,
     check_structured_outputs_backend,
     core_link_options,
-    default_model,
     engine_config,
     placement_of,
     plane_options,
 )
+from cli.options import default_model
 from common.options import from_args
 from common.worker_options import ParallelOptions, WorkerOptions
 

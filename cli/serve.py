@@ -12,13 +12,8 @@ import shutil
 import sys
 import tempfile
 
-from cli.options import (
-    check_device_name,
-    check_speculative_config,
-    check_structured_outputs_backend,
-    chunking,
-    default_model,
-)
+from cli.configs import check_speculative_config, check_structured_outputs_backend, chunking
+from cli.options import check_device_name, default_model
 from cli.roles import SUPERVISOR_ENV
 from common import secret_env
 from common.options import from_args, to_argv
@@ -103,7 +98,7 @@ def check_public_ports(args) -> None:
 
 def cmd_serve(args) -> int:
     from cli import data_parallel
-    from cli.options import placement_of
+    from cli.configs import placement_of
     from cli.processes import run_control_plane
     from cli.supervisor import EXIT_LOAD_FAILED, DataPlaneChildren, health_probe
     from common.metrics import enable_multiprocess
@@ -159,7 +154,7 @@ def cmd_controlplane(args) -> int:
     from cli.processes import run_control_plane
     from common.metrics import enable_multiprocess
 
-    from cli.options import placement_of
+    from cli.configs import placement_of
 
     check_structured_outputs_backend(args)
     chunking(args)

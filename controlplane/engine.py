@@ -26,6 +26,7 @@ import grpc
 
 from controlplane import limits, sizing, speculation, step_codec
 from controlplane.engine_config import EngineConfig
+from controlplane.engine_outages import EngineOutages
 from controlplane.inflight import InFlightSteps
 from controlplane.policy import Policy
 from controlplane.profiling import Profiler
@@ -41,7 +42,7 @@ from headrace.v1 import inference_pb2 as pb
 log = logging.getLogger("headrace.engine")
 
 
-class Engine:
+class Engine(EngineOutages):
     def __init__(self, workers: WorkerGroup, config: EngineConfig,
                  telemetry: EngineTelemetry | None = None):
         self.workers = workers
@@ -295,44 +296,6 @@ class Engine:
                 await asyncio.wait_for(self._wake.wait(), self.scheduler.retry_after)
         if self.workers.broken:   # health NOT_SERVING now, not at the next request
             raise WorkerError("data plane closed its step stream")
-
-    # -- outages ------------------------------------------------------------------------------
-    def _workers_lost(self, exc: WorkerError) -> None:
-        self._inflight.fail(exc)
-        log.error("worker group failed: %s; keeping %d requests for recompute", exc, len(self.requests))
-        self._set_healthy(False)
-        self._outage_since = time.monotonic()
-        self.scheduler.reset()   # they resume by recompute when it is back
-
-    async def _loop_failed(self, exc: Exception) -> None:
-        """An unexpected error in the loop (a bug) must not leave every request waiting with
-        health SERVING: the requests in flight fail with INTERNAL (they may have hit the bug),
-        the step streams close (the workers forget their sequences) and the loop reconnects
-        from an empty state, as after a data plane outage."""
-        log.error("engine loop failed; failing %d requests: %r", len(self.requests), exc, exc_info=exc)
-        self.fail_all(grpc.StatusCode.INTERNAL, f"internal error in the engine ({type(exc).__name__}); "
-                      "the request was not completed")
-        self._inflight.fail(WorkerError(f"engine loop failed: {exc!r}"))
-        self._set_healthy(False)
-        self.scheduler.reset()
-        await self.workers.close_streams()
-
-    async def _reconnect(self) -> None:
-        """Waits for the workers to come back; requests kept through the outage fail with
-        UNAVAILABLE once it lasts longer than ``outage_deadline_s``, and so does a request
-        that arrives later in the same outage (at the next attempt)."""
-        try:
-            await self.workers.describe(timeout=self.config.reconnect_interval_s * 5)
-            await self.workers.open()
-            self._set_healthy(True)
-            self._outage_since = None
-            log.info("worker group reconnected; resuming %d requests", len(self.requests))
-        except WorkerError:
-            since = self._outage_since
-            if since is not None and time.monotonic() - since > self.config.outage_deadline_s:
-                self.fail_all(grpc.StatusCode.UNAVAILABLE,
-                              f"data plane unavailable for more than {self.config.outage_deadline_s:g}s")
-            await asyncio.sleep(self.config.reconnect_interval_s)
 
     def _wake_requests(self) -> None:
         for request in self._to_wake:

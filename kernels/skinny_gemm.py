@@ -22,10 +22,9 @@ Which tile runs (``Tuner.choose``), in order:
    bucket's list per (bucket, N, K) at the first call of each key (minutes over a model's
    shapes: off by default, so a server starts without timing anything).
 
-Without autotuning a (bucket, shape) costs nothing at start but a compile of its tile, and the
-compiled kernels are shared across shapes (N and K are runtime arguments), so the engine's
-warm-up compiles a handful of tiles. A call inside a graph capture never times (an autotuned
-key not seen eagerly takes the fixed choice): timing would synchronise the device.
+Without autotuning a (bucket, shape) costs a compile of its tile at most, shared across shapes
+(N and K are runtime arguments). A call inside a graph capture never times (an autotuned key
+not seen eagerly takes the fixed choice): timing would synchronise the device.
 
 Split K: where a shape has few output tiles, programs also split K and add their float32
 partial sums into a workspace; the program that finishes a tile last (a per-tile counter,
@@ -70,10 +69,8 @@ def m_bucket(m: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Tile:
     """One candidate launch: BLOCK_M rows x BLOCK_N output columns per program, BLOCK_K of K
-    per step, ``split`` programs along K, and tl.dot (tensor cores) or FMA reductions.
-    ``pipe`` (FMA programs of kernels that have it): the next K tile is loaded into registers
-    before the current one is used and products are summed element-wise, reduced across threads
-    once at the end (twice the bytes in flight a program, no shuffles in the loop)."""
+    per step, ``split`` programs along K, tl.dot (tensor cores) or FMA reductions, and for FMA
+    ``pipe``: the kernel's pipelined program, where it has one (kernels.triton_fp8_linear)."""
 
     block_m: int
     block_n: int
@@ -99,8 +96,8 @@ class Tile:
                    config.num_stages, kw["SPLIT_K"], kw["USE_DOT"], kw.get("PIPE", False))
 
     def as_list(self) -> list:
-        """[BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, dot(, pipe)]: quant_dispatch.json's
-        form (``pipe`` only when set, so tables written before it read the same)."""
+        """[BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, dot(, pipe when set)]: the form
+        of quant_dispatch.json's tiles."""
         return [self.block_m, self.block_n, self.block_k, self.warps, self.stages, self.split,
                 int(self.dot)] + ([1] if self.pipe else [])
 

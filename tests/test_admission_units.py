@@ -8,7 +8,7 @@ import json
 
 from cli.main import build_parser, dataplane_env
 from common import secret_env
-from cli.options import plane_options
+from cli.configs import plane_options
 from common.security import DEFAULT_TENANT, ApiTokens
 from controlplane import limits
 from controlplane.admin import admin_access, is_loopback_address

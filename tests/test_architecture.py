@@ -71,7 +71,8 @@ for package in (common, controlplane):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)
 from cli.main import build_parser, cmd_controlplane, cmd_serve, serve_children_argvs
-from cli.options import default_model, engine_config, plane_options
+from cli.configs import engine_config, plane_options
+from cli.options import default_model
 from controlplane.server import ControlPlane, serve_until_signal
 
 # the control plane's whole set-up: options, the embedded model, its server (bound, then stopped)

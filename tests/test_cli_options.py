@@ -13,7 +13,7 @@ import re
 import pytest
 
 from cli.main import CONTROL_PLANE_WORKER_OPTIONS, build_parser, serve_children_argvs
-from cli.options import engine_config
+from cli.configs import engine_config
 from common import grpc_options
 from common.options import (
     DEVICE,

@@ -70,7 +70,7 @@ def test_a_dead_child_is_restarted_alone_and_a_usage_error_is_fatal():
 
 
 def test_serve_gives_the_core_link_a_fresh_secret_by_environment_and_forwards_its_tls(monkeypatch, certs):
-    from cli.options import core_link_options
+    from cli.configs import core_link_options
     from cli.processes import prepare_core_link
 
     for name in secret_env.SECRET_VARS:

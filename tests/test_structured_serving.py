@@ -148,7 +148,7 @@ def test_headrace_generate_takes_a_constraint(planes, tmp_path):
 def test_a_named_backend_that_is_missing_stops_the_command(monkeypatch):
     import argparse
 
-    from cli.options import check_structured_outputs_backend
+    from cli.configs import check_structured_outputs_backend
 
     monkeypatch.setattr(backends, "installed", lambda name: False)
     with pytest.raises(SystemExit, match=r"xgrammar is not installed; pip install 'headrace\[xgrammar\]'"):
