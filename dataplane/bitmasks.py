@@ -3,9 +3,11 @@ sequence, as the control plane computed it from the sequence's grammar; one per 
 position for a sequence verifying checked drafts) becomes the arrays the sampler applies on the
 device: ``s_mask_bits`` [rows, words] int32 and ``s_mask_rows``, each bitmask row's index among
 the step's sampling rows. Sequences the step does not sample (left out because they stopped)
-are skipped; a malformed message is a ``BatchError``. The rows are read where the message
-holds them (a read-only view; the upload to the device is their one copy). ``checked_drafts`` reads the drafts the
-control plane checked against the grammars (``StepRequest.checked_drafts``)."""
+are skipped; a malformed message is a ``BatchError``. The plain form's rows are read where the
+message holds them (a read-only view; the upload to the device is their one copy); the shared
+form (``mask_of``: each distinct mask once, a sparse one as its allowed token ids) is unpacked
+into the rows kept. ``checked_drafts`` reads the drafts the control plane checked against the
+grammars (``StepRequest.checked_drafts``)."""
 
 from __future__ import annotations
 
@@ -20,12 +22,8 @@ def arrays(bitmask: pb.TokenBitmask, sample_seq_ids: np.ndarray, num_drafts: np.
     """``sample_seq_ids``: the sequence of each sampling row's group, in step order;
     ``num_drafts``: a verify's drafts per group (each group then has 1 + drafts rows); a
     sequence's bitmask rows go to its group's rows in order."""
-    words = (vocab_size + 31) // 32
     ids = np.asarray(bitmask.seq_ids, dtype=np.int64)
-    bits = np.frombuffer(bitmask.bits, dtype="<i4")
-    if bits.size != len(ids) * words or len(bitmask.bits) % 4:
-        raise BatchError(f"bitmask: {len(bitmask.bits)} bytes for {len(ids)} rows of {words} int32 "
-                         f"words (vocabulary {vocab_size})")
+    table = rows_of(bitmask, vocab_size)
     sizes = np.ones(len(sample_seq_ids), np.int64) if num_drafts is None else num_drafts + 1
     group = {int(s): [int(f), int(n)] for s, f, n in zip(sample_seq_ids, np.cumsum(sizes) - sizes, sizes)}
     keep, rows = [], []
@@ -35,10 +33,52 @@ def arrays(bitmask: pb.TokenBitmask, sample_seq_ids: np.ndarray, num_drafts: np.
             keep.append(i)
             rows.append(g[0])
             g[0], g[1] = g[0] + 1, g[1] - 1
-    table = bits.reshape(len(ids), words)
-    if len(keep) != len(ids):   # (all kept: the message's own bytes, uncopied; the upload copies)
+    if len(keep) != len(ids):   # (all kept, plain form: the message's own bytes, uncopied)
         table = table[keep]
     return {"s_mask_bits": table, "s_mask_rows": np.asarray(rows, dtype=np.int64)}
+
+
+def rows_of(bitmask: pb.TokenBitmask, vocab_size: int) -> np.ndarray:
+    """Every entry's packed row ([len(seq_ids), words] int32): in the plain form a read-only
+    view of the message's bytes, in the shared form unpacked from its distinct masks."""
+    words, num_rows = (vocab_size + 31) // 32, len(bitmask.seq_ids)
+    if bitmask.mask_of:
+        masks, mask_of = _masks(bitmask, words, num_rows)
+        return masks[mask_of]
+    bits = np.frombuffer(bitmask.bits, dtype="<i4")
+    if bits.size != num_rows * words or len(bitmask.bits) % 4:
+        raise BatchError(f"bitmask: {len(bitmask.bits)} bytes for {num_rows} rows of {words} int32 "
+                         f"words (vocabulary {vocab_size})")
+    return bits.reshape(num_rows, words)
+
+
+def _masks(bitmask: pb.TokenBitmask, words: int, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The shared form's distinct masks, packed ([masks, words] int32), and each row's index."""
+    mask_of = np.asarray(bitmask.mask_of, dtype=np.int64)
+    counts = np.asarray(bitmask.allowed_counts, dtype=np.int64)
+    dense = int((counts < 0).sum())
+    listed = int(counts[counts >= 0].sum())
+    if len(mask_of) != num_rows or (mask_of >= len(counts)).any():
+        raise BatchError(f"bitmask: mask_of has {len(mask_of)} entries for {num_rows} rows and must "
+                         f"index its {len(counts)} masks")
+    if len(bitmask.bits) != dense * words * 4 or len(bitmask.allowed_ids) != listed * 4:
+        raise BatchError(f"bitmask: {len(bitmask.bits)} bytes of packed masks and {len(bitmask.allowed_ids)} "
+                         f"of token ids for {dense} packed masks of {words} words and {listed} ids")
+    allowed = np.frombuffer(bitmask.allowed_ids, dtype="<u4")
+    if allowed.size and int(allowed.max()) >= words * 32:
+        raise BatchError(f"bitmask: token id {int(allowed.max())} beyond {words} words")
+    masks = np.empty((len(counts), words), dtype="<i4")
+    packed = np.frombuffer(bitmask.bits, dtype="<i4").reshape(dense, words)
+    d = pos = 0
+    for j, k in enumerate(counts.tolist()):
+        if k < 0:
+            masks[j], d = packed[d], d + 1
+            continue
+        flags = np.zeros(words * 32, dtype=np.uint8)
+        flags[allowed[pos:pos + k]] = 1
+        masks[j] = np.packbits(flags, bitorder="little").view("<i4")
+        pos += k
+    return masks, mask_of
 
 
 def checked_drafts(step: pb.StepRequest, rows: dict[int, int]) -> dict[int, np.ndarray]:

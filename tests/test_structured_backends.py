@@ -237,7 +237,9 @@ def test_drafts_are_cut_at_the_first_token_the_grammar_rejects(tokenizer):
     drafts = {5: digit}
     msg = outputs.bitmask([seq], drafts)
     assert list(msg.seq_ids) == [5, 5, 5] and drafts == {5: digit[:2]}   # '1', '2' kept; 'a' cut
-    rows = np.frombuffer(msg.bits, dtype="<i4").reshape(3, -1)
+    from dataplane.bitmasks import rows_of
+
+    rows = rows_of(msg, VOCAB)
     for row in rows:   # each position allows digits only
         bits = np.unpackbits(row.view(np.uint8), bitorder="little")
         assert bits[digit[0]] and bits[digit[3]] and not bits[digit[2]]

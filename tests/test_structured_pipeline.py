@@ -120,11 +120,11 @@ def test_bitmask_rows_are_reused_and_written_into_the_message():
     outputs.bitmask([_seq(1), _seq(2, status=Status.FINISHED)], None, first.bitmask)
     buffer = outputs._rows
     assert list(first.bitmask.seq_ids) == [1, 2]
-    assert np.frombuffer(first.bitmask.bits, "<i4").tolist() == [5, 5, 5, -1, -1, -1]   # finished: all ones
+    assert bitmasks.rows_of(first.bitmask, 96).tolist() == [[5, 5, 5], [-1, -1, -1]]   # finished: all ones
     second = outputs.bitmask([_seq(3)])
     assert outputs._rows is buffer   # no fresh memory for the next step
     assert np.frombuffer(second.bits, "<i4").tolist() == [5, 5, 5]
-    assert np.frombuffer(first.bitmask.bits, "<i4").tolist() == [5, 5, 5, -1, -1, -1]   # a copy went out
+    assert bitmasks.rows_of(first.bitmask, 96).tolist() == [[5, 5, 5], [-1, -1, -1]]   # a copy went out
     outputs.compiler.shutdown()
 
 

@@ -1,7 +1,8 @@
 """Structured outputs in the engine: a constrained request's grammar is compiled (off the
 loop, ``compiler``) before its sequences reach the scheduler, each sequence gets its own
 matcher, the matcher consumes every token folded into its sequence, and each step carries
-the packed bitmasks of its constrained rows that sample (``StepMasks``).
+the packed bitmasks of its constrained rows that sample (``StepMasks``; on the wire each distinct
+mask once, ``shared_masks``).
 
 Overlapped scheduling: step N+1 is sent before step N's tokens are known, and a constrained
 row's bitmask for N+1 depends on its token of step N. Such a step goes out with
@@ -39,7 +40,7 @@ import numpy as np
 from common.ngram import ngram_propose
 from controlplane.request import Failure, Request, Sequence, Status
 from controlplane.step import ScheduledStep
-from controlplane.structured import backends
+from controlplane.structured import backends, shared_masks
 from controlplane.structured.compiler import GrammarCompiler
 from controlplane.structured.spec import ConstraintError
 from headrace.dataplane.v1 import worker_pb2 as wpb
@@ -215,7 +216,7 @@ class StructuredOutputs:
             self.compiler.backend.fill_rows([m for _, m in live], rows, [i for i, _ in live])
         if not drafts:
             out.seq_ids.extend(s.seq_id for s in seqs)
-            out.bits = rows.tobytes()
+            shared_masks.pack(rows, out)
             return out
         ids, parts = [], []
         for i, seq in enumerate(seqs):
@@ -225,7 +226,7 @@ class StructuredOutputs:
             ids += [seq.seq_id] * (1 + len(extra))
             parts += [rows[i:i + 1]] + extra
         out.seq_ids.extend(ids)
-        out.bits = np.concatenate(parts).tobytes()
+        shared_masks.pack(np.concatenate(parts), out)
         return out
 
     def _draft_rows(self, matcher, row: np.ndarray, drafts: list[int]) -> list[np.ndarray]:

@@ -192,12 +192,18 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_seq_ids: _Optional[_Iterable[int]] = ..., running_num_scheduled: _Optional[_Iterable[int]] = ..., running_new_block_counts: _Optional[_Iterable[int]] = ..., running_new_block_ids: _Optional[_Iterable[int]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., flush: _Optional[bool] = ..., running_num_spec: _Optional[_Iterable[int]] = ..., truncate_seq_ids: _Optional[_Iterable[int]] = ..., truncate_num_blocks: _Optional[_Iterable[int]] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., bitmask_follows: _Optional[bool] = ..., late_bitmask: _Optional[bool] = ..., checked_draft_seq_ids: _Optional[_Iterable[int]] = ..., checked_draft_counts: _Optional[_Iterable[int]] = ..., checked_drafts: _Optional[_Iterable[int]] = ..., profile: _Optional[_Union[ProfileCommand, _Mapping]] = ...) -> None: ...
 
 class TokenBitmask(_message.Message):
-    __slots__ = ("seq_ids", "bits")
+    __slots__ = ("seq_ids", "bits", "mask_of", "allowed_counts", "allowed_ids")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     BITS_FIELD_NUMBER: _ClassVar[int]
+    MASK_OF_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     bits: bytes
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., bits: _Optional[bytes] = ...) -> None: ...
+    mask_of: _containers.RepeatedScalarFieldContainer[int]
+    allowed_counts: _containers.RepeatedScalarFieldContainer[int]
+    allowed_ids: bytes
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., bits: _Optional[bytes] = ..., mask_of: _Optional[_Iterable[int]] = ..., allowed_counts: _Optional[_Iterable[int]] = ..., allowed_ids: _Optional[bytes] = ...) -> None: ...
 
 class ProfileCommand(_message.Message):
     __slots__ = ("dir", "num_steps", "name", "stop")

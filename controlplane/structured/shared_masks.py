@@ -1,0 +1,80 @@
+"""A step's bitmask rows on the wire: ``TokenBitmask``'s shared form (worker.proto).
+
+Why: one packed row of a 151,936-token vocabulary is 19 KB, and a step of 64 constrained rows
+was 1.2 MB through gRPC, which costs ~2 ms a message on this repository's 2-core machine
+(``bench/mask_wire_bench.py``: 0.3 ms for 19 KB) and sat on the critical path of every
+constrained step (the worker samples when the bitmasks arrive). Rows of one schema in one
+grammar state are equal (a batch of one JSON schema has a handful of distinct masks a step),
+and a state inside a bounded string or a number allows a few hundred tokens: the distinct
+masks are sent once each, a sparse one as its allowed token ids.
+
+``pack`` writes the shared form when it is shorter; the plain form (one dense row per entry)
+stays for a single row, where the message's size does not change its round trip."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from headrace.dataplane.v1 import worker_pb2 as wpb
+
+_HAS_BITWISE_COUNT = hasattr(np, "bitwise_count")   # numpy >= 2.0
+
+
+def _allowed_counts(rows: np.ndarray) -> np.ndarray:
+    """How many tokens each packed row allows."""
+    if _HAS_BITWISE_COUNT:
+        return np.bitwise_count(rows.view(np.uint32)).sum(axis=1, dtype=np.int64)
+    return np.unpackbits(rows.view(np.uint8), axis=1).sum(axis=1, dtype=np.int64)
+
+
+def _distinct(rows: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """(index of each row's mask, the row that first holds each mask). Rows are grouped by
+    their words' sum, and each is compared in full with its group's first (a sum is no proof
+    of equality); groups whose rows are not all equal are split row by row."""
+    sums = rows.sum(axis=1, dtype=np.int64)
+    _, first, group = np.unique(sums, return_index=True, return_inverse=True)
+    group = group.reshape(-1)
+    if len(first) == len(rows):   # all sums differ: so do the rows
+        return np.arange(len(rows)), list(range(len(rows)))
+    if np.array_equal(rows, rows[first[group]]):
+        order = np.argsort(first)   # masks numbered in the order of their first row
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order))
+        return rank[group], first[order].tolist()
+    firsts: list[int] = []
+    mask_of = np.empty(len(rows), dtype=np.int64)
+    for i in range(len(rows)):
+        for j, f in enumerate(firsts):
+            if sums[f] == sums[i] and np.array_equal(rows[f], rows[i]):
+                mask_of[i] = j
+                break
+        else:
+            mask_of[i] = len(firsts)
+            firsts.append(i)
+    return mask_of, firsts
+
+
+def _allowed_ids(row: np.ndarray) -> np.ndarray:
+    """The token ids a packed row allows, ascending (only its nonzero words are unpacked)."""
+    nonzero = np.flatnonzero(row)
+    flags = np.unpackbits(row[nonzero].view(np.uint8), bitorder="little").reshape(-1, 32)
+    return (nonzero[:, None] * 32 + np.arange(32))[flags.astype(bool)]
+
+
+def pack(rows: np.ndarray, out: wpb.TokenBitmask) -> None:
+    """Writes ``rows`` ([n, words] int32, one per entry of ``out.seq_ids``) into ``out``: the
+    shared form for several rows, the plain form for one."""
+    if len(rows) < 2:
+        out.bits = rows.tobytes()
+        return
+    mask_of, first = _distinct(rows)
+    masks = rows if len(first) == len(rows) else rows[first]
+    counts = _allowed_counts(masks)
+    listed = counts < rows.shape[1]   # the list is shorter than the packed row
+    counts[~listed] = -1
+    out.mask_of.extend(mask_of.tolist())
+    out.allowed_counts.extend(counts.tolist())
+    out.bits = (masks[~listed] if listed.any() else masks).tobytes()
+    if listed.any():
+        out.allowed_ids = np.concatenate([_allowed_ids(masks[j]) for j in np.flatnonzero(listed)]
+                                         ).astype("<u4").tobytes()

@@ -1,0 +1,85 @@
+"""controlplane/structured/shared_masks.py with dataplane/bitmasks.py: a step's bitmask rows
+cross in TokenBitmask's shared form (each distinct mask once, sparse ones as token ids) and the
+worker reads back exactly the rows the control plane filled; a malformed shared form is a
+BatchError, never a wrong mask."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from controlplane.structured import shared_masks
+from dataplane import bitmasks
+from dataplane.input_batch import BatchError
+from headrace.dataplane.v1 import worker_pb2 as wpb
+
+VOCAB = 151_936                 # Qwen's: 4,748 words a row
+WORDS = (VOCAB + 31) // 32
+
+
+def _mask(allowed) -> np.ndarray:
+    flags = np.zeros(WORDS * 32, dtype=np.uint8)
+    flags[list(allowed)] = 1
+    return np.packbits(flags, bitorder="little").view("<i4")
+
+
+def _wire(rows: np.ndarray) -> wpb.TokenBitmask:
+    msg = wpb.TokenBitmask(seq_ids=range(100, 100 + len(rows)))
+    shared_masks.pack(rows, msg)
+    return wpb.TokenBitmask.FromString(msg.SerializeToString())
+
+
+def test_a_batch_of_one_schema_crosses_as_its_distinct_masks():
+    key, digits, anything = _mask({7}), _mask(range(300, 310)), np.full(WORDS, -1, dtype="<i4")
+    rows = np.stack([key, digits, key, anything, digits, key] * 10)
+    msg = _wire(rows)
+    assert list(msg.mask_of[:6]) == [0, 1, 0, 2, 1, 0] and list(msg.allowed_counts) == [1, 10, -1]
+    assert len(msg.bits) == WORDS * 4 and msg.ByteSize() < 2 * WORDS * 4   # 60 rows: 1.2 MB plain
+    out = bitmasks.arrays(msg, np.arange(100, 160), None, VOCAB)
+    assert np.array_equal(out["s_mask_bits"], rows) and out["s_mask_rows"].tolist() == list(range(60))
+
+
+def test_one_row_keeps_the_plain_form():
+    msg = _wire(_mask({1, 2})[None])
+    assert not msg.mask_of and len(msg.bits) == WORDS * 4
+
+
+def test_rows_with_equal_sums_but_different_bits_stay_apart():
+    a = _mask({0})                    # words [1, 0, ...]
+    b = a.copy()
+    b[0], b[1] = 0, 1                 # token 32: the same sum of words
+    rows = np.stack([a, b, a, b])
+    msg = _wire(rows)
+    assert len(set(msg.mask_of)) == 2
+    assert np.array_equal(bitmasks.rows_of(msg, VOCAB), rows)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from(range(5)), min_size=2, max_size=24), st.integers(0, 2 ** 32 - 1),
+       st.lists(st.integers(0, 3), min_size=1, max_size=6))
+def test_the_worker_reads_back_exactly_the_rows_sent(choice, seed, keep):
+    rng = np.random.default_rng(seed)
+    palette = [_mask(rng.choice(VOCAB, k, replace=False)) for k in (0, 3, 500, WORDS + 1)]
+    palette.append(rng.integers(-2 ** 31, 2 ** 31 - 1, WORDS).astype("<i4"))   # dense noise
+    rows = np.stack([palette[c] for c in choice])
+    msg = _wire(rows)
+    assert np.array_equal(bitmasks.rows_of(msg, VOCAB), rows)
+    sampled = np.array(sorted({100 + k % len(rows) for k in keep}))   # some rows do not sample
+    out = bitmasks.arrays(msg, sampled, None, VOCAB)
+    assert np.array_equal(out["s_mask_bits"], rows[sampled - 100])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda m: m.mask_of.append(0), "mask_of has 3 entries for 2 rows"),
+    (lambda m: m.mask_of.__setitem__(1, 5), "must index its"),
+    (lambda m: setattr(m, "allowed_ids", m.allowed_ids[:-4]), "of token ids"),
+    (lambda m: setattr(m, "bits", m.bits + b"\0\0\0\0"), "bytes of packed masks"),
+    (lambda m: setattr(m, "allowed_ids", np.array([WORDS * 32, 1], "<u4").tobytes()), "beyond"),
+])
+def test_a_malformed_shared_form_is_a_batch_error(change, message):
+    msg = _wire(np.stack([_mask({4, 9}), np.full(WORDS, -1, dtype="<i4")]))
+    change(msg)
+    with pytest.raises(BatchError, match=message):
+        bitmasks.arrays(msg, np.array([100, 101]), None, VOCAB)
