@@ -99,6 +99,11 @@ class InFlightSteps:
         msg = wpb.StepRequest(step_id=step_id, late_bitmask=True)
         masks.fill(msg.bitmask)
         await self.workers.send(msg)
+        # One loop turn: the stream's writer (gRPC's task) takes the bitmasks now, before the
+        # next step is scheduled. The worker samples when they arrive and sends the token that
+        # the next bitmasks need, while the next step only feeds a forward pass (that waits
+        # for this sampling on the device anyway).
+        await asyncio.sleep(0)
         return True
 
     async def _ask(self) -> None:
