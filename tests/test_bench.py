@@ -19,7 +19,7 @@ BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_
            "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream",
            "draft_acceptance", "profile_summary", "chunking_sim", "gpu_table", "tier_bench", "tier_targets",
            "step_host", "structured_bench", "fp8_kv_attention", "unified_attention", "placement_sim",
-           "dp_bench"]
+           "dp_bench", "mask_wire_bench"]
 SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token", "w5_report"]   # imported, not run
 
 
@@ -346,3 +346,21 @@ def test_structured_bench_runs_end_to_end_on_a_cpu_with_tiny_sizes(tmp_path):
         min(m, 6) for _, m, _ in __import__("bench.serving_bench").serving_bench.w1_requests()[:3])
     table = out.stdout[out.stdout.index("| measurement |"):]
     assert "ITL batch 1:" in table and "ITL batch 2:" in table and table.rstrip().splitlines()[-1].startswith("| W1")
+
+
+def test_mask_wire_bench_runs_on_a_cpu_with_tiny_sizes(tmp_path):
+    """mask_wire_bench on a tiny byte-level checkpoint: both forms of the same rows cross the
+    stream (the shared form unpacks to the rows, asserted inside), and the shared one is the
+    smaller."""
+    pytest.importorskip("llguidance")
+    model = tmp_path / "qwen3-bl"
+    make = subprocess.run([sys.executable, "-m", "bench.random_checkpoint", "qwen3-micro", str(model),
+                           "--tokenizer", "bytelevel", "--vocab-size", "8192"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert make.returncode == 0, make.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-m", "bench.mask_wire_bench", "--model", str(model), "--rows", "8",
+                          "--walk", "6", "--repeats", "5"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("{")))
+    assert row["rows"] == 8 and row["vocab"] == 8192 and 1 <= row["distinct_masks"] <= 8
+    assert row["shared_bytes"] < row["plain_bytes"] and set(row["round_trip_ms"]) == {"empty", "plain", "shared"}
