@@ -114,13 +114,30 @@ def test_fill_rows_fills_each_matchers_row_and_leaves_the_rest(backend):
 @given(st.lists(st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), min_size=1,
                         max_size=8), min_size=1, max_size=5, unique=True))
 def test_a_choice_allows_each_of_its_strings(choices):
-    """Any strings (quotes, backslashes, unicode) make a choice grammar that accepts each."""
+    """Any strings (quotes, backslashes, unicode) make a choice grammar that accepts each: the
+    grammar takes the tokenizer's own ids, and its masks let a sampler spell every string.
+    (Not necessarily in the tokenizer's ids: llguidance >= 1.9 masks out some non-canonical
+    splits, e.g. "'" then "s" after "¡" where the vocabulary holds "'s".)"""
     tok = ModelTokenizer(MODEL)
+    token_bytes = _backend("guidance").tokenizer.decode_bytes
     for name in NAMES:
         compiled = _backend(name).compile(Constraint("choice", json.dumps(choices)))
         for c in choices:
             m = compiled.matcher()
-            assert walk(m, tok.encode(c, add_special_tokens=False)), (name, c)
+            assert all(m.accept(t) for t in tok.encode(c, add_special_tokens=False)), (name, c)
+            assert spells(compiled, token_bytes, c.encode()), (name, c)
+
+
+def spells(compiled, token_bytes, rest: bytes, ids: tuple[int, ...] = ()) -> bool:
+    """Whether tokens each allowed by the mask before it spell ``rest`` after ``ids`` (depth
+    first, longest token first)."""
+    if not rest:
+        return True
+    m = compiled.matcher()
+    for t in ids:
+        m.accept(t)
+    fits = [(len(b), t) for t in allowed(m) if (b := token_bytes([t])) and rest.startswith(b)]
+    return any(spells(compiled, token_bytes, rest[n:], ids + (t,)) for n, t in sorted(fits, reverse=True))
 
 
 _LOADED: dict = {}
