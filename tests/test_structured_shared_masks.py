@@ -25,25 +25,29 @@ def _mask(allowed) -> np.ndarray:
     return np.packbits(flags, bitorder="little").view("<i4")
 
 
-def _wire(rows: np.ndarray) -> wpb.TokenBitmask:
+def _wire(rows: np.ndarray, shared_from: int = 0) -> wpb.TokenBitmask:
     msg = wpb.TokenBitmask(seq_ids=range(100, 100 + len(rows)))
-    shared_masks.pack(rows, msg)
+    shared_masks.pack(rows, msg, shared_from)
     return wpb.TokenBitmask.FromString(msg.SerializeToString())
 
 
 def test_a_batch_of_one_schema_crosses_as_its_distinct_masks():
     key, digits, anything = _mask({7}), _mask(range(300, 310)), np.full(WORDS, -1, dtype="<i4")
     rows = np.stack([key, digits, key, anything, digits, key] * 10)
-    msg = _wire(rows)
+    msg = _wire(rows, shared_masks.SHARED_FROM_BYTES)   # 1.1 MB: the engine sends it shared
     assert list(msg.mask_of[:6]) == [0, 1, 0, 2, 1, 0] and list(msg.allowed_counts) == [1, 10, -1]
     assert len(msg.bits) == WORDS * 4 and msg.ByteSize() < 2 * WORDS * 4   # 60 rows: 1.2 MB plain
     out = bitmasks.arrays(msg, np.arange(100, 160), None, VOCAB)
     assert np.array_equal(out["s_mask_bits"], rows) and out["s_mask_rows"].tolist() == list(range(60))
 
 
-def test_one_row_keeps_the_plain_form():
+def test_one_row_and_small_steps_keep_the_plain_form():
     msg = _wire(_mask({1, 2})[None])
     assert not msg.mask_of and len(msg.bits) == WORDS * 4
+    rows = np.stack([_mask({1, 2})] * 6)              # 114 KB: under the engine's threshold
+    msg = _wire(rows, shared_masks.SHARED_FROM_BYTES)
+    assert not msg.mask_of and len(msg.bits) == rows.nbytes
+    assert np.array_equal(bitmasks.rows_of(msg, VOCAB), rows)
 
 
 def test_rows_with_equal_sums_but_different_bits_stay_apart():
