@@ -1,8 +1,8 @@
 """A step's bitmask rows on the wire: ``TokenBitmask``'s shared form (worker.proto).
 
 Why: one packed row of a 151,936-token vocabulary is 19 KB, and a step of 64 constrained rows
-was 1.2 MB through gRPC, which costs ~2 ms a message on this repository's 2-core machine
-(``bench/mask_wire_bench.py``: 0.3 ms for 19 KB) and sat on the critical path of every
+was 1.2 MB through gRPC: 1.25-1.34 ms round trip on this repository's 2-core machine against
+0.4-0.5 ms for an empty step (``bench/mask_wire_bench.py``), on the critical path of every
 constrained step (the worker samples when the bitmasks arrive). Rows of one schema in one
 grammar state are equal (a batch of one JSON schema has a handful of distinct masks a step),
 and a state inside a bounded string or a number allows a few hundred tokens: the distinct
