@@ -19,7 +19,7 @@ BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_
            "attention_backends", "w5_bench", "core_overhead", "null_worker", "core_stream",
            "draft_acceptance", "profile_summary", "chunking_sim", "gpu_table", "tier_bench", "tier_targets",
            "step_host", "structured_bench", "fp8_kv_attention", "unified_attention", "placement_sim",
-           "dp_bench", "mask_wire_bench"]
+           "dp_bench", "mask_wire_bench", "emulated_worker"]
 SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token", "w5_report"]   # imported, not run
 
 
@@ -364,3 +364,37 @@ def test_mask_wire_bench_runs_on_a_cpu_with_tiny_sizes(tmp_path):
     row = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("{")))
     assert row["rows"] == 8 and row["vocab"] == 8192 and 1 <= row["distinct_masks"] <= 8
     assert row["shared_bytes"] < row["plain_bytes"] and set(row["round_trip_ms"]) == {"empty", "plain", "shared"}
+
+
+def test_emulated_worker_keeps_the_step_protocol_and_the_device_timeline():
+    """bench/emulated_worker.py under the worker's own StepPipeline: an inline bitmask and a
+    late one each constrain the sampled token, a step waiting for its bitmasks gets no answer
+    until they come, and a step's answer waits for its forward pass and sampling."""
+    import time as _time
+
+    import numpy as np
+
+    from bench.emulated_worker import EmulatedRunner
+    from dataplane.pipeline import StepPipeline
+    from headrace.dataplane.v1 import worker_pb2 as wpb
+
+    vocab, words = 1024, 32
+
+    def mask(*allowed):
+        flags = np.zeros(words * 32, dtype=np.uint8)
+        flags[list(allowed)] = 1
+        return wpb.TokenBitmask(seq_ids=[1], bits=np.packbits(flags, bitorder="little").tobytes())
+
+    pipe = StepPipeline(EmulatedRunner(vocab, forward_ms=100, per_seq_ms=0, sample_ms=5, launch_ms=0))
+    first = wpb.StepRequest(step_id=1, bitmask=mask(700))
+    first.new_seqs.add(seq_id=1, prompt_token_ids=[5, 6, 7], block_ids=[0], num_scheduled_tokens=3)
+    t0 = _time.monotonic()
+    assert pipe.submit(first) == []                       # held back: the next step is launched first
+    follows = wpb.StepRequest(step_id=2, running_seq_ids=[1], running_num_scheduled=[1], bitmask_follows=True)
+    (answer,) = pipe.submit(follows)
+    assert list(answer.token_ids) == [700] and _time.monotonic() - t0 >= 0.105   # forward + sampling
+    # (step 2's forward pass runs until ~0.205 s: the late bitmasks come before it ends)
+    assert pipe.submit(wpb.StepRequest(step_id=2, late_bitmask=True, bitmask=mask(33, 901))) == []
+    (late,) = pipe.drain()
+    assert late.step_id == 2 and late.token_ids[0] in (33, 901)
+    assert _time.monotonic() - t0 >= 0.210                # two forward passes and two samplings, in turn
