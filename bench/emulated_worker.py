@@ -19,14 +19,11 @@ What it answers: how much of a constrained step's latency is the control plane's
 from __future__ import annotations
 
 import argparse
-import signal
-import threading
 import time
-from concurrent import futures
 
-import grpc
 import numpy as np
 
+from bench.null_worker import serve
 from dataplane import bitmasks
 from dataplane.pipeline import StepPipeline
 from headrace.dataplane.v1 import worker_pb2 as wpb
@@ -171,18 +168,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     args = ap.parse_args()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
+    serve(EmulatedWorker(args), args.listen, options=[
         ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)])
-    wpb_grpc.add_WorkerServicer_to_server(EmulatedWorker(args), server)
-    if server.add_insecure_port(args.listen) == 0:
-        raise SystemExit(f"cannot bind {args.listen}")
-    server.start()
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    server.stop(0)
-
 
 if __name__ == "__main__":
     main()

@@ -79,19 +79,22 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=0.0, help="each step takes this long (sleeping)")
     ap.add_argument("--steps-file", default=None, help="where the count of steps is kept")
     args = ap.parse_args()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    wpb_grpc.add_WorkerServicer_to_server(
-        NullWorker(args.num_kv_blocks, args.block_size, args.max_num_seqs, args.steps_file,
-                   args.step_ms), server)
-    if server.add_insecure_port(args.listen) == 0:
-        raise SystemExit(f"cannot bind {args.listen}")
+    serve(NullWorker(args.num_kv_blocks, args.block_size, args.max_num_seqs, args.steps_file,
+                     args.step_ms), args.listen)
+
+
+def serve(servicer: wpb_grpc.WorkerServicer, listen: str, options: list | None = None) -> None:
+    """Serves ``servicer``'s step protocol on ``listen`` until SIGINT or SIGTERM."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
+    wpb_grpc.add_WorkerServicer_to_server(servicer, server)
+    if server.add_insecure_port(listen) == 0:
+        raise SystemExit(f"cannot bind {listen}")
     server.start()
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     server.stop(0)
-
 
 if __name__ == "__main__":
     main()
