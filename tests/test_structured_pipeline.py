@@ -92,6 +92,38 @@ def test_a_late_bitmask_is_followed_by_the_next_step_before_the_news():
     asyncio.run(main())
 
 
+def test_late_bitmasks_are_taken_by_the_writer_before_the_next_step_is_scheduled():
+    """gRPC's writer is a task of the engine's loop: a late bitmask queued for it goes out
+    only when the loop turns. The engine turns it before scheduling the next step (the
+    worker samples on the bitmasks' arrival; the next step only feeds a forward pass)."""
+    async def main():
+        workers = MaskWorkers(num_blocks=32, block_size=4, step_s=0.002)
+        send = workers.send
+
+        async def send_then_write(msg):   # the writer takes the message at the next loop turn
+            await send(msg)
+            if msg.late_bitmask:
+                asyncio.get_running_loop().call_soon(workers.log.append, ("written", msg.step_id))
+        workers.send = send_then_write
+        engine = await _engine(workers)
+        schedule = engine.scheduler.schedule
+
+        def logged_schedule(*args, **kwargs):
+            workers.log.append(("schedule",))
+            return schedule(*args, **kwargs)
+        engine.scheduler.schedule = logged_schedule
+        req = _constrained(engine, max_tokens=8)
+        engine.submit(req)
+        await _until(lambda: req.finished)
+        lates = [i for i, m in enumerate(workers.log) if m[0] == "late"]
+        assert len(lates) >= 4
+        for i in lates[:-1]:
+            after = [m[0] for m in workers.log[i + 1:]]
+            assert after.index("written") < after.index("schedule"), workers.log
+        await engine.stop()
+    asyncio.run(main())
+
+
 def test_without_a_constrained_sequence_running_the_pipeline_keeps_its_depth():
     """A constrained request still compiling (``live`` counts it) does not cut the depth of
     the unconstrained ones running."""
