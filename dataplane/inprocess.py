@@ -67,6 +67,8 @@ class InProcessWorkerGroup:
     async def send(self, step: pb.StepRequest) -> list[pb.StepResult]:
         """Launches ``step`` (on this thread); returns the results that became ready."""
         ready = self._pipeline.submit(step)
+        while self._pipeline.deferred is not None:   # (its answers are out: queued here)
+            ready += self._pipeline.resume()
         self._ready.extend(ready)
         return ready
 

@@ -1,6 +1,6 @@
 """The records of a step between ``ModelRunner.launch`` and ``finish``: what a launched
-step's device work will produce and what its result needs, and a new sequence's sampling
-parameters as the worker keeps them."""
+step's device work will produce and what its result needs, a step prepared ahead of its
+launch, and a new sequence's sampling parameters as the worker keeps them."""
 
 from __future__ import annotations
 
@@ -56,3 +56,16 @@ class Launched:
     def forward_done(self) -> bool:
         """Whether the forward pass has run (always on a CPU, where launching runs it)."""
         return self.logits_ready is None or self.logits_ready.query()
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A step's host half (``ModelRunner.prepare_ahead``): its delta applied, its inputs built
+    and packed into a pinned buffer; launching it queues the device work alone."""
+
+    step: pb.StepRequest
+    launched: Launched
+    delta: object                  # step_delta.StepRows
+    prep: object = None            # input_batch.PreparedBatch; None: no row left to run
+    sampling: object = None        # sampler.SamplingBatch; None: nothing samples
+    packed: object = None          # staging.Packed: the inputs, their transfer not queued

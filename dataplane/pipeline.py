@@ -1,5 +1,6 @@
 """The order in which a worker launches and finishes steps (the step protocol's pipelining):
-``StepPipeline`` holds at most one launched step back while it launches the next."""
+``StepPipeline`` holds at most one launched step back while it launches the next, and at most
+one step that came while a launched step waits for its bitmasks."""
 
 from __future__ import annotations
 
@@ -23,13 +24,23 @@ class StepPipeline:
         self._finish = finish or (lambda step, launched: runner.finish(launched))
         self._launch = launch or runner.launch
         self._pending: tuple[pb.StepRequest, Launched] | None = None
+        self._ahead: pb.StepRequest | None = None   # came while the pending step awaits bitmasks
+        self.deferred: pb.StepRequest | None = None   # to launch once the answers are out (``resume``)
 
     def submit(self, step: pb.StepRequest) -> list[pb.StepResult]:
+        if self.deferred is not None:   # (``resume`` was not called)
+            return self.resume() + self.submit(step)
         if step.late_bitmask:
             return self._late_bitmask(step)
         if self._pending is not None and self._pending[1].awaiting is not None:
-            raise BatchError(f"step {step.step_id} came before the bitmasks step "
-                             f"{self._pending[0].step_id} waits for")
+            if self._ahead is not None:
+                raise BatchError(f"step {step.step_id} came before the bitmasks step "
+                                 f"{self._pending[0].step_id} waits for (step "
+                                 f"{self._ahead.step_id} came already)")
+            self._ahead = step
+            if not self.runner.needs_history(step):   # (else it waits for that step's tokens)
+                self.runner.prepare_ahead(step)
+            return []
         ready = []
         if self._pending is not None and self.runner.needs_history(step):
             ready.append(self._done())
@@ -56,12 +67,25 @@ class StepPipeline:
             raise BatchError(f"late bitmasks for step {msg.step_id}, which waits for none")
         step, launched = self._pending
         self.runner.sample_late(launched, msg)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            if not launched.forward_done():   # launched now, behind this sampling: the device
+                return self.submit(ahead)     # goes on while this step's answer waits for it
+            self.deferred = ahead   # the device waits for the control plane: the answer first
+            return [self._done()]
         if self._answer_now(step, launched) or launched.forward_done():
             return [self._done()]
         return []
 
+    def resume(self) -> list[pb.StepResult]:
+        """Launches the step ``submit`` deferred until its answers were sent (call it then, while
+        ``deferred`` is set); returns the results that became ready."""
+        step, self.deferred = self.deferred, None
+        return self.submit(step) if step is not None else []
+
     def drain(self) -> list[pb.StepResult]:
-        return [self._done()] if self._pending is not None else []
+        ready = self.resume()
+        return ready + [self._done()] if self._pending is not None else ready
 
     def _done(self) -> pb.StepResult:
         (step, launched), self._pending = self._pending, None

@@ -17,7 +17,11 @@ the steps that were sent before the control plane saw that token (one wasted slo
 Structured outputs: a step's constrained rows come with packed token bitmasks
 (``dataplane.bitmasks``), uploaded with the step's inputs and applied to the logits on the
 device before sampling. A step sent with ``bitmask_follows`` is launched up to its logits and
-sampled by ``sample_late`` when its bitmasks arrive (the forward pass runs meanwhile).
+sampled by ``sample_late`` when its bitmasks arrive (the forward pass runs meanwhile). A step
+that comes while they are awaited has its host half done then (``prepare_ahead``: the delta,
+the inputs packed into a pinned buffer); launching it later only queues its device work. So
+a launched step counts its rows' samples (positions, histories, the stop watch) at launch,
+before the next step's delta may give their rows to other sequences.
 
 Under tensor parallelism every rank runs every step; the logits are gathered on every rank,
 rank 0 alone samples and broadcasts the token ids, so every rank's ``last_token`` table (and
@@ -33,10 +37,10 @@ import numpy as np
 import torch
 
 import kernels
-from dataplane import bitmasks, kv_offload, parallel, staging, step_delta
+from dataplane import bitmasks, kv_offload, parallel, staging, step_delta, step_result
 from dataplane.forward import StepForward, step_kind
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
-from dataplane.launched import Launched
+from dataplane.launched import Launched, Prepared
 from dataplane.model import CausalLM
 from dataplane.sampler import SampleOutput, SamplingBatch, device_arrays, sample
 from dataplane.spec_decode import SpecDecoder, Verified, verify
@@ -70,6 +74,7 @@ class ModelRunner:
         self.rank = rank
         self.rng = np.random.default_rng(seed)   # seeds of the unseeded rows' sampling noise
         self._last_done: torch.cuda.Event | None = None
+        self._ahead: Prepared | None = None   # a step's host half, done ahead (``prepare_ahead``)
 
     # The forward's graphs and attention policy, as the worker (and tests) set them.
     graphs = property(lambda self: self.forward.graphs,
@@ -82,6 +87,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forgets every sequence (a new control plane stream starts from nothing)."""
         self.batch.clear()
+        self._ahead = None
 
     def _host_arrays(self, step: pb.StepRequest, prep: PreparedBatch, mode: str, delta: StepRows,
                      sampling: SamplingBatch | None) -> dict[str, np.ndarray]:
@@ -104,15 +110,32 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, step: pb.StepRequest) -> Launched:
         """Enqueues the step's device work (inputs in one upload, forward, sampling, the copy of
-        the sampled ids to the host) without waiting for the device."""
+        the sampled ids to the host) without waiting for the device; its host half is done
+        already when ``prepare_ahead`` had it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.step is not step:
+            raise BatchError(f"step {step.step_id} launched while step {ahead.step.step_id} was prepared")
+        return self._enqueue(ahead or self._prepare(step))
+
+    @torch.inference_mode()
+    def prepare_ahead(self, step: pb.StepRequest) -> None:
+        """The host half of ``launch`` (the delta, the inputs, their packing: everything but
+        device work) for a step that came while the step before waits for its bitmasks: the
+        worker's host is idle then, and once they come ``launch`` only queues this step's
+        device work behind that step's sampling (a constrained step's critical path is the
+        round trip of its token through the control plane, not this host work). The step
+        before has counted its sample already (``_count``), so this one's positions are
+        right."""
+        self._ahead = self._prepare(step)
+
+    def _prepare(self, step: pb.StepRequest) -> Prepared:
         clock = time.perf_counter
         launched = Launched(step.step_id, clock())
         delta = step_delta.apply(self.batch, self.index, step, self.seq_of_row, self.num_blocks,
                                  self.spec is not None)
         kv_offload.check_step(self.host_kv, step)
         if len(delta.rows) == 0:   # every sequence of the step stopped: its block copies still run
-            kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, None))
-            return self._nothing_sampled(step, launched)
+            return Prepared(step, launched, delta)
         batch, rows = self.batch, delta.rows
         drafts = self.spec.propose(batch, rows, delta.spec, bitmasks.checked_drafts(step, batch.rows)) \
             if delta.spec.any() else None
@@ -131,30 +154,39 @@ class ModelRunner:
             launched.token_rows, launched.token_pos = sample_rows, batch.num_tokens[sample_rows].copy()
         launched.kind, launched.graph = step_kind(prep), self.forward.mode(prep)
         host = self._host_arrays(step, prep, launched.graph, delta, sampling)
-        if sampling is not None and self.rank == 0 and step.HasField("bitmask"):
-            host.update(self._bitmask_arrays(step.bitmask, prep))
-        dev = self.stager.upload(host)
-        t_build = clock()
+        if sampling is not None:
+            self._count(launched, sample_rows)
+            if self.rank == 0 and step.HasField("bitmask"):
+                host.update(self._bitmask_arrays(step.bitmask, launched, prep))
+        packed = self.stager.pack(host)
+        launched.host_ms.update(apply=(t_apply - launched.started) * 1e3, build=(clock() - t_apply) * 1e3)
+        return Prepared(step, launched, delta, prep, sampling, packed)
+
+    def _enqueue(self, p: Prepared) -> Launched:
+        step, launched, prep = p.step, p.launched, p.prep
+        if prep is None:   # no row left: only the step's block copies
+            kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, None))
+            return self._nothing_sampled(step, launched)
+        t_enqueue = time.perf_counter()
+        dev = self.stager.copy(p.packed)
         if self.device.type == "cuda":   # after the upload is queued: host packing is not device time
             launched.begin, launched.previous = torch.cuda.Event(enable_timing=True), self._last_done
             launched.begin.record()
-        if delta.new_rows:
+        if p.delta.new_rows:
             self.last_token[dev["new_rows"]] = dev["new_last"]
         kv_offload.apply_step(self.host_kv, self.kv_caches, step, self._copier(step, dev),
                               reads=prep.block_tables)
         logits = self.forward.logits(prep, dev, launched.graph, self.last_token)
-        t_forward = clock()
-        launched.host_ms.update(apply=(t_apply - launched.started) * 1e3, build=(t_build - t_apply) * 1e3,
-                                forward=(t_forward - t_build) * 1e3)
-        if sampling is None:   # a step of prefill chunks only: KV written, nothing sampled
+        launched.host_ms["forward"] = (time.perf_counter() - t_enqueue) * 1e3
+        if p.sampling is None:   # a step of prefill chunks only: KV written, nothing sampled
             return self._record_done(self._nothing_sampled(step, launched))
         if step.bitmask_follows:   # sampled by ``sample_late``; the forward pass runs meanwhile
-            launched.awaiting = (logits, sampling, dev, prep)
+            launched.awaiting = (logits, p.sampling, dev, prep)
             if self.device.type == "cuda":
                 launched.logits_ready = torch.cuda.Event()
                 launched.logits_ready.record()
             return launched
-        return self._sample_step(launched, logits, sampling, dev, prep.sample_rows)
+        return self._sample_step(launched, logits, p.sampling, dev)
 
     @staticmethod
     def _nothing_sampled(step: pb.StepRequest, launched: Launched) -> Launched:
@@ -165,8 +197,18 @@ class ModelRunner:
             launched.awaiting = ()
         return launched
 
-    def _bitmask_arrays(self, bitmask: pb.TokenBitmask, prep: PreparedBatch) -> dict[str, np.ndarray]:
-        return bitmasks.arrays(bitmask, self.seq_of_row[prep.sample_rows], prep.num_drafts,
+    def _count(self, launched: Launched, sample_rows: np.ndarray) -> None:
+        """The rows that sample count their token now (its value comes later): the sequences,
+        the rows that keep a history, and those that may stop on it."""
+        seq_ids = self.seq_of_row[sample_rows]
+        launched.seq_ids = seq_ids.tolist()
+        keep = self.batch.history_mask(sample_rows)
+        launched.histories = list(zip(np.flatnonzero(keep).tolist(), self.batch.count_sampled(sample_rows)))
+        launched.stop_watch = self.batch.stop_watch(sample_rows, seq_ids)
+
+    def _bitmask_arrays(self, bitmask: pb.TokenBitmask, launched: Launched,
+                        prep: PreparedBatch) -> dict[str, np.ndarray]:
+        return bitmasks.arrays(bitmask, np.asarray(launched.seq_ids, dtype=np.int64), prep.num_drafts,
                                self.model.shard.vocab_size)
 
     @torch.inference_mode()
@@ -180,11 +222,11 @@ class ModelRunner:
             return launched
         logits, sampling, dev, prep = awaiting
         if self.rank == 0:
-            dev = dev | self.stager.upload(self._bitmask_arrays(step.bitmask, prep))
-        return self._sample_step(launched, logits, sampling, dev, prep.sample_rows)
+            dev = dev | self.stager.upload(self._bitmask_arrays(step.bitmask, launched, prep))
+        return self._sample_step(launched, logits, sampling, dev)
 
     def _sample_step(self, launched: Launched, logits: torch.Tensor, sampling: SamplingBatch,
-                     dev: dict[str, torch.Tensor], sample_rows: np.ndarray) -> Launched:
+                     dev: dict[str, torch.Tensor]) -> Launched:
         """Samples the launched step's logits, keeps the ids on the device for the next step
         and queues their copy to the host."""
         t_sample = time.perf_counter()
@@ -201,12 +243,7 @@ class ModelRunner:
         out.start_download()
         launched.sample_ms = (time.perf_counter() - t_sample) * 1e3   # CPU: the sampling itself
         launched.out = out
-        seq_ids = self.seq_of_row[sample_rows]
-        launched.seq_ids = seq_ids.tolist()
-        keep = self.batch.history_mask(sample_rows)
-        launched.histories = list(zip(np.flatnonzero(keep).tolist(), self.batch.count_sampled(sample_rows)))
-        launched.stop_watch = self.batch.stop_watch(sample_rows, seq_ids)
-        launched.host_ms["sample"] = (time.perf_counter() - t_sample) * 1e3
+        launched.host_ms["sample"] = launched.sample_ms
         return self._record_done(launched)
 
     def _copier(self, step: pb.StepRequest, dev: dict | None):
@@ -251,44 +288,5 @@ class ModelRunner:
 
     @torch.inference_mode()
     def finish(self, launched: Launched) -> pb.StepResult:
-        result = pb.StepResult(step_id=launched.step_id)
-        if launched.out is not None:
-            if launched.done is not None:
-                launched.done.synchronize()
-                result.device_ms = launched.begin.elapsed_time(launched.done)
-                if launched.previous is not None:
-                    result.device_idle_ms = max(0.0, launched.previous.elapsed_time(launched.begin))
-                result.sample_ms = launched.sample_begin.elapsed_time(launched.done)
-            else:
-                result.sample_ms = launched.sample_ms
-            ready = time.perf_counter()   # the device is done: what follows is host time
-            tokens, logprobs, top_ids, top_vals = launched.out.to_host()
-            if launched.verified is not None:
-                done = SpecDecoder.finish(self.batch, launched.verified, launched.seq_ids, tokens,
-                                          logprobs, top_ids, top_vals, result)
-                rows = launched.verified.rows
-                for i, emitted in done:
-                    self.batch.sampling[int(rows[i])].output_token_ids.extend(emitted)
-                logprobs = None
-            else:
-                for i, row_state in launched.histories:
-                    row_state.output_token_ids.append(tokens[i])
-                result.stopped_seq_ids.extend(self.batch.mark_stopped(launched.stop_watch, tokens))
-                result.seq_ids.extend(launched.seq_ids)
-                result.token_ids.extend(tokens)
-                if launched.token_pos is not None:   # rows still held by the same sequences
-                    rows = launched.token_rows
-                    same = self.seq_of_row[rows] == np.asarray(launched.seq_ids, dtype=np.int64)
-                    self.batch.record(rows[same], launched.token_pos[same], np.asarray(tokens)[same])
-            if logprobs is not None:
-                result.logprobs.extend(logprobs)
-                for ids, vals in zip(top_ids, top_vals):
-                    result.top_token_ids.extend(ids)
-                    result.top_logprobs.extend(vals)
-        if self.host_kv is not None:
-            result.swap_ms, result.swap_out_bytes, result.swap_in_bytes = self.host_kv.drain()
-        end = time.perf_counter()
-        result.execute_ms = (end - launched.started) * 1e3
-        if launched.out is not None:
-            launched.host_ms["finish"] = (end - ready) * 1e3
-        return result
+        """Waits for the launched step's sampled ids; its StepResult (``step_result``)."""
+        return step_result.build(self.batch, self.seq_of_row, self.host_kv, launched)

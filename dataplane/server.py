@@ -100,34 +100,46 @@ class WorkerService(pb_grpc.WorkerServicer):
             profiler.close()
 
     def _steps(self, request_iterator, context, generation, pipeline, started, profiler):
-        metrics, tracer, clock = self.metrics, self.tracer, time.perf_counter
+        clock = time.perf_counter
         for step in request_iterator:
-            span = tracer.start(step)
+            span = self.tracer.start(step)
             with self._lock:
-                if generation != self._generation:
-                    tracer.end(span, error=RuntimeError("superseded"))
-                    metrics.errors.labels("ABORTED").inc()
-                    context.abort(grpc.StatusCode.ABORTED, "superseded by a newer control plane stream")
-                try:
-                    if not step.late_bitmask:   # (that only completes a step started before)
-                        started[step.step_id] = (span, clock())
-                        profiler.on_submit(step)
-                    ready = pipeline.submit(step)
-                except BatchError as exc:
-                    tracer.end(span, error=exc)
-                    metrics.errors.labels("INVALID_ARGUMENT").inc()
-                    self.worker.runner.reset()
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {step.step_id}: {exc}")
-                except Exception as exc:  # device errors: report, do not kill the process
-                    log.exception("step %d failed", step.step_id)
-                    tracer.end(span, error=exc)
-                    metrics.errors.labels("INTERNAL").inc()
-                    self.worker.runner.reset()
-                    context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {exc!r}")
+                if not step.late_bitmask:   # (that only completes a step started before)
+                    started[step.step_id] = (span, clock())
+                    profiler.on_submit(step)
+                ready = self._submit(context, generation, step, span, lambda: pipeline.submit(step))
             yield from ready
+            while pipeline.deferred is not None:   # launched once the answer before it is out
+                deferred = pipeline.deferred
+                with self._lock:
+                    ready = self._submit(context, generation, deferred,
+                                         started.get(deferred.step_id, (None,))[0], pipeline.resume)
+                yield from ready
         with self._lock:
             ready = pipeline.drain()
         yield from ready
+
+    def _submit(self, context, generation, step, span, call):
+        """``call`` (the pipeline's, for ``step``) under the lock; a superseded stream, a
+        protocol mistake or a device error ends the stream with its status."""
+        metrics, tracer = self.metrics, self.tracer
+        if generation != self._generation:
+            tracer.end(span, error=RuntimeError("superseded"))
+            metrics.errors.labels("ABORTED").inc()
+            context.abort(grpc.StatusCode.ABORTED, "superseded by a newer control plane stream")
+        try:
+            return call()
+        except BatchError as exc:
+            tracer.end(span, error=exc)
+            metrics.errors.labels("INVALID_ARGUMENT").inc()
+            self.worker.runner.reset()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {step.step_id}: {exc}")
+        except Exception as exc:  # device errors: report, do not kill the process
+            log.exception("step %d failed", step.step_id)
+            tracer.end(span, error=exc)
+            metrics.errors.labels("INTERNAL").inc()
+            self.worker.runner.reset()
+            context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {exc!r}")
 
     def Reload(self, request, context):
         """Frees the old model, loads the new one; puts the old one back if that fails."""

@@ -12,7 +12,9 @@ has run, so steps can be in flight back to back without overwriting each other's
 
 ``Stager`` does the same from persistent pinned buffers (a ring of a few, grown to the largest
 step seen), the runner's per-step upload: no pinned allocation per step, and a buffer is reused
-only once the copy that read it has run (its event, normally long done).
+only once the copy that read it has run (its event, normally long done). Its two halves can
+run apart: ``pack`` (host work: a step prepared while the device still owes the step before
+its sampling) and ``copy`` (the transfer, queued when the step is launched, in stream order).
 
 ``download`` is the other direction: an asynchronous copy into pinned memory, read by the
 host after the step's completion event (never a ``.tolist()`` on a device tensor, which would
@@ -20,6 +22,8 @@ wait for every later step queued behind it too).
 """
 
 from __future__ import annotations
+
+import typing
 
 import numpy as np
 import torch
@@ -49,18 +53,42 @@ class Stager:
 
     def upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """As ``upload``: the arrays on the device, from one copy of one pinned buffer."""
+        return self.copy(self.pack(arrays))
+
+    def pack(self, arrays: dict[str, np.ndarray]) -> "Packed":
+        """The host half of ``upload``: the arrays packed into the next pinned buffer, no
+        device work queued (a step prepared while the device still owes an earlier step's
+        sampling). ``copy`` queues the transfer; the buffer is not reused before it has run."""
         if self.device.type != "cuda":
-            return upload(arrays, self.device)
+            return Packed(arrays, None, 0, None, -1)
         layout, total = _layout(arrays)
         i, self._next = self._next, (self._next + 1) % self.depth
         if self._used[i]:
             self._copied[i].synchronize()   # the copy that read this buffer last has run
         if total > self._buffers[i].numel():
             self._buffers[i] = torch.empty(2 * total, dtype=torch.uint8, pin_memory=True)
-        out = _copy(arrays, layout, total, self._buffers[i][:max(total, _ALIGN)], self.device)
-        self._copied[i].record()
-        self._used[i] = True
+        host = self._buffers[i][:max(total, _ALIGN)]
+        _pack(arrays, layout, host)
+        self._used[i] = False   # (until its copy is queued, nothing reads it)
+        return Packed(arrays, layout, total, host, i)
+
+    def copy(self, packed: "Packed") -> dict[str, torch.Tensor]:
+        """Queues ``packed``'s transfer; the typed device views of the arrays."""
+        if packed.host is None:
+            return upload(packed.arrays, self.device)
+        out = _views(packed.arrays, packed.layout, packed.host.to(self.device, non_blocking=True))
+        self._copied[packed.slot].record()
+        self._used[packed.slot] = True
         return out
+
+
+class Packed(typing.NamedTuple):
+    """Arrays packed into a pinned buffer, their transfer not queued yet (``Stager.pack``)."""
+    arrays: dict[str, np.ndarray]
+    layout: list | None
+    total: int
+    host: torch.Tensor | None   # None on a CPU: nothing to pack
+    slot: int
 
 
 def _layout(arrays: dict[str, np.ndarray]) -> tuple[list, int]:
@@ -93,12 +121,20 @@ def _copy(arrays: dict[str, np.ndarray], layout: list, total: int, host: torch.T
           device: torch.device) -> dict[str, torch.Tensor]:
     """Packs ``arrays`` into ``host`` by ``layout``, copies it to ``device`` in one transfer and
     returns the typed views of the copy."""
+    _pack(arrays, layout, host)
+    return _views(arrays, layout, host.to(device, non_blocking=True))
+
+
+def _pack(arrays: dict[str, np.ndarray], layout: list, host: torch.Tensor) -> None:
     host_np = host.numpy()
     for dtype, offset, n, parts in layout:
         typed = host_np[offset:offset + n * dtype.itemsize].view(dtype)
         for name, lo, hi in parts:
             typed[lo:hi] = arrays[name].reshape(-1)
-    dev = host.to(device, non_blocking=True)
+
+
+def _views(arrays: dict[str, np.ndarray], layout: list, dev: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each array's typed view of the device copy ``dev`` of the packed buffer."""
     out = {}
     for dtype, offset, n, parts in layout:
         typed = dev[offset:offset + n * dtype.itemsize].view(_TORCH_DTYPES[dtype])

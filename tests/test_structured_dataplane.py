@@ -154,6 +154,58 @@ def test_late_bitmasks_of_a_step_whose_rows_stopped_complete_nothing(worker_stub
     assert not results[2].token_ids if DEVICE == "cpu" else list(results[2].token_ids) in ([], [5])
 
 
+def late(step_id, allowed_rows, seq_ids=(1,)):
+    return wpb.StepRequest(step_id=step_id, late_bitmask=True,
+                           bitmask=wpb.TokenBitmask(seq_ids=list(seq_ids), bits=pack(allowed_rows)))
+
+
+def test_a_step_sent_before_the_bitmasks_is_launched_after_them_and_samples_the_same(worker_stub):
+    """The control plane sends step 3 before step 2's bitmasks (three steps in flight): the
+    worker prepares it while step 2 waits and launches it once step 2 has sampled. Greedy
+    tokens under masks of several tokens are those of the order without it, and every result
+    comes, in step order."""
+    masks = [{11, 40, 200, 301}, {3, 99, 250}, {17, 18, 19, 380}]
+
+    def run(ahead: bool) -> list[wpb.StepResult]:
+        first = prefill(temperature=0.0)
+        d2, d3 = decode(2, bitmask_follows=True), decode(3, bitmask_follows=True)
+        steps = [first, d2, d3, late(2, [masks[0]]), decode(4, bitmask_follows=True), late(3, [masks[1]]),
+                 late(4, [masks[2]])] if ahead else \
+            [first, d2, late(2, [masks[0]]), d3, late(3, [masks[1]]), decode(4, bitmask_follows=True),
+             late(4, [masks[2]])]
+        return list(worker_stub.Execute(iter(steps + [wpb.StepRequest(step_id=5, flush=True)])))
+
+    before, after = run(False), run(True)
+    assert [r.step_id for r in after] == [1, 2, 3, 4, 5]
+    tokens = [list(r.token_ids) for r in after]
+    assert tokens == [list(r.token_ids) for r in before]
+    assert all(t[0] in m for t, m in zip(tokens[1:4], masks))
+
+
+def test_a_step_prepared_ahead_may_reuse_the_row_of_a_sequence_the_waiting_step_samples(worker_stub):
+    """Step 3 comes while step 2 waits for its bitmasks, finishes sequence 1 (a stop string
+    the control plane saw) and starts sequence 5, which may take sequence 1's row: step 2's
+    tokens still go to sequences 1 and 2, and sequence 5 starts from its own prompt."""
+    first = prefill(temperature=0.0, seq_id=1)
+    first.new_seqs.add(seq_id=2, prompt_token_ids=[8, 9], block_ids=[1], num_scheduled_tokens=2,
+                       sampling=wpb.Sampling(top_p=1, repetition_penalty=1))
+    d2 = wpb.StepRequest(step_id=2, running_seq_ids=[1, 2], running_num_scheduled=[1, 1],
+                         running_new_block_counts=[0, 0], bitmask_follows=True)
+    d3 = wpb.StepRequest(step_id=3, finished_seq_ids=[1], running_seq_ids=[2], running_num_scheduled=[1],
+                         running_new_block_counts=[0])
+    d3.new_seqs.add(seq_id=5, prompt_token_ids=[30, 31, 32], block_ids=[2], num_scheduled_tokens=3,
+                    sampling=wpb.Sampling(top_p=1, repetition_penalty=1))
+    steps = [first, d2, d3, late(2, [{21}, {22}], seq_ids=(1, 2)), wpb.StepRequest(step_id=4, flush=True)]
+    results = list(worker_stub.Execute(iter(steps)))
+    assert [r.step_id for r in results] == [1, 2, 3, 4]
+    assert list(results[1].seq_ids) == [1, 2] and list(results[1].token_ids) == [21, 22]
+    assert sorted(results[2].seq_ids) == [2, 5]
+    alone = prefill(temperature=0.0, seq_id=5, flush=True)
+    alone.new_seqs[0].prompt_token_ids[:] = [30, 31, 32]
+    (expected,) = list(worker_stub.Execute(iter([alone])))
+    assert dict(zip(results[2].seq_ids, results[2].token_ids))[5] == expected.token_ids[0]
+
+
 def test_greedy_under_a_mask_that_allows_the_free_choice_is_unchanged(worker_stub):
     (free,) = list(worker_stub.Execute(iter([prefill(temperature=0.0, flush=True)])))
     token = free.token_ids[0]
@@ -165,7 +217,7 @@ def test_greedy_under_a_mask_that_allows_the_free_choice_is_unchanged(worker_stu
 
 @pytest.mark.parametrize("steps,words", [
     ([wpb.StepRequest(step_id=1, late_bitmask=True)], "waits for none"),
-    ([prefill(), decode(2, bitmask_follows=True), decode(3)], "came before the bitmasks"),
+    ([prefill(), decode(2, bitmask_follows=True), decode(3), decode(4)], "came before the bitmasks"),
     ([prefill(flush=True, bitmask=wpb.TokenBitmask(seq_ids=[1], bits=b"\0" * 8))], "bitmask"),
     ([prefill(), decode(2, bitmask_follows=True), wpb.StepRequest(step_id=5, late_bitmask=True)], "waits for none"),
 ])
