@@ -205,16 +205,14 @@ class Engine(EngineOutages):
                     step = None
                     # a speculating step runs alone: the sequences' tokens must all be known
                     speculate = self.scheduler.may_speculate()
-                    constrained = self.structured.live > 0
-                    room = inflight.has_room(self.scheduler.running, constrained and self.structured.running(
-                        self.scheduler.running)) and not (speculate and inflight)
+                    room = inflight.has_room(self.scheduler.running) and not (speculate and inflight)
                     if room:
                         self._wake.clear()   # what happens from here on wakes the loop again
                         t0 = time.perf_counter()
                         step = self.scheduler.schedule(speculate)
                         if not step.empty:
                             masks = self.structured.step_masks(step, self.scheduler.speculation) \
-                                if constrained else None
+                                if self.structured.live else None
                             await inflight.send(step, time.perf_counter() - t0, masks)
                             self.scheduler.after_step(step)
                             continue

@@ -8,8 +8,10 @@ engine has nothing to schedule, ``result_ready`` waits for the oldest result or 
 whichever comes first: a request submitted meanwhile is scheduled at once, not after it.
 A step whose structured-output bitmasks depend on tokens still in flight goes out with
 ``bitmask_follows``; ``send_late_bitmask`` sends them once it is the oldest step in flight
-(every token they depend on folded), before anything else. Profile commands
-(``controlplane.profiling``) ride on the steps sent."""
+(every token they depend on folded), before anything else. One more step may go out before
+them (the worker prepares it meanwhile and launches it right after that sampling, so its
+host work is off the constrained token's critical path); a second must wait. Profile
+commands (``controlplane.profiling``) ride on the steps sent."""
 
 from __future__ import annotations
 
@@ -44,28 +46,33 @@ class InFlightSteps:
         self._step_ids = step_ids
         self._sent: collections.deque[Sent] = collections.deque()
         self._last_flushed = True    # whether the newest step sent asked for its answer
-        self._late = None            # StepMasks of the step waiting for its bitmasks, and its id
+        # [StepMasks, step id, steps sent after it] of each step sent with bitmask_follows whose
+        # bitmasks are not sent yet, oldest first
+        self._late: collections.deque[list] = collections.deque()
         self._result: asyncio.Task | None = None   # the oldest step's result, being read
 
     def __len__(self) -> int:
         return len(self._sent)
 
-    def has_room(self, running: list[Sequence], constrained: bool = False) -> bool:
+    def has_room(self, running: list[Sequence]) -> bool:
         """Whether another step may go out. Two in flight hide the device's step from this
         process's work; a third hides the gRPC round trip too, which decides latency at small
         batches. A finished sequence costs one slot per step sent before its last token came
         back, so beyond two only sequences whose end the worker can see itself may run: a
         sampled stop token (the worker then leaves them out of the steps it already holds) or
         max_tokens (never scheduled past). Stop strings match detokenized text here: while a
-        running sequence has some, two steps at most; so while one has a grammar
-        (``constrained``: a running sequence has a grammar; each step's bitmasks need the tokens
-        of the step before)."""
+        running sequence has some, two steps at most. A grammar ends its sequence on EOS (a
+        stop token) or, rarely, here (a rejected token, EOS under ignore_eos): one slot at
+        most. While a step waits for its bitmasks, one more step may go out, not two: the
+        worker holds that one until the bitmasks come (``dataplane.pipeline``)."""
         n, depth = len(self._sent), self.depth
         if n and self._sent[-1].step.speculative:   # answered before anything else goes out
             return False
+        if self._late and self._late[0][2] >= 1:
+            return False
         if n < 2 or depth <= 2:
             return n < depth
-        return n < depth and not constrained and not any(s.output.has_stop for s in running)
+        return n < depth and not any(s.output.has_stop for s in running)
 
     async def send(self, step: ScheduledStep, schedule_s: float, masks=None) -> None:
         """``masks``: the step's ``StepMasks`` (structured outputs), if it has constrained rows."""
@@ -75,12 +82,14 @@ class InFlightSteps:
         flush = self.depth == 1 or step.speculative or not step.has_decodes
         msg = step_codec.encode(step, next(self._step_ids), flush=flush)
         self.profiler.attach(msg)
+        for late in self._late:
+            late[2] += 1
         if masks is not None:
             if masks.ready:
                 masks.apply(msg)
             else:
                 msg.bitmask_follows = True
-                self._late = (masks, msg.step_id)
+                self._late.append([masks, msg.step_id, 0])
         traced = self.telemetry.step_scheduled(step, msg, schedule_s, msg.step_id)
         await self.workers.send(msg)
         if stages is not None:
@@ -93,9 +102,9 @@ class InFlightSteps:
         """After a fold: the bitmasks of the step waiting for them, once it is the oldest step
         in flight (the tokens they depend on have all been folded). True when they went: the
         next step goes out now (the worker may hold that step's answer until it launches it)."""
-        if self._late is None or not self._sent or self._sent[0].step is not self._late[0].step:
+        if not self._late or not self._sent or self._sent[0].step is not self._late[0][0].step:
             return False
-        (masks, step_id), self._late = self._late, None
+        masks, step_id, _ = self._late.popleft()
         msg = wpb.StepRequest(step_id=step_id, late_bitmask=True)
         masks.fill(msg.bitmask)
         await self.workers.send(msg)
@@ -145,6 +154,8 @@ class InFlightSteps:
         carries a pending profile command to them while the engine is idle)."""
         msg = step_codec.flush_request(next(self._step_ids))
         self.profiler.attach(msg)
+        for late in self._late:
+            late[2] += 1
         await self.workers.send(msg)
         self._last_flushed = True
         self._sent.append(Sent(ScheduledStep(), None, time.perf_counter()))
@@ -161,5 +172,5 @@ class InFlightSteps:
         for sent in self._sent:
             self.telemetry.step_failed(sent.traced, exc)
         self._sent.clear()
-        self._late = None
+        self._late.clear()
         self.profiler.lost(str(exc))

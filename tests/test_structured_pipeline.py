@@ -1,7 +1,7 @@
 """The engine's side of the constrained pipeline against a fake worker group (fake grammars,
 no grammar engine): after a fold, a late bitmask is followed at once by the next step (the
 worker may answer the step that waited for it only once the next one arrives; the folded
-step's news wait), and only a constrained sequence that runs keeps the pipeline two steps deep. Also
+step's news wait), at most one step goes out before a step's late bitmasks. Also
 the bitmask rows: written into the message's own field, in memory reused between steps, and
 read by the worker without a copy."""
 
@@ -48,7 +48,7 @@ class MaskWorkers(FakeWorkers):
         if msg.late_bitmask:
             self.log.append(("late", msg.step_id))
             return
-        self.log.append(("step", msg.step_id))
+        self.log.append(("step", msg.step_id, msg.bitmask_follows))
         self.out += 1
         self.deepest = max(self.deepest, self.out)
         await super().send(msg)
@@ -84,9 +84,13 @@ def test_a_late_bitmask_is_followed_by_the_next_step_before_the_news():
         await _until(lambda: req.finished)
         lates = [i for i, m in enumerate(workers.log) if m[0] == "late"]
         assert len(lates) >= 4
-        for i in lates[:-1]:   # (after the last one nothing is left to schedule)
+        for i in lates[:-2]:   # (after the last ones nothing is left to schedule)
             assert workers.log[i + 1][0] == "step", workers.log
-        assert workers.deepest == 2   # constrained: two steps deep
+        assert workers.deepest == 3   # constrained: three steps deep ...
+        for i, m in enumerate(workers.log):   # ... one step at most sent before a step's bitmasks
+            if m[0] == "step" and m[2]:
+                until = workers.log.index(("late", m[1]))
+                assert sum(n[0] == "step" for n in workers.log[i + 1:until]) <= 1, workers.log
         assert req.sequences[0].output_token_ids == [7] * 8
         await engine.stop()
     asyncio.run(main())

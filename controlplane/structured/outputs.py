@@ -189,11 +189,6 @@ class StructuredOutputs:
                         cfg.prompt_lookup_max).tolist()
         return masks
 
-    def running(self, seqs: list[Sequence]) -> bool:
-        """Whether one of ``seqs`` (the running ones) has a grammar: the pipeline is then two
-        steps deep; steps with no constrained sequence running keep its full depth."""
-        return any(s.grammar is not None for s in seqs)
-
     def rows(self, n: int) -> np.ndarray:
         """``n`` bitmask rows to fill, in memory reused from step to step."""
         if self._rows.shape[0] < n or self._rows.shape[1] != self.words:
