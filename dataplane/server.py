@@ -22,6 +22,7 @@ from common import net, security, tracing
 from common.grpc_options import STEP_MAX_MESSAGE_BYTES, server_options
 from dataplane.input_batch import BatchError
 from dataplane.pipeline import StepPipeline
+from dataplane.read_ahead import ReadAhead
 from dataplane.profiling import StepProfiler
 from dataplane.telemetry import DataPlaneMetrics, StepTracer
 from dataplane.worker import Worker
@@ -101,7 +102,7 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def _steps(self, request_iterator, context, generation, pipeline, started, profiler):
         clock = time.perf_counter
-        for step in request_iterator:
+        for step in ReadAhead(request_iterator, "execute-read-ahead"):
             span = self.tracer.start(step)
             with self._lock:
                 if not step.late_bitmask:   # (that only completes a step started before)
