@@ -1,8 +1,8 @@
 """The data plane's own time per step, by step kind: drives ``ModelRunner`` directly with
 synthetic StepRequests (a small control plane of its own: block tables, chunked prompts,
 sequences that finish) and reports, per step kind and CUDA-graph mode, the host time of
-each phase of ``launch`` (apply the delta, build and upload the inputs, launch the forward,
-launch sampling) and of ``finish`` (after the device is done: read back, build the result),
+each phase of ``launch`` (apply the delta, build and pack the inputs, queue their upload and
+launch the forward, launch sampling) and of ``finish`` (after the device is done: read back, build the result),
 next to the device time (on a GPU).
 
     python -m bench.step_host --model DIR [--device cuda] [--seqs 256] [--prefill 512]

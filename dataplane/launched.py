@@ -45,8 +45,9 @@ class Launched:
     token_pos: np.ndarray | None = None            # tokens go in the token mirror
     kind: str = ""      # decode, mixed, prefill or verify (``forward.step_kind``)
     graph: str = ""     # how its forward ran: full, piecewise or eager (``forward.MODES``)
-    # host time of launch's phases (ms): apply (the delta), build (inputs, their upload),
-    # forward (its launches; on a CPU the forward itself), sample (sampling's launches)
+    # host time of launch's phases (ms): apply (the delta), build (inputs, packed for their
+    # upload), forward (the upload's and the forward's launches; on a CPU the forward itself),
+    # sample (sampling's launches)
     host_ms: dict[str, float] = dataclasses.field(default_factory=dict)
     awaiting: tuple | None = None   # launched with bitmask_follows: (logits, sampling, device
                                     # arrays, prepared batch) until ``sample_late``; () when

@@ -62,7 +62,9 @@ class StepPipeline:
         then, so the control plane's round trip (the token, the next bitmasks) is the step's
         critical path, and holding the answer for the next step's launch would lengthen it.
         While the forward pass still runs, the answer waits for the next step as usual (that
-        step is launched before this one's tokens are waited for: no bubble on the device)."""
+        step is launched before this one's tokens are waited for: no bubble on the device).
+        A step that came ahead of these bitmasks is that next step: launched now while the
+        forward pass runs, else ``deferred`` until this step's answer is out."""
         if self._pending is None:
             raise BatchError(f"late bitmasks for step {msg.step_id}, which waits for none")
         step, launched = self._pending
