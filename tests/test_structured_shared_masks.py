@@ -25,6 +25,11 @@ def _mask(allowed) -> np.ndarray:
     return np.packbits(flags, bitorder="little").view("<i4")
 
 
+def _uploaded_rows(out: dict) -> np.ndarray:
+    """The rows the sampler applies: ``s_mask_bits``, gathered by ``s_mask_of`` when shared."""
+    return out["s_mask_bits"] if "s_mask_of" not in out else out["s_mask_bits"][out["s_mask_of"]]
+
+
 def _wire(rows: np.ndarray, shared_from: int = 0) -> wpb.TokenBitmask:
     msg = wpb.TokenBitmask(seq_ids=range(100, 100 + len(rows)))
     shared_masks.pack(rows, msg, shared_from)
@@ -38,7 +43,8 @@ def test_a_batch_of_one_schema_crosses_as_its_distinct_masks():
     assert list(msg.mask_of[:6]) == [0, 1, 0, 2, 1, 0] and list(msg.allowed_counts) == [1, 10, -1]
     assert len(msg.bits) == WORDS * 4 and msg.ByteSize() < 2 * WORDS * 4   # 60 rows: 1.2 MB plain
     out = bitmasks.arrays(msg, np.arange(100, 160), None, VOCAB)
-    assert np.array_equal(out["s_mask_bits"], rows) and out["s_mask_rows"].tolist() == list(range(60))
+    assert out["s_mask_bits"].shape == (3, WORDS)   # uploaded once each, gathered on the device
+    assert np.array_equal(_uploaded_rows(out), rows) and out["s_mask_rows"].tolist() == list(range(60))
 
 
 def test_one_row_and_small_steps_keep_the_plain_form():
@@ -50,13 +56,18 @@ def test_one_row_and_small_steps_keep_the_plain_form():
     assert np.array_equal(bitmasks.rows_of(msg, VOCAB), rows)
 
 
-def test_rows_with_equal_sums_but_different_bits_stay_apart():
+@pytest.mark.parametrize("colliding", [False, True])
+def test_rows_with_equal_digests_but_different_bits_stay_apart(monkeypatch, colliding):
+    """The digest only groups rows: each is compared in full (here every digest collides)."""
+    if colliding:
+        monkeypatch.setattr(shared_masks.xxhash, "xxh3_64_intdigest", lambda data: 0)
     a = _mask({0})                    # words [1, 0, ...]
     b = a.copy()
     b[0], b[1] = 0, 1                 # token 32: the same sum of words
-    rows = np.stack([a, b, a, b])
+    c = _mask({0, 5})
+    rows = np.stack([a, b, a, c, b, c])
     msg = _wire(rows)
-    assert len(set(msg.mask_of)) == 2
+    assert list(msg.mask_of) == [0, 1, 0, 2, 1, 2]
     assert np.array_equal(bitmasks.rows_of(msg, VOCAB), rows)
 
 
@@ -72,7 +83,8 @@ def test_the_worker_reads_back_exactly_the_rows_sent(choice, seed, keep):
     assert np.array_equal(bitmasks.rows_of(msg, VOCAB), rows)
     sampled = np.array(sorted({100 + k % len(rows) for k in keep}))   # some rows do not sample
     out = bitmasks.arrays(msg, sampled, None, VOCAB)
-    assert np.array_equal(out["s_mask_bits"], rows[sampled - 100])
+    assert np.array_equal(_uploaded_rows(out), rows[sampled - 100])
+    assert out["s_mask_rows"].tolist() == list(range(len(sampled)))
 
 
 @pytest.mark.parametrize("change, message", [
