@@ -11,7 +11,8 @@ sequence's tokens depend on nothing but its own seed and history (not on its bat
 nor on preemption and resumption); unseeded rows get fresh random seeds every step (on a CPU,
 where hashing costs more than the model, torch's exponential noise instead). Rows a grammar
 constrains (structured outputs) have their forbidden tokens set to -inf first, on the device
-(``kernels.apply_token_bitmask``, from the ``mask_bits`` / ``mask_rows`` arrays).
+(``kernels.apply_token_bitmask``, from the ``mask_bits`` / ``mask_rows`` arrays; a step's
+masks shared by several rows come once each, with ``mask_of`` to gather them here).
 """
 
 from __future__ import annotations
@@ -181,7 +182,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch, dev: dict[str, torch.Tensor] 
     want = int(b.logprobs.max()) if len(b.logprobs) else 0
     raw = logits.float().log_softmax(-1) if want else None
     if "mask_bits" in dev:   # structured outputs: the grammar's tokens only (logprobs: the model's)
-        kernels.apply_token_bitmask(logits, dev["mask_bits"], dev["mask_rows"])
+        bits = dev["mask_bits"] if "mask_of" not in dev else dev["mask_bits"][dev["mask_of"]]
+        kernels.apply_token_bitmask(logits, bits, dev["mask_rows"])
     if b.penalized:
         logits = logits.float()   # penalties write in place (a graph output is rewritten next step)
         _apply_penalties(logits, b.penalized)

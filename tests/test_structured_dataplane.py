@@ -206,6 +206,27 @@ def test_a_step_prepared_ahead_may_reuse_the_row_of_a_sequence_the_waiting_step_
     assert dict(zip(results[2].seq_ids, results[2].token_ids))[5] == expected.token_ids[0]
 
 
+def test_masks_shared_by_several_rows_constrain_each_row(worker_stub):
+    """The shared form (``mask_of``): three distinct masks for eight sequences, uploaded once
+    each and gathered on the device; every sequence samples inside its own mask."""
+    from controlplane.structured import shared_masks   # the engine's packing, as sent
+
+    allowed = [{3}, {100, 200}, set(range(300, 384))]
+    choice = [0, 1, 2, 1, 0, 2, 2, 1]
+    step = wpb.StepRequest(step_id=1, flush=True)
+    for k in range(len(choice)):
+        step.new_seqs.add(seq_id=10 + k, prompt_token_ids=[5 + k, 6, 7], block_ids=[k],
+                          num_scheduled_tokens=3, sampling=wpb.Sampling(top_p=1, repetition_penalty=1,
+                                                                        temperature=1.0))
+    rows = np.frombuffer(pack([allowed[c] for c in choice]), dtype="<i4").reshape(len(choice), WORDS)
+    step.bitmask.seq_ids.extend(range(10, 10 + len(choice)))
+    shared_masks.pack(rows, step.bitmask, shared_from=0)
+    assert list(step.bitmask.mask_of) == [0, 1, 2, 1, 0, 2, 2, 1]
+    (result,) = list(worker_stub.Execute(iter([step])))
+    tokens = dict(zip(result.seq_ids, result.token_ids))
+    assert all(tokens[10 + k] in allowed[c] for k, c in enumerate(choice))
+
+
 def test_greedy_under_a_mask_that_allows_the_free_choice_is_unchanged(worker_stub):
     (free,) = list(worker_stub.Execute(iter([prefill(temperature=0.0, flush=True)])))
     token = free.token_ids[0]
