@@ -1,0 +1,102 @@
+"""The engine's host cost of a constrained step, without the planes: per step of a batch of
+sequences under ``structured_bench``'s JSON schema, the time to advance every matcher by its
+token (``accept``), to fill the batch's bitmasks (``Backend.fill_rows``, llguidance's parallel
+executor) and to pack them for the wire (``shared_masks.pack``). Each row's tokens are drawn at
+random from its allowed ones (seeded), so the rows wander through the schema's states as a
+random-weight model's do. On the serving host these sit on every constrained token's critical
+path at batch 64 (docs/structured_outputs.md, *Performance*).
+
+    python -m bench.mask_fill_bench --model DIR [--batches 1,64] [--steps 200] [--backends guidance]
+
+``--model`` needs a tokenizer (``bench.random_checkpoint --tokenizer bytelevel``); prints one
+JSON line per (backend, batch): medians and p90s in ms, distinct masks per step and wire bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import numpy as np
+
+from bench.structured_bench import LONG
+from controlplane.structured import backends, shared_masks
+from controlplane.structured.spec import Constraint
+from headrace.dataplane.v1 import worker_pb2 as wpb
+
+
+def _allowed(row: np.ndarray, vocab: int) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab])
+
+
+def run(backend, batch: int, steps: int, seed: int) -> dict:
+    compiled = backend.compile(Constraint(kind="json", text=json.dumps(LONG)))
+    matchers = [compiled.matcher() for _ in range(batch)]
+    rows = np.empty((batch, backends.bitmask_words(backend.vocab_size)), dtype="<i4")
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {"accept": [], "fill": [], "pack": []}
+    distinct, wire = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        backend.fill_rows(matchers, rows, list(range(batch)))
+        t1 = time.perf_counter()
+        out = wpb.TokenBitmask(seq_ids=range(batch))
+        shared_masks.pack(rows, out)
+        t2 = time.perf_counter()
+        distinct.append(len(set(out.mask_of)) if out.mask_of else batch)
+        wire.append(out.ByteSize())
+        tokens = []
+        for row in rows:
+            allowed = _allowed(row, backend.vocab_size)
+            tokens.append(int(allowed[rng.randrange(len(allowed))]))
+        t3 = time.perf_counter()
+        ok = [m.accept(t) for m, t in zip(matchers, tokens)]
+        t4 = time.perf_counter()
+        if not all(ok):
+            raise SystemExit("a matcher rejected a token its own mask allowed")
+        if any(m.finished for m in matchers):   # (the schema runs longer than --steps)
+            matchers = [compiled.matcher() if m.finished else m for m in matchers]
+        times["fill"].append(t1 - t0)
+        times["pack"].append(t2 - t1)
+        times["accept"].append(t4 - t3)
+    out = {"backend": backend.name, "batch": batch, "steps": steps}
+    for name, values in times.items():
+        values.sort()
+        out[f"{name}_ms_p50"] = round(statistics.median(values) * 1e3, 4)
+        out[f"{name}_ms_p90"] = round(values[int(0.9 * len(values))] * 1e3, 4)
+    out["total_ms_p50"] = round(sum(out[f"{k}_ms_p50"] for k in times), 4)
+    out["distinct_masks_p50"] = statistics.median(distinct)
+    out["wire_kb_p50"] = round(statistics.median(wire) / 1e3, 1)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a checkpoint directory with tokenizer.json")
+    ap.add_argument("--vocab-size", type=int, default=None, help="the logits' width (default: config.json's)")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--backends", default="guidance", help="comma-separated: guidance, xgrammar")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    vocab = args.vocab_size
+    if vocab is None:
+        with open(f"{args.model}/config.json") as f:
+            vocab = json.load(f)["vocab_size"]
+    rows = []
+    for name in args.backends.split(","):
+        backend = backends.load(backends.resolve(name), args.model, vocab, [])
+        for batch in (int(b) for b in args.batches.split(",")):
+            rows.append(run(backend, batch, args.steps, args.seed))
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"{'backend':<9} {'batch':>5} {'accept':>8} {'fill':>8} {'pack':>8} {'total':>8}  ms p50 (distinct masks, wire KB)")
+    for r in rows:
+        print(f"{r['backend']:<9} {r['batch']:>5} {r['accept_ms_p50']:>8.3f} {r['fill_ms_p50']:>8.3f} "
+              f"{r['pack_ms_p50']:>8.3f} {r['total_ms_p50']:>8.3f}  ({r['distinct_masks_p50']}, {r['wire_kb_p50']})")
+
+
+if __name__ == "__main__":
+    main()
