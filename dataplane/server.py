@@ -102,30 +102,20 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def _steps(self, request_iterator, context, generation, pipeline, started, profiler):
         clock = time.perf_counter
-
-        def resume():   # the deferred step's launch (and what it makes ready)
-            deferred = pipeline.deferred
+        for step in ReadAhead(request_iterator, "execute-read-ahead"):
+            span = self.tracer.start(step)
             with self._lock:
-                return self._submit(context, generation, deferred,
-                                    started.get(deferred.step_id, (None,))[0], pipeline.resume)
-
-        with futures.ThreadPoolExecutor(1, thread_name_prefix="execute-launch") as launcher:
-            for step in ReadAhead(request_iterator, "execute-read-ahead"):
-                span = self.tracer.start(step)
+                if not step.late_bitmask:   # (that only completes a step started before)
+                    started[step.step_id] = (span, clock())
+                    profiler.on_submit(step)
+                ready = self._submit(context, generation, step, span, lambda: pipeline.submit(step))
+            yield from ready
+            while pipeline.deferred is not None:   # launched once the answer before it is out
+                deferred = pipeline.deferred
                 with self._lock:
-                    if not step.late_bitmask:   # (that only completes a step started before)
-                        started[step.step_id] = (span, clock())
-                        profiler.on_submit(step)
-                    ready = self._submit(context, generation, step, span, lambda: pipeline.submit(step))
-                while ready and pipeline.deferred is not None:
-                    # the answer goes out first, and the deferred step is launched while gRPC
-                    # sends it: each ``yield`` returns only once gRPC has seen its write complete
-                    launching = launcher.submit(resume)
-                    yield from ready
-                    ready = launching.result()
+                    ready = self._submit(context, generation, deferred,
+                                         started.get(deferred.step_id, (None,))[0], pipeline.resume)
                 yield from ready
-                while pipeline.deferred is not None:   # (nothing to answer before it)
-                    yield from resume()
         with self._lock:
             ready = pipeline.drain()
         yield from ready
