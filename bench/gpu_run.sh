@@ -201,7 +201,7 @@ if has structured; then
   python3 -c "import llguidance, xgrammar, jsonschema; print('grammar engines import')" 2>&1 | tail -1
   log structured-tests-gpu
   HEADRACE_TEST_DEVICE=cuda timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_structured_dataplane.py \
-    -k "kernel or reference or protocol or late or inline or greedy or ahead or sent_before" 2>&1 | tail -2
+    -k "kernel or reference or protocol or late or inline or greedy or ahead or sent_before or shared" 2>&1 | tail -2
   log structured-ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3-bl --device cuda --tokenizer bytelevel
   # the table's rows: ITL batch 1 and 64 (unconstrained / constrained = ratio), then W1 unconstrained
   log structured-bench; timeout 170 python3 -m bench.structured_bench --model /tmp/qwen3-bl | tee -a "$OUT/structured.jsonl"
