@@ -8,8 +8,9 @@ they stopped) are skipped; a malformed message is a ``BatchError``. The plain fo
 read where the message holds them (a read-only view; the upload to the device is their one
 copy); the shared form (each distinct mask once, a sparse one as its allowed token ids) is
 unpacked mask by mask and uploaded so: 64 rows of a 151,936-token vocabulary in a handful of
-states move a few 19 KB masks to the device, not 1.2 MB expanded on the host first. ``checked_drafts`` reads the drafts the control plane checked against the
-grammars (``StepRequest.checked_drafts``)."""
+states move a few 19 KB masks to the device, not 1.2 MB expanded on the host first.
+``checked_drafts`` reads the drafts the control plane checked against the grammars
+(``StepRequest.checked_drafts``)."""
 
 from __future__ import annotations
 
