@@ -92,7 +92,8 @@ def main() -> None:
         for batch in (int(b) for b in args.batches.split(",")):
             rows.append(run(backend, batch, args.steps, args.seed))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"{'backend':<9} {'batch':>5} {'accept':>8} {'fill':>8} {'pack':>8} {'total':>8}  ms p50 (distinct masks, wire KB)")
+    print(f"{'backend':<9} {'batch':>5} {'accept':>8} {'fill':>8} {'pack':>8} {'total':>8}"
+          "  ms p50 (distinct masks, wire KB)")
     for r in rows:
         print(f"{r['backend']:<9} {r['batch']:>5} {r['accept_ms_p50']:>8.3f} {r['fill_ms_p50']:>8.3f} "
               f"{r['pack_ms_p50']:>8.3f} {r['total_ms_p50']:>8.3f}  ({r['distinct_masks_p50']}, {r['wire_kb_p50']})")
