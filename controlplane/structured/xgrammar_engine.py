@@ -74,7 +74,12 @@ class XGrammarBackend:
         self._batch = xgrammar.BatchGrammarMatcher()
 
     def fill_rows(self, matchers: list[XGrammarMatcher], rows: np.ndarray, indexes: list[int]) -> None:
-        """Each matcher's mask into ``rows[indexes[i]]`` (one call for the whole step)."""
+        """Each matcher's mask into ``rows[indexes[i]]`` (one call for the whole step). One row
+        is filled by its own matcher: the batch matcher took 0.30 ms for a row on the H200's
+        16-core host (0.012 ms on 2 cores; its threads), llguidance 0.005 ms."""
+        if len(matchers) == 1:
+            matchers[0].fill(rows[indexes[0]])
+            return
         self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], rows, indexes)
 
     def compile(self, constraint: Constraint) -> XGrammarCompiled:
