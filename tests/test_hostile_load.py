@@ -331,3 +331,17 @@ def test_http_takes_every_tenant_token_and_bounds_bodies_like_grpc():
         assert r.status_code == 413 and str(api.max_body) in r.json()["error"]["message"]
     finally:
         planes.close()
+
+
+@pytest.mark.parametrize("remaining, reason", [(None, "client_cancel"), (5.0, "client_cancel"),
+                                               (0.004, "deadline"), (-0.01, "deadline")])
+def test_a_stream_gone_at_its_deadline_counts_as_the_deadline(remaining, reason):
+    """The server's deadline trails the client's by the call's way in: a cancel that comes a
+    few milliseconds before it is the client's deadline firing."""
+    from controlplane.service import _gone_reason
+
+    class Context:
+        def time_remaining(self):
+            return remaining
+
+    assert _gone_reason(Context()) == reason
