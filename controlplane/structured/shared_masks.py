@@ -40,12 +40,14 @@ def _distinct(rows: np.ndarray) -> tuple[np.ndarray, list[int]]:
     every row's group head and comparing them all took 0.46-0.52 ms."""
     mask_of = np.empty(len(rows), dtype=np.int64)
     firsts: list[int] = []
-    heads: list[bytes] = []                  # each mask's bytes, to compare rows with
+    heads: list[bytes | None] = []           # each mask's bytes, once a row is compared with it
     by_digest: dict[int, list[int]] = {}     # digest -> the masks that have it
     for i, row in enumerate(rows):
         candidates = by_digest.setdefault(xxhash.xxh3_64_intdigest(row), [])
         data = row.tobytes() if candidates else None
         for j in candidates:
+            if heads[j] is None:
+                heads[j] = rows[firsts[j]].tobytes()
             if heads[j] == data:
                 mask_of[i] = j
                 break
@@ -53,7 +55,7 @@ def _distinct(rows: np.ndarray) -> tuple[np.ndarray, list[int]]:
             mask_of[i] = len(firsts)
             candidates.append(len(firsts))
             firsts.append(i)
-            heads.append(data if data is not None else row.tobytes())
+            heads.append(None)
     return mask_of, firsts
 
 
