@@ -7,6 +7,7 @@ runs on the caller's thread; the front end's cheap checks (``spec``)."""
 from __future__ import annotations
 
 import json
+import pathlib
 import threading
 import time
 
@@ -108,6 +109,41 @@ def test_fill_rows_fills_each_matchers_row_and_leaves_the_rest(backend):
     backend.fill_rows(ms, rows, [0, 2])
     counts = [int(np.unpackbits(r.view(np.uint8)).sum()) for r in rows]
     assert counts[0] == 10 and counts[1] == VOCAB and counts[2] == 1   # digits; untouched; '{'
+
+
+def test_guidance_builds_a_lane_per_executor_thread_once_a_grammar_is_shared(tokenizer):
+    """A ``deep_copy`` shares its template's lexer mutex (masks of copies are computed one at
+    a time): a grammar a second sequence uses gets an independent template per thread, the
+    matchers go round them, and every lane's masks are the grammar's."""
+    if "guidance" not in NAMES:
+        pytest.skip("llguidance is not installed")
+    from controlplane.structured.guidance import GuidanceBackend
+
+    b = GuidanceBackend(pathlib.Path(MODEL) / "tokenizer.json", VOCAB, [EOS], threads=3)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    compiled = b.compile(Constraint("json", json.dumps(schema)))
+    ms = [compiled.matcher()]
+    time.sleep(0.05)
+    assert len(compiled.lanes) == 1          # one sequence: nothing more is built
+    ms.append(compiled.matcher())
+    deadline = time.monotonic() + 30
+    while len(compiled.lanes) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(compiled.lanes) == 3 and len({id(lane) for lane in compiled.lanes}) == 3
+    ms += [compiled.matcher() for _ in range(4)]
+    assert {m.lane for m in ms[2:]} == {0, 1, 2}
+    text = tokenizer.encode('{"name": "Eliza', add_special_tokens=False)
+    for i, m in enumerate(ms):                # each walks a prefix of its own length
+        assert walk(m, text[:i % len(text)])
+    rows = np.zeros((len(ms), backends.bitmask_words(VOCAB)), dtype=np.int32)
+    b.fill_rows(ms, rows, list(range(len(ms))))
+    reference = backends.load("guidance", MODEL, VOCAB, [EOS]).compile(Constraint("json", json.dumps(schema)))
+    for i, m in enumerate(ms):
+        alone = reference.matcher()
+        assert walk(alone, text[:i % len(text)])
+        assert allowed(alone) == set(np.flatnonzero(np.unpackbits(
+            rows[i].view(np.uint8), bitorder="little")[:VOCAB]).tolist()), i
 
 
 @settings(max_examples=25, deadline=None)

@@ -4,11 +4,23 @@ A constraint becomes an llguidance grammar (JSON Schema, regex, Lark; GBNF is tr
 Lark by llguidance's own converter; a choice list is a Lark alternation of string literals);
 compiling it is building one ``LLMatcher`` in its initial state (llguidance drops the GIL
 while it builds the grammar), which every sequence of the grammar then copies
-(``deep_copy``). Masks are computed straight into the caller's numpy row."""
+(``deep_copy``). Masks are computed straight into the caller's numpy row.
+
+Lanes: a ``deep_copy`` shares its template's lexer state (one ``Arc<Mutex<SharedState>>`` in
+llguidance's parser), and a mask is computed under that mutex, so the masks of every sequence
+copied from one template are computed one at a time whatever the executor's threads (64 rows
+of the bench's schema: 0.80 ms on one thread, 0.78 on two; with independent states 1.06 and
+0.55, on this repository's 2-core machine). A grammar used by more than one sequence is
+therefore built again into one independent template per executor thread ("lanes"), off the
+loop and after the first, each sequence copies the next lane in turn, and a step's rows are
+handed to the executor ordered by lane."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import logging
+import os
 import pathlib
 
 import llguidance
@@ -17,6 +29,8 @@ import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from controlplane.structured.spec import Constraint, ConstraintError
+
+log = logging.getLogger("headrace.structured")
 
 JSON_OBJECT = '{"type": "object"}'
 # JSON without free whitespace: '{"a": 1, "b": [2, 3]}' (xgrammar's any_whitespace=False too).
@@ -51,11 +65,17 @@ def eos_row(eos: list[int], vocab_size: int) -> np.ndarray:
     return np.packbits(bits, bitorder="little").view("<i4")
 
 
-class GuidanceMatcher:
-    __slots__ = ("_m", "_eos")
+def executor_threads() -> int:
+    """llguidance's own default for its executor: 80% of the cores this process may use, 1-32."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(max(cores * 80 // 100, 1), 32)
 
-    def __init__(self, m: llguidance.LLMatcher, eos: np.ndarray):
-        self._m, self._eos = m, eos
+
+class GuidanceMatcher:
+    __slots__ = ("_m", "_eos", "lane")
+
+    def __init__(self, m: llguidance.LLMatcher, eos: np.ndarray, lane: int = 0):
+        self._m, self._eos, self.lane = m, eos, lane
 
     def accept(self, token: int) -> bool:
         return self._m.consume_token(token)
@@ -75,23 +95,51 @@ class GuidanceMatcher:
 
 
 class GuidanceCompiled:
-    def __init__(self, template: llguidance.LLMatcher, eos: np.ndarray):
-        self._template, self._eos = template, eos
+    """A compiled grammar: its lanes (independent templates, the first built by ``compile``,
+    the others once a second sequence asks for a matcher) hand out matchers in turn."""
+
+    def __init__(self, backend: "GuidanceBackend", grammar: str, template: llguidance.LLMatcher):
+        self._backend, self._grammar = backend, grammar
+        self.lanes = [template]   # appended to by the lane builder's thread
+        self._handed = 0
 
     def matcher(self) -> GuidanceMatcher:
-        return GuidanceMatcher(self._template.deep_copy(), self._eos)
+        lane = self._handed % len(self.lanes)
+        self._handed += 1
+        if self._handed == 2:   # more than one sequence uses it: build the other lanes
+            self._backend.build_lanes(self)
+        return GuidanceMatcher(self.lanes[lane].deep_copy(), self._backend.eos_row, lane)
+
+    def add_lanes(self, count: int) -> None:
+        """Builds ``count`` more lanes (on the lane builder's thread; llguidance releases the
+        GIL while it builds)."""
+        for _ in range(count):
+            lane = llguidance.LLMatcher(self._backend.tokenizer, self._grammar, log_level=0)
+            if lane.is_error():   # (it compiled once: not expected)
+                log.warning("structured: a lane failed to build: %s", lane.get_error().strip())
+                return
+            self.lanes.append(lane)
 
 
 class GuidanceBackend:
     name = "guidance"
 
-    def __init__(self, tokenizer_file: pathlib.Path, vocab_size: int, eos_token_ids: list[int]):
+    def __init__(self, tokenizer_file: pathlib.Path, vocab_size: int, eos_token_ids: list[int],
+                 threads: int | None = None):
         self.vocab_size = vocab_size
         self.eos = [t for t in eos_token_ids if t < vocab_size]
         self.tokenizer = llguidance.LLTokenizer(tokenizer_file.read_text(), n_vocab=vocab_size,
                                                 eos_token=self.eos or None)
         self.eos_row = eos_row(self.eos, vocab_size)
-        self._executor = llguidance.LLExecutor()   # fills a batch's masks in parallel, GIL released
+        self.threads = threads or executor_threads()
+        self._executor = llguidance.LLExecutor(self.threads)   # fills in parallel, GIL released
+        self._lane_builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="headrace-grammar-lanes")
+
+    def build_lanes(self, compiled: GuidanceCompiled) -> None:
+        """One lane per executor thread for ``compiled``, built in the background (the loop
+        never waits: matchers handed out meanwhile share the lanes built so far)."""
+        if self.threads > len(compiled.lanes):
+            self._lane_builder.submit(compiled.add_lanes, self.threads - len(compiled.lanes))
 
     def fill_rows(self, matchers: list[GuidanceMatcher], rows: np.ndarray, indexes: list[int]) -> None:
         """Each matcher's mask into ``rows[indexes[i]]`` (one call for the whole step)."""
@@ -99,12 +147,13 @@ class GuidanceBackend:
             matchers[0].fill(rows[indexes[0]])
             return
         pairs = []
-        for m, i in zip(matchers, indexes):
+        for m, i in sorted(zip(matchers, indexes), key=lambda pair: pair[0].lane):
             if m._m.is_error():
                 rows[i] = self.eos_row
             else:
                 pairs.append((m._m, i))
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, rows)
+        if pairs:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, rows)
 
     def compile(self, constraint: Constraint) -> GuidanceCompiled:
         grammar = grammar_of(constraint)
@@ -112,7 +161,7 @@ class GuidanceBackend:
         if template.is_error():
             raise ConstraintError(f"structured: {_field(constraint)} does not compile: "
                                   f"{template.get_error().strip()}")
-        return GuidanceCompiled(template, self.eos_row)
+        return GuidanceCompiled(self, grammar, template)
 
 
 def _field(constraint: Constraint) -> str:
