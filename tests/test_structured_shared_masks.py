@@ -47,6 +47,15 @@ def test_a_batch_of_one_schema_crosses_as_its_distinct_masks():
     assert np.array_equal(_uploaded_rows(out), rows) and out["s_mask_rows"].tolist() == list(range(60))
 
 
+def test_only_a_sparse_mask_crosses_as_token_ids():
+    few, many = _mask(range(0, 2960, 10)), _mask(range(0, 10120, 10))   # 296 and 1,012 tokens
+    rows = np.stack([few, many] * 4)
+    msg = _wire(rows)
+    assert list(msg.allowed_counts) == [296, -1]   # 1,012 ids: the packed row is cheaper to make
+    assert len(msg.allowed_ids) == 296 * 4 and len(msg.bits) == WORDS * 4
+    assert np.array_equal(_uploaded_rows(bitmasks.arrays(msg, np.arange(100, 108), None, VOCAB)), rows)
+
+
 def test_one_row_and_small_steps_keep_the_plain_form():
     msg = _wire(_mask({1, 2})[None])
     assert not msg.mask_of and len(msg.bits) == WORDS * 4
