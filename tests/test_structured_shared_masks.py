@@ -96,6 +96,25 @@ def test_the_worker_reads_back_exactly_the_rows_sent(choice, seed, keep):
     assert out["s_mask_rows"].tolist() == list(range(len(sampled)))
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 12), max_size=20), st.lists(st.integers(0, 12), max_size=12, unique=True))
+def test_rows_without_drafts_are_mapped_as_a_verify_with_no_drafts_maps_them(ids, sampled):
+    """Each sampled sequence's first entry gets its row; repeats and unsampled ones go."""
+    ids, sampled = np.array(ids, dtype=np.int64), np.array(sampled, dtype=np.int64)
+    keep, rows = bitmasks._one_row_each(ids, sampled)
+    want_keep, want_rows = bitmasks._rows_of_groups(ids, sampled, np.zeros(len(sampled), np.int64))
+    assert list(keep) == want_keep and rows.tolist() == want_rows.tolist()
+
+
+def test_listed_ids_are_a_set():
+    msg = _wire(np.stack([_mask({4, 9}), np.full(WORDS, -1, dtype="<i4")]))
+    assert list(msg.allowed_counts) == [2, -1]
+    msg.allowed_ids = np.array([9, 4], "<u4").tobytes()
+    assert np.array_equal(bitmasks.rows_of(msg, VOCAB)[0], _mask({4, 9}))
+    msg.allowed_ids = np.array([4, 4], "<u4").tobytes()   # a repeat is the same bit
+    assert np.array_equal(bitmasks.rows_of(msg, VOCAB)[0], _mask({4}))
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda m: m.mask_of.append(0), "mask_of has 3 entries for 2 rows"),
     (lambda m: m.mask_of.__setitem__(1, 5), "must index its"),
