@@ -48,7 +48,7 @@ def _compiled(backend, lanes: bool):
     compiled = backend.compile(Constraint(kind="json", text=json.dumps(LONG)))
     compiled.matcher(), compiled.matcher()   # a second sequence: the lanes are built
     deadline = time.monotonic() + 60
-    while lanes and len(getattr(compiled, "lanes", ())) < getattr(backend, "threads", 0):
+    while lanes and len(getattr(compiled, "lanes", ())) < getattr(backend, "num_lanes", 0):
         if time.monotonic() > deadline:
             raise SystemExit("the lanes were not built within 60 s")
         time.sleep(0.01)
@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--lanes", default="on", help="comma-separated: on, off (llguidance's lanes)")
     ap.add_argument("--threads", type=int, default=None,
                     help="llguidance's executor threads (default: its own, 80%% of the cores)")
+    ap.add_argument("--lanes-per-thread", default="1", help="comma-separated counts (llguidance)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     vocab = args.vocab_size
@@ -122,10 +123,12 @@ def main() -> None:
             vocab = json.load(f)["vocab_size"]
     rows = []
     for name in args.backends.split(","):
-        for lanes in args.lanes.split(",") if name == "guidance" else ["on"]:
+        cases = [(lanes, int(per)) for lanes in args.lanes.split(",")
+                 for per in (args.lanes_per_thread.split(",") if lanes == "on" else [1])]
+        for lanes, per in cases if name == "guidance" else [("on", 1)]:
             backend = backends.load(backends.resolve(name), args.model, vocab, [])
-            if name == "guidance" and args.threads:
-                backend = type(backend)(pathlib.Path(args.model) / "tokenizer.json", vocab, [], args.threads)
+            if name == "guidance":
+                backend = type(backend)(pathlib.Path(args.model) / "tokenizer.json", vocab, [], args.threads, per)
             for batch in (int(b) for b in args.batches.split(",")):
                 rows.append(run(backend, batch, args.steps, args.seed, lanes == "on"))
                 print(json.dumps(rows[-1]), flush=True)

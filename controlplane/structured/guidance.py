@@ -31,6 +31,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from controlplane.structured.spec import Constraint, ConstraintError
 
 log = logging.getLogger("headrace.structured")
+LANES_PER_THREAD = 1
 
 JSON_OBJECT = '{"type": "object"}'
 # JSON without free whitespace: '{"a": 1, "b": [2, 3]}' (xgrammar's any_whitespace=False too).
@@ -125,21 +126,22 @@ class GuidanceBackend:
     name = "guidance"
 
     def __init__(self, tokenizer_file: pathlib.Path, vocab_size: int, eos_token_ids: list[int],
-                 threads: int | None = None):
+                 threads: int | None = None, lanes_per_thread: int = LANES_PER_THREAD):
         self.vocab_size = vocab_size
         self.eos = [t for t in eos_token_ids if t < vocab_size]
         self.tokenizer = llguidance.LLTokenizer(tokenizer_file.read_text(), n_vocab=vocab_size,
                                                 eos_token=self.eos or None)
         self.eos_row = eos_row(self.eos, vocab_size)
         self.threads = threads or executor_threads()
+        self.num_lanes = self.threads * lanes_per_thread
         self._executor = llguidance.LLExecutor(self.threads)   # fills in parallel, GIL released
         self._lane_builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="headrace-grammar-lanes")
 
     def build_lanes(self, compiled: GuidanceCompiled) -> None:
-        """One lane per executor thread for ``compiled``, built in the background (the loop
+        """``LANES_PER_THREAD`` lanes per executor thread for ``compiled``, built in the background (the loop
         never waits: matchers handed out meanwhile share the lanes built so far)."""
-        if self.threads > len(compiled.lanes):
-            self._lane_builder.submit(compiled.add_lanes, self.threads - len(compiled.lanes))
+        if self.num_lanes > len(compiled.lanes):
+            self._lane_builder.submit(compiled.add_lanes, self.num_lanes - len(compiled.lanes))
 
     def fill_rows(self, matchers: list[GuidanceMatcher], rows: np.ndarray, indexes: list[int]) -> None:
         """Each matcher's mask into ``rows[indexes[i]]`` (one call for the whole step)."""
