@@ -13,7 +13,9 @@ of the bench's schema: 0.80 ms on one thread, 0.78 on two; with independent stat
 0.55, on this repository's 2-core machine). A grammar used by more than one sequence is
 therefore built again into one independent template per executor thread ("lanes"), off the
 loop and after the first, each sequence copies the next lane in turn, and a step's rows are
-handed to the executor ordered by lane."""
+handed to the executor ordered by lane. On the H200's 16-core host (12 threads) 64 rows took
+0.38-0.43 ms with 12 lanes against 0.96-1.05 ms copied from one; 24 or 48 lanes (2 or 4 a
+thread) measured the same as 12 (``bench/mask_fill_bench.py --lanes-per-thread``)."""
 
 from __future__ import annotations
 
