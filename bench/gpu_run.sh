@@ -163,7 +163,7 @@ if has dp; then
 fi
 if has w5; then
   log "host KV tier on the GPU: exactness, copy ordering, copy engine"
-  HEADRACE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kv_exactness.py \
+  HEADRACE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -p no:cacheprovider tests/test_kv_exactness.py \
     tests/test_kv_transfer.py tests/test_kv_offload.py \
     -k "not restarted and not evicted_from_the_device and not (outputs_equal and recompute)" \
     > "$OUT/tier-tests.txt" 2>&1; echo "pytest exit $?" >> "$OUT/tier-tests.txt"; tail -4 "$OUT/tier-tests.txt"

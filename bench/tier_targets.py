@@ -75,11 +75,20 @@ def targets(rows: list[dict], tests: str | None) -> list[tuple[str, str, str]]:
                     ", ".join(f"{m} {v:.0f} tok/s ({swap['over_first'][m]:.2f}x, {swap['preemptions'][m]} preemptions)"
                               for m, v in swap["tok_per_s"].items()), "-"))
     if tests:
-        path = pathlib.Path(tests)
-        line = path.read_text().strip().splitlines()[-1] if path.exists() and path.read_text().strip() else "no output"
-        out.append(("GPU exactness and copy tests pass", line, _met("passed" in line and "failed" not in line
-                                                                    and "error" not in line)))
+        out.append(("GPU exactness and copy tests pass", *_tests_verdict(pathlib.Path(tests))))
     return out
+
+
+def _tests_verdict(path: pathlib.Path) -> tuple[str, str]:
+    """(pytest's summary and gpu_run.sh's ``pytest exit N`` line, met or not): the exit status
+    decides where it was written (pytest's own summary is hidden under -q -q)."""
+    lines = path.read_text().strip().splitlines() if path.exists() else []
+    status = next((ln for ln in reversed(lines) if ln.startswith("pytest exit ")), None)
+    summary = next((ln for ln in reversed(lines) if " passed" in ln or " failed" in ln or " error" in ln), None)
+    line = "; ".join(x for x in (summary, status) if x) or "no output"
+    if status is not None:
+        return line, _met(status == "pytest exit 0")
+    return line, _met(summary is not None and "failed" not in summary and "error" not in summary)
 
 
 def main() -> None:

@@ -298,6 +298,10 @@ def test_tier_targets_judge_each_target_on_its_same_call_baseline(tmp_path):
     assert "swap/auto 9900 tok/s (1.10x, 480 preemptions)" in table["--preemption-mode swap vs recompute (reported)"][0]
     assert table["GPU exactness and copy tests pass"] == ("12 passed in 80.00s", "met")
     assert targets([], None)[0] == ("W5 Llama-3.1-8B", "not run", "-")
+    tests.write_text("....\npytest exit 0\n")   # gpu_run.sh's status line; pytest's summary hidden by -q -q
+    assert targets(rows, str(tests))[-1] == ("GPU exactness and copy tests pass", "pytest exit 0", "met")
+    tests.write_text("..F\n1 failed, 2 passed in 9.00s\npytest exit 1\n")
+    assert targets(rows, str(tests))[-1][1:] == ("1 failed, 2 passed in 9.00s; pytest exit 1", "NOT met")
 
 
 def test_bytelevel_tokenizer_spells_text_for_grammars(tmp_path):
