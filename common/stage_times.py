@@ -5,8 +5,12 @@ lines to ``DIR/stages-<pid>.tsv``: per request (key = its request id) when the f
 has tokenized and submitted it, when the core has it, has folded its first token and flushed it
 to the front end, and when the front end hands that token to the client's stream; per step (key =
 ``step:<id>``) when the core scheduled it, sent it, and had its result back, with the data
-plane's own figures (execute, device, sample and idle milliseconds). ``time.monotonic()`` is one
-clock for every process of a host (CLOCK_MONOTONIC), so stamps of different processes subtract.
+plane's own figures (execute, device, sample and idle milliseconds), when it folded the step's
+tokens and, for a step sent with ``bitmask_follows``, when it began filling its late bitmasks and
+sent them. The data plane's workers stamp steps too (``bench.late_mask_hops`` reads them): when
+a message is read (``w_read``, ``w_late``), a step launched, sampled on its late bitmasks, waited
+for, and its answer yielded and written. ``time.monotonic()`` is one clock for every process of
+a host (CLOCK_MONOTONIC), so stamps of different processes subtract.
 
 Off, it costs nothing: ``STAGES`` is None and every call site is ``if STAGES is not None``.
 Lines are written through a line-buffered file (one ``write`` each, whole lines from one process

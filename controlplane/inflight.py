@@ -105,9 +105,14 @@ class InFlightSteps:
         if not self._late or not self._sent or self._sent[0].step is not self._late[0][0].step:
             return False
         masks, step_id, _ = self._late.popleft()
+        stages = stage_times.STAGES
+        if stages is not None:
+            stages.stamp(f"step:{step_id}", "late_fill")
         msg = wpb.StepRequest(step_id=step_id, late_bitmask=True)
         masks.fill(msg.bitmask)
         await self.workers.send(msg)
+        if stages is not None:
+            stages.stamp(f"step:{step_id}", "late_sent")
         # One loop turn: the stream's writer (gRPC's task) takes the bitmasks now, before the
         # next step is scheduled. The worker samples when they arrive and sends the token that
         # the next bitmasks need, while the next step only feeds a forward pass (that waits

@@ -247,6 +247,8 @@ class EngineTelemetry:
                   emitted: int) -> None:
         """``emitted``: the step's tokens that reached requests (a token sampled for a request
         that finished while the step was in flight is not counted)."""
+        if stage_times.STAGES is not None:   # (its tokens folded: the late bitmasks go next)
+            stage_times.STAGES.stamp(f"step:{result.step_id}", "folded")
         m = self.metrics
         execute_s = result.execute_ms / 1e3
         m.step_execute.observe(execute_s)

@@ -4,6 +4,7 @@ one step that came while a launched step waits for its bitmasks."""
 
 from __future__ import annotations
 
+from common import stage_times
 from dataplane.input_batch import BatchError
 from dataplane.launched import Launched
 from dataplane.runner import ModelRunner
@@ -69,6 +70,8 @@ class StepPipeline:
             raise BatchError(f"late bitmasks for step {msg.step_id}, which waits for none")
         step, launched = self._pending
         self.runner.sample_late(launched, msg)
+        if stage_times.STAGES is not None:
+            stage_times.STAGES.stamp(f"step:{msg.step_id}", "w_sampled")
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             if not launched.forward_done():   # launched now, behind this sampling: the device

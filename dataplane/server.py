@@ -18,7 +18,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common import net, security, tracing
+from common import net, security, stage_times, tracing
 from common.grpc_options import STEP_MAX_MESSAGE_BYTES, server_options
 from dataplane.input_batch import BatchError
 from dataplane.pipeline import StepPipeline
@@ -83,6 +83,8 @@ class WorkerService(pb_grpc.WorkerServicer):
 
         def finish(step, launched):
             span, t0 = started.pop(step.step_id)
+            if stage_times.STAGES is not None:
+                stage_times.STAGES.stamp(f"step:{step.step_id}", "w_finish")
             result = self.worker.runner.finish(launched)
             if step.new_seqs or step.running_seq_ids:   # an empty flush is no model step
                 metrics.step_done(step, result, clock() - t0, launched.kind, launched.graph)
@@ -91,6 +93,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             return result
 
         def launch(step):
+            if stage_times.STAGES is not None:
+                stage_times.STAGES.stamp(f"step:{step.step_id}", "w_launch")
             with profiler.step_range(step):
                 return self.worker.runner.launch(step)
 
@@ -103,19 +107,21 @@ class WorkerService(pb_grpc.WorkerServicer):
     def _steps(self, request_iterator, context, generation, pipeline, started, profiler):
         clock = time.perf_counter
         for step in ReadAhead(request_iterator, "execute-read-ahead"):
+            if stage_times.STAGES is not None:   # (a benchmark's timestamps: bench.late_mask_hops)
+                stage_times.STAGES.stamp(f"step:{step.step_id}", "w_late" if step.late_bitmask else "w_read")
             span = self.tracer.start(step)
             with self._lock:
                 if not step.late_bitmask:   # (that only completes a step started before)
                     started[step.step_id] = (span, clock())
                     profiler.on_submit(step)
                 ready = self._submit(context, generation, step, span, lambda: pipeline.submit(step))
-            yield from ready
+            yield from _answers(ready)
             while pipeline.deferred is not None:   # launched once the answer before it is out
                 deferred = pipeline.deferred
                 with self._lock:
                     ready = self._submit(context, generation, deferred,
                                          started.get(deferred.step_id, (None,))[0], pipeline.resume)
-                yield from ready
+                yield from _answers(ready)
         with self._lock:
             ready = pipeline.drain()
         yield from ready
@@ -174,6 +180,17 @@ class WorkerService(pb_grpc.WorkerServicer):
                      time.perf_counter() - start, self.worker.phases.summary(),
                      self.worker.runner.num_blocks)
             return self.worker.describe()
+
+
+def _answers(results):
+    """Yields each result; with stage times on, stamped before and once gRPC has written it."""
+    if stage_times.STAGES is None:
+        yield from results
+        return
+    for result in results:
+        stage_times.STAGES.stamp(f"step:{result.step_id}", "w_answer")
+        yield result
+        stage_times.STAGES.stamp(f"step:{result.step_id}", "w_written")
 
 
 def _free_device_memory() -> None:
