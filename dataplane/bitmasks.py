@@ -58,7 +58,11 @@ def _rows_of_groups(ids: np.ndarray, sample_seq_ids: np.ndarray,
 
 def _one_row_each(ids: np.ndarray, sample_seq_ids: np.ndarray, _=None) -> tuple[np.ndarray, np.ndarray]:
     """The same for a step without drafts (one row a sequence: its first entry), in numpy: a
-    Python loop over 64 rows took 0.1 ms of the worker's critical path here."""
+    Python loop over 64 rows took 0.1 ms of the worker's critical path here. The engine lists
+    a step's sequences in the step's order, which is checked first (3 µs, the search 30)."""
+    if len(ids) == len(sample_seq_ids) and (ids == sample_seq_ids).all():
+        every = np.arange(len(ids), dtype=np.int64)
+        return every, every
     if not len(ids) or not len(sample_seq_ids):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     order = np.argsort(sample_seq_ids, kind="stable")
