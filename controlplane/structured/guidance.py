@@ -140,8 +140,9 @@ class GuidanceBackend:
         self._lane_builder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="headrace-grammar-lanes")
 
     def build_lanes(self, compiled: GuidanceCompiled) -> None:
-        """``LANES_PER_THREAD`` lanes per executor thread for ``compiled``, built in the background (the loop
-        never waits: matchers handed out meanwhile share the lanes built so far)."""
+        """``LANES_PER_THREAD`` lanes per executor thread for ``compiled``, built in the
+        background (the loop never waits: matchers handed out meanwhile share the lanes built so
+        far). Each lane holds its own lexer cache: a grammar's memory grows with its lanes."""
         if self.num_lanes > len(compiled.lanes):
             self._lane_builder.submit(compiled.add_lanes, self.num_lanes - len(compiled.lanes))
 
