@@ -12,7 +12,7 @@ nor on preemption and resumption); unseeded rows get fresh random seeds every st
 where hashing costs more than the model, torch's exponential noise instead). Rows a grammar
 constrains (structured outputs) have their forbidden tokens set to -inf first, on the device
 (``kernels.apply_token_bitmask``, from the ``mask_bits`` / ``mask_rows`` arrays; a step's
-masks shared by several rows come once each, with ``mask_of`` to gather them here).
+masks shared by several rows come once each, and ``mask_of`` names each row's).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def device_arrays(b: SamplingBatch, rng: np.random.Generator) -> dict[str, np.nd
     return arrays
 
 
-def _filter(logits: torch.Tensor, b: SamplingBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+def apply_filters(logits: torch.Tensor, dev: dict[str, torch.Tensor]) -> torch.Tensor:
     """Temperature, then top-k / top-p / min-p where any row asks for them."""
     logits = logits / dev["temp"][:, None]
     if "top_k" in dev:
@@ -182,13 +182,12 @@ def sample(logits: torch.Tensor, b: SamplingBatch, dev: dict[str, torch.Tensor] 
     want = int(b.logprobs.max()) if len(b.logprobs) else 0
     raw = logits.float().log_softmax(-1) if want else None
     if "mask_bits" in dev:   # structured outputs: the grammar's tokens only (logprobs: the model's)
-        bits = dev["mask_bits"] if "mask_of" not in dev else dev["mask_bits"][dev["mask_of"]]
-        kernels.apply_token_bitmask(logits, bits, dev["mask_rows"])
+        kernels.apply_token_bitmask(logits, dev["mask_bits"], dev["mask_rows"], dev.get("mask_of"))
     if b.penalized:
         logits = logits.float()   # penalties write in place (a graph output is rewritten next step)
         _apply_penalties(logits, b.penalized)
     if "temp" in dev:
-        logits = _filter(logits.float(), b, dev)
+        logits = apply_filters(logits.float(), dev)
     if logits.is_cuda:
         tokens = kernels.sample_race(logits, dev["race_temp"], dev["seeds"], dev["counters"])
     elif not (b.temperature > 0).any():   # greedy rows only: no noise to draw

@@ -193,9 +193,15 @@ def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Ten
         cache[:, dst] = cache[:, src]
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor,
+                        mask_of: torch.Tensor | None = None) -> None:
     """Structured outputs: in place, ``logits[rows[k], t] = -inf`` for every token ``t`` whose
-    bit is clear in ``bitmask[k]`` (int32 words, bit ``t % 32`` of word ``t // 32``)."""
+    bit is clear in ``bitmask[k]`` (int32 words, bit ``t % 32`` of word ``t // 32``); with
+    ``mask_of``, in ``bitmask[mask_of[k]]``, and rows whose ``mask_of`` is negative are left
+    alone."""
+    if mask_of is not None:
+        keep = mask_of >= 0
+        rows, bitmask = rows[keep], bitmask[mask_of[keep].long()]
     if rows.numel() == 0:
         return
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
