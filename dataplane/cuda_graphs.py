@@ -32,20 +32,23 @@ def batch_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-def capture_graph(run, pool=None, stream: torch.cuda.Stream | None = None) -> torch.cuda.CUDAGraph:
+def capture_graph(run, pool=None, stream: torch.cuda.Stream | None = None,
+                  error_mode: str = "global") -> torch.cuda.CUDAGraph:
     """``run()`` captured into a new CUDA graph (in memory pool ``pool``; None: a new one, then
     ``graph.pool()``), on ``stream`` (a side stream, as ``torch.cuda.graph`` captures). Unlike
     ``torch.cuda.graph`` it runs no ``gc.collect()`` and ``empty_cache()`` per capture (vLLM
     skips them too): with a thousand piecewise graphs they would add tens of seconds. It does
     keep the garbage collector off while capturing: a collection then may destroy an earlier
     graph (an older worker's, in a cycle), whose ``cudaGraphExecDestroy`` capture forbids
-    ("operation not permitted when stream is capturing"), which invalidates the capture."""
+    ("operation not permitted when stream is capturing"), which invalidates the capture.
+    ``error_mode``: CUDA's capture mode (``thread_local`` for a capture while other threads of
+    the process keep using the device)."""
     graph = torch.cuda.CUDAGraph()
     collecting = gc.isenabled()
     gc.disable()
     try:
         with torch.cuda.stream(stream):
-            graph.capture_begin(pool=pool)
+            graph.capture_begin(pool=pool, capture_error_mode=error_mode)
             try:
                 run()
             finally:

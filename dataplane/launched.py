@@ -50,8 +50,9 @@ class Launched:
     # sample (sampling's launches)
     host_ms: dict[str, float] = dataclasses.field(default_factory=dict)
     awaiting: tuple | None = None   # launched with bitmask_follows: (logits, sampling, device
-                                    # arrays, prepared batch) until ``sample_late``; () when
-                                    # none of its rows samples (they stopped the step before)
+                                    # arrays, prepared batch, their host arrays) until
+                                    # ``sample_late``; () when none of its rows samples (they
+                                    # stopped the step before)
     logits_ready: torch.cuda.Event | None = None   # ... and its forward pass's end (GPU)
 
     def forward_done(self) -> bool:

@@ -40,6 +40,7 @@ import kernels
 from dataplane import bitmasks, kv_offload, parallel, staging, step_delta, step_result
 from dataplane.forward import StepForward, step_kind
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
+from dataplane.late_sampling import LateSampler
 from dataplane.launched import Launched, Prepared
 from dataplane.model import CausalLM
 from dataplane.sampler import SampleOutput, SamplingBatch, device_arrays, sample
@@ -66,7 +67,8 @@ class ModelRunner:
         self.host_kv = host_kv   # the host KV tier (dataplane.kv_offload), or None
         self.index = step_delta.RowIndex(self.batch)   # seq ids -> rows, by array
         self.seq_of_row = np.zeros(max_num_seqs, dtype=np.int64)
-        self.last_token = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
+        # by row; one slot more, where late sampling's padded rows write (``late_sampling``)
+        self.last_token = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)
         # how each step's forward runs: decode graphs, piecewise (mixed) graphs, or eagerly
         self.forward = StepForward(model, kv_caches, device, max_num_seqs, graphs, mixed,
                                    self.draft, attention)
@@ -75,6 +77,7 @@ class ModelRunner:
         self.rng = np.random.default_rng(seed)   # seeds of the unseeded rows' sampling noise
         self._last_done: torch.cuda.Event | None = None
         self._ahead: Prepared | None = None   # a step's host half, done ahead (``prepare_ahead``)
+        self._late: LateSampler | None = None   # late sampling's graphs, made at their first use
 
     # The forward's graphs and attention policy, as the worker (and tests) set them.
     graphs = property(lambda self: self.forward.graphs,
@@ -181,7 +184,7 @@ class ModelRunner:
         if p.sampling is None:   # a step of prefill chunks only: KV written, nothing sampled
             return self._record_done(self._nothing_sampled(step, launched))
         if step.bitmask_follows:   # sampled by ``sample_late``; the forward pass runs meanwhile
-            launched.awaiting = (logits, p.sampling, dev, prep)
+            launched.awaiting = (logits, p.sampling, dev, prep, p.packed.arrays)
             if self.device.type == "cuda":
                 launched.logits_ready = torch.cuda.Event()
                 launched.logits_ready.record()
@@ -220,27 +223,45 @@ class ModelRunner:
         awaiting, launched.awaiting = launched.awaiting, None
         if not awaiting:   # nothing left to sample: its rows stopped at the step before
             return launched
-        logits, sampling, dev, prep = awaiting
-        if self.rank == 0:
-            dev = dev | self.stager.upload(self._bitmask_arrays(step.bitmask, launched, prep))
-        return self._sample_step(launched, logits, sampling, dev)
+        logits, sampling, dev, prep, host = awaiting
+        if self.rank != 0:
+            return self._sample_step(launched, logits, sampling, dev)
+        masks = self._bitmask_arrays(step.bitmask, launched, prep)
+        late = self._late_sampler()
+        if late is not None and late.takes(logits, sampling, launched.verified is not None, masks):
+            return self._sample_step(launched, logits, sampling, dev,
+                                     replay=lambda: late.sample(logits, host, masks))
+        return self._sample_step(launched, logits, sampling, dev | self.stager.upload(masks))
+
+    def _late_sampler(self) -> LateSampler | None:
+        """Late sampling's graphs, over the step graphs' static logits (none without step
+        graphs, or under tensor parallelism)."""
+        if self._late is None and parallel.world_size() == 1:
+            graphs = self.graphs if self.graphs is not None else self.mixed
+            logits = getattr(graphs, "logits", None)
+            if logits is not None:
+                self._late = LateSampler(logits, self.last_token)
+        return self._late
 
     def _sample_step(self, launched: Launched, logits: torch.Tensor, sampling: SamplingBatch,
-                     dev: dict[str, torch.Tensor]) -> Launched:
+                     dev: dict[str, torch.Tensor], replay=None) -> Launched:
         """Samples the launched step's logits, keeps the ids on the device for the next step
-        and queues their copy to the host."""
+        and queues their copy to the host (``replay``: a late sampling graph does all that)."""
         t_sample = time.perf_counter()
         if launched.begin is not None:
             launched.sample_begin = torch.cuda.Event(enable_timing=True)
             launched.sample_begin.record()
-        out = self._sample(logits, sampling,
-                           {k[2:]: v for k, v in dev.items() if k.startswith("s_")})
-        last = out.token_ids
-        if launched.verified is not None:
-            accepted, last = verify(out.token_ids, dev["spec_index"], dev["spec_drafts"])
-            launched.verified.accepted = staging.download(accepted)
-        self.last_token[dev.get("sample_rows", dev["last_rows"])] = last
-        out.start_download()
+        if replay is not None:
+            out = replay()
+        else:
+            out = self._sample(logits, sampling,
+                               {k[2:]: v for k, v in dev.items() if k.startswith("s_")})
+            last = out.token_ids
+            if launched.verified is not None:
+                accepted, last = verify(out.token_ids, dev["spec_index"], dev["spec_drafts"])
+                launched.verified.accepted = staging.download(accepted)
+            self.last_token[dev.get("sample_rows", dev["last_rows"])] = last
+            out.start_download()
         launched.sample_ms = (time.perf_counter() - t_sample) * 1e3   # CPU: the sampling itself
         launched.out = out
         launched.host_ms["sample"] = launched.sample_ms

@@ -61,7 +61,7 @@ class Stager:
         sampling). ``copy`` queues the transfer; the buffer is not reused before it has run."""
         if self.device.type != "cuda":
             return Packed(arrays, None, 0, None, -1)
-        layout, total = _layout(arrays)
+        layout, total = layout_of(arrays)
         i, self._next = self._next, (self._next + 1) % self.depth
         if self._used[i]:
             self._copied[i].synchronize()   # the copy that read this buffer last has run
@@ -76,7 +76,7 @@ class Stager:
         """Queues ``packed``'s transfer; the typed device views of the arrays."""
         if packed.host is None:
             return upload(packed.arrays, self.device)
-        out = _views(packed.arrays, packed.layout, packed.host.to(self.device, non_blocking=True))
+        out = views_of(packed.arrays, packed.layout, packed.host.to(self.device, non_blocking=True))
         self._copied[packed.slot].record()
         self._used[packed.slot] = True
         return out
@@ -91,7 +91,7 @@ class Packed(typing.NamedTuple):
     slot: int
 
 
-def _layout(arrays: dict[str, np.ndarray]) -> tuple[list, int]:
+def layout_of(arrays: dict[str, np.ndarray]) -> tuple[list, int]:
     """Where each array goes in the packed buffer: [(dtype, byte offset, elements, [(name,
     start, stop)])] and the buffer's size in bytes."""
     groups: dict[np.dtype, list[str]] = {}
@@ -112,7 +112,7 @@ def _layout(arrays: dict[str, np.ndarray]) -> tuple[list, int]:
 def packed_copy(arrays: dict[str, np.ndarray], device: torch.device, pin: bool) -> dict[str, torch.Tensor]:
     """One host buffer holding every array, one copy of it to ``device``, typed views back.
     Arrays are grouped by dtype, so each group is one typed view of the copy, sliced per array."""
-    layout, total = _layout(arrays)
+    layout, total = layout_of(arrays)
     host = torch.empty(max(total, _ALIGN), dtype=torch.uint8, pin_memory=pin)
     return _copy(arrays, layout, total, host, device)
 
@@ -122,7 +122,7 @@ def _copy(arrays: dict[str, np.ndarray], layout: list, total: int, host: torch.T
     """Packs ``arrays`` into ``host`` by ``layout``, copies it to ``device`` in one transfer and
     returns the typed views of the copy."""
     _pack(arrays, layout, host)
-    return _views(arrays, layout, host.to(device, non_blocking=True))
+    return views_of(arrays, layout, host.to(device, non_blocking=True))
 
 
 def _pack(arrays: dict[str, np.ndarray], layout: list, host: torch.Tensor) -> None:
@@ -133,7 +133,7 @@ def _pack(arrays: dict[str, np.ndarray], layout: list, host: torch.Tensor) -> No
             typed[lo:hi] = arrays[name].reshape(-1)
 
 
-def _views(arrays: dict[str, np.ndarray], layout: list, dev: torch.Tensor) -> dict[str, torch.Tensor]:
+def views_of(arrays: dict[str, np.ndarray], layout: list, dev: torch.Tensor) -> dict[str, torch.Tensor]:
     """Each array's typed view of the device copy ``dev`` of the packed buffer."""
     out = {}
     for dtype, offset, n, parts in layout:
