@@ -1,7 +1,8 @@
 """The engine's host cost of a constrained step, without the planes: per step of a batch of
 sequences under ``structured_bench``'s JSON schema, the time to advance every matcher by its
 token (``accept``; ``accept_par``: llguidance's parallel consume, on alternate steps), to fill the batch's bitmasks (``Backend.fill_rows``, llguidance's parallel
-executor) and to pack them for the wire (``shared_masks.pack``). Each row's tokens are drawn at
+executor) and to pack them for the wire (``shared_masks.pack``); and the worker's cost to turn
+the message into its sampler's arrays (``unpack``: ``dataplane.bitmasks.arrays``). Each row's tokens are drawn at
 random from its allowed ones (seeded), so the rows wander through the schema's states as a
 random-weight model's do. On the serving host these sit on every constrained token's critical
 path at batch 64 (docs/structured_outputs.md, *Performance*). With ``--lanes on,off``
@@ -34,6 +35,7 @@ except ImportError:   # (xgrammar alone)
 from bench.structured_bench import LONG
 from controlplane.structured import backends, shared_masks
 from controlplane.structured.spec import Constraint
+from dataplane import bitmasks
 from headrace.dataplane.v1 import worker_pb2 as wpb
 
 
@@ -60,7 +62,8 @@ def run(backend, batch: int, steps: int, seed: int, lanes: bool = True) -> dict:
     matchers = [compiled.matcher() for _ in range(batch)]
     rows = np.empty((batch, backends.bitmask_words(backend.vocab_size)), dtype="<i4")
     rng = random.Random(seed)
-    times: dict[str, list[float]] = {"accept": [], "fill": [], "pack": [], "accept_par": []}
+    times: dict[str, list[float]] = {"accept": [], "fill": [], "pack": [], "accept_par": [], "unpack": []}
+    step_seqs = np.arange(batch, dtype=np.int64)
     distinct, wire = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -69,6 +72,8 @@ def run(backend, batch: int, steps: int, seed: int, lanes: bool = True) -> dict:
         out = wpb.TokenBitmask(seq_ids=range(batch))
         shared_masks.pack(rows, out)
         t2 = time.perf_counter()
+        bitmasks.arrays(out, step_seqs, None, backend.vocab_size)
+        times["unpack"].append(time.perf_counter() - t2)
         distinct.append(len(set(out.mask_of)) if out.mask_of else batch)
         wire.append(out.ByteSize())
         tokens = []
@@ -132,12 +137,12 @@ def main() -> None:
             for batch in (int(b) for b in args.batches.split(",")):
                 rows.append(run(backend, batch, args.steps, args.seed, lanes == "on"))
                 print(json.dumps(rows[-1]), flush=True)
-    print(f"{'backend':<9} {'lanes':>5} {'batch':>5} {'accept':>8} {'par':>8} {'fill':>8} {'pack':>8} {'total':>8}"
+    print(f"{'backend':<9} {'lanes':>5} {'batch':>5} {'accept':>8} {'par':>8} {'fill':>8} {'pack':>8} {'total':>8} {'unpack':>8}"
           "  ms p50 (distinct masks, wire KB)")
     for r in rows:
         print(f"{r['backend']:<9} {r['lanes']:>5} {r['batch']:>5} {r['accept_ms_p50']:>8.3f} "
               f"{r.get('accept_par_ms_p50', float('nan')):>8.3f} {r['fill_ms_p50']:>8.3f} "
-              f"{r['pack_ms_p50']:>8.3f} {r['total_ms_p50']:>8.3f}  ({r['distinct_masks_p50']}, {r['wire_kb_p50']})")
+              f"{r['pack_ms_p50']:>8.3f} {r['total_ms_p50']:>8.3f} {r['unpack_ms_p50']:>8.3f}  ({r['distinct_masks_p50']}, {r['wire_kb_p50']})")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,13 @@ def _bucket(n: int, cap: int) -> int:
     return min(1 << max(0, n - 1).bit_length(), cap)
 
 
+def over_step_graphs(decode, mixed, last_token: torch.Tensor) -> "LateSampler | None":
+    """A ``LateSampler`` over the static logits of the decode graphs (else the mixed step
+    graphs'); None without step graphs (``--enforce-eager``, a CPU worker)."""
+    logits = getattr(decode if decode is not None else mixed, "logits", None)
+    return LateSampler(logits, last_token) if logits is not None else None
+
+
 class _StandIn:
     """A CUDA graph's stand-in off CUDA: ``replay`` runs the captured code again."""
 

@@ -69,6 +69,8 @@ class StepPipeline:
         if self._pending is None:
             raise BatchError(f"late bitmasks for step {msg.step_id}, which waits for none")
         step, launched = self._pending
+        if stage_times.STAGES is not None:
+            stage_times.STAGES.stamp(f"step:{msg.step_id}", "w_sample_in")
         self.runner.sample_late(launched, msg)
         if stage_times.STAGES is not None:
             stage_times.STAGES.stamp(f"step:{msg.step_id}", "w_sampled")

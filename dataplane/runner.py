@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 import kernels
-from dataplane import bitmasks, kv_offload, parallel, staging, step_delta, step_result
+from common import stage_times
+from dataplane import bitmasks, kv_offload, late_sampling, parallel, staging, step_delta, step_result
 from dataplane.forward import StepForward, step_kind
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
 from dataplane.late_sampling import LateSampler
@@ -227,6 +228,8 @@ class ModelRunner:
         if self.rank != 0:
             return self._sample_step(launched, logits, sampling, dev)
         masks = self._bitmask_arrays(step.bitmask, launched, prep)
+        if stage_times.STAGES is not None:
+            stage_times.STAGES.stamp(f"step:{step.step_id}", "w_masks")
         late = self._late_sampler()
         if late is not None and late.takes(logits, sampling, launched.verified is not None, masks):
             return self._sample_step(launched, logits, sampling, dev,
@@ -234,13 +237,9 @@ class ModelRunner:
         return self._sample_step(launched, logits, sampling, dev | self.stager.upload(masks))
 
     def _late_sampler(self) -> LateSampler | None:
-        """Late sampling's graphs, over the step graphs' static logits (none without step
-        graphs, or under tensor parallelism)."""
+        """Late sampling's graphs (none under tensor parallelism: the ids' broadcast)."""
         if self._late is None and parallel.world_size() == 1:
-            graphs = self.graphs if self.graphs is not None else self.mixed
-            logits = getattr(graphs, "logits", None)
-            if logits is not None:
-                self._late = LateSampler(logits, self.last_token)
+            self._late = late_sampling.over_step_graphs(self.graphs, self.mixed, self.last_token)
         return self._late
 
     def _sample_step(self, launched: Launched, logits: torch.Tensor, sampling: SamplingBatch,
