@@ -136,7 +136,7 @@ def stubs(model_dir, tmp_path):
         worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=32,
                                       **({} if graphed else {"enforce_eager": True})))
         if graphed:
-            graphs.attach(worker)
+            graphs.attach(worker, "full_decode_only")   # (the decode graphs own the static logits)
         servers.append(serve(worker, f"unix:{tmp_path}/{name}.sock"))
         channels.append(grpc.insecure_channel(f"unix:{tmp_path}/{name}.sock"))
         out.append((worker, wpb_grpc.WorkerStub(channels[-1])))

@@ -1,0 +1,70 @@
+"""The decode attention kernel compiled for SM90 on any machine (no GPU: Triton's own ptxas),
+with the memory and matrix instructions of its PTX counted, per cache dtype and tile. What it
+answers without device time: are the K/V loads 16 bytes wide and pipelined (cp.async), does
+a tile reach the tensor cores through ldmatrix, or is it read from shared memory a byte at a
+time (an FP8 V tile is: 128 ld.shared.b8 a thread per 128-key tile, docs/quantization.md).
+
+    python -m bench.decode_ptx [--kv fp8,bf16] [--tiles 128/4/3,64/4/3] [--group 2] [--ptx DIR]
+
+The strides are compiled as divisible by 16 (as a launch specialises the real ones); prints
+one line per (dtype, tile): shared memory bytes and instruction counts."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import pathlib
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import triton_decode
+
+COUNTED = r"(cp\.async\.c[ag]\.shared\.global|ld\.global(?:\.v\d)?\.b\d+|ld\.shared(?:\.v\d)?\.b\d+|" \
+          r"st\.shared(?:\.v\d)?\.b\d+|ldmatrix[.a-z0-9]*|cvt\.rn\.f16x2\.e4m3x2|prmt\.b32|mma\.sync[.a-z0-9]*)"
+# pointers and the strides a real launch specialises as multiples of 16 (not stride_bt)
+ALIGNED = ("Q", "K", "V", "SEQ_LENS", "BT", "ORDER", "PART_O", "PART_LSE", "OUT", "stride_qt",
+           "stride_qh", "stride_ot", "stride_oh", "stride_block", "stride_slot", "stride_head")
+
+
+def compile_decode(kv: str, block_n: int, warps: int, stages: int, group: int, head_dim: int = 128):
+    """The decode kernel for a bf16 query over a ``kv`` ("fp8" or "bf16") cache, one split."""
+    fp8 = kv == "fp8"
+    cache = "*fp8e4nv" if fp8 else "*bf16"
+    types = {"Q": "*bf16", "K": cache, "V": cache, "SEQ_LENS": "*i32", "BT": "*i32", "ORDER": "*i32",
+             "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": "*bf16", "qk_scale": "fp32", "v_scale": "fp32"}
+    const = dict(NUM_SPLITS=1, G=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                 BLOCK_N=block_n, BLOCK_SIZE=16, PRECISION="tf32", DOT_F32=False, HAS_ORDER=True,
+                 KV_F16=fp8)
+    names = triton_decode._decode_kernel.arg_names
+    signature = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
+    src = ASTSource(fn=triton_decode._decode_kernel, signature=signature,
+                    constexprs={(names.index(n),): v for n, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=warps, num_stages=stages))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kv", default="fp8,bf16")
+    ap.add_argument("--tiles", default="128/4/3,64/4/3", help="BLOCK_N/warps/stages, comma-separated")
+    ap.add_argument("--group", type=int, default=2, help="query heads per KV head (Qwen3-0.6B: 2)")
+    ap.add_argument("--ptx", default=None, help="a directory to write each variant's PTX into")
+    args = ap.parse_args()
+    for kv in args.kv.split(","):
+        for tile in args.tiles.split(","):
+            block_n, warps, stages = map(int, tile.split("/"))
+            kernel = compile_decode(kv, block_n, warps, stages, args.group)
+            counts = collections.Counter(re.findall(COUNTED, kernel.asm["ptx"]))
+            if args.ptx:
+                pathlib.Path(args.ptx).mkdir(parents=True, exist_ok=True)
+                pathlib.Path(args.ptx, f"decode-{kv}-{tile.replace('/', '-')}.ptx").write_text(kernel.asm["ptx"])
+            print(f"{kv:>4} {tile:>10}: shared {kernel.metadata.shared:>6} B | "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), flush=True)
+
+
+if __name__ == "__main__":
+    main()
