@@ -128,13 +128,14 @@ def on_triton(x: torch.Tensor | str | torch.device) -> bool:
     return _triton is not None and (MODE == "triton" or device.type == "cuda")
 
 
-def fp8_linear(x, weight, weight_scale, input_scale=None, bias=None, kernel=None):
+def fp8_linear(x, weight, weight_scale, input_scale=None, bias=None, kernel=None, dense=None):
     """kernels.reference_quant.fp8_linear's semantics; ``kernel`` (fp8_skinny / scaled_mm)
-    picks the Triton kernel where Triton runs."""
+    picks the Triton kernel where Triton runs; ``dense``: the reference's dequantised weight,
+    kept by the caller."""
     if on_triton(x):
         return _triton[0]["fp8_linear"].fp8_linear(x, weight, weight_scale, input_scale, bias,
                                                    kernel=kernel)
-    return reference_quant.fp8_linear(x, weight, weight_scale, input_scale, bias)
+    return reference_quant.fp8_linear(x, weight, weight_scale, input_scale, bias, dense=dense)
 
 
 def wna16_linear(x, qweight, scales, zeros, g_idx, perm, bits, group_size, bias=None, kernel=None):

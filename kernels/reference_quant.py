@@ -50,25 +50,32 @@ def quantize_fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(w.float() / scale[:, None]), scale
 
 
+def dequantize_fp8(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] e4m3 with per-row [N] or per-tensor (one element) scales -> float32."""
+    return weight.float() * weight_scale.float().reshape(-1, 1).expand(weight.shape[0], 1)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """x [..., K] @ dequant(weight [N, K])^T with x quantised per token (or statically)."""
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               dense: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequant(weight [N, K])^T with x quantised per token (or statically);
+    ``dense``: ``dequantize_fp8``'s result, when the caller keeps it."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     xq, sx = per_token_fp8(x2, input_scale)
-    y = (xq.float() * sx) @ (weight.float() * weight_scale.float().reshape(n, 1)).t()
+    w = dequantize_fp8(weight, weight_scale) if dense is None else dense
+    y = (xq.float() * sx) @ w.t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
 def fp8_weight_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ dequant(weight [N, K])^T (+ bias), x unquantised; ``weight_scale`` [N] float32
-    per output row, or one element for the whole tensor."""
+    per output row, or one element for the whole tensor; ``dense`` as in ``fp8_linear``."""
     n, k = weight.shape
-    w = weight.float() * weight_scale.float().reshape(-1, 1).expand(n, 1)
+    w = dequantize_fp8(weight, weight_scale) if dense is None else dense
     y = x.reshape(-1, k).float() @ w.t()
     if bias is not None:
         y = y + bias.float()

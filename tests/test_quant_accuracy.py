@@ -109,8 +109,8 @@ def measure(scheme: str) -> tuple[float, float]:
 @contextlib.contextmanager
 def _weight_only_fp8():
     real = reference_quant.fp8_linear
-    reference_quant.fp8_linear = lambda x, w, s, input_scale=None, bias=None: \
-        reference_quant.fp8_weight_linear(x, w, s, bias)
+    reference_quant.fp8_linear = lambda x, w, s, input_scale=None, bias=None, dense=None: \
+        reference_quant.fp8_weight_linear(x, w, s, bias, dense)
     try:
         yield
     finally:

@@ -77,6 +77,7 @@ class Fp8Linear(_Planned):
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("input_scale", input_scale)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._dense: torch.Tensor | None = None   # the reference's dequantised weight (CPU)
 
     def takes(self, name: str, dtype: torch.dtype) -> bool:
         return quant_libs.takes(name, scheme="fp8", n=self.out_features, k=self.in_features,
@@ -91,8 +92,14 @@ class Fp8Linear(_Planned):
         if name in self.prepared:
             y = quant_libs.run(name, self.prepared[name], x2.contiguous(), bias)
             return y.reshape(*x.shape[:-1], self.out_features)
+        if kernels.on_triton(x):
+            return kernels.fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias,
+                                      kernel=name)
+        # the reference (CPU: CI, the tiny default model), its dequantised weight made once
+        if self._dense is None:
+            self._dense = reference_quant.dequantize_fp8(self.weight, self.weight_scale)
         return kernels.fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias,
-                                  kernel=name)
+                                  dense=self._dense)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
