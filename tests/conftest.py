@@ -5,6 +5,14 @@ from __future__ import annotations
 
 import os
 
+# pytest-xdist's workers share the machine's cores: each computes on its share (on the 2-core CI
+# machine, one thread each; two workers of two threads each thrashed, and a worker's spawned
+# servers inherit the setting through the environment).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, _threads)
+
 # Triton reads TRITON_INTERPRET once, at its first import, and any module importing
 # transformers imports triton: on a machine without a GPU the interpreter is switched on
 # before anything else, so the kernel tests run whatever was collected first.

@@ -71,7 +71,8 @@ def test_a_killed_core_loses_nothing_and_comes_back(served):
             prompt=prompt, max_tokens=128, ignore_eos=True, sampling=pb.SamplingParams(temperature=0)),
             timeout=180)))
 
-    undisturbed = [run(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:   # (greedy: as in the disturbed run)
+        undisturbed = list(pool.map(run, prompts))
     victim = served.role_pids()["core 1"]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(run, p) for p in prompts]
@@ -84,7 +85,8 @@ def test_a_killed_core_loses_nothing_and_comes_back(served):
     assert served.metric("headrace:placements_total", core="0", reason="resume") > 0
     served.wait_for(lambda: served.role_pids().get("core 1") not in (None, victim), 30, "core 1 restarted")
     served.wait_for(lambda: served.metric("headrace:core_ready", core="1") == 1, 60, "core 1 ready")
-    assert [run(p) for p in prompts[:4]] == undisturbed[:4]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(run, prompts[:4])) == undisturbed[:4]
 
 
 @pytest.mark.parametrize("argv,message", [

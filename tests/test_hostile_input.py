@@ -72,12 +72,12 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-@pytest.mark.slow   # 2,000 streams
+@pytest.mark.slow   # 1,200 streams
 @pytest.mark.timeout(240)
 def test_streams_cancelled_at_random_points_leak_no_blocks(llama_planes):
     start_free = llama_planes.free_blocks
     rng = random.Random(1)
-    plan = [(rng.randrange(1, 60), rng.randrange(0, 6)) for _ in range(2000)]
+    plan = [(rng.randrange(1, 60), rng.randrange(0, 6)) for _ in range(1200)]
 
     def one(job):
         prompt_len, cancel_after = job
@@ -98,7 +98,7 @@ def test_streams_cancelled_at_random_points_leak_no_blocks(llama_planes):
         list(pool.map(one, plan[200:]))
     assert llama_planes.wait_for_free_blocks(start_free, timeout=30) == start_free
     growth = _rss_bytes() - rss_before
-    assert growth < 64 << 20, f"memory grew by {growth >> 20} MiB over 1800 cancelled streams"
+    assert growth < 64 << 20, f"memory grew by {growth >> 20} MiB over {len(plan) - 200} cancelled streams"
     assert not llama_planes.engine.requests
     assert not llama_planes.engine.scheduler.running and not llama_planes.engine.scheduler.waiting
     ok = llama_planes.generate(prompt="hello", max_tokens=3, ignore_eos=True)
