@@ -30,7 +30,9 @@ def _bitmask_kernel(LOGITS, stride_row, BITS, n_words, ROWS, MASK_OF, V, BLOCK: 
     row = tl.load(ROWS + k).to(tl.int64)
     mask = tl.load(MASK_OF + k).to(tl.int64) if HAS_MASK_OF else k.to(tl.int64)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    inside = (cols < V) & (mask >= 0)
+    # The row's bound is 0 without a mask: one comparison, no vector & scalar (triton 3.9's
+    # interpreter turns ``vector & scalar`` of booleans into integers a mask refuses).
+    inside = cols < tl.where(mask >= 0, V, 0)
     words = tl.load(BITS + mask * n_words + cols // 32, mask=inside, other=-1)
     allowed = ((words >> (cols % 32)) & 1) != 0
     minus_inf = tl.full([BLOCK], float("-inf"), tl.float32).to(LOGITS.dtype.element_ty)
