@@ -114,7 +114,9 @@ def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.de
         if quant is not None and quant.fmt != "online":
             quant_loading.prepare(model, quant)
     qload = quant_loading.QuantLoader(quant, cfg, shard, model)
-    model = model.to_empty(device=device).to(dtype)
+    # ``to_empty`` without ``empty_like``: on meta tensors that runs torch's Python reference,
+    # whose first call imports torch.fx's symbolic shapes (~1 s of a CPU start)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)).to(dtype)
     with torch.no_grad():   # padded vocabulary rows stay zero
         for p in model.parameters():
             p.zero_()

@@ -39,7 +39,21 @@ class AttentionMetadata:
                                       # full graphs' static, padded metadata; the hints unused
 
 
-class Linear(nn.Linear):
+class FromCheckpoint:
+    """A layer whose parameters the loader writes (it zeroes them, then loads): no initialiser
+    runs. The loader builds the model on the meta device, where torch's initialisers
+    (``normal_``, ``kaiming_uniform_``) run through its Python decompositions, whose first call
+    imports ``torch._dynamo``: ~2 s of every data plane's start on a CPU."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class LMHead(FromCheckpoint, nn.Linear):
+    """The vocabulary projection's weight (``CausalLM.logits`` reads it)."""
+
+
+class Linear(FromCheckpoint, nn.Linear):
     """nn.Linear through ``kernels.linear`` (a skinny-input kernel at decode batch sizes)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +71,7 @@ class RowParallelLinear(Linear):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(FromCheckpoint, nn.Embedding):
     """Holds rows [start, start + num_embeddings) of the (padded) vocabulary; ids outside
     them contribute zeros, and the ranks' lookups are summed."""
 
@@ -175,7 +189,12 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int, shard: parallel.Shard):
         super().__init__()
-        cos_sin = cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        if torch.empty(0).is_meta:   # built on the meta device: the loader sets the real table
+            # (computing it here on meta runs torch's Python decompositions, which import
+            # torch._dynamo: ~2 s of every data plane's start on a CPU)
+            cos_sin = torch.empty(max_positions, cfg.head_dim)
+        else:
+            cos_sin = cos_sin_cache(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
         self.embed_tokens = VocabParallelEmbedding(shard.vocab_per_rank, cfg.hidden_size,
                                                    shard.vocab_start)
@@ -202,7 +221,7 @@ class CausalLM(nn.Module):
         self.cfg = local = shard.local_config(cfg)
         self.model = DecoderModel(local, max_positions, shard)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_per_rank, bias=False)
+            self.lm_head = LMHead(cfg.hidden_size, shard.vocab_per_rank, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
