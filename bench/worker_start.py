@@ -4,11 +4,13 @@ the meta device and loaded, the KV cache allocated, the warm-up, CUDA graphs on 
 modules that construction imported beside it (``torch._dynamo`` is the tell of an operation
 run through torch's Python references: ~2 s of a CPU start before 2026-12-03).
 
-``--tree`` runs another checkout's worker (e.g. an older commit's ``git archive``) with the
-same options, for a before/after in one run.
+``--serve`` times the whole ``headrace serve`` instead (one front end): from its start to
+SERVING on gRPC health, and from SIGTERM to the exit of its process tree (the data plane's
+exit included). ``--tree`` runs another checkout's worker or serve (e.g. an older commit's
+``git archive``) with the same options, for a before/after in one run.
 
     python -m bench.worker_start [--model DIR] [--device cpu|cuda] [--repeats 3]
-        [--num-kv-blocks 1024] [--enforce-eager] [--tree DIR]
+        [--num-kv-blocks 1024] [--enforce-eager] [--serve] [--tree DIR]
 
 Prints one JSON line per repeat (seconds) and one with the medians."""
 
@@ -18,9 +20,12 @@ import argparse
 import json
 import os
 import pathlib
+import signal
+import socket
 import statistics
 import subprocess
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -46,14 +51,56 @@ print(json.dumps({"import_torch_s": round(t1 - t0, 3), "import_worker_s": round(
 
 
 def one_start(tree: pathlib.Path, opts: dict) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(tree / "protos"),
-                                                       os.environ.get("PYTHONPATH", "")]),
-               HEADRACE_LOG_LEVEL="WARNING")
-    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(opts)], cwd=tree, env=env,
+    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(opts)], cwd=tree, env=_env(tree),
                          capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise SystemExit(f"worker_start: the worker did not start:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _env(tree: pathlib.Path) -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(tree / "protos"),
+                                                        os.environ.get("PYTHONPATH", "")]),
+                HEADRACE_LOG_LEVEL="WARNING")
+
+
+def one_serve(tree: pathlib.Path, opts: dict) -> dict:
+    """``headrace serve`` of ``tree``: seconds to SERVING, and from SIGTERM to its exit."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "cli", "serve", "--model", opts["model"], "--device", opts["device"],
+            "--num-kv-blocks", str(opts["num_kv_blocks"]), "--host", "127.0.0.1", "--port", str(port),
+            "--http-port", "0", "--metrics-port", "0", "--dataplane-metrics-port", "0",
+            "--api-server-count", "1", *(["--enforce-eager"] if opts.get("enforce_eager") else [])]
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=tree, env=_env(tree), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if proc.poll() is not None or time.perf_counter() - start > 600:
+                    raise SystemExit(f"worker_start: serve ended or never served (exit {proc.returncode})")
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.02)
+        serving = time.perf_counter() - start
+        stop = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        return {"serving_s": round(serving, 3), "exit_s": round(time.perf_counter() - stop, 3)}
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def main() -> None:
@@ -64,6 +111,8 @@ def main() -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=1024,
                     help="a fixed KV pool (the memory-sized default spends its time zeroing memory)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (GPU)")
+    ap.add_argument("--serve", action="store_true",
+                    help="time headrace serve (to SERVING, SIGTERM to exit) instead of the worker alone")
     ap.add_argument("--tree", default=str(ROOT), help="the checkout whose worker starts (default: this one)")
     args = ap.parse_args()
     tree = pathlib.Path(args.tree).resolve()
@@ -73,12 +122,12 @@ def main() -> None:
         opts["enforce_eager"] = True
     rows = []
     for i in range(args.repeats):
-        row = dict(one_start(tree, opts), repeat=i, tree=str(tree), device=args.device,
+        row = dict((one_serve if args.serve else one_start)(tree, opts), repeat=i, tree=str(tree), device=args.device,
                    model=os.path.basename(model.rstrip("/")))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    medians = {k: round(statistics.median(r[k] for r in rows), 3)
-               for k in ("import_torch_s", "import_worker_s", "construct_s", "total_s")}
+    keys = ("serving_s", "exit_s") if args.serve else ("import_torch_s", "import_worker_s", "construct_s", "total_s")
+    medians = {k: round(statistics.median(r[k] for r in rows), 3) for k in keys}
     print(json.dumps(dict(medians, summary="median", repeats=len(rows), tree=str(tree),
                           device=args.device)), flush=True)
 
