@@ -102,6 +102,18 @@ def test_step_host_times_every_phase_and_kind_on_a_cpu():
     assert "mode               kind" in out   # the table
 
 
+def test_worker_start_times_a_cpu_worker_that_imports_no_compiler():
+    """bench.worker_start with the embedded model on a CPU: one start's phases, and the
+    construction (the model built on the meta device, then loaded) imports neither
+    torch._dynamo nor torch.fx's symbolic shapes (their import was ~3 s of every start)."""
+    out = subprocess.run([sys.executable, "-m", "bench.worker_start", "--repeats", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240, check=True).stdout
+    row, summary = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert row["device"] == "cpu" and row["model"] == "tiny" and summary["summary"] == "median"
+    assert all(row[k] > 0 for k in ("import_torch_s", "import_worker_s", "construct_s", "total_s"))
+    assert row["dynamo_imported"] is False and row["fx_symbolic_shapes_imported"] is False
+
+
 @pytest.mark.slow   # a serve per mode
 def test_w5_runs_on_a_cpu_with_tiny_sizes_in_every_mode():
     """W5 (multi-turn chat) end to end with the embedded tiny model, one data plane (with a host
