@@ -29,15 +29,17 @@ ALIGNED = ("Q", "K", "V", "SEQ_LENS", "BT", "ORDER", "PART_O", "PART_LSE", "OUT"
            "stride_qh", "stride_ot", "stride_oh", "stride_block", "stride_slot", "stride_head")
 
 
-def compile_decode(kv: str, block_n: int, warps: int, stages: int, group: int, head_dim: int = 128):
-    """The decode kernel for a bf16 query over a ``kv`` ("fp8" or "bf16") cache, one split."""
+def compile_decode(kv: str, block_n: int, warps: int, stages: int, group: int, head_dim: int = 128,
+                   v_t: bool = True):
+    """The decode kernel for a bf16 query over a ``kv`` ("fp8" or "bf16") cache, one split;
+    ``v_t``: an FP8 cache's V transposed within each block (the engine's layout)."""
     fp8 = kv == "fp8"
     cache = "*fp8e4nv" if fp8 else "*bf16"
     types = {"Q": "*bf16", "K": cache, "V": cache, "SEQ_LENS": "*i32", "BT": "*i32", "ORDER": "*i32",
              "PART_O": "*fp32", "PART_LSE": "*fp32", "OUT": "*bf16", "qk_scale": "fp32", "v_scale": "fp32"}
     const = dict(NUM_SPLITS=1, G=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
                  BLOCK_N=block_n, BLOCK_SIZE=16, PRECISION="tf32", DOT_F32=False, HAS_ORDER=True,
-                 KV_F16=fp8)
+                 KV_F16=fp8, V_T=fp8 and v_t)
     names = triton_decode._decode_kernel.arg_names
     signature = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
     src = ASTSource(fn=triton_decode._decode_kernel, signature=signature,
@@ -52,12 +54,14 @@ def main() -> None:
     ap.add_argument("--kv", default="fp8,bf16")
     ap.add_argument("--tiles", default="128/4/3,64/4/3", help="BLOCK_N/warps/stages, comma-separated")
     ap.add_argument("--group", type=int, default=2, help="query heads per KV head (Qwen3-0.6B: 2)")
+    ap.add_argument("--plain-v", action="store_true",
+                    help="an FP8 V in the bf16 layout (before the transposed blocks)")
     ap.add_argument("--ptx", default=None, help="a directory to write each variant's PTX into")
     args = ap.parse_args()
     for kv in args.kv.split(","):
         for tile in args.tiles.split(","):
             block_n, warps, stages = map(int, tile.split("/"))
-            kernel = compile_decode(kv, block_n, warps, stages, args.group)
+            kernel = compile_decode(kv, block_n, warps, stages, args.group, v_t=not args.plain_v)
             counts = collections.Counter(re.findall(COUNTED, kernel.asm["ptx"]))
             if args.ptx:
                 pathlib.Path(args.ptx).mkdir(parents=True, exist_ok=True)

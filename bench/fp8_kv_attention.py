@@ -6,9 +6,12 @@ Decode is timed as the engine runs it (``bench.kernels.graph_ms``: CUDA-graph re
 distinct batches, past the L2 cache); TB/s counts the bytes of each cache (bf16's twice FP8's),
 so a faster FP8 kernel shows as lower µs at about the same TB/s. Each row: bf16 (the engine's
 bf16 tile), then FP8 variants: widened to float16 or to the query's dtype
-(``triton_flash.FP8_COMPUTE``), BLOCK_N / warps / stages of the decode kernel; the engine's
-FP8 variant is the first; ``best`` names the fastest. Every variant is checked against the
-bf16 kernel on the dequantised cache first.
+(``triton_flash.FP8_COMPUTE``), BLOCK_N / warps / stages of the decode kernel, and V stored
+transposed within each block (the engine's FP8 layout, ``kernels.kv_layout``) or token-major
+(``tok-V``: bf16's layout, the engine's before); the engine's FP8 variant is the first;
+``best`` names the fastest. Every variant is checked against the bf16 kernel on the
+dequantised cache first. The prefill rows time causal chunks over bf16, FP8 and FP8 with a
+token-major V.
 
     python -m bench.fp8_kv_attention [--batches 64,256] [--contexts 1024,2048]
 """
@@ -20,17 +23,20 @@ import argparse
 import torch
 
 from bench.kernels import BLOCK, LAYOUTS, _metadata, _time_ms, graph_ms
-from kernels import triton_attention, triton_decode, triton_flash
+from kernels import kv_layout, triton_attention, triton_decode, triton_flash
 
 K_SCALE, V_SCALE = 0.02, 0.02
-# (label, FP8_COMPUTE, (BLOCK_N, warps, stages)); the first is the engine's
-FP8_VARIANTS = [("f16 128/4/3", "float16", None), ("f16 64/4/3", "float16", (64, 4, 3)),
-                ("f16 128/8/3", "float16", (128, 8, 3)), ("f16 256/8/2", "float16", (256, 8, 2)),
-                ("bf16 64/4/3 (old)", "query", (64, 4, 3))]
+# (label, FP8_COMPUTE, (BLOCK_N, warps, stages), V transposed); the first is the engine's
+ENGINE = "f16 engine " + "/".join(map(str, triton_decode.decode_config(True)))
+FP8_VARIANTS = [(ENGINE, "float16", None, True), ("f16 128/4/3", "float16", (128, 4, 3), True),
+                ("f16 64/4/4", "float16", (64, 4, 4), True), ("f16 64/2/4", "float16", (64, 2, 4), True),
+                ("f16 128/4/4", "float16", (128, 4, 4), True), ("f16 32/4/4", "float16", (32, 4, 4), True),
+                ("tok-V f16 128/4/3", "float16", (128, 4, 3), False)]
 
 
-def _decode_calls(cache, heads, batch, ctx, compute, config, scale):
-    """Distinct batches of equal contexts (enough to sweep past the L2 cache)."""
+def _decode_calls(cache, heads, batch, ctx, compute, config, scale, v_t=False):
+    """Distinct batches of equal contexts (enough to sweep past the L2 cache); ``v_t``: the
+    cache's values are stored transposed (an FP8 cache given as ``kv_layout.store`` made it)."""
     kv_heads, head_dim = cache.shape[3], cache.shape[4]
     kv_bytes = 2 * batch * ctx * kv_heads * head_dim * cache.element_size()
     calls, saved = [], triton_flash.FP8_COMPUTE
@@ -41,6 +47,7 @@ def _decode_calls(cache, heads, batch, ctx, compute, config, scale):
                                                  cache.device)
             query = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16, device=cache.device)
             launch = triton_flash.Launch(query, cache, tables, scale, K_SCALE, V_SCALE)
+            launch.v_t = v_t
             out = torch.empty_like(query)
             calls.append(lambda a=(launch, seq_lens, tables, out, None, None, config):
                          triton_decode.decode(*a) or a[3])
@@ -56,12 +63,13 @@ def decode_row(layout, batch, ctx) -> str:
     scales = torch.tensor([K_SCALE, V_SCALE], device="cuda").view(2, 1, 1, 1, 1)
     fp8 = (bf16.float() / scales).clamp(-448, 448).to(torch.float8_e4m3fn)
     bf16 = (fp8.float() * scales).to(torch.bfloat16)       # the same values in both caches
+    stored = {False: fp8, True: kv_layout.store(fp8)}      # token-major V, transposed V
     scale = head_dim ** -0.5
     base_calls, base_bytes = _decode_calls(bf16, heads, batch, ctx, "query", None, scale)
     base = graph_ms(base_calls) * 1e3
     cells, best = [f"{base:7.1f} ({base_bytes / base / 1e6:4.2f})"], ("bf16", base)
-    for label, compute, config in FP8_VARIANTS:
-        calls, nbytes = _decode_calls(fp8, heads, batch, ctx, compute, config, scale)
+    for label, compute, config, v_t in FP8_VARIANTS:
+        calls, nbytes = _decode_calls(stored[v_t], heads, batch, ctx, compute, config, scale, v_t)
         us = graph_ms(calls) * 1e3
         cells.append(f"{us:7.1f} ({nbytes / us / 1e6:4.2f}; {us / base:4.2f}x)")
         best = min(best, (label, us), key=lambda b: b[1])
@@ -80,9 +88,11 @@ def check() -> None:
     want = triton_attention.paged_attention(query, deq, starts, seq_lens, tables, head_dim ** -0.5,
                                             decode_only=True).float()
     saved = triton_flash.FP8_COMPUTE
-    for label, compute, config in FP8_VARIANTS:
+    stored = {False: fp8, True: kv_layout.store(fp8)}
+    for label, compute, config, v_t in FP8_VARIANTS:
         triton_flash.FP8_COMPUTE = compute
-        launch = triton_flash.Launch(query, fp8, tables, head_dim ** -0.5, K_SCALE, V_SCALE)
+        launch = triton_flash.Launch(query, stored[v_t], tables, head_dim ** -0.5, K_SCALE, V_SCALE)
+        launch.v_t = v_t
         out = torch.empty_like(query)
         triton_decode.decode(launch, seq_lens, tables, out, None, None, config)
         err = (out.float() - want).abs().max().item()
@@ -92,22 +102,25 @@ def check() -> None:
 
 
 def prefill_row(layout, q_len, ctx) -> str:
-    """Causal chunks of q_len tokens over ctx - q_len cached ones (TFLOP/s), bf16 vs FP8."""
+    """Causal chunks of q_len tokens over ctx - q_len cached ones (TFLOP/s): bf16, FP8 (V
+    transposed), FP8 with a token-major V."""
     heads, kv_heads, head_dim = LAYOUTS[layout]
     batch = max(1, 16384 // q_len)
     cells = []
-    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for dtype, v_t in ((torch.bfloat16, False), (torch.float8_e4m3fn, True), (torch.float8_e4m3fn, False)):
         cache = torch.randn(2, batch * ctx // BLOCK + 16, BLOCK, kv_heads, head_dim,
                             device="cuda").to(dtype)
         starts, seq_lens, tables = _metadata([q_len] * batch, [ctx] * batch, cache.shape[1], "cuda")
         query = torch.randn(batch * q_len, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-        ms = _time_ms(lambda: triton_attention.paged_attention(
-            query, cache, starts, seq_lens, tables, head_dim ** -0.5, max_query_len=q_len,
-            k_scale=K_SCALE, v_scale=V_SCALE))
+        launch = triton_flash.Launch(query, cache, tables, head_dim ** -0.5, K_SCALE, V_SCALE)
+        launch.v_t = v_t
+        out = torch.empty_like(query)
+        ms = _time_ms(lambda: triton_attention.prefill(launch, starts, seq_lens, tables, out, 0, q_len))
         pairs = batch * q_len * (ctx - q_len) + batch * q_len * (q_len + 1) / 2
         cells.append(f"{4 * heads * head_dim * pairs / ms / 1e9:6.1f}")
-        cache = None   # (freed before the next dtype's; ``del`` reads as undefined in the lambda)
-    return f"{layout:>12} prefill {q_len} over {ctx}: TFLOP/s bf16 {cells[0]}, fp8 {cells[1]}"
+        cache = launch = None   # (freed before the next; ``del`` reads as undefined in the lambda)
+    return (f"{layout:>12} prefill {q_len} over {ctx}: TFLOP/s bf16 {cells[0]}, fp8 {cells[1]}, "
+            f"fp8 tok-V {cells[2]}")
 
 
 def main() -> None:

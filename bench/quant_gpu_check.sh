@@ -31,6 +31,7 @@
 # w1kv: W1 (Qwen3-0.6B, offline client) bf16 KV vs FP8 KV; ~2 min.
 # l8: Llama-3.1-8B (random bf16; an INT4 compressed-tensors W4A16 g128 copy): W3 bf16 vs FP8
 #   weights + FP8 KV, W2 bf16 vs INT4 (and FP8); ~6-7 min (checkpoints ~2 min, three servers).
+# w3kv: W3 on Llama-3.1-8B only, bf16 vs FP8 weights + FP8 KV (the W3 target); ~5 min.
 # serve: w1kv and l8; then the table of issue 32's serving targets (server logs: $OUT/serve-N.log).
 # The last lines: a short table of each section's wall time and result.
 set -uo pipefail
@@ -77,7 +78,7 @@ if has attention; then
     | tee "$OUT/fp8_kv.txt"
   note attention $((SECONDS - t0)) "$(grep -c '| best' "$OUT/fp8_kv.txt") decode rows, $(grep -c prefill "$OUT/fp8_kv.txt") prefill rows"
 fi
-if has w1kv || has l8; then
+if has w1kv || has l8 || has w3kv; then
   RES=$OUT/quant_serve.jsonl; : > "$RES"; ADDR=127.0.0.1:50151; n=0
   up() {      # MODEL SERVE_ARGS...: `headrace serve` in a process group of its own
     n=$((n + 1)); log "serve $*"
@@ -113,6 +114,13 @@ except ValueError: print(json.dumps({'label': '$1', 'error': 'no result'}))" | t
     log "checkpoint qwen3"; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda > /dev/null
     up /tmp/qwen3 $W1; bench "W1 qwen3 bf16 KV" w1; down
     up /tmp/qwen3 $W1 --kv-cache-dtype fp8; bench "W1 qwen3 fp8 KV" w1; down
+  fi
+  if has w3kv; then
+    log "checkpoint llama8b"
+    python3 -m bench.random_checkpoint llama-3.1-8b /tmp/llama8b --device cuda > /dev/null
+    up /tmp/llama8b $L8; bench "W3 llama8b bf16" w3; down
+    up /tmp/llama8b $L8 --quantization fp8 --kv-cache-dtype fp8
+    bench "W3 llama8b fp8 weights + fp8 KV" w3; down
   fi
   if has l8; then
     log "checkpoints llama8b"

@@ -29,7 +29,7 @@ from dataplane.quantization import KV_CACHE_DTYPES, layers as quant_layers, reso
 from dataplane.runner import ModelRunner
 from dataplane.sampler import SamplingBatch, SamplingRow, sample
 from dataplane.spec_decode import SpecDecoder, graph_rows
-from kernels import attention_policy, quant_dispatch, quant_libs
+from kernels import attention_policy, kv_layout, quant_dispatch, quant_libs
 from headrace.dataplane.v1 import worker_pb2 as pb
 
 log = logging.getLogger("headrace.dataplane")
@@ -114,6 +114,7 @@ class Worker:
         if opts.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {opts.kv_cache_dtype!r}: choose from {KV_CACHE_DTYPES}")
         self.kv_dtype = torch.float8_e4m3fn if opts.kv_cache_dtype == "fp8" else self.dtype
+        kv_layout.check_block_size(self.kv_dtype, opts.block_size)
         self.attention = attention_policy.resolve(
             opts.attention_backend, self.device.type,
             None if self.device.type != "cuda" else kernels.flash_attn4.unusable(

@@ -4,7 +4,9 @@ These are the semantics every Triton kernel in this package must reproduce; the
 data plane runs them on CPU, and tests compare the Triton kernels against them.
 
 Paged KV layout (per layer): ``kv_cache[0]`` holds keys and ``kv_cache[1]`` values,
-each ``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's slot is
+each ``[num_blocks, block_size, num_kv_heads, head_dim]`` (an FP8 cache stores its values
+transposed within each block: ``kernels.kv_layout``, whose ``values`` view reads them by
+token). A token's slot is
 ``block_id * block_size + offset``; slot ``-1`` marks a padded token that is not written.
 An FP8 cache (float8_e4m3fn) stores ``k / k_scale`` and ``v / v_scale`` (per-tensor scales,
 saturated at +-448) and attention reads them back times the scale; other caches ignore them.
@@ -13,6 +15,8 @@ saturated at +-448) and attention reads them back times the scale; other caches 
 from __future__ import annotations
 
 import torch
+
+from kernels import kv_layout
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,7 +70,7 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
     kv_cache[0, blocks, offsets] = _to_cache(key[keep], k_scale, kv_cache.dtype)
-    kv_cache[1, blocks, offsets] = _to_cache(value[keep], v_scale, kv_cache.dtype)
+    kv_layout.values(kv_cache)[blocks, offsets] = _to_cache(value[keep], v_scale, kv_cache.dtype)
 
 
 def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -114,7 +118,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
         if n == 0:
             continue
         k = _gather_context(kv_cache[0], block_tables[i], ctx).float().repeat_interleave(group, 1)
-        v = _gather_context(kv_cache[1], block_tables[i], ctx).float().repeat_interleave(group, 1)
+        v = _gather_context(kv_layout.values(kv_cache), block_tables[i], ctx).float().repeat_interleave(group, 1)
         k, v = k * k_scale, v * v_scale
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(ctx - n, ctx)[:, None]

@@ -37,7 +37,8 @@ def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, seq0, qk_scale, v_scale, st
                     stride_oh, stride_bt, stride_block, stride_slot, stride_head,
                     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, KV_F16: tl.constexpr):
+                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, KV_F16: tl.constexpr,
+                    V_T: tl.constexpr):
     # Tiles run last-first: the causal tail's longest tiles start early, the short ones fill in.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head, seq = tl.program_id(1), seq0 + tl.program_id(2)
@@ -48,7 +49,7 @@ def _prefill_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, seq0, qk_scale, v_scale, st
     _causal_tile(Q, K, V, OUT, BT, seq, tile, kv_head, q_start, q_len, tl.load(SEQ_LENS + seq),
                  qk_scale, v_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                  stride_block, stride_slot, stride_head, G, G_PAD, BLOCK_Q, HEAD_DIM, BLOCK_N,
-                 BLOCK_SIZE, PRECISION, DOT_F32, KV_F16)
+                 BLOCK_SIZE, PRECISION, DOT_F32, KV_F16, V_T)
 
 
 def _max_query_len(query_start_loc: torch.Tensor) -> int:
@@ -109,5 +110,5 @@ def prefill(launch: Launch, query_start_loc: torch.Tensor, seq_lens: torch.Tenso
         seq0, launch.qk_scale, launch.v_scale, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         *launch.cache_strides, G=group, G_PAD=g_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim,
         BLOCK_N=PREFILL_BLOCK_N, BLOCK_SIZE=block_size, PRECISION=launch.precision,
-        DOT_F32=launch.dot_f32, KV_F16=launch.kv_f16, num_warps=PREFILL_WARPS if block_m >= 128 else 4,
+        DOT_F32=launch.dot_f32, KV_F16=launch.kv_f16, V_T=launch.v_t, num_warps=PREFILL_WARPS if block_m >= 128 else 4,
         num_stages=2 if wide else PREFILL_STAGES)

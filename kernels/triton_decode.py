@@ -26,9 +26,10 @@ from kernels.triton_flash import Launch, _attend, _query_operand
 # Launch configuration, tuned on an H200 (triton 3.6) with ``bench/kernels.py --sweep``: decode
 # reaches 3.8-4.4 TB/s at batch >= 64 (Llama-3.1-8B layout).
 DECODE_BLOCK_N, DECODE_WARPS, DECODE_STAGES = 64, 4, 3     # BLOCK_N: keys per loop iteration
-# An FP8 cache's tile of the same bytes holds twice the keys: BLOCK_N 128 keeps as many bytes in
-# flight per iteration (bench/quant_kernels.py --attention compares the tiles on the GPU).
-FP8_DECODE_BLOCK_N, FP8_DECODE_WARPS, FP8_DECODE_STAGES = 128, 4, 3
+# Over an FP8 cache (V stored transposed within each block, ``kernels.kv_layout``) 64 keys a tile
+# on two warps with four stages measured fastest on the H200 (bench/fp8_kv_attention.py,
+# 2026-12-03: 0.64-0.74x of bf16's time at batch 64-256, context 1-2k; 128/4/3: 0.69-0.96x).
+FP8_DECODE_BLOCK_N, FP8_DECODE_WARPS, FP8_DECODE_STAGES = 64, 2, 4
 MIN_SPLIT_TOKENS = 256     # a decode split gets at least this much of the longest context
 MAX_SPLITS = 32
 
@@ -41,7 +42,8 @@ def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale
                    stride_head, NUM_SPLITS: tl.constexpr,
                    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-                   DOT_F32: tl.constexpr, HAS_ORDER: tl.constexpr, KV_F16: tl.constexpr):
+                   DOT_F32: tl.constexpr, HAS_ORDER: tl.constexpr, KV_F16: tl.constexpr,
+                   V_T: tl.constexpr):
     # Programs start in grid order, all of one sequence's (kv head, split) programs together;
     # with ORDER (sequences by context, longest first) the long ones start first and the short
     # ones fill in behind them: the last wave is short.
@@ -62,10 +64,18 @@ def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     q_pos = tl.full([G_PAD], ctx - 1, tl.int32)  # the one query sees every key below ctx
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, BT + seq * stride_bt, kv_head * stride_head,
-                            lo, hi, q_pos, qk_scale, stride_block,
-                            stride_slot, BLOCK_N, BLOCK_SIZE, HEAD_DIM, True, PRECISION,
-                            DOT_F32 and not KV_F16, q.dtype)
+    bt_row = BT + seq * stride_bt
+    if V_T:   # whole tiles unmasked (the one query sees every key below ctx), then the partial one:
+        # a masked transposed-V tile is read without vectorised copies (kernels.triton_flash)
+        full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, lo, full, q_pos,
+                                qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
+                                False, PRECISION, DOT_F32 and not KV_F16, q.dtype, V_T)
+        lo = full
+    # (a bf16 cache: one masked loop; split as above, it measured up to 1.2x slower at batch 64)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, lo, hi, q_pos,
+                            qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
+                            True, PRECISION, DOT_F32 and not KV_F16, q.dtype, V_T)
     acc = acc * v_scale
     if NUM_SPLITS == 1:   # the whole context in one program: the output itself, no combine
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -151,6 +161,7 @@ def decode(launch: Launch, seq_lens: torch.Tensor, block_tables: torch.Tensor, o
         G_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, PRECISION=launch.precision,
         DOT_F32=launch.dot_f32, HAS_ORDER=order is not None, KV_F16=launch.kv_f16,
+        V_T=launch.v_t,
         num_warps=warps, num_stages=stages)
     if splits > 1:
         _combine_kernel[(batch, heads)](part_o, part_lse, out, out.stride(0), out.stride(1),

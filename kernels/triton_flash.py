@@ -52,10 +52,32 @@ def _query_operand(q, KV_F16: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _value_tile_t(V, block, k_pos, live, v_head_off, stride_block, BLOCK_N: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+    """Values of keys k_pos (BLOCK_N consecutive from a multiple of BLOCK_N; ``block``: each
+    key's block) from a cache that stores V transposed within each block (``[head_dim,
+    block_size]`` per block and head, the FP8 layout): [BLOCK_N, HEAD_DIM], read along the keys
+    in runs of a block (16-byte copies), so that the tile reaches the tensor cores by
+    ``ldmatrix`` with no trip through registers and back (which zeroing the tile after its load
+    costs). MASKED: keys not ``live`` are not loaded (0): a masked tile's copy is not vectorised,
+    so callers mask only a context's last tile."""
+    SPAN: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N   # keys in one run
+    off = (block * stride_block + v_head_off + k_pos % BLOCK_SIZE)[:, None] \
+        + tl.arange(0, HEAD_DIM)[None, :] * BLOCK_SIZE
+    off = tl.max_contiguous(tl.multiple_of(off, [SPAN, 1]), [SPAN, 1])
+    if MASKED:
+        v = tl.load(V + off, mask=live[:, None], other=0.0)
+    else:
+        v = tl.load(V + off)
+    return v
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale,
             stride_block, stride_slot, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-            DOT_F32: tl.constexpr, dtype: tl.constexpr):
+            DOT_F32: tl.constexpr, dtype: tl.constexpr, V_T: tl.constexpr,
+            V_ZERO: tl.constexpr = False):
     """Folds keys [lo, hi) into the running (acc, l_i, m_i). MASKED: a tile may run past hi or
     past a row's query position; otherwise every tile is full and visible to every row.
     K/V are read as ``dtype`` (the query's: an FP8 cache is widened, its scales applied by the
@@ -68,12 +90,24 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
             block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
             off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
             k = tl.load(K + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(dtype)
-            v = tl.load(V + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(dtype)
+            if V_T and V_ZERO:   # keys past hi read their slots (maybe NaN), then zeroed
+                v = _value_tile_t(V, block, k_pos, live, kv_head_off * BLOCK_SIZE, stride_block,
+                                  BLOCK_N, BLOCK_SIZE, HEAD_DIM, False).to(dtype)
+                v = tl.where(live[:, None], v, 0.0).to(dtype)
+            elif V_T:
+                v = _value_tile_t(V, block, k_pos, live, kv_head_off * BLOCK_SIZE, stride_block,
+                                  BLOCK_N, BLOCK_SIZE, HEAD_DIM, True).to(dtype)
+            else:
+                v = tl.load(V + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(dtype)
         else:
             block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
             off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
             k = tl.load(K + off[:, None] + d[None, :]).to(dtype)
-            v = tl.load(V + off[:, None] + d[None, :]).to(dtype)
+            if V_T:
+                v = _value_tile_t(V, block, k_pos, k_pos, kv_head_off * BLOCK_SIZE, stride_block,
+                                  BLOCK_N, BLOCK_SIZE, HEAD_DIM, False).to(dtype)
+            else:
+                v = tl.load(V + off[:, None] + d[None, :]).to(dtype)
         s = tl.dot(q, tl.trans(_operand(k, DOT_F32)), input_precision=PRECISION)
         if MASKED:
             s = tl.where(live[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -92,7 +126,8 @@ def _causal_tile(Q, K, V, OUT, BT, seq, tile, kv_head, q_start, q_len, ctx, qk_s
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_block, stride_slot,
                  stride_head, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 PRECISION: tl.constexpr, DOT_F32: tl.constexpr, KV_F16: tl.constexpr):
+                 PRECISION: tl.constexpr, DOT_F32: tl.constexpr, KV_F16: tl.constexpr,
+                 V_T: tl.constexpr):
     """One query tile of a sequence (its queries are the last q_len of its ctx positions, at
     rows q_start.. of Q and OUT): BLOCK_Q tokens x the GQA group as the tile's rows, so a K/V
     tile is loaded once per group; keys below the tile's first query unmasked, the causal
@@ -116,10 +151,10 @@ def _causal_tile(Q, K, V, OUT, BT, seq, tile, kv_head, q_start, q_len, ctx, qk_s
     bt_row = BT + seq * stride_bt
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, 0, below,
                             q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
-                            HEAD_DIM, False, PRECISION, DOT_F32 and not KV_F16, q.dtype)
+                            HEAD_DIM, False, PRECISION, DOT_F32 and not KV_F16, q.dtype, V_T)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, below, end,
                             q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
-                            HEAD_DIM, True, PRECISION, DOT_F32 and not KV_F16, q.dtype)
+                            HEAD_DIM, True, PRECISION, DOT_F32 and not KV_F16, q.dtype, V_T, True)
     out = acc * v_scale / tl.where(row_ok & (l_i > 0), l_i, 1.0)[:, None]
     tl.store(OUT + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
@@ -139,5 +174,7 @@ class Launch:
         self.qk_scale = scale * LOG2E * (k_scale if fp8 else 1.0)
         self.v_scale = v_scale if fp8 else 1.0
         self.fp8 = fp8
+        # an FP8 cache stores V transposed within each block (``kernels.kv_layout``)
+        self.v_t = fp8
         # K/V tiles widen to float16 (a float32 query keeps float32: tests, CPU-sized models)
         self.kv_f16 = fp8 and FP8_COMPUTE == "float16" and query.dtype != torch.float32

@@ -4,7 +4,8 @@ launch per layer instead of five (q norm, k norm, two rotaries, the KV write).
 One program per token holds all of its heads: q and k are RMS-normalised per head (in float32,
 rounded where the reference rounds), rotated with the token's cos/sin (cast to the activation
 dtype and every product rounded, as the reference does), q is stored and k and v go straight
-to their cache slot (skipped for slot -1). At a decode step of Qwen3-0.6B this saves 112 small
+to their cache slot (skipped for slot -1; an FP8 cache's value transposed within its block,
+``kernels.kv_layout``). At a decode step of Qwen3-0.6B this saves 112 small
 kernels; at a prefill it saves writing and re-reading q and k three times.
 """
 
@@ -80,8 +81,14 @@ def _prologue_kernel(Q, K, V, POS, COS_SIN, QW, KW, OUT_Q, CACHE, SLOTS, eps,
         if FP8:
             v1 = scaled_e4m3(v1, v_scale, cache_dtype, ROUND_FIRST)
             v2 = scaled_e4m3(v2, v_scale, cache_dtype, ROUND_FIRST)
-        tl.store(dst + stride_c_kv, v1.to(cache_dtype), mask=kv_mask)
-        tl.store(dst + stride_c_kv + HALF, v2.to(cache_dtype), mask=kv_mask)
+        if FP8:   # values transposed within the block (kernels.kv_layout): d strides block_size
+            v_dst = CACHE + stride_c_kv + (slot // block_size) * stride_c_block \
+                + (kv_heads * (2 * HALF) + d) * block_size + slot % block_size
+            tl.store(v_dst, v1.to(cache_dtype), mask=kv_mask)
+            tl.store(v_dst + HALF * block_size, v2.to(cache_dtype), mask=kv_mask)
+        else:
+            tl.store(dst + stride_c_kv, v1.to(cache_dtype), mask=kv_mask)
+            tl.store(dst + stride_c_kv + HALF, v2.to(cache_dtype), mask=kv_mask)
 
 
 def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

@@ -67,7 +67,8 @@ def _unified_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, num_seqs, qk_scale, v_scale
                     stride_qh, stride_ot, stride_oh, stride_bt, stride_block, stride_slot,
                     stride_head, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, KV_F16: tl.constexpr):
+                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, KV_F16: tl.constexpr,
+                    V_T: tl.constexpr):
     block = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(QSL, block, num_seqs, BLOCK_Q)
@@ -79,7 +80,7 @@ def _unified_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, num_seqs, qk_scale, v_scale
     _causal_tile(Q, K, V, OUT, BT, seq, tile, kv_head, q_start, q_len, tl.load(SEQ_LENS + seq),
                  qk_scale, v_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                  stride_block, stride_slot, stride_head, G, G_PAD, BLOCK_Q, HEAD_DIM, BLOCK_N,
-                 BLOCK_SIZE, PRECISION, DOT_F32, KV_F16)
+                 BLOCK_SIZE, PRECISION, DOT_F32, KV_F16, V_T)
 
 
 def tile_rows(tokens: int, group: int, wide: bool, block_m: int | None = None) -> int:
@@ -123,6 +124,6 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_l
         launch.qk_scale, launch.v_scale, query.stride(0), query.stride(1), out.stride(0),
         out.stride(1), *launch.cache_strides, G=group, G_PAD=g_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, PRECISION=launch.precision,
-        DOT_F32=launch.dot_f32, KV_F16=launch.kv_f16, num_warps=8 if rows >= 128 else 4,
+        DOT_F32=launch.dot_f32, KV_F16=launch.kv_f16, V_T=launch.v_t, num_warps=8 if rows >= 128 else 4,
         num_stages=2 if wide else STAGES)
     return out

@@ -106,7 +106,7 @@ def test_num_programs_cover_every_query_block():
 
 def test_fp8_kv_cache():
     """An FP8 cache (k_scale 0.02, v_scale 0.05): the attention of the dequantised cache."""
-    from kernels import reference_quant
+    from kernels import kv_layout, reference_quant
 
     torch.manual_seed(0)
     q_lens, ctx_lens = [1, 1, 7, 20], [40, 5, 7, 90]
@@ -115,7 +115,8 @@ def test_fp8_kv_cache():
     fp8 = reference_quant.to_fp8(cache * 3 / scales)
     expect = ref.paged_attention(query, fp8.float() * scales, starts, seq_lens, tables, 64 ** -0.5)
     got = triton_unified.unified_attention(
-        *(t.to(DEVICE) for t in (query.to(torch.bfloat16), fp8, starts, seq_lens, tables)),
+        *(t.to(DEVICE) for t in (query.to(torch.bfloat16), kv_layout.store(fp8), starts, seq_lens,
+                                  tables)),
         64 ** -0.5, k_scale=0.02, v_scale=0.05)
     assert not got.isnan().any()
     torch.testing.assert_close(got.cpu().float(), expect, atol=3e-2, rtol=3e-2)
