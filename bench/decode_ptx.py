@@ -61,7 +61,8 @@ def main() -> None:
     for kv in args.kv.split(","):
         for tile in args.tiles.split(","):
             block_n, warps, stages = map(int, tile.split("/"))
-            kernel = compile_decode(kv, block_n, warps, stages, args.group, v_t=not args.plain_v)
+            kernel = compile_decode(kv, block_n, warps, stages, args.group,
+                                    v_t=not args.plain_v)
             counts = collections.Counter(re.findall(COUNTED, kernel.asm["ptx"]))
             if args.ptx:
                 pathlib.Path(args.ptx).mkdir(parents=True, exist_ok=True)

@@ -124,6 +124,7 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_l
         launch.qk_scale, launch.v_scale, query.stride(0), query.stride(1), out.stride(0),
         out.stride(1), *launch.cache_strides, G=group, G_PAD=g_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, PRECISION=launch.precision,
-        DOT_F32=launch.dot_f32, KV_F16=launch.kv_f16, V_T=launch.v_t, num_warps=8 if rows >= 128 else 4,
+        DOT_F32=launch.dot_f32, KV_F16=launch.kv_f16, V_T=launch.v_t,
+        num_warps=8 if rows >= 128 else 4,
         num_stages=2 if wide else STAGES)
     return out
