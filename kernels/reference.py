@@ -118,7 +118,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
         if n == 0:
             continue
         k = _gather_context(kv_cache[0], block_tables[i], ctx).float().repeat_interleave(group, 1)
-        v = _gather_context(kv_layout.values(kv_cache), block_tables[i], ctx).float().repeat_interleave(group, 1)
+        v = _gather_context(kv_layout.values(kv_cache), block_tables[i], ctx).float()
+        v = v.repeat_interleave(group, 1)
         k, v = k * k_scale, v * v_scale
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(ctx - n, ctx)[:, None]

@@ -174,7 +174,11 @@ class Launch:
         self.qk_scale = scale * LOG2E * (k_scale if fp8 else 1.0)
         self.v_scale = v_scale if fp8 else 1.0
         self.fp8 = fp8
-        # an FP8 cache stores V transposed within each block (``kernels.kv_layout``)
+        # an FP8 cache stores V transposed within each block (``kernels.kv_layout``), whose
+        # offsets the kernels derive from a contiguous cache's shape
         self.v_t = fp8
+        if fp8 and not kv_cache.is_contiguous():
+            raise ValueError("an FP8 KV cache must be contiguous (its values are read by "
+                             "offsets from its shape)")
         # K/V tiles widen to float16 (a float32 query keeps float32: tests, CPU-sized models)
         self.kv_f16 = fp8 and FP8_COMPUTE == "float16" and query.dtype != torch.float32
