@@ -108,10 +108,14 @@ class WorkerGroup:
         return min(i.num_kv_blocks for i in self.infos)
 
     async def open(self) -> None:
-        """Opens fresh Execute streams (each worker then starts from an empty mirror)."""
+        """Opens fresh Execute streams (each worker then starts from an empty mirror). They do
+        not wait for a channel to be ready (``describe`` just found it so): a data plane gone
+        in between fails its stream at once, which the engine sees as an outage, where a
+        stream waiting for the channel would stay open, and every step sent on it unanswered,
+        until that data plane came back."""
         await self.close_streams()
         self._queues = [asyncio.Queue() for _ in self._stubs]
-        self._calls = [stub.Execute(_drain(queue), wait_for_ready=True, metadata=self._metadata)
+        self._calls = [stub.Execute(_drain(queue), metadata=self._metadata)
                        for stub, queue in zip(self._stubs, self._queues)]
         for call in self._calls:
             call.add_done_callback(self._stream_ended)

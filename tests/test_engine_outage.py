@@ -11,7 +11,7 @@ import asyncio
 import grpc
 
 from controlplane.engine import Engine, EngineConfig
-from controlplane.worker_client import WorkerError
+from controlplane.worker_client import WorkerError, WorkerGroup
 from tests.test_engine_loop import FakeWorkers, _until, make_request
 
 
@@ -60,4 +60,36 @@ def test_a_request_kept_through_the_outage_and_one_arriving_after_its_deadline_b
         await _until(lambda: again.finished)
         assert again.failure is None
         await engine.stop()
+    asyncio.run(main())
+
+
+def test_a_step_stream_to_a_data_plane_gone_before_it_opened_ends_at_once():
+    """A data plane that goes away between ``describe`` and ``open`` (a crash right after a
+    reconnect): its step stream fails at once, so the engine sees the outage. Waiting for the
+    channel to be ready, it stayed open with every step unanswered and health SERVING, and a
+    request waited for its client's deadline (test_dataplane's outage test, under load)."""
+    import socket
+    import time
+
+    with socket.socket() as sock:          # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+
+    async def main():
+        group = WorkerGroup([address])
+        try:
+            await group.open()
+            t0 = time.monotonic()
+            while not group.broken and time.monotonic() - t0 < 5:
+                await asyncio.sleep(0.02)
+            assert group.broken, "the step stream to a data plane that is not there stayed open"
+            try:
+                await asyncio.wait_for(group.receive(), 5)
+            except WorkerError:
+                pass
+            else:
+                raise AssertionError("a step result came from no data plane")
+        finally:
+            await group.close()
+
     asyncio.run(main())
