@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import kv_layout
+
 LOG2E = 1.4426950408889634
 FP8_COMPUTE = "float16"    # or "query": the dtype an FP8 cache's tiles widen to
 # Triton's CPU interpreter multiplies bfloat16 tl.dot operands as raw bits (triton issue 11584),
@@ -174,10 +176,10 @@ class Launch:
         self.qk_scale = scale * LOG2E * (k_scale if fp8 else 1.0)
         self.v_scale = v_scale if fp8 else 1.0
         self.fp8 = fp8
-        # an FP8 cache stores V transposed within each block (``kernels.kv_layout``), whose
-        # offsets the kernels derive from a contiguous cache's shape
-        self.v_t = fp8
-        if fp8 and not kv_cache.is_contiguous():
+        # values stored transposed within each block (an FP8 cache), read by offsets the
+        # kernels derive from a contiguous cache's shape
+        self.v_t = kv_layout.values_transposed(kv_cache.dtype)
+        if self.v_t and not kv_cache.is_contiguous():
             raise ValueError("an FP8 KV cache must be contiguous (its values are read by "
                              "offsets from its shape)")
         # K/V tiles widen to float16 (a float32 query keeps float32: tests, CPU-sized models)

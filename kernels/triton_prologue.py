@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import kv_layout
 from kernels.host import next_pow2
 from kernels.triton_quant import _INTERPRETED, scaled_e4m3
 
@@ -41,7 +42,7 @@ def _prologue_kernel(Q, K, V, POS, COS_SIN, QW, KW, OUT_Q, CACHE, SLOTS, eps,
                      stride_c_kv, stride_c_block, stride_c_slot, stride_c_head, block_size,
                      H, KVH, k_scale, v_scale, HAS_NORM: tl.constexpr, HALF: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, FP8: tl.constexpr,
-                     ROUND_FIRST: tl.constexpr):
+                     V_T: tl.constexpr, ROUND_FIRST: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(POS + t)
     dtype = OUT_Q.dtype.element_ty
@@ -81,7 +82,7 @@ def _prologue_kernel(Q, K, V, POS, COS_SIN, QW, KW, OUT_Q, CACHE, SLOTS, eps,
         if FP8:
             v1 = scaled_e4m3(v1, v_scale, cache_dtype, ROUND_FIRST)
             v2 = scaled_e4m3(v2, v_scale, cache_dtype, ROUND_FIRST)
-        if FP8:   # values transposed within the block (kernels.kv_layout): d strides block_size
+        if V_T:   # values transposed within the block (kernels.kv_layout): d strides block_size
             v_dst = CACHE + stride_c_kv + (slot // block_size) * stride_c_block \
                 + (kv_heads * (2 * HALF) + d) * block_size + slot % block_size
             tl.store(v_dst, v1.to(cache_dtype), mask=kv_mask)
@@ -114,6 +115,7 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
         v.stride(0), v.stride(1), cos_sin.stride(0), kv_cache.stride(0), kv_cache.stride(1),
         kv_cache.stride(2), kv_cache.stride(3), kv_cache.shape[2], heads, kv_heads, k_scale,
         v_scale, HAS_NORM=has_norm, HALF=head_dim // 2, BLOCK_H=block_h, BLOCK_KVH=block_kvh,
-        FP8=kv_cache.dtype == torch.float8_e4m3fn, ROUND_FIRST=_INTERPRETED,
+        FP8=kv_cache.dtype == torch.float8_e4m3fn,
+        V_T=kv_layout.values_transposed(kv_cache.dtype), ROUND_FIRST=_INTERPRETED,
         num_warps=4 if block_h * head_dim <= 4096 else 8)
     return out
