@@ -49,6 +49,8 @@ def test_unsupported_scheme_fails_at_load_naming_it():
         Worker(WorkerOptions(model=str(TINY), quantization="int4"))
     with pytest.raises(ValueError, match="kv-cache-dtype 'int4'"):
         Worker(WorkerOptions(model=str(TINY), kv_cache_dtype="int4"))
+    with pytest.raises(ValueError, match="--block-size 24: an FP8 KV cache needs a power-of-two"):
+        Worker(WorkerOptions(model=str(TINY), kv_cache_dtype="fp8", block_size=24))
 
 
 def test_a_quant_backend_that_cannot_run_fails_at_start_naming_it(monkeypatch):
