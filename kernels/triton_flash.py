@@ -75,13 +75,40 @@ def _value_tile_t(V, block, k_pos, live, v_head_off, stride_block, BLOCK_N: tl.c
 
 
 @triton.jit
+def _tile_blocks(bt_row, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """The block of each of keys start..start+BLOCK_N (start a multiple of BLOCK_N), from one
+    load of the tile's BLOCK_N // BLOCK_SIZE block-table entries spread over its keys. Why: over
+    an FP8 cache K (token-major) and V (transposed) are gathered in two register layouts, and a
+    per-key load of the table (``bt_row + k_pos // BLOCK_SIZE``) was compiled once per layout,
+    as 4-byte cp.async of every key's entry: 108 in the prefill kernel's PTX against 18 this
+    way, which measured prefill over FP8 at 277-298 TFLOP/s against 295-321 (H200, 2026-12-03,
+    ``bench.fp8_kv_attention``'s prefill rows). MASKED: entries of blocks at or past ``hi``
+    read as block 0 (any block: the keys are masked)."""
+    if BLOCK_SIZE >= BLOCK_N:
+        blk = tl.load(bt_row + start // BLOCK_SIZE)
+        block = tl.full([BLOCK_N], 0, tl.int64) + blk.to(tl.int64)
+    else:
+        NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
+        idx = start // BLOCK_SIZE + tl.arange(0, NB)
+        if MASKED:
+            blocks = tl.load(bt_row + idx, mask=idx * BLOCK_SIZE < hi, other=0)
+        else:
+            blocks = tl.load(bt_row + idx)
+        block = tl.reshape(tl.broadcast_to(blocks.to(tl.int64)[:, None], (NB, BLOCK_SIZE)), (BLOCK_N,))
+    return block
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale,
             stride_block, stride_slot, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
             DOT_F32: tl.constexpr, dtype: tl.constexpr, V_T: tl.constexpr,
-            V_ZERO: tl.constexpr = False):
+            V_ZERO: tl.constexpr = False, TILE_BT: tl.constexpr = False):
     """Folds keys [lo, hi) into the running (acc, l_i, m_i). MASKED: a tile may run past hi or
     past a row's query position; otherwise every tile is full and visible to every row.
+    TILE_BT: the tile's block-table entries read once (``_tile_blocks``; the prefill and
+    unified kernels over a cache with V transposed; decode's compiled code did not need it).
     K/V are read as ``dtype`` (the query's: an FP8 cache is widened, its scales applied by the
     caller: k_scale in qk_scale, v_scale on the output)."""
     d = tl.arange(0, HEAD_DIM)
@@ -89,7 +116,10 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
         k_pos = start + tl.arange(0, BLOCK_N)
         if MASKED:  # keys past hi are never loaded: unwritten slots may hold NaN
             live = k_pos < hi
-            block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
+            if TILE_BT:
+                block = _tile_blocks(bt_row, start, hi, BLOCK_N, BLOCK_SIZE, True)
+            else:
+                block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
             off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
             k = tl.load(K + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(dtype)
             if V_T and V_ZERO:   # keys past hi read their slots (maybe NaN), then zeroed
@@ -102,7 +132,10 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
             else:
                 v = tl.load(V + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(dtype)
         else:
-            block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
+            if TILE_BT:
+                block = _tile_blocks(bt_row, start, hi, BLOCK_N, BLOCK_SIZE, False)
+            else:
+                block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
             off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
             k = tl.load(K + off[:, None] + d[None, :]).to(dtype)
             if V_T:
@@ -153,10 +186,12 @@ def _causal_tile(Q, K, V, OUT, BT, seq, tile, kv_head, q_start, q_len, ctx, qk_s
     bt_row = BT + seq * stride_bt
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, 0, below,
                             q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
-                            HEAD_DIM, False, PRECISION, DOT_F32 and not KV_F16, q.dtype, V_T)
+                            HEAD_DIM, False, PRECISION, DOT_F32 and not KV_F16, q.dtype, V_T,
+                            False, V_T)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, below, end,
                             q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
-                            HEAD_DIM, True, PRECISION, DOT_F32 and not KV_F16, q.dtype, V_T, True)
+                            HEAD_DIM, True, PRECISION, DOT_F32 and not KV_F16, q.dtype, V_T, True,
+                            V_T)
     out = acc * v_scale / tl.where(row_ok & (l_i > 0), l_i, 1.0)[:, None]
     tl.store(OUT + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None])

@@ -158,12 +158,16 @@ def _fp8_paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, k_
     return (query.to(torch.bfloat16), kv_layout.store(cache), *rest), cache.float() * scales
 
 
-@pytest.mark.parametrize("q_lens,ctx_lens", [([1, 1, 1], [5, 70, 33]), ([1, 7, 20], [40, 7, 90])])
-def test_fp8_kv_attention(q_lens, ctx_lens):
+@pytest.mark.parametrize("q_lens,ctx_lens,block_size", [
+    ([1, 1, 1], [5, 70, 33], 16), ([1, 7, 20], [40, 7, 90], 16),
+    ([1, 7, 20, 70], [40, 7, 90, 140], 8), ([1, 20, 70], [130, 90, 140], 128)])
+def test_fp8_kv_attention(q_lens, ctx_lens, block_size):
     """Attention over an FP8 cache (k_scale 0.02, v_scale 0.05) equals attention over the
-    dequantised float cache, in the reference and in the Triton kernels (decode and mixed)."""
+    dequantised float cache, in the reference and in the Triton kernels (decode and mixed;
+    blocks smaller than, as large as and larger than the prefill kernel's 64-key tile, whose
+    block-table entries it reads once a tile)."""
     torch.manual_seed(0)
-    args, deq = _fp8_paged_batch(q_lens, ctx_lens, 8, 2, 64, 16, 0.02, 0.05)
+    args, deq = _fp8_paged_batch(q_lens, ctx_lens, 8, 2, 64, block_size, 0.02, 0.05)
     scale = 64 ** -0.5
     expect = kref.paged_attention(args[0], deq, *args[2:], scale)
     fp8_ref = kref.paged_attention(*args, scale, k_scale=0.02, v_scale=0.05)
