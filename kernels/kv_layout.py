@@ -16,14 +16,19 @@ tile is copied in 16-byte runs and reaches the tensor cores by ``ldmatrix`` with
 (FlashAttention-3 transposes FP8 V in shared memory for the same reason; a layout that is
 already transposed needs no kernel of that kind). Measured on the H200 (2026-12-03,
 ``bench/fp8_kv_attention.py``, same call): decode 0.67-0.71x of bf16's time at batch 256,
-context 2,048, against 0.79-0.82x token-major (3.1 TB/s of FP8 against 2.6). Prefill over the
-cache is ~10% slower than token-major (276-296 against 306-334 TFLOP/s); the likely cost, not
-yet removed nor timed alone: its per-key block-table reads are made once per operand layout and
-per key of a block-long run (108 four-byte ``cp.async`` in the compiled prefill kernel against
-12).
+context 2,048, against 0.79-0.82x token-major (3.1 TB/s of FP8 against 2.6).
+
+**An FP8 cache holds no NaN**, so attention may read a block's slots past a context: its writes
+store NaN as 0 (``reference._to_cache``, ``triton_quant.scaled_e4m3``; e4m3fn has no inf, and
++-inf saturate to +-448), and the pool starts zeroed (``dataplane.kv_cache.allocate``). A masked
+load along a transposed run is not vectorised: a context's last decode tile, its V masked per
+key, was read a byte at a time (128 ``ld.global.b8`` a thread). It is read in whole blocks
+instead; the keys past the context weigh nothing (their scores are masked, p = 0, and 0 times a
+finite value is 0). Whole-block copies carry the property along.
 
 Everything that reads or writes values by token goes through ``values``; whole-block copies
-(copy-on-write, the host tier, transfers) move both halves' bytes and need not know.
+(copy-on-write, the host tier, transfers) move both halves' bytes and need not know. Prefill
+over the layout reads each tile's block-table entries once (``triton_flash._tile_blocks``).
 """
 
 from __future__ import annotations

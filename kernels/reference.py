@@ -59,7 +59,8 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 def _to_cache(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     if dtype != torch.float8_e4m3fn:
         return x.to(dtype)
-    return (x.float() / scale).clamp(-448.0, 448.0).to(dtype)
+    # NaN stored as 0: an FP8 cache holds no NaN (kernels.kv_layout)
+    return (x.float() / scale).nan_to_num(nan=0.0).clamp(-448.0, 448.0).to(dtype)
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

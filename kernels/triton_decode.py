@@ -65,8 +65,8 @@ def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     q_pos = tl.full([G_PAD], ctx - 1, tl.int32)  # the one query sees every key below ctx
     bt_row = BT + seq * stride_bt
-    if V_T:   # whole tiles unmasked (the one query sees every key below ctx), then the partial one:
-        # a masked transposed-V tile is read without vectorised copies (kernels.triton_flash)
+    if V_T:   # whole tiles unmasked (the one query sees every key below ctx), then the partial one,
+        # its keys masked in the scores and its V read in whole blocks (kernels.kv_layout)
         full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, lo, full, q_pos,
                                 qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE, HEAD_DIM,

@@ -54,24 +54,21 @@ def _query_operand(q, KV_F16: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _value_tile_t(V, block, k_pos, live, v_head_off, stride_block, BLOCK_N: tl.constexpr,
-                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr):
+def _value_tile_t(V, block, k_pos, v_head_off, stride_block, BLOCK_N: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Values of keys k_pos (BLOCK_N consecutive from a multiple of BLOCK_N; ``block``: each
-    key's block) from a cache that stores V transposed within each block (``[head_dim,
-    block_size]`` per block and head, the FP8 layout): [BLOCK_N, HEAD_DIM], read along the keys
-    in runs of a block (16-byte copies), so that the tile reaches the tensor cores by
-    ``ldmatrix`` with no trip through registers and back (which zeroing the tile after its load
-    costs). MASKED: keys not ``live`` are not loaded (0): a masked tile's copy is not vectorised,
-    so callers mask only a context's last tile."""
+    key's block, equal over a block's keys) from a cache that stores V transposed within each
+    block (``[head_dim, block_size]`` per block and head, the FP8 layout): [BLOCK_N, HEAD_DIM],
+    read along the keys in runs of a block (16-byte copies), so that the tile reaches the
+    tensor cores by ``ldmatrix`` with no trip through registers and back. Never masked: a
+    per-key mask along the run is not vectorised (a context's last tile was read a byte at a
+    time), so a tile past a context reads its blocks' other slots whole, which hold finite
+    values (``kernels.kv_layout``: an FP8 cache holds no NaN) and weigh nothing (p = 0)."""
     SPAN: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N   # keys in one run
     off = (block * stride_block + v_head_off + k_pos % BLOCK_SIZE)[:, None] \
         + tl.arange(0, HEAD_DIM)[None, :] * BLOCK_SIZE
     off = tl.max_contiguous(tl.multiple_of(off, [SPAN, 1]), [SPAN, 1])
-    if MASKED:
-        v = tl.load(V + off, mask=live[:, None], other=0.0)
-    else:
-        v = tl.load(V + off)
-    return v
+    return tl.load(V + off)
 
 
 @triton.jit
@@ -114,21 +111,22 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
     d = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
-        if MASKED:  # keys past hi are never loaded: unwritten slots may hold NaN
+        if MASKED:  # keys past hi: K and token-major V not loaded (unwritten slots may be NaN)
             live = k_pos < hi
             if TILE_BT:
                 block = _tile_blocks(bt_row, start, hi, BLOCK_N, BLOCK_SIZE, True)
+            elif V_T:   # a transposed V is read in whole blocks: each key of a block gets its block
+                in_block = k_pos // BLOCK_SIZE * BLOCK_SIZE < hi
+                block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=in_block, other=0).to(tl.int64)
             else:
                 block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
             off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
             k = tl.load(K + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(dtype)
-            if V_T and V_ZERO:   # keys past hi read their slots (maybe NaN), then zeroed
-                v = _value_tile_t(V, block, k_pos, live, kv_head_off * BLOCK_SIZE, stride_block,
-                                  BLOCK_N, BLOCK_SIZE, HEAD_DIM, False).to(dtype)
-                v = tl.where(live[:, None], v, 0.0).to(dtype)
-            elif V_T:
-                v = _value_tile_t(V, block, k_pos, live, kv_head_off * BLOCK_SIZE, stride_block,
-                                  BLOCK_N, BLOCK_SIZE, HEAD_DIM, True).to(dtype)
+            if V_T:   # keys past hi read finite values (kernels.kv_layout), their p is 0
+                v = _value_tile_t(V, block, k_pos, kv_head_off * BLOCK_SIZE, stride_block,
+                                  BLOCK_N, BLOCK_SIZE, HEAD_DIM).to(dtype)
+                if V_ZERO:   # (the prefill's diagonal tiles, as measured: zeroed all the same)
+                    v = tl.where(live[:, None], v, 0.0).to(dtype)
             else:
                 v = tl.load(V + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(dtype)
         else:
@@ -139,8 +137,8 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
             off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
             k = tl.load(K + off[:, None] + d[None, :]).to(dtype)
             if V_T:
-                v = _value_tile_t(V, block, k_pos, k_pos, kv_head_off * BLOCK_SIZE, stride_block,
-                                  BLOCK_N, BLOCK_SIZE, HEAD_DIM, False).to(dtype)
+                v = _value_tile_t(V, block, k_pos, kv_head_off * BLOCK_SIZE, stride_block,
+                                  BLOCK_N, BLOCK_SIZE, HEAD_DIM).to(dtype)
             else:
                 v = tl.load(V + off[:, None] + d[None, :]).to(dtype)
         s = tl.dot(q, tl.trans(_operand(k, DOT_F32)), input_precision=PRECISION)

@@ -50,8 +50,10 @@ def to_e4m3(x, dtype, ROUND_FIRST: tl.constexpr):
 
 @triton.jit
 def scaled_e4m3(x, scale, dtype, ROUND_FIRST: tl.constexpr):
-    """x / scale saturated to +-448, as e4m3 (an FP8 KV cache's store)."""
-    return to_e4m3(tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0), dtype, ROUND_FIRST)
+    """x / scale saturated to +-448, as e4m3 (an FP8 KV cache's store); NaN is stored as 0: an
+    FP8 cache holds no NaN (``kernels.kv_layout``: attention reads slots past a context)."""
+    y = x.to(tl.float32) / scale
+    return to_e4m3(tl.clamp(tl.where(y == y, y, 0.0), -448.0, 448.0), dtype, ROUND_FIRST)
 
 
 @triton.jit

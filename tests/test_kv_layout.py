@@ -61,3 +61,15 @@ def test_an_fp8_cache_refuses_other_block_sizes(block_size):
     with pytest.raises(ValueError, match="power-of-two block size"):
         kv_layout.check_block_size(FP8, block_size)
     kv_layout.check_block_size(torch.bfloat16, block_size or 1)   # other caches: any size
+
+
+def test_an_fp8_pool_starts_zeroed():
+    """Attention reads the slots past a context in an FP8 cache's last blocks whole, so the pool
+    must hold no NaN before anything is written (kernels.kv_layout): it starts as zeros."""
+    import types
+
+    from dataplane import kv_cache
+    cfg = types.SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8)
+    for cache in kv_cache.allocate(cfg, 4, 16, torch.float8_e4m3fn, torch.device("cpu")):
+        assert cache.dtype == torch.float8_e4m3fn and cache.shape == (2, 4, 16, 2, 8)
+        assert not cache.float().any()

@@ -146,15 +146,17 @@ FP8 = torch.float8_e4m3fn
 
 
 def _fp8_paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, k_scale, v_scale):
-    """test_kernels_triton's paged batch (NaN outside every context) with its cache stored as
-    FP8 (k / k_scale, v / v_scale; V transposed within each block, ``kernels.kv_layout``); also
-    returns that cache dequantised into float32 (token-major)."""
+    """test_kernels_triton's paged batch with its cache stored as FP8 (k / k_scale, v / v_scale;
+    V transposed within each block, ``kernels.kv_layout``); every slot outside a context holds
+    e4m3's largest value, 448 (an FP8 cache holds no NaN, and the kernels read a context's last
+    blocks whole: any weight on those slots would show). Also returns that cache dequantised into
+    float32 (token-major)."""
     from tests.test_kernels_triton import _paged_batch
 
     query, cache, *rest = _paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size,
                                        torch.float32)
     scales = torch.tensor([k_scale, v_scale]).view(2, 1, 1, 1, 1)
-    cache = ref.to_fp8(cache * 3 / scales)
+    cache = ref.to_fp8((cache * 3 / scales).nan_to_num(nan=448.0))
     return (query.to(torch.bfloat16), kv_layout.store(cache), *rest), cache.float() * scales
 
 
@@ -183,12 +185,11 @@ def test_fp8_kv_attention(q_lens, ctx_lens, block_size):
 @pytest.mark.parametrize("block_size", [8, 16, 128])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_fp8_decode_at_tile_edges(block_size, splits):
-    """Decode over an FP8 cache (V transposed within each block: whole tiles read unmasked, the
-    last one masked) with contexts below, at and past the decode tile's edge, in one or four
-    KV splits (some splits empty, some whole tiles only), blocks smaller and larger than a
-    tile: the attention of the dequantised cache, and no NaN from the slots past a context
-    (those are NaN; the CPU interpreter widens e4m3's NaN to 480, so only a GPU run would see
-    one leak: on a CPU this checks the values and the masking of scores)."""
+    """Decode over an FP8 cache (V transposed within each block and read in whole blocks, the
+    last tile's keys past the context masked in the scores) with contexts below, at and past the
+    decode tile's edge, in one or four KV splits (some splits empty, some whole tiles only),
+    blocks smaller and larger than a tile: the attention of the dequantised cache, untouched by
+    the 448s in the slots past each context."""
     torch.manual_seed(2)
     ctx_lens = [1, 63, 64, 65, 128, 300]
     args, deq = _fp8_paged_batch([1] * len(ctx_lens), ctx_lens, 8, 2, 64, block_size, 0.02, 0.05)
@@ -220,6 +221,32 @@ def test_fp8_kv_prologue_writes_scaled_e4m3():
     torch.testing.assert_close(q_out.cpu(), q_ref, atol=1e-4, rtol=1e-4)
     assert expect.float().abs().max() > 100      # the scales matter: values use e4m3's range
     _fp8_close(actual.float(), torch.ones(1), expect.float(), torch.ones(1))
+
+
+def test_fp8_kv_writes_store_nan_as_zero():
+    """The reference's and the Triton prologue's FP8 writes store a NaN key or value as 0 (and
+    +-inf saturated): an FP8 cache holds no NaN, so attention may read a block's slots past a
+    context whole (``kernels.kv_layout``)."""
+    torch.manual_seed(0)
+    from dataplane.rotary import cos_sin_cache
+    tokens, heads, kv_heads, hd = 3, 2, 2, 64
+    cos_sin = cos_sin_cache(hd, 64, 10000.0, None, "cpu")
+    q = torch.randn(tokens, heads, hd)
+    k, v = torch.randn(tokens, kv_heads, hd), torch.randn(tokens, kv_heads, hd)
+    k[0, 1, 5], v[1, 0, 7], v[2, 1, 0], k[2, 0, 3] = float("nan"), float("nan"), float("inf"), -float("inf")
+    positions, slots = torch.tensor([0, 1, 2]), torch.tensor([3, 17, 40])
+    expect = torch.zeros(2, 4, 16, kv_heads, hd, dtype=FP8)
+    actual = expect.clone().to(DEVICE)
+    kref.qk_norm_rope_write_kv(q, k, v, positions, cos_sin, None, None, 1e-6, expect, slots)
+    triton_prologue.qk_norm_rope_write_kv(*(t.to(DEVICE) for t in (q, k, v, positions, cos_sin)),
+                                          None, None, 1e-6, actual, slots.to(DEVICE))
+    for cache in (expect, actual.cpu()):
+        keys, values = cache[0].float(), kv_layout.values(cache).float()
+        assert not keys.isnan().any() and not values.isnan().any()
+        assert values[1, 1, 0, 7] == 0 and values[2, 8, 1, 0] == 448
+    # rotary mixes the NaN key's two halves: both its rotated elements are stored as 0
+    assert expect[0, 0, 3, 1, 5].float() == 0 and expect[0, 0, 3, 1, 5 + hd // 2].float() == 0
+    assert actual[0, 0, 3, 1, 5].float().cpu() == 0
 
 
 def test_copy_blocks_copies_fp8_caches():
