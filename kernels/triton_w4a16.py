@@ -16,9 +16,12 @@ word, 16-byte loads along N) and does the least work per weight byte:
 * value j of every word in the tile multiplies x at k = P * word + j (a strided load of x,
   which stays in L1), so words are never reshaped across threads;
 * FMA programs (M <= 4) accumulate w * x element-wise over the words of the tile and reduce
-  across threads once per tile; tl.dot programs (M >= 2) compute acc^T = Q [BLOCK_N, K] @ X^T
-  with the unpacked values (exact in bfloat16) as the MMA's A operand, so the weight fills the
-  tensor core's 64-row side and the tokens its narrow side.
+  across threads once per tile; at one row the pipelined FMA program (``Tile.pipe``,
+  ``_fma_pipelined``) holds 2-D tiles only, issues the next tile's words before it multiplies
+  the current ones and turns values into floats without conversion instructions;
+* tl.dot programs (M >= 2) compute acc^T = Q [BLOCK_N, K] @ X^T with the unpacked values
+  (exact in bfloat16) as the MMA's A operand, so the weight fills the tensor core's 64-row
+  side and the tokens its narrow side.
 
 The launch tile per row bucket and shape is pinned by the measured table or computed
 (``kernels.skinny_gemm``; autotuned only with HEADRACE_QUANT_AUTOTUNE=1); K is split over
@@ -44,7 +47,7 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
                          M_BUCKET, SPLIT_K, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-                         PIPE: tl.constexpr = False):   # no pipelined variant here (Tile.pipe)
+                         PIPE: tl.constexpr = False):
     PER: tl.constexpr = 32 // BITS
     KW: tl.constexpr = BLOCK_K // PER                 # packed words of K per step
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -55,6 +58,13 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
     row_ok, col_ok = rows < M, cols < N
     dtype = X.dtype.element_ty
     x_rows = X + rows.to(tl.int64) * stride_xm
+    if PIPE and not USE_DOT:      # one row a program (grid: M programs, each row exists)
+        tl.static_assert(BLOCK_M == 1)
+        acc = _fma_pipelined(x_rows, QW, S, Z, cols, col_ok, N, K, GROUP, k_lo, k_hi, BITS,
+                             BLOCK_N, BLOCK_K)
+        store_or_reduce(acc, rows, cols, row_ok, col_ok, OUT, stride_om, WS, CNT, N, S, 0, B,
+                        HAS_BIAS, SPLIT_K, False)
+        return
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kw = k0 // PER + tl.arange(0, KW)
@@ -95,6 +105,50 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
                     SPLIT_K, False)
 
 
+@triton.jit
+def _fma_pipelined(x_row, QW, S, Z, cols, col_ok, N, K, GROUP, k_lo, k_hi, BITS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, 1] of the row at ``x_row`` over the K slice [k_lo, k_hi) on the CUDA cores,
+    2-D tiles [KW words of K, BLOCK_N columns] only (as ``triton_fp8_linear._fma_pipelined``:
+    the next tile's words are loaded before the current one is multiplied, products add up
+    element-wise, one reduction across threads at the end; x as a [KW, 1] column, which the
+    compiler loads in the words' layout, where a [KW, BLOCK_N] broadcast load took a trip
+    through shared memory per value of a word in the PTX). A value becomes float32 without a conversion instruction (int-to-float
+    converts at a quarter of the FMA rate): its bits OR 0x4B000000 are the float 2^23 + q, and
+    one subtraction of 2^23 + z (exact in float32) leaves q - z, so a value costs a shift, an
+    and-or, a subtraction and an FMA. The group's scale multiplies each tile's sums."""
+    PER: tl.constexpr = 32 // BITS
+    KW: tl.constexpr = BLOCK_K // PER
+    MASK: tl.constexpr = (1 << BITS) - 1
+    c = cols[None, :]
+    c_ok = col_ok[None, :]
+    kw_hi = k_hi // PER
+    kw = k_lo // PER + tl.arange(0, KW)[:, None]                                   # [KW, 1]
+    words = tl.load(QW + kw.to(tl.int64) * N + c, mask=c_ok & (kw < kw_hi), other=0)
+    acc = tl.zeros([KW, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kw = k0 // PER + tl.arange(0, KW)[:, None]
+        kwn = kw + KW
+        words_next = tl.load(QW + kwn.to(tl.int64) * N + c, mask=c_ok & (kwn < kw_hi), other=0)
+        g = k0 // GROUP
+        s = tl.load(S + g * N + (c + kw * 0), mask=c_ok, other=0.0).to(tl.float32)  # [KW, BN]
+        z = tl.load(Z + g * N + (c + kw * 0), mask=c_ok, other=0).to(tl.float32)
+        offset = z + 8388608.0                                                       # 2^23 + z
+        t = tl.zeros([KW, BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(PER):
+            xk = kw * PER + j                                                        # [KW, 1]
+            x = tl.load(x_row + xk, mask=xk < k_hi, other=0.0).to(tl.float32)
+            q = (((words >> (j * BITS)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True)
+            t += (q - offset) * x
+        acc += s * t
+        words = words_next
+    return tl.sum(acc, axis=0)[:, None]
+
+
+def _pipe(n: int, warps: int = 4, split: int = 1, stages: int = 1) -> Tile:
+    return Tile(1, n, BLOCK_K, warps, stages, split, dot=False, pipe=True)
+
+
 def _fma(m: int, n: int, warps: int = 4, split: int = 1) -> Tile:
     return Tile(m, n, BLOCK_K, warps, 3, split, dot=False)
 
@@ -106,8 +160,9 @@ def _dot(m: int, n: int, warps: int = 4, split: int = 1, stages: int = 3) -> Til
 # Candidate tiles per row bucket: the first (unsplit) one is the fixed choice (K split by
 # skinny_gemm.split_for) and the interpreter's; the rest are the sweep's and autotuner's.
 TILES = {
-    1: [_fma(1, 128), _fma(1, 64), _fma(1, 256, 8), _fma(1, 128, 4, 2), _fma(1, 256, 8, 2),
-        _fma(1, 64, 4, 4)],
+    1: [_pipe(64), _pipe(64, 4, 8), _pipe(32, 4, 4), _pipe(32, 4, 8), _pipe(64, 4, 16),
+        _pipe(32, 2, 8), _pipe(128, 4, 8), _pipe(64, 2, 8), _pipe(32, 4, 16), _pipe(64, 4, 4, 2),
+        _fma(1, 128), _fma(1, 64), _fma(1, 64, 4, 4)],
     2: [_fma(2, 128), _fma(2, 64), _fma(2, 256, 8), _fma(2, 128, 4, 2), _dot(16, 128)],
     4: [_dot(16, 128), _fma(4, 64), _fma(4, 128, 8), _dot(16, 64), _dot(16, 128, 4, 2)],
     8: [_dot(16, 128), _dot(16, 64), _dot(16, 256, 8), _dot(16, 128, 4, 2), _dot(16, 256, 8, 2),

@@ -18,9 +18,12 @@ from kernels import skinny_gemm, triton_quant, triton_w4a16  # noqa: E402
 from kernels.skinny_gemm import Tile  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float32, torch.float16)
-# FMA rows 1 / 2 / 4 and swapped tl.dot, K split 2..4 (a ragged last slice), several tiles;
+# FMA rows 1 / 2 / 4 (one row also pipelined), swapped tl.dot, K split 2..4 (a ragged last
+# slice), several tiles;
 # (rows, bits, tile): 4- and 8-bit values through FMA and tl.dot programs
-TILES = ((1, 4, Tile(1, 32, 128, dot=False)), (2, 8, Tile(2, 16, 128, split=3, dot=False)),
+TILES = ((1, 4, Tile(1, 32, 128, dot=False)), (1, 4, Tile(1, 64, 128, 4, 1, 3, dot=False, pipe=True)),
+         (1, 8, Tile(1, 32, 128, 2, 2, dot=False, pipe=True)),
+         (2, 8, Tile(2, 16, 128, split=3, dot=False)),
          (3, 4, Tile(4, 64, 128, split=2, dot=False)), (17, 8, Tile(16, 32, 128, split=3)),
          (9, 4, Tile(16, 16, 128)), (40, 4, Tile(32, 64, 128, split=4)))
 
