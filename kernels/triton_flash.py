@@ -92,7 +92,8 @@ def _tile_blocks(bt_row, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.conste
             blocks = tl.load(bt_row + idx, mask=idx * BLOCK_SIZE < hi, other=0)
         else:
             blocks = tl.load(bt_row + idx)
-        block = tl.reshape(tl.broadcast_to(blocks.to(tl.int64)[:, None], (NB, BLOCK_SIZE)), (BLOCK_N,))
+        spread = tl.broadcast_to(blocks.to(tl.int64)[:, None], (NB, BLOCK_SIZE))
+        block = tl.reshape(spread, (BLOCK_N,))
     return block
 
 
