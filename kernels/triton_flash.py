@@ -102,7 +102,7 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
             stride_block, stride_slot, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
             DOT_F32: tl.constexpr, dtype: tl.constexpr, V_T: tl.constexpr,
-            V_ZERO: tl.constexpr = False, TILE_BT: tl.constexpr = False):
+            TILE_BT: tl.constexpr = False):
     """Folds keys [lo, hi) into the running (acc, l_i, m_i). MASKED: a tile may run past hi or
     past a row's query position; otherwise every tile is full and visible to every row.
     TILE_BT: the tile's block-table entries read once (``_tile_blocks``; the prefill and
@@ -126,8 +126,6 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
             if V_T:   # keys past hi read finite values (kernels.kv_layout), their p is 0
                 v = _value_tile_t(V, block, k_pos, kv_head_off * BLOCK_SIZE, stride_block,
                                   BLOCK_N, BLOCK_SIZE, HEAD_DIM).to(dtype)
-                if V_ZERO:   # (the prefill's diagonal tiles, as measured: zeroed all the same)
-                    v = tl.where(live[:, None], v, 0.0).to(dtype)
             else:
                 v = tl.load(V + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(dtype)
         else:
@@ -185,12 +183,10 @@ def _causal_tile(Q, K, V, OUT, BT, seq, tile, kv_head, q_start, q_len, ctx, qk_s
     bt_row = BT + seq * stride_bt
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, 0, below,
                             q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
-                            HEAD_DIM, False, PRECISION, DOT_F32 and not KV_F16, q.dtype, V_T,
-                            False, V_T)
+                            HEAD_DIM, False, PRECISION, DOT_F32 and not KV_F16, q.dtype, V_T, V_T)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, below, end,
                             q_pos, qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE,
-                            HEAD_DIM, True, PRECISION, DOT_F32 and not KV_F16, q.dtype, V_T, True,
-                            V_T)
+                            HEAD_DIM, True, PRECISION, DOT_F32 and not KV_F16, q.dtype, V_T, V_T)
     out = acc * v_scale / tl.where(row_ok & (l_i > 0), l_i, 1.0)[:, None]
     tl.store(OUT + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
