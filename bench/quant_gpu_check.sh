@@ -27,7 +27,7 @@
 #   (--budget 200 s: library kernels after that are skipped, ours still measured).
 # attention: bench/fp8_kv_attention.py at batch 256, context 1000 / 2048: decode over an FP8
 #   cache beside bf16 (its variants) and prefill over a cached prefix; ~30 s (6 decode compiles,
-#   8 rows of 6 graph timings), capped at 60 s.
+#   4 decode rows of 6 graph timings, 2 prefill rows), capped at 60 s.
 # w1kv: W1 (Qwen3-0.6B, offline client) bf16 KV vs FP8 KV; ~2 min.
 # l8: Llama-3.1-8B (random bf16; an INT4 compressed-tensors W4A16 g128 copy): W3 bf16 vs FP8
 #   weights + FP8 KV, W2 bf16 vs INT4 (and FP8); ~6-7 min (checkpoints ~2 min, three servers).
