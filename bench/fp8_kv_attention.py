@@ -18,6 +18,11 @@ the FP8 kernel read a byte at a time before 2026-12-03 (its V masked along the k
 default contexts hold one of each (1,000 and 2,048); whole-tile contexts alone hide that tile.
 
     python -m bench.fp8_kv_attention [--batches 64,256] [--contexts 1000,2048]
+        [--tiles engine,64/2/4,64/1/5] [--bf16-tiles 64/4/3] [--layouts llama3.1-8b] [--no-prefill]
+
+``--tiles`` times these FP8 tiles (BLOCK_N/warps/stages; ``engine``: the engine's for the row's
+batch) instead of the variants; ``--bf16-tiles`` times bf16 tiles beside the engine's (the
+``bf16`` column, every ratio's base).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from kernels import kv_layout, triton_attention, triton_decode, triton_flash
 
 K_SCALE, V_SCALE = 0.02, 0.02
 # (label, FP8_COMPUTE, (BLOCK_N, warps, stages), V transposed); the first is the engine's
-ENGINE = "f16 engine " + "/".join(map(str, triton_decode.decode_config(True)))
+ENGINE = "f16 engine"   # the engine's tile for the row's batch: triton_decode.decode_config
 FP8_VARIANTS = [(ENGINE, "float16", None, True), ("f16 64/4/3", "float16", (64, 4, 3), True),
                 ("f16 64/4/4", "float16", (64, 4, 4), True), ("f16 128/4/3", "float16", (128, 4, 3), True),
                 ("tok-V f16 128/4/3", "float16", (128, 4, 3), False)]
@@ -60,7 +65,7 @@ def _decode_calls(cache, heads, batch, ctx, compute, config, scale, v_t=False):
     return calls, kv_bytes
 
 
-def decode_row(layout, batch, ctx) -> str:
+def decode_row(layout, batch, ctx, bf16_tiles=()) -> str:
     heads, kv_heads, head_dim = LAYOUTS[layout]
     blocks = batch * -(-ctx // BLOCK) + 16   # (a context past a block boundary takes a block more)
     bf16 = torch.randn(2, blocks, BLOCK, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
@@ -70,8 +75,14 @@ def decode_row(layout, batch, ctx) -> str:
     stored = {False: fp8, True: kv_layout.store(fp8)}      # token-major V, transposed V
     scale = head_dim ** -0.5
     base_calls, base_bytes = _decode_calls(bf16, heads, batch, ctx, "query", None, scale)
+    graph_ms(base_calls)   # a row's first timing ran ~5% slow on the H200 (2026-12-03): not kept
     base = graph_ms(base_calls) * 1e3
     cells, best = [f"{base:7.1f} ({base_bytes / base / 1e6:4.2f})"], ("bf16", base)
+    for tile in bf16_tiles:    # more bf16 tiles beside the engine's
+        calls, nbytes = _decode_calls(bf16, heads, batch, ctx, "query", tile, scale)
+        us = graph_ms(calls) * 1e3
+        cells.append(f"{us:7.1f} ({nbytes / us / 1e6:4.2f}; {us / base:4.2f}x)")
+        best = min(best, ("bf16 " + "/".join(map(str, tile)), us), key=lambda b: b[1])
     for label, compute, config, v_t in FP8_VARIANTS:
         calls, nbytes = _decode_calls(stored[v_t], heads, batch, ctx, compute, config, scale, v_t)
         us = graph_ms(calls) * 1e3
@@ -131,15 +142,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--contexts", default="1000,2048")
+    ap.add_argument("--tiles", default=None, help="FP8 decode tiles BLOCK_N/warps/stages to time "
+                    "(V transposed, float16) instead of the variants above, e.g. engine,64/2/4,64/1/5")
+    ap.add_argument("--bf16-tiles", default="", help="bf16 decode tiles timed beside the engine's")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--no-prefill", action="store_true")
     args = ap.parse_args()
+    if args.tiles:   # ("engine": the engine's tile for each row's batch)
+        FP8_VARIANTS[:] = [(ENGINE, "float16", None, True) if t == "engine" else
+                           ("f16 " + t, "float16", tuple(map(int, t.split("/"))), True)
+                           for t in args.tiles.split(",")]
+    bf16_tiles = [tuple(map(int, t.split("/"))) for t in args.bf16_tiles.split(",") if t]
     check()
     print(f"\ndecode: µs per call (TB/s of its cache; x bf16)\n{'layout':>12} {'batch':>5} "
-          f"{'ctx':>6} | {'bf16':>14} | " + " | ".join(f"{v[0]:>22}" for v in FP8_VARIANTS))
-    for layout in LAYOUTS:
+          f"{'ctx':>6} | {'bf16':>14} | " + " | ".join(
+              f"{name:>22}" for name in ["bf16 " + "/".join(map(str, t)) for t in bf16_tiles]
+              + [v[0] for v in FP8_VARIANTS]))
+    layouts = args.layouts.split(",")
+    for layout in layouts:
         for batch in (int(b) for b in args.batches.split(",")):
             for ctx in (int(c) for c in args.contexts.split(",")):
-                print(decode_row(layout, batch, ctx), flush=True)
-    for layout in LAYOUTS:
+                print(decode_row(layout, batch, ctx, bf16_tiles), flush=True)
+    for layout in layouts if not args.no_prefill else ():
         print(prefill_row(layout, 2048, 4096), flush=True)
 
 
