@@ -23,13 +23,24 @@ import triton.language as tl
 from kernels.host import next_pow2
 from kernels.triton_flash import Launch, _attend, _query_operand
 
-# Launch configuration, tuned on an H200 (triton 3.6) with ``bench/kernels.py --sweep``: decode
-# reaches 3.8-4.4 TB/s at batch >= 64 (Llama-3.1-8B layout).
-DECODE_BLOCK_N, DECODE_WARPS, DECODE_STAGES = 64, 4, 3     # BLOCK_N: keys per loop iteration
-# Over an FP8 cache (V stored transposed within each block, ``kernels.kv_layout``) 64 keys a tile
-# on two warps with four stages measured fastest on the H200 (bench/fp8_kv_attention.py,
-# 2026-12-03: 0.64-0.74x of bf16's time at batch 64-256, context 1-2k; 128/4/3: 0.69-0.96x).
-FP8_DECODE_BLOCK_N, FP8_DECODE_WARPS, FP8_DECODE_STAGES = 64, 2, 4
+# Launch configuration (BLOCK_N: keys per loop iteration, warps, stages), tuned on an H200
+# (triton 3.6; bench/fp8_kv_attention.py --tiles / --bf16-tiles). The K/V addresses come from a
+# block-table load in the same iteration, and Triton's pipeliner splits num_stages along that
+# chain: 3-4 stages give one K/V buffer (the next tile's copy is issued after this one is
+# consumed), 5-6 give two. The warps of a program split a tile's keys, so the softmax's row max
+# and sum cross warps through shared memory: 9 barriers a loop step with 2 or 4 warps, 2 with
+# one (the SASS: bench/decode_ptx.py compiles the kernel on any machine).
+# bf16: 64 keys on 4 warps reach 3.8-4.5 TB/s at batch >= 64. 32/2/5 was as fast (it looked 5%
+# faster until timed first in a row: a row's first timing ran ~5% slow); 64/2/5 and 64/4/5 were
+# up to 1.3x slower at batch 64 (2026-12-03).
+DECODE_TILE = (64, 4, 3)
+# Over an FP8 cache (V stored transposed within each block, ``kernels.kv_layout``), in one split
+# (the batch alone gives every SM two programs, ``num_decode_splits``: long contexts a program):
+# 64 keys on one warp, 0.93-0.95x of 64/2/4's time at batch 256 (3.1-3.3 TB/s of FP8 bytes),
+# even with it at batch 64; two buffers and 32- or 128-key tiles no faster. In several splits
+# (small batches: short chunks a program) one warp measured up to 1.2x slower at batch 1-32,
+# so those keep the tile before: 64 keys on 2 warps.
+FP8_DECODE_TILE, FP8_SPLIT_DECODE_TILE = (64, 1, 4), (64, 2, 4)
 MIN_SPLIT_TOKENS = 256     # a decode split gets at least this much of the longest context
 MAX_SPLITS = 32
 
@@ -128,11 +139,12 @@ def num_decode_splits(batch: int, kv_heads: int, max_context: int, device: torch
     return splits
 
 
-def decode_config(fp8: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, warps, stages) of the decode kernel over a bf16/fp16/fp32 or an FP8 cache."""
-    if fp8:
-        return FP8_DECODE_BLOCK_N, FP8_DECODE_WARPS, FP8_DECODE_STAGES
-    return DECODE_BLOCK_N, DECODE_WARPS, DECODE_STAGES
+def decode_config(fp8: bool, splits: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, stages) of the decode kernel over a bf16/fp16/fp32 or an FP8 cache, in
+    ``splits`` KV splits a sequence."""
+    if not fp8:
+        return DECODE_TILE
+    return FP8_DECODE_TILE if splits == 1 else FP8_SPLIT_DECODE_TILE
 
 
 def decode(launch: Launch, seq_lens: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor,
@@ -152,7 +164,7 @@ def decode(launch: Launch, seq_lens: torch.Tensor, block_tables: torch.Tensor, o
                              device=query.device)
         part_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
     group = heads // kv_heads
-    block_n, warps, stages = config or decode_config(launch.fp8)
+    block_n, warps, stages = config or decode_config(launch.fp8, splits)
     _decode_kernel[(kv_heads * splits, batch)](
         query, keys, values, seq_lens, block_tables, seq_lens if order is None else order,
         part_o, part_lse, out, launch.qk_scale, launch.v_scale,
