@@ -59,6 +59,10 @@ class Linear(FromCheckpoint, nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias)
 
+    def wants_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether this layer takes x as ``kernels.Fp8Rows`` (an FP8 layer's W8A8 input)."""
+        return False
+
 
 class RowParallelLinear(Linear):
     """Holds the rank's input columns; the partial products are summed across ranks, then the
@@ -151,7 +155,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.down_proj.wants_fp8_rows(gate_up):
+            return self.down_proj(kernels.silu_and_mul_fp8(gate_up))
+        return self.down_proj(kernels.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -174,16 +181,22 @@ class DecoderLayer(nn.Module):
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
-            h, residual = kernels.fused_add_rms_norm(h, residual, self.input_layernorm.weight,
-                                                     self.input_layernorm.eps)
+            h, residual = _add_norm(h, residual, self.input_layernorm, self.self_attn.qkv_proj)
         return self.self_attn.prologue(positions, h, kv_cache, slot_mapping), residual
 
     def post_attention(self, o, residual):
         """(h, residual) from the attention's output o: o_proj, the post-attention norm, MLP."""
         h = self.self_attn.o_proj(o.reshape(-1, self.self_attn.cfg.q_size))
-        h, residual = kernels.fused_add_rms_norm(h, residual, self.post_attention_layernorm.weight,
-                                                 self.post_attention_layernorm.eps)
+        h, residual = _add_norm(h, residual, self.post_attention_layernorm, self.mlp.gate_up_proj)
         return self.mlp(h), residual
+
+
+def _add_norm(h: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, consumer: nn.Module):
+    """(norm(h + residual), h + residual); the first as ``kernels.Fp8Rows`` where the layer
+    that consumes it wants its input quantised (an FP8 layer's W8A8 GEMM)."""
+    if consumer.wants_fp8_rows(h):
+        return kernels.fused_add_rms_norm_fp8(h, residual, norm.weight, norm.eps)
+    return kernels.fused_add_rms_norm(h, residual, norm.weight, norm.eps)
 
 
 class DecoderModel(nn.Module):

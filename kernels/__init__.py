@@ -97,6 +97,10 @@ _triton = _load_triton()
 rms_norm = _select(reference.rms_norm, "rms_norm")
 fused_add_rms_norm = _select(reference.fused_add_rms_norm, "fused_add_rms_norm")
 silu_and_mul = _select(reference.silu_and_mul, "silu_and_mul")
+# their outputs quantised per token in the same pass, for an FP8 layer's W8A8 GEMM
+Fp8Rows = reference_quant.Fp8Rows
+fused_add_rms_norm_fp8 = _select(reference_quant.fused_add_rms_norm_fp8, "fused_add_rms_norm_fp8")
+silu_and_mul_fp8 = _select(reference_quant.silu_and_mul_fp8, "silu_and_mul_fp8")
 _paged_attention = _select(_reference_attention, "paged_attention")
 
 
@@ -131,10 +135,13 @@ def on_triton(x: torch.Tensor | str | torch.device) -> bool:
 def fp8_linear(x, weight, weight_scale, input_scale=None, bias=None, kernel=None, dense=None):
     """kernels.reference_quant.fp8_linear's semantics; ``kernel`` (fp8_skinny / scaled_mm)
     picks the Triton kernel where Triton runs; ``dense``: the reference's dequantised weight,
-    kept by the caller."""
-    if on_triton(x):
+    kept by the caller. x may be ``Fp8Rows`` (``fp8_rows_linear``; then scaled_mm runs)."""
+    rows = isinstance(x, Fp8Rows)
+    if on_triton(x.q if rows else x):
         return _triton[0]["fp8_linear"].fp8_linear(x, weight, weight_scale, input_scale, bias,
                                                    kernel=kernel)
+    if rows:
+        return reference_quant.fp8_rows_linear(x, weight, weight_scale, bias, dense=dense)
     return reference_quant.fp8_linear(x, weight, weight_scale, input_scale, bias, dense=dense)
 
 

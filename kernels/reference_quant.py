@@ -20,7 +20,11 @@ runs them on CPU and the tests compare against them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from kernels import reference
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -42,6 +46,39 @@ def per_token_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return to_fp8(xf / scale), scale
+
+
+class Fp8Rows(NamedTuple):
+    """Activations quantised per token by the kernel that made them (``fused_add_rms_norm_fp8``,
+    ``silu_and_mul_fp8``), for an FP8 layer's W8A8 GEMM: the same values ``per_token_fp8``
+    gives for the activations that kernel would have written, with no pass over them between."""
+
+    q: torch.Tensor        # [M, K] float8_e4m3fn
+    scale: torch.Tensor    # [M, 1] float32: row m is q[m] * scale[m]
+    dtype: torch.dtype     # the activations' dtype before quantisation (the GEMM's output's)
+
+
+def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[Fp8Rows, torch.Tensor]:
+    """(rms_norm(x + residual) quantised per token, x + residual); x [M, K]."""
+    h, residual = reference.fused_add_rms_norm(x, residual, weight, eps)
+    return Fp8Rows(*per_token_fp8(h.reshape(-1, h.shape[-1])), h.dtype), residual
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:
+    """SiLU(gate) * up quantised per token; gate_up [M, 2 * d]."""
+    y = reference.silu_and_mul(gate_up)
+    return Fp8Rows(*per_token_fp8(y.reshape(-1, y.shape[-1])), y.dtype)
+
+
+def fp8_rows_linear(x: Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> torch.Tensor:
+    """``fp8_linear`` of activations already quantised: (q * scale) @ dequant(weight)^T."""
+    w = dequantize_fp8(weight, weight_scale) if dense is None else dense
+    y = (x.q.float() * x.scale) @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
 
 
 def quantize_fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from kernels import skinny_gemm, triton_fp8_linear, triton_w4a16
 from kernels.host import cdiv, next_pow2
-from kernels.reference_quant import FP8, FP8_MAX, FP8_MIN_SCALE
+from kernels.reference_quant import FP8, FP8_MAX, FP8_MIN_SCALE, Fp8Rows
 from kernels.triton_flash import INTERPRETED as _INTERPRETED   # bfloat16 tl.dot operands widened there
 
 
@@ -117,8 +117,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """See kernels.reference_quant.fp8_linear (W8A8; the skinny kernel's rows:
     fp8_weight_linear, W8A16). weight [N, K] e4m3 (row-major, so weight.t() is the column-major
     operand _scaled_mm wants), weight_scale [N] float32. ``kernel``: one of FP8_KERNELS
-    instead of ``fp8_kernel``'s choice (the layer's dispatch, the benchmark, the tests)."""
+    instead of ``fp8_kernel``'s choice (the layer's dispatch, the benchmark, the tests).
+    x may be ``Fp8Rows`` (quantised by the kernel that made them): _scaled_mm alone runs."""
     n, k = weight.shape
+    if isinstance(x, Fp8Rows):
+        return _scaled_mm(x.q, x.scale, weight, weight_scale, bias).to(x.dtype)
     x2 = x.reshape(-1, k)
     kernel = kernel or fp8_kernel(x2.shape[0])
     if kernel == "fp8_skinny":
@@ -127,11 +130,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         raise ValueError(f"kernel must be one of {FP8_KERNELS}, not {kernel!r}")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    xq, sx = per_token_fp8(x2, input_scale)
-    out = torch._scaled_mm(xq, weight.t(), scale_a=sx, scale_b=weight_scale.view(1, n),
-                           bias=None if bias is None else bias.to(torch.bfloat16),
-                           out_dtype=torch.bfloat16)
+    out = _scaled_mm(*per_token_fp8(x2, input_scale), weight, weight_scale, bias)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def _scaled_mm(xq: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor,
+               weight_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """(xq * sx) @ (weight * weight_scale)^T on the FP8 tensor cores, in bfloat16."""
+    return torch._scaled_mm(xq, weight.t(), scale_a=sx, scale_b=weight_scale.view(1, -1),
+                            bias=None if bias is None else bias.to(torch.bfloat16),
+                            out_dtype=torch.bfloat16)
 
 
 @triton.jit

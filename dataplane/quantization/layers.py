@@ -35,11 +35,11 @@ class _Planned(nn.Module):
         self.prepared: dict[str, object] = {}     # library kernel -> its layout of the weight
         self._by_rows: dict[int, str] = {}
 
-    def kernel(self, x2: torch.Tensor) -> str | None:
-        """The kernel for x2's rows (None: the reference runs)."""
+    def kernel(self, x2: torch.Tensor, m: int | None = None) -> str | None:
+        """The kernel for x2's rows, or for m rows like x2's (None: the reference runs)."""
         if not kernels.on_triton(x2):
             return None
-        m = x2.shape[0]
+        m = x2.shape[0] if m is None else m
         name = self._by_rows.get(m)
         if name is None:
             if self.plan is None:
@@ -64,6 +64,10 @@ class _Planned(nn.Module):
     def prepare(self, name: str, dtype: torch.dtype):
         raise NotImplementedError
 
+    def wants_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether this layer takes its input for x's rows as ``kernels.Fp8Rows``."""
+        return False
+
 
 class Fp8Linear(_Planned):
     scheme = "fp8"
@@ -86,7 +90,17 @@ class Fp8Linear(_Planned):
     def prepare(self, name: str, dtype: torch.dtype):
         return quant_libs.prepare_fp8(name, self.weight, self.weight_scale, dtype)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def wants_fp8_rows(self, x: torch.Tensor) -> bool:
+        """True where this layer's kernel for x's rows quantises them per token itself (W8A8
+        through torch._scaled_mm, dynamic scales): the kernel making x then hands them over
+        quantised (``kernels.fused_add_rms_norm_fp8``, ``kernels.silu_and_mul_fp8``), which
+        saves that kernel's bf16 write and the quantiser's launch and read."""
+        return self.input_scale is None and self.kernel(x, x.numel() // x.shape[-1]) == "scaled_mm"
+
+    def matmul(self, x: torch.Tensor | kernels.Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, kernels.Fp8Rows):   # (only where wants_fp8_rows said so)
+            return kernels.fp8_linear(x, self.weight, self.weight_scale, None, bias,
+                                      kernel="scaled_mm", dense=self._dense)
         x2 = x.reshape(-1, self.in_features)
         name = self.kernel(x2)
         if name in self.prepared:

@@ -1,0 +1,142 @@
+"""Activations handed to an FP8 layer already quantised (``kernels.Fp8Rows``): the fused norm
+and SiLU kernels of ``kernels.triton_ops`` against the unfused pair (the bf16 kernel, then the
+per-token quantiser) and the references, ``fp8_linear`` over them, and the model choosing the
+fused path exactly where its FP8 layer would run ``torch._scaled_mm`` (W8A8, dynamic scales).
+
+Under Triton's CPU interpreter here; with HEADRACE_TEST_DEVICE=cuda compiled on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_device import triton_device
+
+DEVICE = triton_device()   # before triton is imported
+import kernels  # noqa: E402
+from kernels import reference_quant as ref  # noqa: E402
+from kernels import triton_ops, triton_quant  # noqa: E402
+
+
+def _rows(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """m rows of very different magnitudes (one all zero: the scale's floor)."""
+    g = torch.Generator().manual_seed(seed)
+    mags = torch.tensor([1.0, 0.0, 30.0, 1e-3, 300.0, 0.5, 7.0])[torch.arange(m) % 7]
+    return (torch.randn(m, k, generator=g) * mags[:, None]).to(dtype).to(DEVICE)
+
+
+def _dequant_close(rows: kernels.Fp8Rows, q: torch.Tensor, s: torch.Tensor) -> None:
+    """Near the reference's quantised rows: the kernels may differ from torch in a norm's last
+    bit, which can move a row's max and so every value by one e4m3 step."""
+    a = rows.q.float().cpu() * rows.scale.cpu()
+    e = q.float().cpu() * s.cpu()
+    torch.testing.assert_close(rows.scale.cpu(), s.cpu(), rtol=2e-2, atol=0)
+    assert ((a - e).abs() <= e.abs() / 8 + 2.0 ** -9 * s.cpu() + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [64, 200])
+def test_fused_add_rms_norm_fp8_gives_the_bits_of_norm_then_quantiser(dtype, n):
+    x, residual = _rows(9, n, dtype), _rows(9, n, dtype, seed=1)
+    weight = (torch.rand(n, generator=torch.Generator().manual_seed(2)) + 0.5).to(dtype).to(DEVICE)
+    rows, res = triton_ops.fused_add_rms_norm_fp8(x, residual, weight, 1e-5)
+    normed, want_res = triton_ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    q, s = triton_quant.per_token_fp8(normed)
+    assert rows.q.dtype == torch.float8_e4m3fn and rows.q.shape == (9, n)
+    assert rows.scale.shape == (9, 1) and rows.dtype == dtype
+    assert torch.equal(res, want_res)
+    assert torch.equal(rows.scale, s) and torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+    assert rows.scale[1].item() == torch.tensor(ref.FP8_MIN_SCALE).item()   # the zero row
+    ref_rows, ref_res = ref.fused_add_rms_norm_fp8(x.cpu(), residual.cpu(), weight.cpu(), 1e-5)
+    torch.testing.assert_close(res.cpu(), ref_res)
+    _dequant_close(rows, ref_rows.q, ref_rows.scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [96, 1000])
+def test_silu_and_mul_fp8_gives_the_bits_of_silu_then_quantiser(dtype, d):
+    gate_up = _rows(7, 2 * d, dtype)
+    rows = triton_ops.silu_and_mul_fp8(gate_up)
+    q, s = triton_quant.per_token_fp8(triton_ops.silu_and_mul(gate_up))
+    assert rows.q.shape == (7, d) and rows.dtype == dtype
+    assert torch.equal(rows.scale, s) and torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+    want = ref.silu_and_mul_fp8(gate_up.cpu())
+    _dequant_close(rows, want.q, want.scale)
+
+
+def test_silu_and_mul_fp8_past_one_programs_row_takes_two_kernels(monkeypatch):
+    monkeypatch.setattr(triton_ops, "SILU_FP8_MAX_COLS", 64)
+    gate_up = _rows(3, 2 * 100, torch.bfloat16)
+    rows = triton_ops.silu_and_mul_fp8(gate_up)
+    q, s = triton_quant.per_token_fp8(triton_ops.silu_and_mul(gate_up))
+    assert torch.equal(rows.scale, s) and torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+
+
+def test_fp8_linear_over_fp8_rows_equals_it_over_the_rows():
+    torch.manual_seed(0)
+    wq, ws = ref.quantize_fp8_weight(torch.randn(48, 64) * 0.1)
+    x = torch.randn(12, 64).to(torch.bfloat16)
+    b = torch.randn(48).to(torch.bfloat16)
+    dev = [t.to(DEVICE) for t in (x, wq, ws, b)]
+    rows = kernels.Fp8Rows(*triton_quant.per_token_fp8(dev[0]), torch.bfloat16)
+    got = triton_quant.fp8_linear(rows, *dev[1:3], None, dev[3], kernel="scaled_mm")
+    want = triton_quant.fp8_linear(*dev[:3], None, dev[3], kernel="scaled_mm")
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    ref_rows = kernels.Fp8Rows(*ref.per_token_fp8(x), torch.bfloat16)
+    torch.testing.assert_close(ref.fp8_rows_linear(ref_rows, wq, ws, b), ref.fp8_linear(x, wq, ws, None, b))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the quantized layers' Triton path set up by hand")
+def test_the_model_hands_fp8_layers_quantised_rows_where_they_run_scaled_mm(tmp_path, monkeypatch):
+    from dataplane import kv_cache
+    from dataplane.config import load_model_config
+    from dataplane.loader import load_model
+    from dataplane.model import AttentionMetadata
+    from dataplane.quantization import layers, resolve
+    from kernels import skinny_gemm
+    from tests import quant_checkpoints as qc
+
+    path = qc.float_model(tmp_path)[0]
+    model = load_model(path, load_model_config(path), torch.device("cpu"), torch.float32, 512, None,
+                       resolve(path, "fp8"))
+    # the quantized layers and the fused kernels on the Triton path (interpreted), the rest reference
+    monkeypatch.setattr(kernels, "_triton", ({"fp8_linear": triton_quant}, None))
+    monkeypatch.setattr(kernels, "MODE", "triton")
+    fused = []
+    for name in ("fused_add_rms_norm_fp8", "silu_and_mul_fp8"):
+        real = getattr(triton_ops, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name:
+                            fused.append((_name, a[0].shape[0])) or _real(*a))
+    layer_count = model.cfg.num_layers
+
+    def forward(tokens: int) -> torch.Tensor:
+        blocks = -(-tokens // 16)
+        caches = kv_cache.allocate(model.cfg, blocks, 16, torch.float32, torch.device("cpu"))
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(tokens), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32), max_query_len=tokens,
+            decode_only=tokens == 1)
+        ids = torch.randint(0, 300, (tokens,), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            return model.logits(model(ids, torch.arange(tokens), caches, meta))
+
+    rows = skinny_gemm.MAX_ROWS + 16    # past the skinny kernels' rows: W8A8 through _scaled_mm
+    assert kernels.fp8_linear_kernel(rows) == "scaled_mm"
+    fused_logits = forward(rows)
+    # three of a layer's four inputs arrive quantised (o_proj's comes from attention); the
+    # first layer's input norm has no residual to add
+    assert fused.count(("fused_add_rms_norm_fp8", rows)) == 2 * layer_count - 1
+    assert fused.count(("silu_and_mul_fp8", rows)) == layer_count
+    monkeypatch.setattr(layers.Fp8Linear, "wants_fp8_rows", lambda self, x: False)
+    plain_logits = forward(rows)
+    torch.testing.assert_close(fused_logits, plain_logits, atol=2e-3, rtol=2e-3)
+    monkeypatch.undo()
+    # a skinny row count (W8A16: the activations are not quantised) keeps the bf16 kernels
+    monkeypatch.setattr(kernels, "_triton", ({"fp8_linear": triton_quant}, None))
+    monkeypatch.setattr(kernels, "MODE", "triton")
+    fused.clear()
+    monkeypatch.setattr(kernels, "fused_add_rms_norm_fp8", lambda *a: fused.append(a) or None)
+    forward(8)
+    assert fused == []
