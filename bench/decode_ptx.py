@@ -4,10 +4,14 @@ answers without device time: are the K/V loads 16 bytes wide and pipelined (cp.a
 a tile reach the tensor cores through ldmatrix, or is it read from shared memory a byte at a
 time (an FP8 V tile is: 128 ld.shared.b8 a thread per 128-key tile, docs/quantization.md).
 
-    python -m bench.decode_ptx [--kv fp8,bf16] [--tiles 128/4/3,64/4/3] [--group 2] [--ptx DIR]
+    python -m bench.decode_ptx [--kv fp8,bf16] [--tiles 128/4/3,64/4/3] [--group 2] [--ptx DIR] [--sass]
 
 The strides are compiled as divisible by 16 (as a launch specialises the real ones); prints
-one line per (dtype, tile): shared memory bytes and instruction counts."""
+one line per (dtype, tile): shared memory bytes and instruction counts. ``--sass`` adds the
+machine code's loops (Triton's bundled ``nvdisasm`` on the cubin): per loop, instructions a
+warp runs a step, per key for all the program's warps together, and the barriers, FP8
+conversions and MMAs among them (session 20 chose the FP8 tile from this: two warps split a
+tile's keys and cross them through shared memory, 9 barriers a step, one warp 2)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import argparse
 import collections
 import pathlib
 import re
+import subprocess
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -49,6 +55,35 @@ def compile_decode(kv: str, block_n: int, warps: int, stages: int, group: int, h
                           options=dict(num_warps=warps, num_stages=stages))
 
 
+SASS_OP = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+
+
+def nvdisasm() -> pathlib.Path:
+    """Triton's bundled disassembler."""
+    import triton.backends.nvidia as nvidia
+    return pathlib.Path(nvidia.__file__).parent / "bin" / "nvdisasm"
+
+
+def sass_loops(cubin: bytes) -> list[collections.Counter]:
+    """Per loop of the machine code (a label that a later branch jumps back to), the count of
+    each opcode in its body; ``"total"`` holds the number of instructions."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        lines = subprocess.run([str(nvdisasm()), "-c", f.name], capture_output=True, text=True,
+                               check=True).stdout.splitlines()
+    labels = {line.strip()[:-1]: i for i, line in enumerate(lines)
+              if line.strip().startswith(".L_x") and line.strip().endswith(":")}
+    loops = []
+    for i, line in enumerate(lines):
+        target = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if target and labels.get(target.group(1), i) < i - 1:   # (not the end's self-branch)
+            ops = collections.Counter(SASS_OP.findall("\n".join(lines[labels[target.group(1)]:i + 1])))
+            ops["total"] = sum(ops.values())
+            loops.append(ops)
+    return loops
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kv", default="fp8,bf16")
@@ -57,6 +92,7 @@ def main() -> None:
     ap.add_argument("--plain-v", action="store_true",
                     help="an FP8 V in the bf16 layout (before the transposed blocks)")
     ap.add_argument("--ptx", default=None, help="a directory to write each variant's PTX into")
+    ap.add_argument("--sass", action="store_true", help="count the machine code's loops too")
     args = ap.parse_args()
     for kv in args.kv.split(","):
         for tile in args.tiles.split(","):
@@ -69,6 +105,11 @@ def main() -> None:
                 pathlib.Path(args.ptx, f"decode-{kv}-{tile.replace('/', '-')}.ptx").write_text(kernel.asm["ptx"])
             print(f"{kv:>4} {tile:>10}: shared {kernel.metadata.shared:>6} B | "
                   + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), flush=True)
+            for n, ops in enumerate(sass_loops(kernel.asm["cubin"]) if args.sass else ()):
+                print(f"{'':>16}SASS loop {n}: {ops['total']} instructions a warp a step, "
+                      f"{ops['total'] * warps / block_n:.1f} a key for the program; BAR {ops['BAR']}, "
+                      f"F2FP {ops['F2FP']}, HMMA {ops['HMMA']}, LDGSTS {ops['LDGSTS']}, "
+                      f"LDS {ops['LDS']}, LDSM {ops['LDSM']}, SHFL {ops['SHFL']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -122,9 +123,6 @@ def test_w5_runs_on_a_cpu_with_tiny_sizes_in_every_mode():
     generated (float32: no rounding to flip a token), compared conversation by conversation
     with the first mode of their kind; the host tier hit only when loaded, its hits counted as
     recomputed by never."""
-    import json
-    import os
-
     cmd = [sys.executable, "-m", "bench.w5_bench", "--device", "cpu", "--conversations", "4",
            "--turns", "3", "--user-tokens", "40", "--output-tokens", "8", "--system-tokens", "32",
            "--num-kv-blocks", "24", "--offload-gib", "0.01", "--concurrency", "2",
@@ -415,3 +413,29 @@ def test_emulated_worker_keeps_the_step_protocol_and_the_device_timeline():
     (late,) = pipe.drain()
     assert late.step_id == 2 and late.token_ids[0] in (33, 901)
     assert _time.monotonic() - t0 >= 0.210                # two forward passes and two samplings, in turn
+
+
+
+def test_decode_ptx_counts_the_decode_kernels_machine_code_loops():
+    """bench.decode_ptx --sass: the FP8 decode kernel compiled for SM90 here (Triton's ptxas
+    and nvdisasm, no GPU), its loops found; on one warp the softmax needs no barriers across
+    warps, so a step has fewer than on two (why the engine's one-split tile is one warp). In a
+    process of its own: this one may run Triton's interpreter, which compiles nothing."""
+    pytest.importorskip("triton")
+    from bench import decode_ptx
+    if not decode_ptx.nvdisasm().exists():
+        pytest.skip("this triton bundles no nvdisasm")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "bench.decode_ptx", "--kv", "fp8", "--tiles",
+                          "64/1/4,64/2/4", "--group", "4", "--sass"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    first = {}   # tile -> its first SASS loop's line (whole tiles: the unmasked loop)
+    tile = None
+    for line in out.splitlines():
+        if line.startswith(" fp8"):
+            tile = line.split(":")[0].split()[-1]
+        elif "SASS loop" in line and tile not in first:
+            first[tile] = {k: int(v) for k, v in re.findall(r"(BAR|F2FP|HMMA) (\d+)", line)}
+    assert set(first) == {"64/1/4", "64/2/4"}, out
+    assert first["64/1/4"]["HMMA"] > 0 and first["64/1/4"]["F2FP"] > 0
+    assert first["64/1/4"]["BAR"] < first["64/2/4"]["BAR"]
