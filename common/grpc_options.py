@@ -21,6 +21,15 @@ KEEPALIVE_TIME_MS = 30_000      # ping a connection idle this long (dead peers, 
 KEEPALIVE_TIMEOUT_MS = 10_000   # and drop it when the ping goes unanswered this long
 MIN_PING_INTERVAL_MS = 5_000    # a server accepts a client's pings this often at most
 
+# The public server's receive window per stream. gRPC's BDP probing grows a connection's windows
+# to megabytes within a few round trips, so a client that sends an oversized (or unauthenticated)
+# message gets that much of it buffered in the server before the call is refused: 32 concurrent
+# 30 MiB calls grew the control plane by 4-250 MiB (tests/test_hostile_load.py). With probing off
+# and a fixed 1 MiB window, the same calls grow it by 0-7 MiB. The cost is upload speed over a
+# long round trip: a prompt moves at most 1 MiB a round trip (a 128k-token prompt's ~0.5 MiB of
+# text: one). The private links (step protocol, engine core) keep probing: their peers are ours.
+PUBLIC_RECEIVE_WINDOW_BYTES = 1 << 20
+
 # reconnect quickly to a data plane that is still starting or restarting
 RECONNECT_BACKOFF_MS = (100, 1000)   # first and longest
 
@@ -41,6 +50,16 @@ def server_options(max_message_bytes: int, max_send_bytes: int | None = None) ->
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 0),   # never close a connection for its pings
         net.GRPC_EXCLUSIVE_PORT,              # a port in use fails the bind
+    ]
+
+
+def public_server_options(max_message_bytes: int,
+                          max_send_bytes: int = PUBLIC_MAX_SEND_BYTES) -> list[tuple[str, int]]:
+    """Options of the public API server: ``server_options`` with a fixed receive window per
+    stream (no BDP probing), so a message the server will refuse cannot fill its memory first."""
+    return server_options(max_message_bytes, max_send_bytes) + [
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", PUBLIC_RECEIVE_WINDOW_BYTES),
     ]
 
 

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import net, security, tracing
-from common.grpc_options import PUBLIC_MAX_SEND_BYTES, server_options
+from common.grpc_options import public_server_options
 from controlplane import limits, reflection, wire_check
 from controlplane.admin import AdminService, admin_access
 from controlplane.core.plane import EnginePlane
@@ -62,7 +62,7 @@ def public_server(metrics: ControlPlaneMetrics, inference, admin, health_service
         quiet = filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection"))
         interceptors.insert(0, aio_server_interceptor(tracer_provider=provider,
                                                       filter_=filters.negate(quiet)))
-    options = server_options(max_message_bytes, PUBLIC_MAX_SEND_BYTES)
+    options = public_server_options(max_message_bytes)
     if shared_port:
         options = [o for o in options if o != net.GRPC_EXCLUSIVE_PORT] + [net.GRPC_SHARED_PORT]
     server = grpc.aio.server(options=options, interceptors=interceptors)

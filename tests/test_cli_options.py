@@ -234,7 +234,7 @@ def test_cuda_graphs_flag_pair():
 
 def test_grpc_keepalive_settings_agree_across_the_planes():
     server = dict(grpc_options.server_options(grpc_options.STEP_MAX_MESSAGE_BYTES))
-    public = dict(grpc_options.server_options(1 << 20, grpc_options.PUBLIC_MAX_SEND_BYTES))
+    public = dict(grpc_options.public_server_options(1 << 20))
     channel = dict(grpc_options.channel_options())
     # a channel never pings more often than a server accepts (else: GOAWAY too_many_pings)
     assert channel["grpc.keepalive_time_ms"] >= server["grpc.http2.min_ping_interval_without_data_ms"]
@@ -245,3 +245,8 @@ def test_grpc_keepalive_settings_agree_across_the_planes():
     assert channel["grpc.max_receive_message_length"] >= server["grpc.max_send_message_length"]
     assert public["grpc.max_receive_message_length"] == 1 << 20
     assert public["grpc.max_send_message_length"] == grpc_options.PUBLIC_MAX_SEND_BYTES
+    # the public server's receive window is fixed (an oversized call cannot fill its memory
+    # before it is refused); the private links keep gRPC's growing windows
+    assert public["grpc.http2.bdp_probe"] == 0
+    assert public["grpc.http2.lookahead_bytes"] == grpc_options.PUBLIC_RECEIVE_WINDOW_BYTES
+    assert "grpc.http2.bdp_probe" not in server
