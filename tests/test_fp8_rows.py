@@ -100,12 +100,15 @@ def test_the_model_hands_fp8_layers_quantised_rows_where_they_run_scaled_mm(tmp_
     path = qc.float_model(tmp_path)[0]
     model = load_model(path, load_model_config(path), torch.device("cpu"), torch.float32, 512, None,
                        resolve(path, "fp8"))
-    # the quantized layers and the fused kernels on the Triton path (interpreted), the rest reference
+    # the quantized layers on the Triton path, the rest reference. The per-token quantiser and
+    # the fused kernels run as their references (the tests above hold the kernels to their
+    # bits): interpreted, 144 rows through them took ~20 s of this test
     monkeypatch.setattr(kernels, "_triton", ({"fp8_linear": triton_quant}, None))
     monkeypatch.setattr(kernels, "MODE", "triton")
+    monkeypatch.setattr(triton_quant, "per_token_fp8", ref.per_token_fp8)
     fused = []
     for name in ("fused_add_rms_norm_fp8", "silu_and_mul_fp8"):
-        real = getattr(triton_ops, name)
+        real = getattr(ref, name)
         monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name:
                             fused.append((_name, a[0].shape[0])) or _real(*a))
     layer_count = model.cfg.num_layers
@@ -136,6 +139,7 @@ def test_the_model_hands_fp8_layers_quantised_rows_where_they_run_scaled_mm(tmp_
     # a skinny row count (W8A16: the activations are not quantised) keeps the bf16 kernels
     monkeypatch.setattr(kernels, "_triton", ({"fp8_linear": triton_quant}, None))
     monkeypatch.setattr(kernels, "MODE", "triton")
+    monkeypatch.setattr(triton_quant, "per_token_fp8", ref.per_token_fp8)
     fused.clear()
     monkeypatch.setattr(kernels, "fused_add_rms_norm_fp8", lambda *a: fused.append(a) or None)
     forward(8)
