@@ -111,6 +111,18 @@ def test_named_tool_choice_returns_tool_calls(client):
     jsonschema.validate(json.loads(args), TOOLS[0]["function"]["parameters"])
 
 
+def test_a_named_tool_without_parameters_is_called_with_none(client):
+    """OpenAI: a function without ``parameters`` has an empty parameter list, so its arguments
+    are ``{}`` (before: any object, whose first key the embedded model wrote to max_tokens)."""
+    tools = [{"type": "function", "function": {"name": "ring_bell"}}]
+    out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, tools=tools,
+                                         tool_choice={"type": "function", "function": {"name": "ring_bell"}})
+    c = out.choices[0]
+    assert c.finish_reason == "stop"
+    (call,) = c.message.tool_calls
+    assert call.function.name == "ring_bell" and json.loads(call.function.arguments) == {}
+
+
 def test_required_tool_choice_returns_calls_of_the_given_tools(client):
     """One call (parallel_tool_calls false): the embedded model, left to it, lists calls
     until max_tokens; then the text comes back as content, a prefix of an array of calls."""

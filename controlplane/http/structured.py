@@ -119,8 +119,12 @@ def tool_mode(body) -> str | None:
 
 
 def _parameters(function: dict) -> dict:
+    """A function's arguments schema. Without ``parameters`` it takes none (OpenAI: "omitting
+    parameters defines a function with an empty parameter list"): its arguments are ``{}``."""
     params = function.get("parameters")
-    return params if isinstance(params, dict) else {"type": "object", "properties": {}}
+    if isinstance(params, dict):
+        return params
+    return {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def constraint(body, chat: bool) -> tuple[pb.StructuredOutputs | None, Any]:
