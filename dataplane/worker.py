@@ -25,7 +25,7 @@ from dataplane.draft_model import DraftModel
 from dataplane.loader import load_model
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.progress import Phases, Progress
-from dataplane.quantization import KV_CACHE_DTYPES, layers as quant_layers, resolve as resolve_quantization
+from dataplane.quantization import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, layers as quant_layers, resolve as resolve_quantization
 from dataplane.runner import ModelRunner
 from dataplane.sampler import SamplingBatch, SamplingRow, sample
 from dataplane.spec_decode import SpecDecoder, graph_rows
@@ -113,7 +113,7 @@ class Worker:
             self.quant = dataclasses.replace(self.quant, backend=backend)
         if opts.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {opts.kv_cache_dtype!r}: choose from {KV_CACHE_DTYPES}")
-        self.kv_dtype = torch.float8_e4m3fn if opts.kv_cache_dtype == "fp8" else self.dtype
+        self.kv_dtype = torch.float8_e4m3fn if opts.kv_cache_dtype in FP8_KV_CACHE_DTYPES else self.dtype
         kv_layout.check_block_size(self.kv_dtype, opts.block_size)
         self.attention = attention_policy.resolve(
             opts.attention_backend, self.device.type,

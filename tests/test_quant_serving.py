@@ -21,6 +21,9 @@ def test_fp8_kv_cache_holds_twice_the_tokens():
     assert auto.block_bytes == 2 * fp8.block_bytes
     assert fp8.runner.num_blocks // 2 == auto.runner.num_blocks   # same bytes, floor division
     assert fp8.runner.kv_caches[0].dtype.itemsize == 1
+    vllm_name = Worker(WorkerOptions(**opts, kv_cache_dtype="fp8_e4m3"))   # vLLM's spelling
+    assert vllm_name.runner.kv_caches[0].dtype == fp8.runner.kv_caches[0].dtype
+    assert vllm_name.block_bytes == fp8.block_bytes
 
 
 def test_planes_serve_fp8_weights_and_kv_and_report_them(tmp_path):

@@ -19,7 +19,8 @@ import pathlib
 import re
 
 METHODS = ("fp8", "int8", "gptq", "awq", "compressed-tensors")
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # fp8_e4m3: vLLM's name for the same e4m3 cache
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
 class QuantizationError(ValueError):
