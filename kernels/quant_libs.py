@@ -13,7 +13,8 @@ Canonical tensors (``dataplane.quantization.layers``): FP8 ``weight`` [N, K] e4m
   W(q - z)s with [N, G] scales and zeros, and FP8 weight-only (``A16W8``), bfloat16/float16.
 * ``fbgemm_rowwise`` / ``fbgemm_i4`` (``pip install 'headrace[fbgemm]'``: FBGEMM GenAI, CUTLASS;
   its wheel must match torch's minor version: 1.6.x for torch 2.11): row-wise W8A8 FP8
-  (``quantize_fp8_per_row`` + ``f8f8bf16_rowwise``), and W4A16 with groups of 128
+  (``quantize_fp8_per_row`` + ``f8f8bf16_rowwise``; ``run_fp8_rows`` takes rows the norm or
+  SiLU kernel quantised, ``f8f8bf16_rowwise`` alone), and W4A16 with groups of 128
   (``preshuffle_i4`` + ``bf16i4bf16_shuffled``, w = q_signed * s + zero as tinygemm's).
 
 The conversions are plain torch (tested on CPU against ``kernels.reference_quant``'s
@@ -162,6 +163,23 @@ def prepare_fp8(kernel: str, weight: torch.Tensor, weight_scale: torch.Tensor, d
     if kernel == "fbgemm_rowwise":
         return weight.contiguous(), weight_scale.float().reshape(-1).contiguous()
     raise ValueError(f"{kernel} is not a library FP8 kernel")
+
+
+# library W8A8 kernels that take activations already quantised per token (``Fp8Rows``, from the
+# norm or SiLU kernel before the layer) instead of quantising them themselves
+TAKES_FP8_ROWS = ("fbgemm_rowwise",)
+
+
+def run_fp8_rows(kernel: str, state, rows: reference_quant.Fp8Rows,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """y [M, N] = rows (e4m3 [M, K] and their per-token scales) through ``kernel``, one of
+    ``TAKES_FP8_ROWS``: the GEMM alone, no quantiser launch before it."""
+    if kernel != "fbgemm_rowwise":
+        raise ValueError(f"{kernel!r} does not take quantised rows")
+    w, ws = state
+    y = torch.ops.fbgemm.f8f8bf16_rowwise(rows.q, w, rows.scale.reshape(-1), ws, use_fast_accum=True)
+    y = y.to(rows.dtype)
+    return y if bias is None else y + bias
 
 
 def run(kernel: str, state, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -144,3 +144,82 @@ def test_the_model_hands_fp8_layers_quantised_rows_where_they_run_scaled_mm(tmp_
     monkeypatch.setattr(kernels, "fused_add_rms_norm_fp8", lambda *a: fused.append(a) or None)
     forward(8)
     assert fused == []
+
+
+@pytest.fixture
+def fbgemm_twins(monkeypatch):
+    """FBGEMM's row-wise FP8 ops as plain-torch twins on the CPU (the library runs on CUDA
+    only): its quantiser is ours, its GEMM the reference's (q * scale) @ (w * w_scale)^T.
+    Counts the GEMM's calls by whether its rows were quantised by the op's quantiser."""
+    if hasattr(torch.ops, "fbgemm") and hasattr(torch.ops.fbgemm, "f8f8bf16_rowwise"):
+        pytest.skip("FBGEMM GenAI is installed: its own ops are registered")
+    from kernels import quant_libs
+
+    calls = {"quantiser": 0, "gemm": 0}
+    lib = torch.library.Library("fbgemm", "DEF")
+    lib.define("quantize_fp8_per_row(Tensor x) -> (Tensor, Tensor)")
+    lib.define("f8f8bf16_rowwise(Tensor xq, Tensor wq, Tensor x_scale, Tensor w_scale, "
+               "bool use_fast_accum=True) -> Tensor")
+
+    def quantize(x):
+        calls["quantiser"] += 1
+        q, s = ref.per_token_fp8(x)
+        return q, s.reshape(-1)
+
+    def gemm(xq, wq, x_scale, w_scale, use_fast_accum=True):
+        calls["gemm"] += 1
+        assert xq.dtype == wq.dtype == torch.float8_e4m3fn and x_scale.shape == (xq.shape[0],)
+        return ((xq.float() * x_scale[:, None]) @ (wq.float() * w_scale[:, None]).t()).to(torch.bfloat16)
+
+    lib.impl("quantize_fp8_per_row", quantize, "CPU")
+    lib.impl("f8f8bf16_rowwise", gemm, "CPU")
+    monkeypatch.setattr(quant_libs, "why_not", lambda library: None)
+    yield calls
+    lib._destroy()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="FBGEMM's ops as CPU twins")
+def test_fbgemm_rowwise_layers_take_the_quantised_rows_too(tmp_path, monkeypatch, fbgemm_twins):
+    """With --quant-backend fbgemm every FP8 layer runs FBGEMM's row-wise W8A8 GEMM at any row
+    count: the norm and SiLU kernels hand three of a layer's four inputs over quantised, and
+    only o_proj's input (and the first layer's qkv's) goes through FBGEMM's quantiser; the
+    logits are the unfused path's."""
+    import dataclasses
+
+    from dataplane import kv_cache
+    from dataplane.config import load_model_config
+    from dataplane.loader import load_model
+    from dataplane.model import AttentionMetadata
+    from dataplane.quantization import layers, resolve
+    from tests import quant_checkpoints as qc
+
+    path = qc.float_model(tmp_path)[0]
+    quant = dataclasses.replace(resolve(path, "fp8"), backend="fbgemm")
+    model = load_model(path, load_model_config(path), torch.device("cpu"), torch.bfloat16, 512, None, quant)
+    monkeypatch.setattr(kernels, "_triton", ({"fp8_linear": triton_quant}, None))
+    monkeypatch.setattr(kernels, "MODE", "triton")
+    layer_count = model.cfg.num_layers
+
+    def forward(tokens: int) -> torch.Tensor:
+        blocks = -(-tokens // 16)
+        caches = kv_cache.allocate(model.cfg, blocks, 16, torch.bfloat16, torch.device("cpu"))
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(tokens), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32), max_query_len=tokens,
+            decode_only=tokens == 1)
+        ids = torch.randint(0, 300, (tokens,), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            return model.logits(model(ids, torch.arange(tokens), caches, meta))
+
+    for tokens in (8, 40):   # a decode-sized and a larger row count: FBGEMM at both
+        fbgemm_twins.update(quantiser=0, gemm=0)
+        fused = forward(tokens)
+        # o_proj's input comes from attention, the first layer's input norm adds no residual
+        assert fbgemm_twins == {"quantiser": layer_count + 1, "gemm": 4 * layer_count}
+        with monkeypatch.context() as m:
+            m.setattr(layers.Fp8Linear, "wants_fp8_rows", lambda self, x: False)
+            fbgemm_twins.update(quantiser=0, gemm=0)
+            plain = forward(tokens)
+            assert fbgemm_twins == {"quantiser": 4 * layer_count, "gemm": 4 * layer_count}
+        torch.testing.assert_close(fused, plain, atol=0, rtol=0)

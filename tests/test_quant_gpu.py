@@ -14,6 +14,7 @@ from tests.triton_device import triton_device
 DEVICE = triton_device()
 pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 
+import kernels  # noqa: E402
 from dataplane.quantization import layers  # noqa: E402
 from kernels import quant_libs, reference_quant as ref  # noqa: E402
 
@@ -88,3 +89,20 @@ def test_every_kernel_matches_the_reference_and_replays_in_a_graph(backend, sche
             eager = layer(static).float()          # split-K sums in another order: not bitwise
             torch.testing.assert_close(out.float(), eager, rtol=0,
                                        atol=1e-2 * eager.abs().max().item())
+
+
+@pytest.mark.parametrize("backend", [b for b in ("triton", "fbgemm")
+                                     if b == "triton" or quant_libs.why_not(b) is None])
+def test_fp8_layers_take_quantised_rows_where_their_kernel_quantises(backend):
+    """Where an FP8 layer's kernel quantises its rows per token itself (scaled_mm; FBGEMM's
+    row-wise GEMM at every row count), rows quantised before it give the layer's own output."""
+    layer = _fp8_layer(backend)
+    layers.warm_up(layer, 128, torch.bfloat16)
+    for m in ROWS:
+        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+        if not layer.wants_fp8_rows(x):
+            assert backend == "triton" and layer.kernel(x) != "scaled_mm"
+            continue
+        rows = kernels.Fp8Rows(*ref.per_token_fp8(x), torch.bfloat16)
+        got, own = layer(rows).float(), layer(x).float()
+        torch.testing.assert_close(got, own, rtol=0, atol=2e-2 * own.abs().max().item())
