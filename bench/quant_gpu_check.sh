@@ -32,6 +32,12 @@
 # l8: Llama-3.1-8B (random bf16; an INT4 compressed-tensors W4A16 g128 copy): W3 bf16 vs FP8
 #   weights + FP8 KV, W2 bf16 vs INT4 (and FP8); ~6-7 min (checkpoints ~2 min, three servers).
 # w3kv: W3 on Llama-3.1-8B only, bf16 vs FP8 weights + FP8 KV (the W3 target); ~5 min.
+# w3lib: W3 on Llama-3.1-8B with FP8 weights + FP8 KV, our kernels (--quant-backend triton:
+#   scaled_mm at decode's 256 rows) against auto with the carried libraries (FBGEMM's row-wise
+#   GEMM where kernels/quant_dispatch.json ranks it first, taking the norm / SiLU kernels'
+#   quantised rows); needs FBGEMM's wheel in WHEELS; ~5 min.
+# splits: FP8 against bf16 decode attention at batch 1-32 (several splits a sequence), the
+#   engine's tile beside others; ~60 s.
 # serve: w1kv and l8; then the table of issue 32's serving targets (server logs: $OUT/serve-N.log).
 # The last lines: a short table of each section's wall time and result.
 set -uo pipefail
@@ -78,7 +84,13 @@ if has attention; then
     | tee "$OUT/fp8_kv.txt"
   note attention $((SECONDS - t0)) "$(grep -c '| best' "$OUT/fp8_kv.txt") decode rows, $(grep -c prefill "$OUT/fp8_kv.txt") prefill rows"
 fi
-if has w1kv || has l8 || has w3kv; then
+if has splits; then
+  log "FP8 KV decode at small batches"; t0=$SECONDS
+  timeout 120 python3 -m bench.fp8_kv_attention --batches 1,8,32 --contexts 2000 --no-prefill \
+    --layouts llama3.1-8b --tiles engine,64/2/5,64/4/4,64/4/5,32/2/5 2>&1 | tee "$OUT/fp8_kv_splits.txt"
+  note splits $((SECONDS - t0)) "$(grep -c '| best' "$OUT/fp8_kv_splits.txt") decode rows"
+fi
+if has w1kv || has l8 || has w3kv || has w3lib; then
   RES=$OUT/quant_serve.jsonl; : > "$RES"; ADDR=127.0.0.1:50151; n=0
   up() {      # MODEL SERVE_ARGS...: `headrace serve` in a process group of its own
     n=$((n + 1)); log "serve $*"
@@ -122,6 +134,14 @@ except ValueError: print(json.dumps({'label': '$1', 'error': 'no result'}))" | t
     up /tmp/llama8b $L8 --quantization fp8 --kv-cache-dtype fp8
     bench "W3 llama8b fp8 weights + fp8 KV" w3; down
   fi
+  if has w3lib; then
+    log "checkpoint llama8b"
+    python3 -m bench.random_checkpoint llama-3.1-8b /tmp/llama8b --device cuda > /dev/null
+    up /tmp/llama8b $L8 --quantization fp8 --kv-cache-dtype fp8 --quant-backend triton
+    bench "W3 llama8b fp8 ours" w3; down
+    up /tmp/llama8b $L8 --quantization fp8 --kv-cache-dtype fp8
+    bench "W3 llama8b fp8 weights + fp8 KV" w3; down
+  fi
   if has l8; then
     log "checkpoints llama8b"
     python3 -m bench.random_checkpoint llama-3.1-8b /tmp/llama8b --device cuda > /dev/null
@@ -146,6 +166,8 @@ row("W1 Qwen3-0.6B tok/s, bf16 KV | FP8 KV", get("W1 qwen3 bf16 KV", "output_tok
 row("W3 Llama-8B tok/s, bf16 | FP8 w + FP8 KV", get("W3 llama8b bf16", "output_tok_per_s"),
     get("W3 llama8b fp8 weights + fp8 KV", "output_tok_per_s"), "tok/s",
     ">= 14,000 tok/s (vLLM 0.24: 12,640; moonshot 16,000)")
+row("W3 Llama-8B tok/s, FP8 ours | FP8 auto", get("W3 llama8b fp8 ours", "output_tok_per_s"),
+    get("W3 llama8b fp8 weights + fp8 KV", "output_tok_per_s"), "tok/s", "(libraries' share)")
 row("W2 Llama-8B ITL p50, bf16 | INT4", get("W2 llama8b bf16", "itl_ms_p50"),
     get("W2 llama8b int4", "itl_ms_p50"), "ms", "<= 0.45x")
 row("W2 Llama-8B TTFT p50, bf16 | INT4", get("W2 llama8b bf16", "ttft_ms_p50"),
