@@ -87,19 +87,43 @@ def test_fp8_linear_over_fp8_rows_equals_it_over_the_rows():
     torch.testing.assert_close(ref.fp8_rows_linear(ref_rows, wq, ws, b), ref.fp8_linear(x, wq, ws, None, b))
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="the quantized layers' Triton path set up by hand")
-def test_the_model_hands_fp8_layers_quantised_rows_where_they_run_scaled_mm(tmp_path, monkeypatch):
-    from dataplane import kv_cache
+def _fp8_model(tmp_path, dtype: torch.dtype, backend: str = "auto"):
+    """A tiny random Llama quantised to FP8 on load (on the CPU, in ``dtype``)."""
+    import dataclasses
+
     from dataplane.config import load_model_config
     from dataplane.loader import load_model
-    from dataplane.model import AttentionMetadata
-    from dataplane.quantization import layers, resolve
-    from kernels import skinny_gemm
+    from dataplane.quantization import resolve
     from tests import quant_checkpoints as qc
 
     path = qc.float_model(tmp_path)[0]
-    model = load_model(path, load_model_config(path), torch.device("cpu"), torch.float32, 512, None,
-                       resolve(path, "fp8"))
+    quant = dataclasses.replace(resolve(path, "fp8"), backend=backend)
+    return load_model(path, load_model_config(path), torch.device("cpu"), dtype, 512, None, quant)
+
+
+def _forward(model, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """The logits of one prefill of ``tokens`` fixed random tokens."""
+    from dataplane import kv_cache
+    from dataplane.model import AttentionMetadata
+
+    blocks = -(-tokens // 16)
+    caches = kv_cache.allocate(model.cfg, blocks, 16, dtype, torch.device("cpu"))
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(tokens), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+        query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([tokens], dtype=torch.int32), max_query_len=tokens,
+        decode_only=tokens == 1)
+    ids = torch.randint(0, 300, (tokens,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        return model.logits(model(ids, torch.arange(tokens), caches, meta))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the quantized layers' Triton path set up by hand")
+def test_the_model_hands_fp8_layers_quantised_rows_where_they_run_scaled_mm(tmp_path, monkeypatch):
+    from dataplane.quantization import layers
+    from kernels import skinny_gemm
+
+    model = _fp8_model(tmp_path, torch.float32)
     # the quantized layers on the Triton path, the rest reference. The per-token quantiser and
     # the fused kernels run as their references (the tests above hold the kernels to their
     # bits): interpreted, 144 rows through them took ~20 s of this test
@@ -114,16 +138,7 @@ def test_the_model_hands_fp8_layers_quantised_rows_where_they_run_scaled_mm(tmp_
     layer_count = model.cfg.num_layers
 
     def forward(tokens: int) -> torch.Tensor:
-        blocks = -(-tokens // 16)
-        caches = kv_cache.allocate(model.cfg, blocks, 16, torch.float32, torch.device("cpu"))
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(tokens), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
-            seq_lens=torch.tensor([tokens], dtype=torch.int32), max_query_len=tokens,
-            decode_only=tokens == 1)
-        ids = torch.randint(0, 300, (tokens,), generator=torch.Generator().manual_seed(0))
-        with torch.inference_mode():
-            return model.logits(model(ids, torch.arange(tokens), caches, meta))
+        return _forward(model, tokens, torch.float32)
 
     rows = skinny_gemm.MAX_ROWS + 16    # past the skinny kernels' rows: W8A8 through _scaled_mm
     assert kernels.fp8_linear_kernel(rows) == "scaled_mm"
@@ -184,33 +199,15 @@ def test_fbgemm_rowwise_layers_take_the_quantised_rows_too(tmp_path, monkeypatch
     count: the norm and SiLU kernels hand three of a layer's four inputs over quantised, and
     only o_proj's input (and the first layer's qkv's) goes through FBGEMM's quantiser; the
     logits are the unfused path's."""
-    import dataclasses
+    from dataplane.quantization import layers
 
-    from dataplane import kv_cache
-    from dataplane.config import load_model_config
-    from dataplane.loader import load_model
-    from dataplane.model import AttentionMetadata
-    from dataplane.quantization import layers, resolve
-    from tests import quant_checkpoints as qc
-
-    path = qc.float_model(tmp_path)[0]
-    quant = dataclasses.replace(resolve(path, "fp8"), backend="fbgemm")
-    model = load_model(path, load_model_config(path), torch.device("cpu"), torch.bfloat16, 512, None, quant)
+    model = _fp8_model(tmp_path, torch.bfloat16, backend="fbgemm")
     monkeypatch.setattr(kernels, "_triton", ({"fp8_linear": triton_quant}, None))
     monkeypatch.setattr(kernels, "MODE", "triton")
     layer_count = model.cfg.num_layers
 
     def forward(tokens: int) -> torch.Tensor:
-        blocks = -(-tokens // 16)
-        caches = kv_cache.allocate(model.cfg, blocks, 16, torch.bfloat16, torch.device("cpu"))
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(tokens), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32),
-            seq_lens=torch.tensor([tokens], dtype=torch.int32), max_query_len=tokens,
-            decode_only=tokens == 1)
-        ids = torch.randint(0, 300, (tokens,), generator=torch.Generator().manual_seed(0))
-        with torch.inference_mode():
-            return model.logits(model(ids, torch.arange(tokens), caches, meta))
+        return _forward(model, tokens, torch.bfloat16)
 
     for tokens in (8, 40):   # a decode-sized and a larger row count: FBGEMM at both
         fbgemm_twins.update(quantiser=0, gemm=0)
