@@ -35,11 +35,12 @@ MAX_PAUSE = 256
 
 
 def uses_history(seq: Sequence) -> bool:
-    """Penalties (and min_tokens with stop ids) need the token history: the worker does not
-    speculate for such sequences (its sampler applies them per row, not per position)."""
+    """Penalties (and min_tokens with stop ids) need the token history, and a logit bias is
+    applied row by row too: the worker does not speculate for such sequences (its sampler
+    applies them per row, not per position)."""
     s = seq.sampling
     return (s.repetition_penalty != 1.0 or s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
-            or (bool(s.stop_token_ids) and s.min_tokens > 0))
+            or (bool(s.stop_token_ids) and s.min_tokens > 0) or bool(s.logit_bias))
 
 
 class Speculation:

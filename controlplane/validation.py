@@ -22,6 +22,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_LEN = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024       # entries of a request's logit_bias
+LOGIT_BIAS_RANGE = 100.0    # OpenAI's: each bias in [-100, 100]
 MAX_REQUEST_ID_LEN = 256
 
 
@@ -58,11 +60,21 @@ def _sampling(s: pb.SamplingParams, vocab_size: int, checked: bool = False) -> w
     rep = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
     if not checked:
         _check_sampling(s, temperature, top_p, rep)
+        _check_logit_bias(s.logit_bias, vocab_size)
     return wpb.Sampling(temperature=temperature, top_p=top_p, top_k=min(s.top_k, vocab_size),
                         min_p=s.min_p, repetition_penalty=rep,
                         presence_penalty=s.presence_penalty,
                         frequency_penalty=s.frequency_penalty, has_seed=s.HasField("seed"),
-                        seed=s.seed)
+                        seed=s.seed, logit_bias=s.logit_bias)
+
+
+def _check_logit_bias(bias, vocab_size: int) -> None:
+    _check(len(bias) <= MAX_LOGIT_BIAS, f"sampling.logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    _in_vocab("sampling.logit_bias", list(bias), vocab_size)
+    for token, value in bias.items():
+        _check(math.isfinite(value) and -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE,
+               f"sampling.logit_bias: the bias of token {token} must be in "
+               f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {value}")
 
 
 def _check_sampling(s: pb.SamplingParams, temperature: float, top_p: float, rep: float) -> None:

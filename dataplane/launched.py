@@ -22,7 +22,8 @@ def sampling_row(seq: pb.NewSequence) -> SamplingRow:
         repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, seed=s.seed if s.has_seed else None,
         logprobs=s.logprobs, min_tokens=s.min_tokens, stop_token_ids=list(s.stop_token_ids),
-        prompt_token_ids=list(seq.prompt_token_ids), output_token_ids=list(seq.output_token_ids))
+        prompt_token_ids=list(seq.prompt_token_ids), output_token_ids=list(seq.output_token_ids),
+        bias_ids=list(s.logit_bias.keys()), bias_values=list(s.logit_bias.values()))
 
 
 @dataclasses.dataclass

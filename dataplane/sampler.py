@@ -9,7 +9,8 @@ sampling never waits on the host. The filters and penalties run only when some r
 them. The race's noise is a counter-based hash of (seed, output index, token id): a seeded
 sequence's tokens depend on nothing but its own seed and history (not on its batch neighbours,
 nor on preemption and resumption); unseeded rows get fresh random seeds every step (on a CPU,
-where hashing costs more than the model, torch's exponential noise instead). Rows a grammar
+where hashing costs more than the model, torch's exponential noise instead). A row's logit
+bias is added first, with its penalties (rows that have either are edited one by one). Rows a grammar
 constrains (structured outputs) have their forbidden tokens set to -inf first, on the device
 (``kernels.apply_token_bitmask``, from the ``mask_bits`` / ``mask_rows`` arrays; a step's
 masks shared by several rows come once each, and ``mask_of`` names each row's).
@@ -45,12 +46,18 @@ class SamplingRow:
     stop_token_ids: list[int]   # masked while fewer than min_tokens outputs exist
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # token ids and the biases added to their logits before everything else (OpenAI's logit_bias)
+    bias_ids: list[int] = dataclasses.field(default_factory=list)
+    bias_values: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def uses_history(self) -> bool:
-        """Penalties need the token history; rows without them keep none."""
+        """Rows the sampler edits one by one (``_apply_penalties``): penalties, which need the
+        token history (rows without them keep none), min_tokens' stop mask and a logit bias.
+        Such rows sample eagerly and do not speculate."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or (bool(self.stop_token_ids) and self.min_tokens > 0))
+                or self.frequency_penalty != 0.0 or (bool(self.stop_token_ids) and self.min_tokens > 0)
+                or bool(self.bias_ids))
 
 
 @dataclasses.dataclass
@@ -115,6 +122,9 @@ def signed_seed(seed: int) -> int:
 
 def _apply_penalties(logits: torch.Tensor, penalized: list[tuple[int, SamplingRow]]) -> None:
     for i, r in penalized:
+        if r.bias_ids:   # first, as vLLM does: the penalties and filters see the biased logits
+            ids = torch.tensor(r.bias_ids, dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(r.bias_values, dtype=logits.dtype, device=logits.device)
         if r.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
                                 dtype=torch.long, device=logits.device)

@@ -79,6 +79,7 @@ def build_request(prompt: str | None = None, token_ids: Sequence[int] | None = N
                   top_k: int | None = None, min_p: float | None = None,
                   repetition_penalty: float | None = None, presence_penalty: float | None = None,
                   frequency_penalty: float | None = None, seed: int | None = None,
+                  logit_bias: dict[int, float] | None = None,
                   max_tokens: int | None = None, min_tokens: int | None = None,
                   stop: str | Iterable[str] | None = None,
                   stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
@@ -88,7 +89,8 @@ def build_request(prompt: str | None = None, token_ids: Sequence[int] | None = N
                   choice: Sequence[str] | None = None, grammar: str | None = None,
                   json_object: bool = False, structured_backend: str | None = None
                   ) -> pb.GenerateRequest:
-    """A GenerateRequest of exactly the options given (None: the server's default).
+    """A GenerateRequest of exactly the options given (None: the server's default);
+    ``logit_bias``: token id -> bias added to its logit (OpenAI's, each in [-100, 100]).
     Structured outputs: at most one of ``json_schema`` (a dict or its JSON text), ``regex``,
     ``choice``, ``grammar`` (GBNF) or ``json_object``; ``structured_backend`` names the
     grammar engine the server must use (default: its own)."""
@@ -114,6 +116,8 @@ def build_request(prompt: str | None = None, token_ids: Sequence[int] | None = N
         req.stop.extend([stop] if isinstance(stop, str) else stop)
     if stop_token_ids is not None:
         req.stop_token_ids.extend(stop_token_ids)
+    if logit_bias:
+        req.sampling.logit_bias.update({int(t): float(b) for t, b in logit_bias.items()})
     constraint = structured_outputs(json_schema, regex, choice, grammar, json_object)
     if constraint is not None:
         req.structured.CopyFrom(constraint)
@@ -143,8 +147,8 @@ def structured_outputs(json_schema=None, regex=None, choice=None, grammar=None,
 
 _REQUEST_PARAMETERS = ("prompt", "token_ids", "temperature", "top_p", "top_k", "min_p",
                        "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-                       "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "priority",
-                       "logprobs", "n", "stream_interval", "request_id", "json_schema", "regex",
+                       "logit_bias", "max_tokens", "min_tokens", "stop", "stop_token_ids",
+                       "ignore_eos", "priority", "logprobs", "n", "stream_interval", "request_id", "json_schema", "regex",
                        "choice", "grammar", "json_object", "structured_backend")
 
 

@@ -95,6 +95,31 @@ def test_completions_prompts_n_logprobs_and_stop(client):
     assert streamed == text
 
 
+def test_logit_bias_forces_and_bans_tokens(planes, client):
+    """OpenAI's logit_bias (token id strings -> [-100, 100]) and gRPC's ``sampling.logit_bias``:
+    +100 all but forces a token at any temperature, -100 bans one; logprobs stay the model's."""
+    auth = [("authorization", f"Bearer {TOKEN}")]
+
+    def grpc_ids(**sampling) -> list[int]:
+        out = planes.stub.Generate(pb.GenerateRequest(prompt="It is a truth", max_tokens=5,
+                                                      sampling=pb.SamplingParams(**sampling)), metadata=auth)
+        return [t for r in out for t in r.token_ids]
+
+    first = grpc_ids(temperature=0)[0]
+    assert grpc_ids(temperature=0, logit_bias={first: -100})[0] != first
+    assert grpc_ids(temperature=1.5, seed=4, logit_bias={first: 100}) == [first] * 5
+    greedy = client.completions.create(model="tiny", prompt="It is a truth", max_tokens=5, temperature=0,
+                                       logprobs=1).choices[0].logprobs
+    banned = client.completions.create(model="tiny", prompt="It is a truth", max_tokens=5, temperature=0,
+                                       logprobs=1, logit_bias={str(first): -100}).choices[0].logprobs
+    assert banned.tokens[0] != greedy.tokens[0] and greedy.tokens[0] not in banned.tokens
+    forced = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=5, temperature=1.5,
+                                            seed=4, logprobs=True, logit_bias={str(first): 100})
+    content = forced.choices[0].logprobs.content
+    assert [t.token for t in content] == [greedy.tokens[0]] * 5
+    assert all(t.logprob < -1e-3 for t in content)   # the model's, not the biased distribution's
+
+
 def test_chat_logprobs(client):
     out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0,
                                          logprobs=True, top_logprobs=3)
@@ -113,7 +138,9 @@ def test_chat_logprobs(client):
     (dict(max_tokens=0), openai.BadRequestError, "max_tokens"),
     (dict(max_tokens=10**6), openai.BadRequestError, "max_tokens"),
     (dict(n=0), openai.BadRequestError, "n"),
-    (dict(logit_bias={"5": 1}), openai.BadRequestError, "logit_bias"),
+    (dict(logit_bias={"5": 101}), openai.BadRequestError, "logit_bias"),
+    (dict(logit_bias={"99999": 1}), openai.BadRequestError, "logit_bias"),
+    (dict(logit_bias={"five": 1}), openai.BadRequestError, "logit_bias"),
     (dict(messages=[]), openai.BadRequestError, "messages"),
     (dict(messages=[{"role": "user", "content": "x " * 3000}]), openai.BadRequestError, "messages"),
     (dict(model="gpt-4"), openai.NotFoundError, "model"),

@@ -75,7 +75,11 @@ def test_completion_bodies():
     assert (a.request_id, b.request_id) == ("r-0", "r-1")
     assert a.max_tokens == 16 and a.n == 2 and list(a.stop) == ["x"] and a.sampling.seed == 5
     assert a.sampling.top_k == 0 and a.logprobs == 1 and not a.sampling.HasField("temperature")
-    for bad, param in (({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+    biased = convert.completion_requests(CompletionRequest.model_validate(
+        {"prompt": "x", "logit_bias": {"7": 2.5, "50256": -100}}))[0]
+    assert dict(biased.sampling.logit_bias) == {7: 2.5, 50256: -100.0}
+    for bad, param in (({"prompt": "x", "logit_bias": {"one": 2}}, "logit_bias"),
+                       ({"prompt": "x", "logit_bias": {"-1": 2}}, "logit_bias"),
                        ({"prompt": "x", "echo": True}, "echo"), ({"prompt": []}, "prompt"),
                        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options")):
         with pytest.raises(HttpError) as info:

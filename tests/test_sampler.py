@@ -79,6 +79,23 @@ def test_penalties():
     assert out.token_ids == [3]
 
 
+def test_logit_bias_is_added_before_penalties_and_filters_and_logprobs_stay_the_models():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [2.0, 1.0, 0.0, -1.0]])
+    biased = row(bias_ids=[3, 0], bias_values=[100.0, -100.0], logprobs=1)
+    assert biased.uses_history   # edited row by row: eager sampling, no speculation
+    out = sample(logits.clone(), [biased, row()])
+    assert out.token_ids == [3, 0]   # the neighbour is untouched
+    assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[3].item())
+    # a banned token is never sampled, at any temperature; a bias moves top-k's cut
+    banned = row(temperature=5.0, bias_ids=[0, 1], bias_values=[-100.0, -100.0], seed=3)
+    assert all(t in (2, 3) for t in sample(logits[:1].repeat(64, 1), [banned] * 64).token_ids)
+    top1 = row(temperature=1.0, top_k=1, bias_ids=[2], bias_values=[2.5])
+    assert sample(logits[:1].clone(), [top1]).token_ids == [2]
+    # before the penalties: a bias past a repetition penalty's division
+    rep = row(repetition_penalty=4.0, prompt_token_ids=[1], bias_ids=[1], bias_values=[3.0])
+    assert sample(logits[:1].clone(), [rep]).token_ids == [0]   # (1 + 3) / 4 = 1 < 2
+
+
 def test_min_tokens_suppresses_stop_ids():
     logits = torch.tensor([[5.0, 1.0, 0.0]])
     assert sample(logits.clone(), [row(min_tokens=2, stop_token_ids=[0])]).token_ids == [1]

@@ -59,3 +59,18 @@ def test_the_n_limit_is_the_servers_max_n_for_every_api(tokenizer):
     for model in (CompletionRequest(prompt="hi", n=100), ChatCompletionRequest(
             messages=[{"role": "user", "content": "hi"}], n=100)):
         assert model.n == 100
+
+
+def test_logit_bias_is_checked_and_reaches_every_sample(tokenizer):
+    def biased(bias: dict, n: int = 1):
+        return pb.GenerateRequest(prompt="hi", max_tokens=2, n=n,
+                                  sampling=pb.SamplingParams(logit_bias=bias))
+
+    request = _build(biased({7: 2.5, VOCAB - 1: -100}, n=2), tokenizer)
+    assert [dict(s.sampling.logit_bias) for s in request.sequences] == [{7: 2.5, VOCAB - 1: -100.0}] * 2
+    for bias, words in (({VOCAB: 1.0}, f"token id {VOCAB} is out of vocabulary"),
+                        ({5: 100.5}, r"bias of token 5 must be in \[-100, 100\]"),
+                        ({5: float("nan")}, "bias of token 5"),
+                        ({t: 1.0 for t in range(validation.MAX_LOGIT_BIAS + 1)}, "at most 1024 entries")):
+        with pytest.raises(validation.ValidationError, match=words):
+            _build(biased(bias), tokenizer)

@@ -62,8 +62,6 @@ def _unsupported(param: str, what: str = "") -> HttpError:
 
 
 def _common(body, max_tokens: int | None, logprobs: int, chat: bool = False) -> pb.GenerateRequest:
-    if body.logit_bias:
-        raise _unsupported("logit_bias")
     if body.stream_options is not None and not body.stream:
         raise HttpError(400, "stream_options is only allowed when stream is true", "stream_options")
     req = pb.GenerateRequest(request_id=body.request_id or "", n=body.n, min_tokens=body.min_tokens,
@@ -79,6 +77,11 @@ def _common(body, max_tokens: int | None, logprobs: int, chat: bool = False) -> 
     s.top_k = 0 if body.top_k in (None, -1) else body.top_k   # vLLM: -1 disables
     s.min_p = body.min_p or 0.0
     s.presence_penalty, s.frequency_penalty = body.presence_penalty, body.frequency_penalty
+    for token, bias in (body.logit_bias or {}).items():   # OpenAI's keys: token ids as strings
+        try:
+            s.logit_bias[int(token)] = bias
+        except (ValueError, OverflowError):   # (ids past uint32 overflow the map's key)
+            raise HttpError(400, f"logit_bias: {token!r} is not a token id", "logit_bias") from None
     constraint, _ = structured.constraint(body, chat)
     if constraint is not None:
         req.structured.CopyFrom(constraint)

@@ -24,45 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bheadrace/v1/inference.proto\x12\x0bheadrace.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xff\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\\\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x12\n\nextra_json\x18\x04 \x01(\tB\x07\n\x05_name\"\xe2\x01\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.headrace.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x12\n\ntools_json\x18\x04 \x01(\t\x12\x16\n\x0e\x64ocuments_json\x18\x05 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x06 \x01(\tB\x18\n\x16_add_generation_prompt\"\xaf\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x17.headrace.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\tB\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc3\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x31\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x15.headrace.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x0e \x01(\x0b\x32\x19.headrace.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.headrace.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x10\n\x08logprobs\x18\x0b \x01(\x05\x12\t\n\x01n\x18\x0c \x01(\r\x12\x17\n\x0fstream_interval\x18\r \x01(\r\x12\x32\n\nstructured\x18\x0f \x01(\x0b\x32\x1e.headrace.v1.StructuredOutputsB\x07\n\x05inputB\r\n\x0b_max_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.headrace.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.headrace.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.headrace.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.headrace.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xac\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\x12\x15\n\rkv_block_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0b \x01(\t\x12\x14\n\x0cquantization\x18\x0c \x01(\t\x12\x1a\n\x12num_host_kv_blocks\x18\r \x01(\r*\x99\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xe9\x01\n\tInference\x12I\n\x08Generate\x12\x1c.headrace.v1.GenerateRequest\x1a\x1d.headrace.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.headrace.v1.TokenizeRequest\x1a\x1d.headrace.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .headrace.v1.GetModelInfoRequest\x1a\x16.headrace.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bheadrace/v1/inference.proto\x12\x0bheadrace.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf1\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x03\x88\x01\x01\x12>\n\nlogit_bias\x18\t \x03(\x0b\x32*.headrace.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\\\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x11\n\x04name\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x12\n\nextra_json\x18\x04 \x01(\tB\x07\n\x05_name\"\xe2\x01\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.headrace.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x03 \x01(\x08\x12\x12\n\ntools_json\x18\x04 \x01(\t\x12\x16\n\x0e\x64ocuments_json\x18\x05 \x01(\t\x12\x1c\n\x14template_kwargs_json\x18\x06 \x01(\tB\x18\n\x16_add_generation_prompt\"\xaf\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x17.headrace.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\tB\x0c\n\nconstraint\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xc3\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x31\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x15.headrace.v1.TokenIdsH\x00\x12-\n\x08messages\x18\x0e \x01(\x0b\x32\x19.headrace.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.headrace.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x06 \x01(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08priority\x18\n \x01(\x05\x12\x10\n\x08logprobs\x18\x0b \x01(\x05\x12\t\n\x01n\x18\x0c \x01(\r\x12\x17\n\x0fstream_interval\x18\r \x01(\r\x12\x32\n\nstructured\x18\x0f \x01(\x0b\x32\x1e.headrace.v1.StructuredOutputsB\x07\n\x05inputB\r\n\x0b_max_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.headrace.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xd8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.headrace.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.headrace.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.headrace.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xac\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\x12\x15\n\rkv_block_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\x16\n\x0ekv_cache_dtype\x18\x0b \x01(\t\x12\x14\n\x0cquantization\x18\x0c \x01(\t\x12\x1a\n\x12num_host_kv_blocks\x18\r \x01(\r*\x99\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x04\x32\xe9\x01\n\tInference\x12I\n\x08Generate\x12\x1c.headrace.v1.GenerateRequest\x1a\x1d.headrace.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.headrace.v1.TokenizeRequest\x1a\x1d.headrace.v1.TokenizeResponse\x12H\n\x0cGetModelInfo\x12 .headrace.v1.GetModelInfoRequest\x1a\x16.headrace.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'headrace.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2202
-  _globals['_FINISHREASON']._serialized_end=2355
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2316
+  _globals['_FINISHREASON']._serialized_end=2469
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
   _globals['_SAMPLINGPARAMS']._serialized_start=70
-  _globals['_SAMPLINGPARAMS']._serialized_end=325
-  _globals['_CHATMESSAGE']._serialized_start=327
-  _globals['_CHATMESSAGE']._serialized_end=419
-  _globals['_CHATMESSAGES']._serialized_start=422
-  _globals['_CHATMESSAGES']._serialized_end=648
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=651
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=826
-  _globals['_CHOICELIST']._serialized_start=828
-  _globals['_CHOICELIST']._serialized_end=857
-  _globals['_GENERATEREQUEST']._serialized_start=860
-  _globals['_GENERATEREQUEST']._serialized_end=1311
-  _globals['_TOPLOGPROB']._serialized_start=1313
-  _globals['_TOPLOGPROB']._serialized_end=1360
-  _globals['_TOKENLOGPROB']._serialized_start=1362
-  _globals['_TOKENLOGPROB']._serialized_end=1449
-  _globals['_USAGE']._serialized_start=1451
-  _globals['_USAGE']._serialized_end=1538
-  _globals['_GENERATERESPONSE']._serialized_start=1541
-  _globals['_GENERATERESPONSE']._serialized_end=1757
-  _globals['_TOKENIZEREQUEST']._serialized_start=1759
-  _globals['_TOKENIZEREQUEST']._serialized_end=1818
-  _globals['_TOKENIZERESPONSE']._serialized_start=1820
-  _globals['_TOKENIZERESPONSE']._serialized_end=1873
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1875
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1896
-  _globals['_MODELINFO']._serialized_start=1899
-  _globals['_MODELINFO']._serialized_end=2199
-  _globals['_INFERENCE']._serialized_start=2358
-  _globals['_INFERENCE']._serialized_end=2591
+  _globals['_SAMPLINGPARAMS']._serialized_end=439
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=333
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=381
+  _globals['_CHATMESSAGE']._serialized_start=441
+  _globals['_CHATMESSAGE']._serialized_end=533
+  _globals['_CHATMESSAGES']._serialized_start=536
+  _globals['_CHATMESSAGES']._serialized_end=762
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=765
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=940
+  _globals['_CHOICELIST']._serialized_start=942
+  _globals['_CHOICELIST']._serialized_end=971
+  _globals['_GENERATEREQUEST']._serialized_start=974
+  _globals['_GENERATEREQUEST']._serialized_end=1425
+  _globals['_TOPLOGPROB']._serialized_start=1427
+  _globals['_TOPLOGPROB']._serialized_end=1474
+  _globals['_TOKENLOGPROB']._serialized_start=1476
+  _globals['_TOKENLOGPROB']._serialized_end=1563
+  _globals['_USAGE']._serialized_start=1565
+  _globals['_USAGE']._serialized_end=1652
+  _globals['_GENERATERESPONSE']._serialized_start=1655
+  _globals['_GENERATERESPONSE']._serialized_end=1871
+  _globals['_TOKENIZEREQUEST']._serialized_start=1873
+  _globals['_TOKENIZEREQUEST']._serialized_end=1932
+  _globals['_TOKENIZERESPONSE']._serialized_start=1934
+  _globals['_TOKENIZERESPONSE']._serialized_end=1987
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1989
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2010
+  _globals['_MODELINFO']._serialized_start=2013
+  _globals['_MODELINFO']._serialized_end=2313
+  _globals['_INFERENCE']._serialized_start=2472
+  _globals['_INFERENCE']._serialized_end=2705
 # @@protoc_insertion_point(module_scope)
