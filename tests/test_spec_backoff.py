@@ -25,6 +25,7 @@ class _Seq:
 class _Sampling:
     repetition_penalty, presence_penalty, frequency_penalty, min_tokens = 1.0, 0.0, 0.0, 0
     stop_token_ids = ()
+    logit_bias: dict = {}
 
 
 def test_back_off_pauses_a_sequence_with_low_acceptance_and_probes_again():
