@@ -71,7 +71,8 @@ class WorkerOptions:
                                             "swapped-out sequences (default 0: none; vLLM's name)",
                                        group=DEVICE)
     kv_cache_dtype: str = option("auto", "KV cache element type: auto (the model dtype) or fp8 "
-                                 "(e4m3 with per-tensor scales: twice the tokens; fp8_e4m3 is vLLM's name for it)",
+                                 "(e4m3 with per-tensor scales: twice the tokens; fp8_e4m3 is vLLM's "
+                                 "name for it)",
                                  choices=("auto", "fp8", "fp8_e4m3"),
                                  group=DEVICE)
     attention_backend: str = option(

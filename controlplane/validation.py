@@ -69,7 +69,8 @@ def _sampling(s: pb.SamplingParams, vocab_size: int, checked: bool = False) -> w
 
 
 def _check_logit_bias(bias, vocab_size: int) -> None:
-    _check(len(bias) <= MAX_LOGIT_BIAS, f"sampling.logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    _check(len(bias) <= MAX_LOGIT_BIAS,
+           f"sampling.logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
     _in_vocab("sampling.logit_bias", list(bias), vocab_size)
     for token, value in bias.items():
         _check(math.isfinite(value) and -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE,

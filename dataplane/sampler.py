@@ -9,11 +9,11 @@ sampling never waits on the host. The filters and penalties run only when some r
 them. The race's noise is a counter-based hash of (seed, output index, token id): a seeded
 sequence's tokens depend on nothing but its own seed and history (not on its batch neighbours,
 nor on preemption and resumption); unseeded rows get fresh random seeds every step (on a CPU,
-where hashing costs more than the model, torch's exponential noise instead). A row's logit
-bias is added first, with its penalties (rows that have either are edited one by one). Rows a grammar
+where hashing costs more than the model, torch's exponential noise instead). Rows a grammar
 constrains (structured outputs) have their forbidden tokens set to -inf first, on the device
 (``kernels.apply_token_bitmask``, from the ``mask_bits`` / ``mask_rows`` arrays; a step's
-masks shared by several rows come once each, and ``mask_of`` names each row's).
+masks shared by several rows come once each, and ``mask_of`` names each row's). Then a row's
+logit bias is added and its penalties applied, row by row (``_apply_penalties``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ from dataplane.draft_model import DraftModel
 from dataplane.loader import load_model
 from dataplane.model import AttentionMetadata, CausalLM
 from dataplane.progress import Phases, Progress
-from dataplane.quantization import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, layers as quant_layers, resolve as resolve_quantization
+from dataplane.quantization import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, layers as quant_layers
+from dataplane.quantization import resolve as resolve_quantization
 from dataplane.runner import ModelRunner
 from dataplane.sampler import SamplingBatch, SamplingRow, sample
 from dataplane.spec_decode import SpecDecoder, graph_rows

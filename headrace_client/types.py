@@ -148,8 +148,8 @@ def structured_outputs(json_schema=None, regex=None, choice=None, grammar=None,
 _REQUEST_PARAMETERS = ("prompt", "token_ids", "temperature", "top_p", "top_k", "min_p",
                        "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                        "logit_bias", "max_tokens", "min_tokens", "stop", "stop_token_ids",
-                       "ignore_eos", "priority", "logprobs", "n", "stream_interval", "request_id", "json_schema", "regex",
-                       "choice", "grammar", "json_object", "structured_backend")
+                       "ignore_eos", "priority", "logprobs", "n", "stream_interval", "request_id",
+                       "json_schema", "regex", "choice", "grammar", "json_object", "structured_backend")
 
 
 def request_from(arguments: dict) -> pb.GenerateRequest:

@@ -99,7 +99,7 @@ class Fp8Linear(_Planned):
         if self.input_scale is not None:
             return False
         name = self.kernel(x, x.numel() // x.shape[-1])
-        return name == "scaled_mm" or name in quant_libs.TAKES_FP8_ROWS and name in self.prepared
+        return name == "scaled_mm" or (name in quant_libs.TAKES_FP8_ROWS and name in self.prepared)
 
     def matmul(self, x: torch.Tensor | kernels.Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, kernels.Fp8Rows):   # (only where wants_fp8_rows said so)
