@@ -21,7 +21,7 @@ BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_
            "draft_acceptance", "profile_summary", "chunking_sim", "gpu_table", "tier_bench", "tier_targets",
            "step_host", "structured_bench", "fp8_kv_attention", "unified_attention", "placement_sim",
            "dp_bench", "mask_wire_bench", "mask_fill_bench", "emulated_worker", "late_mask_hops",
-           "late_sample_host", "decode_ptx", "worker_start"]
+           "late_sample_host", "decode_ptx", "worker_start", "gemm_sass"]
 SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token", "w5_report"]   # imported, not run
 
 
@@ -439,3 +439,29 @@ def test_decode_ptx_counts_the_decode_kernels_machine_code_loops():
     assert set(first) == {"64/1/4", "64/2/4"}, out
     assert first["64/1/4"]["HMMA"] > 0 and first["64/1/4"]["F2FP"] > 0
     assert first["64/1/4"]["BAR"] < first["64/2/4"]["BAR"]
+
+
+def test_gemm_sass_counts_the_skinny_gemms_machine_code_per_weight_byte():
+    """bench.gemm_sass: the W4A16 and FP8 tl.dot programs compiled for SM90 here (no GPU), each
+    one's K loop found and its instructions a weight byte computed from the tile's bytes; the
+    INT4 values are converted by I2F, the e4m3 ones by F2FP. In a process of its own (as the
+    decode test: this one may run Triton's interpreter)."""
+    pytest.importorskip("triton")
+    from bench import decode_ptx
+    if not decode_ptx.nvdisasm().exists():
+        pytest.skip("this triton bundles no nvdisasm")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "bench.gemm_sass", "--tiles", "16/64/4/3"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = {}
+    for line in out.splitlines():
+        found = re.match(r"\s*(w4a16|fp8)\s+16/64/4/3 loop 0: (\d+) instructions a warp a step "
+                         r"\((\d+) weight bytes: ([0-9.]+) a byte", line)
+        if found:
+            scheme, total, step_bytes, per_byte = found.groups()
+            rows[scheme] = (int(total), int(step_bytes), float(per_byte), line)
+    assert set(rows) == {"w4a16", "fp8"}, out
+    assert rows["w4a16"][1] == 64 * 128 // 2 and rows["fp8"][1] == 64 * 256
+    for total, step_bytes, per_byte, _ in rows.values():
+        assert per_byte == pytest.approx(total * 4 / step_bytes, abs=0.01)
+    assert "I2F" in rows["w4a16"][3] and "F2FP" in rows["fp8"][3]
