@@ -143,3 +143,21 @@ def test_the_engine_core_loads_no_api_stack():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_no_installed_distribution_claims_the_kernels_import_name():
+    """This project's top-level ``kernels/`` shares its import name with Hugging Face's
+    ``kernels`` package, which transformers requires from 5.25 (pyproject caps transformers
+    below it). Installed beside this one, the two would share site-packages/kernels in a
+    non-editable install, and transformers would import this one in its place and fail at
+    ``import transformers``."""
+    import importlib.metadata
+
+    import kernels
+
+    assert pathlib.Path(kernels.__file__).resolve().parent == ROOT / "kernels"
+    others = sorted({d.metadata["Name"] for d in importlib.metadata.distributions()
+                     if d.metadata["Name"] and d.metadata["Name"].lower() == "kernels"})
+    assert not others, ("Hugging Face's `kernels` is installed: it shadows (or is shadowed by) "
+                        "this project's kernels/ package; uninstall it (transformers < 5.25 "
+                        "does not need it)")
