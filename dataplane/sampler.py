@@ -49,6 +49,15 @@ class SamplingRow:
     # token ids and the biases added to their logits before everything else (OpenAI's logit_bias)
     bias_ids: list[int] = dataclasses.field(default_factory=list)
     bias_values: list[float] = dataclasses.field(default_factory=list)
+    _bias: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def bias_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, float32 biases) on ``device``, made at the row's first biased step and kept:
+        a bias never changes, so later steps copy nothing to the device for it."""
+        if self._bias is None or self._bias[0].device != device:
+            self._bias = (torch.tensor(self.bias_ids, dtype=torch.long, device=device),
+                          torch.tensor(self.bias_values, dtype=torch.float32, device=device))
+        return self._bias
 
     @property
     def uses_history(self) -> bool:
@@ -123,8 +132,8 @@ def signed_seed(seed: int) -> int:
 def _apply_penalties(logits: torch.Tensor, penalized: list[tuple[int, SamplingRow]]) -> None:
     for i, r in penalized:
         if r.bias_ids:   # first, as vLLM does: the penalties and filters see the biased logits
-            ids = torch.tensor(r.bias_ids, dtype=torch.long, device=logits.device)
-            logits[i, ids] += torch.tensor(r.bias_values, dtype=logits.dtype, device=logits.device)
+            ids, values = r.bias_tensors(logits.device)
+            logits[i, ids] += values.to(logits.dtype)
         if r.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
                                 dtype=torch.long, device=logits.device)

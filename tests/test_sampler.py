@@ -85,6 +85,9 @@ def test_logit_bias_is_added_before_penalties_and_filters_and_logprobs_stay_the_
     assert biased.uses_history   # edited row by row: eager sampling, no speculation
     out = sample(logits.clone(), [biased, row()])
     assert out.token_ids == [3, 0]   # the neighbour is untouched
+    made = biased.bias_tensors(logits.device)
+    assert sample(logits.clone(), [biased, row()]).token_ids == [3, 0]
+    assert biased.bias_tensors(logits.device) is made   # made once a row, not every step
     assert out.logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[3].item())
     # a banned token is never sampled, at any temperature; a bias moves top-k's cut
     banned = row(temperature=5.0, bias_ids=[0, 1], bias_values=[-100.0, -100.0], seed=3)
