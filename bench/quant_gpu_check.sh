@@ -36,6 +36,7 @@
 #   scaled_mm at decode's 256 rows) against auto with the carried libraries (FBGEMM's row-wise
 #   GEMM where kernels/quant_dispatch.json ranks it first, taking the norm / SiLU kernels'
 #   quantised rows); needs FBGEMM's wheel in WHEELS; ~5 min.
+# w2int4: W2 on Llama-3.1-8B only, bf16 vs the INT4 copy (the W2 ITL target); ~4 min.
 # splits: FP8 against bf16 decode attention at batch 1-32 (several splits a sequence), the
 #   engine's tile beside others; ~60 s.
 # serve: w1kv and l8; then the table of issue 32's serving targets (server logs: $OUT/serve-N.log).
@@ -57,7 +58,7 @@ fi
 if has tests; then
   log "quant tests on cuda (five files in parallel)"; t0=$SECONDS; pids=()
   for f in quant_gpu skinny_gemm fp8_skinny w4a16_skinny quant_kernels; do
-    HEADRACE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider \
+    HEADRACE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -p no:cacheprovider \
       "tests/test_$f.py" > "$OUT/test_$f.txt" 2>&1 & pids+=($!)
   done
   wait "${pids[@]}"
@@ -90,7 +91,7 @@ if has splits; then
     --layouts llama3.1-8b --tiles engine,64/2/5,64/4/4,64/4/5,32/2/5 2>&1 | tee "$OUT/fp8_kv_splits.txt"
   note splits $((SECONDS - t0)) "$(grep -c '| best' "$OUT/fp8_kv_splits.txt") decode rows"
 fi
-if has w1kv || has l8 || has w3kv || has w3lib; then
+if has w1kv || has l8 || has w3kv || has w3lib || has w2int4; then
   RES=$OUT/quant_serve.jsonl; : > "$RES"; ADDR=127.0.0.1:50151; n=0
   up() {      # MODEL SERVE_ARGS...: `headrace serve` in a process group of its own
     n=$((n + 1)); log "serve $*"
@@ -141,6 +142,13 @@ except ValueError: print(json.dumps({'label': '$1', 'error': 'no result'}))" | t
     bench "W3 llama8b fp8 ours" w3; down
     up /tmp/llama8b $L8 --quantization fp8 --kv-cache-dtype fp8
     bench "W3 llama8b fp8 weights + fp8 KV" w3; down
+  fi
+  if has w2int4; then
+    log "checkpoints llama8b"
+    python3 -m bench.random_checkpoint llama-3.1-8b /tmp/llama8b --device cuda > /dev/null
+    python3 -m bench.quantize_checkpoint /tmp/llama8b /tmp/llama8b-w4a16 --device cuda > /dev/null
+    up /tmp/llama8b $L8; bench "W2 llama8b bf16" w2; down
+    up /tmp/llama8b-w4a16 $L8; bench "W2 llama8b int4" w2; down
   fi
   if has l8; then
     log "checkpoints llama8b"

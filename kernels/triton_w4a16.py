@@ -73,7 +73,11 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
         g = k0 // GROUP
         s = tl.load(S + g * N + cols, mask=col_ok, other=0.0).to(tl.float32)
         z = tl.load(Z + g * N + cols, mask=col_ok, other=0).to(tl.float32)
-        if USE_DOT:
+        if USE_DOT and BITS == 4:
+            t = _dot_step_int4(words, z, x_rows, row_ok, k0, K, BLOCK_N, BLOCK_K, PRECISION,
+                               DOT_F32)
+            xsum = tl.zeros([BLOCK_M], dtype=tl.float32)   # (zero points already subtracted)
+        elif USE_DOT:
             t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             xsum = tl.zeros([BLOCK_M], dtype=tl.float32)
             for j in tl.static_range(PER):
@@ -103,6 +107,47 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
     # scales are applied per tile above: the epilogue's scale is one
     store_or_reduce(acc, rows, cols, row_ok, col_ok, OUT, stride_om, WS, CNT, N, S, 0, B, HAS_BIAS,
                     SPLIT_K, False)
+
+
+@triton.jit
+def _dot_step_int4(words, z, x_rows, row_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    """One BLOCK_K step of the tl.dot program on 4-bit words [BLOCK_N, BLOCK_K / 8] with zero
+    points z [BLOCK_N] (float32): t [BLOCK_N, BLOCK_M] = sum_k (q_kn - z_n) x_mk in float32.
+
+    Unpacking costs one shift and one and-or per two values: (w >> 4i) & 0x000F000F |
+    0x43004300 holds the bfloat16 pair (128 + q_i, 128 + q_(i+4)) (0x4300 is 128.0, whose last
+    mantissa bit is worth 1; float16's is 0x6400, 1024.0), with no int-to-float conversion.
+    Subtracting 128 + z in the activations' dtype is exact (small integers), so the zero point
+    costs one subtraction a value and no sum of x. The pairs are put back in K order in
+    registers (byte permutes) so that x is read as it lies, by the pipeline's async copies."""
+    half: tl.constexpr = x_rows.dtype.element_ty == tl.float16
+    if half:
+        magic = 0x64006400                               # float16 1024.0, twice
+        zq = (z + 1024.0).to(tl.float16)
+    else:
+        magic = 0x43004300                               # bfloat16 128.0, twice
+        zq = (z + 128.0).to(tl.bfloat16)
+    v0 = (words & 0x000F000F) | magic
+    v1 = ((words >> 4) & 0x000F000F) | magic
+    v2 = ((words >> 8) & 0x000F000F) | magic
+    v3 = ((words >> 12) & 0x000F000F) | magic
+    v = tl.join(tl.join(v0, v1), tl.join(v2, v3))                      # [BN, KW, 2, 2]: i
+    q = tl.join(v.to(tl.int16), (v >> 16).to(tl.int16))                # value i + 4 * last
+    q = tl.permute(q, (0, 1, 4, 3, 2))                                  # [BN, KW, 8] in K order
+    if half:
+        q = q.to(tl.float16, bitcast=True)
+    else:
+        q = q.to(tl.bfloat16, bitcast=True)
+    q = tl.reshape(q, [BLOCK_N, BLOCK_K])
+    xk = k0 + tl.arange(0, BLOCK_K)
+    xt = tl.load(x_rows[None, :] + xk[:, None], mask=(xk < K)[:, None] & row_ok[None, :],
+                 other=0.0)                                                      # [BK, BM]
+    if DOT_F32 or xt.dtype == tl.float32:       # (the interpreter, float32 activations)
+        q, xt = q.to(tl.float32) - zq.to(tl.float32)[:, None], xt.to(tl.float32)
+    else:
+        q = q - zq[:, None]                                             # exact: q - z
+    return tl.dot(q, xt, input_precision=PRECISION)
 
 
 @triton.jit
@@ -172,9 +217,12 @@ TILES = {
     2: [_fma(2, 128), _fma(2, 64), _fma(2, 256, 8), _fma(2, 128, 4, 2), _dot(16, 128)],
     4: [_dot(16, 128), _fma(4, 64), _fma(4, 128, 8), _dot(16, 64), _dot(16, 128, 4, 2)],
     8: [_dot(16, 128), _dot(16, 64), _dot(16, 256, 8), _dot(16, 128, 4, 2), _dot(16, 256, 8, 2),
-        _dot(16, 64, 4, 4)],
-    32: [_dot(32, 128), _dot(32, 64), _dot(32, 256, 8), _dot(32, 128, 4, 2), _dot(32, 128, 8)],
-    64: [_dot(64, 128), _dot(64, 64), _dot(64, 128, 8), _dot(64, 256, 8), _dot(64, 128, 4, 2)],
+        _dot(16, 64, 4, 4), _dot(16, 128, 4, 4), _dot(16, 64, 4, 2), _dot(16, 128, 4, 2, 4),
+        _dot(16, 64, 4, 4, 4)],
+    32: [_dot(32, 128), _dot(32, 64), _dot(32, 256, 8), _dot(32, 128, 4, 2), _dot(32, 128, 8),
+         _dot(32, 128, 4, 4), _dot(32, 64, 4, 2), _dot(32, 64, 4, 4)],
+    64: [_dot(64, 128), _dot(64, 64), _dot(64, 128, 8), _dot(64, 256, 8), _dot(64, 128, 4, 2),
+         _dot(64, 64, 4, 2), _dot(64, 128, 4, 4), _dot(64, 64, 4, 4)],
     128: [_dot(128, 128, 8), _dot(64, 128), _dot(128, 64), _dot(64, 128, 8, 2)],
 }
 TILES[16] = TILES[8]

@@ -150,11 +150,16 @@ def test_fp8_linear_takes_the_skinny_kernel_up_to_the_threshold(monkeypatch):
     assert calls == [(4, 128)]
     expect = ref.fp8_weight_linear(x, wq, scale, b)
     torch.testing.assert_close(got.cpu(), expect, **_tol(expect, torch.bfloat16))
-    x5 = torch.randn(5, 128).to(torch.bfloat16)
+    x5 = torch.randn(5, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     w8a8 = triton_quant.fp8_linear(x5.to(DEVICE), dev[1], dev[2], None, dev[3])
     assert calls == [(4, 128)]                 # 5 rows: _scaled_mm
-    torch.testing.assert_close(w8a8.cpu().float(), ref.fp8_linear(x5, wq, scale, None, b).float(),
-                               atol=0.05, rtol=0.05)
+    # The GEMM against the rows as the device quantised them: the quantiser (tested in
+    # test_quant_kernels) may round a value at an e4m3 boundary to the neighbouring code, which
+    # moves an output by a weight times an eighth of that value (seen on the H200: 0.09)
+    xq, sx = (t.cpu() for t in triton_quant.per_token_fp8(x5.to(DEVICE)))
+    expect5 = (xq.float() * sx) @ ref.dequantize_fp8(wq, scale).t() + b.float()
+    torch.testing.assert_close(w8a8.cpu().float(), expect5.to(torch.bfloat16).float(),
+                               **_tol(expect5, torch.bfloat16))
     triton_quant.fp8_linear(x5.to(DEVICE), dev[1], dev[2], None, dev[3], kernel="fp8_skinny")
     assert calls == [(4, 128), (5, 128)]
     with pytest.raises(ValueError, match="kernel must be"):
