@@ -11,9 +11,10 @@ cycle, so at 1.98 GHz and 132 SMs a kernel spending I warp instructions a byte r
 
     python -m bench.gemm_sass [--schemes w4a16,fp8] [--tiles 16/64/4/3,64/128/4/3]
 
-Tiles are BLOCK_M/BLOCK_N/warps/stages of the tl.dot program (M >= 2; BLOCK_K is the
-kernel's); the strides and sizes are compiled as multiples of 16, as a launch specialises
-them. The session-21 reading is in docs/quantization.md (*What is left*)."""
+Tiles are BLOCK_M/BLOCK_N/warps/stages of the tl.dot program (BLOCK_M 1: the one-row
+pipelined FMA program; BLOCK_K is the kernel's); the strides and sizes are compiled as
+multiples of 16, as a launch specialises them. The readings (sessions 21 and 22) are in
+docs/quantization.md (*What is left*)."""
 
 from __future__ import annotations
 
@@ -33,12 +34,14 @@ _ALIGNED = ("X", "W", "QW", "S", "Z", "OUT", "WS", "CNT", "N", "K", "stride_xm",
             "stride_om")
 
 
-def compile_skinny(scheme: str, block_m: int, block_n: int, warps: int, stages: int):
-    """The scheme's skinny kernel, tl.dot program, bf16 activations, for SM90."""
+def compile_skinny(scheme: str, block_m: int, block_n: int, warps: int, stages: int,
+                   asm: bool = False):
+    """The scheme's skinny kernel for SM90, bf16 activations: the tl.dot program, or with
+    block_m = 1 the one-row pipelined FMA program."""
     if scheme == "w4a16":
         kernel, block_k = triton_w4a16._w4a16_skinny_kernel, triton_w4a16.BLOCK_K
         types = {"X": "*bf16", "QW": "*i32", "S": "*bf16", "Z": "*u8"}
-        const = {"BITS": 4}
+        const = {"BITS": 4, "ASM": asm}
     elif scheme == "fp8":
         kernel, block_k = triton_fp8_linear._fp8_skinny_kernel, 256
         types = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32"}
@@ -46,8 +49,8 @@ def compile_skinny(scheme: str, block_m: int, block_n: int, warps: int, stages: 
     else:
         raise ValueError(f"unknown scheme {scheme!r}")
     types |= {"B": "*bf16", "OUT": "*bf16", "WS": "*fp32", "CNT": "*i32"}
-    const |= dict(HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=True,
-                  PRECISION="tf32", DOT_F32=False, PIPE=False)
+    const |= dict(HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                  USE_DOT=block_m > 1, PRECISION="tf32", DOT_F32=False, PIPE=block_m == 1)
     names = kernel.arg_names
     signature = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
     src = ASTSource(fn=kernel, signature=signature,
@@ -62,13 +65,15 @@ def compile_skinny(scheme: str, block_m: int, block_n: int, warps: int, stages: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--schemes", default="w4a16,fp8")
+    ap.add_argument("--asm", action="store_true", help="W4A16: the PTX unpacking (UNPACK_ASM)")
     ap.add_argument("--tiles", default="16/64/4/4,16/64/4/3,64/128/4/3",
-                    help="BLOCK_M/BLOCK_N/warps/stages, comma-separated (tl.dot programs)")
+                    help="BLOCK_M/BLOCK_N/warps/stages, comma-separated (BLOCK_M 1: the FMA program)")
     args = ap.parse_args()
     for scheme in args.schemes.split(","):
         for tile in args.tiles.split(","):
             block_m, block_n, warps, stages = map(int, tile.split("/"))
-            compiled, step_bytes = compile_skinny(scheme, block_m, block_n, warps, stages)
+            compiled, step_bytes = compile_skinny(scheme, block_m, block_n, warps, stages,
+                                                 args.asm)
             for n, ops in enumerate(sass_loops(compiled.asm["cubin"])):
                 per_step = ops["total"] * warps      # every warp of the program runs the step
                 bound = ISSUE_PER_S * step_bytes / per_step / 1e12

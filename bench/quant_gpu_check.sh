@@ -25,6 +25,8 @@
 #   on the H200 at d375ecc with FBGEMM (tiles are shared across shapes: N and K are runtime
 #   arguments), weights (256 MB a shape and scheme) built on the GPU; capped at 240 s
 #   (--budget 200 s: library kernels after that are skipped, ours still measured).
+# gemmasm: the W4A16 kernel with its PTX unpacking (HEADRACE_W4A16_ASM=1): its GPU tests, then
+#   its GEMMs (ours only, M = 1, 16, 64, 16 tiles swept) beside bf16; no table; ~1.5 min.
 # attention: bench/fp8_kv_attention.py at batch 256, context 1000 / 2048: decode over an FP8
 #   cache beside bf16 (its variants) and prefill over a cached prefix; ~30 s (6 decode compiles,
 #   4 decode rows of 6 graph timings, 2 prefill rows), capped at 60 s.
@@ -78,6 +80,15 @@ if has gemm; then
     cp "$OUT/quant_dispatch.json" kernels/quant_dispatch.json; r="table written"
   else r="NO table (timed out or failed)"; fi
   note gemm $((SECONDS - t0)) "$r"
+fi
+if has gemmasm; then
+  log "W4A16 with the PTX unpacking (HEADRACE_W4A16_ASM=1): its tests, then its GEMMs"; t0=$SECONDS
+  HEADRACE_W4A16_ASM=1 HEADRACE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -p no:cacheprovider \
+    tests/test_w4a16_skinny.py > "$OUT/test_w4a16_asm.txt" 2>&1
+  r=$(grep -E "passed|failed|error" "$OUT/test_w4a16_asm.txt" | tail -1); echo "test_w4a16_skinny (asm): $r"
+  HEADRACE_W4A16_ASM=1 timeout 150 python3 -m bench.quant_kernels --m 1,16,64 --schemes w4a16 \
+    --libs "" --sweep 16 2>&1 | tee "$OUT/quant_gemm_asm.txt" | grep -v "^  "
+  note gemmasm $((SECONDS - t0)) "tests: ${r:-no result}"
 fi
 if has attention; then
   log "FP8 KV attention"; t0=$SECONDS

@@ -31,6 +31,8 @@ CUDA-graph safe.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +41,9 @@ from kernels.host import cdiv
 from kernels.skinny_gemm import Tile, Tuner, activations, launch_args, store_or_reduce
 from kernels.triton_flash import INTERPRETED
 
+# The PTX unpacking (``_unpack_int4_bf16_asm``) instead of the Triton one, for bfloat16
+# activations: off until the H200 measures it faster (the interpreter cannot run PTX)
+UNPACK_ASM = not INTERPRETED and os.environ.get("HEADRACE_W4A16_ASM") == "1"
 BLOCK_K = 128          # K values per step: one group of the common 128, 64 bytes of int4 a column
 
 
@@ -47,7 +52,7 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
                          M_BUCKET, SPLIT_K, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-                         PIPE: tl.constexpr = False):
+                         PIPE: tl.constexpr = False, ASM: tl.constexpr = False):
     PER: tl.constexpr = 32 // BITS
     KW: tl.constexpr = BLOCK_K // PER                 # packed words of K per step
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -75,7 +80,7 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
         z = tl.load(Z + g * N + cols, mask=col_ok, other=0).to(tl.float32)
         if USE_DOT and BITS == 4:
             t = _dot_step_int4(words, z, x_rows, row_ok, k0, K, BLOCK_N, BLOCK_K, PRECISION,
-                               DOT_F32)
+                               DOT_F32, ASM)
             xsum = tl.zeros([BLOCK_M], dtype=tl.float32)   # (zero points already subtracted)
         elif USE_DOT:
             t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -111,7 +116,7 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
 
 @triton.jit
 def _dot_step_int4(words, z, x_rows, row_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                   PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr):
     """One BLOCK_K step of the tl.dot program on 4-bit words [BLOCK_N, BLOCK_K / 8] with zero
     points z [BLOCK_N] (float32): t [BLOCK_N, BLOCK_M] = sum_k (q_kn - z_n) x_mk in float32.
 
@@ -128,26 +133,71 @@ def _dot_step_int4(words, z, x_rows, row_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK
     else:
         magic = 0x43004300                               # bfloat16 128.0, twice
         zq = (z + 128.0).to(tl.bfloat16)
-    v0 = (words & 0x000F000F) | magic
-    v1 = ((words >> 4) & 0x000F000F) | magic
-    v2 = ((words >> 8) & 0x000F000F) | magic
-    v3 = ((words >> 12) & 0x000F000F) | magic
-    v = tl.join(tl.join(v0, v1), tl.join(v2, v3))                      # [BN, KW, 2, 2]: i
-    q = tl.join(v.to(tl.int16), (v >> 16).to(tl.int16))                # value i + 4 * last
-    q = tl.permute(q, (0, 1, 4, 3, 2))                                  # [BN, KW, 8] in K order
-    if half:
-        q = q.to(tl.float16, bitcast=True)
+    sub_asm: tl.constexpr = ASM and not half and not DOT_F32 and \
+        x_rows.dtype.element_ty == tl.bfloat16
+    if sub_asm:
+        q = _unpack_int4_bf16_asm(words, zq, BLOCK_N, BLOCK_K)
     else:
-        q = q.to(tl.bfloat16, bitcast=True)
-    q = tl.reshape(q, [BLOCK_N, BLOCK_K])
+        v0 = (words & 0x000F000F) | magic
+        v1 = ((words >> 4) & 0x000F000F) | magic
+        v2 = ((words >> 8) & 0x000F000F) | magic
+        v3 = ((words >> 12) & 0x000F000F) | magic
+        v = tl.join(tl.join(v0, v1), tl.join(v2, v3))                  # [BN, KW, 2, 2]: i
+        q = tl.join(v.to(tl.int16), (v >> 16).to(tl.int16))            # value i + 4 * last
+        q = tl.permute(q, (0, 1, 4, 3, 2))                              # [BN, KW, 8] in K order
+        if half:
+            q = q.to(tl.float16, bitcast=True)
+        else:
+            q = q.to(tl.bfloat16, bitcast=True)
+        q = tl.reshape(q, [BLOCK_N, BLOCK_K])
     xk = k0 + tl.arange(0, BLOCK_K)
     xt = tl.load(x_rows[None, :] + xk[:, None], mask=(xk < K)[:, None] & row_ok[None, :],
                  other=0.0)                                                      # [BK, BM]
     if DOT_F32 or xt.dtype == tl.float32:       # (the interpreter, float32 activations)
         q, xt = q.to(tl.float32) - zq.to(tl.float32)[:, None], xt.to(tl.float32)
-    else:
+    elif not sub_asm:
         q = q - zq[:, None]                                             # exact: q - z
     return tl.dot(q, xt, input_precision=PRECISION)
+
+
+@triton.jit
+def _unpack_int4_bf16_asm(words, zq, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``_dot_step_int4``'s unpacking and zero-point subtraction in PTX (bfloat16 only;
+    HEADRACE_W4A16_ASM=1, compiled kernels): a word's four magic pairs by one LOP3 each
+    ((w >> 4i) & 0x000F000F | 0x43004300), put in K order by four byte permutes, less 128 + z by
+    four bfloat16x2 subtractions: 15 instructions a word, where the compiler made ~23 of the same
+    steps written in Triton (the and and the or not fused, extra permutes)."""
+    zb = tl.broadcast_to(zq[:, None], words.shape)
+    o = tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 s, t0, t1, t2, t3, p0, p1, p2, p3, z2;
+        mov.b32 z2, {$9, $9};
+        lop3.b32 t0, $8, 0x000F000F, 0x43004300, 0xEA;
+        shr.u32 s, $8, 4;
+        lop3.b32 t1, s, 0x000F000F, 0x43004300, 0xEA;
+        shr.u32 s, $8, 8;
+        lop3.b32 t2, s, 0x000F000F, 0x43004300, 0xEA;
+        shr.u32 s, $8, 12;
+        lop3.b32 t3, s, 0x000F000F, 0x43004300, 0xEA;
+        prmt.b32 p0, t0, t1, 0x5410;
+        prmt.b32 p1, t2, t3, 0x5410;
+        prmt.b32 p2, t0, t1, 0x7632;
+        prmt.b32 p3, t2, t3, 0x7632;
+        sub.rn.bf16x2 p0, p0, z2;
+        sub.rn.bf16x2 p1, p1, z2;
+        sub.rn.bf16x2 p2, p2, z2;
+        sub.rn.bf16x2 p3, p3, z2;
+        mov.b32 {$0, $1}, p0;
+        mov.b32 {$2, $3}, p1;
+        mov.b32 {$4, $5}, p2;
+        mov.b32 {$6, $7}, p3;
+        }""",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,h", args=[words, zb],
+        dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    q = tl.join(tl.join(tl.join(o[0], o[1]), tl.join(o[2], o[3])),
+                tl.join(tl.join(o[4], o[5]), tl.join(o[6], o[7])))     # [BN, KW, 2, 2, 2]
+    q = tl.permute(q, (0, 1, 4, 3, 2))                                  # value = the last bits
+    return tl.reshape(q, [BLOCK_N, BLOCK_K])
 
 
 @triton.jit
@@ -257,7 +307,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         args = launch_args(x2, out)
         group = group_size if group_size < k else cdiv(k, BLOCK_K) * BLOCK_K
         args.update(X=x2, QW=qweight, S=scales, Z=zeros, B=qweight if bias is None else bias, K=k,
-                    GROUP=group, BITS=bits, HAS_BIAS=bias is not None)
+                    GROUP=group, BITS=bits, HAS_BIAS=bias is not None, ASM=UNPACK_ASM)
         TUNER(x2.shape[0], n, args, (args["M_BUCKET"], n, k, x.dtype, bits, bias is not None),
               tile, scheme=f"w{bits}a16")
     return out.reshape(*x.shape[:-1], n)
