@@ -8,20 +8,23 @@ tile to the activation dtype, then tl.dot) read them at 0.3-1.1 TB/s on the H200
 This kernel keeps the GPTQ layout (``qweight`` [K / P, N] int32, P = 32 / bits values of K per
 word, 16-byte loads along N) and does the least work per weight byte:
 
-* zero points folded out of the inner loop: a K tile lies inside one group (the group size is
-  a multiple of BLOCK_K = 128), so sum_k x_k (q_kn - z_n) s_n = s_n (sum_k x_k q_kn -
-  z_n sum_k x_k): the loop only shifts a value out of its word, converts it and multiplies-adds;
-  scale and zero apply once per tile and column, in float32 (more exact than the reference,
-  which rounds each dequantised weight to x's dtype);
-* value j of every word in the tile multiplies x at k = P * word + j (a strided load of x,
-  which stays in L1), so words are never reshaped across threads;
-* FMA programs (M <= 4) accumulate w * x element-wise over the words of the tile and reduce
-  across threads once per tile; at one row the pipelined FMA program (``Tile.pipe``,
+* a K tile lies inside one group (the group size is a multiple of BLOCK_K = 128), so the
+  scale applies once per tile and column, in float32 (more exact than the reference, which
+  rounds each dequantised weight to x's dtype);
+* FMA programs (M <= 4, and 8-bit tl.dot) fold zero points out of the inner loop:
+  sum_k x_k (q_kn - z_n) = sum_k x_k q_kn - z_n sum_k x_k, and value j of every word in the
+  tile multiplies x at k = P * word + j (a strided load of x, which stays in L1), so words are
+  never reshaped across threads. They accumulate w * x element-wise over the words of the tile
+  and reduce across threads once per tile; at one row the pipelined FMA program (``Tile.pipe``,
   ``_fma_pipelined``) holds 2-D tiles only, issues the next tile's words before it multiplies
   the current ones and turns values into floats without conversion instructions;
-* tl.dot programs (M >= 2) compute acc^T = Q [BLOCK_N, K] @ X^T with the unpacked values
-  (exact in bfloat16) as the MMA's A operand, so the weight fills the tensor core's 64-row
-  side and the tokens its narrow side.
+* tl.dot programs compute acc^T = Q [BLOCK_N, K] @ X^T with the unpacked values as the MMA's
+  A operand, so the weight fills the tensor core's 64-row side and the tokens its narrow side
+  (16 rows at least: one row pads to 16 for free, the MMA's work being no bound here). 4-bit
+  words unpack by magic numbers (``_dot_step_int4``: two values a shift and an and-or, no
+  int-to-float conversion), their zero points are subtracted exactly in x's dtype, and x streams
+  by the pipeline's async copies: 370 warp instructions a 4 KB step of the 16 x 64 tile on SM90
+  where the strided, converting version took 670 (``python -m bench.gemm_sass``).
 
 The launch tile per row bucket and shape is pinned by the measured table or computed
 (``kernels.skinny_gemm``; autotuned only with HEADRACE_QUANT_AUTOTUNE=1); K is split over
