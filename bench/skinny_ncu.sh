@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # What the skinny quantized GEMMs wait for on the H200 (issue 32, session 22), from a checkout's
-# root, one device call of ~6 min:  bash bench/skinny_ncu.sh
+# root, one device call of ~4 min:  bash bench/skinny_ncu.sh
 # 1. Nsight Compute (--clock-control none: the card's clocks as found) on one launch each of
-#    our W4A16 tl.dot program at M = 16, the FP8 one of the same structure, and the one-row
-#    W4A16 FMA program, at Llama-3.1-8B's qkv shape and the pinned tiles: occupancy, warp
-#    states, scheduler, memory; the W4A16 M = 16 launch's per-instruction stall samples as CSV.
-# 2. W4A16 M = 16 tiles beyond the sweep's (K split 8, 2 stages), CUDA-graph timed,
+#    our W4A16 tl.dot program at M = 16 and the FP8 one of the same structure (ONE_ROW=1: also
+#    the one-row W4A16 FMA program), at Llama-3.1-8B's qkv shape and the pinned tiles:
+#    occupancy, warp states, scheduler, memory; the W4A16 launch's per-instruction stall samples.
+# 2. W4A16 M = 16 tiles (TILES, default the pinned one and K split 8), CUDA-graph timed,
 #    with the scales loaded a step ahead, without (HEADRACE_W4A16_PREFETCH=0) and with the PTX
 #    unpacking (HEADRACE_W4A16_ASM=1); the other shapes' pinned tiles with and without.
 # Reports under $OUT: NAME.txt (ncu's details), w4a16_m16_sass.csv; the last lines: a table.
@@ -30,9 +30,9 @@ echo "== gpu ($(date +%T))"; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --
 prof w4a16_m16 --scheme w4a16 --shape qkv --m 16 --tile 16/64/4/3/4
 "$NCU" -i /tmp/w4a16_m16.ncu-rep --page source --print-source sass --csv > "$OUT/w4a16_m16_sass.csv" 2>&1
 prof fp8_m16 --scheme fp8 --shape qkv --m 16 --tile 16/64/4/4/4
-prof w4a16_m1 --scheme w4a16 --shape qkv --m 1 --tile 1/64/2/1/8
+[ "${ONE_ROW:-0}" = 1 ] && prof w4a16_m1 --scheme w4a16 --shape qkv --m 1 --tile 1/64/2/1/8
 echo "== W4A16 M = 16 tiles, graph-timed ($(date +%T))"
-for t in 16/64/4/3/4 16/64/4/3/8 16/64/4/2/4 16/128/4/3/8; do
+for t in ${TILES:-16/64/4/3/4 16/64/4/3/8}; do
   timeout 60 python3 -m bench.skinny_ncu --scheme w4a16 --shape qkv --m 16 --tile $t 2>&1 \
     | grep "us a call" | tee -a "$TABLE"
   HEADRACE_W4A16_PREFETCH=0 timeout 60 python3 -m bench.skinny_ncu --scheme w4a16 --shape qkv \
