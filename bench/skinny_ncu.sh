@@ -5,9 +5,9 @@
 #    our W4A16 tl.dot program at M = 16 and the FP8 one of the same structure (ONE_ROW=1: also
 #    the one-row W4A16 FMA program), at Llama-3.1-8B's qkv shape and the pinned tiles:
 #    occupancy, warp states, scheduler, memory; the W4A16 launch's per-instruction stall samples.
-# 2. W4A16 M = 16 tiles (TILES, default the pinned one and K split 8), CUDA-graph timed,
-#    with the scales loaded a step ahead, without (HEADRACE_W4A16_PREFETCH=0) and with the PTX
-#    unpacking (HEADRACE_W4A16_ASM=1); the other shapes' pinned tiles with and without.
+#    (PROFILE_TILE: the W4A16 tile profiled, default 16/32/2/3/8.)
+# 2. W4A16 M = 16 tiles (TILES), CUDA-graph timed, with and without the PTX unpacking
+#    (HEADRACE_W4A16_ASM=1); the other shapes' pinned tiles.
 # Reports under $OUT: NAME.txt (ncu's details), w4a16_m16_sass.csv; the last lines: a table.
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
@@ -27,23 +27,19 @@ prof() {   # NAME ARGS...: ncu's sections for the 4th launch of one skinny GEMM
   grep -oE "[^.]*(stalled|stall)[^.]*\." "$OUT/$1.txt" | head -4 | sed "s/^ */$1: /" | tee -a "$TABLE"
 }
 echo "== gpu ($(date +%T))"; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-prof w4a16_m16 --scheme w4a16 --shape qkv --m 16 --tile 16/64/4/3/4
+prof w4a16_m16 --scheme w4a16 --shape qkv --m 16 --tile ${PROFILE_TILE:-16/32/2/3/8}
 "$NCU" -i /tmp/w4a16_m16.ncu-rep --page source --print-source sass --csv > "$OUT/w4a16_m16_sass.csv" 2>&1
 prof fp8_m16 --scheme fp8 --shape qkv --m 16 --tile 16/64/4/4/4
 [ "${ONE_ROW:-0}" = 1 ] && prof w4a16_m1 --scheme w4a16 --shape qkv --m 1 --tile 1/64/2/1/8
 echo "== W4A16 M = 16 tiles, graph-timed ($(date +%T))"
-for t in ${TILES:-16/64/4/3/4 16/64/4/3/8}; do
+for t in ${TILES:-16/32/2/3/8 16/32/2/3/4 16/64/4/3/4}; do
   timeout 60 python3 -m bench.skinny_ncu --scheme w4a16 --shape qkv --m 16 --tile $t 2>&1 \
     | grep "us a call" | tee -a "$TABLE"
-  HEADRACE_W4A16_PREFETCH=0 timeout 60 python3 -m bench.skinny_ncu --scheme w4a16 --shape qkv \
-    --m 16 --tile $t 2>&1 | grep "us a call" | sed 's/^/no prefetch: /' | tee -a "$TABLE"
   HEADRACE_W4A16_ASM=1 timeout 60 python3 -m bench.skinny_ncu --scheme w4a16 --shape qkv --m 16 \
     --tile $t 2>&1 | grep "us a call" | sed 's/^/asm: /' | tee -a "$TABLE"
 done
-for shape in o gate_up down; do     # the pinned tiles, prefetch against none
+for shape in o gate_up down; do     # the pinned tiles
   timeout 60 python3 -m bench.skinny_ncu --scheme w4a16 --shape $shape --m 16 2>&1 \
     | grep "us a call" | tee -a "$TABLE"
-  HEADRACE_W4A16_PREFETCH=0 timeout 60 python3 -m bench.skinny_ncu --scheme w4a16 --shape $shape \
-    --m 16 2>&1 | grep "us a call" | sed 's/^/no prefetch: /' | tee -a "$TABLE"
 done
 echo "== table ($(date +%T))"; cat "$TABLE"

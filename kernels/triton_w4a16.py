@@ -47,9 +47,6 @@ from kernels.triton_flash import INTERPRETED
 # The PTX unpacking (``_unpack_int4_bf16_asm``) instead of the Triton one, for bfloat16
 # activations: off until the H200 measures it faster (the interpreter cannot run PTX)
 UNPACK_ASM = not INTERPRETED and os.environ.get("HEADRACE_W4A16_ASM") == "1"
-# Scales and zero points of the dot program loaded a step ahead (``_dot_int4``); 0 turns it off
-# for a same-call comparison (bench/skinny_ncu.sh)
-PREFETCH = os.environ.get("HEADRACE_W4A16_PREFETCH", "1") != "0"
 BLOCK_K = 128          # K values per step: one group of the common 128, 64 bytes of int4 a column
 
 
@@ -58,8 +55,7 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
                          M_BUCKET, SPLIT_K, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-                         PIPE: tl.constexpr = False, ASM: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = True):
+                         PIPE: tl.constexpr = False, ASM: tl.constexpr = False):
     PER: tl.constexpr = 32 // BITS
     KW: tl.constexpr = BLOCK_K // PER                 # packed words of K per step
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -77,12 +73,6 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
         store_or_reduce(acc, rows, cols, row_ok, col_ok, OUT, stride_om, WS, CNT, N, S, 0, B,
                         HAS_BIAS, SPLIT_K, False)
         return
-    if USE_DOT and BITS == 4:
-        acc = _dot_int4(x_rows, QW, S, Z, row_ok, cols, col_ok, N, K, GROUP, k_lo, k_hi,
-                        BLOCK_N, BLOCK_M, BLOCK_K, PRECISION, DOT_F32, ASM, PREFETCH)
-        store_or_reduce(acc, rows, cols, row_ok, col_ok, OUT, stride_om, WS, CNT, N, S, 0, B,
-                        HAS_BIAS, SPLIT_K, False)
-        return
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kw = k0 // PER + tl.arange(0, KW)
@@ -91,7 +81,11 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
         g = k0 // GROUP
         s = tl.load(S + g * N + cols, mask=col_ok, other=0.0).to(tl.float32)
         z = tl.load(Z + g * N + cols, mask=col_ok, other=0).to(tl.float32)
-        if USE_DOT:
+        if USE_DOT and BITS == 4:
+            t = _dot_step_int4(words, z, x_rows, row_ok, k0, K, BLOCK_N, BLOCK_K, PRECISION,
+                               DOT_F32, ASM)
+            xsum = tl.zeros([BLOCK_M], dtype=tl.float32)   # (zero points already subtracted)
+        elif USE_DOT:
             t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             xsum = tl.zeros([BLOCK_M], dtype=tl.float32)
             for j in tl.static_range(PER):
@@ -121,43 +115,6 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
     # scales are applied per tile above: the epilogue's scale is one
     store_or_reduce(acc, rows, cols, row_ok, col_ok, OUT, stride_om, WS, CNT, N, S, 0, B, HAS_BIAS,
                     SPLIT_K, False)
-
-
-@triton.jit
-def _dot_int4(x_rows, QW, S, Z, row_ok, cols, col_ok, N, K, GROUP, k_lo, k_hi,
-              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-              PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr,
-              PREFETCH: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] of the 4-bit tl.dot program over the K slice [k_lo, k_hi).
-
-    A group's scales and zero points are loaded one step ahead: they feed the step's unpacking
-    and epilogue directly, so loaded in the step that uses them (Triton's pipeliner stages only
-    the dot's operands) each step waited a memory latency for them."""
-    KW: tl.constexpr = BLOCK_K // 8
-    g = k_lo // GROUP
-    s = tl.load(S + g * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-    z = tl.load(Z + g * N + cols, mask=col_ok, other=0).to(tl.float32)
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        if PREFETCH:
-            k_next = k0 + BLOCK_K
-        else:                          # (HEADRACE_W4A16_PREFETCH=0: the step's own, to compare)
-            k_next = k0
-            s_now = tl.load(S + (k0 // GROUP) * N + cols, mask=col_ok, other=0.0)
-            z_now = tl.load(Z + (k0 // GROUP) * N + cols, mask=col_ok, other=0)
-            s, z = s_now.to(tl.float32), z_now.to(tl.float32)
-        g_next = k_next // GROUP
-        ok_next = col_ok & (k_next < k_hi)
-        s_next = tl.load(S + g_next * N + cols, mask=ok_next, other=0.0)
-        z_next = tl.load(Z + g_next * N + cols, mask=ok_next, other=0)
-        kw = k0 // 8 + tl.arange(0, KW)
-        words = tl.load(QW + kw[None, :].to(tl.int64) * N + cols[:, None],
-                        mask=col_ok[:, None] & (kw < K // 8)[None, :], other=0)    # [BN, KW]
-        t = _dot_step_int4(words, z, x_rows, row_ok, k0, K, BLOCK_N, BLOCK_K, PRECISION,
-                           DOT_F32, ASM)
-        acc += s[:, None] * t
-        s, z = s_next.to(tl.float32), z_next.to(tl.float32)
-    return acc
 
 
 @triton.jit
@@ -306,21 +263,31 @@ def _dot(m: int, n: int, warps: int = 4, split: int = 1, stages: int = 3) -> Til
 
 # Candidate tiles per row bucket: the first (unsplit) one is the fixed choice (K split by
 # skinny_gemm.split_for) and the interpreter's; the rest are the sweep's and autotuner's.
+# From 2 to 16 rows the 4-bit dot program runs 32 columns a program on 2 warps (its cost
+# hardly depends on its rows up to 16: its weight bytes bound it). Below the 64 rows of
+# Hopper's wgmma, Triton takes the Ampere MMA, whose operand staging has few shared-memory bank
+# conflicts; the wgmma tiles' staging of the unpacked weight conflicted 8 ways (H200, session
+# 22: qkv at M = 16 in 15.5 us against 26.1 for 16 x 64 on 4 warps; ncu: 70% of shared-memory
+# wavefronts excessive there, 26% at 16 x 32 on 4 warps).
 TILES = {
     1: [_pipe(64), _pipe(64, 4, 8), _pipe(32, 4, 4), _pipe(32, 4, 8), _pipe(64, 4, 16),
         _pipe(32, 2, 8), _pipe(128, 4, 8), _pipe(64, 2, 8), _pipe(32, 4, 16), _pipe(64, 4, 4, 2),
         _fma(1, 128), _fma(1, 64), _fma(1, 64, 4, 4), _dot(16, 64, 4, 4), _dot(16, 128, 4, 4),
         _dot(16, 64, 4, 8)],
-    2: [_fma(2, 128), _fma(2, 64), _fma(2, 256, 8), _fma(2, 128, 4, 2), _dot(16, 128),
-        _dot(16, 64, 4, 4), _dot(16, 128, 4, 4)],
-    4: [_dot(16, 128), _fma(4, 64), _fma(4, 128, 8), _dot(16, 64), _dot(16, 128, 4, 2)],
-    8: [_dot(16, 128), _dot(16, 64), _dot(16, 256, 8), _dot(16, 128, 4, 2), _dot(16, 256, 8, 2),
+    2: [_dot(16, 32, 2), _fma(2, 128), _fma(2, 64), _fma(2, 256, 8), _fma(2, 128, 4, 2),
+        _dot(16, 128), _dot(16, 64, 4, 4), _dot(16, 128, 4, 4), _dot(16, 32, 2, 4)],
+    4: [_dot(16, 32, 2), _dot(16, 128), _fma(4, 64), _fma(4, 128, 8), _dot(16, 64),
+        _dot(16, 128, 4, 2), _dot(16, 32, 2, 4)],
+    8: [_dot(16, 32, 2), _dot(16, 32, 2, 8), _dot(16, 32, 2, 4), _dot(16, 32, 1, 8),
+        _dot(16, 32, 4, 4), _dot(16, 128), _dot(16, 64), _dot(16, 256, 8), _dot(16, 128, 4, 2),
         _dot(16, 64, 4, 4), _dot(16, 128, 4, 4), _dot(16, 64, 4, 2), _dot(16, 128, 4, 2, 4),
         _dot(16, 64, 4, 4, 4)],
     32: [_dot(32, 128), _dot(32, 64), _dot(32, 256, 8), _dot(32, 128, 4, 2), _dot(32, 128, 8),
-         _dot(32, 128, 4, 4), _dot(32, 64, 4, 2), _dot(32, 64, 4, 4)],
+         _dot(32, 128, 4, 4), _dot(32, 64, 4, 2), _dot(32, 64, 4, 4), _dot(32, 32, 2, 4),
+         _dot(32, 32, 2, 8)],
     64: [_dot(64, 128), _dot(64, 64), _dot(64, 128, 8), _dot(64, 256, 8), _dot(64, 128, 4, 2),
-         _dot(64, 64, 4, 2), _dot(64, 128, 4, 4), _dot(64, 64, 4, 4)],
+         _dot(64, 64, 4, 2), _dot(64, 128, 4, 4), _dot(64, 64, 4, 4), _dot(64, 32, 2, 4),
+         _dot(64, 32, 4, 4)],
     128: [_dot(128, 128, 8), _dot(64, 128), _dot(128, 64), _dot(64, 128, 8, 2)],
 }
 TILES[16] = TILES[8]
@@ -353,8 +320,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         args = launch_args(x2, out)
         group = group_size if group_size < k else cdiv(k, BLOCK_K) * BLOCK_K
         args.update(X=x2, QW=qweight, S=scales, Z=zeros, B=qweight if bias is None else bias, K=k,
-                    GROUP=group, BITS=bits, HAS_BIAS=bias is not None, ASM=UNPACK_ASM,
-                    PREFETCH=PREFETCH)
+                    GROUP=group, BITS=bits, HAS_BIAS=bias is not None, ASM=UNPACK_ASM)
         TUNER(x2.shape[0], n, args, (args["M_BUCKET"], n, k, x.dtype, bits, bias is not None),
               tile, scheme=f"w{bits}a16")
     return out.reshape(*x.shape[:-1], n)
