@@ -63,21 +63,31 @@ def test_shared_prefixes_are_placed_where_they_are_cached(served):
 def test_a_killed_core_loses_nothing_and_comes_back(served):
     stub = pb_grpc.InferenceStub(grpc.insecure_channel(served.address))
     prompts = [f"It is a truth universally acknowledged {i}" for i in range(16)]
+    tokens = {}          # prompt -> tokens streamed so far; a finished stream is dropped
 
-    def run(prompt):   # long enough that core 1 still generates when it is killed: its running
-        # count is seen up to ~0.2 s late (mirrored every 0.1 s, polled every 0.1 s); with 48
-        # tokens its requests once all finished first and nothing was resumed (seen in CI)
-        return completion(list(stub.Generate(pb.GenerateRequest(
-            prompt=prompt, max_tokens=128, ignore_eos=True, sampling=pb.SamplingParams(temperature=0)),
-            timeout=180)))
+    def run(prompt):
+        responses = []
+        for response in stub.Generate(pb.GenerateRequest(
+                prompt=prompt, max_tokens=128, ignore_eos=True,
+                sampling=pb.SamplingParams(temperature=0)), timeout=180):
+            responses.append(response)
+            tokens[prompt] = tokens.get(prompt, 0) + len(response.token_ids)
+        tokens.pop(prompt, None)
+        return completion(responses)
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:   # (greedy: as in the disturbed run)
         undisturbed = list(pool.map(run, prompts))
     victim = served.role_pids()["core 1"]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(run, p) for p in prompts]
-        served.wait_for(lambda: served.metric("headrace:core_num_requests_running", core="1") > 0,
-                        30, "core 1 generating")
+        # every request streaming and none finished, so core 1 holds some of them mid-generation
+        # (its own running count, mirrored every 0.1 s, was once seen stale: the kill then came
+        # after its requests had all finished and nothing was resumed, under a loaded machine)
+        def generating():
+            counts = list(tokens.values())
+            return len(counts) == len(prompts) and min(counts) >= 2
+
+        served.wait_for(generating, 30, "every request generating")
         os.kill(victim, signal.SIGKILL)
         assert not all(f.done() for f in futures), "the kill came too late to matter"
         disturbed = [f.result(timeout=180) for f in futures]
