@@ -55,7 +55,8 @@ def compile_skinny(scheme: str, block_m: int, block_n: int, warps: int, stages: 
     signature = {n: "constexpr" if n in const else types.get(n, "i32") for n in names}
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(names.index(n),): v for n, v in const.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED if n in names})
+                    attrs={(names.index(n),): [["tt.divisibility", 16]]
+                           for n in _ALIGNED if n in names})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     bits = 4 if scheme == "w4a16" else 8
@@ -67,7 +68,7 @@ def main() -> None:
     ap.add_argument("--schemes", default="w4a16,fp8")
     ap.add_argument("--asm", action="store_true", help="W4A16: the PTX unpacking (UNPACK_ASM)")
     ap.add_argument("--tiles", default="16/64/4/4,16/64/4/3,64/128/4/3",
-                    help="BLOCK_M/BLOCK_N/warps/stages, comma-separated (BLOCK_M 1: the FMA program)")
+                    help="BLOCK_M/BLOCK_N/warps/stages, comma-separated (BLOCK_M 1: FMA program)")
     args = ap.parse_args()
     for scheme in args.schemes.split(","):
         for tile in args.tiles.split(","):
@@ -77,10 +78,10 @@ def main() -> None:
             for n, ops in enumerate(sass_loops(compiled.asm["cubin"])):
                 per_step = ops["total"] * warps      # every warp of the program runs the step
                 bound = ISSUE_PER_S * step_bytes / per_step / 1e12
-                print(f"{scheme:>5} {tile:>12} loop {n}: {ops['total']} instructions a warp a step "
-                      f"({step_bytes} weight bytes: {per_step / step_bytes:.2f} a byte, issue-bound "
-                      f"at {bound:.1f} TB/s); " + ", ".join(f"{k} {ops[k]}" for k in SHOWN if ops[k]),
-                      flush=True)
+                counted = ", ".join(f"{k} {ops[k]}" for k in SHOWN if ops[k])
+                print(f"{scheme:>5} {tile:>12} loop {n}: {ops['total']} instructions a warp a "
+                      f"step ({step_bytes} weight bytes: {per_step / step_bytes:.2f} a byte, "
+                      f"issue-bound at {bound:.1f} TB/s); {counted}", flush=True)
 
 
 if __name__ == "__main__":
