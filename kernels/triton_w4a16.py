@@ -87,7 +87,8 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
         if USE_DOT and BITS == 4:
             t = dot_step_int4(words, z, x_rows, row_ok, k0, K, BLOCK_N, BLOCK_K, PRECISION,
                                DOT_F32, ASM)
-            xsum = tl.zeros([BLOCK_M], dtype=tl.float32)   # (zero points already subtracted)
+            # zero points already subtracted: the fold below is constant zero, compiled away
+            xsum, z = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros_like(z)
         elif USE_DOT:
             t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             xsum = tl.zeros([BLOCK_M], dtype=tl.float32)
