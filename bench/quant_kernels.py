@@ -16,7 +16,8 @@ Our skinny kernels time ``--sweep`` tiles per row bucket here (the fixed tile of
 ``kernels.skinny_gemm`` first, then the bucket's list), outside ``triton.autotune``; the
 fastest is their time and is written to the table's ``tiles``, so the server runs it without
 timing anything. Each kernel is checked once against ``kernels.reference_quant`` on a small
-input (a wrong one is reported and never ranked). A library whose first kernel (its layouts,
+input (a wrong one is reported and never ranked), and each swept tile on its M's input before
+it is timed (a wrong tile is reported and never pinned). A library whose first kernel (its layouts,
 its compile, the check, the timings of one shape) fails is skipped from then on, and so is one
 whose first kernel takes longer than ``--lib-first-call`` seconds, or any once ``--budget``
 seconds have passed (ours are always measured). gemlite is not
@@ -144,8 +145,7 @@ def measure(scheme, kernel, weights, n, k, ms, sweep, tiles_out) -> dict:
     calls = [_caller(scheme, kernel, w) for w in weights]
     x = torch.randn(ms[0], k, device=DEVICE, dtype=DTYPE)
     if scheme != "bf16":
-        got, want = calls[0](x).float(), _reference(scheme, kernel, weights[0], x).float()
-        err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+        err = _error(calls[0](x), _reference(scheme, kernel, weights[0], x))
         if not err <= 2e-2:
             raise ValueError(f"wrong (max error {err:.3g} of the output's scale)")
     out = {}
@@ -154,16 +154,29 @@ def measure(scheme, kernel, weights, n, k, ms, sweep, tiles_out) -> dict:
         if kernel not in SKINNY:
             out[m] = graph_ms([lambda c=c: c(x) for c in calls], replays=5) * 1e3
             continue
-        timed = {}
+        timed, want = {}, _reference(scheme, kernel, weights[0], x)
         for tile in sweep_tiles(scheme, kernel, n, k, m, sweep):
             tiled = [_caller(scheme, kernel, w, tile) for w in weights]
+            err = _error(tiled[0](x), want)     # a wrong tile is never timed, so never pinned
+            if not err <= 2e-2:
+                print(f"  {kernel} {n}x{k} M={m}: tile {tile.as_list()} WRONG (max error "
+                      f"{err:.3g} of the output's scale)", flush=True)
+                continue
             timed[tile] = graph_ms([lambda c=c: c(x) for c in tiled], replays=5) * 1e3
+        if not timed:
+            raise ValueError(f"every swept tile is wrong at M = {m}")
         best = min(timed, key=timed.get)
         out[m], tiles_out[m] = timed[best], best
         print(f"  {kernel} {n}x{k} M={m}: " + ", ".join(
             f"{t.block_m}x{t.block_n}x{t.block_k}/{t.warps}w{t.stages}s/split{t.split}"
             f"{'' if t.dot else ' fma'} {us:.1f}" for t, us in timed.items()), flush=True)
     return out
+
+
+def _error(got, want) -> float:
+    """Max |got - want| over want's largest magnitude."""
+    got, want = got.float(), want.float()
+    return (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
 
 
 def report(scheme, results, ms, shapes) -> dict:

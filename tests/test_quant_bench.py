@@ -62,3 +62,26 @@ def test_the_bench_runs_end_to_end_on_a_tiny_shape(tmp_path, monkeypatch, capsys
     assert "  fp8_skinny 128x256 M=1:" in printed and "  triton_skinny 128x256 M=16:" in printed
     assert set(quant_dispatch.load_table(out)) == {"fp8", "w4a16"}
     assert set(quant_dispatch.load_tiles(out)["w4a16"]["128x256"]) == {"1", "16"}
+
+
+def test_a_wrong_swept_tile_is_reported_and_never_pinned(monkeypatch, capsys):
+    """measure() checks each tile of the sweep against the reference before timing it: a tile
+    whose output is off is printed as WRONG and cannot win its bucket, though timed fastest."""
+    monkeypatch.setattr(qk, "DEVICE", "cpu")
+    fixed = qk.sweep_tiles("w4a16", "triton_skinny", 128, 256, 16, 1)[0]
+    bad = dataclasses.replace(fixed, split=2)     # (the interpreter's lists hold one tile)
+    monkeypatch.setattr(qk, "sweep_tiles", lambda *args: [fixed, bad])
+    real = qk._caller
+
+    def caller(scheme, kernel, w, tile=None):
+        call = real(scheme, kernel, w, tile)
+        return (lambda x: call(x) + 1.0) if tile == bad else call
+
+    times = iter([1e-3, 1e-4])            # the sweep's order: the fixed tile, then the bad one
+    monkeypatch.setattr(qk, "_caller", caller)
+    monkeypatch.setattr(qk, "graph_ms", lambda calls, replays=10: next(times))
+    by_m = {}
+    out = qk.measure("w4a16", "triton_skinny", [qk._weights("w4a16", 128, 256, 0)], 128, 256,
+                     [16], 2, by_m)
+    assert by_m[16] == fixed and out[16] == 1.0
+    assert f"tile {bad.as_list()} WRONG" in capsys.readouterr().out
