@@ -20,10 +20,11 @@ import triton.language as tl
 
 
 @triton.jit
-def dot_step_int4(words, z, x_rows, row_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr):
+def dot_step_int4(words, z, xt, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ASM: tl.constexpr):
     """One BLOCK_K step of the tl.dot program on 4-bit words [BLOCK_N, BLOCK_K / 8] with zero
-    points z [BLOCK_N] (float32): t [BLOCK_N, BLOCK_M] = sum_k (q_kn - z_n) x_mk in float32.
+    points z [BLOCK_N] (float32) and the step's activations xt [BLOCK_K, BLOCK_M]:
+    t [BLOCK_N, BLOCK_M] = sum_k (q_kn - z_n) x_mk in float32.
 
     Unpacking costs one shift and one and-or per two values: (w >> 4i) & 0x000F000F |
     0x43004300 holds the bfloat16 pair (128 + q_i, 128 + q_(i+4)) (0x4300 is 128.0, whose last
@@ -31,15 +32,14 @@ def dot_step_int4(words, z, x_rows, row_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_
     Subtracting 128 + z in the activations' dtype is exact (small integers), so the zero point
     costs one subtraction a value and no sum of x. The pairs are put back in K order in
     registers (byte permutes) so that x is read as it lies, by the pipeline's async copies."""
-    half: tl.constexpr = x_rows.dtype.element_ty == tl.float16
+    half: tl.constexpr = xt.dtype == tl.float16
     if half:
         magic = 0x64006400                               # float16 1024.0, twice
         zq = (z + 1024.0).to(tl.float16)
     else:
         magic = 0x43004300                               # bfloat16 128.0, twice
         zq = (z + 128.0).to(tl.bfloat16)
-    sub_asm: tl.constexpr = ASM and not half and not DOT_F32 and \
-        x_rows.dtype.element_ty == tl.bfloat16
+    sub_asm: tl.constexpr = ASM and not half and not DOT_F32 and xt.dtype == tl.bfloat16
     if sub_asm:
         q = unpack_int4_bf16_asm(words, zq, BLOCK_N, BLOCK_K)
     else:
@@ -55,9 +55,6 @@ def dot_step_int4(words, z, x_rows, row_ok, k0, K, BLOCK_N: tl.constexpr, BLOCK_
         else:
             q = q.to(tl.bfloat16, bitcast=True)
         q = tl.reshape(q, [BLOCK_N, BLOCK_K])
-    xk = k0 + tl.arange(0, BLOCK_K)
-    xt = tl.load(x_rows[None, :] + xk[:, None], mask=(xk < K)[:, None] & row_ok[None, :],
-                 other=0.0)                                                      # [BK, BM]
     if DOT_F32 or xt.dtype == tl.float32:       # (the interpreter, float32 activations)
         q, xt = q.to(tl.float32) - zq.to(tl.float32)[:, None], xt.to(tl.float32)
     elif not sub_asm:

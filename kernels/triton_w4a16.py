@@ -58,7 +58,8 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
                          M_BUCKET, SPLIT_K, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-                         PIPE: tl.constexpr = False, ASM: tl.constexpr = False):
+                         PIPE: tl.constexpr = False, ASM: tl.constexpr = False,
+                         EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False):
     PER: tl.constexpr = 32 // BITS
     KW: tl.constexpr = BLOCK_K // PER                 # packed words of K per step
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -67,26 +68,42 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
     k_lo = tl.program_id(2) * k_per
     k_hi = tl.minimum(K, k_lo + k_per)
     row_ok, col_ok = rows < M, cols < N
+    # rows and columns past the output read the last ones (never stored): the loop's loads need
+    # no masks but K's, none when K is whole steps (EVEN_K), so no predicates or selects a step.
+    # Columns are clamped only where N is not whole tiles: a clamp hides their contiguity from
+    # the compiler, whose loads then go one word at a time.
+    rows_in = tl.minimum(rows, M - 1)
+    cols_in = cols if EVEN_N else tl.minimum(cols, N - 1)
     dtype = X.dtype.element_ty
-    x_rows = X + rows.to(tl.int64) * stride_xm
+    x_rows = X + rows_in.to(tl.int64) * stride_xm
     if PIPE and not USE_DOT:      # one row a program (grid: M programs, each row exists)
         tl.static_assert(BLOCK_M == 1)
-        acc = _fma_pipelined(x_rows, QW, S, Z, cols, col_ok, N, K, GROUP, k_lo, k_hi, BITS,
-                             BLOCK_N, BLOCK_K)
+        acc = _fma_pipelined(x_rows, QW, S, Z, cols_in, N, K, GROUP, k_lo, k_hi, BITS,
+                             BLOCK_N, BLOCK_K, EVEN_K)
         store_or_reduce(acc, rows, cols, row_ok, col_ok, OUT, stride_om, WS, CNT, N, S, 0, B,
                         HAS_BIAS, SPLIT_K, False)
         return
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    # the weight's pointers advance a step at a time (computing them from k0 took 32 more
+    # instructions a step at 16 x 32; x's did better computed: 12 fewer)
+    w_at = QW + (k_lo // PER + tl.arange(0, KW))[None, :].to(tl.int64) * N + cols_in[:, None]
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kw = k0 // PER + tl.arange(0, KW)
-        words = tl.load(QW + kw[None, :].to(tl.int64) * N + cols[:, None],
-                        mask=col_ok[:, None] & (kw < K // PER)[None, :], other=0)   # [BN, KW]
+        if EVEN_K:
+            words = tl.load(w_at)
+        else:
+            words = tl.load(w_at, mask=(kw < K // PER)[None, :], other=0)
+        w_at += KW * N
         g = k0 // GROUP
-        s = tl.load(S + g * N + cols, mask=col_ok, other=0.0).to(tl.float32)
-        z = tl.load(Z + g * N + cols, mask=col_ok, other=0).to(tl.float32)
+        s = tl.load(S + g * N + cols_in).to(tl.float32)
+        z = tl.load(Z + g * N + cols_in).to(tl.float32)
         if USE_DOT and BITS == 4:
-            t = dot_step_int4(words, z, x_rows, row_ok, k0, K, BLOCK_N, BLOCK_K, PRECISION,
-                               DOT_F32, ASM)
+            xk = k0 + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                xt = tl.load(x_rows[None, :] + xk[:, None])                           # [BK, BM]
+            else:
+                xt = tl.load(x_rows[None, :] + xk[:, None], mask=(xk < K)[:, None], other=0.0)
+            t = dot_step_int4(words, z, xt, BLOCK_N, BLOCK_K, PRECISION, DOT_F32, ASM)
             # zero points already subtracted: the fold below is constant zero, compiled away
             xsum, z = tl.zeros([BLOCK_M], dtype=tl.float32), tl.zeros_like(z)
         elif USE_DOT:
@@ -95,7 +112,7 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
             for j in tl.static_range(PER):
                 xk = kw * PER + j
                 xt = tl.load(x_rows[None, :] + xk[:, None],
-                             mask=(xk < K)[:, None] & row_ok[None, :], other=0.0)   # [KW, BM]
+                             mask=(xk < K)[:, None], other=0.0)                    # [KW, BM]
                 q = (words >> (j * BITS)) & ((1 << BITS) - 1)
                 xsum += tl.sum(xt.to(tl.float32), axis=0)
                 if DOT_F32:
@@ -108,7 +125,7 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
             x3 = tl.zeros([BLOCK_M, KW], dtype=tl.float32)
             for j in tl.static_range(PER):
                 xk = kw * PER + j
-                x = tl.load(x_rows[:, None] + xk[None, :], mask=row_ok[:, None] & (xk < K)[None, :],
+                x = tl.load(x_rows[:, None] + xk[None, :], mask=(xk < K)[None, :],
                             other=0.0).to(tl.float32)                         # [BM, KW]
                 q = ((words >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
                 t3 += q[:, None, :] * x[None, :, :]
@@ -122,47 +139,79 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
 
 
 @triton.jit
-def _fma_pipelined(x_row, QW, S, Z, cols, col_ok, N, K, GROUP, k_lo, k_hi, BITS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fma_pipelined(x_row, QW, S, Z, cols, N, K, GROUP, k_lo, k_hi, BITS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """acc [BLOCK_N, 1] of the row at ``x_row`` over the K slice [k_lo, k_hi) on the CUDA cores,
     2-D tiles [KW words of K, BLOCK_N columns] only (as ``triton_fp8_linear._fma_pipelined``:
     the next tile's words are loaded before the current one is multiplied, products add up
-    element-wise, one reduction across threads at the end).
+    element-wise, one reduction across threads at the end). ``cols`` are inside N.
 
     A value becomes float32 without a conversion instruction (int-to-float converts at a
-    quarter of the FMA rate): its bits OR 0x4B000000 are the float 2^23 + q, and one
-    subtraction of 2^23 + z (exact in float32) leaves q - z, so a value costs a shift, an
-    and-or, a subtraction and an FMA. The group's scale multiplies each tile's sums.
+    quarter of the FMA rate): shifted to the mantissa's top bits and OR 1.0's bits, it is the
+    float v = 1 + q / 2^BITS, exact, and sum_k x (q - z) = 2^BITS sum_k x v - (2^BITS + z)
+    sum_k x, the sum of x taken per row of the tile and step (shared by its columns): a value
+    costs a shift, one and-or (LOP3) and an FMA. 1.0's bits come from a runtime value, since
+    a LOP3 takes one immediate: with both constants the compiler issued an and and an or. (The
+    float 2^23 + q, with q in the mantissa's low bits, needed a subtraction of 2^23 + z a value,
+    and the compiler took its low-bit mask as a sign-extend: 5 instructions a value, 465 a step
+    of 4 warps at 64 columns against 335 now, Triton 3.6's SM90 code.) The group's scale
+    multiplies each tile's sums. Precision: the cancellation leaves float32's rounding of
+    sum_k x v times 2^BITS, ~1e-6 (4-bit) and ~2e-5 (8-bit) of sum_k |x|.
 
     x is loaded as a 1-D [KW] vector and expanded: the compiler loads it in the words' row
     layout, once per row a thread holds. A [KW, 1] load was issued once per column a thread
     holds (4x over), and a [KW, BLOCK_N] broadcast load took a trip through shared memory per
-    value of a word. Triton 3.6's PTX: 396 instructions a loop step of a 64-column tile,
-    against 505 with the [KW, 1] load (the variant timed on the H200 on 2026-12-03)."""
+    value of a word. The next tile's start is clamped to the slice's last tile (loaded twice at
+    the end) rather than masked, and with K in whole steps (EVEN_K) no load is masked."""
     PER: tl.constexpr = 32 // BITS
     KW: tl.constexpr = BLOCK_K // PER
     MASK: tl.constexpr = (1 << BITS) - 1
+    MANTISSA_TOP: tl.constexpr = 23 - BITS       # a value's place among float32's mantissa bits
     c = cols[None, :]
-    c_ok = col_ok[None, :]
     kw_hi = k_hi // PER
-    kw = k_lo // PER + tl.arange(0, KW)[:, None]                                   # [KW, 1]
-    words = tl.load(QW + kw.to(tl.int64) * N + c, mask=c_ok & (kw < kw_hi), other=0)
+    # the first word of the slice's first and last steps (both inside K: an empty slice, past
+    # K, loads the last step and adds nothing)
+    k_end = (K - 1) // BLOCK_K * BLOCK_K
+    first = tl.minimum(k_lo, k_end)
+    last = tl.minimum(k_lo + tl.maximum(k_hi - k_lo - 1, 0) // BLOCK_K * BLOCK_K, k_end) // PER
+    rk = tl.arange(0, KW)[:, None]                                                  # [KW, 1]
+    tile_at = QW + rk.to(tl.int64) * N + c             # a tile's words, less its first row's
+    if EVEN_K:
+        words = tl.load(tile_at + (first // PER).to(tl.int64) * N)
+    else:
+        words = tl.load(tile_at + (first // PER).to(tl.int64) * N,
+                        mask=first // PER + rk < kw_hi, other=0)
     acc = tl.zeros([KW, BLOCK_N], dtype=tl.float32)
+    one = (GROUP > 0).to(tl.uint32) * 0x3F800000         # 1.0's bits, unknown to the compiler
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        kw = k0 // PER + tl.arange(0, KW)[:, None]
-        kwn = kw + KW
-        words_next = tl.load(QW + kwn.to(tl.int64) * N + c, mask=c_ok & (kwn < kw_hi), other=0)
+        nxt = tl.minimum(k0 // PER + KW, last)
+        if EVEN_K:
+            words_next = tl.load(tile_at + nxt.to(tl.int64) * N)
+        else:
+            words_next = tl.load(tile_at + nxt.to(tl.int64) * N, mask=nxt + rk < kw_hi, other=0)
         g = k0 // GROUP
-        s = tl.load(S + g * N + (c + kw * 0), mask=c_ok, other=0.0).to(tl.float32)  # [KW, BN]
-        z = tl.load(Z + g * N + (c + kw * 0), mask=c_ok, other=0).to(tl.float32)
-        offset = z + 8388608.0                                                       # 2^23 + z
+        s = tl.load(S + g * N + cols).to(tl.float32)[None, :]                        # [1, BN]
+        z = tl.load(Z + g * N + cols).to(tl.float32)[None, :]
+        u = words.to(tl.uint32, bitcast=True)      # shifted in as zeros
         t = tl.zeros([KW, BLOCK_N], dtype=tl.float32)
+        xs = tl.zeros([KW], dtype=tl.float32)
         for j in tl.static_range(PER):
             xk1 = k0 + tl.arange(0, KW) * PER + j                                    # [KW]
-            x = tl.load(x_row + xk1, mask=xk1 < k_hi, other=0.0).to(tl.float32)[:, None]
-            q = (((words >> (j * BITS)) & MASK) | 0x4B000000).to(tl.float32, bitcast=True)
-            t += (q - offset) * x
-        acc += s * t
+            if EVEN_K:
+                x = tl.load(x_row + xk1).to(tl.float32)
+            else:
+                x = tl.load(x_row + xk1, mask=xk1 < k_hi, other=0.0).to(tl.float32)
+            xs += x
+            # value j's bits moved to the mantissa's top: the float 1 + q / 2^BITS
+            at = MANTISSA_TOP - BITS * j
+            if at >= 0:
+                f = u << at
+            else:
+                f = u >> -at
+            v = ((f & (MASK << MANTISSA_TOP)) | one).to(tl.float32, bitcast=True)
+            t += v * x[:, None]
+        # sum_k x (q - z) = 2^BITS sum_k x v - (2^BITS + z) sum_k x, per row of the tile
+        acc += s * (t * (MASK + 1.0) - (z + (MASK + 1.0)) * xs[:, None])
         words = words_next
     return tl.sum(acc, axis=0)[:, None]
 
@@ -213,7 +262,8 @@ TILES[256] = TILES[128]
 if INTERPRETED:
     TILES = {b: ts[:1] for b, ts in TILES.items()}
 
-TUNER = Tuner(_w4a16_skinny_kernel, TILES, fits=lambda tile, args: tile.block_k == BLOCK_K)
+TUNER = Tuner(triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})(
+    _w4a16_skinny_kernel), TILES, fits=lambda tile, args: tile.block_k == BLOCK_K)
 
 
 def supports(bits: int, group_size: int, k: int) -> bool:
@@ -238,7 +288,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         args = launch_args(x2, out)
         group = group_size if group_size < k else cdiv(k, BLOCK_K) * BLOCK_K
         args.update(X=x2, QW=qweight, S=scales, Z=zeros, B=qweight if bias is None else bias, K=k,
-                    GROUP=group, BITS=bits, HAS_BIAS=bias is not None, ASM=UNPACK_ASM)
+                    GROUP=group, BITS=bits, HAS_BIAS=bias is not None, ASM=UNPACK_ASM,
+                    EVEN_K=k % BLOCK_K == 0)
         TUNER(x2.shape[0], n, args, (args["M_BUCKET"], n, k, x.dtype, bits, bias is not None),
               tile, scheme=f"w{bits}a16")
     return out.reshape(*x.shape[:-1], n)

@@ -87,6 +87,25 @@ def test_w4a16_skinny_every_program_shape(m, bits, tile):
     assert not ws.any() and not counters.any()
 
 
+@pytest.mark.parametrize("m,bits,k,tile", [
+    (1, 4, 688, Tile(1, 32, 128, 2, 1, 2, dot=False, pipe=True)),     # K not whole steps
+    (1, 8, 688, Tile(1, 64, 128, 4, 1, 3, dot=False, pipe=True)),
+    (12, 4, 688, Tile(16, 32, 128, 2, 3, 2)),
+    (1, 4, 512, Tile(1, 64, 128, 4, 1, 8, dot=False, pipe=True)),     # slices past K: empty
+    (5, 4, 512, Tile(16, 32, 128, 2, 3, 8))], ids=str)
+def test_w4a16_skinny_ragged_k_and_empty_slices(m, bits, k, tile):
+    """K not a multiple of a step (one group over K: the masked loads) and more K slices than
+    steps (slices past K load the last step and add nothing); 40 columns: a ragged last tile."""
+    qweight, scales, zeros, g_idx, _ = _layer(40, k, bits, k, False, k + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    expect = ref.wna16_linear(x, qweight, scales, zeros, g_idx, None, bits, k)
+    dev = [t.to(DEVICE) for t in (x, qweight, scales, zeros)]
+    got = triton_w4a16.w4a16_linear(*dev, None, bits, k, tile=tile)
+    torch.testing.assert_close(got.cpu(), expect, **_tol(expect, torch.bfloat16))
+    ws, counters = skinny_gemm.WORKSPACE.buffers[got.device]
+    assert not ws.any() and not counters.any()
+
+
 def test_w4a16_skinny_leading_dims():
     qweight, scales, zeros, g_idx, _ = _layer(64, 256, 4, 128, False, 3)
     x = torch.randn(2, 3, 256)
