@@ -21,7 +21,7 @@ BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_
            "draft_acceptance", "profile_summary", "chunking_sim", "gpu_table", "tier_bench", "tier_targets",
            "step_host", "structured_bench", "fp8_kv_attention", "unified_attention", "placement_sim",
            "dp_bench", "mask_wire_bench", "mask_fill_bench", "emulated_worker", "late_mask_hops",
-           "late_sample_host", "decode_ptx", "worker_start", "gemm_sass", "skinny_ncu"]
+           "late_sample_host", "decode_ptx", "worker_start", "gemm_sass", "skinny_ncu", "read_floor"]
 SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token", "w5_report"]   # imported, not run
 
 
@@ -482,3 +482,24 @@ def test_gemm_sass_counts_the_skinny_gemms_machine_code_per_weight_byte():
     asm, out = counted("--asm", "--schemes", "w4a16", "--tiles", "16/64/4/3,16/32/2/3")
     for tile in ("16/64/4/3", "16/32/2/3"):
         assert asm["w4a16", tile][0] < rows["w4a16", tile][0], out
+    # the one-row INT4 program: a value is a shift, one LOP3 (and-or fused) and an FMA; no
+    # sign-extend of a masked value, no subtraction a value (the zero point folds per row)
+    one, out = counted("--schemes", "w4a16", "--tiles", "1/64/4/1")
+    total, step_bytes, per_byte, ops = one["w4a16", "1/64/4/1"]
+    values = step_bytes * 2 // (4 * 32)                       # 4-bit values a thread a step
+    assert "SGXT" not in ops and ops.get("FADD", 0) < values // 2, out
+    assert ops["LOP3"] <= values + 4 and per_byte < 0.4, out
+
+
+def test_read_floor_reads_every_word():
+    """bench.read_floor's read kernel (interpreted here) sums every word of a ragged buffer at
+    each config, so the floor it times is a whole read."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = ("import torch; from bench.read_floor import CONFIGS, read_sum\n"
+            "buf = torch.randint(-1000, 1000, (10007,), dtype=torch.int32)\n"
+            "expect = int(buf.to(torch.int64).sum()) % (1 << 32)\n"
+            "assert all(read_sum(buf, c) == expect for c in CONFIGS[:3] + CONFIGS[4:5])\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
