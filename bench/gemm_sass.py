@@ -41,7 +41,7 @@ def compile_skinny(scheme: str, block_m: int, block_n: int, warps: int, stages: 
     if scheme == "w4a16":
         kernel, block_k = triton_w4a16._w4a16_skinny_kernel, triton_w4a16.BLOCK_K
         types = {"X": "*bf16", "QW": "*i32", "S": "*bf16", "Z": "*u8"}
-        const = {"BITS": 4, "ASM": asm, "EVEN_K": True, "EVEN_N": True, "PREFETCH": 1}
+        const = {"BITS": 4, "ASM": asm, "EVEN_K": True, "EVEN_N": True}
     elif scheme == "fp8":
         kernel, block_k = triton_fp8_linear._fp8_skinny_kernel, 256
         types = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32"}

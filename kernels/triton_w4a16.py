@@ -50,9 +50,6 @@ from kernels.triton_flash import INTERPRETED
 # for bfloat16 activations: off until the H200 measures it faster (the interpreter cannot run
 # PTX)
 UNPACK_ASM = not INTERPRETED and os.environ.get("HEADRACE_W4A16_ASM") == "1"
-# Steps of weight words the one-row program holds in flight ahead of the one it multiplies:
-# 1, or 2 (HEADRACE_W4A16_PREFETCH=2) while the H200 measures whether the deeper one pays
-PREFETCH = 2 if os.environ.get("HEADRACE_W4A16_PREFETCH") == "2" else 1
 BLOCK_K = 128          # K values per step: one group of the common 128, 64 bytes of int4 a column
 
 
@@ -62,8 +59,7 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
                          PIPE: tl.constexpr = False, ASM: tl.constexpr = False,
-                         EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = 1):
+                         EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False):
     PER: tl.constexpr = 32 // BITS
     KW: tl.constexpr = BLOCK_K // PER                 # packed words of K per step
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -83,7 +79,7 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
     if PIPE and not USE_DOT:      # one row a program (grid: M programs, each row exists)
         tl.static_assert(BLOCK_M == 1)
         acc = _fma_pipelined(x_rows, QW, S, Z, cols_in, N, K, GROUP, k_lo, k_hi, BITS,
-                             BLOCK_N, BLOCK_K, EVEN_K, PREFETCH)
+                             BLOCK_N, BLOCK_K, EVEN_K)
         store_or_reduce(acc, rows, cols, row_ok, col_ok, OUT, stride_om, WS, CNT, N, S, 0, B,
                         HAS_BIAS, SPLIT_K, False)
         return
@@ -144,8 +140,7 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
 
 @triton.jit
 def _fma_pipelined(x_row, QW, S, Z, cols, N, K, GROUP, k_lo, k_hi, BITS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                   PREFETCH: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """acc [BLOCK_N, 1] of the row at ``x_row`` over the K slice [k_lo, k_hi) on the CUDA cores,
     2-D tiles [KW words of K, BLOCK_N columns] only (as ``triton_fp8_linear._fma_pipelined``:
     the next tile's words are loaded before the current one is multiplied, products add up
@@ -181,15 +176,19 @@ def _fma_pipelined(x_row, QW, S, Z, cols, N, K, GROUP, k_lo, k_hi, BITS: tl.cons
     last = tl.minimum(k_lo + tl.maximum(k_hi - k_lo - 1, 0) // BLOCK_K * BLOCK_K, k_end) // PER
     rk = tl.arange(0, KW)[:, None]                                                  # [KW, 1]
     tile_at = QW + rk.to(tl.int64) * N + c             # a tile's words, less its first row's
-    words = _words(tile_at, first // PER, N, rk, kw_hi, EVEN_K)
-    words_2 = words                                   # (PREFETCH 2: the step after the next)
-    if PREFETCH == 2:
-        words_2 = _words(tile_at, tl.minimum(first // PER + KW, last), N, rk, kw_hi, EVEN_K)
+    if EVEN_K:
+        words = tl.load(tile_at + (first // PER).to(tl.int64) * N)
+    else:
+        words = tl.load(tile_at + (first // PER).to(tl.int64) * N,
+                        mask=first // PER + rk < kw_hi, other=0)
     acc = tl.zeros([KW, BLOCK_N], dtype=tl.float32)
     one = (GROUP > 0).to(tl.uint32) * 0x3F800000         # 1.0's bits, unknown to the compiler
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        words_next = _words(tile_at, tl.minimum(k0 // PER + PREFETCH * KW, last), N, rk, kw_hi,
-                            EVEN_K)
+        nxt = tl.minimum(k0 // PER + KW, last)
+        if EVEN_K:
+            words_next = tl.load(tile_at + nxt.to(tl.int64) * N)
+        else:
+            words_next = tl.load(tile_at + nxt.to(tl.int64) * N, mask=nxt + rk < kw_hi, other=0)
         g = k0 // GROUP
         s = tl.load(S + g * N + cols).to(tl.float32)[None, :]                        # [1, BN]
         z = tl.load(Z + g * N + cols).to(tl.float32)[None, :]
@@ -213,19 +212,8 @@ def _fma_pipelined(x_row, QW, S, Z, cols, N, K, GROUP, k_lo, k_hi, BITS: tl.cons
             t += v * x[:, None]
         # sum_k x (q - z) = 2^BITS sum_k x v - (2^BITS + z) sum_k x, per row of the tile
         acc += s * (t * (MASK + 1.0) - (z + (MASK + 1.0)) * xs[:, None])
-        if PREFETCH == 2:
-            words, words_2 = words_2, words_next
-        else:
-            words = words_next
+        words = words_next
     return tl.sum(acc, axis=0)[:, None]
-
-
-@triton.jit
-def _words(tile_at, kw0, N, rk, kw_hi, EVEN_K: tl.constexpr):
-    """The one-row program's step of words from word row kw0 (masked past K unless EVEN_K)."""
-    if EVEN_K:
-        return tl.load(tile_at + kw0.to(tl.int64) * N)
-    return tl.load(tile_at + kw0.to(tl.int64) * N, mask=kw0 + rk < kw_hi, other=0)
 
 
 def _pipe(n: int, warps: int = 4, split: int = 1, stages: int = 1) -> Tile:
@@ -301,7 +289,6 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         group = group_size if group_size < k else cdiv(k, BLOCK_K) * BLOCK_K
         args.update(X=x2, QW=qweight, S=scales, Z=zeros, B=qweight if bias is None else bias, K=k,
                     GROUP=group, BITS=bits, HAS_BIAS=bias is not None, ASM=UNPACK_ASM,
-                    PREFETCH=PREFETCH,
                     EVEN_K=k % BLOCK_K == 0)
         TUNER(x2.shape[0], n, args, (args["M_BUCKET"], n, k, x.dtype, bits, bias is not None),
               tile, scheme=f"w{bits}a16")
