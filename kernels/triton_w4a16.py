@@ -231,7 +231,9 @@ def _dot(m: int, n: int, warps: int = 4, split: int = 1, stages: int = 3) -> Til
 # Candidate tiles per row bucket: the first (unsplit) one is the fixed choice (K split by
 # skinny_gemm.split_for) and the interpreter's; the rest are the sweep's and autotuner's.
 # From 2 to 16 rows the 4-bit dot program runs 32 columns a program on 2 warps (its cost
-# hardly depends on its rows up to 16: its weight bytes bound it). Below the 64 rows of
+# hardly depends on its rows up to 16: its weight bytes bound it); 64 columns on 2 warps
+# (also the Ampere MMA, no staging; 0.29 instructions a weight byte against 0.34, and x read
+# half as often) are candidates. Below the 64 rows of
 # Hopper's wgmma, Triton takes the Ampere MMA, whose operand staging has few shared-memory bank
 # conflicts; the wgmma tiles' staging of the unpacked weight conflicted 8 ways (H200, session
 # 22: qkv at M = 16 in 15.5 us against 26.1 for 16 x 64 on 4 warps; ncu: 70% of shared-memory
@@ -246,9 +248,9 @@ TILES = {
     4: [_dot(16, 32, 2), _dot(16, 128), _fma(4, 64), _fma(4, 128, 8), _dot(16, 64),
         _dot(16, 128, 4, 2), _dot(16, 32, 2, 4)],
     8: [_dot(16, 32, 2), _dot(16, 32, 2, 8), _dot(16, 32, 2, 4), _dot(16, 32, 1, 8),
-        _dot(16, 32, 4, 4), _dot(16, 128), _dot(16, 64), _dot(16, 256, 8), _dot(16, 128, 4, 2),
-        _dot(16, 64, 4, 4), _dot(16, 128, 4, 4), _dot(16, 64, 4, 2), _dot(16, 128, 4, 2, 4),
-        _dot(16, 64, 4, 4, 4)],
+        _dot(16, 64, 2, 4), _dot(16, 64, 2, 8), _dot(16, 64, 2, 4, 4), _dot(16, 32, 4, 4),
+        _dot(16, 128), _dot(16, 64), _dot(16, 128, 4, 2), _dot(16, 64, 4, 4), _dot(16, 128, 4, 4),
+        _dot(16, 64, 4, 2), _dot(16, 64, 4, 4, 4)],
     32: [_dot(32, 128), _dot(32, 64), _dot(32, 256, 8), _dot(32, 128, 4, 2), _dot(32, 128, 8),
          _dot(32, 128, 4, 4), _dot(32, 64, 4, 2), _dot(32, 64, 4, 4), _dot(32, 32, 2, 4),
          _dot(32, 32, 2, 8)],

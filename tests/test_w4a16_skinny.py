@@ -27,7 +27,8 @@ TILES = ((1, 4, Tile(1, 32, 128, dot=False)), (1, 4, Tile(1, 64, 128, 4, 1, 3, d
          (3, 4, Tile(4, 64, 128, split=2, dot=False)), (17, 8, Tile(16, 32, 128, split=3)),
          (9, 4, Tile(16, 16, 128)), (40, 4, Tile(32, 64, 128, split=4)),
          (1, 4, Tile(16, 64, 128, split=2)),        # one row on the tensor cores
-         (12, 4, Tile(16, 32, 128, 2, 3, 4)))       # below wgmma's 64: the Ampere MMA
+         (12, 4, Tile(16, 32, 128, 2, 3, 4)),       # below wgmma's 64: the Ampere MMA
+         (16, 4, Tile(16, 64, 128, 2, 3, 4)))
 
 
 def _layer(n, k, bits, group_size, act_order, seed):
