@@ -23,9 +23,10 @@ word, 16-byte loads along N) and does the least work per weight byte:
   (16 rows at least: one row pads to 16 for free, the MMA's work being no bound here). 4-bit
   words unpack by magic numbers (``kernels.triton_int4_operand``: two values a shift and an
   and-or, no int-to-float conversion), their zero points are subtracted exactly in x's dtype,
-  and x streams by the pipeline's async copies: 370 warp instructions a 4 KB step of the
-  16 x 64 tile on SM90 where the strided, converting version took 670
-  (``python -m bench.gemm_sass``).
+  and x streams by the pipeline's async copies: 332 warp instructions a 4 KB step of the
+  16 x 64 tile on SM90 where the strided, converting version took 670, 350 a 2 KB step of
+  the 16 x 32 tile (``python -m bench.gemm_sass``); the loops load without masks where the
+  shapes allow (``EVEN_K``, ``EVEN_N``; rows past M read the last row).
 
 The launch tile per row bucket and shape is pinned by the measured table or computed
 (``kernels.skinny_gemm``; autotuned only with HEADRACE_QUANT_AUTOTUNE=1); K is split over
@@ -231,11 +232,10 @@ def _dot(m: int, n: int, warps: int = 4, split: int = 1, stages: int = 3) -> Til
 # Candidate tiles per row bucket: the first (unsplit) one is the fixed choice (K split by
 # skinny_gemm.split_for) and the interpreter's; the rest are the sweep's and autotuner's.
 # From 2 to 16 rows the 4-bit dot program runs 32 columns a program on 2 warps (its cost
-# hardly depends on its rows up to 16: its weight bytes bound it); 64 columns on 2 warps
-# (also the Ampere MMA, no staging; 0.29 instructions a weight byte against 0.34, and x read
-# half as often) are candidates. Below the 64 rows of
-# Hopper's wgmma, Triton takes the Ampere MMA, whose operand staging has few shared-memory bank
-# conflicts; the wgmma tiles' staging of the unpacked weight conflicted 8 ways (H200, session
+# hardly depends on its rows up to 16: its weight bytes bound it); 64 columns on 2 warps (0.29
+# instructions a weight byte against 0.34, x read half as often) measured level with it
+# (session 23) and stay candidates. Below the 64 rows of Hopper's wgmma, Triton takes the
+# Ampere MMA, whose operand staging has few shared-memory bank conflicts; the wgmma tiles' staging of the unpacked weight conflicted 8 ways (H200, session
 # 22: qkv at M = 16 in 15.5 us against 26.1 for 16 x 64 on 4 warps; ncu: 70% of shared-memory
 # wavefronts excessive there, 26% at 16 x 32 on 4 warps).
 TILES = {
