@@ -69,8 +69,8 @@ def floor_us(nbytes: int, device: str = "cuda") -> tuple[float, tuple]:
     bufs = [torch.randint(-1000, 1000, (words,), dtype=torch.int32, device=device)
             for _ in range(max(1, math.ceil(ROTATE_BYTES / nbytes)))]
     best = (math.inf, CONFIGS[0])
+    expect = int(bufs[0].to(torch.int64).sum()) % (1 << 32)
     for config in CONFIGS:
-        expect = int(bufs[0].to(torch.int64).sum()) % (1 << 32)
         if read_sum(bufs[0], config) != expect:
             raise RuntimeError(f"the read kernel summed wrongly at {config}")
         out = torch.zeros(math.ceil(words / config[0]), dtype=torch.int32, device=device)
