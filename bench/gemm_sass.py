@@ -45,7 +45,7 @@ def compile_skinny(scheme: str, block_m: int, block_n: int, warps: int, stages: 
     elif scheme == "fp8":
         kernel, block_k = triton_fp8_linear._fp8_skinny_kernel, 256
         types = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32"}
-        const = {}
+        const = {"EVEN_K": True, "EVEN_N": True}
     else:
         raise ValueError(f"unknown scheme {scheme!r}")
     types |= {"B": "*bf16", "OUT": "*bf16", "WS": "*fp32", "CNT": "*i32"}

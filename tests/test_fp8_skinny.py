@@ -116,6 +116,41 @@ def test_fp8_skinny_leading_dims_and_strided_input(poisoned):
     assert triton_fp8_linear.fp8_weight_linear(x3[:0].to(DEVICE), *dev).shape == (0, 3, 64)
 
 
+# the one-row program reads 4-value words: whole K steps (no masks) with N ragged against the
+# tile, K split into more slices than it has steps (empty slices), float16 x, and x's row
+# starting 2 values into a wider tensor (not 8-byte aligned: copied first)
+ONE_ROW = [(Tile(1, 16, 32, stages=1, dot=False, pipe=True), 100, 128, torch.bfloat16, 0),
+           (Tile(1, 16, 32, stages=1, split=8, dot=False, pipe=True), 64, 128, torch.bfloat16, 0),
+           (Tile(1, 32, 64, stages=1, split=2, dot=False, pipe=True), 96, 192, torch.float16, 0),
+           (Tile(1, 16, 64, stages=1, dot=False, pipe=True), 48, 256, torch.bfloat16, 2)]
+
+
+@pytest.mark.parametrize("tile,n,k,dtype,offset", ONE_ROW, ids=[str(c) for c in range(4)])
+def test_fp8_one_row_program(poisoned, tile, n, k, dtype, offset):
+    x, wq, scale, b = _case(1, n, k, dtype, False, False, n + k)
+    expect = ref.fp8_weight_linear(x, wq, scale, b)
+    wide = torch.zeros(1, k + 8, dtype=dtype)
+    wide[:, offset:offset + k] = x
+    dev = [wide.to(DEVICE)[:, offset:offset + k], wq.to(DEVICE), scale.to(DEVICE), None]
+    _check(dev, expect, dtype, tile)
+
+
+def test_fp8_one_row_program_takes_words_only():
+    """float32 x (or K not a multiple of 4) is not the one-row program's: a forced tile is
+    refused with the reason, and the fixed choice falls back to the plain FMA program."""
+    pipe = Tile(1, 16, 32, stages=1, dot=False, pipe=True)
+    x, wq, scale, _ = _case(1, 32, 128, torch.float32, False, False, 7)
+    dev = [t.to(DEVICE) for t in (x, wq, scale)]
+    with pytest.raises(ValueError, match="16-bit x"):
+        triton_fp8_linear.fp8_weight_linear(*dev, tile=pipe)
+    expect = ref.fp8_weight_linear(x, wq, scale)
+    _check(dev + [None], expect, torch.float32)
+    args = {"K": 128, "stride_wn": 128, "X": dev[0]}
+    assert not triton_fp8_linear._fits(pipe, args)
+    assert triton_fp8_linear._fits(pipe, args | {"X": dev[0].to(torch.bfloat16)})
+    assert not triton_fp8_linear._fits(pipe, args | {"X": dev[0].half(), "K": 126})
+
+
 def test_fp8_weight_reference_is_closer_to_float_than_w8a8():
     """The reference is the dequantised weight's matmul; it only carries the weight's rounding,
     so it is nearer the unquantised linear than W8A8 (which also rounds x to e4m3)."""
