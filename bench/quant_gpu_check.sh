@@ -59,12 +59,12 @@ if has wheels && ls "${WHEELS:-.whl}"/*.whl >/dev/null 2>&1; then
 fi
 if has tests; then
   log "quant tests on cuda (five files in parallel)"; t0=$SECONDS; pids=()
-  for f in quant_gpu skinny_gemm fp8_skinny w4a16_skinny quant_kernels; do
+  for f in quant_gpu skinny_gemm fp8_skinny fp8_w8a8 w4a16_skinny quant_kernels; do
     HEADRACE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -p no:cacheprovider \
       "tests/test_$f.py" > "$OUT/test_$f.txt" 2>&1 & pids+=($!)
   done
   wait "${pids[@]}"
-  for f in quant_gpu skinny_gemm fp8_skinny w4a16_skinny quant_kernels; do
+  for f in quant_gpu skinny_gemm fp8_skinny fp8_w8a8 w4a16_skinny quant_kernels; do
     r=$(grep -E "passed|failed|error|skipped" "$OUT/test_$f.txt" | tail -1)
     echo "test_$f: ${r:-no result (timed out at 120 s?)}"
     grep -E "^(FAILED|ERROR)" "$OUT/test_$f.txt" | head -5

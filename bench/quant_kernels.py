@@ -43,14 +43,16 @@ import torch
 
 from bench.kernels import graph_ms
 from kernels import quant_dispatch, quant_libs, reference_quant as ref
-from kernels import skinny_gemm, triton_fp8_linear, triton_quant, triton_w4a16
+from kernels import skinny_gemm, triton_fp8_linear, triton_fp8_w8a8, triton_quant, triton_w4a16
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
 ROTATE_BYTES = 256 << 20          # distinct weights per graph: past the H200's 50 MB L2
 DTYPE = torch.bfloat16
 DEVICE = "cuda"                   # "cpu": the tests' interpreted smoke run
-SKINNY = {"fp8_skinny": triton_fp8_linear, "triton_skinny": triton_w4a16}
+SKINNY = {"fp8_skinny": triton_fp8_linear, "fp8_w8a8": triton_fp8_w8a8,
+          "triton_skinny": triton_w4a16}
+W8A8 = ("fp8_w8a8", "scaled_mm", "fbgemm_rowwise")   # the activations rounded to e4m3 too
 
 
 def _weights(scheme, n, k, seed):
@@ -94,6 +96,9 @@ def _caller(scheme, kernel, w, tile=None):
         return lambda x: quant_libs.run(kernel, state, x, None)
     if kernel == "fp8_skinny":
         return lambda x: triton_fp8_linear.fp8_weight_linear(x, *w, tile=tile)
+    if kernel == "fp8_w8a8":     # timed with its activation quantiser, as the libraries' W8A8
+        return lambda x: triton_fp8_w8a8.w8a8_linear(*triton_quant.per_token_fp8(x), *w,
+                                                     out_dtype=x.dtype, tile=tile)
     if scheme == "fp8":
         return lambda x: triton_quant.fp8_linear(x, *w, kernel=kernel)
     bits = _bits(scheme)
@@ -105,7 +110,7 @@ def _caller(scheme, kernel, w, tile=None):
 
 def _reference(scheme, kernel, w, x):
     if scheme == "fp8":
-        if kernel in ("scaled_mm", "fbgemm_rowwise"):   # W8A8: the activations rounded too
+        if kernel in W8A8:
             return ref.fp8_linear(x, *w)
         return ref.fp8_weight_linear(x, *w)
     bits = _bits(scheme)
@@ -261,9 +266,10 @@ def main() -> None:
                 if library and time.time() - began > args.lib_first_call and library not in skipped:
                     skipped[library] = f"skipped: {library} too slow"
                 results[name].setdefault(scheme, {})["bf16" if kernel is None else kernel] = got
-                for m, tile in by_m.items():
-                    tiles[scheme].setdefault(f"{n}x{k}", {})[str(skinny_gemm.m_bucket(m))] = \
-                        tile.as_list()
+                for m, tile in by_m.items():   # fp8_w8a8's tiles under their own key
+                    key = "fp8_w8a8" if kernel == "fp8_w8a8" else scheme
+                    tiles.setdefault(key, {}).setdefault(f"{n}x{k}", {})[
+                        str(skinny_gemm.m_bucket(m))] = tile.as_list()
             del weights
             torch.cuda.empty_cache()
         print(f"[{time.time() - start:5.0f} s] {name} measured", flush=True)

@@ -17,7 +17,7 @@ from kernels.skinny_gemm import Tile  # noqa: E402
 
 def test_candidates_are_ours_and_the_libraries_asked_for():
     assert qk.candidates("w4a16", 4096, 4096, libs=set()) == ["triton_skinny", "triton"]
-    assert qk.candidates("fp8", 4096, 4096, libs=set()) == ["fp8_skinny", "scaled_mm"]
+    assert qk.candidates("fp8", 4096, 4096, libs=set()) == ["fp8_skinny", "fp8_w8a8", "scaled_mm"]
 
 
 def test_the_sweep_times_the_fixed_tile_first():

@@ -22,6 +22,8 @@ from dataplane import parallel
 from dataplane.quantization.formats import QWeight
 from kernels import quant_dispatch, quant_libs, reference_quant, skinny_gemm, triton_w4a16
 
+W8A8_OURS = ("scaled_mm", "fp8_w8a8")   # our W8A8 kernels: they take kernels.Fp8Rows
+
 
 class _Planned(nn.Module):
     """Per row count, the kernel of ``kernels.quant_dispatch``'s plan (on the Triton path)."""
@@ -92,14 +94,15 @@ class Fp8Linear(_Planned):
 
     def wants_fp8_rows(self, x: torch.Tensor) -> bool:
         """True where this layer's kernel for x's rows quantises them per token itself (W8A8
-        with dynamic scales: torch._scaled_mm, FBGEMM's row-wise GEMM): the kernel making x
+        with dynamic scales: torch._scaled_mm, our W8A8 skinny GEMM, FBGEMM's row-wise GEMM):
+        the kernel making x
         then hands them over quantised (``kernels.fused_add_rms_norm_fp8``,
         ``kernels.silu_and_mul_fp8``), which saves that kernel's bf16 write and the
         quantiser's launch and read."""
         if self.input_scale is not None:
             return False
         name = self.kernel(x, x.numel() // x.shape[-1])
-        return name == "scaled_mm" or (name in quant_libs.TAKES_FP8_ROWS and name in self.prepared)
+        return name in W8A8_OURS or (name in quant_libs.TAKES_FP8_ROWS and name in self.prepared)
 
     def matmul(self, x: torch.Tensor | kernels.Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(x, kernels.Fp8Rows):   # (only where wants_fp8_rows said so)
@@ -107,7 +110,8 @@ class Fp8Linear(_Planned):
             if name in quant_libs.TAKES_FP8_ROWS and name in self.prepared:
                 return quant_libs.run_fp8_rows(name, self.prepared[name], x, bias)
             return kernels.fp8_linear(x, self.weight, self.weight_scale, None, bias,
-                                      kernel="scaled_mm", dense=self._dense)
+                                      kernel=name if name in W8A8_OURS else "scaled_mm",
+                                      dense=self._dense)
         x2 = x.reshape(-1, self.in_features)
         name = self.kernel(x2)
         if name in self.prepared:
