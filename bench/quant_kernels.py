@@ -179,6 +179,28 @@ def measure(scheme, kernel, weights, n, k, ms, sweep, tiles_out) -> dict:
     return out
 
 
+def on_rows(kernel, weights, ms, tiles) -> dict:
+    """µs per call of a W8A8 kernel on rows already quantised per token (as the norm and SiLU
+    kernels hand them to qkv, gate_up and down: ``kernels.Fp8Rows``), no quantiser launch;
+    fp8_w8a8 at the tile its sweep chose per M."""
+    out = {}
+    for m in ms:
+        rows = triton_quant.per_token_fp8(torch.randn(m, weights[0][0].shape[1], device=DEVICE,
+                                                      dtype=DTYPE))
+        fp8_rows = ref.Fp8Rows(*rows, DTYPE)
+        if kernel == "fp8_w8a8":
+            calls = [lambda w=w: triton_fp8_w8a8.w8a8_linear(*rows, *w, tile=tiles.get(m))
+                     for w in weights]
+        elif kernel == "fbgemm_rowwise":
+            states = [quant_libs.prepare_fp8(kernel, *w, DTYPE) for w in weights]
+            calls = [lambda s=s: quant_libs.run_fp8_rows(kernel, s, fp8_rows, None)
+                     for s in states]
+        else:
+            calls = [lambda w=w: triton_quant.fp8_linear(fp8_rows, *w) for w in weights]
+        out[m] = graph_ms(calls, replays=5) * 1e3
+    return out
+
+
 def _error(got, want) -> float:
     """Max |got - want| over want's largest magnitude."""
     got, want = got.float(), want.float()
@@ -234,6 +256,8 @@ def main() -> None:
     ap.add_argument("--sweep", type=int, default=4, help="tiles timed per bucket (skinny kernels)")
     ap.add_argument("--lib-first-call", type=float, default=20.0)
     ap.add_argument("--budget", type=float, default=130.0, help="seconds; then ours only")
+    ap.add_argument("--rows", action="store_true",
+                    help="also time the W8A8 kernels on rows already quantised (no quantiser)")
     ap.add_argument("--table", help="write rankings and tiles here (quant_dispatch.json format)")
     args = ap.parse_args()
     ms, shapes, schemes = ([int(m) for m in args.m.split(",")], args.shapes.split(","),
@@ -242,7 +266,7 @@ def main() -> None:
     for library in ("torch", "gemlite", "fbgemm"):
         print(f"{library}: {quant_libs.why_not(library) or 'available'}"
               f"{'' if library in libs else ' (not measured: --libs)'}")
-    start, skipped = time.time(), {}
+    start, skipped, rows_results = time.time(), {}, {}
     results = {name: {} for name in shapes}
     tiles = {scheme: {} for scheme in schemes}
     for name in shapes:
@@ -266,6 +290,12 @@ def main() -> None:
                 if library and time.time() - began > args.lib_first_call and library not in skipped:
                     skipped[library] = f"skipped: {library} too slow"
                 results[name].setdefault(scheme, {})["bf16" if kernel is None else kernel] = got
+                if args.rows and kernel in W8A8 and library not in skipped:
+                    try:
+                        rows_results.setdefault(name, {})[kernel] = on_rows(kernel, weights, ms,
+                                                                            by_m)
+                    except Exception as exc:
+                        print(f"  {kernel} on quantised rows failed: {exc}"[:120], flush=True)
                 for m, tile in by_m.items():   # fp8_w8a8's tiles under their own key
                     key = "fp8_w8a8" if kernel == "fp8_w8a8" else scheme
                     tiles.setdefault(key, {}).setdefault(f"{n}x{k}", {})[
@@ -278,6 +308,14 @@ def main() -> None:
         merged = {name: {"bf16": results[name]["bf16"]["bf16"], **results[name][scheme]}
                   for name in shapes}
         rankings[scheme] = report(scheme, merged, ms, shapes)
+    if rows_results:
+        print("\nfp8 W8A8 kernels on quantised rows (as qkv, gate_up and down get them; µs, "
+              "x bf16):")
+        for name, by_kernel in rows_results.items():
+            base = results[name]["bf16"]["bf16"]
+            print(f"{name:>8} " + " | ".join(
+                f"{kern} " + " ".join(f"M={m} {us:.1f} ({us / base[m]:.2f}x)" for m, us in t.items())
+                for kern, t in by_kernel.items()))
     if args.table:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()

@@ -55,10 +55,13 @@ def test_the_bench_runs_end_to_end_on_a_tiny_shape(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(qk, "graph_ms", lambda calls, replays=10: [c() for c in calls] and 1e-3)
     out = tmp_path / "t.json"
     monkeypatch.setattr("sys.argv", ["quant_kernels", "--m", "1,16", "--shapes", "tiny",
-                                     "--table", str(out)])
+                                     "--table", str(out), "--rows"])
     qk.main()
     printed = capsys.readouterr().out
     assert "target fp8 M=1" in printed and "target w4a16 M=16" in printed
+    # the W8A8 kernels also timed on quantised rows (scaled_mm and ours: no library here)
+    assert "fp8_w8a8 M=1 1.0" in printed.split("on quantised rows")[1]
+    assert set(quant_dispatch.load_tiles(out)["fp8_w8a8"]["128x256"]) == {"1", "16"}
     assert "  fp8_skinny 128x256 M=1:" in printed and "  triton_skinny 128x256 M=16:" in printed
     assert set(quant_dispatch.load_table(out)) == {"fp8", "w4a16"}
     assert set(quant_dispatch.load_tiles(out)["w4a16"]["128x256"]) == {"1", "16"}
