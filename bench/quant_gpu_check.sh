@@ -21,7 +21,9 @@
 # gemm: bench/quant_kernels.py: every candidate GEMM beside bf16 cuBLAS at Llama-3.1-8B's four
 #   shapes, M = 1, 16, 64, 256 (CUDA-graph replay past L2; up to 16 tiles a bucket of our skinny
 #   kernels swept), the winner per shape and M, issue 32's targets; writes
-#   $OUT/quant_dispatch.json (copied to kernels/ so a `serve` in the same call uses it); ~40 s
+#   $OUT/quant_dispatch.json (copied to kernels/ so a `serve` in the same call uses it); the
+#   W8A8 kernels of qkv, gate_up and down are ranked by their time on quantised rows, as the
+#   norm and SiLU kernels hand them those rows (--rows --rank-on-rows); ~40 s
 #   on the H200 at d375ecc with FBGEMM (tiles are shared across shapes: N and K are runtime
 #   arguments), weights (256 MB a shape and scheme) built on the GPU; capped at 240 s
 #   (--budget 200 s: library kernels after that are skipped, ours still measured).
@@ -74,7 +76,7 @@ if has tests; then
 fi
 if has gemm; then
   log "quantized GEMMs side by side"; t0=$SECONDS
-  timeout 240 python3 -m bench.quant_kernels --m 1,16,64,256 --sweep 16 --budget 200 --lib-first-call 60 \
+  timeout 240 python3 -m bench.quant_kernels --m 1,16,64,256 --sweep 16 --budget 200 --lib-first-call 60 --rows --rank-on-rows \
     --table "$OUT/quant_dispatch.json" 2>&1 | tee "$OUT/quant_gemm.txt" | grep -v "^  "
   if [ -s "$OUT/quant_dispatch.json" ]; then
     cp "$OUT/quant_dispatch.json" kernels/quant_dispatch.json; r="table written"

@@ -53,6 +53,9 @@ DEVICE = "cuda"                   # "cpu": the tests' interpreted smoke run
 SKINNY = {"fp8_skinny": triton_fp8_linear, "fp8_w8a8": triton_fp8_w8a8,
           "triton_skinny": triton_w4a16}
 W8A8 = ("fp8_w8a8", "scaled_mm", "fbgemm_rowwise")   # the activations rounded to e4m3 too
+# the layers whose rows the norm and SiLU kernels quantise when a W8A8 kernel runs them
+# (dataplane.model: wants_fp8_rows); o's come from attention and pay the quantiser
+ROWS_LAYERS = ("qkv", "gate_up", "down")
 
 
 def _weights(scheme, n, k, seed):
@@ -258,6 +261,9 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=130.0, help="seconds; then ours only")
     ap.add_argument("--rows", action="store_true",
                     help="also time the W8A8 kernels on rows already quantised (no quantiser)")
+    ap.add_argument("--rank-on-rows", action="store_true",
+                    help="with --rows: rank (and table) the W8A8 kernels of qkv, gate_up and "
+                         "down by their time on quantised rows, as those layers get them")
     ap.add_argument("--table", help="write rankings and tiles here (quant_dispatch.json format)")
     args = ap.parse_args()
     ms, shapes, schemes = ([int(m) for m in args.m.split(",")], args.shapes.split(","),
@@ -303,6 +309,11 @@ def main() -> None:
             del weights
             torch.cuda.empty_cache()
         print(f"[{time.time() - start:5.0f} s] {name} measured", flush=True)
+    if args.rank_on_rows:      # as served: those layers' W8A8 kernels get quantised rows
+        for name in set(rows_results) & set(ROWS_LAYERS):
+            results[name]["fp8"].update(rows_results[name])
+        print(f"\nfp8: the W8A8 kernels of {', '.join(ROWS_LAYERS)} timed on quantised rows "
+              "(--rank-on-rows)")
     rankings = {}
     for scheme in schemes:
         merged = {name: {"bf16": results[name]["bf16"]["bf16"], **results[name][scheme]}

@@ -67,6 +67,25 @@ def test_the_bench_runs_end_to_end_on_a_tiny_shape(tmp_path, monkeypatch, capsys
     assert set(quant_dispatch.load_tiles(out)["w4a16"]["128x256"]) == {"1", "16"}
 
 
+def test_ranking_on_quantised_rows_takes_the_rows_times_for_those_layers(tmp_path, monkeypatch,
+                                                                         capsys):
+    """--rank-on-rows: a layer the norm / SiLU kernels feed (qkv here) ranks its W8A8 kernels
+    by their time on quantised rows; o keeps the times with the quantiser."""
+    monkeypatch.setattr(qk, "DEVICE", "cpu")
+    monkeypatch.setattr(qk, "SHAPES", {"qkv": (128, 256), "o": (64, 128)})
+    monkeypatch.setattr(qk, "ROTATE_BYTES", 1)
+    monkeypatch.setattr(qk, "graph_ms", lambda calls, replays=10: [c() for c in calls] and 1e-3)
+    monkeypatch.setattr(qk, "on_rows", lambda kernel, w, ms, tiles: {m: 0.5 for m in ms})
+    out = tmp_path / "t.json"
+    monkeypatch.setattr("sys.argv", ["quant_kernels", "--m", "1", "--schemes", "fp8",
+                                     "--table", str(out), "--rows", "--rank-on-rows"])
+    qk.main()
+    ranked = quant_dispatch.load_table(out)["fp8"]
+    assert ranked["128x256"]["1"][-1] == "fp8_skinny"      # the W8A8 kernels at 0.5 µs first
+    assert ranked["64x128"]["1"][0] == "fp8_skinny"        # o: every kernel timed alike
+    assert "timed on quantised rows" in capsys.readouterr().out
+
+
 def test_a_wrong_swept_tile_is_reported_and_never_pinned(monkeypatch, capsys):
     """measure() checks each tile of the sweep against the reference before timing it: a tile
     whose output is off is printed as WRONG and cannot win its bucket, though timed fastest."""
