@@ -38,7 +38,6 @@ another.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import Callable
 
@@ -56,9 +55,6 @@ LARGE = 2 * MAX_ROWS            # the bucket of every larger input (tests, bench
 AUTOTUNE = quant_dispatch.AUTOTUNE   # HEADRACE_QUANT_AUTOTUNE=1
 PROGRAMS_PER_SM = 4             # programs in flight an SM for the fixed tile (docstring)
 MAX_SPLIT = 4
-# an experiment's register cap a thread for every skinny launch (ptx .maxnreg; 0: the
-# compiler's choice): more programs an SM where registers bound the occupancy
-MAXNREG = int(os.environ.get("HEADRACE_SKINNY_MAXNREG", "0"))
 H200_SMS = 132                  # the interpreter's stand-in for the SM count
 
 
@@ -302,5 +298,4 @@ class Tuner:
             return
         tile = tile or self.choose(scheme, args, key)
         self.kernel[_grid(m, n)(tile.meta)](**args, **tile.meta, num_warps=tile.warps,
-                                            num_stages=tile.stages,
-                                            **({"maxnreg": MAXNREG} if MAXNREG else {}))
+                                            num_stages=tile.stages)
