@@ -106,3 +106,39 @@ def test_fp8_layers_take_quantised_rows_where_their_kernel_quantises(backend):
         rows = kernels.Fp8Rows(*ref.per_token_fp8(x), torch.bfloat16)
         got, own = layer(rows).float(), layer(x).float()
         torch.testing.assert_close(got, own, rtol=0, atol=2e-2 * own.abs().max().item())
+
+
+def test_the_w8a8_skinny_kernel_serves_a_layer_in_a_graph_and_on_quantised_rows(monkeypatch):
+    """An FP8 layer the table sends to fp8_w8a8 at every row count (``auto``): the W8A8
+    reference at decode and prefill rows, a CUDA-graph capture with host syncs forbidden, and
+    rows quantised before it (as the norm and SiLU kernels hand them) give the layer's own
+    output."""
+    from kernels import quant_dispatch
+    ranked = {"1": ["fp8_w8a8"], "256": ["fp8_w8a8"]}
+    monkeypatch.setattr(quant_dispatch, "table", lambda: {"fp8": {f"{N}x{K}": ranked}})
+    layer = _fp8_layer("auto")
+    layers.warm_up(layer, 128, torch.bfloat16)
+    assert layer.plan.kernels == {"fp8_w8a8"}
+    for m in ROWS:
+        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+        want = ref.fp8_linear(x, layer.weight, layer.weight_scale, None, layer.bias).float()
+        got = layer(x).float()
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
+        assert layer.wants_fp8_rows(x)
+        rows = kernels.Fp8Rows(*ref.per_token_fp8(x), torch.bfloat16)
+        torch.testing.assert_close(layer(rows).float(), got, rtol=0,
+                                   atol=2e-2 * got.abs().max().item())
+    static = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
+    layer(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = layer(static)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    static.copy_(torch.randn(16, K, device="cuda", dtype=torch.bfloat16))
+    graph.replay()
+    eager = layer(static).float()
+    torch.testing.assert_close(out.float(), eager, rtol=0, atol=1e-2 * eager.abs().max().item())
