@@ -325,7 +325,8 @@ def main() -> None:
         for name, by_kernel in rows_results.items():
             base = results[name]["bf16"]["bf16"]
             print(f"{name:>8} " + " | ".join(
-                f"{kern} " + " ".join(f"M={m} {us:.1f} ({us / base[m]:.2f}x)" for m, us in t.items())
+                f"{kern} " + " ".join(f"M={m} {us:.1f} ({us / base[m]:.2f}x)"
+                                      for m, us in t.items())
                 for kern, t in by_kernel.items()))
     if args.table:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

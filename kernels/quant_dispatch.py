@@ -47,7 +47,8 @@ SCHEMES = ("fp8", "w4a16", "w8a16")
 _INTEGER = ("triton_skinny", "triton", "tinygemm", "gemlite", "fbgemm_i4")
 KERNELS = {"fp8": ("fp8_skinny", "fp8_w8a8", "scaled_mm", "gemlite_fp8", "fbgemm_rowwise"),
            "w4a16": _INTEGER, "w8a16": _INTEGER}
-FAMILY = {"fp8_skinny": "triton", "fp8_w8a8": "triton", "scaled_mm": "triton", "triton_skinny": "triton",
+FAMILY = {"fp8_skinny": "triton", "fp8_w8a8": "triton", "scaled_mm": "triton",
+          "triton_skinny": "triton",
           "triton": "triton", "tinygemm": "torch", "gemlite_fp8": "gemlite", "gemlite": "gemlite",
           "fbgemm_rowwise": "fbgemm", "fbgemm_i4": "fbgemm"}
 # torch's family runs _scaled_mm for FP8 at every size

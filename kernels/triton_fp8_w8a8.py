@@ -130,7 +130,8 @@ def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
     if m:
         args = launch_args(xq, out)
         args.update(X=xq, SX=sx, W=weight, S=scale, B=weight if bias is None else bias, K=k,
-                    stride_wn=weight.stride(0), stride_s=0 if scale.numel() == 1 else scale.stride(0),
+                    stride_wn=weight.stride(0),
+                    stride_s=0 if scale.numel() == 1 else scale.stride(0),
                     HAS_BIAS=bias is not None, DOT_F32=INTERPRETED, PRECISION="ieee")
         key = (args["M_BUCKET"], n, k, out_dtype, bias is not None, scale.numel() == 1)
         TUNER(m, n, args, key, tile, scheme="fp8_w8a8")
