@@ -142,8 +142,8 @@ def sweep_tiles(scheme, kernel, n, k, m, count) -> list:
     args = {"K": k, "stride_wn": k, "X": torch.empty(0, dtype=DTYPE)}   # a layer's, as `fits` reads
     listed = [t for t in module.TILES[bucket] if module.TUNER.fits(t, args)]
     first = next(t for t in listed if t.split == 1)
-    fixed = skinny_gemm.split_for(first, bucket, n, k, skinny_gemm.sm_count(torch.device(DEVICE)),
-                                  _bits(scheme))
+    fixed = module.TUNER.split(first, bucket, n, k, skinny_gemm.sm_count(torch.device(DEVICE)),
+                               _bits(scheme))
     return list(dict.fromkeys([fixed] + listed))[:max(1, count)]
 
 

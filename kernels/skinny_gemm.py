@@ -107,14 +107,15 @@ class Tile:
         return cls(*(int(v) for v in ints), dot=bool(dot), pipe=bool(values[7:] and values[7]))
 
 
-def split_for(tile: Tile, bucket: int, n: int, k: int, sms: int, bits: int = 8) -> Tile:
+def split_for(tile: Tile, bucket: int, n: int, k: int, sms: int, bits: int = 8,
+              per_sm: int = PROGRAMS_PER_SM) -> Tile:
     """``tile`` (unsplit) with K split 2 or MAX_SPLIT ways where its output tiles are fewer
-    than PROGRAMS_PER_SM an SM, each K slice at least two BLOCK_K steps long and the float32
+    than ``per_sm`` an SM, each K slice at least two BLOCK_K steps long and the float32
     partial sums (added and read back) at most half the weight's bytes (``bits`` a weight)."""
     rows = min(bucket, MAX_ROWS)
     programs = cdiv(rows, tile.block_m) * cdiv(n, tile.block_n)
     split = 1
-    while (programs * split < PROGRAMS_PER_SM * sms and split < MAX_SPLIT
+    while (programs * split < per_sm * sms and split < MAX_SPLIT
            and k >= 2 * split * 2 * tile.block_k and 2 * split * rows * 8 <= k * bits // 8):
         split *= 2
     return dataclasses.replace(tile, split=split)
@@ -244,8 +245,10 @@ class Tuner:
     BLOCK_N, BLOCK_K, USE_DOT) and runs on grid (M / BLOCK_M, N / BLOCK_N, SPLIT_K)."""
 
     def __init__(self, kernel, tiles: dict[int, list[Tile]],
-                 fits: Callable[[Tile, dict], bool] = lambda tile, args: True):
+                 fits: Callable[[Tile, dict], bool] = lambda tile, args: True,
+                 programs_per_sm: Callable[[Tile], int] = lambda tile: PROGRAMS_PER_SM):
         self.kernel, self.tiles, self.fits = kernel, tiles, fits
+        self.programs_per_sm = programs_per_sm
         configs = list(dict.fromkeys(t for ts in tiles.values() for t in ts))
         self.tuned = triton.autotune([t.config() for t in configs], key=["M_BUCKET", "N", "K"],
                                      prune_configs_by={"early_config_prune": self._prune},
@@ -276,10 +279,14 @@ class Tuner:
             if tile is None or not self.fits(tile, args):
                 first = next((t for t in self.candidates(bucket, args) if t.split == 1),
                              self.candidates(bucket, args)[0])
-                tile = split_for(first, bucket, n, k, sm_count(args["X"].device),
-                                 args.get("BITS", 8))
+                tile = self.split(first, bucket, n, k, sm_count(args["X"].device),
+                                  args.get("BITS", 8))
             self.fixed[key] = tile
         return tile
+
+    def split(self, tile: Tile, bucket: int, n: int, k: int, sms: int, bits: int = 8) -> Tile:
+        """``split_for`` with this kernel's programs an SM for ``tile``."""
+        return split_for(tile, bucket, n, k, sms, bits, self.programs_per_sm(tile))
 
     def chosen(self) -> Tile | None:
         """The tile of the last autotuned launch (None before any)."""

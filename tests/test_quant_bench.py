@@ -23,9 +23,10 @@ def test_candidates_are_ours_and_the_libraries_asked_for():
 def test_the_sweep_times_the_fixed_tile_first():
     sweep = qk.sweep_tiles("fp8", "fp8_skinny", 6144, 4096, 1, 4)
     first = qk.triton_fp8_linear.TILES[1][0]
-    programs = 6144 // first.block_n           # under 4 an SM on 132 SMs: K is split
-    split = 2 if 2 * programs >= 4 * 132 else 4
-    assert sweep[0] == dataclasses.replace(first, split=split)
+    assert sweep[0] == qk.triton_fp8_linear.TUNER.split(first, 1, 6144, 4096, 132)
+    w8a8 = qk.sweep_tiles("fp8", "fp8_w8a8", 4096, 4096, 16, 2)[0]
+    programs = 4096 // w8a8.block_n            # under 4 an SM on 132 SMs: K is split
+    assert w8a8.split == (2 if 2 * programs >= 4 * 132 else 4)
     assert len(sweep) == len(set(sweep)) <= 4
     w4 = qk.sweep_tiles("w4a16", "triton_skinny", 28672, 4096, 16, 3)
     assert all(t.block_k == qk.triton_w4a16.BLOCK_K for t in w4) and len(w4) <= 3

@@ -91,6 +91,20 @@ def test_the_fixed_tile_splits_k_where_output_tiles_are_few():
     assert skinny_gemm.split_for(one, 1, 4096, 256, 132).split == 1
 
 
+def test_the_fp8_one_row_tile_splits_only_below_two_programs_an_sm():
+    """The FP8 word-wise one-row program (8 rows of 1,024 bytes a step) measured fastest
+    unsplit at Llama-3.1-8B's shapes (512-3,584 programs); its tuner splits K only where its
+    programs are fewer than 2 an SM (the other tiles keep 4)."""
+    from kernels import triton_fp8_linear
+    tuner, pipe = triton_fp8_linear.TUNER, triton_fp8_linear.TILES[1][0]
+    assert pipe.pipe and (pipe.block_n, pipe.block_k) == (8, 1024)
+    assert [tuner.split(pipe, 1, n, k, 132).split for n, k in
+            ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))] == [1, 1, 1, 1]
+    assert tuner.split(pipe, 1, 1024, 4096, 132).split == 2        # 128 programs
+    dot = Tile(16, 64, 128)
+    assert tuner.split(dot, 16, 4096, 4096, 132) == skinny_gemm.split_for(dot, 16, 4096, 4096, 132)
+
+
 def test_the_tuner_times_a_buckets_tiles_once_per_shape(monkeypatch):
     """With HEADRACE_QUANT_AUTOTUNE=1, two candidates for one row: the autotuner runs (times)
     both at the first call of a shape, keeps one, and later calls of that key launch it
