@@ -24,9 +24,8 @@ def test_the_sweep_times_the_fixed_tile_first():
     sweep = qk.sweep_tiles("fp8", "fp8_skinny", 6144, 4096, 1, 4)
     first = qk.triton_fp8_linear.TILES[1][0]
     assert sweep[0] == qk.triton_fp8_linear.TUNER.split(first, 1, 6144, 4096, 132)
-    w8a8 = qk.sweep_tiles("fp8", "fp8_w8a8", 4096, 4096, 16, 2)[0]
-    programs = 4096 // w8a8.block_n            # under 4 an SM on 132 SMs: K is split
-    assert w8a8.split == (2 if 2 * programs >= 4 * 132 else 4)
+    w8a8 = [qk.sweep_tiles("fp8", "fp8_w8a8", n, 4096, 16, 2)[0] for n in (4096, 28672)]
+    assert [t.split for t in w8a8] == [4, 1]   # 64 programs split, 448 (over 2 an SM) not
     assert len(sweep) == len(set(sweep)) <= 4
     w4 = qk.sweep_tiles("w4a16", "triton_skinny", 28672, 4096, 16, 3)
     assert all(t.block_k == qk.triton_w4a16.BLOCK_K for t in w4) and len(w4) <= 3
