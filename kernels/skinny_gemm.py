@@ -179,6 +179,18 @@ def workspace(device: torch.device, m: int, n: int) -> tuple[torch.Tensor, torch
 
 
 @triton.jit
+def program_slice(K, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """A skinny program's rows and output columns (grid axes 0 and 1) and its K slice
+    [k_lo, k_hi) (axis 2; whole BLOCK_K tiles a slice: empty past K)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = tl.program_id(2) * k_per
+    return rows, cols, k_lo, tl.minimum(K, k_lo + k_per)
+
+
+@triton.jit
 def store_or_reduce(acc, rows, cols, row_ok, col_ok, OUT, stride_om, WS, CNT, N, S, stride_s, B,
                     HAS_BIAS: tl.constexpr, SPLIT_K, APPLY_SCALE: tl.constexpr):
     """Epilogue of a skinny GEMM whose program holds acc [BLOCK_N, BLOCK_M] (output columns x

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels.skinny_gemm import (PROGRAMS_PER_SM, Tile, Tuner, activations, launch_args,
-                                 store_or_reduce)
+                                 program_slice, store_or_reduce)
 from kernels.triton_flash import INTERPRETED   # bfloat16 tl.dot operands widened there
 
 CONVERT_ASM = tl.constexpr(not INTERPRETED)      # PTX conversions (the interpreter runs none)
@@ -52,11 +52,7 @@ def _fp8_skinny_kernel(X, W, S, B, OUT, WS, CNT, M, N, K, stride_xm, stride_wn, 
                        USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
                        PIPE: tl.constexpr = False, EVEN_K: tl.constexpr = False,
                        EVEN_N: tl.constexpr = False):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K   # whole K tiles per slice
-    k_lo = tl.program_id(2) * k_per
-    k_hi = tl.minimum(K, k_lo + k_per)
+    rows, cols, k_lo, k_hi = program_slice(K, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
     row_ok, col_ok = rows < M, cols < N
     dtype = X.dtype.element_ty
     w_rows = W + cols[:, None].to(tl.int64) * stride_wn

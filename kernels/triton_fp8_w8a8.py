@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.skinny_gemm import Tile, Tuner, launch_args, store_or_reduce
+from kernels.skinny_gemm import Tile, Tuner, launch_args, program_slice, store_or_reduce
 from kernels.triton_flash import INTERPRETED
 
 
@@ -40,11 +40,7 @@ def _w8a8_skinny_kernel(X, SX, W, S, B, OUT, WS, CNT, M, N, K, stride_xm, stride
                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
                         PIPE: tl.constexpr = False, EVEN_K: tl.constexpr = False,
                         EVEN_N: tl.constexpr = False):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K   # whole K tiles per slice
-    k_lo = tl.program_id(2) * k_per
-    k_hi = tl.minimum(K, k_lo + k_per)
+    rows, cols, k_lo, k_hi = program_slice(K, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
     row_ok, col_ok = rows < M, cols < N
     rows_in = tl.minimum(rows, M - 1)
     cols_in = cols if EVEN_N else tl.minimum(cols, N - 1)

@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 
 from kernels.host import cdiv
-from kernels.skinny_gemm import Tile, Tuner, activations, launch_args, store_or_reduce
+from kernels.skinny_gemm import (Tile, Tuner, activations, launch_args, program_slice,
+                                 store_or_reduce)
 from kernels.triton_int4_operand import dot_step_int4
 from kernels.triton_flash import INTERPRETED
 
@@ -63,11 +64,7 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
                          EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False):
     PER: tl.constexpr = 32 // BITS
     KW: tl.constexpr = BLOCK_K // PER                 # packed words of K per step
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = tl.program_id(2) * k_per
-    k_hi = tl.minimum(K, k_lo + k_per)
+    rows, cols, k_lo, k_hi = program_slice(K, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
     row_ok, col_ok = rows < M, cols < N
     # rows and columns past the output read the last ones (never stored): the loop's loads need
     # no masks but K's, none when K is whole steps (EVEN_K), so no predicates or selects a step.

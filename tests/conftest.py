@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny random checkpoints per architecture, running planes over them, and TLS
-certificates (made with openssl)."""
+"""Shared fixtures: tiny random checkpoints per architecture, running planes over them, TLS
+certificates (made with openssl), and NaN-poisoned allocations for the kernel tests."""
 
 from __future__ import annotations
 
@@ -116,3 +116,18 @@ def certs(tmp_path_factory) -> pathlib.Path:
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
                  "-CAcreateserial", "-days", "2", "-extfile", "san.cnf", "-out", f"{name}.pem", cwd=d)
     return d
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every float tensor torch.empty hands out starts as NaN: an output element a kernel does
+    not write shows up (the skinny GEMMs' split-K workspace is torch.zeros, and zero again after
+    every kernel by contract)."""
+    import torch
+
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", nan_empty)
