@@ -17,20 +17,14 @@ DEVICE = triton_device()   # before triton is imported: the CPU interpreter or t
 from kernels import reference_quant as ref  # noqa: E402
 from kernels import quant_dispatch, skinny_gemm, triton_fp8_w8a8, triton_quant  # noqa: E402
 from kernels.skinny_gemm import Tile  # noqa: E402
+from tests.test_fp8_skinny import _case as fp8_case  # noqa: E402
 
 
 
 def _case(m, n, k, per_tensor, bias, seed):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 0.2
-    if per_tensor:
-        scale = (w.abs().amax() / ref.FP8_MAX).reshape(1)
-        wq = ref.to_fp8(w / scale)
-    else:
-        wq, scale = ref.quantize_fp8_weight(w)
-    x = torch.randn(m, k, generator=g) * 3
-    xq, sx = ref.per_token_fp8(x)
-    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    """test_fp8_skinny's weight, scale and bias; its rows quantised per token."""
+    x, wq, scale, b = fp8_case(m, n, k, torch.bfloat16, per_tensor, bias, seed)
+    xq, sx = ref.per_token_fp8(x.float() * 1.5)
     return xq, sx, wq, scale, b
 
 
