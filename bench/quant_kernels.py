@@ -139,7 +139,8 @@ def sweep_tiles(scheme, kernel, n, k, m, count) -> list:
     """The skinny kernel's fixed tile for M rows, then up to ``count`` - 1 more of its bucket's
     list (a tile of another K step than the kernel's does not fit it)."""
     module, bucket = SKINNY[kernel], skinny_gemm.m_bucket(m)
-    args = {"K": k, "stride_wn": k, "X": torch.empty(0, dtype=DTYPE)}   # a layer's, as `fits` reads
+    args = {"K": k, "stride_wn": k, "X": torch.empty(0, dtype=DTYPE),   # a layer's, as `fits`
+            "W": torch.empty(0, dtype=torch.uint8)}                     # reads them
     listed = [t for t in module.TILES[bucket] if module.TUNER.fits(t, args)]
     first = next(t for t in listed if t.split == 1)
     fixed = module.TUNER.split(first, bucket, n, k, skinny_gemm.sm_count(torch.device(DEVICE)),

@@ -235,13 +235,12 @@ if INTERPRETED:               # the CPU interpreter: one tile a bucket (no timin
              for b, ts in TILES.items()}
 
 
-
 def _fits(tile: Tile, args: dict) -> bool:
     """The pipelined program reads the weight and x in words of four values: K and the
-    weight's row stride a multiple of 4, x 16-bit (its rows 8-byte aligned: see
-    ``fp8_weight_linear``)."""
+    weight's row stride a multiple of 4, the weight 4-byte aligned, x 16-bit (its rows 8-byte
+    aligned: see ``fp8_weight_linear``)."""
     return not tile.pipe or (args["K"] % 4 == 0 and args["stride_wn"] % 4 == 0
-                             and args["X"].element_size() == 2)
+                             and args["W"].data_ptr() % 4 == 0 and args["X"].element_size() == 2)
 
 
 TUNER = Tuner(triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
@@ -272,8 +271,9 @@ def fp8_weight_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
                     stride_wn=weight.stride(0), stride_s=0 if scale.numel() == 1 else scale.stride(0),
                     HAS_BIAS=bias is not None)
         key = (args["M_BUCKET"], n, k, x.dtype, bias is not None, scale.numel() == 1,
-               weight.stride(0))
+               weight.stride(0), weight.data_ptr() % 4)
         if tile is not None and not _fits(tile, args):
-            raise ValueError(f"{tile} takes 16-bit x and K, row stride multiples of 4")
+            raise ValueError(f"{tile} takes 16-bit x, a 4-byte aligned weight and K, row stride "
+                             f"multiples of 4")
         TUNER(x2.shape[0], n, args, key, tile, scheme="fp8")
     return out.reshape(*x.shape[:-1], n)

@@ -132,10 +132,18 @@ def test_fp8_one_row_program_takes_words_only():
         triton_fp8_linear.fp8_weight_linear(*dev, tile=pipe)
     expect = ref.fp8_weight_linear(x, wq, scale)
     _check(dev + [None], expect, torch.float32)
-    args = {"K": 128, "stride_wn": 128, "X": dev[0]}
+    args = {"K": 128, "stride_wn": 128, "X": dev[0], "W": dev[1]}
     assert not triton_fp8_linear._fits(pipe, args)
     assert triton_fp8_linear._fits(pipe, args | {"X": dev[0].to(torch.bfloat16)})
     assert not triton_fp8_linear._fits(pipe, args | {"X": dev[0].half(), "K": 126})
+    # a weight starting 2 bytes into its storage (a column view): the plain program runs
+    wide = torch.zeros(32, 132, dtype=wq.dtype)
+    wide[:, 2:130] = wq
+    view = wide.to(DEVICE)[:, 2:130]
+    assert not triton_fp8_linear._fits(pipe, args | {"X": dev[0].bfloat16(), "W": view})
+    x16 = x.to(torch.bfloat16)
+    _check([x16.to(DEVICE), view, dev[2], None], ref.fp8_weight_linear(x16, wq, scale),
+           torch.bfloat16)
 
 
 def test_fp8_weight_reference_is_closer_to_float_than_w8a8():
