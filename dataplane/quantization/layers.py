@@ -95,8 +95,7 @@ class Fp8Linear(_Planned):
     def wants_fp8_rows(self, x: torch.Tensor) -> bool:
         """True where this layer's kernel for x's rows quantises them per token itself (W8A8
         with dynamic scales: torch._scaled_mm, our W8A8 skinny GEMM, FBGEMM's row-wise GEMM):
-        the kernel making x
-        then hands them over quantised (``kernels.fused_add_rms_norm_fp8``,
+        the kernel making x then hands them over quantised (``kernels.fused_add_rms_norm_fp8``,
         ``kernels.silu_and_mul_fp8``), which saves that kernel's bf16 write and the
         quantiser's launch and read."""
         if self.input_scale is not None:
