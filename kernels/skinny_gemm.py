@@ -108,14 +108,15 @@ class Tile:
 
 
 def split_for(tile: Tile, bucket: int, n: int, k: int, sms: int, bits: int = 8,
-              per_sm: int = PROGRAMS_PER_SM) -> Tile:
-    """``tile`` (unsplit) with K split 2 or MAX_SPLIT ways where its output tiles are fewer
-    than ``per_sm`` an SM, each K slice at least two BLOCK_K steps long and the float32
-    partial sums (added and read back) at most half the weight's bytes (``bits`` a weight)."""
+              per_sm: int = PROGRAMS_PER_SM, max_split: int = MAX_SPLIT) -> Tile:
+    """``tile`` (unsplit) with K split in powers of two up to ``max_split`` ways while its
+    programs are fewer than ``per_sm`` an SM, each K slice at least two BLOCK_K steps long and
+    the float32 partial sums (added and read back) at most half the weight's bytes (``bits`` a
+    weight)."""
     rows = min(bucket, MAX_ROWS)
     programs = cdiv(rows, tile.block_m) * cdiv(n, tile.block_n)
     split = 1
-    while (programs * split < per_sm * sms and split < MAX_SPLIT
+    while (programs * split < per_sm * sms and split < max_split
            and k >= 2 * split * 2 * tile.block_k and 2 * split * rows * 8 <= k * bits // 8):
         split *= 2
     return dataclasses.replace(tile, split=split)
@@ -258,9 +259,10 @@ class Tuner:
 
     def __init__(self, kernel, tiles: dict[int, list[Tile]],
                  fits: Callable[[Tile, dict], bool] = lambda tile, args: True,
-                 programs_per_sm: Callable[[Tile], int] = lambda tile: PROGRAMS_PER_SM):
+                 split_limits: Callable[[Tile], tuple[int, int]] = lambda tile: (
+                     PROGRAMS_PER_SM, MAX_SPLIT)):
         self.kernel, self.tiles, self.fits = kernel, tiles, fits
-        self.programs_per_sm = programs_per_sm
+        self.split_limits = split_limits      # a tile's (programs an SM, most K slices)
         configs = list(dict.fromkeys(t for ts in tiles.values() for t in ts))
         self.tuned = triton.autotune([t.config() for t in configs], key=["M_BUCKET", "N", "K"],
                                      prune_configs_by={"early_config_prune": self._prune},
@@ -297,8 +299,8 @@ class Tuner:
         return tile
 
     def split(self, tile: Tile, bucket: int, n: int, k: int, sms: int, bits: int = 8) -> Tile:
-        """``split_for`` with this kernel's programs an SM for ``tile``."""
-        return split_for(tile, bucket, n, k, sms, bits, self.programs_per_sm(tile))
+        """``split_for`` with this kernel's limits for ``tile``."""
+        return split_for(tile, bucket, n, k, sms, bits, *self.split_limits(tile))
 
     def chosen(self) -> Tile | None:
         """The tile of the last autotuned launch (None before any)."""

@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.skinny_gemm import (PROGRAMS_PER_SM, Tile, Tuner, activations, launch_args,
-                                 program_slice, store_or_reduce)
+from kernels.skinny_gemm import (MAX_SPLIT, PROGRAMS_PER_SM, Tile, Tuner, activations,
+                                 launch_args, program_slice, store_or_reduce)
 from kernels.triton_flash import INTERPRETED   # bfloat16 tl.dot operands widened there
 
 CONVERT_ASM = tl.constexpr(not INTERPRETED)      # PTX conversions (the interpreter runs none)
@@ -246,7 +246,8 @@ def _fits(tile: Tile, args: dict) -> bool:
 TUNER = Tuner(triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
                                   "EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(
     _fp8_skinny_kernel), TILES, fits=_fits,
-    programs_per_sm=lambda tile: PIPE_PROGRAMS_PER_SM if tile.pipe else PROGRAMS_PER_SM)
+    split_limits=lambda tile: (PIPE_PROGRAMS_PER_SM if tile.pipe else PROGRAMS_PER_SM,
+                               MAX_SPLIT))
 
 
 def fp8_weight_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

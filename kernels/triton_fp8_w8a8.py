@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.skinny_gemm import Tile, Tuner, launch_args, program_slice, store_or_reduce
+from kernels.skinny_gemm import (MAX_SPLIT, Tile, Tuner, launch_args, program_slice,
+                                 store_or_reduce)
 from kernels.triton_flash import INTERPRETED
 
 
@@ -103,7 +104,7 @@ if INTERPRETED:
 PROGRAMS_PER_SM = 2
 TUNER = Tuner(triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
                                   "EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(
-    _w8a8_skinny_kernel), TILES, programs_per_sm=lambda tile: PROGRAMS_PER_SM)
+    _w8a8_skinny_kernel), TILES, split_limits=lambda tile: (PROGRAMS_PER_SM, MAX_SPLIT))
 
 
 def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,

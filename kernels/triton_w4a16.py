@@ -43,8 +43,8 @@ import triton
 import triton.language as tl
 
 from kernels.host import cdiv
-from kernels.skinny_gemm import (Tile, Tuner, activations, launch_args, program_slice,
-                                 store_or_reduce)
+from kernels.skinny_gemm import (MAX_SPLIT, PROGRAMS_PER_SM, Tile, Tuner, activations,
+                                 launch_args, program_slice, store_or_reduce)
 from kernels.triton_int4_operand import dot_step_int4
 from kernels.triton_flash import INTERPRETED
 
@@ -261,8 +261,15 @@ TILES[256] = TILES[128]
 if INTERPRETED:
     TILES = {b: ts[:1] for b, ts in TILES.items()}
 
+# The fixed one-row tile (64 columns, 4 KB of INT4 a step) splits K up to 16 ways while its
+# programs are fewer than 8 an SM: it is issue-bound (session 23) and wants many programs. On
+# the H200 (session 24's sweep) Llama-3.1-8B's qkv / o / gate_up / down ran in 12.3 / 9.1 /
+# ~34 / 20.1 us so (split 16 / 16 / 4 / 16), within 11% of each shape's best tile, where the
+# rule of the other tiles (4 programs an SM, 4 slices at most) gave 14.7 / 13.9 / 35.1 / 39.5.
+PIPE_SPLIT_LIMITS = (8, 16)
 TUNER = Tuner(triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0})(
-    _w4a16_skinny_kernel), TILES, fits=lambda tile, args: tile.block_k == BLOCK_K)
+    _w4a16_skinny_kernel), TILES, fits=lambda tile, args: tile.block_k == BLOCK_K,
+    split_limits=lambda tile: PIPE_SPLIT_LIMITS if tile.pipe else (PROGRAMS_PER_SM, MAX_SPLIT))
 
 
 def supports(bits: int, group_size: int, k: int) -> bool:

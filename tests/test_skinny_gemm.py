@@ -105,6 +105,21 @@ def test_the_fp8_one_row_tile_splits_only_below_two_programs_an_sm():
     assert tuner.split(dot, 16, 4096, 4096, 132) == skinny_gemm.split_for(dot, 16, 4096, 4096, 132)
 
 
+def test_the_int4_one_row_tile_splits_for_many_programs():
+    """The INT4 one-row program (64 columns, issue-bound) splits K up to 16 ways while its
+    programs are fewer than 8 an SM: 16 slices for Llama's qkv, o and down (96 or 64 column
+    tiles), 4 for gate_up's 448; slices stay two steps long at least, and its dot tiles keep
+    the common rule."""
+    tuner, pipe = triton_w4a16.TUNER, triton_w4a16.TILES[1][0]
+    assert pipe.pipe and pipe.block_n == 64
+    assert [tuner.split(pipe, 1, n, k, 132, 4).split for n, k in
+            ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))] == [16, 16, 4, 16]
+    assert tuner.split(pipe, 1, 4096, 1024, 132, 4).split == 4     # 256-column slices at least
+    dot = triton_w4a16.TILES[16][0]
+    assert tuner.split(dot, 16, 4096, 4096, 132, 4) == \
+        skinny_gemm.split_for(dot, 16, 4096, 4096, 132, 4)
+
+
 def test_the_tuner_times_a_buckets_tiles_once_per_shape(monkeypatch):
     """With HEADRACE_QUANT_AUTOTUNE=1, two candidates for one row: the autotuner runs (times)
     both at the first call of a shape, keeps one, and later calls of that key launch it
