@@ -17,7 +17,9 @@ Which tile runs (``Tuner.choose``), in order:
    program streams a [BLOCK_N, BLOCK_K] weight tile of ~8 KB a step (FP8 32 x 256 bytes, INT4
    128 columns x 64 bytes), so about ``PROGRAMS_PER_SM`` = 4 programs an SM; where the output
    tiles are fewer, K is split (2 or ``MAX_SPLIT`` = 4 slices, each at least two K tiles long,
-   while the partial sums' bytes stay under half the weight's);
+   while the partial sums' bytes stay under half the weight's). A kernel's ``Tuner`` may set
+   other limits per tile (``split_limits``), measured: the FP8 one-row and W8A8 tiles split
+   only below 2 programs an SM, the issue-bound INT4 one-row tile up to 16 ways below 8;
 3. with ``HEADRACE_QUANT_AUTOTUNE=1`` (``AUTOTUNE``), ``triton.autotune`` instead times the
    bucket's list per (bucket, N, K) at the first call of each key (minutes over a model's
    shapes: off by default, so a server starts without timing anything).
