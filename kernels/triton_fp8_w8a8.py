@@ -76,9 +76,9 @@ def _dot(m: int, n: int, k: int = 128, warps: int = 4, stages: int = 4, split: i
 # skinny_gemm.split_for) and the interpreter's; the rest are bench/quant_kernels.py's sweep.
 # 64 weight rows a program at least (Hopper's wgmma takes its A operand 64 rows at a time);
 # 128-256 bytes of each weight row a step, 3-5 stages in flight. The fixed tile splits K only
-# below 2 programs an SM (``PROGRAMS_PER_SM``): on the H200 (session 24, M = 16, 16 x 64 x 128
-# tiles) gate_up's 448 programs ran in 35.4 us unsplit and 42.9 split 2 ways, while qkv's 96,
-# o's and down's 64 were fastest split 4 ways.
+# below 2 programs an SM (``W8A8_PROGRAMS_PER_SM``; the other kernels' tiles take 4): on the
+# H200 (session 24, M = 16, 16 x 64 x 128 tiles) gate_up's 448 programs ran in 35.4 us
+# unsplit and 42.9 split 2 ways, while qkv's 96, o's and down's 64 were fastest split 4 ways.
 _SMALL = [_dot(16, 64), _dot(16, 64, 128, 4, 4, 2), _dot(16, 64, 128, 4, 4, 4),
           _dot(16, 64, 256, 4, 3), _dot(16, 64, 256, 4, 3, 2), _dot(16, 64, 256, 4, 3, 4),
           _dot(16, 128, 128, 4, 4), _dot(16, 128, 128, 4, 4, 2), _dot(16, 128, 256, 8, 3),
@@ -101,10 +101,10 @@ TILES[256] = TILES[128]
 if INTERPRETED:
     TILES = {b: ts[:1] for b, ts in TILES.items()}
 
-PROGRAMS_PER_SM = 2
+W8A8_PROGRAMS_PER_SM = 2
 TUNER = Tuner(triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
                                   "EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})(
-    _w8a8_skinny_kernel), TILES, split_limits=lambda tile: (PROGRAMS_PER_SM, MAX_SPLIT))
+    _w8a8_skinny_kernel), TILES, split_limits=lambda tile: (W8A8_PROGRAMS_PER_SM, MAX_SPLIT))
 
 
 def w8a8_linear(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
