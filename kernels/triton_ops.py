@@ -20,7 +20,8 @@ import triton.language as tl
 from kernels.host import cdiv, next_pow2
 from kernels.reference_quant import FP8, FP8_MAX, FP8_MIN_SCALE, Fp8Rows
 from kernels.triton_flash import INTERPRETED
-from kernels.triton_quant import per_token_fp8, to_e4m3
+from kernels.triton_e4m3 import to_e4m3
+from kernels.triton_quant import per_token_fp8
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _FMAX, _MIN_SCALE = tl.constexpr(FP8_MAX), tl.constexpr(FP8_MIN_SCALE)

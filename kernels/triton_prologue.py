@@ -17,7 +17,8 @@ import triton.language as tl
 
 from kernels import kv_layout
 from kernels.host import next_pow2
-from kernels.triton_quant import _INTERPRETED, scaled_e4m3
+from kernels.triton_e4m3 import scaled_e4m3
+from kernels.triton_quant import _INTERPRETED
 
 
 @triton.jit

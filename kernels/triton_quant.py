@@ -31,29 +31,9 @@ import triton.language as tl
 
 from kernels import skinny_gemm, triton_fp8_linear, triton_fp8_w8a8, triton_w4a16
 from kernels.host import cdiv, next_pow2
+from kernels.triton_e4m3 import to_e4m3
 from kernels.reference_quant import FP8, FP8_MAX, FP8_MIN_SCALE, Fp8Rows
 from kernels.triton_flash import INTERPRETED as _INTERPRETED   # bfloat16 tl.dot operands widened there
-
-
-@triton.jit
-def to_e4m3(x, dtype, ROUND_FIRST: tl.constexpr):
-    """float32 values in [-448, 448] -> e4m3 ``dtype``. ROUND_FIRST (the CPU interpreter, whose
-    float8 cast loses the exponent carry when a value rounds up to a power of two) rounds to
-    e4m3's grid in float32 first (3 mantissa bits, subnormal step 2^-9, ties to even through the
-    1.5 * 2^23 trick) so the cast itself is exact."""
-    if ROUND_FIRST:
-        e = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(x), 1e-30))), -6.0)
-        step = tl.exp2(e - 3.0)
-        x = ((x / step + 12582912.0) - 12582912.0) * step
-    return x.to(dtype)
-
-
-@triton.jit
-def scaled_e4m3(x, scale, dtype, ROUND_FIRST: tl.constexpr):
-    """x / scale saturated to +-448, as e4m3 (an FP8 KV cache's store); NaN is stored as 0: an
-    FP8 cache holds no NaN (``kernels.kv_layout``: attention reads slots past a context)."""
-    y = x.to(tl.float32) / scale
-    return to_e4m3(tl.clamp(tl.where(y == y, y, 0.0), -448.0, 448.0), dtype, ROUND_FIRST)
 
 
 @triton.jit
