@@ -9,10 +9,11 @@ it when they, not memory, are what an SM waits for: an H200 SM issues 4 warp ins
 cycle, so at 1.98 GHz and 132 SMs a kernel spending I warp instructions a byte reads at most
 4 * 1.98e9 * 132 / I bytes a second, all programs of an SM together.
 
-    python -m bench.gemm_sass [--schemes w4a16,fp8] [--tiles 16/64/4/3,64/128/4/3]
+    python -m bench.gemm_sass [--schemes w4a16,fp8,w8a8,w8a8i] [--tiles 16/64/4/3,64/128/4/3]
 
 Tiles are BLOCK_M/BLOCK_N/warps/stages of the tl.dot program (BLOCK_M 1: the one-row
-pipelined FMA program; BLOCK_K is the kernel's); the strides and sizes are compiled as
+pipelined FMA program; BLOCK_K is the kernel's; ``w8a8`` is the W8A8 program on quantised
+rows, ``w8a8i`` the one quantising its bf16 rows itself); the strides and sizes are compiled as
 multiples of 16, as a launch specialises them. The readings (sessions 21 and 22) are in
 docs/quantization.md (*What is left*)."""
 
@@ -25,11 +26,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from bench.decode_ptx import sass_loops
-from kernels import triton_fp8_linear, triton_w4a16
+from kernels import triton_fp8_linear, triton_fp8_w8a8, triton_w4a16
 
 ISSUE_PER_S = 4 * 1.98e9 * 132   # an H200's warp instructions a second, every SM together
 SHOWN = ("I2F", "F2FP", "SHF", "SGXT", "PRMT", "LOP3", "FFMA", "FADD", "SHFL", "BAR", "LDS",
-         "STS", "LDG", "LDGSTS", "HGMMA", "HMMA", "WARPSYNC")
+         "STS", "LDG", "LDGSTS", "HGMMA", "QGMMA", "HMMA",
+         "QMMA", "MUFU", "WARPSYNC")
 _ALIGNED = ("X", "W", "QW", "S", "Z", "OUT", "WS", "CNT", "N", "K", "stride_xm", "stride_wn",
             "stride_om")
 
@@ -46,6 +48,12 @@ def compile_skinny(scheme: str, block_m: int, block_n: int, warps: int, stages: 
         kernel, block_k = triton_fp8_linear._fp8_skinny_kernel, 256
         types = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32"}
         const = {"EVEN_K": True, "EVEN_N": True}
+    elif scheme in ("w8a8", "w8a8i"):     # W8A8 on quantised rows; w8a8i quantises bf16 rows
+        kernel, block_k = triton_fp8_w8a8._w8a8_skinny_kernel, 128
+        inline = scheme == "w8a8i"
+        types = {"X": "*bf16" if inline else "*fp8e4nv", "SX": "*fp32", "W": "*fp8e4nv",
+                 "S": "*fp32"}
+        const = {"EVEN_K": True, "EVEN_N": True, "QUANT_X": inline}
     else:
         raise ValueError(f"unknown scheme {scheme!r}")
     types |= {"B": "*bf16", "OUT": "*bf16", "WS": "*fp32", "CNT": "*i32"}

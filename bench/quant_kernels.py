@@ -5,8 +5,9 @@ wins per scheme, weight shape and M, the skinny kernels' best tile per bucket, a
 For Llama-3.1-8B's projection shapes (qkv, o, gate_up, down) and M rows (default 1, 16, 64),
 times bf16 ``torch.nn.functional.linear`` (cuBLAS, the baseline, once per shape) and each
 kernel of ``kernels.quant_dispatch.KERNELS`` that is installed, asked for (``--libs``) and
-takes the layer: FP8 per-channel weights (``fp8_skinny`` W8A16, ``scaled_mm`` W8A8 with the
-activation quantiser, ``gemlite_fp8``, ``fbgemm_rowwise``) and INT4 group-128 weights
+takes the layer: FP8 per-channel weights (``fp8_skinny`` W8A16; ``fp8_w8a8`` and ``scaled_mm``,
+W8A8 with the activation quantiser; ``fp8_w8a8_inline``, W8A8 quantising its rows itself;
+``gemlite_fp8``, ``fbgemm_rowwise``) and INT4 group-128 weights
 (``triton_skinny``, ``triton``, ``tinygemm``, ``gemlite``, ``fbgemm_i4``); ``--schemes
 ...,w8a16`` adds INT8 group-128 weights. Times are device time per call, replayed from one CUDA
 graph over enough distinct copies of the weights (>= 256 MB, built once per shape and scheme
@@ -43,7 +44,8 @@ import torch
 
 from bench.kernels import graph_ms
 from kernels import quant_dispatch, quant_libs, reference_quant as ref
-from kernels import skinny_gemm, triton_fp8_linear, triton_fp8_w8a8, triton_quant, triton_w4a16
+from kernels import (skinny_gemm, triton_fp8_linear, triton_fp8_w8a8, triton_fp8_w8a8_inline,
+                     triton_quant, triton_w4a16)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
@@ -51,8 +53,10 @@ ROTATE_BYTES = 256 << 20          # distinct weights per graph: past the H200's 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"                   # "cpu": the tests' interpreted smoke run
 SKINNY = {"fp8_skinny": triton_fp8_linear, "fp8_w8a8": triton_fp8_w8a8,
+          "fp8_w8a8_inline": triton_fp8_w8a8_inline,
           "triton_skinny": triton_w4a16}
 W8A8 = ("fp8_w8a8", "scaled_mm", "fbgemm_rowwise")   # the activations rounded to e4m3 too
+OWN_TILES = ("fp8_w8a8", "fp8_w8a8_inline")   # kernels whose tiles the table pins under their name
 # the layers whose rows the norm and SiLU kernels quantise when a W8A8 kernel runs them
 # (dataplane.model: wants_fp8_rows); o's come from attention and pay the quantiser
 ROWS_LAYERS = ("qkv", "gate_up", "down")
@@ -102,6 +106,8 @@ def _caller(scheme, kernel, w, tile=None):
     if kernel == "fp8_w8a8":     # timed with its activation quantiser, as the libraries' W8A8
         return lambda x: triton_fp8_w8a8.w8a8_linear(*triton_quant.per_token_fp8(x), *w,
                                                      out_dtype=x.dtype, tile=tile)
+    if kernel == "fp8_w8a8_inline":
+        return lambda x: triton_fp8_w8a8_inline.w8a8_inline_linear(x, *w, tile=tile)
     if scheme == "fp8":
         return lambda x: triton_quant.fp8_linear(x, *w, kernel=kernel)
     bits = _bits(scheme)
@@ -115,6 +121,8 @@ def _reference(scheme, kernel, w, x):
     if scheme == "fp8":
         if kernel in W8A8:
             return ref.fp8_linear(x, *w)
+        if kernel == "fp8_w8a8_inline":
+            return ref.fp8_group_linear(x, *w)
         return ref.fp8_weight_linear(x, *w)
     bits = _bits(scheme)
     g_idx = (torch.arange(w[0].shape[0] * 32 // bits, device=DEVICE) // GROUP).to(torch.int32)
@@ -304,7 +312,7 @@ def main() -> None:
                     except Exception as exc:
                         print(f"  {kernel} on quantised rows failed: {exc}"[:120], flush=True)
                 for m, tile in by_m.items():   # fp8_w8a8's tiles under their own key
-                    key = "fp8_w8a8" if kernel == "fp8_w8a8" else scheme
+                    key = kernel if kernel in OWN_TILES else scheme
                     tiles.setdefault(key, {}).setdefault(f"{n}x{k}", {})[
                         str(skinny_gemm.m_bucket(m))] = tile.as_list()
             del weights

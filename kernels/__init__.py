@@ -136,7 +136,8 @@ def on_triton(x: torch.Tensor | str | torch.device) -> bool:
 
 def fp8_linear(x, weight, weight_scale, input_scale=None, bias=None, kernel=None, dense=None):
     """kernels.reference_quant.fp8_linear's semantics; ``kernel`` (fp8_skinny / fp8_w8a8 /
-    scaled_mm) picks the Triton kernel where Triton runs; ``dense``: the reference's dequantised
+    fp8_w8a8_inline (per 128 columns: ``fp8_group_linear``) / scaled_mm) picks the Triton
+    kernel where Triton runs; ``dense``: the reference's dequantised
     weight, kept by the caller. x may be ``Fp8Rows`` (``fp8_rows_linear``; then a W8A8 kernel
     runs: fp8_w8a8 when asked for, else scaled_mm)."""
     rows = isinstance(x, Fp8Rows)

@@ -6,7 +6,9 @@ library kernel takes and which package it needs):
 
 =========  =================================================================================
 fp8        ``fp8_skinny`` (Triton W8A16, ``kernels.triton_fp8_linear``), ``fp8_w8a8`` (Triton
-           W8A8 on the FP8 tensor cores, ``kernels.triton_fp8_w8a8``), ``scaled_mm`` (Triton
+           W8A8 on the FP8 tensor cores, ``kernels.triton_fp8_w8a8``), ``fp8_w8a8_inline``
+           (the same quantising its own rows per 128 columns, ``kernels.
+           triton_fp8_w8a8_inline``: for layers whose rows nobody quantised), ``scaled_mm`` (Triton
            per-token activation quantiser + ``torch._scaled_mm``, W8A8), ``gemlite_fp8``
            (gemlite's FP8 weight-only GEMV/GEMM), ``fbgemm_rowwise`` (FBGEMM GenAI's
            row-wise W8A8 ``f8f8bf16_rowwise``)
@@ -26,7 +28,8 @@ does not hold. The table (``quant_dispatch.json`` beside this file) is
 ``bench/quant_kernels.py --table``'s output, kept in the repository once measured:
 ``{"rankings": {scheme: {"NxK": {"M": [kernel, ...fastest first]}}}, "tiles": {scheme:
 {"NxK": {"bucket": [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, dot]}}}, "device": ...}``
-(the tiles of ``fp8_w8a8`` under their own key, beside ``fp8_skinny``'s under ``fp8``);
+(the tiles of ``fp8_w8a8`` and ``fp8_w8a8_inline`` under their own keys, beside
+``fp8_skinny``'s under ``fp8``);
 a row bucket reads the ranking measured at the smallest M at or above it (the largest M
 otherwise). ``tiles`` pins the skinny kernels' launch per scheme, shape and row bucket (the
 bench's sweep winners; ``kernels.skinny_gemm`` computes a tile for the others).
@@ -45,9 +48,11 @@ from typing import Callable
 BACKENDS = ("auto", "triton", "torch", "gemlite", "fbgemm")
 SCHEMES = ("fp8", "w4a16", "w8a16")
 _INTEGER = ("triton_skinny", "triton", "tinygemm", "gemlite", "fbgemm_i4")
-KERNELS = {"fp8": ("fp8_skinny", "fp8_w8a8", "scaled_mm", "gemlite_fp8", "fbgemm_rowwise"),
+KERNELS = {"fp8": ("fp8_skinny", "fp8_w8a8", "fp8_w8a8_inline", "scaled_mm", "gemlite_fp8",
+                   "fbgemm_rowwise"),
            "w4a16": _INTEGER, "w8a16": _INTEGER}
-FAMILY = {"fp8_skinny": "triton", "fp8_w8a8": "triton", "scaled_mm": "triton",
+FAMILY = {"fp8_skinny": "triton", "fp8_w8a8": "triton", "fp8_w8a8_inline": "triton",
+          "scaled_mm": "triton",
           "triton_skinny": "triton",
           "triton": "triton", "tinygemm": "torch", "gemlite_fp8": "gemlite", "gemlite": "gemlite",
           "fbgemm_rowwise": "fbgemm", "fbgemm_i4": "fbgemm"}
@@ -58,8 +63,8 @@ FAMILY_WNA16 = {"triton": None, "torch": "tinygemm", "gemlite": "gemlite", "fbge
 # kernels.skinny_gemm's row buckets, then 129..256 and prefill sizes (> 256)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 8192)
 MAX_ROWS = 128
-ALWAYS = ("fp8_skinny", "fp8_w8a8", "scaled_mm", "triton")   # take every layer of their scheme
-TILE_KEYS = SCHEMES + ("fp8_w8a8",)   # the pinned tiles' keys: a scheme, or a second kernel's
+ALWAYS = ("fp8_skinny", "fp8_w8a8", "fp8_w8a8_inline", "scaled_mm", "triton")   # take every layer of their scheme
+TILE_KEYS = SCHEMES + ("fp8_w8a8", "fp8_w8a8_inline")   # the pinned tiles' keys: a scheme, or a second kernel's
 TABLE_PATH = pathlib.Path(__file__).with_name("quant_dispatch.json")
 # HEADRACE_QUANT_AUTOTUNE=1: our skinny kernels (kernels.skinny_gemm) and gemlite time their
 # tiles per shape at first use instead of the pinned / fixed ones (minutes at start-up)

@@ -7,6 +7,8 @@ runs them on CPU and the tests compare against them.
   (a per-tensor scale is that scale on every row); activations quantised per token (row) at run
   time (scale = max|x| / 448, at least 1 / (448 * 512), as vLLM) or with one static scale.
   ``y = (xq * sx) @ (wq * sw)^T``, computed in float32, returned in x's dtype.
+  ``fp8_group_linear``: the same with one activation scale per token and 128 columns (the
+  W8A8 kernel that quantises its own rows, ``kernels.triton_fp8_w8a8_inline``).
 * FP8 weight only (W8A16, the GPU's decode path: ``kernels.triton_fp8_linear``): the same
   weight and scales, activations not quantised: ``y = x @ (wq * sw)^T`` in float32, returned in
   x's dtype (a static input scale does not apply).
@@ -46,6 +48,16 @@ def per_token_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return to_fp8(xf / scale), scale
+
+
+def per_group_fp8(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, K] e4m3, scale [M, ceil(K / group)] float32): a dynamic scale per
+    row and ``group`` columns (the last group may be shorter), as ``per_token_fp8`` per row."""
+    m, k = x.shape
+    groups = -(-k // group)
+    xf = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    return to_fp8(xf / scale).view(m, -1)[:, :k], scale.view(m, groups)
 
 
 class Fp8Rows(NamedTuple):
@@ -102,6 +114,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     xq, sx = per_token_fp8(x2, input_scale)
     w = dequantize_fp8(weight, weight_scale) if dense is None else dense
     y = (xq.float() * sx) @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def fp8_group_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None, dense: torch.Tensor | None = None,
+                     group: int = 128) -> torch.Tensor:
+    """``fp8_linear`` with x quantised per token and ``group`` columns (``per_group_fp8``):
+    the semantics of the W8A8 kernel that quantises its own rows
+    (``kernels.triton_fp8_w8a8_inline``)."""
+    n, k = weight.shape
+    xq, sx = per_group_fp8(x.reshape(-1, k), group)
+    xd = xq.float() * sx.repeat_interleave(group, dim=1)[:, :k]
+    w = dequantize_fp8(weight, weight_scale) if dense is None else dense
+    y = xd @ w.t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -31,7 +31,14 @@ import triton.language as tl
 
 from kernels.skinny_gemm import (MAX_SPLIT, Tile, Tuner, launch_args, program_slice,
                                  store_or_reduce)
+from kernels.reference_quant import FP8_MAX as _FP8_MAX, FP8_MIN_SCALE as _FP8_MIN_SCALE
+from kernels.triton_e4m3 import to_e4m3
 from kernels.triton_flash import INTERPRETED
+
+ROUND_FIRST = tl.constexpr(INTERPRETED)   # triton_e4m3: the interpreter's cast needs it
+GROUP = tl.constexpr(128)       # columns of x quantised together by the inline program
+FP8_MAX = tl.constexpr(_FP8_MAX)
+FP8_MIN_SCALE = tl.constexpr(_FP8_MIN_SCALE)
 
 
 @triton.jit(do_not_specialize=["M_BUCKET"])
@@ -40,7 +47,7 @@ def _w8a8_skinny_kernel(X, SX, W, S, B, OUT, WS, CNT, M, N, K, stride_xm, stride
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
                         PIPE: tl.constexpr = False, EVEN_K: tl.constexpr = False,
-                        EVEN_N: tl.constexpr = False):
+                        EVEN_N: tl.constexpr = False, QUANT_X: tl.constexpr = False):
     rows, cols, k_lo, k_hi = program_slice(K, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
     row_ok, col_ok = rows < M, cols < N
     rows_in = tl.minimum(rows, M - 1)
@@ -57,44 +64,67 @@ def _w8a8_skinny_kernel(X, SX, W, S, B, OUT, WS, CNT, M, N, K, stride_xm, stride
             k_ok = k0 + rk < k_hi
             w = tl.load(w_at, mask=k_ok[None, :], other=0.0)
             xt = tl.load(x_at, mask=k_ok[:, None], other=0.0)
-        if DOT_F32:
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        if QUANT_X:     # x's rows in their own dtype: quantised here, a scale per group
+            tl.static_assert(BLOCK_K == GROUP)
+            xt, sx = _quantise_group(xt)
+            acc += _dot(w, xt, DOT_F32) * sx[None, :]
         else:
-            acc = tl.dot(w, xt, acc)
+            acc = _dot(w, xt, DOT_F32, acc)
         w_at += BLOCK_K
         x_at += BLOCK_K
-    acc = acc * tl.load(SX + rows_in).to(tl.float32)[None, :]     # the rows' scales
+    if not QUANT_X:
+        acc = acc * tl.load(SX + rows_in).to(tl.float32)[None, :]     # the rows' scales
     store_or_reduce(acc, rows, cols, row_ok, col_ok, OUT, stride_om, WS, CNT, N, S, stride_s, B,
                     HAS_BIAS, SPLIT_K, True)
 
 
-def _dot(m: int, n: int, k: int = 128, warps: int = 4, stages: int = 4, split: int = 1) -> Tile:
+@triton.jit
+def _dot(w, xt, DOT_F32: tl.constexpr, acc=None):
+    """w [BN, BK] @ xt [BK, BM] (+ acc) in float32, both e4m3 (widened under the interpreter)."""
+    if DOT_F32:
+        return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(w, xt, acc)
+
+
+@triton.jit
+def _quantise_group(xt):
+    """xt [GROUP, BM] (one group of K for each row) -> (e4m3 values, float32 scales [BM]):
+    ``reference_quant.per_group_fp8``'s rounding (scale = max|x| / 448, at least its floor)."""
+    xf = xt.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(xf), axis=0) / FP8_MAX, FP8_MIN_SCALE)
+    q = tl.clamp(xf / scale[None, :], -FP8_MAX, FP8_MAX)
+    return to_e4m3(q, tl.float8e4nv, ROUND_FIRST), scale
+
+
+def _tile(m: int, n: int, k: int = 128, warps: int = 4, stages: int = 4, split: int = 1) -> Tile:
     return Tile(m, n, k, warps, stages, split)
 
 
 # Candidate tiles per row bucket: the first (unsplit) one is the fixed choice (K split by
 # skinny_gemm.split_for) and the interpreter's; the rest are bench/quant_kernels.py's sweep.
-# 64 weight rows a program at least (Hopper's wgmma takes its A operand 64 rows at a time);
-# 128-256 bytes of each weight row a step, 3-5 stages in flight. The fixed tile splits K only
+# 64 weight rows a program (Hopper's wgmma takes its A operand 64 rows at a time), but for the
+# last two small ones: 16-32 columns a program need no split K at 16 rows (o: 128-256 tiles),
+# and Triton runs them as mma.sync on the operands widened to float16 (exact); 128-256 bytes of each weight row a step, 3-5 stages in flight. The fixed tile splits K only
 # below 2 programs an SM (``W8A8_PROGRAMS_PER_SM``; the other kernels' tiles take 4): on the
 # H200 (session 24, M = 16, 16 x 64 x 128 tiles) gate_up's 448 programs ran in 35.4 us
 # unsplit and 42.9 split 2 ways, while qkv's 96, o's and down's 64 were fastest split 4 ways.
-_SMALL = [_dot(16, 64), _dot(16, 64, 128, 4, 4, 2), _dot(16, 64, 128, 4, 4, 4),
-          _dot(16, 64, 256, 4, 3), _dot(16, 64, 256, 4, 3, 2), _dot(16, 64, 256, 4, 3, 4),
-          _dot(16, 128, 128, 4, 4), _dot(16, 128, 128, 4, 4, 2), _dot(16, 128, 256, 8, 3),
-          _dot(16, 64, 128, 4, 5, 2), _dot(16, 64, 128, 4, 5, 4), _dot(16, 64, 256, 4, 4, 2),
-          _dot(16, 128, 128, 8, 4, 4), _dot(16, 64, 128, 4, 3, 8)]
+_SMALL = [_tile(16, 64), _tile(16, 64, 128, 4, 4, 2), _tile(16, 64, 128, 4, 4, 4),
+          _tile(16, 64, 256, 4, 3), _tile(16, 64, 256, 4, 3, 2), _tile(16, 64, 256, 4, 3, 4),
+          _tile(16, 128, 128, 4, 4), _tile(16, 128, 128, 4, 4, 2), _tile(16, 128, 256, 8, 3),
+          _tile(16, 64, 128, 4, 5, 2), _tile(16, 64, 128, 4, 5, 4), _tile(16, 64, 256, 4, 4, 2),
+          _tile(16, 128, 128, 8, 4, 4), _tile(16, 64, 128, 4, 3, 8), _tile(16, 32, 128, 4, 4),
+          _tile(16, 16, 128, 2, 4)]
 TILES = {
     2: _SMALL, 4: _SMALL, 8: _SMALL, 16: _SMALL,
-    32: [_dot(32, 64), _dot(32, 64, 128, 4, 4, 2), _dot(32, 64, 128, 4, 4, 4),
-         _dot(32, 64, 256, 4, 3, 2), _dot(32, 128, 128, 4, 4), _dot(32, 128, 128, 4, 4, 2),
-         _dot(32, 128, 256, 8, 3), _dot(32, 64, 256, 4, 3, 4)],
-    64: [_dot(64, 64), _dot(64, 64, 128, 4, 4, 2), _dot(64, 64, 128, 4, 4, 4),
-         _dot(64, 128, 128, 8, 4), _dot(64, 128, 128, 8, 4, 2), _dot(64, 64, 256, 4, 3, 2),
-         _dot(64, 128, 128, 4, 3), _dot(64, 64, 256, 8, 3, 4), _dot(64, 128, 256, 8, 3, 2),
-         _dot(64, 64, 128, 4, 5, 4)],
-    128: [_dot(128, 128, 128, 8, 3), _dot(64, 128, 128, 8, 4), _dot(128, 64, 128, 4, 4),
-          _dot(128, 128, 128, 8, 3, 2)],
+    32: [_tile(32, 64), _tile(32, 64, 128, 4, 4, 2), _tile(32, 64, 128, 4, 4, 4),
+         _tile(32, 64, 256, 4, 3, 2), _tile(32, 128, 128, 4, 4), _tile(32, 128, 128, 4, 4, 2),
+         _tile(32, 128, 256, 8, 3), _tile(32, 64, 256, 4, 3, 4)],
+    64: [_tile(64, 64), _tile(64, 64, 128, 4, 4, 2), _tile(64, 64, 128, 4, 4, 4),
+         _tile(64, 128, 128, 8, 4), _tile(64, 128, 128, 8, 4, 2), _tile(64, 64, 256, 4, 3, 2),
+         _tile(64, 128, 128, 4, 3), _tile(64, 64, 256, 8, 3, 4), _tile(64, 128, 256, 8, 3, 2),
+         _tile(64, 64, 128, 4, 5, 4)],
+    128: [_tile(128, 128, 128, 8, 3), _tile(64, 128, 128, 8, 4), _tile(128, 64, 128, 4, 4),
+          _tile(128, 128, 128, 8, 3, 2)],
 }
 TILES[1] = TILES[2]
 TILES[256] = TILES[128]

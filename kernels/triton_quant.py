@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import skinny_gemm, triton_fp8_linear, triton_fp8_w8a8, triton_w4a16
+from kernels import (skinny_gemm, triton_fp8_linear, triton_fp8_w8a8, triton_fp8_w8a8_inline,
+                     triton_w4a16)
 from kernels.host import cdiv, next_pow2
 from kernels.triton_e4m3 import to_e4m3
 from kernels.reference_quant import FP8, FP8_MAX, FP8_MIN_SCALE, Fp8Rows
@@ -76,7 +77,7 @@ def per_token_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
 # activation quantisation + _scaled_mm (W8A8): the skinny kernels' tuned range. Per layer and
 # row bucket kernels.quant_dispatch chooses from the H200's measurements (bench/quant_kernels.py).
 FP8_SKINNY_MAX_ROWS = skinny_gemm.MAX_ROWS
-FP8_KERNELS = ("fp8_skinny", "fp8_w8a8", "scaled_mm")
+FP8_KERNELS = ("fp8_skinny", "fp8_w8a8", "fp8_w8a8_inline", "scaled_mm")
 WNA16_KERNELS = ("triton_skinny", "triton")
 
 
@@ -99,22 +100,27 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     operand _scaled_mm wants), weight_scale [N] float32. ``kernel``: one of FP8_KERNELS
     instead of ``fp8_kernel``'s choice (the layer's dispatch, the benchmark, the tests).
     x may be ``Fp8Rows`` (quantised by the kernel that made them): a W8A8 kernel runs
-    (``fp8_w8a8`` when asked for, else _scaled_mm)."""
+    (``fp8_w8a8`` when asked for, or ``fp8_w8a8_inline``, else _scaled_mm).
+    ``fp8_w8a8_inline`` quantises float rows per token and 128 columns itself
+    (``reference_quant.fp8_group_linear``), unless a static ``input_scale`` is given: then the
+    rows are quantised with it first and ``fp8_w8a8`` runs, as the other W8A8 kernels do."""
     n, k = weight.shape
     if kernel is not None and kernel not in FP8_KERNELS:
         raise ValueError(f"kernel must be one of {FP8_KERNELS}, not {kernel!r}")
     if isinstance(x, Fp8Rows):
-        if kernel == "fp8_w8a8":
+        if kernel in ("fp8_w8a8", "fp8_w8a8_inline"):
             return triton_fp8_w8a8.w8a8_linear(x.q, x.scale, weight, weight_scale, bias, x.dtype)
         return _scaled_mm(x.q, x.scale, weight, weight_scale, bias).to(x.dtype)
     x2 = x.reshape(-1, k)
     kernel = kernel or fp8_kernel(x2.shape[0])
     if kernel == "fp8_skinny":
         return triton_fp8_linear.fp8_weight_linear(x, weight, weight_scale, bias)
+    if kernel == "fp8_w8a8_inline" and input_scale is None:
+        return triton_fp8_w8a8_inline.w8a8_inline_linear(x, weight, weight_scale, bias)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = per_token_fp8(x2, input_scale)
-    if kernel == "fp8_w8a8":
+    if kernel in ("fp8_w8a8", "fp8_w8a8_inline"):
         out = triton_fp8_w8a8.w8a8_linear(*rows, weight, weight_scale, bias, x.dtype)
     else:
         out = _scaled_mm(*rows, weight, weight_scale, bias).to(x.dtype)

@@ -17,7 +17,8 @@ from kernels.skinny_gemm import Tile  # noqa: E402
 
 def test_candidates_are_ours_and_the_libraries_asked_for():
     assert qk.candidates("w4a16", 4096, 4096, libs=set()) == ["triton_skinny", "triton"]
-    assert qk.candidates("fp8", 4096, 4096, libs=set()) == ["fp8_skinny", "fp8_w8a8", "scaled_mm"]
+    assert qk.candidates("fp8", 4096, 4096, libs=set()) == ["fp8_skinny", "fp8_w8a8",
+                                                            "fp8_w8a8_inline", "scaled_mm"]
 
 
 def test_the_sweep_times_the_fixed_tile_first():
@@ -62,6 +63,7 @@ def test_the_bench_runs_end_to_end_on_a_tiny_shape(tmp_path, monkeypatch, capsys
     # the W8A8 kernels also timed on quantised rows (scaled_mm and ours: no library here)
     assert "fp8_w8a8 M=1 1.0" in printed.split("on quantised rows")[1]
     assert set(quant_dispatch.load_tiles(out)["fp8_w8a8"]["128x256"]) == {"1", "16"}
+    assert set(quant_dispatch.load_tiles(out)["fp8_w8a8_inline"]["128x256"]) == {"1", "16"}
     assert "  fp8_skinny 128x256 M=1:" in printed and "  triton_skinny 128x256 M=16:" in printed
     assert set(quant_dispatch.load_table(out)) == {"fp8", "w4a16"}
     assert set(quant_dispatch.load_tiles(out)["w4a16"]["128x256"]) == {"1", "16"}
@@ -81,7 +83,7 @@ def test_ranking_on_quantised_rows_takes_the_rows_times_for_those_layers(tmp_pat
                                      "--table", str(out), "--rows", "--rank-on-rows"])
     qk.main()
     ranked = quant_dispatch.load_table(out)["fp8"]
-    assert ranked["128x256"]["1"][-1] == "fp8_skinny"      # the W8A8 kernels at 0.5 µs first
+    assert set(ranked["128x256"]["1"][:2]) == {"fp8_w8a8", "scaled_mm"}   # at 0.5 µs: first
     assert ranked["64x128"]["1"][0] == "fp8_skinny"        # o: every kernel timed alike
     assert "timed on quantised rows" in capsys.readouterr().out
 

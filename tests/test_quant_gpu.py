@@ -142,3 +142,35 @@ def test_the_w8a8_skinny_kernel_serves_a_layer_in_a_graph_and_on_quantised_rows(
     graph.replay()
     eager = layer(static).float()
     torch.testing.assert_close(out.float(), eager, rtol=0, atol=1e-2 * eager.abs().max().item())
+
+
+def test_the_inline_w8a8_kernel_serves_a_layer_in_a_graph_on_float_rows(monkeypatch):
+    """An FP8 layer the table sends to fp8_w8a8_inline at every row count: the per-128-column
+    W8A8 reference at decode and prefill rows; it does not ask for quantised rows (it quantises
+    its own), and a CUDA-graph capture with host syncs forbidden replays its eager output."""
+    from kernels import quant_dispatch
+    ranked = {"1": ["fp8_w8a8_inline"], "256": ["fp8_w8a8_inline"]}
+    monkeypatch.setattr(quant_dispatch, "table", lambda: {"fp8": {f"{N}x{K}": ranked}})
+    layer = _fp8_layer("auto")
+    layers.warm_up(layer, 128, torch.bfloat16)
+    assert layer.plan.kernels == {"fp8_w8a8_inline"}
+    for m in ROWS:
+        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+        want = ref.fp8_group_linear(x, layer.weight, layer.weight_scale, layer.bias).float()
+        torch.testing.assert_close(layer(x).float(), want, rtol=0,
+                                   atol=2e-2 * want.abs().max().item())
+        assert not layer.wants_fp8_rows(x)
+    static = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
+    layer(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = layer(static)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    static.copy_(torch.randn(16, K, device="cuda", dtype=torch.bfloat16))
+    graph.replay()
+    eager = layer(static).float()
+    torch.testing.assert_close(out.float(), eager, rtol=0, atol=1e-2 * eager.abs().max().item())
