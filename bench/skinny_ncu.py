@@ -11,8 +11,10 @@ one, of the same structure, 1.7 TB/s. ncu's warp-state and scheduler sections na
         --section WarpStateStats --section SchedulerStats --section Occupancy \\
         python -m bench.skinny_ncu --scheme w4a16 --shape qkv --m 16 --tile 16/64/4/3/4
 
-``--tile`` is BLOCK_M/BLOCK_N/warps/stages/split (the pinned or fixed tile when left out;
-BLOCK_M 1: the one-row pipelined FMA program). ``--calls`` eager launches (a profiler's), then
+``--tile`` is BLOCK_M/BLOCK_N/warps/stages/split[/BLOCK_K] (the pinned or fixed tile when left
+out; BLOCK_M 1: the one-row pipelined FMA program). ``--scheme w8a8`` is the W8A8 program on
+rows quantised before it (as the norm and SiLU kernels hand them), ``w8a8i`` the one quantising
+its rows itself (``kernels.triton_fp8_w8a8_inline``). ``--calls`` eager launches (a profiler's), then
 the time per call replayed from a CUDA graph over >= 256 MB of weight copies.
 """
 
@@ -24,13 +26,13 @@ import torch
 
 from bench.kernels import graph_ms
 from bench.quant_kernels import SHAPES, _caller, copies
-from kernels import triton_w4a16
+from kernels import triton_fp8_w8a8, triton_quant, triton_w4a16
 from kernels.skinny_gemm import Tile
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scheme", choices=["w4a16", "fp8"], default="w4a16")
+    ap.add_argument("--scheme", choices=["w4a16", "fp8", "w8a8", "w8a8i"], default="w4a16")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qkv")
     ap.add_argument("--m", type=int, default=16)
     ap.add_argument("--tile", default=None, help="BLOCK_M/BLOCK_N/warps/stages/split")
@@ -39,13 +41,20 @@ def main() -> None:
     n, k = SHAPES[args.shape]
     tile = None
     if args.tile:
-        bm, bn, warps, stages, split = map(int, args.tile.split("/"))
-        block_k = triton_w4a16.BLOCK_K if args.scheme == "w4a16" else 128
-        tile = Tile(bm, bn, block_k, warps, stages, split, dot=bm > 1, pipe=bm == 1)
-    weights = copies(args.scheme, n, k)          # >= 256 MB: past the L2
-    kernel = "triton_skinny" if args.scheme == "w4a16" else "fp8_skinny"
-    calls = [_caller(args.scheme, kernel, w, tile) for w in weights]
+        bm, bn, warps, stages, split, *block_k = map(int, args.tile.split("/"))
+        block_k = block_k or [triton_w4a16.BLOCK_K if args.scheme == "w4a16" else 128]
+        tile = Tile(bm, bn, block_k[0], warps, stages, split, dot=bm > 1, pipe=bm == 1)
+    scheme = "w4a16" if args.scheme == "w4a16" else "fp8"
+    weights = copies(scheme, n, k)          # >= 256 MB: past the L2
     x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
+    if args.scheme == "w8a8":
+        rows = triton_quant.per_token_fp8(x)
+        calls = [lambda _, w=w: triton_fp8_w8a8.w8a8_linear(*rows, *w, tile=tile)
+                 for w in weights]
+    else:
+        kernel = {"w4a16": "triton_skinny", "fp8": "fp8_skinny",
+                  "w8a8i": "fp8_w8a8_inline"}[args.scheme]
+        calls = [_caller(scheme, kernel, w, tile) for w in weights]
     for i in range(args.calls):         # eager launches: the ones a profiler catches
         calls[i % len(calls)](x)
     torch.cuda.synchronize()

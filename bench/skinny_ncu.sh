@@ -8,6 +8,7 @@
 #    (PROFILE_TILE: the W4A16 tile profiled, default 16/32/2/3/8.)
 # 2. W4A16 M = 16 tiles (TILES), CUDA-graph timed, with and without the PTX unpacking
 #    (HEADRACE_W4A16_ASM=1); the other shapes' pinned tiles.
+# FP8=1: instead, the FP8 one-row and W8A8 programs (session 25; ~3 min).
 # Reports under $OUT: NAME.txt (ncu's details), w4a16_m16_sass.csv; the last lines: a table.
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
@@ -27,6 +28,14 @@ prof() {   # NAME ARGS...: ncu's sections for the 4th launch of one skinny GEMM
   grep -oE "[^.]*(stalled|stall)[^.]*\." "$OUT/$1.txt" | head -4 | sed "s/^ */$1: /" | tee -a "$TABLE"
 }
 echo "== gpu ($(date +%T))"; nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
+if [ "${FP8:-0}" = 1 ]; then   # FP8 at qkv (session 25): the one-row FMA program at M = 1 against
+  # the W8A8 programs at M = 16 (on quantised rows: split 4 and unsplit; quantising inline)
+  prof fp8_m1 --scheme fp8 --shape qkv --m 1 --tile 1/8/4/1/1/1024
+  prof w8a8_m16 --scheme w8a8 --shape qkv --m 16 --tile 16/64/4/4/4
+  prof w8a8_m16_unsplit --scheme w8a8 --shape qkv --m 16 --tile 16/64/4/3/1/256
+  prof w8a8i_o_m16 --scheme w8a8i --shape o --m 16 --tile 16/64/4/3/8
+  echo "== table ($(date +%T))"; cat "$TABLE"; exit 0
+fi
 prof w4a16_m16 --scheme w4a16 --shape qkv --m 16 --tile ${PROFILE_TILE:-16/32/2/3/8}
 "$NCU" -i /tmp/w4a16_m16.ncu-rep --page source --print-source sass --csv > "$OUT/w4a16_m16_sass.csv" 2>&1
 prof fp8_m16 --scheme fp8 --shape qkv --m 16 --tile 16/64/4/4/4
