@@ -128,3 +128,17 @@ def test_it_is_a_dispatch_choice_with_its_own_tiles(tmp_path):
     assert plan.kernel(12) == "fp8_w8a8_inline" and plan.kernel(1) == "fp8_skinny"
     for bucket in skinny_gemm.M_BUCKETS + (skinny_gemm.LARGE,):
         assert all(t.dot and t.block_k == 128 for t in triton_fp8_w8a8_inline.TILES[bucket])
+
+
+def test_a_pinned_tile_of_another_k_step_is_passed_over(monkeypatch):
+    """A table pinning a 256-column step for this kernel (hand-edited: its quantiser groups 128
+    columns) is not launched; the fixed tile runs and the result is still the reference's."""
+    x, wq, scale, _ = _case(4, 64, 256, torch.bfloat16, False, False, 9)
+    monkeypatch.setattr(quant_dispatch, "_TILES", {"fp8_w8a8_inline": {
+        "64x256": {"4": [16, 64, 256, 4, 3, 1, 1]}}})
+    monkeypatch.setattr(triton_fp8_w8a8_inline.TUNER, "fixed", {})
+    got = triton_fp8_w8a8_inline.w8a8_inline_linear(x.to(DEVICE), wq.to(DEVICE), scale.to(DEVICE))
+    assert all(t.block_k == 128 for t in triton_fp8_w8a8_inline.TUNER.fixed.values())
+    want = ref.fp8_group_linear(x.float(), wq, scale)
+    torch.testing.assert_close(got.cpu().float(), want, atol=1e-2 * want.abs().max().item(),
+                               rtol=1e-2)
