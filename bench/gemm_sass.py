@@ -9,11 +9,12 @@ it when they, not memory, are what an SM waits for: an H200 SM issues 4 warp ins
 cycle, so at 1.98 GHz and 132 SMs a kernel spending I warp instructions a byte reads at most
 4 * 1.98e9 * 132 / I bytes a second, all programs of an SM together.
 
-    python -m bench.gemm_sass [--schemes w4a16,fp8,w8a8,w8a8i] [--tiles 16/64/4/3,64/128/4/3]
+    python -m bench.gemm_sass [--schemes w4a16,w4a16t,fp8,w8a8,w8a8i] [--tiles 16/64/4/3,64/128/4/3]
 
 Tiles are BLOCK_M/BLOCK_N/warps/stages of the tl.dot program (BLOCK_M 1: the one-row
 pipelined FMA program; BLOCK_K is the kernel's; ``w8a8`` is the W8A8 program on quantised
-rows, ``w8a8i`` the one quantising its bf16 rows itself); the strides and sizes are compiled as
+rows, ``w8a8i`` the one quantising its bf16 rows itself, ``w4a16t`` the INT4 program on the tiled
+layout); the strides and sizes are compiled as
 multiples of 16, as a launch specialises them. The readings (sessions 21 and 22) are in
 docs/quantization.md (*What is left*)."""
 
@@ -26,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from bench.decode_ptx import sass_loops
-from kernels import triton_fp8_linear, triton_fp8_w8a8, triton_w4a16
+from kernels import triton_fp8_linear, triton_fp8_w8a8, triton_w4a16, triton_w4a16_tiled
 
 ISSUE_PER_S = 4 * 1.98e9 * 132   # an H200's warp instructions a second, every SM together
 SHOWN = ("I2F", "F2FP", "SHF", "SGXT", "PRMT", "LOP3", "FFMA", "FADD", "SHFL", "BAR", "LDS",
@@ -48,6 +49,10 @@ def compile_skinny(scheme: str, block_m: int, block_n: int, warps: int, stages: 
         kernel, block_k = triton_fp8_linear._fp8_skinny_kernel, 256
         types = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32"}
         const = {"EVEN_K": True, "EVEN_N": True}
+    elif scheme == "w4a16t":      # the tiled INT4 layout (kernels.triton_w4a16_tiled)
+        kernel, block_k = triton_w4a16_tiled._tiled_kernel, 128
+        types = {"X": "*bf16", "QW": "*i32", "S": "*bf16", "Z": "*u8"}
+        const = {"EVEN_N": True}
     elif scheme in ("w8a8", "w8a8i"):     # W8A8 on quantised rows; w8a8i quantises bf16 rows
         kernel, block_k = triton_fp8_w8a8._w8a8_skinny_kernel, 128
         inline = scheme == "w8a8i"
@@ -67,7 +72,7 @@ def compile_skinny(scheme: str, block_m: int, block_n: int, warps: int, stages: 
                            for n in _ALIGNED if n in names})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
-    bits = 4 if scheme == "w4a16" else 8
+    bits = 4 if scheme.startswith("w4a16") else 8
     return compiled, block_n * block_k * bits // 8
 
 

@@ -12,7 +12,7 @@
 #   compressed-tensors and its loguru/psutil; plus the serving kit for `serve`) into /tmp/site; ~5 s.
 #   FBGEMM's 35.8 MB wheel and the serving kit fit one call's 64 MiB without the grammar
 #   engines' wheels (docs/quantization.md).
-# tests: the quantized kernels and layers compiled on the GPU against their references, the seven
+# tests: the quantized kernels and layers compiled on the GPU against their references, the eight
 #   files in parallel (each its own process; compiles are CPU-bound): skinny FP8 / W8A8 / W4A16 GEMMs
 #   (every program shape, split-K; ~15 compiles each), the fixed / pinned tiles and the autotuner
 #   (~6), the general W4A16 kernel and FP8 KV attention (~40), every kernel each layer can
@@ -59,9 +59,9 @@ if has wheels && ls "${WHEELS:-.whl}"/*.whl >/dev/null 2>&1; then
   log wheels; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "${WHEELS:-.whl}"/*.whl 2>&1 | tail -2
 fi
-QUANT_TESTS="quant_gpu skinny_gemm fp8_skinny fp8_w8a8 fp8_w8a8_inline w4a16_skinny quant_kernels"
+QUANT_TESTS="quant_gpu skinny_gemm fp8_skinny fp8_w8a8 fp8_w8a8_inline w4a16_skinny w4a16_tiled quant_kernels"
 if has tests; then
-  log "quant tests on cuda (seven files in parallel)"; t0=$SECONDS; pids=()
+  log "quant tests on cuda (eight files in parallel)"; t0=$SECONDS; pids=()
   for f in $QUANT_TESTS; do
     HEADRACE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -p no:cacheprovider \
       "tests/test_$f.py" > "$OUT/test_$f.txt" 2>&1 & pids+=($!)
@@ -73,7 +73,7 @@ if has tests; then
     grep -E "^(FAILED|ERROR)" "$OUT/test_$f.txt" | head -5
     note "test_$f" "" "${r:-no result}"
   done
-  note tests $((SECONDS - t0)) "wall, seven files in parallel"
+  note tests $((SECONDS - t0)) "wall, eight files in parallel"
 fi
 if has gemm; then
   log "quantized GEMMs side by side"; t0=$SECONDS

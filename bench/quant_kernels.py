@@ -8,7 +8,7 @@ kernel of ``kernels.quant_dispatch.KERNELS`` that is installed, asked for (``--l
 takes the layer: FP8 per-channel weights (``fp8_skinny`` W8A16; ``fp8_w8a8`` and ``scaled_mm``,
 W8A8 with the activation quantiser; ``fp8_w8a8_inline``, W8A8 quantising its rows itself;
 ``gemlite_fp8``, ``fbgemm_rowwise``) and INT4 group-128 weights
-(``triton_skinny``, ``triton``, ``tinygemm``, ``gemlite``, ``fbgemm_i4``); ``--schemes
+(``triton_skinny``, ``triton_tiled`` on its repacked layout, ``triton``, ``tinygemm``, ``gemlite``, ``fbgemm_i4``); ``--schemes
 ...,w8a16`` adds INT8 group-128 weights. Times are device time per call, replayed from one CUDA
 graph over enough distinct copies of the weights (>= 256 MB, built once per shape and scheme
 and shared by every kernel) that the 50 MB L2 cannot serve repeats, as a decode step runs.
@@ -45,7 +45,7 @@ import torch
 from bench.kernels import graph_ms
 from kernels import quant_dispatch, quant_libs, reference_quant as ref
 from kernels import (skinny_gemm, triton_fp8_linear, triton_fp8_w8a8, triton_fp8_w8a8_inline,
-                     triton_quant, triton_w4a16)
+                     triton_quant, triton_w4a16, triton_w4a16_tiled)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
@@ -53,10 +53,10 @@ ROTATE_BYTES = 256 << 20          # distinct weights per graph: past the H200's 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"                   # "cpu": the tests' interpreted smoke run
 SKINNY = {"fp8_skinny": triton_fp8_linear, "fp8_w8a8": triton_fp8_w8a8,
-          "fp8_w8a8_inline": triton_fp8_w8a8_inline,
+          "fp8_w8a8_inline": triton_fp8_w8a8_inline, "triton_tiled": triton_w4a16_tiled,
           "triton_skinny": triton_w4a16}
 W8A8 = ("fp8_w8a8", "scaled_mm", "fbgemm_rowwise")   # the activations rounded to e4m3 too
-OWN_TILES = ("fp8_w8a8", "fp8_w8a8_inline")   # kernels whose tiles the table pins under their name
+OWN_TILES = ("fp8_w8a8", "fp8_w8a8_inline", "triton_tiled")   # kernels whose tiles the table pins under their name
 # the layers whose rows the norm and SiLU kernels quantise when a W8A8 kernel runs them
 # (dataplane.model: wants_fp8_rows); o's come from attention and pay the quantiser
 ROWS_LAYERS = ("qkv", "gate_up", "down")
@@ -92,6 +92,9 @@ def _weight_bytes(scheme, n, k):
     return n * k + 4 * n if scheme == "fp8" else n * k * _bits(scheme) // 8 + 5 * n * (k // GROUP)
 
 
+_TILED: dict = {}     # id(qweight) -> (qweight, its tiled layout): the sweep's calls share it
+
+
 def _caller(scheme, kernel, w, tile=None):
     """A function of x for one copy of the weights ``w``, through ``kernel`` (a skinny one at
     ``tile``, or its pinned / fixed tile)."""
@@ -111,6 +114,12 @@ def _caller(scheme, kernel, w, tile=None):
     if scheme == "fp8":
         return lambda x: triton_quant.fp8_linear(x, *w, kernel=kernel)
     bits = _bits(scheme)
+    if kernel == "triton_tiled":      # its layout made once per weight copy
+        tiled = _TILED.get(id(w[0]))
+        if tiled is None:
+            tiled = _TILED[id(w[0])] = (w[0], triton_w4a16_tiled.pack_tiled(w[0]))
+        return lambda x: triton_w4a16_tiled.w4a16_tiled_linear(x, tiled[1], w[1], w[2], GROUP,
+                                                               tile=tile)
     if kernel == "triton_skinny":
         return lambda x: triton_w4a16.w4a16_linear(x, *w, None, bits, GROUP, tile=tile)
     g_idx = (torch.arange(w[0].shape[0] * 32 // bits, device=DEVICE) // GROUP).to(torch.int32)
@@ -138,6 +147,8 @@ def candidates(scheme, n, k, libs) -> list[str]:
         if library is not None and (library not in libs or not quant_libs.takes(
                 kernel, scheme="fp8" if scheme == "fp8" else "wna16", n=n, k=k, dtype=DTYPE,
                 bits=_bits(scheme), group_size=GROUP)):
+            continue
+        if kernel == "triton_tiled" and not triton_w4a16_tiled.supports(_bits(scheme), GROUP, n, k):
             continue
         out.append(kernel)
     return out

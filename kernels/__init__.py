@@ -149,12 +149,15 @@ def fp8_linear(x, weight, weight_scale, input_scale=None, bias=None, kernel=None
     return reference_quant.fp8_linear(x, weight, weight_scale, input_scale, bias, dense=dense)
 
 
-def wna16_linear(x, qweight, scales, zeros, g_idx, perm, bits, group_size, bias=None, kernel=None):
-    """kernels.reference_quant.wna16_linear's semantics; ``kernel`` (triton_skinny / triton)
+def wna16_linear(x, qweight, scales, zeros, g_idx, perm, bits, group_size, bias=None, kernel=None,
+                 tiled=None):
+    """kernels.reference_quant.wna16_linear's semantics; ``kernel`` (triton_skinny /
+    triton_tiled, on ``tiled``: the weight's ``triton_w4a16_tiled.pack_tiled`` layout / triton)
     picks the Triton kernel where Triton runs."""
     if on_triton(x):
         return _triton[0]["wna16_linear"].wna16_linear(x, qweight, scales, zeros, g_idx, perm,
-                                                       bits, group_size, bias, kernel=kernel)
+                                                       bits, group_size, bias, kernel=kernel,
+                                                       tiled=tiled)
     return reference_quant.wna16_linear(x, qweight, scales, zeros, g_idx, perm, bits, group_size,
                                         bias)
 
@@ -185,11 +188,13 @@ def wna16_linear_kernel(rows: int, device: str | torch.device = "cuda",
     n, k = shape or (0, group_size)
     if shape is None:
         return quant.wna16_kernel(rows, bits, group_size, k)
-    from kernels import quant_dispatch, quant_libs, triton_w4a16
+    from kernels import quant_dispatch, quant_libs, triton_w4a16, triton_w4a16_tiled
 
     def takes(name: str) -> bool:
         if name == "triton_skinny":
             return triton_w4a16.supports(bits, group_size, k)
+        if name == "triton_tiled":
+            return triton_w4a16_tiled.supports(bits, group_size, n, k)
         return quant_libs.takes(name, scheme="wna16", n=n, k=k, dtype=torch.bfloat16, bits=bits,
                                 group_size=group_size)
     return quant_dispatch.plan(f"w{bits}a16", n, k, backend, takes).kernel(rows)

@@ -12,7 +12,8 @@ fp8        ``fp8_skinny`` (Triton W8A16, ``kernels.triton_fp8_linear``), ``fp8_w
            per-token activation quantiser + ``torch._scaled_mm``, W8A8), ``gemlite_fp8``
            (gemlite's FP8 weight-only GEMV/GEMM), ``fbgemm_rowwise`` (FBGEMM GenAI's
            row-wise W8A8 ``f8f8bf16_rowwise``)
-w4a16,     ``triton_skinny`` (``kernels.triton_w4a16``), ``triton`` (``kernels.triton_quant``'s
+w4a16,     ``triton_skinny`` (``kernels.triton_w4a16``), ``triton_tiled`` (4-bit, on a repacked
+           copy of the weight: ``kernels.triton_w4a16_tiled``), ``triton`` (``kernels.triton_quant``'s
            general dequantise-and-dot kernel: any group layout, prefill sizes), ``tinygemm``
            (torch's built-in ``_weight_int4pack_mm``), ``gemlite``, ``fbgemm_i4`` (FBGEMM
 w8a16      GenAI's preshuffled CUTLASS ``bf16i4bf16_shuffled``); 4-bit kernels rank in w4a16,
@@ -47,13 +48,13 @@ from typing import Callable
 
 BACKENDS = ("auto", "triton", "torch", "gemlite", "fbgemm")
 SCHEMES = ("fp8", "w4a16", "w8a16")
-_INTEGER = ("triton_skinny", "triton", "tinygemm", "gemlite", "fbgemm_i4")
+_INTEGER = ("triton_skinny", "triton_tiled", "triton", "tinygemm", "gemlite", "fbgemm_i4")
 KERNELS = {"fp8": ("fp8_skinny", "fp8_w8a8", "fp8_w8a8_inline", "scaled_mm", "gemlite_fp8",
                    "fbgemm_rowwise"),
            "w4a16": _INTEGER, "w8a16": _INTEGER}
 FAMILY = {"fp8_skinny": "triton", "fp8_w8a8": "triton", "fp8_w8a8_inline": "triton",
           "scaled_mm": "triton",
-          "triton_skinny": "triton",
+          "triton_skinny": "triton", "triton_tiled": "triton",
           "triton": "triton", "tinygemm": "torch", "gemlite_fp8": "gemlite", "gemlite": "gemlite",
           "fbgemm_rowwise": "fbgemm", "fbgemm_i4": "fbgemm"}
 # torch's family runs _scaled_mm for FP8 at every size
@@ -64,7 +65,7 @@ FAMILY_WNA16 = {"triton": None, "torch": "tinygemm", "gemlite": "gemlite", "fbge
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 8192)
 MAX_ROWS = 128
 ALWAYS = ("fp8_skinny", "fp8_w8a8", "fp8_w8a8_inline", "scaled_mm", "triton")   # take every layer of their scheme
-TILE_KEYS = SCHEMES + ("fp8_w8a8", "fp8_w8a8_inline")   # the pinned tiles' keys: a scheme, or a second kernel's
+TILE_KEYS = SCHEMES + ("fp8_w8a8", "fp8_w8a8_inline", "triton_tiled")   # the pinned tiles' keys: a scheme, or a second kernel's
 TABLE_PATH = pathlib.Path(__file__).with_name("quant_dispatch.json")
 # HEADRACE_QUANT_AUTOTUNE=1: our skinny kernels (kernels.skinny_gemm) and gemlite time their
 # tiles per shape at first use instead of the pinned / fixed ones (minutes at start-up)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels import (skinny_gemm, triton_fp8_linear, triton_fp8_w8a8, triton_fp8_w8a8_inline,
-                     triton_w4a16)
+                     triton_w4a16, triton_w4a16_tiled)
 from kernels.host import cdiv, next_pow2
 from kernels.triton_e4m3 import to_e4m3
 from kernels.reference_quant import FP8, FP8_MAX, FP8_MIN_SCALE, Fp8Rows
@@ -78,7 +78,7 @@ def per_token_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
 # row bucket kernels.quant_dispatch chooses from the H200's measurements (bench/quant_kernels.py).
 FP8_SKINNY_MAX_ROWS = skinny_gemm.MAX_ROWS
 FP8_KERNELS = ("fp8_skinny", "fp8_w8a8", "fp8_w8a8_inline", "scaled_mm")
-WNA16_KERNELS = ("triton_skinny", "triton")
+WNA16_KERNELS = ("triton_skinny", "triton_tiled", "triton")
 
 
 def fp8_kernel(m: int) -> str:
@@ -216,18 +216,25 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  g_idx: torch.Tensor, perm: torch.Tensor | None, bits: int, group_size: int,
                  bias: torch.Tensor | None = None,
                  config: tuple[int, int, int, int, int] | None = None,
-                 kernel: str | None = None) -> torch.Tensor:
+                 kernel: str | None = None, tiled: torch.Tensor | None = None) -> torch.Tensor:
     """See kernels.reference_quant.wna16_linear. ``group_size`` > 0 (groups contiguous and
     equal) lets the kernels index scales by k // group_size; 0 makes the general kernel read
-    ``g_idx``. ``kernel``: one of WNA16_KERNELS instead of ``wna16_kernel``'s choice;
-    ``config``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, split_k) of the general kernel instead of
-    ``_tiles``' choice (bench/quant_kernels.py's sweep)."""
+    ``g_idx``. ``kernel``: one of WNA16_KERNELS instead of ``wna16_kernel``'s choice
+    (``triton_tiled`` runs on ``tiled``, ``triton_w4a16_tiled.pack_tiled(qweight)``, which the
+    caller keeps); ``config``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, split_k) of the general
+    kernel instead of ``_tiles``' choice (bench/quant_kernels.py's sweep)."""
     n = qweight.shape[1]
     k = qweight.shape[0] * (32 // bits)
     x2 = x.reshape(-1, k)
     kernel = kernel or ("triton" if config else wna16_kernel(x2.shape[0], bits, group_size, k))
     if kernel == "triton_skinny":
         return triton_w4a16.w4a16_linear(x, qweight, scales, zeros, perm, bits, group_size, bias)
+    if kernel == "triton_tiled":
+        if tiled is None:
+            raise ValueError("kernel 'triton_tiled' runs on the weight's tiled layout: pass "
+                             "tiled=triton_w4a16_tiled.pack_tiled(qweight)")
+        return triton_w4a16_tiled.w4a16_tiled_linear(x, tiled, scales, zeros, group_size, perm,
+                                                     bias)
     if kernel != "triton":
         raise ValueError(f"kernel must be one of {WNA16_KERNELS}, not {kernel!r}")
     x2 = skinny_gemm.activations(x, k, perm)

@@ -16,7 +16,9 @@ from kernels.skinny_gemm import Tile  # noqa: E402
 
 
 def test_candidates_are_ours_and_the_libraries_asked_for():
-    assert qk.candidates("w4a16", 4096, 4096, libs=set()) == ["triton_skinny", "triton"]
+    assert qk.candidates("w4a16", 4096, 4096, libs=set()) == ["triton_skinny", "triton_tiled",
+                                                              "triton"]
+    assert "triton_tiled" not in qk.candidates("w4a16", 4104, 4096, libs=set())   # N % 16
     assert qk.candidates("fp8", 4096, 4096, libs=set()) == ["fp8_skinny", "fp8_w8a8",
                                                             "fp8_w8a8_inline", "scaled_mm"]
 

@@ -174,3 +174,34 @@ def test_the_inline_w8a8_kernel_serves_a_layer_in_a_graph_on_float_rows(monkeypa
     graph.replay()
     eager = layer(static).float()
     torch.testing.assert_close(out.float(), eager, rtol=0, atol=1e-2 * eager.abs().max().item())
+
+
+def test_the_tiled_int4_kernel_serves_a_layer_in_a_graph(monkeypatch):
+    """An INT4 layer the table sends to triton_tiled at every row count: its tiled copy is made
+    at the plan (eagerly), the W4A16 reference holds at decode and prefill rows, and a CUDA-graph
+    capture with host syncs forbidden replays its eager output."""
+    from kernels import quant_dispatch
+    ranked = {"1": ["triton_tiled"], "256": ["triton_tiled"]}
+    monkeypatch.setattr(quant_dispatch, "table", lambda: {"w4a16": {f"{N}x{K}": ranked}})
+    layer = _int_layer("auto", 4)
+    layers.warm_up(layer, 128, torch.bfloat16)
+    assert layer.plan.kernels == {"triton_tiled"} and set(layer.prepared) == {"triton_tiled"}
+    for m in ROWS:
+        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+        want = _expect(layer, x)[0].float()
+        torch.testing.assert_close(layer(x).float(), want, rtol=0,
+                                   atol=2e-2 * want.abs().max().item())
+    static = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
+    layer(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = layer(static)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    static.copy_(torch.randn(16, K, device="cuda", dtype=torch.bfloat16))
+    graph.replay()
+    eager = layer(static).float()
+    torch.testing.assert_close(out.float(), eager, rtol=0, atol=1e-2 * eager.abs().max().item())

@@ -20,9 +20,13 @@ from torch import nn
 import kernels
 from dataplane import parallel
 from dataplane.quantization.formats import QWeight
-from kernels import quant_dispatch, quant_libs, reference_quant, skinny_gemm, triton_w4a16
+from kernels import (quant_dispatch, quant_libs, reference_quant, skinny_gemm, triton_w4a16,
+                     triton_w4a16_tiled)
 
 W8A8_OURS = ("scaled_mm", "fp8_w8a8")   # our W8A8 kernels: they take kernels.Fp8Rows
+# our kernels that run on a layout of their own, made at the plan (a second copy of the weight,
+# kept beside the canonical one that the other row counts' kernels read)
+OWN_LAYOUTS = ("triton_tiled",)
 
 
 class _Planned(nn.Module):
@@ -34,7 +38,7 @@ class _Planned(nn.Module):
         super().__init__()
         self.backend = backend
         self.plan: quant_dispatch.Plan | None = None
-        self.prepared: dict[str, object] = {}     # library kernel -> its layout of the weight
+        self.prepared: dict[str, object] = {}     # library or OWN_LAYOUTS kernel -> its layout
         self._by_rows: dict[int, str] = {}
 
     def kernel(self, x2: torch.Tensor, m: int | None = None) -> str | None:
@@ -57,7 +61,7 @@ class _Planned(nn.Module):
                                "the model eagerly first (warm-up)")
         self.plan = quant_dispatch.plan(self.scheme, self.out_features, self.in_features,
                                         self.backend, lambda name: self.takes(name, dtype))
-        for name in self.plan.kernels & set(quant_libs.KERNEL_LIBRARY):
+        for name in self.plan.kernels & (set(quant_libs.KERNEL_LIBRARY) | set(OWN_LAYOUTS)):
             self.prepared[name] = self.prepare(name, dtype)
 
     def takes(self, name: str, dtype: torch.dtype) -> bool:
@@ -147,16 +151,25 @@ class WNA16Linear(_Planned):
     def takes(self, name: str, dtype: torch.dtype) -> bool:
         if name == "triton_skinny":
             return triton_w4a16.supports(self.bits, self.group_size, self.in_features)
+        if name == "triton_tiled":
+            return triton_w4a16_tiled.supports(self.bits, self.group_size, self.out_features,
+                                               self.in_features)
         return quant_libs.takes(name, scheme="wna16", n=self.out_features, k=self.in_features,
                                 dtype=dtype, bits=self.bits, group_size=self.group_size)
 
     def prepare(self, name: str, dtype: torch.dtype):
+        if name == "triton_tiled":
+            return triton_w4a16_tiled.pack_tiled(self.qweight)
         return quant_libs.prepare_wna16(name, self.qweight, self.scales, self.zeros, self.bits,
                                         self.group_size, dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         name = self.kernel(x2)
+        if name == "triton_tiled":
+            return kernels.wna16_linear(x, self.qweight, self.scales, self.zeros, self.g_idx,
+                                        self.perm, self.bits, self.group_size, bias, kernel=name,
+                                        tiled=self.prepared[name])
         if name in self.prepared:
             if self.perm is not None:
                 x2 = x2.index_select(1, self.perm)
