@@ -141,10 +141,10 @@ def _tiled_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, stride_xm, stride_om, M
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         words_next = tl.load(w_at + tl.minimum(k0 + BLOCK_K, last) // 16 * 32)
-        xt = tl.load(x_at + k0)                                          # [BK, BM]
         zrow = Z + (k0 // GROUP) * N
         q = _operand(words, zrow, nb, cols_in, NB, BLOCK_N,
                      ASM and not DOT_F32 and dtype == tl.bfloat16, dtype)
+        xt = tl.load(x_at + k0)                                          # [BK, BM]
         if DOT_F32 or dtype == tl.float32:
             t_ = tl.dot(q.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
         else:
