@@ -20,7 +20,8 @@ from dataplane.cuda_graphs import DecodeGraphs  # noqa: E402
 from dataplane.loader import load_model  # noqa: E402
 from dataplane.model import AttentionMetadata  # noqa: E402
 from dataplane.quantization import layers, resolve  # noqa: E402
-from kernels import triton_fp8_linear, triton_quant, triton_w4a16  # noqa: E402
+from kernels import (quant_dispatch, triton_fp8_linear, triton_quant, triton_w4a16,  # noqa: E402
+                     triton_w4a16_tiled)
 from tests import quant_checkpoints as qc  # noqa: E402
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the GPU twin is tests/test_quant_gpu.py")
@@ -34,7 +35,8 @@ def triton_quant_layers(monkeypatch):
                                               "wna16_linear": triton_quant}, None))
     monkeypatch.setattr(kernels, "MODE", "triton")
     calls = []
-    for module, name in ((triton_fp8_linear, "fp8_weight_linear"), (triton_w4a16, "w4a16_linear")):
+    for module, name in ((triton_fp8_linear, "fp8_weight_linear"), (triton_w4a16, "w4a16_linear"),
+                         (triton_w4a16_tiled, "w4a16_tiled_linear")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **kw:
                             calls.append((_name, a[0].reshape(-1, a[0].shape[-1]).shape[0]))
@@ -52,8 +54,13 @@ def _meta(seq_lens, q_lens, tables):
                              decode_only=max(q_lens) == 1)
 
 
-@pytest.mark.parametrize("kind", ["fp8", "gptq-int4"])
-def test_a_quantized_decode_step_replays_like_the_eager_step(tmp_path, triton_quant_layers, kind):
+@pytest.mark.parametrize("kind", ["fp8", "gptq-int4", "gptq-int4-tiled"])
+def test_a_quantized_decode_step_replays_like_the_eager_step(tmp_path, triton_quant_layers, kind,
+                                                             monkeypatch):
+    """gptq-int4-tiled: the table ranks the tiled INT4 kernel first for every shape and row
+    count, so each layer makes its tiled copy at its plan, before capture."""
+    if kind.endswith("tiled"):
+        monkeypatch.setattr(quant_dispatch, "ranking", lambda *a: ["triton_tiled"])
     if kind == "fp8":
         path, method = qc.float_model(tmp_path)[0], "fp8"
     else:
@@ -61,7 +68,7 @@ def test_a_quantized_decode_step_replays_like_the_eager_step(tmp_path, triton_qu
     model = load_model(path, load_model_config(path), torch.device("cpu"), torch.float32, 64, None,
                        resolve(path, method))
     plans = layers.warm_up(model, 4, torch.float32)
-    skinny = "fp8_skinny" if kind == "fp8" else "triton_skinny"
+    skinny = {"fp8": "fp8_skinny", "gptq-int4": "triton_skinny"}.get(kind, "triton_tiled")
     assert plans and all(f"1: {skinny}" in line and f"4: {skinny}" in line for line in plans)
     batch, blocks = 3, 2
     caches = kv_cache.allocate(model.cfg, batch * blocks, BS, torch.float32, torch.device("cpu"))
@@ -84,7 +91,8 @@ def test_a_quantized_decode_step_replays_like_the_eager_step(tmp_path, triton_qu
         meta = _meta([PROMPT + 1] * batch, [1] * batch, tables)
         eager = model.logits(model(step, torch.full((batch,), PROMPT), eager_caches, meta))
     torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
-    kernel = "fp8_weight_linear" if kind == "fp8" else "w4a16_linear"
+    kernel = {"fp8": "fp8_weight_linear", "gptq-int4": "w4a16_linear"}.get(kind,
+                                                                           "w4a16_tiled_linear")
     # 4 projections a layer, replayed at the graph's padded batch of 4 rows
     assert triton_quant_layers.count((kernel, 4)) == 4 * model.cfg.num_layers
     if kind == "fp8":   # the reference is W8A8 (activations rounded too), the decode path W8A16
