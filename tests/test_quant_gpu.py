@@ -41,6 +41,39 @@ def _int_layer(backend: str, bits: int) -> layers.WNA16Linear:
                               backend)
 
 
+def _served_by(monkeypatch, kernel: str, scheme: str, make_layer):
+    """A layer (``auto``) whose table ranks ``kernel`` first at every row count, warmed up: its
+    plan holds that kernel alone."""
+    from kernels import quant_dispatch
+    ranked = {"1": [kernel], "256": [kernel]}
+    monkeypatch.setattr(quant_dispatch, "table", lambda: {scheme: {f"{N}x{K}": ranked}})
+    layer = make_layer()
+    layers.warm_up(layer, 128, torch.bfloat16)
+    assert layer.plan.kernels == {kernel}
+    return layer
+
+
+def _replays_like_eager(layer, m: int, replays: int = 1) -> None:
+    """The layer on m rows captured in a CUDA graph with host syncs forbidden (after an eager
+    call: planned, compiled, its layouts made) replays its eager output on new inputs."""
+    static = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+    layer(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")    # a host sync while capturing fails
+        try:
+            out = layer(static)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for _ in range(replays):
+        static.copy_(torch.randn(m, K, device="cuda", dtype=torch.bfloat16))
+        graph.replay()
+        eager = layer(static).float()          # split-K sums in another order: not bitwise
+        torch.testing.assert_close(out.float(), eager, rtol=0,
+                                   atol=1e-2 * eager.abs().max().item())
+
+
 def _expect(layer, x):
     if isinstance(layer, layers.Fp8Linear):
         w8a16 = ref.fp8_weight_linear(x, layer.weight, layer.weight_scale, layer.bias)
@@ -73,22 +106,7 @@ def test_every_kernel_matches_the_reference_and_replays_in_a_graph(backend, sche
         err = min((got - w8a16).abs().max().item(), (got - w8a8).abs().max().item())
         assert err <= 2e-2 * scale, (layer.plan.kernel(m), m, err, scale)
     for m in (1, 4, 16):
-        static = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
-        layer(static)                                  # eager first: planned and tuned
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            torch.cuda.set_sync_debug_mode("error")    # a host sync while capturing fails
-            try:
-                out = layer(static)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        for _ in range(2):
-            static.copy_(torch.randn(m, K, device="cuda", dtype=torch.bfloat16))
-            graph.replay()
-            eager = layer(static).float()          # split-K sums in another order: not bitwise
-            torch.testing.assert_close(out.float(), eager, rtol=0,
-                                       atol=1e-2 * eager.abs().max().item())
+        _replays_like_eager(layer, m, replays=2)
 
 
 @pytest.mark.parametrize("backend", [b for b in ("triton", "fbgemm")
@@ -113,12 +131,7 @@ def test_the_w8a8_skinny_kernel_serves_a_layer_in_a_graph_and_on_quantised_rows(
     reference at decode and prefill rows, a CUDA-graph capture with host syncs forbidden, and
     rows quantised before it (as the norm and SiLU kernels hand them) give the layer's own
     output."""
-    from kernels import quant_dispatch
-    ranked = {"1": ["fp8_w8a8"], "256": ["fp8_w8a8"]}
-    monkeypatch.setattr(quant_dispatch, "table", lambda: {"fp8": {f"{N}x{K}": ranked}})
-    layer = _fp8_layer("auto")
-    layers.warm_up(layer, 128, torch.bfloat16)
-    assert layer.plan.kernels == {"fp8_w8a8"}
+    layer = _served_by(monkeypatch, "fp8_w8a8", "fp8", lambda: _fp8_layer("auto"))
     for m in ROWS:
         x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
         want = ref.fp8_linear(x, layer.weight, layer.weight_scale, None, layer.bias).float()
@@ -128,80 +141,32 @@ def test_the_w8a8_skinny_kernel_serves_a_layer_in_a_graph_and_on_quantised_rows(
         rows = kernels.Fp8Rows(*ref.per_token_fp8(x), torch.bfloat16)
         torch.testing.assert_close(layer(rows).float(), got, rtol=0,
                                    atol=2e-2 * got.abs().max().item())
-    static = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
-    layer(static)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = layer(static)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    static.copy_(torch.randn(16, K, device="cuda", dtype=torch.bfloat16))
-    graph.replay()
-    eager = layer(static).float()
-    torch.testing.assert_close(out.float(), eager, rtol=0, atol=1e-2 * eager.abs().max().item())
+    _replays_like_eager(layer, 16)
 
 
 def test_the_inline_w8a8_kernel_serves_a_layer_in_a_graph_on_float_rows(monkeypatch):
     """An FP8 layer the table sends to fp8_w8a8_inline at every row count: the per-128-column
     W8A8 reference at decode and prefill rows; it does not ask for quantised rows (it quantises
     its own), and a CUDA-graph capture with host syncs forbidden replays its eager output."""
-    from kernels import quant_dispatch
-    ranked = {"1": ["fp8_w8a8_inline"], "256": ["fp8_w8a8_inline"]}
-    monkeypatch.setattr(quant_dispatch, "table", lambda: {"fp8": {f"{N}x{K}": ranked}})
-    layer = _fp8_layer("auto")
-    layers.warm_up(layer, 128, torch.bfloat16)
-    assert layer.plan.kernels == {"fp8_w8a8_inline"}
+    layer = _served_by(monkeypatch, "fp8_w8a8_inline", "fp8", lambda: _fp8_layer("auto"))
     for m in ROWS:
         x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
         want = ref.fp8_group_linear(x, layer.weight, layer.weight_scale, layer.bias).float()
         torch.testing.assert_close(layer(x).float(), want, rtol=0,
                                    atol=2e-2 * want.abs().max().item())
         assert not layer.wants_fp8_rows(x)
-    static = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
-    layer(static)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = layer(static)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    static.copy_(torch.randn(16, K, device="cuda", dtype=torch.bfloat16))
-    graph.replay()
-    eager = layer(static).float()
-    torch.testing.assert_close(out.float(), eager, rtol=0, atol=1e-2 * eager.abs().max().item())
+    _replays_like_eager(layer, 16)
 
 
 def test_the_tiled_int4_kernel_serves_a_layer_in_a_graph(monkeypatch):
     """An INT4 layer the table sends to triton_tiled at every row count: its tiled copy is made
     at the plan (eagerly), the W4A16 reference holds at decode and prefill rows, and a CUDA-graph
     capture with host syncs forbidden replays its eager output."""
-    from kernels import quant_dispatch
-    ranked = {"1": ["triton_tiled"], "256": ["triton_tiled"]}
-    monkeypatch.setattr(quant_dispatch, "table", lambda: {"w4a16": {f"{N}x{K}": ranked}})
-    layer = _int_layer("auto", 4)
-    layers.warm_up(layer, 128, torch.bfloat16)
-    assert layer.plan.kernels == {"triton_tiled"} and set(layer.prepared) == {"triton_tiled"}
+    layer = _served_by(monkeypatch, "triton_tiled", "w4a16", lambda: _int_layer("auto", 4))
+    assert set(layer.prepared) == {"triton_tiled"}
     for m in ROWS:
         x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
         want = _expect(layer, x)[0].float()
         torch.testing.assert_close(layer(x).float(), want, rtol=0,
                                    atol=2e-2 * want.abs().max().item())
-    static = torch.randn(16, K, device="cuda", dtype=torch.bfloat16)
-    layer(static)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = layer(static)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    static.copy_(torch.randn(16, K, device="cuda", dtype=torch.bfloat16))
-    graph.replay()
-    eager = layer(static).float()
-    torch.testing.assert_close(out.float(), eager, rtol=0, atol=1e-2 * eager.abs().max().item())
+    _replays_like_eager(layer, 16)
