@@ -3,7 +3,8 @@
 #   bash bench/quant_gpu_check.sh [SECTION...]     (default: wheels tests gemm attention)
 # Two device calls (carry .whl with the serving kit of wheels):
 #   1. check and choose, ONE call of <= 5 min (expected ~3): bash bench/quant_gpu_check.sh
-#      then commit $OUT/quant_dispatch.json as kernels/quant_dispatch.json (rankings + tiles)
+#      then commit $OUT/quant_dispatch.json as kernels/quant_dispatch.json (rankings + tiles);
+#      HEADRACE_COMMIT=<the tree's commit> names it in the table where the copy's git is stale
 #   2. the figures, ~8-9 min:      bash bench/quant_gpu_check.sh wheels serve
 #      (serve = w1kv, ~2 min, + l8, ~6-7 min: run them in separate calls if one is too long)
 # Sections (times: estimates for an H200 host with 16 cores, from the number of distinct Triton

@@ -37,6 +37,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import subprocess
 import time
 
@@ -349,8 +350,10 @@ def main() -> None:
                                       for m, us in t.items())
                 for kern, t in by_kernel.items()))
     if args.table:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
+        # HEADRACE_COMMIT: the tree's commit where its git metadata is stale (the device
+        # machine's copy of a working tree kept the session's first HEAD in session 25)
+        commit = os.environ.get("HEADRACE_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         with open(args.table, "w") as f:
             json.dump(table(rankings, tiles, ms, commit), f, indent=1)
         print(f"rankings and tiles written to {args.table} (commit as kernels/quant_dispatch.json)")
