@@ -44,7 +44,8 @@ def compile_skinny(scheme: str, block_m: int, block_n: int, warps: int, stages: 
     if scheme == "w4a16":
         kernel, block_k = triton_w4a16._w4a16_skinny_kernel, triton_w4a16.BLOCK_K
         types = {"X": "*bf16", "QW": "*i32", "S": "*bf16", "Z": "*u8"}
-        const = {"BITS": 4, "ASM": asm, "EVEN_K": True, "EVEN_N": True}
+        const = {"BITS": 4, "ASM": asm, "EVEN_K": True, "EVEN_N": True,
+                 "PACKED": asm and block_m == 1}
     elif scheme == "fp8":
         kernel, block_k = triton_fp8_linear._fp8_skinny_kernel, 256
         types = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32"}
@@ -79,7 +80,8 @@ def compile_skinny(scheme: str, block_m: int, block_n: int, warps: int, stages: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--schemes", default="w4a16,fp8")
-    ap.add_argument("--asm", action="store_true", help="W4A16: the PTX unpacking (UNPACK_ASM)")
+    ap.add_argument("--asm", action="store_true", help="W4A16: the PTX unpacking (UNPACK_ASM; "
+                    "the one-row program: on packed bfloat16 pairs, PACKED)")
     ap.add_argument("--tiles", default="16/64/4/4,16/64/4/3,64/128/4/3",
                     help="BLOCK_M/BLOCK_N/warps/stages, comma-separated (BLOCK_M 1: FMA program)")
     args = ap.parse_args()

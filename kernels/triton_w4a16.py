@@ -46,12 +46,14 @@ from kernels.host import cdiv
 from kernels.skinny_gemm import (MAX_SPLIT, PROGRAMS_PER_SM, Tile, Tuner, activations,
                                  launch_args, program_slice, store_or_reduce)
 from kernels.triton_int4_operand import dot_step_int4
+from kernels.triton_int4_packed import fma_pipelined_packed
 from kernels.triton_flash import INTERPRETED
 
 # The PTX unpacking (``triton_int4_operand.unpack_int4_bf16_asm``) instead of the Triton one,
 # for bfloat16 activations: off until the H200 measures it faster (the interpreter cannot run
 # PTX)
 UNPACK_ASM = not INTERPRETED and os.environ.get("HEADRACE_W4A16_ASM") == "1"
+PACKED = not INTERPRETED   # the one-row program on bfloat16 pairs (kernels.triton_int4_packed)
 BLOCK_K = 128          # K values per step: one group of the common 128, 64 bytes of int4 a column
 
 
@@ -61,7 +63,8 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          USE_DOT: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
                          PIPE: tl.constexpr = False, ASM: tl.constexpr = False,
-                         EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False):
+                         EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
+                         PACKED: tl.constexpr = False):
     PER: tl.constexpr = 32 // BITS
     KW: tl.constexpr = BLOCK_K // PER                 # packed words of K per step
     rows, cols, k_lo, k_hi = program_slice(K, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -76,8 +79,12 @@ def _w4a16_skinny_kernel(X, QW, S, Z, B, OUT, WS, CNT, M, N, K, GROUP, stride_xm
     x_rows = X + rows_in.to(tl.int64) * stride_xm
     if PIPE and not USE_DOT:      # one row a program (grid: M programs, each row exists)
         tl.static_assert(BLOCK_M == 1)
-        acc = _fma_pipelined(x_rows, QW, S, Z, cols_in, N, K, GROUP, k_lo, k_hi, BITS,
-                             BLOCK_N, BLOCK_K, EVEN_K)
+        if PACKED:      # 4-bit words, bfloat16 x, on the GPU: two values an instruction
+            acc = fma_pipelined_packed(x_rows, QW, S, Z, cols_in, N, K, GROUP, k_lo, k_hi,
+                                       BLOCK_N, BLOCK_K, EVEN_K)
+        else:
+            acc = _fma_pipelined(x_rows, QW, S, Z, cols_in, N, K, GROUP, k_lo, k_hi, BITS,
+                                 BLOCK_N, BLOCK_K, EVEN_K)
         store_or_reduce(acc, rows, cols, row_ok, col_ok, OUT, stride_om, WS, CNT, N, S, 0, B,
                         HAS_BIAS, SPLIT_K, False)
         return
@@ -272,6 +279,13 @@ TUNER = Tuner(triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0}
     split_limits=lambda tile: PIPE_SPLIT_LIMITS if tile.pipe else (PROGRAMS_PER_SM, MAX_SPLIT))
 
 
+def _packed(x2: torch.Tensor, bits: int) -> bool:
+    """Whether the one-row program runs on packed bfloat16 pairs (``kernels.
+    triton_int4_packed``: PTX, so compiled kernels only; x's rows read as 32-bit words)."""
+    return (PACKED and bits == 4 and x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0
+            and x2.stride(0) % 2 == 0)
+
+
 def supports(bits: int, group_size: int, k: int) -> bool:
     """Whether this kernel takes a layer: 4/8-bit values, groups of a multiple of BLOCK_K
     columns or one group for all of K (group_size >= k), no per-column group index."""
@@ -295,7 +309,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         group = group_size if group_size < k else cdiv(k, BLOCK_K) * BLOCK_K
         args.update(X=x2, QW=qweight, S=scales, Z=zeros, B=qweight if bias is None else bias, K=k,
                     GROUP=group, BITS=bits, HAS_BIAS=bias is not None, ASM=UNPACK_ASM,
-                    EVEN_K=k % BLOCK_K == 0)
+                    EVEN_K=k % BLOCK_K == 0, PACKED=_packed(x2, bits))
         TUNER(x2.shape[0], n, args, (args["M_BUCKET"], n, k, x.dtype, bits, bias is not None),
               tile, scheme=f"w{bits}a16")
     return out.reshape(*x.shape[:-1], n)
