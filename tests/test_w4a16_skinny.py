@@ -156,3 +156,23 @@ def test_w4a16_tiles_cover_every_bucket():
         tiles = triton_w4a16.TILES[bucket]
         assert tiles and all(t.block_k == triton_w4a16.BLOCK_K for t in tiles)
         assert all(t.block_m >= 16 for t in tiles if t.dot)
+
+
+def test_the_packed_one_row_program_needs_aligned_bfloat16_rows(monkeypatch):
+    """The GPU's one-row program on bfloat16 pairs reads x's rows as 32-bit words: an x whose
+    rows start at an odd element, float16 rows or 8-bit words take the float32 program, with
+    the same result."""
+    monkeypatch.setattr(triton_w4a16, "PACKED", True)
+    wide = torch.randn(2, 258).to(torch.bfloat16)
+    assert triton_w4a16._packed(wide[:, :256], 4)
+    assert not triton_w4a16._packed(wide[:, 1:], 4)                 # odd start
+    assert not triton_w4a16._packed(torch.randn(2, 257).to(torch.bfloat16)[:, :256], 4)  # stride
+    assert not triton_w4a16._packed(wide[:, :256].half(), 4)
+    assert not triton_w4a16._packed(wide[:, :256], 8)
+    monkeypatch.undo()
+    qweight, scales, zeros, g_idx, _ = _layer(64, 256, 4, 128, False, 5)
+    x = torch.randn(1, 257, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    expect = ref.wna16_linear(x[:, 1:], qweight, scales, zeros, g_idx, None, 4, 128)
+    dev = [t.to(DEVICE) for t in (qweight, scales, zeros)]
+    got = triton_w4a16.w4a16_linear(x.to(DEVICE)[:, 1:], *dev, None, 4, 128)
+    torch.testing.assert_close(got.cpu(), expect, **_tol(expect, torch.bfloat16))
