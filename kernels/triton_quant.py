@@ -6,10 +6,14 @@
   program per row: max|x| -> scale, then x / scale; or one static scale), then
   ``torch._scaled_mm`` runs the GEMM on the FP8 tensor cores with row-wise scales (scale_a
   [M, 1], scale_b [1, N], float32) and a bfloat16 output (cast to x's dtype when that differs).
-  ``fp8_kernel(m)`` names the default for m rows; ``kernels.quant_dispatch`` chooses per layer.
+  ``fp8_kernel(m)`` names the default for m rows; ``kernels.quant_dispatch`` chooses per layer,
+  also among the W8A8 skinny GEMMs (``kernel="fp8_w8a8"``: ``kernels.triton_fp8_w8a8`` after
+  the quantiser or on ``Fp8Rows``; ``"fp8_w8a8_inline"``: ``kernels.triton_fp8_w8a8_inline``,
+  x quantised per token and 128 columns in the GEMM).
 * ``wna16_linear``: W4A16 and W8A16. Up to ``skinny_gemm.MAX_ROWS`` rows, for groups of a
   multiple of 128 columns (or one group), the decode kernel of ``kernels.triton_w4a16``
-  (``kernel="triton_skinny"``); otherwise (``kernel="triton"``) the general kernel here: each
+  (``kernel="triton_skinny"``; ``"triton_tiled"``: ``kernels.triton_w4a16_tiled`` on the
+  weight's tiled copy, which the caller passes); otherwise (``kernel="triton"``) the general kernel here: each
   program owns a BLOCK_M x BLOCK_N tile of the output and walks K: it loads the packed int32
   words of a [BLOCK_K, BLOCK_N] weight tile (GPTQ layout, 32 / BITS values per word along K),
   shifts the values out, dequantises them with their group's scale and zero ((q - z) * s,
