@@ -29,8 +29,8 @@ does not hold. The table (``quant_dispatch.json`` beside this file) is
 ``bench/quant_kernels.py --table``'s output, kept in the repository once measured:
 ``{"rankings": {scheme: {"NxK": {"M": [kernel, ...fastest first]}}}, "tiles": {scheme:
 {"NxK": {"bucket": [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, split, dot]}}}, "device": ...}``
-(the tiles of ``fp8_w8a8`` and ``fp8_w8a8_inline`` under their own keys, beside
-``fp8_skinny``'s under ``fp8``);
+(the tiles of ``fp8_w8a8``, ``fp8_w8a8_inline`` and ``triton_tiled`` under their own keys,
+beside ``fp8_skinny``'s under ``fp8`` and ``triton_skinny``'s under ``w4a16``);
 a row bucket reads the ranking measured at the smallest M at or above it (the largest M
 otherwise). ``tiles`` pins the skinny kernels' launch per scheme, shape and row bucket (the
 bench's sweep winners; ``kernels.skinny_gemm`` computes a tile for the others).
