@@ -175,7 +175,8 @@ def fp8_linear_kernel(rows: int, device: str | torch.device = "cuda",
     from kernels import quant_dispatch, quant_libs
     n, k = shape
     return quant_dispatch.plan("fp8", n, k, backend, lambda name: quant_libs.takes(
-        name, scheme="fp8", n=n, k=k, dtype=torch.bfloat16)).kernel(rows)
+        name, scheme="fp8", n=n, k=k, dtype=torch.bfloat16),
+        max_layouts=quant_dispatch.layout_budget()).kernel(rows)
 
 
 def wna16_linear_kernel(rows: int, device: str | torch.device = "cuda",
@@ -197,4 +198,5 @@ def wna16_linear_kernel(rows: int, device: str | torch.device = "cuda",
             return triton_w4a16_tiled.supports(bits, group_size, n, k)
         return quant_libs.takes(name, scheme="wna16", n=n, k=k, dtype=torch.bfloat16, bits=bits,
                                 group_size=group_size)
-    return quant_dispatch.plan(f"w{bits}a16", n, k, backend, takes).kernel(rows)
+    return quant_dispatch.plan(f"w{bits}a16", n, k, backend, takes,
+                               max_layouts=quant_dispatch.layout_budget()).kernel(rows)

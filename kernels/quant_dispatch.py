@@ -65,6 +65,9 @@ FAMILY_WNA16 = {"triton": None, "torch": "tinygemm", "gemlite": "gemlite", "fbge
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 8192)
 MAX_ROWS = 128
 ALWAYS = ("fp8_skinny", "fp8_w8a8", "fp8_w8a8_inline", "scaled_mm", "triton")   # take every layer of their scheme
+# kernels that run on a copy of the weight in a layout of their own, made at the layer's plan
+# (FBGEMM's row-wise FP8 GEMM reads the e4m3 weight as it is)
+OWN_LAYOUT = ("tinygemm", "gemlite", "gemlite_fp8", "fbgemm_i4", "triton_tiled")
 TILE_KEYS = SCHEMES + ("fp8_w8a8", "fp8_w8a8_inline", "triton_tiled")   # the pinned tiles' keys: a scheme, or a second kernel's
 TABLE_PATH = pathlib.Path(__file__).with_name("quant_dispatch.json")
 # HEADRACE_QUANT_AUTOTUNE=1: our skinny kernels (kernels.skinny_gemm) and gemlite time their
@@ -195,11 +198,14 @@ def _rows(bucket: int) -> str:
 
 
 def plan(scheme: str, n: int, k: int, backend: str, takes: Callable[[str], bool],
-         rankings: dict | None = None) -> Plan:
+         rankings: dict | None = None, max_layouts: int | None = None) -> Plan:
     """The kernels of a layer of ``scheme`` with an [n, k] weight. ``takes(kernel)``: whether
     that kernel can run this layer here (its library installed; its layout, dtype and group
     constraints met); asked for ``triton_skinny`` and the library kernels (``fp8_skinny``,
-    ``scaled_mm`` and ``triton`` take every layer)."""
+    ``scaled_mm`` and ``triton`` take every layer). ``max_layouts`` (None: no limit; a layer
+    passes ``layout_budget()``): the most kernels of ``OWN_LAYOUT`` a plan may use,
+    since each holds the weight once more; beyond it, ``auto`` keeps those that run the most
+    row buckets and gives the others' buckets to the next kernel of their ranking."""
     if backend not in BACKENDS:
         raise ValueError(f"--quant-backend {backend!r}: choose from {', '.join(BACKENDS)}")
     if scheme not in SCHEMES:
@@ -211,12 +217,38 @@ def plan(scheme: str, n: int, k: int, backend: str, takes: Callable[[str], bool]
     skinny = scheme == "fp8" or usable("triton_skinny")
     family = (FAMILY_FP8 if scheme == "fp8" else FAMILY_WNA16).get(backend)
     rankings = table() if rankings is None else rankings
-    chosen = []
-    for b in BUCKETS:
+    budget = max_layouts
+
+    def choose(b: int, allowed: Callable[[str], bool]) -> str:
         name = default(scheme, b, skinny)
         if backend == "auto":
-            name = next((r for r in ranking(rankings, scheme, n, k, b) if usable(r)), name)
+            name = next((r for r in ranking(rankings, scheme, n, k, b)
+                         if usable(r) and allowed(r)), name)
         elif family is not None and usable(family):
             name = family
-        chosen.append((b, name))
+        return name
+
+    chosen = [(b, choose(b, lambda name: True)) for b in BUCKETS]
+    won = {}                     # each kernel with a layout of its own -> the buckets it runs
+    for b, name in chosen:
+        if name in OWN_LAYOUT:
+            won.setdefault(name, []).append(b)
+    if budget is not None and len(won) > budget:
+        # the layouts that run the most row buckets (ties: the one reaching the fewest rows)
+        kept = set(sorted(won, key=lambda name: (-len(won[name]), won[name][0]))[:budget])
+        chosen = [(b, name if name not in OWN_LAYOUT or name in kept else
+                   choose(b, lambda r: r not in OWN_LAYOUT or r in kept)) for b, name in chosen]
     return Plan(tuple(chosen))
+
+
+def layout_budget() -> int | None:
+    """HEADRACE_QUANT_LAYOUTS: how many layouts of its weight besides the checkpoint's a
+    quantized layer may hold (``OWN_LAYOUT``'s kernels: one copy each); default 1, ``all``
+    for no limit."""
+    value = os.environ.get("HEADRACE_QUANT_LAYOUTS", "1").strip()
+    if value == "all":
+        return None
+    if not value.isdigit():
+        raise ValueError(f"HEADRACE_QUANT_LAYOUTS={value!r}: a number of layouts (0, 1, 2, ...) "
+                         f"or 'all'")
+    return int(value)

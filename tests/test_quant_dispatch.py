@@ -115,3 +115,34 @@ def test_the_table_pins_skinny_tiles(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="is not"):
         qd.load_tiles(path)
     qd.load_tiles()     # the committed table's tiles (if any) are well formed
+
+
+def test_a_layer_holds_at_most_its_layout_budget_of_weight_copies(monkeypatch):
+    """tinygemm (M = 1), the tiled INT4 kernel (2-16) and FBGEMM (32 up) each hold the weight
+    once more: under a budget of one extra layout the plan keeps the one that runs the most
+    row buckets (FBGEMM's five) and gives the others' buckets to the next ranked kernel;
+    HEADRACE_QUANT_LAYOUTS sets the layers' budget (default 1, 'all': none)."""
+    ranked = {"w4a16": {"6144x4096": {"1": ["tinygemm", "triton_skinny"],
+                                      "16": ["triton_tiled", "triton_skinny"],
+                                      "64": ["fbgemm_i4", "triton_tiled"],
+                                      "256": ["fbgemm_i4", "triton"]}}}
+    every = qd.plan("w4a16", *LLAMA_QKV, "auto", lambda name: True, ranked)
+    assert every.kernels == {"tinygemm", "triton_tiled", "fbgemm_i4"}
+    one = qd.plan("w4a16", *LLAMA_QKV, "auto", lambda name: True, ranked, max_layouts=1)
+    assert one.kernel(1) == one.kernel(16) == "triton_skinny"
+    assert one.kernel(32) == one.kernel(4096) == "fbgemm_i4"
+    two = qd.plan("w4a16", *LLAMA_QKV, "auto", lambda name: True, ranked, max_layouts=2)
+    assert two.kernel(1) == "triton_skinny" and two.kernel(8) == "triton_tiled"
+    none = qd.plan("w4a16", *LLAMA_QKV, "auto", lambda name: True, ranked, max_layouts=0)
+    assert none.kernels == {"triton_skinny", "triton"}
+    # FBGEMM's row-wise FP8 GEMM reads the weight as it is: no copy, no budget
+    assert "fbgemm_rowwise" not in qd.OWN_LAYOUT
+    monkeypatch.delenv("HEADRACE_QUANT_LAYOUTS", raising=False)
+    assert qd.layout_budget() == 1
+    monkeypatch.setenv("HEADRACE_QUANT_LAYOUTS", "all")
+    assert qd.layout_budget() is None
+    monkeypatch.setenv("HEADRACE_QUANT_LAYOUTS", "3")
+    assert qd.layout_budget() == 3
+    monkeypatch.setenv("HEADRACE_QUANT_LAYOUTS", "many")
+    with pytest.raises(ValueError, match="HEADRACE_QUANT_LAYOUTS"):
+        qd.layout_budget()

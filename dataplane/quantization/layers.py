@@ -60,7 +60,8 @@ class _Planned(nn.Module):
             raise RuntimeError("a quantized layer's first call is inside CUDA-graph capture; run "
                                "the model eagerly first (warm-up)")
         self.plan = quant_dispatch.plan(self.scheme, self.out_features, self.in_features,
-                                        self.backend, lambda name: self.takes(name, dtype))
+                                        self.backend, lambda name: self.takes(name, dtype),
+                                        max_layouts=quant_dispatch.layout_budget())
         for name in self.plan.kernels & (set(quant_libs.KERNEL_LIBRARY) | set(OWN_LAYOUTS)):
             self.prepared[name] = self.prepare(name, dtype)
 
