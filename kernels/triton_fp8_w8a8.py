@@ -102,18 +102,19 @@ def _tile(m: int, n: int, k: int = 128, warps: int = 4, stages: int = 4, split: 
 
 # Candidate tiles per row bucket: the first (unsplit) one is the fixed choice (K split by
 # skinny_gemm.split_for) and the interpreter's; the rest are bench/quant_kernels.py's sweep.
-# 64 weight rows a program (Hopper's wgmma takes its A operand 64 rows at a time), but for the
-# last two small ones: 16-32 columns a program need no split K at 16 rows (o: 128-256 tiles),
-# and Triton runs them as mma.sync on the operands widened to float16 (exact); 128-256 bytes of each weight row a step, 3-5 stages in flight. The fixed tile splits K only
-# below 2 programs an SM (``W8A8_PROGRAMS_PER_SM``; the other kernels' tiles take 4): on the
-# H200 (session 24, M = 16, 16 x 64 x 128 tiles) gate_up's 448 programs ran in 35.4 us
-# unsplit and 42.9 split 2 ways, while qkv's 96, o's and down's 64 were fastest split 4 ways.
+# 64 weight rows a program at least (Hopper's wgmma takes its A operand 64 rows at a time;
+# 16-32 columns a program, which need no split K at 16 rows but run as mma.sync on operands
+# widened to float16, measured 13.6-15.4 us on qkv and o at 16 rows against 11.0-13.3 for the
+# 64-column tiles, session 25); 128-256 bytes of each weight row a step, 3-5 stages in flight.
+# The fixed tile splits K only below 2 programs an SM (``W8A8_PROGRAMS_PER_SM``; the other
+# kernels' tiles take 4): on the H200 (session 24, M = 16, 16 x 64 x 128 tiles) gate_up's 448
+# programs ran in 35.4 us unsplit and 42.9 split 2 ways, while qkv's 96, o's and down's 64
+# were fastest split 4 ways.
 _SMALL = [_tile(16, 64), _tile(16, 64, 128, 4, 4, 2), _tile(16, 64, 128, 4, 4, 4),
           _tile(16, 64, 256, 4, 3), _tile(16, 64, 256, 4, 3, 2), _tile(16, 64, 256, 4, 3, 4),
           _tile(16, 128, 128, 4, 4), _tile(16, 128, 128, 4, 4, 2), _tile(16, 128, 256, 8, 3),
           _tile(16, 64, 128, 4, 5, 2), _tile(16, 64, 128, 4, 5, 4), _tile(16, 64, 256, 4, 4, 2),
-          _tile(16, 128, 128, 8, 4, 4), _tile(16, 64, 128, 4, 3, 8), _tile(16, 32, 128, 4, 4),
-          _tile(16, 16, 128, 2, 4)]
+          _tile(16, 128, 128, 8, 4, 4), _tile(16, 64, 128, 4, 3, 8)]
 TILES = {
     2: _SMALL, 4: _SMALL, 8: _SMALL, 16: _SMALL,
     32: [_tile(32, 64), _tile(32, 64, 128, 4, 4, 2), _tile(32, 64, 128, 4, 4, 4),
