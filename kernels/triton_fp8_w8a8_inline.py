@@ -37,11 +37,13 @@ def _bucket(m: int, wide: int) -> list[Tile]:
     """A row bucket's candidates: the fixed (first) tile, then the sweep's."""
     return [_tile(m, 64), _tile(m, 64, 4, 4, 2), _tile(m, 64, 4, 4, 4), _tile(m, 64, 4, 5, 2),
             _tile(m, 64, 4, 5, 4), _tile(m, 128, wide), _tile(m, 128, wide, 4, 2),
-            _tile(m, 128, 8, 4, 4), _tile(m, 64, 4, 3, 8), _tile(m, 32), _tile(m, 32, 4, 4, 2),
-            _tile(m, 64, 8, 4, 4), _tile(m, 64, 4, 6, 4)]
+            _tile(m, 128, 8, 4, 4), _tile(m, 64, 4, 3, 8), _tile(m, 64, 8, 4, 4),
+            _tile(m, 64, 4, 6, 4)]
 
 
-_SMALL = _bucket(16, 4) + [_tile(16, 16, 2, 4)]
+# (16-32 columns a program, mma.sync on widened operands, were 1.3-3x slower on the H200 than
+# these at 1-16 rows in session 25's sweep)
+_SMALL = _bucket(16, 4)
 TILES = {1: _SMALL, 2: _SMALL, 4: _SMALL, 8: _SMALL, 16: _SMALL, 32: _bucket(32, 4),
          64: _bucket(64, 8), 128: [_tile(128, 128, 8, 3), _tile(64, 128, 8, 4),
                                    _tile(128, 64, 4, 4), _tile(128, 128, 8, 3, 2)]}
