@@ -14,8 +14,10 @@ one, of the same structure, 1.7 TB/s. ncu's warp-state and scheduler sections na
 ``--tile`` is BLOCK_M/BLOCK_N/warps/stages/split[/BLOCK_K] (the pinned or fixed tile when left
 out; BLOCK_M 1: the one-row pipelined FMA program). ``--scheme w8a8`` is the W8A8 program on
 rows quantised before it (as the norm and SiLU kernels hand them), ``w8a8i`` the one quantising
-its rows itself (``kernels.triton_fp8_w8a8_inline``). ``--calls`` eager launches (a profiler's), then
-the time per call replayed from a CUDA graph over >= 256 MB of weight copies.
+its rows itself (``kernels.triton_fp8_w8a8_inline``), ``w4a16t`` the INT4 program on the tiled
+layout (``kernels.triton_w4a16_tiled``, whose kernel ncu finds as ``_tiled_kernel``).
+``--calls`` eager launches (a profiler's), then the time per call replayed from a CUDA graph
+over >= 256 MB of weight copies.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from kernels.skinny_gemm import Tile
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scheme", choices=["w4a16", "fp8", "w8a8", "w8a8i"], default="w4a16")
+    ap.add_argument("--scheme", choices=["w4a16", "w4a16t", "fp8", "w8a8", "w8a8i"],
+                    default="w4a16")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qkv")
     ap.add_argument("--m", type=int, default=16)
     ap.add_argument("--tile", default=None, help="BLOCK_M/BLOCK_N/warps/stages/split")
@@ -42,9 +45,9 @@ def main() -> None:
     tile = None
     if args.tile:
         bm, bn, warps, stages, split, *block_k = map(int, args.tile.split("/"))
-        block_k = block_k or [triton_w4a16.BLOCK_K if args.scheme == "w4a16" else 128]
+        block_k = block_k or [triton_w4a16.BLOCK_K if args.scheme.startswith("w4a16") else 128]
         tile = Tile(bm, bn, block_k[0], warps, stages, split, dot=bm > 1, pipe=bm == 1)
-    scheme = "w4a16" if args.scheme == "w4a16" else "fp8"
+    scheme = "w4a16" if args.scheme.startswith("w4a16") else "fp8"
     weights = copies(scheme, n, k)          # >= 256 MB: past the L2
     x = torch.randn(args.m, k, device="cuda", dtype=torch.bfloat16)
     if args.scheme == "w8a8":
@@ -52,7 +55,7 @@ def main() -> None:
         calls = [lambda _, w=w: triton_fp8_w8a8.w8a8_linear(*rows, *w, tile=tile)
                  for w in weights]
     else:
-        kernel = {"w4a16": "triton_skinny", "fp8": "fp8_skinny",
+        kernel = {"w4a16": "triton_skinny", "w4a16t": "triton_tiled", "fp8": "fp8_skinny",
                   "w8a8i": "fp8_w8a8_inline"}[args.scheme]
         calls = [_caller(scheme, kernel, w, tile) for w in weights]
     for i in range(args.calls):         # eager launches: the ones a profiler catches

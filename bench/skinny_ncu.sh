@@ -8,7 +8,8 @@
 #    (PROFILE_TILE: the W4A16 tile profiled, default 16/32/2/3/8.)
 # 2. W4A16 M = 16 tiles (TILES), CUDA-graph timed, with and without the PTX unpacking
 #    (HEADRACE_W4A16_ASM=1); the other shapes' pinned tiles.
-# FP8=1: instead, the FP8 one-row and W8A8 programs (session 25; ~3 min).
+# FP8=1: instead, the FP8 one-row and W8A8 programs (session 25; ~1 min); INT4T=1: the tiled
+# INT4 kernel at 16 rows beside the GPTQ-layout one, gate_up (~1 min).
 # Reports under $OUT: NAME.txt (ncu's details), w4a16_m16_sass.csv; the last lines: a table.
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
@@ -17,7 +18,7 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 TABLE=$OUT/table.txt; : > "$TABLE"
 prof() {   # NAME ARGS...: ncu's sections for the 4th launch of one skinny GEMM
   echo "== ncu $1 ($(date +%T))"
-  timeout 150 "$NCU" --clock-control none -k regex:skinny --launch-skip 3 --launch-count 1 \
+  timeout 150 "$NCU" --clock-control none -k "regex:skinny|tiled" --launch-skip 3 --launch-count 1 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters \
     -o "/tmp/$1" -f python3 -m bench.skinny_ncu "${@:2}" > "$OUT/$1.log" 2>&1
@@ -34,6 +35,11 @@ if [ "${FP8:-0}" = 1 ]; then   # FP8 at qkv (session 25): the one-row FMA progra
   prof w8a8_m16 --scheme w8a8 --shape qkv --m 16 --tile 16/64/4/4/4
   prof w8a8_m16_unsplit --scheme w8a8 --shape qkv --m 16 --tile 16/64/4/3/1/256
   prof w8a8i_o_m16 --scheme w8a8i --shape o --m 16 --tile 16/64/4/3/8
+  echo "== table ($(date +%T))"; cat "$TABLE"; exit 0
+fi
+if [ "${INT4T:-0}" = 1 ]; then   # the tiled INT4 kernel at 16 rows beside the GPTQ one (~1 min)
+  prof w4a16t_m16 --scheme w4a16t --shape gate_up --m 16 --tile 16/64/4/3/1
+  prof w4a16_m16_gate_up --scheme w4a16 --shape gate_up --m 16 --tile 16/64/2/3/4
   echo "== table ($(date +%T))"; cat "$TABLE"; exit 0
 fi
 prof w4a16_m16 --scheme w4a16 --shape qkv --m 16 --tile ${PROFILE_TILE:-16/32/2/3/8}
