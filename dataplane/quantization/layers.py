@@ -24,9 +24,6 @@ from kernels import (quant_dispatch, quant_libs, reference_quant, skinny_gemm, t
                      triton_w4a16_tiled)
 
 W8A8_OURS = ("scaled_mm", "fp8_w8a8")   # our W8A8 kernels: they take kernels.Fp8Rows
-# our kernels that run on a layout of their own, made at the plan (a second copy of the weight,
-# kept beside the canonical one that the other row counts' kernels read)
-OWN_LAYOUTS = ("triton_tiled",)
 
 
 class _Planned(nn.Module):
@@ -38,7 +35,7 @@ class _Planned(nn.Module):
         super().__init__()
         self.backend = backend
         self.plan: quant_dispatch.Plan | None = None
-        self.prepared: dict[str, object] = {}     # library or OWN_LAYOUTS kernel -> its layout
+        self.prepared: dict[str, object] = {}     # library or OWN_LAYOUT kernel -> its layout
         self._by_rows: dict[int, str] = {}
 
     def kernel(self, x2: torch.Tensor, m: int | None = None) -> str | None:
@@ -62,7 +59,9 @@ class _Planned(nn.Module):
         self.plan = quant_dispatch.plan(self.scheme, self.out_features, self.in_features,
                                         self.backend, lambda name: self.takes(name, dtype),
                                         max_layouts=quant_dispatch.layout_budget())
-        for name in self.plan.kernels & (set(quant_libs.KERNEL_LIBRARY) | set(OWN_LAYOUTS)):
+        # a library's layout (a view of the weight, or a copy), or our own kernels' copies
+        for name in self.plan.kernels & (set(quant_libs.KERNEL_LIBRARY)
+                                         | set(quant_dispatch.OWN_LAYOUT)):
             self.prepared[name] = self.prepare(name, dtype)
 
     def takes(self, name: str, dtype: torch.dtype) -> bool:
