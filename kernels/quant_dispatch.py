@@ -90,9 +90,11 @@ def default(scheme: str, bucket: int, skinny: bool = True) -> str:
 def resolve_backend(backend: str, device_type: str, why_not: Callable[[str], str | None]) -> str:
     """Checks ``--quant-backend`` at start-up: a library backend needs a CUDA device and its
     package (``why_not(library)``: why it cannot run, None when it can); ValueError otherwise,
-    naming the package to install. Returns the backend."""
+    naming the package to install; a HEADRACE_QUANT_LAYOUTS that is not a number or ``all``
+    is refused here too, before any layer plans. Returns the backend."""
     if backend not in BACKENDS:
         raise ValueError(f"--quant-backend {backend!r}: choose from {', '.join(BACKENDS)}")
+    layout_budget()
     if backend in ("auto", "triton"):
         return backend
     if device_type != "cuda":

@@ -59,7 +59,9 @@ def test_the_bench_runs_end_to_end_on_a_tiny_shape(tmp_path, monkeypatch, capsys
     out = tmp_path / "t.json"
     monkeypatch.setattr("sys.argv", ["quant_kernels", "--m", "1,16", "--shapes", "tiny",
                                      "--table", str(out), "--rows"])
+    monkeypatch.setenv("HEADRACE_COMMIT", "abc1234")     # a tree whose git metadata is stale
     qk.main()
+    assert json.loads(out.read_text())["commit"] == "abc1234"
     printed = capsys.readouterr().out
     assert "target fp8 M=1" in printed and "target w4a16 M=16" in printed
     # the W8A8 kernels also timed on quantised rows (scaled_mm and ours: no library here)

@@ -78,3 +78,34 @@ def test_what_it_takes_and_refuses():
                                  scales.to(DEVICE), zeros.to(DEVICE), 128)
     assert "triton_tiled" in quant_dispatch.KERNELS["w4a16"]
     assert "triton_tiled" in quant_dispatch.TILE_KEYS
+
+
+def test_a_layer_plans_within_its_layout_budget(monkeypatch):
+    """A layer whose table ranks the tiled kernel first makes its tiled copy under the default
+    budget (one extra layout) and neither runs it nor makes the copy under a budget of none
+    (HEADRACE_QUANT_LAYOUTS=0); the results match the reference either way."""
+    import kernels
+    from dataplane.quantization import layers
+    from kernels import triton_quant
+    monkeypatch.setattr(kernels, "_triton", ({"fp8_linear": triton_quant,
+                                              "wna16_linear": triton_quant}, None))
+    monkeypatch.setattr(kernels, "MODE", "triton")
+    monkeypatch.setattr(quant_dispatch, "table", lambda: {"w4a16": {"64x256": {
+        "1": ["triton_tiled"], "256": ["triton_tiled"]}}})
+    qweight, scales, zeros, g_idx, _ = _layer(64, 256, 4, 128, False, 8)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    want = ref.wna16_linear(x.cpu(), qweight, scales, zeros, g_idx, None, 4, 128)
+    for budget, kernel in (("1", "triton_tiled"), ("0", "triton_skinny")):
+        monkeypatch.setenv("HEADRACE_QUANT_LAYOUTS", budget)
+        layer = layers.WNA16Linear(*(t.to(DEVICE) for t in (qweight, scales, zeros, g_idx)),
+                                   None, 4, 128, None, "auto")
+        got = layer(x)
+        assert layer.plan.kernel(3) == kernel
+        assert set(layer.prepared) == ({"triton_tiled"} if budget == "1" else set())
+        torch.testing.assert_close(got.cpu(), want, **_tol(want, torch.float32))
+
+
+def test_a_bad_layout_budget_is_refused_at_start(monkeypatch):
+    monkeypatch.setenv("HEADRACE_QUANT_LAYOUTS", "two")
+    with pytest.raises(ValueError, match="HEADRACE_QUANT_LAYOUTS='two'"):
+        quant_dispatch.resolve_backend("auto", "cpu", lambda library: None)
