@@ -42,6 +42,8 @@
 #   GEMM where kernels/quant_dispatch.json ranks it first, taking the norm / SiLU kernels'
 #   quantised rows); needs FBGEMM's wheel in WHEELS; ~5 min.
 # w2int4: W2 on Llama-3.1-8B only, bf16 vs the INT4 copy (the W2 ITL target); ~4 min.
+#   W2_ALSO="VAR=VALUE ...": the INT4 server again under each setting, one server each (~+1.5
+#   min each), e.g. W2_ALSO=HEADRACE_QUANT_LAYOUTS=all: the layout budget's price.
 # splits: FP8 against bf16 decode attention at batch 1-32 (several splits a sequence), the
 #   engine's tile beside others; ~60 s.
 # serve: w1kv and l8; then the table of issue 32's serving targets (server logs: $OUT/serve-N.log).
@@ -164,6 +166,11 @@ except ValueError: print(json.dumps({'label': '$1', 'error': 'no result'}))" | t
     python3 -m bench.quantize_checkpoint /tmp/llama8b /tmp/llama8b-w4a16 --device cuda > /dev/null
     up /tmp/llama8b $L8; bench "W2 llama8b bf16" w2; down
     up /tmp/llama8b-w4a16 $L8; bench "W2 llama8b int4" w2; down
+    for extra in ${W2_ALSO:-}; do   # the INT4 server again under one more setting (VAR=VALUE)
+      export "$extra"
+      up /tmp/llama8b-w4a16 $L8; bench "W2 llama8b int4 $extra" w2; down
+      unset "${extra%%=*}"
+    done
   fi
   if has l8; then
     log "checkpoints llama8b"
@@ -193,6 +200,10 @@ row("W3 Llama-8B tok/s, FP8 ours | FP8 auto", get("W3 llama8b fp8 ours", "output
     get("W3 llama8b fp8 weights + fp8 KV", "output_tok_per_s"), "tok/s", "(libraries' share)")
 row("W2 Llama-8B ITL p50, bf16 | INT4", get("W2 llama8b bf16", "itl_ms_p50"),
     get("W2 llama8b int4", "itl_ms_p50"), "ms", "<= 0.45x")
+for label in runs:
+    if label.startswith("W2 llama8b int4 "):
+        row(f"W2 ITL p50, bf16 | INT4 {label[16:]}", get("W2 llama8b bf16", "itl_ms_p50"),
+            get(label, "itl_ms_p50"), "ms", "<= 0.45x")
 row("W2 Llama-8B TTFT p50, bf16 | INT4", get("W2 llama8b bf16", "ttft_ms_p50"),
     get("W2 llama8b int4", "ttft_ms_p50"), "ms", "-")
 row("W2 Llama-8B ITL p50, bf16 | FP8 + FP8 KV", get("W2 llama8b bf16", "itl_ms_p50"),
