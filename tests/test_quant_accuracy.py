@@ -76,7 +76,9 @@ _DIR = tempfile.TemporaryDirectory(prefix="headrace-quant-acc-")
 
 
 @functools.lru_cache(maxsize=None)
-def weights(kind: str):
+def checkpoint(kind: str) -> tuple[pathlib.Path, str | None]:
+    """(the checkpoint's directory, its quantization method for ``resolve``) of ``kind``,
+    written once under a temporary directory (the float and online kinds: the embedded model)."""
     path = pathlib.Path(_DIR.name) / kind
     if kind in ("float", "fp8", "int8"):
         src, method = TINY, None if kind == "float" else kind
@@ -93,6 +95,12 @@ def weights(kind: str):
                               else ("FP8_DYNAMIC", "float-quantized", 0))
         src, _ = qc.compressed_tensors_checkpoint(path, preset, fmt, group, src=TINY)
         method = None
+    return src, method
+
+
+@functools.lru_cache(maxsize=None)
+def weights(kind: str):
+    src, method = checkpoint(kind)
     cfg = load_model_config(src)
     return load_model(src, cfg, torch.device("cpu"), torch.float32, 1024, None,
                       resolve(src, method))
@@ -177,6 +185,20 @@ def test_accuracy_within_bounds(scheme):
     assert agree >= min_agree, (scheme, agree)
 
 
+def test_the_gpu_script_measures_as_this_test_on_the_cpu():
+    """``bench/quant_accuracy_gpu.py`` (run on the H200 in bfloat16) measures like this module:
+    on the CPU in float32 it gives this module's perplexity and greedy agreement."""
+    from bench import quant_accuracy_gpu
+
+    scheme = "gptq int4 g128 sym"
+    [(_, ppl, ratio, agree, agree_here)] = quant_accuracy_gpu.table(
+        [scheme], torch.device("cpu"), torch.float32)
+    want_ppl, want_agree = measure(scheme)
+    assert ppl == pytest.approx(want_ppl, rel=1e-6)
+    assert ratio == pytest.approx(want_ppl / _baseline(), rel=1e-6)
+    assert agree == agree_here == want_agree
+
+
 if __name__ == "__main__":
     base = _baseline()
     print("| scheme | held-out perplexity | vs float | greedy agreement |")
@@ -184,3 +206,4 @@ if __name__ == "__main__":
     for name in SCHEMES:
         p, a = measure(name)
         print(f"| {name} | {p:.3f} | {p / base:.4f} | {a:.1%} |")
+
