@@ -234,7 +234,10 @@ def _dot(m: int, n: int, warps: int = 4, split: int = 1, stages: int = 3) -> Til
 
 
 # Candidate tiles per row bucket: the first (unsplit) one is the fixed choice (K split by
-# skinny_gemm.split_for) and the interpreter's; the rest are the sweep's and autotuner's.
+# skinny_gemm.split_for) and the interpreter's; the rest are the sweep's and autotuner's. At
+# one row only the pipelined program's tiles (on the H200 the FMA and dot tiles took 13.7-203
+# us where its best took 8.1-28.7, session 26); 2-warp tiles of 32 columns split 4-16 ways
+# were first or within 3% of it for every shape in an A/B sweep (o 7.7 against 8.1 us).
 # From 2 to 16 rows the 4-bit dot program runs 32 columns a program on 2 warps (its cost
 # hardly depends on its rows up to 16: its weight bytes bound it); 64 columns on 2 warps (0.29
 # instructions a weight byte against 0.34, x read half as often) measured level with it
@@ -245,8 +248,8 @@ def _dot(m: int, n: int, warps: int = 4, split: int = 1, stages: int = 3) -> Til
 TILES = {
     1: [_pipe(64), _pipe(64, 4, 8), _pipe(32, 4, 4), _pipe(32, 4, 8), _pipe(64, 4, 16),
         _pipe(32, 2, 8), _pipe(128, 4, 8), _pipe(64, 2, 8), _pipe(32, 4, 16), _pipe(64, 4, 4, 2),
-        _fma(1, 128), _fma(1, 64), _fma(1, 64, 4, 4), _dot(16, 64, 4, 4), _dot(16, 128, 4, 4),
-        _dot(16, 64, 4, 8)],
+        _pipe(32, 2, 16), _pipe(32, 2, 4), _pipe(64, 2, 16), _pipe(64, 2, 4), _pipe(32, 1, 8),
+        _pipe(32, 1, 16)],
     2: [_dot(16, 32, 2), _fma(2, 128), _fma(2, 64), _fma(2, 256, 8), _fma(2, 128, 4, 2),
         _dot(16, 128), _dot(16, 64, 4, 4), _dot(16, 128, 4, 4), _dot(16, 32, 2, 4)],
     4: [_dot(16, 32, 2), _dot(16, 128), _fma(4, 64), _fma(4, 128, 8), _dot(16, 64),
