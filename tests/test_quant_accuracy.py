@@ -206,4 +206,3 @@ if __name__ == "__main__":
     for name in SCHEMES:
         p, a = measure(name)
         print(f"| {name} | {p:.3f} | {p / base:.4f} | {a:.1%} |")
-
