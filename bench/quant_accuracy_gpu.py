@@ -19,10 +19,8 @@ import argparse
 
 import torch
 
-from dataplane import kv_cache
 from dataplane.config import load_model_config
 from dataplane.loader import load_model
-from dataplane.model import AttentionMetadata
 from dataplane.quantization import resolve
 from tests import test_quant_accuracy as acc
 
@@ -33,51 +31,10 @@ def load(kind: str, device: torch.device, dtype: torch.dtype):
     return load_model(src, load_model_config(src), device, dtype, 1024, None, resolve(src, method))
 
 
-def _forward(model, ids: list[int], done: int, caches, table) -> torch.Tensor:
-    """Float32 logits of ``ids`` after ``done`` cached tokens."""
-    device, n = table.device, len(ids)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(done, done + n, device=device),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([done + n], dtype=torch.int32, device=device),
-        block_tables=table)
-    with torch.inference_mode():
-        hidden = model(torch.tensor(ids, device=device),
-                       torch.arange(done, done + n, device=device), caches, meta)
-        return model.logits(hidden).float()
-
-
-def _cache(model, tokens: int, kv: torch.dtype, device: torch.device):
-    blocks = -(-tokens // 16)
-    return (kv_cache.allocate(model.cfg, blocks, 16, kv, device),
-            torch.arange(blocks, dtype=torch.int32, device=device)[None])
-
-
-def greedy(model, prompt: list[int], kv: torch.dtype, device: torch.device) -> list[int]:
-    """acc.NEW greedy tokens: one prefill, then one decode step (one row) per token."""
-    caches, table = _cache(model, len(prompt) + acc.NEW, kv, device)
-    out, ids, done = [], prompt, 0
-    for _ in range(acc.NEW):
-        logits = _forward(model, ids, done, caches, table)
-        done += len(ids)
-        out.append(int(logits[-1].argmax()))
-        ids = out[-1:]
-    return out
-
-
-def measure(model, kv: torch.dtype, device: torch.device) -> tuple[float, list[list[int]]]:
-    """(held-out perplexity, each prompt's greedy tokens)."""
-    stream, prompts = acc.held_out()
-    nll, count = 0.0, 0
-    for w in range(acc.WINDOWS):
-        ids = stream[w * acc.WINDOW:(w + 1) * acc.WINDOW + 1]
-        caches, table = _cache(model, len(ids), kv, device)
-        logits = _forward(model, ids[:-1], 0, caches, table)
-        nll += torch.nn.functional.cross_entropy(
-            logits.cpu(), torch.tensor(ids[1:]), reduction="sum").item()
-        count += len(ids) - 1
-    return (float(torch.exp(torch.tensor(nll / count))),
-            [greedy(model, p, kv, device) for p in prompts])
+def measure(model, kv: torch.dtype, device: torch.device, prompts) -> tuple[float, list]:
+    """(held-out perplexity, each prompt's greedy tokens), as the test measures them."""
+    return (acc.perplexity(model, kv, device),
+            [acc.greedy(model, p, kv, device) for p in prompts])
 
 
 def agreement(tokens: list[list[int]], baseline: list[list[int]]) -> float:
@@ -90,12 +47,12 @@ def table(schemes: list[str], device: torch.device, dtype: torch.dtype) -> list[
     model, agreement with the unquantised model here) per scheme."""
     _, prompts = acc.held_out()
     cpu_tokens = [acc._float_greedy(tuple(p)) for p in prompts]
-    base_ppl, base_tokens = measure(load("float", device, dtype), dtype, device)
+    base_ppl, base_tokens = measure(load("float", device, dtype), dtype, device, prompts)
     rows = []
     for name in schemes:
         kind, kv = acc.SCHEMES[name]
         ppl, tokens = measure(load(kind, device, dtype), dtype if kv == torch.float32 else kv,
-                              device)
+                              device, prompts)
         rows.append((name, ppl, ppl / base_ppl, agreement(tokens, cpu_tokens),
                      agreement(tokens, base_tokens)))
     return rows

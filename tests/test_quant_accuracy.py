@@ -27,7 +27,6 @@ from dataplane.model import AttentionMetadata
 from dataplane.quantization import resolve
 from kernels import reference_quant
 from tests import quant_checkpoints as qc
-from tests.test_quant_loading import forward_logits
 
 pytestmark = pytest.mark.slow   # perplexity and greedy agreement of every scheme on the embedded model
 
@@ -128,41 +127,63 @@ def _weight_only_fp8():
 def _measure(scheme: str) -> tuple[float, float]:
     kind, kv = SCHEMES[scheme]
     model = weights(kind)
-    stream, prompts = held_out()
+    _, prompts = held_out()
+    agree = sum(_agreement(greedy(model, p, kv), _float_greedy(tuple(p))) for p in prompts)
+    return perplexity(model, kv), agree / (len(prompts) * NEW)
+
+
+def perplexity(model, kv, device=torch.device("cpu")) -> float:
+    """Held-out perplexity: WINDOWS windows of WINDOW tokens, each one prefill."""
+    stream, _ = held_out()
     nll, count = 0.0, 0
     for w in range(WINDOWS):
         ids = stream[w * WINDOW:(w + 1) * WINDOW + 1]
-        logits = forward_logits(model, ids[:-1], kv).float()
-        nll += torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum").item()
+        caches, table = _cache(model, len(ids), kv, device)
+        logits = _forward(model, ids[:-1], 0, caches, table)
+        nll += torch.nn.functional.cross_entropy(logits.cpu(), torch.tensor(ids[1:]),
+                                                 reduction="sum").item()
         count += len(ids) - 1
-    agree = sum(_agreement(_greedy(model, p, kv), _float_greedy(tuple(p))) for p in prompts)
-    return float(torch.exp(torch.tensor(nll / count))), agree / (len(prompts) * NEW)
+    return float(torch.exp(torch.tensor(nll / count)))
 
 
-def _greedy(model, prompt, kv) -> list[int]:
-    """NEW greedy tokens: one prefill, then one decode step per token over the paged cache."""
-    total, bs = len(prompt) + NEW, 16
-    blocks = -(-total // bs)
-    caches = kv_cache.allocate(model.cfg, blocks, bs, kv, torch.device("cpu"))
-    table = torch.arange(blocks, dtype=torch.int32)[None]
-    ids, out, done = torch.tensor(prompt), [], 0
-    with torch.inference_mode():
-        for _ in range(NEW):
-            n = len(ids)
-            meta = AttentionMetadata(slot_mapping=torch.arange(done, done + n),
-                                     query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                                     seq_lens=torch.tensor([done + n], dtype=torch.int32),
-                                     block_tables=table)
-            hidden = model(ids, torch.arange(done, done + n), caches, meta)
-            done += n
-            out.append(int(model.logits(hidden[-1:])[0].argmax()))
-            ids = torch.tensor(out[-1:])
+def greedy(model, prompt, kv, device=torch.device("cpu")) -> list[int]:
+    """NEW greedy tokens: one prefill, then one decode step (one row) per token over the paged
+    cache."""
+    caches, table = _cache(model, len(prompt) + NEW, kv, device)
+    out, ids, done = [], list(prompt), 0
+    for _ in range(NEW):
+        logits = _forward(model, ids, done, caches, table, last=True)
+        done += len(ids)
+        out.append(int(logits[-1].argmax()))
+        ids = out[-1:]
     return out
+
+
+def _cache(model, tokens: int, kv, device):
+    """A fresh paged cache of 16-token blocks for ``tokens`` and its one-sequence block table."""
+    blocks = -(-tokens // 16)
+    return (kv_cache.allocate(model.cfg, blocks, 16, kv, device),
+            torch.arange(blocks, dtype=torch.int32, device=device)[None])
+
+
+def _forward(model, ids: list[int], done: int, caches, table, last: bool = False) -> torch.Tensor:
+    """Float32 logits of ``ids`` after ``done`` cached tokens (on the table's device); ``last``:
+    of the last position only."""
+    device, n = table.device, len(ids)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(done, done + n, device=device),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([done + n], dtype=torch.int32, device=device),
+        block_tables=table)
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids, device=device),
+                       torch.arange(done, done + n, device=device), caches, meta)
+        return model.logits(hidden[-1:] if last else hidden).float()
 
 
 @functools.lru_cache(maxsize=None)
 def _float_greedy(prompt: tuple[int, ...]) -> list[int]:
-    return _greedy(weights("float"), list(prompt), torch.float32)
+    return greedy(weights("float"), list(prompt), torch.float32)
 
 
 def _agreement(a: list[int], b: list[int]) -> int:
