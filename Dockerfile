@@ -29,7 +29,7 @@ COPY common ./common
 COPY controlplane ./controlplane
 COPY dataplane ./dataplane
 COPY kernels ./kernels
-COPY headrace_client ./headrace_client
+COPY client ./client
 RUN python -m pip install '.[structured]' && headrace --help > /dev/null
 
 # 50051 public gRPC (Inference, Admin, health, reflection); 50061 data plane step protocol;

@@ -29,7 +29,7 @@ import torch
 import triton
 
 from bench.kernels import LAYOUTS, graph_ms, w1_decode_batches
-from kernels import attention_policy, flash_attn4, reference, triton_attention
+from headrace.kernels import attention_policy, flash_attn4, reference, triton_attention
 
 DTYPE = torch.bfloat16
 

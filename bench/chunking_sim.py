@@ -10,8 +10,8 @@ prompts and outputs, 8192, a Llama-3.1-8B step model) and ``w4`` (Poisson arriva
 cost, a cost per token computed and one per KV token read, fitted by hand to the measured W1
 and W3 figures of docs/benchmarks.md (the simulated W1 and W3 land within ~7% of them).
 
-    python -m bench.chunking_sim                       # every workload, budgets 2048..16384 and none
-    python -m bench.chunking_sim --workloads w3 --budgets 1024,2048
+    python -m bench.chunking_sim                       # every workload, budgets 2048..16384 and
+    none python -m bench.chunking_sim --workloads w3 --budgets 1024,2048
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import random
 
 from bench.scheduling_sim import SimConfig, TraceConfig, TraceRequest, make_trace, pct, simulate
-from controlplane.chunking import Chunking
+from headrace.controlplane.scheduling.chunking import Chunking
 
 UNBOUNDED = 1 << 30
 QWEN3_06B_H200 = dict(base_ms=1.2, per_token_ms=0.0016, per_ctx_ms=0.000027)

@@ -8,16 +8,16 @@ tokenizer (default ``qwen3-micro``: 1 layer, hidden 32, vocab 1024).
     python -m bench.core_overhead --frontends 2 --profile /tmp/prof   # cProfile core, front end 0
     python -m bench.core_overhead --layout whole       # ControlPlane in one process
 
-Measures (i) batch-1 TTFT and ITL through the public gRPC port (``--ttft-repeats`` requests
-one after the other; 128-token prompt, 32 new tokens) and where each first token spent its time
-(``first_token_ms``: the stages of ``bench.first_token``, from ``common.stage_times`` stamps the
-processes write; ``--no-stages`` runs without them, as the earlier figures did; a table of them
-goes to stderr), and (ii) many concurrent streaming
-requests (``--concurrency``, every token streamed): output tokens/s, the data plane's steps,
-and the engine core's CPU seconds per step and per streamed token (from /proc). With
-``--profile DIR`` the core and front end 0 run under cProfile (stats in DIR/core.prof and
-DIR/frontend.prof) and the JSON line adds the control plane's stages: each one's calls and
-cumulative µs per streamed token (cProfile's overhead included: compare runs, not absolutes). Prints one JSON line."""
+Measures (i) batch-1 TTFT and ITL through the public gRPC port (``--ttft-repeats`` requests one
+after the other; 128-token prompt, 32 new tokens) and where each first token spent its time
+(``first_token_ms``: the stages of ``bench.first_token``, from ``headrace.common.stage_times``
+stamps the processes write; ``--no-stages`` runs without them, as the earlier figures did; a table
+of them goes to stderr), and (ii) many concurrent streaming requests (``--concurrency``, every token
+streamed): output tokens/s, the data plane's steps, and the engine core's CPU seconds per step and
+per streamed token (from /proc). With ``--profile DIR`` the core and front end 0 run under cProfile
+(stats in DIR/core.prof and DIR/frontend.prof) and the JSON line adds the control plane's stages:
+each one's calls and cumulative µs per streamed token (cProfile's overhead included: compare runs,
+not absolutes). Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import time
 import grpc
 
 from bench.first_token import ClientStamps, decompose, table
-from common.stage_times import ENV as STAGES_ENV
+from headrace.common.stage_times import ENV as STAGES_ENV
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
@@ -78,8 +78,8 @@ def run_whole(argv: list[str]) -> None:
     ap.add_argument("--model"), ap.add_argument("--workers"), ap.add_argument("--port", type=int)
     ap.add_argument("--max-running", type=int), ap.add_argument("--pipeline-depth", type=int)
     a = ap.parse_args(argv)
-    from controlplane.engine import EngineConfig
-    from controlplane.server import ControlPlane, run_until_signal
+    from headrace.controlplane.engine.loop import EngineConfig
+    from headrace.controlplane.server import ControlPlane, run_until_signal
     config = EngineConfig(max_running=a.max_running, max_batched_tokens=16384,
                           pipeline_depth=a.pipeline_depth)
 
@@ -116,7 +116,7 @@ class Planes:
             start(["-m", "bench.null_worker", *kv, "--steps-file", self.steps_file,
                    "--step-ms", str(args.step_ms)])
         else:
-            start(["-m", "cli", "dataplane", "--model", args.model, "--device", args.device, *kv,
+            start(["-m", "headrace.cli", "dataplane", "--model", args.model, "--device", args.device, *kv,
                    "--metrics-port", str(self.dp_metrics)])
         common = ["--model", args.model, "--max-num-seqs", str(args.concurrency),
                   "--pipeline-depth", str(args.pipeline_depth)]
@@ -126,12 +126,12 @@ class Planes:
                                       "--workers", dp, "--port", str(self.port), "--max-running",
                                       str(args.concurrency), "--pipeline-depth", str(args.pipeline_depth)])
             return
-        self.core = start(prof + ["-m", "cli", "core", *common, "--workers", dp, "--core-address", core,
+        self.core = start(prof + ["-m", "headrace.cli", "core", *common, "--workers", dp, "--core-address", core,
                                   "--max-batched-tokens", "16384", "--disable-log-requests",
                                   "--metrics-port", "0"])
         for i in range(args.frontends):
             fprof = ["-m", "cProfile", "-o", f"{args.profile}/frontend.prof"] if args.profile and i == 0 else []
-            start(fprof + ["-m", "cli", "frontend", "--index", str(i), "--core-address", core, "--model", args.model,
+            start(fprof + ["-m", "headrace.cli", "frontend", "--index", str(i), "--core-address", core, "--model", args.model,
                    "--port", str(self.port), "--host", "127.0.0.1", "--metrics-port", "0"])
 
     def cpu(self) -> dict[str, float]:
@@ -271,7 +271,7 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="a directory: cProfile the core and front end 0")
     ap.add_argument("--label", default="", help="a name for this run in its JSON line (bench.gpu_table)")
     ap.add_argument("--no-stages", action="store_true",
-                    help="no first-token stage stamps (common.stage_times) in the processes")
+                    help="no first-token stage stamps (headrace.common.stage_times) in the processes")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="headrace-overhead-") as tmp:
         if args.model is None:

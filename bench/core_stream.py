@@ -16,12 +16,12 @@ import statistics
 import time
 import types
 
-from controlplane.core.service import CoreRequest, CoreText, FrontendLink
-from controlplane.frontend.client import CoreClient
-from controlplane.output import OutputText
-from controlplane.request import Request, Sequence, Status
+from headrace.controlplane.core.service import CoreRequest, CoreText, FrontendLink
+from headrace.controlplane.frontend.client import CoreClient
+from headrace.controlplane.requests.output import OutputText
+from headrace.controlplane.requests.request import Request, Sequence, Status
 from headrace.core.v1 import core_pb2 as cpb
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.worker.v1 import worker_pb2 as wpb
 
 
 class _Text:

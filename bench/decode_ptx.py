@@ -4,7 +4,8 @@ answers without device time: are the K/V loads 16 bytes wide and pipelined (cp.a
 a tile reach the tensor cores through ldmatrix, or is it read from shared memory a byte at a
 time (an FP8 V tile is: 128 ld.shared.b8 a thread per 128-key tile, docs/quantization.md).
 
-    python -m bench.decode_ptx [--kv fp8,bf16] [--tiles 128/4/3,64/4/3] [--group 2] [--ptx DIR] [--sass]
+    python -m bench.decode_ptx [--kv fp8,bf16] [--tiles 128/4/3,64/4/3] [--group 2] [--ptx DIR]
+    [--sass]
 
 The strides are compiled as divisible by 16 (as a launch specialises the real ones); prints
 one line per (dtype, tile): shared memory bytes and instruction counts. ``--sass`` adds the
@@ -26,7 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import triton_decode
+from headrace.kernels import triton_decode
 
 COUNTED = r"(cp\.async\.c[ag]\.shared\.global|ld\.global(?:\.v\d)?\.b\d+|ld\.shared(?:\.v\d)?\.b\d+|" \
           r"st\.shared(?:\.v\d)?\.b\d+|ldmatrix[.a-z0-9]*|cvt\.rn\.f16x2\.e4m3x2|prmt\.b32|mma\.sync[.a-z0-9]*)"

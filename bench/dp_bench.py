@@ -64,12 +64,12 @@ def scrape(port: int) -> dict[str, float]:
 
 def serve(args, serve_args: str, extra: list[str]):
     """``headrace serve`` on --port (its /metrics on --port + 2), ready; (process, seconds)."""
-    cmd = [sys.executable, "-m", "cli", "serve", "--model", args.model, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-P", "-m", "headrace.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
            "--port", str(args.port), "--http-port", "0", "--metrics-port", str(args.port + 2),
            "--dataplane-metrics-port", "0", *serve_args.split(), *extra]
     server = subprocess.Popen(cmd, env={**os.environ, "HEADRACE_LOG_LEVEL": "WARNING"},
                               start_new_session=True)
-    from headrace_client import Client
+    from headrace.client import Client
 
     t0 = time.perf_counter()
     with Client(f"127.0.0.1:{args.port}") as client:
@@ -78,7 +78,7 @@ def serve(args, serve_args: str, extra: list[str]):
 
 
 def parity_outputs(address: str, top_id: int) -> list[list[int]]:
-    from headrace_client import Client
+    from headrace.client import Client
 
     rng = random.Random(7)
     prompts = [[rng.randint(10, top_id) for _ in range(rng.randint(20, 300))] for _ in range(6)]

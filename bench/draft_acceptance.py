@@ -27,7 +27,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, LlamaForCausalLM
 
-from dataplane.default_model import default_draft_model_dir, default_model_dir, train
+from headrace.dataplane.default_model import default_draft_model_dir, default_model_dir, train
 
 # transformers >= 5.2x names the forward's cache argument ``cache``; earlier 5.x ``past_key_values``.
 CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"

@@ -17,7 +17,8 @@ What it answers: how much of a constrained step's latency is the control plane's
 (its token to the engine, the next bitmasks back) when the device time is what a GPU's is.
 
     python -m bench.emulated_worker --listen unix:/tmp/ew.sock --vocab-size 151936 --forward-ms 1.2
-    python -m cli controlplane --workers unix:/tmp/ew.sock --model /tmp/micro-bl --port 50300 ...
+    python -m headrace.cli controlplane --workers unix:/tmp/ew.sock --model /tmp/micro-bl --port
+    50300 ...
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ import time
 import numpy as np
 
 from bench.null_worker import serve
-from dataplane import bitmasks
-from dataplane.pipeline import StepPipeline
-from headrace.dataplane.v1 import worker_pb2 as wpb
-from headrace.dataplane.v1 import worker_pb2_grpc as wpb_grpc
+from headrace.dataplane import bitmasks
+from headrace.dataplane.pipeline import StepPipeline
+from headrace.worker.v1 import worker_pb2 as wpb
+from headrace.worker.v1 import worker_pb2_grpc as wpb_grpc
 
 
 class Launched:

@@ -1,4 +1,4 @@
-"""Where a request's first token spends its time, from the stamps of ``common.stage_times``
+"""Where a request's first token spends its time, from the stamps of ``headrace.common.stage_times``
 (the server's processes write them when ``HEADRACE_STAGE_TIMES`` names a directory; the client
 adds its own with ``ClientStamps``). Used by ``bench.core_overhead`` and ``bench.serving_bench``
 (``--workload w2``); every stage is a difference of two stamps on the host's one monotonic
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import statistics
 
-from common.stage_times import StageLog, read
+from headrace.common.stage_times import StageLog, read
 
 STAGES = ["frontend_receive", "frontend_tokenize_submit", "to_core", "core_admission_scheduling",
           "core_to_dataplane_send", "transport_and_hold", "dataplane_host", "device_prefill",

@@ -2,16 +2,15 @@
 decode kernel's tile and widening variants side by side, and causal prefill over a cached
 prefix, for W1's (Qwen3-0.6B) and W3's (Llama-3.1-8B) layouts.
 
-Decode is timed as the engine runs it (``bench.kernels.graph_ms``: CUDA-graph replay over
-distinct batches, past the L2 cache); TB/s counts the bytes of each cache (bf16's twice FP8's),
-so a faster FP8 kernel shows as lower µs at about the same TB/s. Each row: bf16 (the engine's
-bf16 tile), then FP8 variants: widened to float16 or to the query's dtype
-(``triton_flash.FP8_COMPUTE``), BLOCK_N / warps / stages of the decode kernel, and V stored
-transposed within each block (the engine's FP8 layout, ``kernels.kv_layout``) or token-major
-(``tok-V``: bf16's layout, the engine's before); the engine's FP8 variant is the first;
-``best`` names the fastest. Every variant is checked against the bf16 kernel on the
-dequantised cache first. The prefill rows time causal chunks over bf16, FP8 and FP8 with a
-token-major V.
+Decode is timed as the engine runs it (``bench.kernels.graph_ms``: CUDA-graph replay over distinct
+batches, past the L2 cache); TB/s counts the bytes of each cache (bf16's twice FP8's), so a faster
+FP8 kernel shows as lower µs at about the same TB/s. Each row: bf16 (the engine's bf16 tile), then
+FP8 variants: widened to float16 or to the query's dtype (``triton_flash.FP8_COMPUTE``), BLOCK_N /
+warps / stages of the decode kernel, and V stored transposed within each block (the engine's FP8
+layout, ``headrace.kernels.kv_layout``) or token-major (``tok-V``: bf16's layout, the engine's
+before); the engine's FP8 variant is the first; ``best`` names the fastest. Every variant is checked
+against the bf16 kernel on the dequantised cache first. The prefill rows time causal chunks over
+bf16, FP8 and FP8 with a token-major V.
 
 A context that is not a multiple of the decode tile (64 keys) ends in a partial tile, which
 the FP8 kernel read a byte at a time before 2026-12-03 (its V masked along the keys): the
@@ -32,7 +31,7 @@ import argparse
 import torch
 
 from bench.kernels import BLOCK, LAYOUTS, _metadata, _time_ms, graph_ms
-from kernels import kv_layout, triton_attention, triton_decode, triton_flash
+from headrace.kernels import kv_layout, triton_attention, triton_decode, triton_flash
 
 K_SCALE, V_SCALE = 0.02, 0.02
 # (label, FP8_COMPUTE, (BLOCK_N, warps, stages), V transposed); the first is the engine's

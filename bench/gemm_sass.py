@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from bench.decode_ptx import sass_loops
-from kernels import triton_fp8_linear, triton_fp8_w8a8, triton_w4a16, triton_w4a16_tiled
+from headrace.kernels import triton_fp8_linear, triton_fp8_w8a8, triton_w4a16, triton_w4a16_tiled
 
 ISSUE_PER_S = 4 * 1.98e9 * 132   # an H200's warp instructions a second, every SM together
 SHOWN = ("I2F", "F2FP", "SHF", "SGXT", "PRMT", "LOP3", "FFMA", "FADD", "SHFL", "BAR", "LDS",
@@ -50,7 +50,7 @@ def compile_skinny(scheme: str, block_m: int, block_n: int, warps: int, stages: 
         kernel, block_k = triton_fp8_linear._fp8_skinny_kernel, 256
         types = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32"}
         const = {"EVEN_K": True, "EVEN_N": True}
-    elif scheme == "w4a16t":      # the tiled INT4 layout (kernels.triton_w4a16_tiled)
+    elif scheme == "w4a16t":      # the tiled INT4 layout (headrace.kernels.triton_w4a16_tiled)
         kernel, block_k = triton_w4a16_tiled._tiled_kernel, 128
         types = {"X": "*bf16", "QW": "*i32", "S": "*bf16", "Z": "*u8"}
         const = {"EVEN_N": True}

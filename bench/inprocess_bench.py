@@ -1,18 +1,19 @@
 """Benchmark-only path: the control plane's engine (scheduler, block manager, stop checks,
 detokenization) drives the data plane's runner in ONE process, with no gRPC between them and
 no client streams. Compared with bench/serving_bench.py it shows what the plane split costs.
-The bench sits above both planes and composes them (``dataplane.inprocess``).
+The bench sits above both planes and composes them (``headrace.dataplane.inprocess``).
 
-    python -m bench.inprocess_bench --model DIR --workload w1|w2|long [--device cuda] [--profile FILE]
-        [--speculative-config JSON [--grounded | --text-prompts]] [--attention-backend auto|triton|flash-attn]
+    python -m bench.inprocess_bench --model DIR --workload w1|w2|long [--device cuda] [--profile
+        FILE] [--speculative-config JSON [--grounded | --text-prompts]] [--attention-backend
+        auto|triton|flash-attn]
 
-Prints a JSON line: throughput (w1) or per-token latency (w2), plus the share of wall time
-spent inside the runner (`runner_s`) against the engine's own Python work. With
-``--speculative-config`` it adds the measured acceptance; ``long`` times the first token of
-three prompts of ``--prompt-tokens`` random tokens (30,000 by default), one at a time; ``--grounded`` makes W2's prompts
-input-grounded (a passage given twice, so n-gram proposals can hit) instead of random;
-``--text-prompts`` takes them from held-out text of the embedded model's corpus (a model
-trained on it, and its draft, can predict such text).
+Prints a JSON line: throughput (w1) or per-token latency (w2), plus the share of wall time spent
+inside the runner (`runner_s`) against the engine's own Python work. With ``--speculative-config``
+it adds the measured acceptance; ``long`` times the first token of three prompts of
+``--prompt-tokens`` random tokens (30,000 by default), one at a time; ``--grounded`` makes W2's
+prompts input-grounded (a passage given twice, so n-gram proposals can hit) instead of random;
+``--text-prompts`` takes them from held-out text of the embedded model's corpus (a model trained on
+it, and its draft, can predict such text).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ import random
 import time
 
 from bench.serving_bench import w1_requests
-from controlplane.engine import Engine, EngineConfig
-from controlplane.tokenizer import ModelTokenizer
-from controlplane.validation import build_request
-from dataplane.inprocess import InProcessWorkerGroup
-from dataplane.worker import Worker, WorkerOptions
-from kernels.attention_policy import BACKENDS
+from headrace.controlplane.engine.loop import Engine, EngineConfig
+from headrace.controlplane.requests.tokenizer import ModelTokenizer
+from headrace.controlplane.requests.validation import build_request
+from headrace.dataplane.inprocess import InProcessWorkerGroup
+from headrace.dataplane.worker import Worker, WorkerOptions
+from headrace.kernels.attention_policy import BACKENDS
 from headrace.v1 import inference_pb2 as pb
 
 
@@ -149,7 +150,7 @@ def print_step_table(steps: list[tuple[int, float, float, float]]) -> None:
 
 @functools.cache
 def _held_out_paragraphs() -> tuple[str, ...]:
-    from dataplane.default_model import train
+    from headrace.dataplane.default_model import train
 
     held_out = train.read_chapters(train.HERE / "corpus.txt")[-3:]   # as train.py holds out
     return tuple(p for chapter in held_out for p in chapter if len(p) > 400)

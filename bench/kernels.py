@@ -1,11 +1,11 @@
 """Benchmark of the engine's Triton paged attention kernels on a CUDA GPU (written for the H200).
 
-Prints achieved TB/s of paged decode attention (bytes = all K/V of the batch + q + out) and
-TFLOP/s of causal prefill attention (4 * H * D * causal score count) against torch's SDPA,
-after checking both kernels against ``kernels.reference`` on small ragged cases. bf16, block
-size 16, KV blocks in shuffled order; decode is timed from CUDA graphs, as the engine runs it.
-Not a test: ``python -m bench.kernels [--quick | --ragged]`` on the GPU; --ragged replays W1's
-own decode batches at forced KV split counts, programs in row order and longest context first.
+Prints achieved TB/s of paged decode attention (bytes = all K/V of the batch + q + out) and TFLOP/s
+of causal prefill attention (4 * H * D * causal score count) against torch's SDPA, after checking
+both kernels against ``headrace.kernels.reference`` on small ragged cases. bf16, block size 16, KV
+blocks in shuffled order; decode is timed from CUDA graphs, as the engine runs it. Not a test:
+``python -m bench.kernels [--quick | --ragged]`` on the GPU; --ragged replays W1's own decode
+batches at forced KV split counts, programs in row order and longest context first.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import triton
 
 from bench.serving_bench import w1_requests
-from kernels import reference, triton_attention
+from headrace.kernels import reference, triton_attention
 
 LAYOUTS = {"qwen3-0.6b": (16, 8, 128), "llama3.1-8b": (32, 8, 128)}  # q heads, kv heads, head_dim
 BLOCK = 16

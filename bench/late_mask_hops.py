@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from common import stage_times
+from headrace.common import stage_times
 
 # (label, from stage of step S-1 or S, to stage): each hop of the chain, in order
 HOPS = [

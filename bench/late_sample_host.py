@@ -1,9 +1,9 @@
 """The worker's host time to sample a step on its late bitmasks: eagerly (the bitmasks' arrays
-staged through the runner's pinned buffers and uploaded, ``sampler.sample``'s launches, the
-scatter into ``last_token`` and the ids' download) against a replay of
-``dataplane.late_sampling``'s graph. Both take the same ``bitmasks.arrays`` output, per batch,
-with masks in the shared form as the engine sends a batch of one schema (``--masks`` distinct,
-one sparse, listed as token ids).
+staged through the runner's pinned buffers and uploaded, ``sampler.sample``'s launches, the scatter
+into ``last_token`` and the ids' download) against a replay of
+``headrace.dataplane.late_sampling``'s graph. Both take the same ``bitmasks.arrays`` output, per
+batch, with masks in the shared form as the engine sends a batch of one schema (``--masks``
+distinct, one sparse, listed as token ids).
 
 This is the part of a constrained token's critical path that the graph replaces
 (``bench.late_mask_hops``' "upload, mask, race" hop); each call is synchronised before the
@@ -24,11 +24,11 @@ import time
 import numpy as np
 import torch
 
-from controlplane.structured import shared_masks
-from dataplane import bitmasks, sampler, staging
-from dataplane.late_sampling import LateSampler
-from dataplane.sampler import SamplingBatch, SamplingRow
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.controlplane.structured import shared_masks
+from headrace.dataplane import bitmasks, sampler, staging
+from headrace.dataplane.late_sampling import LateSampler
+from headrace.dataplane.sampler import SamplingBatch, SamplingRow
+from headrace.worker.v1 import worker_pb2 as wpb
 
 
 def _message(batch: int, words: int, distinct: int, rng) -> wpb.TokenBitmask:

@@ -1,15 +1,17 @@
 """The engine's host cost of a constrained step, without the planes: per step of a batch of
-sequences under ``structured_bench``'s JSON schema, the time to advance every matcher by its
-token (``accept``; ``accept_par``: llguidance's parallel consume, on alternate steps), to fill the batch's bitmasks (``Backend.fill_rows``, llguidance's parallel
-executor) and to pack them for the wire (``shared_masks.pack``); and the worker's cost to turn
-the message into its sampler's arrays (``unpack``: ``dataplane.bitmasks.arrays``). Each row's tokens are drawn at
-random from its allowed ones (seeded), so the rows wander through the schema's states as a
-random-weight model's do. On the serving host these sit on every constrained token's critical
-path at batch 64 (docs/structured_outputs.md, *Performance*). With ``--lanes on,off``
-llguidance's rows are measured both with one independent template per executor thread (the
-engine's way, ``controlplane.structured.guidance``) and all copied from one template.
+sequences under ``structured_bench``'s JSON schema, the time to advance every matcher by its token
+(``accept``; ``accept_par``: llguidance's parallel consume, on alternate steps), to fill the batch's
+bitmasks (``Backend.fill_rows``, llguidance's parallel executor) and to pack them for the wire
+(``shared_masks.pack``); and the worker's cost to turn the message into its sampler's arrays
+(``unpack``: ``headrace.dataplane.bitmasks.arrays``). Each row's tokens are drawn at random from its
+allowed ones (seeded), so the rows wander through the schema's states as a random-weight model's do.
+On the serving host these sit on every constrained token's critical path at batch 64
+(docs/structured_outputs.md, *Performance*). With ``--lanes on,off`` llguidance's rows are measured
+both with one independent template per executor thread (the engine's way,
+``headrace.controlplane.structured.guidance``) and all copied from one template.
 
-    python -m bench.mask_fill_bench --model DIR [--batches 1,64] [--steps 200] [--backends guidance] [--lanes on,off]
+    python -m bench.mask_fill_bench --model DIR [--batches 1,64] [--steps 200] [--backends guidance]
+    [--lanes on,off]
 
 ``--model`` needs a tokenizer (``bench.random_checkpoint --tokenizer bytelevel``); prints one
 JSON line per (backend, batch): medians and p90s in ms, distinct masks per step and wire bytes.
@@ -33,10 +35,10 @@ except ImportError:   # (xgrammar alone)
     llguidance = None
 
 from bench.structured_bench import LONG
-from controlplane.structured import backends, shared_masks
-from controlplane.structured.spec import Constraint
-from dataplane import bitmasks
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.controlplane.structured import backends, shared_masks
+from headrace.controlplane.structured.spec import Constraint
+from headrace.dataplane import bitmasks
+from headrace.worker.v1 import worker_pb2 as wpb
 
 
 def _allowed(row: np.ndarray, vocab: int) -> np.ndarray:

@@ -1,15 +1,16 @@
-"""What a step's structured-output bitmasks cost on the wire between the planes: the round trip
-of one StepRequest over an Execute-shaped gRPC stream (an asyncio client, as the control plane;
-a sync server answering each message, as a worker) carrying the same bitmask rows in the plain
-form (one packed row each) and in the shared form (``controlplane.structured.shared_masks``),
-plus the time to pack them (control plane) and unpack them (worker, ``dataplane.bitmasks``).
+"""What a step's structured-output bitmasks cost on the wire between the planes: the round trip of
+one StepRequest over an Execute-shaped gRPC stream (an asyncio client, as the control plane; a sync
+server answering each message, as a worker) carrying the same bitmask rows in the plain form (one
+packed row each) and in the shared form (``headrace.controlplane.structured.shared_masks``), plus
+the time to pack them (control plane) and unpack them (worker, ``headrace.dataplane.bitmasks``).
 
 The rows are real: ``--rows`` matchers of bench.structured_bench's JSON schema, each advanced
 by random allowed tokens for ``--walk`` steps, their masks filled by the grammar engine. The
 model only lends its tokenizer; write one with Qwen's vocabulary size over a tiny body:
 
-    python -m bench.random_checkpoint qwen3-micro /tmp/micro-bl --tokenizer bytelevel --vocab-size 151936
-    python -m bench.mask_wire_bench --model /tmp/micro-bl [--rows 64] [--walk 40] [--repeats 200]
+    python -m bench.random_checkpoint qwen3-micro /tmp/micro-bl --tokenizer bytelevel --vocab-size
+    151936 python -m bench.mask_wire_bench --model /tmp/micro-bl [--rows 64] [--walk 40] [--repeats
+    200]
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ import grpc
 import numpy as np
 
 from bench.structured_bench import LONG
-from common.grpc_options import server_options
-from controlplane.structured import backends, shared_masks
-from controlplane.structured.spec import Constraint
-from controlplane.worker_client import CHANNEL_OPTIONS
-from dataplane import bitmasks
-from headrace.dataplane.v1 import worker_pb2 as wpb
-from headrace.dataplane.v1 import worker_pb2_grpc as wpb_grpc
+from headrace.common.grpc_options import server_options
+from headrace.controlplane.structured import backends, shared_masks
+from headrace.controlplane.structured.spec import Constraint
+from headrace.controlplane.engine.worker_client import CHANNEL_OPTIONS
+from headrace.dataplane import bitmasks
+from headrace.worker.v1 import worker_pb2 as wpb
+from headrace.worker.v1 import worker_pb2_grpc as wpb_grpc
 
 
 class _Echo(wpb_grpc.WorkerServicer):

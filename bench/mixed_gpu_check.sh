@@ -6,7 +6,7 @@
 #   bash bench/mixed_gpu_check.sh [SECTION...]     sections: tests kernel steps w1 (default: all)
 # Wheels: the serving set gpu_run.sh's runs carry (shared/REFERENCE.md section 8), installed
 # into /tmp/site first when WHEELS=DIR is set (pip --target --no-deps).
-# tests: the unified attention kernel compiled against kernels.reference (decode, prefill,
+# tests: the unified attention kernel compiled against headrace.kernels.reference (decode, prefill,
 #   mixed, cached prefixes, bucket padding, tile sizes, random ragged batches, FP8 KV); greedy
 #   outputs with --cudagraph-mode full_and_piecewise and full equal eager and transformers on a
 #   tiny Llama and Qwen3 (fp32) and eager on a Qwen3-0.6B-shaped checkpoint (fp32, 24 chunked

@@ -1,8 +1,9 @@
 """A data plane whose steps cost nothing (for ``bench.core_overhead``): it speaks the real step
-protocol (``headrace.dataplane.v1.Worker``: Describe and the Execute stream) but computes no
-model. Each sequence samples a token once every token it knows is computed, as a real worker
-does; the token is a function of the sequence and its length (never EOS below 3), and every
-step is answered at once (after ``--step-ms``, sleeping: a device's time without a CPU). It counts steps in a file the benchmark reads.
+protocol (``headrace.worker.v1.Worker``: Describe and the Execute stream) but computes no model.
+Each sequence samples a token once every token it knows is computed, as a real worker does; the
+token is a function of the sequence and its length (never EOS below 3), and every step is answered
+at once (after ``--step-ms``, sleeping: a device's time without a CPU). It counts steps in a file
+the benchmark reads.
 
     python -m bench.null_worker --listen unix:/tmp/dp.sock --steps-file /tmp/steps
 """
@@ -18,8 +19,8 @@ from concurrent import futures
 
 import grpc
 
-from headrace.dataplane.v1 import worker_pb2 as wpb
-from headrace.dataplane.v1 import worker_pb2_grpc as wpb_grpc
+from headrace.worker.v1 import worker_pb2 as wpb
+from headrace.worker.v1 import worker_pb2_grpc as wpb_grpc
 
 VOCAB = 1024
 

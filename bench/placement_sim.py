@@ -1,6 +1,6 @@
 """Placement at fleet scale, simulated: 100-1,000 replicas, each the real control-plane
 ``Scheduler`` and ``BlockManager`` (prefix cache on) on one virtual clock, with requests placed
-by the real ``controlplane.placement`` rule from each replica's published cache
+by the real ``headrace.controlplane.frontend.placement`` rule from each replica's published cache
 (``cache_summary.CacheView``, fed by its block manager's ``CacheEvents`` after every step) and
 load: round robin, least load and prefix-aware placement on a multi-tenant shared-prefix
 workload. Reports the prefix-cache hit rate, TTFT p50/p99, TPOT, goodput (requests meeting the
@@ -34,14 +34,14 @@ import pathlib
 import random
 
 from bench.scheduling_sim import Clock, _f, _lognormal, pct, step_seconds
-from controlplane.block_manager import BlockManager
-from controlplane.cache_summary import CacheEvents, CacheView, prompt_hashes
-from controlplane.output import OutputText
-from controlplane.placement import Placement, load_score
-from controlplane.policy import Policy
-from controlplane.request import Request, Sequence
-from controlplane.scheduler import Scheduler
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.controlplane.kv.block_manager import BlockManager
+from headrace.controlplane.kv.cache_summary import CacheEvents, CacheView, prompt_hashes
+from headrace.controlplane.requests.output import OutputText
+from headrace.controlplane.frontend.placement import Placement, load_score
+from headrace.controlplane.scheduling.policy import Policy
+from headrace.controlplane.requests.request import Request, Sequence
+from headrace.controlplane.scheduling.scheduler import Scheduler
+from headrace.worker.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
 
 POLICIES = ("round-robin", "least-load", "prefix")

@@ -22,18 +22,18 @@ log serve
 rm -rf "$PROFILE"
 # Admin (profiling) needs an admin token since issue 29; the server and `admin` read the same one
 export HEADRACE_ADMIN_TOKEN=${HEADRACE_ADMIN_TOKEN:-profile-check-$RANDOM$RANDOM}
-HEADRACE_LOG_LEVEL=WARNING setsid python3 -m cli serve --model /tmp/qwen3 --device cuda --port "$PORT" \
+HEADRACE_LOG_LEVEL=WARNING setsid python3 -m headrace.cli serve --model /tmp/qwen3 --device cuda --port "$PORT" \
   --http-port 0 --metrics-port 0 --dataplane-metrics-port 0 --max-running 256 > "$OUT/profile-serve.log" 2>&1 &
 SERVER=$!
 trap 'kill -TERM -- -"$SERVER" 2>/dev/null; sleep 3; kill -KILL -- -"$SERVER" 2>/dev/null' EXIT
-for _ in $(seq 120); do python3 -m cli health --address "$ADDR" --timeout 1 > /dev/null 2>&1 && break; sleep 1; done
-python3 -m cli health --address "$ADDR" || { tail -20 "$OUT/profile-serve.log"; exit 1; }
+for _ in $(seq 120); do python3 -m headrace.cli health --address "$ADDR" --timeout 1 > /dev/null 2>&1 && break; sleep 1; done
+python3 -m headrace.cli health --address "$ADDR" || { tail -20 "$OUT/profile-serve.log"; exit 1; }
 log "w2 baseline"
 timeout 60 python3 -m bench.serving_bench --address "$ADDR" --workload w2 | tee "$OUT/profile-w2-baseline.json"
 log "w2 while profiling 20 steps"
 # armed first (W2 lasts ~2 s on an H200): the profile records the next 20 steps the server
 # runs, the bench's first ones (its warm-up request's, then the first timed stream's)
-timeout 90 python3 -m cli admin profile --address "$ADDR" --steps 20 --dir "$PROFILE" --wait 60 \
+timeout 90 python3 -m headrace.cli admin profile --address "$ADDR" --steps 20 --dir "$PROFILE" --wait 60 \
   > "$OUT/profile-status.json" &
 PROF=$!
 sleep 4   # the admin command started and armed the recording

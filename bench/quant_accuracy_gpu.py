@@ -19,9 +19,9 @@ import argparse
 
 import torch
 
-from dataplane.config import load_model_config
-from dataplane.loader import load_model
-from dataplane.quantization import resolve
+from headrace.dataplane.config import load_model_config
+from headrace.dataplane.loader import load_model
+from headrace.dataplane.quantization import resolve
 from tests import test_quant_accuracy as acc
 
 

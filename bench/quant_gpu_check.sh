@@ -112,7 +112,7 @@ if has w1kv || has l8 || has w3kv || has w3lib || has w2int4; then
   RES=$OUT/quant_serve.jsonl; : > "$RES"; ADDR=127.0.0.1:50151; n=0
   up() {      # MODEL SERVE_ARGS...: `headrace serve` in a process group of its own
     n=$((n + 1)); log "serve $*"
-    HEADRACE_LOG_LEVEL=INFO setsid python3 -m cli serve --model "$1" --host 127.0.0.1 \
+    HEADRACE_LOG_LEVEL=INFO setsid python3 -m headrace.cli serve --model "$1" --host 127.0.0.1 \
       --port 50151 --http-port 50152 --device cuda "${@:2}" > "$OUT/serve-$n.log" 2>&1 &
     SERVER=$!
   }

@@ -1,22 +1,22 @@
 """Every candidate quantized GEMM side by side at decode row counts, on the GPU: which kernel
 wins per scheme, weight shape and M, the skinny kernels' best tile per bucket, and the table
-``kernels.quant_dispatch`` reads (rankings and pinned tiles).
+``headrace.kernels.quant_dispatch`` reads (rankings and pinned tiles).
 
-For Llama-3.1-8B's projection shapes (qkv, o, gate_up, down) and M rows (default 1, 16, 64),
-times bf16 ``torch.nn.functional.linear`` (cuBLAS, the baseline, once per shape) and each
-kernel of ``kernels.quant_dispatch.KERNELS`` that is installed, asked for (``--libs``) and
-takes the layer: FP8 per-channel weights (``fp8_skinny`` W8A16; ``fp8_w8a8`` and ``scaled_mm``,
-W8A8 with the activation quantiser; ``fp8_w8a8_inline``, W8A8 quantising its rows itself;
-``gemlite_fp8``, ``fbgemm_rowwise``) and INT4 group-128 weights
-(``triton_skinny``, ``triton_tiled`` on its repacked layout, ``triton``, ``tinygemm``, ``gemlite``, ``fbgemm_i4``); ``--schemes
-...,w8a16`` adds INT8 group-128 weights. Times are device time per call, replayed from one CUDA
-graph over enough distinct copies of the weights (>= 256 MB, built once per shape and scheme
-and shared by every kernel) that the 50 MB L2 cannot serve repeats, as a decode step runs.
+For Llama-3.1-8B's projection shapes (qkv, o, gate_up, down) and M rows (default 1, 16, 64), times
+bf16 ``torch.nn.functional.linear`` (cuBLAS, the baseline, once per shape) and each kernel of
+``headrace.kernels.quant_dispatch.KERNELS`` that is installed, asked for (``--libs``) and takes the
+layer: FP8 per-channel weights (``fp8_skinny`` W8A16; ``fp8_w8a8`` and ``scaled_mm``, W8A8 with the
+activation quantiser; ``fp8_w8a8_inline``, W8A8 quantising its rows itself; ``gemlite_fp8``,
+``fbgemm_rowwise``) and INT4 group-128 weights (``triton_skinny``, ``triton_tiled`` on its repacked
+layout, ``triton``, ``tinygemm``, ``gemlite``, ``fbgemm_i4``); ``--schemes ...,w8a16`` adds INT8
+group-128 weights. Times are device time per call, replayed from one CUDA graph over enough distinct
+copies of the weights (>= 256 MB, built once per shape and scheme and shared by every kernel) that
+the 50 MB L2 cannot serve repeats, as a decode step runs.
 
 Our skinny kernels time ``--sweep`` tiles per row bucket here (the fixed tile of
-``kernels.skinny_gemm`` first, then the bucket's list), outside ``triton.autotune``; the
+``headrace.kernels.skinny_gemm`` first, then the bucket's list), outside ``triton.autotune``; the
 fastest is their time and is written to the table's ``tiles``, so the server runs it without
-timing anything. Each kernel is checked once against ``kernels.reference_quant`` on a small
+timing anything. Each kernel is checked once against ``headrace.kernels.reference_quant`` on a small
 input (a wrong one is reported and never ranked), and each swept tile on its M's input before
 it is timed (a wrong tile is reported and never pinned). A library whose first kernel (its layouts,
 its compile, the check, the timings of one shape) fails is skipped from then on, and so is one
@@ -44,9 +44,10 @@ import time
 import torch
 
 from bench.kernels import graph_ms
-from kernels import quant_dispatch, quant_libs, reference_quant as ref
-from kernels import (skinny_gemm, triton_fp8_linear, triton_fp8_w8a8, triton_fp8_w8a8_inline,
-                     triton_quant, triton_w4a16, triton_w4a16_tiled)
+from headrace.kernels import quant_dispatch, quant_libs, reference_quant as ref
+from headrace.kernels import (skinny_gemm, triton_fp8_linear, triton_fp8_w8a8,
+                              triton_fp8_w8a8_inline, triton_quant, triton_w4a16,
+                              triton_w4a16_tiled)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
@@ -59,7 +60,7 @@ SKINNY = {"fp8_skinny": triton_fp8_linear, "fp8_w8a8": triton_fp8_w8a8,
 W8A8 = ("fp8_w8a8", "scaled_mm", "fbgemm_rowwise")   # the activations rounded to e4m3 too
 OWN_TILES = ("fp8_w8a8", "fp8_w8a8_inline", "triton_tiled")   # kernels whose tiles the table pins under their name
 # the layers whose rows the norm and SiLU kernels quantise when a W8A8 kernel runs them
-# (dataplane.model: wants_fp8_rows); o's come from attention and pay the quantiser
+# (headrace.dataplane.model: wants_fp8_rows); o's come from attention and pay the quantiser
 ROWS_LAYERS = ("qkv", "gate_up", "down")
 
 

@@ -26,14 +26,14 @@ import os
 import pathlib
 import random
 
-from controlplane.block_manager import BlockManager
-from controlplane.chunking import Chunking
-from controlplane.output import OutputText
-from controlplane.policy import Policy
-from controlplane.request import Request, Sequence
-from controlplane.scheduler import Scheduler
-from controlplane.step import ScheduledStep
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.controlplane.kv.block_manager import BlockManager
+from headrace.controlplane.scheduling.chunking import Chunking
+from headrace.controlplane.requests.output import OutputText
+from headrace.controlplane.scheduling.policy import Policy
+from headrace.controlplane.requests.request import Request, Sequence
+from headrace.controlplane.scheduling.scheduler import Scheduler
+from headrace.controlplane.scheduling.step import ScheduledStep
+from headrace.worker.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
 
 

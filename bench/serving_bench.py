@@ -12,7 +12,7 @@ the server by its PID (its process group if it does not exit). W1 and W3 stream 
 (``client_cpu_max``, ``client_limited``: whether a client process, not the server, was the
 limit) and, from the data plane's /metrics, the steps and mean step times by kind and the
 device's idle share (``bench.dataplane_metrics``). W2 runs from this process; with ``--stages``
-the server's processes stamp each first token's path (``common.stage_times``) and the line
+the server's processes stamp each first token's path (``headrace.common.stage_times``) and the line
 adds its decomposition (``first_token_ms``, ``bench.first_token``).
 The workloads are defined in docs/benchmarks.md.
 """
@@ -35,8 +35,8 @@ import grpc
 from bench import client_pool, dataplane_metrics
 from bench.first_token import ClientStamps, decompose
 from bench.serving_http import HttpTarget, run_one_http
-from common.stage_times import ENV as STAGES_ENV
-from headrace_client import AsyncClient, NotReady
+from headrace.common.stage_times import ENV as STAGES_ENV
+from headrace.client import AsyncClient, NotReady
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
@@ -53,7 +53,7 @@ def w3_requests(n: int):
 
 
 STREAM_INTERVAL = 0   # per request; 0 = the server's default (every token)
-SERVE = ["-m", "cli", "serve"]   # the `headrace serve` command line, as a module
+SERVE = ["-P", "-m", "headrace.cli", "serve"]   # the `headrace serve` command line, as a module
 
 
 async def run_one(stub, prompt, max_tokens, temperature, stamps: list | None = None,

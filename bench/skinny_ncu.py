@@ -11,13 +11,13 @@ one, of the same structure, 1.7 TB/s. ncu's warp-state and scheduler sections na
         --section WarpStateStats --section SchedulerStats --section Occupancy \\
         python -m bench.skinny_ncu --scheme w4a16 --shape qkv --m 16 --tile 16/64/4/3/4
 
-``--tile`` is BLOCK_M/BLOCK_N/warps/stages/split[/BLOCK_K] (the pinned or fixed tile when left
-out; BLOCK_M 1: the one-row pipelined FMA program). ``--scheme w8a8`` is the W8A8 program on
-rows quantised before it (as the norm and SiLU kernels hand them), ``w8a8i`` the one quantising
-its rows itself (``kernels.triton_fp8_w8a8_inline``), ``w4a16t`` the INT4 program on the tiled
-layout (``kernels.triton_w4a16_tiled``, whose kernel ncu finds as ``_tiled_kernel``).
-``--calls`` eager launches (a profiler's), then the time per call replayed from a CUDA graph
-over >= 256 MB of weight copies.
+``--tile`` is BLOCK_M/BLOCK_N/warps/stages/split[/BLOCK_K] (the pinned or fixed tile when left out;
+BLOCK_M 1: the one-row pipelined FMA program). ``--scheme w8a8`` is the W8A8 program on rows
+quantised before it (as the norm and SiLU kernels hand them), ``w8a8i`` the one quantising its rows
+itself (``headrace.kernels.triton_fp8_w8a8_inline``), ``w4a16t`` the INT4 program on the tiled
+layout (``headrace.kernels.triton_w4a16_tiled``, whose kernel ncu finds as ``_tiled_kernel``).
+``--calls`` eager launches (a profiler's), then the time per call replayed from a CUDA graph over >=
+256 MB of weight copies.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 
 from bench.kernels import graph_ms
 from bench.quant_kernels import SHAPES, _caller, copies
-from kernels import triton_fp8_w8a8, triton_quant, triton_w4a16
-from kernels.skinny_gemm import Tile
+from headrace.kernels import triton_fp8_w8a8, triton_quant, triton_w4a16
+from headrace.kernels.skinny_gemm import Tile
 
 
 def main() -> None:

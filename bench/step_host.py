@@ -1,9 +1,9 @@
-"""The data plane's own time per step, by step kind: drives ``ModelRunner`` directly with
-synthetic StepRequests (a small control plane of its own: block tables, chunked prompts,
-sequences that finish) and reports, per step kind and CUDA-graph mode, the host time of
-each phase of ``launch`` (apply the delta, build and pack the inputs, queue their upload and
-launch the forward, launch sampling) and of ``finish`` (after the device is done: read back, build the result),
-next to the device time (on a GPU).
+"""The data plane's own time per step, by step kind: drives ``ModelRunner`` directly with synthetic
+StepRequests (a small control plane of its own: block tables, chunked prompts, sequences that
+finish) and reports, per step kind and CUDA-graph mode, the host time of each phase of ``launch``
+(apply the delta, build and pack the inputs, queue their upload and launch the forward, launch
+sampling) and of ``finish`` (after the device is done: read back, build the result), next to the
+device time (on a GPU).
 
     python -m bench.step_host --model DIR [--device cuda] [--seqs 256] [--prefill 512]
         [--modes full_decode_only,full_and_piecewise] [--steps 20]
@@ -29,8 +29,8 @@ import time
 
 import numpy as np
 
-from dataplane.worker import Worker, WorkerOptions
-from headrace.dataplane.v1 import worker_pb2 as pb
+from headrace.dataplane.worker import Worker, WorkerOptions
+from headrace.worker.v1 import worker_pb2 as pb
 
 PHASES = ("apply", "build", "forward", "sample", "finish")
 
@@ -131,7 +131,7 @@ def add_full_graphs(worker) -> dict:
     logits and memory pool shared) as ``worker.graphs.full``; their count, time and memory."""
     import torch
 
-    from dataplane.full_graphs import FullGraphs
+    from headrace.dataplane.full_graphs import FullGraphs
 
     graphs, runner = worker.graphs, worker.runner
     cuda = runner.device.type == "cuda"
@@ -172,7 +172,7 @@ def main() -> None:
                     help="eager forwards return zeros at once: host work only (CPU comparisons)")
     args = ap.parse_args()
     if args.model is None:
-        from dataplane.default_model import default_model_dir
+        from headrace.dataplane.default_model import default_model_dir
         args.model = str(default_model_dir())
     tokens = max(2048, args.seqs + args.prefill, args.prefill_only)
     per_seq = -(-(args.context + 4 * (args.warmup + 2 * args.steps) + 16) // 16)

@@ -28,7 +28,7 @@ import time
 import grpc
 
 from bench.serving_bench import SERVE, throughput, w1_requests
-from headrace_client import AsyncClient
+from headrace.client import AsyncClient
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
@@ -85,8 +85,8 @@ async def itl(stub, batch: int, schema: dict | None, seed: int, new_tokens: int 
 
 @functools.lru_cache(maxsize=1)
 def long_grammar(model: str, vocab: int, eos: tuple[int, ...]):
-    from controlplane.structured import backends
-    from controlplane.structured.spec import Constraint
+    from headrace.controlplane.structured import backends
+    from headrace.controlplane.structured.spec import Constraint
 
     return backends.load(backends.resolve("auto"), model, vocab, list(eos)).compile(
         Constraint("json", json.dumps(LONG)))

@@ -1,5 +1,5 @@
-"""The host KV tier's in-process comparisons (issue 33): engines driving data plane workers in
-this one process (``dataplane.inprocess``, no gRPC), W1's requests (``bench.serving_bench``),
+"""The host KV tier's in-process comparisons (issue 33): engines driving data plane workers in this
+one process (``headrace.dataplane.inprocess``, no gRPC), W1's requests (``bench.serving_bench``),
 each case's runs alternated so a drift of the machine hits both sides.
 
     python -m bench.tier_bench --model /tmp/qwen3 --cases idle,swap
@@ -32,10 +32,10 @@ import time
 
 from bench.inprocess_bench import consume, submitter
 from bench.serving_bench import w1_requests
-from controlplane.engine import Engine, EngineConfig
-from controlplane.tokenizer import ModelTokenizer
-from dataplane.inprocess import InProcessWorkerGroup
-from dataplane.worker import Worker, WorkerOptions
+from headrace.controlplane.engine.loop import Engine, EngineConfig
+from headrace.controlplane.requests.tokenizer import ModelTokenizer
+from headrace.dataplane.inprocess import InProcessWorkerGroup
+from headrace.dataplane.worker import Worker, WorkerOptions
 
 
 class Workers(InProcessWorkerGroup):

@@ -1,8 +1,8 @@
-"""Device time of the unified attention kernel (``kernels.triton_unified``: the full CUDA graphs'
-one launch per layer) against the split launches the piecewise and eager steps make (the
+"""Device time of the unified attention kernel (``headrace.kernels.triton_unified``: the full CUDA
+graphs' one launch per layer) against the split launches the piecewise and eager steps make (the
 split-KV decode kernel for the decodes + the prefill kernel for the chunks,
-``kernels.triton_attention.paged_attention``), per tile size, on Qwen3-0.6B's attention layout
-(16 query heads, 8 KV heads, head_dim 128, bf16, blocks of 16 in shuffled order).
+``headrace.kernels.triton_attention.paged_attention``), per tile size, on Qwen3-0.6B's attention
+layout (16 query heads, 8 KV heads, head_dim 128, bf16, blocks of 16 in shuffled order).
 
 Why: the unified kernel gives each decode row a tile of its own over its whole context (no KV
 split) and tiles prefill chunks at one size for every batch, so it may cost device time where
@@ -21,8 +21,8 @@ import json
 import torch
 
 from bench.kernels import BLOCK, DTYPE, _metadata, graph_ms
-from dataplane.mixed_graphs import token_buckets
-from kernels import reference, triton_attention, triton_unified
+from headrace.dataplane.mixed_graphs import token_buckets
+from headrace.kernels import reference, triton_attention, triton_unified
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 

@@ -95,7 +95,7 @@ def run_rate(address: str, rate: float, args, items: list | None = None) -> dict
 
 def start_server(args, count: int):
     """``headrace serve`` with ``count`` API front ends (0: its default for this machine)."""
-    cmd = [sys.executable, "-m", "cli", "serve", "--model", args.model, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-P", "-m", "headrace.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
            "--port", str(args.port), "--http-port", "0",
            *(["--api-server-count", str(count)] if count else []), *args.serve_args.split()]
     return subprocess.Popen(cmd, env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"), start_new_session=True)
@@ -114,7 +114,7 @@ def sweep(address: str, args) -> list[dict]:
     """The rates asked for, then ``--search`` more runs closing in on the highest rate that
     meets the SLO: between the best that met it and the lowest above that failed (bisection);
     above every rate when all met it (x1.25), below when none did (halving)."""
-    from headrace_client import AsyncClient, NotReady
+    from headrace.client import AsyncClient, NotReady
 
     try:
         asyncio.run(AsyncClient(address).wait_ready(900))
@@ -194,7 +194,7 @@ def main() -> None:
     ap.add_argument("--out-dir", default=None, help="write w4.json (and w4.png) here")
     args = ap.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
-    from cli.processes import default_api_server_count
+    from headrace.cli.processes import default_api_server_count
 
     counts = [int(c) or default_api_server_count() for c in args.api_server_counts.split(",")]
     runs = {}

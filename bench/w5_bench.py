@@ -5,7 +5,7 @@ different conversations are interleaved (round robin, ``--concurrency`` in fligh
 device KV pool is limited (``--num-kv-blocks``) so it cannot keep every history: without a
 second tier a returning conversation's history is evicted and recomputed; with
 ``--kv-offloading-size`` it comes back from host memory, or is recomputed where the cost rule
-(``--kv-offloading-policy``, ``controlplane.tier_cost``) finds that cheaper.
+(``--kv-offloading-policy``, ``headrace.controlplane.kv.tier_cost``) finds that cheaper.
 
     python -m bench.w5_bench --model /tmp/qwen3 --num-kv-blocks 2048 --offload-gib 24
 
@@ -147,7 +147,7 @@ async def run_workload(address: str, args, alone: bool = False) -> dict:
 
 MODES = ("off", "auto", "always", "never")
 def _launch(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "cli", *cmd], env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"),
+    return subprocess.Popen([sys.executable, "-P", "-m", "headrace.cli", *cmd], env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"),
                             start_new_session=True)
 
 
@@ -177,7 +177,7 @@ def start_controlplane(args, mode: str, workers: str) -> subprocess.Popen:
 
 
 def run_mode(args, mode: str, alone: bool, workers: str | None) -> dict:
-    from headrace_client import AsyncClient, NotReady
+    from headrace.client import AsyncClient, NotReady
 
     server = None
     if args.address is None:
@@ -256,7 +256,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.model is None:
-        from cli.options import default_model
+        from headrace.cli.options import default_model
         args.model = default_model()
     modes = parse_modes(args.modes)
     dataplane, workers, tmp = None, None, tempfile.mkdtemp(prefix="w5-")

@@ -1,8 +1,8 @@
 """A data plane's start, in a fresh process per repeat: importing torch, importing the worker
-(``dataplane.worker``: kernels, Triton, the sampler) and constructing it (the model built on
-the meta device and loaded, the KV cache allocated, the warm-up, CUDA graphs on a GPU), with the
-modules that construction imported beside it (``torch._dynamo`` is the tell of an operation
-run through torch's Python references: ~2 s of a CPU start before 2026-12-03).
+(``headrace.dataplane.worker``: kernels, Triton, the sampler) and constructing it (the model built
+on the meta device and loaded, the KV cache allocated, the warm-up, CUDA graphs on a GPU), with the
+modules that construction imported beside it (``torch._dynamo`` is the tell of an operation run
+through torch's Python references: ~2 s of a CPU start before 2026-12-03).
 
 ``--serve`` times the whole ``headrace serve`` instead (one front end): from its start to
 SERVING on gRPC health, and from SIGTERM to the exit of its process tree (the data plane's
@@ -35,8 +35,8 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch
 t1 = time.perf_counter()
-from common.worker_options import WorkerOptions
-from dataplane.worker import Worker
+from headrace.common.worker_options import WorkerOptions
+from headrace.dataplane.worker import Worker
 t2 = time.perf_counter()
 opts = json.loads(sys.argv[1])
 worker = Worker(WorkerOptions(**opts))
@@ -68,12 +68,12 @@ def one_serve(tree: pathlib.Path, opts: dict) -> dict:
     """``headrace serve`` of ``tree``: seconds to SERVING, and from SIGTERM to its exit."""
     import grpc
 
-    from headrace_client import connection
+    from headrace.client import connection
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "cli", "serve", "--model", opts["model"], "--device", opts["device"],
+    argv = [sys.executable, "-P", "-m", "headrace.cli", "serve", "--model", opts["model"], "--device", opts["device"],
             "--num-kv-blocks", str(opts["num_kv_blocks"]), "--host", "127.0.0.1", "--port", str(port),
             "--http-port", "0", "--metrics-port", "0", "--dataplane-metrics-port", "0",
             "--api-server-count", "1", *(["--enforce-eager"] if opts.get("enforce_eager") else [])]

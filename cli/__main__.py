@@ -1,4 +1,4 @@
-"""``python -m cli ...``: the ``headrace`` command (how ``serve`` starts its data planes).
+"""``python -m headrace.cli ...``: the ``headrace`` command (how ``serve`` starts its data planes).
 
 A process that imported torch (a data plane) ends without the interpreter's teardown once its
 command returned (server stopped, metrics and traces flushed, logs flushed here): torch's
@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-from cli.main import main
+from headrace.cli.main import main
 
 code = main()
 if "torch" in sys.modules:

@@ -10,9 +10,9 @@ import sys
 import grpc
 from google.protobuf import json_format
 
-from cli.client import add_address_args, channel
-from cli.options import deprecated_alias, positive_int
-from controlplane.policy import POLICIES
+from headrace.cli.client import add_address_args, channel
+from headrace.cli.options import deprecated_alias, positive_int
+from headrace.controlplane.scheduling.policy import POLICIES
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 

@@ -1,5 +1,5 @@
 """``headrace generate``: streams a completion from a running server through the client library
-(``headrace_client``), with the server's connection options (address, API token, TLS, the
+(``headrace.client``), with the server's connection options (address, API token, TLS, the
 ``HEADRACE_*`` variables), a short connect timeout that names the server's state (down,
 loading, draining), the API's sampling defaults, and a quiet exit on Ctrl-C."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cli.options import deprecated_alias
+from headrace.cli.options import deprecated_alias
 
 # as /v1/completions (OpenAI's default): a first try prints a line, not the whole context
 DEFAULT_MAX_TOKENS = 16
@@ -73,7 +73,7 @@ def channel(args):
     """A gRPC channel to ``args.address`` with the TLS options of ``add_address_args``; raises
     SystemExit with one line when they are inconsistent (a certificate without its key, a
     missing file)."""
-    from headrace_client.connection import ConnectionOptions
+    from headrace.client.connection import ConnectionOptions
 
     try:
         opts = ConnectionOptions.resolve(args.address, tls=args.tls, tls_ca=args.tls_ca,
@@ -84,7 +84,7 @@ def channel(args):
 
 
 def run_generate(args) -> int:
-    from headrace_client import Client, HeadraceError
+    from headrace.client import Client, HeadraceError
 
     params = {name: getattr(args, name) for name, _, _ in SAMPLING if getattr(args, name) is not None}
     if args.stop:

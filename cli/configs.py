@@ -1,16 +1,16 @@
 """The configuration objects the ``headrace`` commands build from their parsed options
-(``cli.options`` declares the options): the control plane's keyword options, the engine core
-link's security, prefill chunking, the engine's configuration and the front ends' placement,
+(``headrace.cli.options`` declares the options): the control plane's keyword options, the engine
+core link's security, prefill chunking, the engine's configuration and the front ends' placement,
 and the checks that stop a command with one line before any process starts."""
 
 from __future__ import annotations
 
 import re
 
-from controlplane import placement
-from controlplane.chunking import Chunking
-from controlplane.engine import EngineConfig
-from controlplane.policy import Policy
+from headrace.controlplane.frontend import placement
+from headrace.controlplane.scheduling.chunking import Chunking
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.controlplane.scheduling.policy import Policy
 
 
 def placement_of(args) -> "placement.Placement":
@@ -24,8 +24,8 @@ def placement_of(args) -> "placement.Placement":
 
 def plane_options(args) -> dict:
     """ControlPlane keyword options from the command line (secrets: its flags, else the
-    environment, ``common.secret_env``)."""
-    from common import secret_env, security
+    environment, ``headrace.common.secret_env``)."""
+    from headrace.common import secret_env, security
 
     secret_env.resolve(args)
     return dict(metrics_port=args.metrics_port or None, metrics_host=args.metrics_host,
@@ -48,7 +48,7 @@ def plane_options(args) -> dict:
 def core_link_options(args, side: str) -> dict:
     """The link's security for the engine core (``side="core"``: TLS server credentials) or a
     front end (``"frontend"``: the CA to verify the core with), and the shared secret."""
-    from common import secret_env, security
+    from headrace.common import secret_env, security
 
     secret_env.resolve(args)
     secret = args.core_secret
@@ -86,7 +86,7 @@ def engine_config(args) -> EngineConfig:
 def check_structured_outputs_backend(args) -> None:
     """An explicitly chosen grammar engine that is not installed stops the command with one
     line saying what to install (``auto`` without any only refuses constrained requests)."""
-    from controlplane.structured import backends
+    from headrace.controlplane.structured import backends
 
     name = getattr(args, "structured_outputs_backend", "auto")
     if name != "auto" and not backends.installed(name):
@@ -96,7 +96,7 @@ def check_structured_outputs_backend(args) -> None:
 def check_speculative_config(args) -> None:
     """A bad ``--speculative-config`` stops the command with its message (not a child's
     traceback)."""
-    from common import speculative
+    from headrace.common import speculative
 
     try:
         speculative.parse(args.speculative_config)

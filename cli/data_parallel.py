@@ -1,7 +1,7 @@
 """``--data-parallel-size M``: M engine cores, each with its own data plane group (its GPUs, a
 share of one, or the CPU), behind the same API front ends (``headrace serve``; ``headrace
 controlplane`` over running data planes). The front ends place each request on a core
-(``controlplane.frontend.router``).
+(``headrace.controlplane.frontend.router``).
 
 - GPUs (``--device cuda``, or ``auto`` when this process counts a GPU: ``resolve_auto``): rank r of replica i takes GPU i x TP + r when the machine has that
   many (``visible_gpus``: $CUDA_VISIBLE_DEVICES, else the driver's entries, else nvidia-smi);
@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import time
 
-from common import net
+from headrace.common import net
 
 MAX_SHARED = 0.95          # of one GPU, for every process on it together
 DEFAULT_UTILIZATION = 0.9  # WorkerOptions.gpu_memory_utilization's default
@@ -125,6 +125,7 @@ def split_workers(workers: list[str], dp: int) -> list[list[str]]:
 
 
 def wait_loaded(group, poll_s: float = 0.2) -> None:
-    """Until a data plane group (``cli.supervisor.DataPlaneChildren``) has served, or failed."""
+    """Until a data plane group (``headrace.cli.supervisor.DataPlaneChildren``) has served, or
+failed."""
     while not (group.served or group.fatal or group.given_up):
         time.sleep(poll_s)

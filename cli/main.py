@@ -1,12 +1,12 @@
 """The ``headrace`` command and its parser: ``serve`` (control plane plus data plane children),
-``controlplane`` and ``dataplane`` (each plane alone; the control plane is an engine core and N
-API front ends, ``core`` and ``frontend``, which ``cli.processes`` starts and keeps alive; the
-role commands are in ``cli.roles``), ``generate`` (a streaming client), ``admin`` (the Admin
-service: configuration, drain, resume, reload) and ``health`` (a grpc.health.v1 probe for
+``controlplane`` and ``dataplane`` (each plane alone; the control plane is an engine core and N API
+front ends, ``core`` and ``frontend``, which ``headrace.cli.processes`` starts and keeps alive; the
+role commands are in ``headrace.cli.roles``), ``generate`` (a streaming client), ``admin`` (the
+Admin service: configuration, drain, resume, reload) and ``health`` (a grpc.health.v1 probe for
 container health checks).
 
 Only ``dataplane`` imports the data plane (and torch); ``serve`` and ``controlplane`` run the
-control plane in a torch-free process and start data planes as ``python -m cli dataplane``.
+control plane in a torch-free process and start data planes as ``python -m headrace.cli dataplane``.
 A user's mistake (a missing model, a port in use, a bad option) ends the command with one line
 on stderr and a non-zero status, never a traceback."""
 
@@ -16,51 +16,26 @@ import argparse
 import os
 import sys
 
-from cli.admin import add_admin_parser
-from cli.client import add_address_args, add_generate_parser
-from cli.options import (
-    HelpFormatter,
-    add_data_parallel_args,
-    add_engine_args,
-    add_ops_args,
-    add_security_args,
-    add_tls_args,
-    deprecated_alias,
-    positive_int,
-)
-from cli.roles import cmd_core, cmd_dataplane, cmd_frontend, failure_label
-from cli.serve import (  # noqa: F401 (the commands' helpers, re-exported for their tests)
-    _free_port,
-    check_public_ports,
-    cmd_controlplane,
-    cmd_serve,
-    dataplane_argv,
-    dataplane_env,
-    serve_children_argvs,
-)
-from common import secret_env
-from common.logs import configure_logging
-from common.options import (
-    OBSERVABILITY,
-    PARALLEL,
-    SECURITY,
-    SERVER,
-    add_arguments,
-    add_groups,
-    argument_group,
-)
-from common.worker_options import ParallelOptions, WorkerOptions
-
-# what the control plane alone needs of the worker's options (its step limits, the tokenizer)
-CONTROL_PLANE_WORKER_OPTIONS = ("model", "max_model_len", "max_num_seqs", "max_batched_tokens")
-
+from headrace.cli.admin import add_admin_parser
+from headrace.cli.client import add_address_args, add_generate_parser
+from headrace.cli.options import (CONTROL_PLANE_WORKER_OPTIONS, HelpFormatter,
+                                  add_controlplane_args, add_ops_args, add_tls_args,
+                                  controlplane_parser, deprecated_alias, positive_int)
+from headrace.cli.roles import cmd_core, cmd_dataplane, cmd_frontend, failure_label
+from headrace.cli.serve import (_free_port, check_public_ports, cmd_controlplane, cmd_serve,
+                                dataplane_argv, dataplane_env, serve_children_argvs)
+from headrace.common import secret_env
+from headrace.common.logs import configure_logging
+from headrace.common.options import (OBSERVABILITY, PARALLEL, SECURITY, SERVER, add_arguments,
+                                     add_groups, argument_group)
+from headrace.common.worker_options import ParallelOptions, WorkerOptions
 
 def cmd_health(args) -> int:
     """Exit 0 when ``--service`` is SERVING at ``--address``, 1 otherwise (container probes)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from cli.client import channel
+    from headrace.cli.client import channel
 
     address, chan = channel(args)
     try:
@@ -84,30 +59,6 @@ def _add_workers(p: argparse.ArgumentParser) -> None:
     argument_group(p, SERVER).add_argument(
         "--workers", default=os.environ.get("HEADRACE_WORKERS"), required=not os.environ.get("HEADRACE_WORKERS"),
         help="comma-separated data plane addresses (default $HEADRACE_WORKERS)")
-
-
-def add_controlplane_args(p: argparse.ArgumentParser, supervisor: bool = False) -> None:
-    """What the engine core and the front ends take (serve and controlplane forward them)."""
-    add_engine_args(p)
-    add_ops_args(p, 9400, control=True)
-    add_security_args(p)
-    add_data_parallel_args(p, supervisor)
-    if supervisor:   # serve, controlplane
-        net = argument_group(p, SERVER)
-        net.add_argument("--api-server-count", type=positive_int, default=None,
-                         help="API front-end processes sharing the public ports (default: 1 below "
-                              "4 CPU cores, else min(4, cores // 2))")
-        net.add_argument("--core-address", default=None,
-                         help="where the engine core serves its front ends (default: a unix socket "
-                              "in the server's private directory; host:port for TCP)")
-
-
-def controlplane_parser() -> argparse.ArgumentParser:
-    """The options the core and front-end processes share (the parent of their parsers)."""
-    p = argparse.ArgumentParser(add_help=False, prog="headrace-controlplane")
-    add_arguments(p, WorkerOptions, only=CONTROL_PLANE_WORKER_OPTIONS)
-    add_controlplane_args(p)
-    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,7 +155,7 @@ def bind_role(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.net import PortInUse
+    from headrace.common.net import PortInUse
 
     args = build_parser().parse_args(argv)
     if args.command not in ("health", "generate", "admin"):
@@ -221,6 +172,14 @@ def main(argv: list[str] | None = None) -> int:
         # a user's mistake (model, port, option, certificate file): one line, no traceback
         print(f"{failure_label(args)}: {exc}", file=sys.stderr)
         return 2
+    except ImportError as exc:
+        # a missing or shadowed module: one line and an exit that ends serve (a data plane's
+        # EXIT_LOAD_FAILED, the other roles' usage-error status), never a restart loop
+        from headrace.common.import_errors import import_failure
+        from headrace.cli.supervisor import EXIT_LOAD_FAILED
+
+        print(f"{failure_label(args)}: {import_failure(exc)}", file=sys.stderr)
+        return EXIT_LOAD_FAILED if args.command == "dataplane" else 2
     except KeyboardInterrupt:
         return 130
 

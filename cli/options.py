@@ -1,8 +1,9 @@
 """The ``headrace`` command line's options: the options the commands share (engine, TLS and
-security, operations, the public APIs); ``cli.configs`` builds the configuration objects. The
-worker's options are generated from ``common.worker_options`` (``common.options.add_arguments``).
-Each option is listed in ``--help`` under one heading (``common.options.GROUPS``): an option
-added here goes through ``argument_group(p, HEADING)``."""
+security, operations, the public APIs); ``headrace.cli.configs`` builds the configuration objects.
+The worker's options are generated from ``headrace.common.worker_options``
+(``headrace.common.options.add_arguments``). Each option is listed in ``--help`` under one heading
+(``headrace.common.options.GROUPS``): an option added here goes through ``argument_group(p,
+HEADING)``."""
 
 from __future__ import annotations
 
@@ -11,24 +12,28 @@ import os
 import re
 import sys
 
-from common.logs import LOG_FORMATS
-from common.options import MODEL, OBSERVABILITY, PARALLEL, SCHEDULING, SECURITY, SERVER, argument_group
-from controlplane.chunking import (DEFAULT_MAX_LONG_PARTIAL_PREFILLS, DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
-                                   DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES)
-from controlplane import placement
-from controlplane.http.timeouts import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT
-from controlplane.limits import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS, QUEUE_PER_SLOT
-from controlplane.policy import POLICIES
-from controlplane.structured.backends import BACKENDS
-from controlplane.tier_cost import POLICIES as POLICIES_TIER
+from headrace.common.logs import LOG_FORMATS
+from headrace.common.options import (MODEL, OBSERVABILITY, PARALLEL, SCHEDULING, SECURITY, SERVER,
+                                     add_arguments, argument_group)
+from headrace.controlplane.scheduling.chunking import (DEFAULT_MAX_LONG_PARTIAL_PREFILLS,
+                                                       DEFAULT_MAX_NUM_PARTIAL_PREFILLS,
+                                                       DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODES)
+from headrace.controlplane.frontend import placement
+from headrace.controlplane.http.timeouts import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT
+from headrace.controlplane.requests.limits import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS, QUEUE_PER_SLOT
+from headrace.controlplane.scheduling.policy import POLICIES
+from headrace.controlplane.structured.backends import BACKENDS
+from headrace.controlplane.kv.tier_cost import POLICIES as POLICIES_TIER
+from headrace.common.worker_options import WorkerOptions
 
 
 def default_model() -> str:
     """$HEADRACE_MODEL (containers), else the embedded tiny model. Only its path is read: the
-    ``dataplane.default_model`` package imports neither torch nor the rest of the data plane."""
+    ``headrace.dataplane.default_model`` package imports neither torch nor the rest of the data
+    plane."""
     if os.environ.get("HEADRACE_MODEL"):
         return os.environ["HEADRACE_MODEL"]
-    from dataplane.default_model import default_model_dir
+    from headrace.dataplane.default_model import default_model_dir
 
     return str(default_model_dir())
 
@@ -137,8 +142,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_data_parallel_args(p: argparse.ArgumentParser, supervisor: bool) -> None:
-    """``--data-parallel-size`` (serve, controlplane) and how the front ends place requests on
-    the cores (forwarded to them; ``controlplane.placement``), under the parallelism heading."""
+    """``--data-parallel-size`` (serve, controlplane) and how the front ends place requests on the
+    cores (forwarded to them; ``headrace.controlplane.frontend.placement``), under the parallelism
+    heading."""
     p = argument_group(p, PARALLEL)
     if supervisor:
         p.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
@@ -251,3 +257,31 @@ def add_api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generation-config", choices=("auto", "vllm"), default="auto",
                    help="auto: the model's generation_config.json sets default sampling "
                         "parameters; vllm: ignore it")
+
+
+# what the control plane alone needs of the worker's options (its step limits, the tokenizer)
+CONTROL_PLANE_WORKER_OPTIONS = ("model", "max_model_len", "max_num_seqs", "max_batched_tokens")
+
+
+def add_controlplane_args(p: argparse.ArgumentParser, supervisor: bool = False) -> None:
+    """What the engine core and the front ends take (serve and controlplane forward them)."""
+    add_engine_args(p)
+    add_ops_args(p, 9400, control=True)
+    add_security_args(p)
+    add_data_parallel_args(p, supervisor)
+    if supervisor:   # serve, controlplane
+        net = argument_group(p, SERVER)
+        net.add_argument("--api-server-count", type=positive_int, default=None,
+                         help="API front-end processes sharing the public ports (default: 1 below "
+                              "4 CPU cores, else min(4, cores // 2))")
+        net.add_argument("--core-address", default=None,
+                         help="where the engine core serves its front ends (default: a unix socket "
+                              "in the server's private directory; host:port for TCP)")
+
+
+def controlplane_parser() -> argparse.ArgumentParser:
+    """The options the core and front-end processes share (the parent of their parsers)."""
+    p = argparse.ArgumentParser(add_help=False, prog="headrace-controlplane")
+    add_arguments(p, WorkerOptions, only=CONTROL_PLANE_WORKER_OPTIONS)
+    add_controlplane_args(p)
+    return p

@@ -1,10 +1,10 @@
-"""The control plane as processes (issue 18): one engine core (``python -m cli core``) and N
-API front ends (``python -m cli frontend --index i``), started and kept alive by ``headrace
-serve`` / ``headrace controlplane``.
+"""The control plane as processes (issue 18): one engine core (``python -m headrace.cli core``) and
+N API front ends (``python -m headrace.cli frontend --index i``), started and kept alive by
+``headrace serve`` / ``headrace controlplane``.
 
 - ``--api-server-count N``: front ends sharing the public gRPC and HTTP ports (SO_REUSEPORT);
   by default 1 below 4 CPU cores, else min(4, cores // 2) (``default_api_server_count``).
-- The ports are test-bound first without SO_REUSEPORT (``common.net.check_port``, by the
+- The ports are test-bound first without SO_REUSEPORT (``headrace.common.net.check_port``, by the
   command), so a port another server holds is refused at start although the front ends share
   it among themselves.
 - A child that dies is started again on its own (a front end alone; the core alone, whose
@@ -14,13 +14,13 @@ serve`` / ``headrace controlplane``.
 - The children share a private directory: the core's unix socket and, as
   ``PROMETHEUS_MULTIPROC_DIR``, the metric files the core's one /metrics sums.
 - Secrets (API, admin and worker tokens, the core secret; given by flag, file or environment,
-  ``common.secret_env``) reach the children by environment, never argv, and each child gets
+  ``headrace.common.secret_env``) reach the children by environment, never argv, and each child gets
   only those its role uses. The core and its front ends share a fresh core secret unless one
-  is given; a TCP core address beyond loopback needs TLS (``controlplane.core_link``), checked
+  is given; a TCP core address beyond loopback needs TLS (``headrace.controlplane.core.security``), checked
   before any child starts.
 - ``--data-parallel-size M``: M cores (``core i``), each over its own group of data planes and
-  on its own address (``cli.data_parallel``); the front ends get every core's address. Core 0
-  serves the control plane's /metrics (the others' state mirrored in, ``controlplane.dp_metrics``).
+  on its own address (``headrace.cli.data_parallel``); the front ends get every core's address. Core 0
+  serves the control plane's /metrics (the others' state mirrored in, ``headrace.controlplane.frontend.dp_metrics``).
   Every core gets exactly a core's secrets.
 """
 
@@ -32,14 +32,14 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 
-from common import secret_env
+from headrace.cli.roles import child_command
+from headrace.common import secret_env
 
 log = logging.getLogger("headrace.supervisor")
-EXIT_USAGE = 2   # cli.main: a user's mistake, said in one line
+EXIT_USAGE = 2   # headrace.cli.main: a user's mistake, said in one line
 # never forwarded on a command line: the secrets (by environment) and the tokens file (read
 # by the supervisor, its entries passed by environment)
 NOT_FORWARDED = ("api_token", "api_tokens_file", "admin_token", "worker_secret", "core_secret")
@@ -150,28 +150,28 @@ def control_plane_children(args, parser: argparse.ArgumentParser, workers: list,
     env = os.environ if env is None else env
     common = forward_argv(parser, args, skip=("workers", "core_address", "api_server_count",
                                               "tensor_parallel_size", "dataplane_metrics_port"))
-    python = [sys.executable, "-m", "cli"]
     cores = [core_address] if isinstance(core_address, str) else list(core_address)
     groups = workers if workers and isinstance(workers[0], list) else [workers]
     core_env = secret_env.role_env("core", args, env)
     children = []
     for i, (address, group) in enumerate(zip(cores, groups, strict=True)):
-        argv = python + ["core", *common, "--workers", ",".join(group), "--core-address", address]
+        argv = child_command("core") + [*common, "--workers", ",".join(group), "--core-address", address]
         if len(cores) > 1:   # core 0 serves /metrics
             argv += ["--data-parallel-rank", str(i), "--data-parallel-size", str(len(cores))]
             argv += ["--metrics-port", "0"] if i else []
         children.append(Child("core" if len(cores) == 1 else f"core {i}", argv, core_env))
     count = args.api_server_count or default_api_server_count()
     front_env = secret_env.role_env("frontend", args, env)
-    return children + [Child(f"frontend {i}", python + ["frontend", "--index", str(i), *common,
+    return children + [Child(f"frontend {i}", child_command("frontend") + ["--index", str(i), *common,
                                                         "--core-address", ",".join(cores)], front_env)
                        for i in range(count)]
 
 
 def prepare_core_link(args) -> None:
     """The core secret (given, or a fresh one) and, for a TCP core address, the check that the
-    network cannot read or use the link (``controlplane.core_link``); ValueError otherwise."""
-    from controlplane import core_link
+    network cannot read or use the link (``headrace.controlplane.core.security``); ValueError
+    otherwise."""
+    from headrace.controlplane.core import security as core_link
 
     secret_env.resolve(args)
     args.core_secret = args.core_secret or secrets.token_hex(16)
@@ -186,17 +186,17 @@ def run_control_plane(args, parser: argparse.ArgumentParser, workers: list[str],
     """Runs the cores and the front ends until SIGINT/SIGTERM, ``stop_hook``'s function is
     called, or a child fails for good; returns whether one did. ``workers``: the data planes
     (one flat list, cut into ``--data-parallel-size`` groups, or the groups).
-    ``args.host``/``args.port`` must have been checked free (``common.net.check_port``)."""
-    from cli import data_parallel
+    ``args.host``/``args.port`` must have been checked free (``headrace.common.net.check_port``)."""
+    from headrace.cli import data_parallel
 
     prepare_core_link(args)
     dp = getattr(args, "data_parallel_size", 1)
     cores = data_parallel.core_addresses(args.core_address, private_dir, dp)
     if workers and not isinstance(workers[0], list):
         workers = data_parallel.split_workers(workers, dp)
-    # the children's one-line failures name the command the user ran (cli.roles.failure_label)
+    # the children's one-line failures name the command the user ran (headrace.cli.roles.failure_label)
     env = dict(env, HEADRACE_SUPERVISOR=getattr(args, "command", "serve"))
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):   # common.metrics.enable_multiprocess
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):   # headrace.common.metrics.enable_multiprocess
         env["PROMETHEUS_MULTIPROC_DIR"] = os.environ["PROMETHEUS_MULTIPROC_DIR"]
     children = control_plane_children(args, parser, workers, cores, env)
     log.info("control plane: %d engine core(s) on %s, %d API front ends on port %d", dp,

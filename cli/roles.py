@@ -1,6 +1,7 @@
-"""The role commands the supervisor starts as children (``python -m cli core|frontend|dataplane``):
-an engine core, an API front end and a data plane, each one process that runs its server
-until a signal. Only ``dataplane`` imports the data plane (and torch), inside the command."""
+"""The role commands the supervisor starts as children (``python -m headrace.cli
+core|frontend|dataplane``): an engine core, an API front end and a data plane, each one process that
+runs its server until a signal. Only ``dataplane`` imports the data plane (and torch), inside the
+command."""
 
 from __future__ import annotations
 
@@ -12,21 +13,23 @@ import pathlib
 import signal
 import sys
 
-from cli.configs import (
-    check_speculative_config,
-    check_structured_outputs_backend,
-    core_link_options,
-    engine_config,
-    placement_of,
-    plane_options,
-)
-from cli.options import default_model
-from common.options import from_args
-from common.worker_options import ParallelOptions, WorkerOptions
+from headrace.cli.configs import (check_speculative_config, check_structured_outputs_backend,
+                                  core_link_options, engine_config, placement_of, plane_options)
+from headrace.cli.options import default_model
+from headrace.common.options import from_args
+from headrace.common.worker_options import ParallelOptions, WorkerOptions
 
 # set by ``headrace serve`` / ``controlplane`` in their children's environment: the command
 # the user ran, which a child's one-line failure names (not the role command it runs as)
 SUPERVISOR_ENV = "HEADRACE_SUPERVISOR"
+
+
+def child_command(role: str) -> list[str]:
+    """How the supervisor starts a child of ``role``: this interpreter running ``headrace.cli``
+    with ``-P``, which keeps the current directory off ``sys.path``: a ``headrace/`` folder
+    where ``serve`` was started (the clone's parent, say) would otherwise stand in for the
+    installed package in every child (``No module named 'headrace.worker.v1'``)."""
+    return [sys.executable, "-P", "-m", "headrace.cli", role]
 
 
 def failure_label(args) -> str:
@@ -48,8 +51,8 @@ def failure_label(args) -> str:
 
 def _run_role(server_factory) -> int:
     """Runs the server ``server_factory()`` builds (inside the event loop) until a signal."""
-    from common import tracing
-    from controlplane.lifecycle import run_until_signal
+    from headrace.common import tracing
+    from headrace.controlplane.lifecycle import run_until_signal
 
     async def run():
         await run_until_signal(server_factory())
@@ -63,7 +66,7 @@ def _run_role(server_factory) -> int:
 
 
 def cmd_core(args) -> int:
-    from controlplane.core.server import CoreServer
+    from headrace.controlplane.core.server import CoreServer
 
     check_structured_outputs_backend(args)
     opts = plane_options(args)
@@ -78,7 +81,7 @@ def cmd_core(args) -> int:
 
 
 def cmd_frontend(args) -> int:
-    from controlplane.frontend.server import FrontEnd
+    from headrace.controlplane.frontend.server import FrontEnd
 
     opts = plane_options(args)
     keys = ("api_token", "tls", "admin_token", "http_port", "http_tls", "chat_template",
@@ -94,12 +97,12 @@ def cmd_frontend(args) -> int:
 def cmd_dataplane(args) -> int:
     import threading
 
-    from cli.supervisor import EXIT_LOAD_FAILED
-    from common import security, tracing
-    from common.model_source import check_checkpoint, resolve_model
-    from dataplane import parallel
-    from dataplane.server import serve
-    from dataplane.worker import Worker, check_device, load_failure, resolve_device
+    from headrace.cli.supervisor import EXIT_LOAD_FAILED
+    from headrace.common import security, tracing
+    from headrace.common.model_source import check_checkpoint, resolve_model
+    from headrace.dataplane import parallel
+    from headrace.dataplane.server import serve
+    from headrace.dataplane.worker import Worker, check_device, load_failure, resolve_device
 
     check_speculative_config(args)
     par = from_args(ParallelOptions, args)
@@ -124,7 +127,7 @@ def cmd_dataplane(args) -> int:
     # listen at once (health NOT_SERVING) so probes see the model loading, not a closed port
     server = serve(None, args.listen, metrics_port=args.metrics_port or None, metrics_host=metrics_host,
                    credentials=security.server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca),
-                   secret=args.worker_secret)   # (or its variables: common.secret_env, cli.main)
+                   secret=args.worker_secret)   # (or its variables: headrace.common.secret_env, headrace.cli.main)
     log = logging.getLogger("headrace.dataplane")
     log.info("data plane on %s: loading %s", args.listen, opts.model)
 

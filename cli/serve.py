@@ -1,7 +1,8 @@
 """The supervisor commands: ``headrace serve`` (data plane children, engine cores and API front
-ends; ``--data-parallel-size`` replicas: ``cli.data_parallel``) and ``headrace controlplane``
-(the cores and front ends over running data planes). The children's roles are in ``cli.roles``,
-their keeping alive in ``cli.supervisor`` and ``cli.processes``."""
+ends; ``--data-parallel-size`` replicas: ``headrace.cli.data_parallel``) and ``headrace
+controlplane`` (the cores and front ends over running data planes). The children's roles are in
+``headrace.cli.roles``, their keeping alive in ``headrace.cli.supervisor`` and
+``headrace.cli.processes``."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import shutil
 import sys
 import tempfile
 
-from cli.configs import check_speculative_config, check_structured_outputs_backend, chunking
-from cli.options import check_device_name, default_model
-from cli.roles import SUPERVISOR_ENV
-from common import secret_env
-from common.options import from_args, to_argv
-from common.worker_options import ParallelOptions, WorkerOptions
+from headrace.cli.configs import (check_speculative_config, check_structured_outputs_backend,
+                                  chunking)
+from headrace.cli.options import check_device_name, default_model
+from headrace.cli.roles import SUPERVISOR_ENV, child_command
+from headrace.common import secret_env
+from headrace.common.options import from_args, to_argv
+from headrace.common.worker_options import ParallelOptions, WorkerOptions
 
 
 def _free_port() -> int:
@@ -31,15 +33,15 @@ def _free_port() -> int:
 def dataplane_argv(opts: WorkerOptions, par: ParallelOptions, listen: str, metrics_port: int,
                    log_format: str | None = None, metrics_host: str = "127.0.0.1") -> list[str]:
     """The command line of a data plane child process running ``opts`` as rank ``par.rank``."""
-    argv = [sys.executable, "-m", "cli", "dataplane", *to_argv(opts), *to_argv(par),
+    argv = [*child_command("dataplane"), *to_argv(opts), *to_argv(par),
             "--listen", listen, "--metrics-port", str(metrics_port), "--metrics-host", metrics_host]
     return argv + (["--log-format", log_format] if log_format else [])
 
 
 def serve_children_argvs(args, listens: list[str], devices: list[str] | None = None,
                          replica: int = 0) -> list[list[str]]:
-    """``headrace serve``'s data plane children of one replica: one per rank (``cuda:r`` for
-    rank r under tensor parallelism on CUDA, else ``devices[r]``: ``cli.data_parallel``), with a
+    """``headrace serve``'s data plane children of one replica: one per rank (``cuda:r`` for rank r
+    under tensor parallelism on CUDA, else ``devices[r]``: ``headrace.cli.data_parallel``), with a
     fresh rendezvous port each time the group starts."""
     world, opts, metrics = args.tensor_parallel_size, from_args(WorkerOptions, args), args.dataplane_metrics_port
     dist_init = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else None
@@ -57,16 +59,17 @@ def serve_children_argvs(args, listens: list[str], devices: list[str] | None = N
 
 
 def dataplane_env(args, environ=os.environ) -> dict:
-    """A data plane child's environment (every replica's alike): the worker secret (how it
-    accepts only this control plane) and no other secret (``common.secret_env``), and the
-    supervisor's name (its one-line failures name ``headrace serve``, ``cli.roles.failure_label``)."""
+    """A data plane child's environment (every replica's alike): the worker secret (how it accepts
+    only this control plane) and no other secret (``headrace.common.secret_env``), and the
+    supervisor's name (its one-line failures name ``headrace serve``,
+    ``headrace.cli.roles.failure_label``)."""
     return dict(secret_env.role_env("dataplane", args, environ), NCCL_NVLS_ENABLE="0",
                 **{SUPERVISOR_ENV: "serve"})
 
 
 def _model_for_the_control_plane(args, weights: bool) -> str:
     """The checkpoint directory (a Hub id resolved), checked for the files serving needs."""
-    from common.model_source import check_checkpoint, resolve_model
+    from headrace.common.model_source import check_checkpoint, resolve_model
 
     model = resolve_model(args.model or default_model())
     check_checkpoint(model, weights=weights)
@@ -76,13 +79,13 @@ def _model_for_the_control_plane(args, weights: bool) -> str:
 def check_public_ports(args) -> None:
     """The gRPC, HTTP and /metrics ports are free (before any child starts; the front ends
     then share the API ports with SO_REUSEPORT, which would not refuse another server's port),
-    and the core link is safe (``cli.processes.prepare_core_link``). /metrics: the control
+    and the core link is safe (``headrace.cli.processes.prepare_core_link``). /metrics: the control
     plane's (--metrics-port, served by core 0 of a data-parallel server, the other cores none)
     and serve's data plane children's, every rank of every replica (``serve_children_argvs``:
     replica i's rank r on --dataplane-metrics-port + i x tensor-parallel-size + r), all on
     --metrics-host."""
-    from cli.processes import prepare_core_link
-    from common import net
+    from headrace.cli.processes import prepare_core_link
+    from headrace.common import net
 
     prepare_core_link(args)
     net.check_port(f"{args.host}:{args.port}")
@@ -97,11 +100,11 @@ def check_public_ports(args) -> None:
 
 
 def cmd_serve(args) -> int:
-    from cli import data_parallel
-    from cli.configs import placement_of
-    from cli.processes import run_control_plane
-    from cli.supervisor import EXIT_LOAD_FAILED, DataPlaneChildren, health_probe
-    from common.metrics import enable_multiprocess
+    from headrace.cli import data_parallel
+    from headrace.cli.configs import placement_of
+    from headrace.cli.processes import run_control_plane
+    from headrace.cli.supervisor import EXIT_LOAD_FAILED, DataPlaneChildren, health_probe
+    from headrace.common.metrics import enable_multiprocess
 
     check_speculative_config(args)
     check_structured_outputs_backend(args)
@@ -127,7 +130,7 @@ def cmd_serve(args) -> int:
         args.worker_secret = args.worker_secret or secrets.token_hex(16)
         env = dataplane_env(args)
         enable_multiprocess(os.path.join(sock_dir, "metrics"))   # the supervisor's metrics too
-        from controlplane.metrics import ControlPlaneMetrics
+        from headrace.controlplane.metrics import ControlPlaneMetrics
 
         metrics = ControlPlaneMetrics()
         for i in range(dp):
@@ -151,10 +154,10 @@ def cmd_serve(args) -> int:
 
 
 def cmd_controlplane(args) -> int:
-    from cli.processes import run_control_plane
-    from common.metrics import enable_multiprocess
+    from headrace.cli.processes import run_control_plane
+    from headrace.common.metrics import enable_multiprocess
 
-    from cli.configs import placement_of
+    from headrace.cli.configs import placement_of
 
     check_structured_outputs_backend(args)
     chunking(args)
@@ -172,6 +175,6 @@ def cmd_controlplane(args) -> int:
 
 
 def _parser():
-    from cli.main import controlplane_parser
+    from headrace.cli.options import controlplane_parser
 
     return controlplane_parser()

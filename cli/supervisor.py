@@ -53,7 +53,7 @@ class DataPlaneChildren:
                  stable_s: float = 60.0):
         self._argvs, self._env, self._poll_s = argvs, env, poll_s
         self._ready = ready or (lambda: True)
-        self.metrics = metrics            # controlplane.metrics.ControlPlaneMetrics or None
+        self.metrics = metrics            # headrace.controlplane.metrics.ControlPlaneMetrics or None
         self.backoff, self.max_load_failures, self.stable_s = backoff, max_load_failures, stable_s
         self._stop = threading.Event()
         self.children: list[subprocess.Popen] = []

@@ -4,10 +4,10 @@ the reconnect backoff of the control plane's channels to its data planes."""
 
 from __future__ import annotations
 
-from common import net
+from headrace.common import net
 
 # Message size limits. The public API receives at most the largest valid request of the model
-# it serves, computed at server start (``controlplane.limits.max_request_bytes``: the text a
+# it serves, computed at server start (``headrace.controlplane.requests.limits.max_request_bytes``: the text a
 # max_model_len prompt can be, or its token ids, plus fixed overhead) and given to
 # ``server_options``; it sends up to PUBLIC_MAX_SEND_BYTES (a Tokenize answer of a long text).
 # The step protocol carries whole prompts and block tables of a step's new sequences; the
@@ -45,7 +45,7 @@ def _common(max_message_bytes: int, max_send_bytes: int | None = None) -> list[t
 def server_options(max_message_bytes: int, max_send_bytes: int | None = None) -> list[tuple[str, int]]:
     """Options of a gRPC server (either plane's): it receives messages up to
     ``max_message_bytes`` and sends up to ``max_send_bytes`` (default the same); its port is
-    its own (``common.net``)."""
+    its own (``headrace.common.net``)."""
     return _common(max_message_bytes, max_send_bytes) + [
         ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 0),   # never close a connection for its pings

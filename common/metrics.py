@@ -2,11 +2,10 @@
 prefix, the buckets both planes use, a histogram that can observe one value n times, and the
 exporter that serves a plane's registry as /metrics over HTTP.
 
-Each plane has its own registry and its own exporter port; the control plane's processes (an
-engine core and its API front ends) write theirs to files under ``PROMETHEUS_MULTIPROC_DIR``
-(prometheus-client's multiprocess mode) and the core serves their sum
-(``multiprocess_registry``). ``controlplane.metrics`` and ``dataplane.telemetry`` define what
-each one records."""
+Each plane has its own registry and its own exporter port; the control plane's processes (an engine
+core and its API front ends) write theirs to files under ``PROMETHEUS_MULTIPROC_DIR``
+(prometheus-client's multiprocess mode) and the core serves their sum (``multiprocess_registry``).
+``headrace.controlplane.metrics`` and ``headrace.dataplane.telemetry`` define what each one records."""
 
 from __future__ import annotations
 
@@ -78,7 +77,7 @@ class Exporter:
         ephemeral one); returns the port. A port that cannot be bound is ``PortInUse`` (one
         line naming the option ``what`` to change), which fails start-up as the API ports do:
         a server that silently runs without its metrics is a monitoring gap."""
-        from common.net import PortInUse
+        from headrace.common.net import PortInUse
 
         try:
             self._http, _thread = prometheus_client.start_http_server(

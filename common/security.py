@@ -2,7 +2,7 @@
 channel credentials, a bearer-token check for the public API, and the shared secret with
 which a data plane accepts only its control plane (and an engine core only its API front ends,
 ``AioSecretInterceptor``). Health checks and reflection stay open
-(orchestrators probe them); the Admin service has its own token (``controlplane.admin``).
+(orchestrators probe them); the Admin service has its own token (``headrace.controlplane.admin``).
 
 The public API may have several tokens, each naming a tenant (``ApiTokens``): the scheduler
 shares the server fairly between tenants. A refused call is answered without reading its
@@ -50,9 +50,9 @@ def channel_credentials(ca: str | None, cert: str | None = None,
 
 def worker_secret(given: str | None = None, environ=os.environ) -> str | None:
     """The planes' shared secret: ``given`` (a flag), else ``$HEADRACE_WORKER_SECRET``, else the
-    contents of the file ``$HEADRACE_WORKER_SECRET_FILE`` names (``common.secret_env``, where
-    every secret is read)."""
-    from common import secret_env
+    contents of the file ``$HEADRACE_WORKER_SECRET_FILE`` names (``headrace.common.secret_env``,
+    where every secret is read)."""
+    from headrace.common import secret_env
 
     return secret_env.worker_secret(given, environ)
 
@@ -88,8 +88,8 @@ class ApiTokens:
     def load(cls, tokens=(), file: str | None = None, environ=os.environ) -> "ApiTokens":
         """From ``--api-token`` values, ``--api-tokens-file`` (one entry a line) and, when
         neither is given, $HEADRACE_API_TOKENS (comma-separated) and $HEADRACE_API_TOKEN
-        (``common.secret_env``)."""
-        from common.secret_env import api_token_entries
+        (``headrace.common.secret_env``)."""
+        from headrace.common.secret_env import api_token_entries
 
         return cls(api_token_entries(tokens, file, environ))
 

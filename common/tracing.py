@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import format_span_id, format_trace_id
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from common.logs import get_logger
+from headrace.common.logs import get_logger
 
 _W3C = TraceContextTextMapPropagator()
 _provider = None   # the SDK TracerProvider when tracing is on
@@ -73,7 +73,7 @@ def setup_tracing(default_service_name: str, set_global: bool = True) -> bool:
                 get_logger("headrace.telemetry").warning(
                     "only OTLP over gRPC is installed; ignoring the requested protocol",
                     protocol=protocol)
-            from common.trace_export import OneWarningExporter
+            from headrace.common.trace_export import OneWarningExporter
 
             endpoint = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
                         or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or "")

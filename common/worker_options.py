@@ -1,13 +1,13 @@
 """What a data plane worker is built from (``WorkerOptions``) and where it sits in a
 tensor-parallel group (``ParallelOptions``): the one definition behind the ``--model``,
 ``--device``, ``--max-num-seqs``, ... options of ``headrace serve`` and ``headrace
-dataplane``, the argv with which ``serve`` starts its children, and ``dataplane.worker``."""
+dataplane``, the argv with which ``serve`` starts its children, and ``headrace.dataplane.worker``."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from common.options import DEVICE, MODEL, PARALLEL, SCHEDULING, option
+from headrace.common.options import DEVICE, MODEL, PARALLEL, SCHEDULING, option
 
 
 @dataclasses.dataclass

@@ -1,5 +1,5 @@
 """The ``headrace.v1.Admin`` service: live configuration, drain/resume, model reload and
-on-demand profiling (``controlplane.profiling``).
+on-demand profiling (``headrace.controlplane.engine.profiling``).
 
 Access (``admin_access``, logged at start): with an admin token (``--admin-token`` or
 ``HEADRACE_ADMIN_TOKEN``) every call must carry ``authorization: Bearer <token>``
@@ -10,8 +10,8 @@ callers on the loopback interface without a token, on a server bound to loopback
 socket only (a server bound beyond loopback keeps Admin disabled).
 
 ``ReloadModel`` loads only directories under the allowed model roots (``--model-root``;
-``controlplane.model_roots``), and refuses any other path with one message whether or not it
-exists.
+``headrace.controlplane.model_roots``), and refuses any other path with one message whether or not
+it exists.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import time
 
 import grpc
 
-from common import net
-from common.logs import get_logger
-from controlplane import model_roots
-from controlplane.policy import POLICIES, Policy
-from controlplane.profiling import ProfileRefused
-from controlplane.tokenizer import ModelTokenizer
-from controlplane.worker_client import WorkerError
+from headrace.common import net
+from headrace.common.logs import get_logger
+from headrace.controlplane import model_roots
+from headrace.controlplane.scheduling.policy import POLICIES, Policy
+from headrace.controlplane.engine.profiling import ProfileRefused
+from headrace.controlplane.requests.tokenizer import ModelTokenizer
+from headrace.controlplane.engine.worker_client import WorkerError
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 
@@ -67,7 +67,7 @@ class AdminService(apb_grpc.AdminServicer):
                  local_only: bool = True):
         """``local_only``: without a token, serve loopback callers only (an engine core whose
         callers are its own front ends, authenticated by the core secret, serves them all)."""
-        self.plane = plane          # controlplane.server.ControlPlane
+        self.plane = plane          # headrace.controlplane.server.ControlPlane
         self.token = token or None
         self.enabled = enabled
         self.local_only = local_only
@@ -232,7 +232,7 @@ class AdminService(apb_grpc.AdminServicer):
                 max_model_len=engine.max_model_len, aborted=aborted, seconds=seconds)
 
 
-    # -- profiling (controlplane.profiling) --------------------------------------------------
+    # -- profiling (headrace.controlplane.engine.profiling) --------------------------------------------------
     async def StartProfile(self, request: apb.StartProfileRequest, context):
         await self._authorize(context)
         if self.plane.engine.scheduler is None:

@@ -1,13 +1,13 @@
 """Prometheus metrics of the control plane (prometheus-client), in the style of vLLM's with
-the ``headrace:`` prefix (the exporter base is ``common.metrics``). ``docs/operations.md``
+the ``headrace:`` prefix (the exporter base is ``headrace.common.metrics``). ``docs/operations.md``
 lists them all.
 
-What the scheduler and block manager already count (running / waiting sequences, free
-blocks, preemptions, prefix-cache lookups) is read when Prometheus scrapes, so the engine
-step pays nothing for it; the engine's per-request histograms are observed once per request.
-TTFT, inter-token and end-to-end latency are observed by the request path as it hands
-responses to the client (``controlplane.stream_latency``): in the API front end's process under
-``headrace serve``, summed into the one /metrics like every other front-end metric.
+What the scheduler and block manager already count (running / waiting sequences, free blocks,
+preemptions, prefix-cache lookups) is read when Prometheus scrapes, so the engine step pays nothing
+for it; the engine's per-request histograms are observed once per request. TTFT, inter-token and
+end-to-end latency are observed by the request path as it hands responses to the client
+(``headrace.controlplane.requests.stream_latency``): in the API front end's process under ``headrace
+serve``, summed into the one /metrics like every other front-end metric.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from common.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Exporter, Histogram
+from headrace.common.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Exporter, Histogram
 from headrace.v1 import inference_pb2 as pb
 
-# Buckets (seconds) of the request latencies; common.metrics has the step and token ones.
+# Buckets (seconds) of the request latencies; headrace.common.metrics has the step and token ones.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04,

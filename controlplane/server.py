@@ -1,13 +1,13 @@
 """Assembles the public gRPC server (Inference, Admin, grpc.health.v1 per service and
 reflection, with deliberate message-size and keepalive settings, tracing and metrics
 interceptors) and, in ``ControlPlane``, the whole control plane in one process: the public
-servers, the OpenAI-compatible HTTP front end and the engine (``controlplane.core.plane``).
+servers, the OpenAI-compatible HTTP front end and the engine (``headrace.controlplane.core.plane``).
 
 ``headrace serve`` runs the engine core and the front ends as separate processes
-(``controlplane.core.server``, ``controlplane.frontend.server``); ``ControlPlane`` is the
-in-process composition the tests and embedders use. The receive limit (and the HTTP body
-limit) is the largest valid request of the model served (``controlplane.limits``), not a fixed
-size."""
+(``headrace.controlplane.core.server``, ``headrace.controlplane.frontend.server``); ``ControlPlane``
+is the in-process composition the tests and embedders use. The receive limit (and the HTTP body
+limit) is the largest valid request of the model served (``headrace.controlplane.requests.limits``),
+not a fixed size."""
 
 from __future__ import annotations
 
@@ -17,26 +17,27 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common import net, security, tracing
-from common.grpc_options import public_server_options
-from controlplane import limits, reflection, wire_check
-from controlplane.admin import AdminService, admin_access
-from controlplane.core.plane import EnginePlane
-from controlplane.engine import EngineConfig
-from controlplane.http.server import HttpFrontEnd, http_host
-from controlplane.http.timeouts import HTTP_TIMEOUTS
-from controlplane.lifecycle import (ADMIN, INFERENCE, BackgroundTasks, run_until_signal,  # noqa: F401
-                                    set_health)
-from controlplane.metrics import ControlPlaneMetrics, MetricsInterceptor
-from controlplane.service import InferenceService
+from headrace.common import net, security, tracing
+from headrace.common.grpc_options import public_server_options
+from headrace.controlplane.requests import limits, wire_check
+from headrace.controlplane import reflection
+from headrace.controlplane.admin import AdminService, admin_access
+from headrace.controlplane.core.plane import EnginePlane
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.controlplane.http.server import HttpFrontEnd, http_host
+from headrace.controlplane.http.timeouts import HTTP_TIMEOUTS
+from headrace.controlplane.lifecycle import (ADMIN, INFERENCE, BackgroundTasks, run_until_signal,
+                                             set_health)
+from headrace.controlplane.metrics import ControlPlaneMetrics, MetricsInterceptor
+from headrace.controlplane.service import InferenceService
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger("headrace.controlplane")
 def request_limits(model_dir: str, tokenizer, max_model_len: int | None) -> tuple[int, int]:
-    """The largest valid gRPC request and HTTP body, in bytes, for this model: bounded by the
-    text its context can need (``controlplane.limits``), so an oversized call is refused
-    before it costs memory."""
+    """The largest valid gRPC request and HTTP body, in bytes, for this model: bounded by the text
+    its context can need (``headrace.controlplane.requests.limits``), so an oversized call is
+    refused before it costs memory."""
     context = limits.context_bound(model_dir, max_model_len)
     text = limits.max_text_bytes(context, tokenizer.max_token_bytes)
     return limits.max_request_bytes(text, context), limits.max_http_body_bytes(text, context)
@@ -84,14 +85,14 @@ class ControlPlane:
     """The public server and its engine in one process. ``start`` returns once the model is
     ready (health SERVING when the workers have answered).
 
-    ``metrics_port`` and ``http_port``: None serves none, 0 an ephemeral port
-    (``self.metrics_port`` / ``self.http.port`` tell which); ``metrics_host`` defaults to
-    loopback. ``admin_token``, ``admin_insecure_loopback``: see ``controlplane.admin``;
-    ``model_roots``: where Admin may reload a model from (``controlplane.model_roots``). ``api_token``: a token, a list of
-    ``[TENANT=]TOKEN`` entries or ``security.ApiTokens``; ``trust_tenant_header``: take the
+    ``metrics_port`` and ``http_port``: None serves none, 0 an ephemeral port (``self.metrics_port``
+    / ``self.http.port`` tell which); ``metrics_host`` defaults to loopback. ``admin_token``,
+    ``admin_insecure_loopback``: see ``headrace.controlplane.admin``; ``model_roots``: where Admin
+    may reload a model from (``headrace.controlplane.model_roots``). ``api_token``: a token, a list
+    of ``[TENANT=]TOKEN`` entries or ``security.ApiTokens``; ``trust_tenant_header``: take the
     tenant from ``x-headrace-tenant`` (a gateway in front sets it); ``http_timeouts``: the HTTP
-    header and idle keep-alive timeouts in seconds; ``max_n``: the cap on the
-    sequences of a request (n x prompts); ``max_prompts``: on the prompts of an HTTP body."""
+    header and idle keep-alive timeouts in seconds; ``max_n``: the cap on the sequences of a request
+    (n x prompts); ``max_prompts``: on the prompts of an HTTP body."""
 
     def __init__(self, model_dir: str, worker_addresses: list[str], address: str,
                  config: EngineConfig | None = None, *, metrics_port: int | None = None,

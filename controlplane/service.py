@@ -1,6 +1,6 @@
 """The public ``headrace.v1.Inference`` gRPC service: a thin front end of
-``controlplane.request_path`` (which validates, tokenizes, submits and streams); a client that
-leaves aborts its request."""
+``headrace.controlplane.requests.path`` (which validates, tokenizes, submits and streams); a client
+that leaves aborts its request."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import contextlib
 
 import grpc
 
-from common import tracing
-from common.logs import get_logger
-from controlplane import wire_check
-from controlplane.metrics import rpc_status
-from controlplane.request_path import RequestError, RequestPath
+from headrace.common import tracing
+from headrace.common.logs import get_logger
+from headrace.controlplane.requests import wire_check
+from headrace.controlplane.metrics import rpc_status
+from headrace.controlplane.requests.path import RequestError, RequestPath
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 

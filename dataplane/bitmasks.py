@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dataplane.input_batch import BatchError
-from headrace.dataplane.v1 import worker_pb2 as pb
+from headrace.dataplane.input_batch import BatchError
+from headrace.worker.v1 import worker_pb2 as pb
 
 
 def arrays(bitmask: pb.TokenBitmask, sample_seq_ids: np.ndarray, num_drafts: np.ndarray | None,

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import pathlib
 
-from common.model_source import model_name
+from headrace.common.model_source import model_name
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from dataplane.model import AttentionMetadata, CausalLM
+from headrace.dataplane.model import AttentionMetadata, CausalLM
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -113,8 +113,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self, progress=None, pool=None) -> None:
-        """Captures every batch size; ``progress`` (``dataplane.progress.Progress``) counts them;
-        ``pool``: a graph memory pool to capture into (None: a new one, ``self.pool`` after)."""
+        """Captures every batch size; ``progress`` (``headrace.dataplane.progress.Progress``) counts
+        them; ``pool``: a graph memory pool to capture into (None: a new one, ``self.pool`` after)."""
         start = time.perf_counter()
         if self.device.type != "cuda":
             for size in self.sizes:

@@ -16,8 +16,8 @@ the verify's ``sync`` writes ``p .. p + k`` again with the same tokens). K/V wri
 rejected drafts sit past the sequence's computed length and are overwritten before anything
 reads them, exactly as the target's are.
 
-Greedy drafts are point masses, so ``dataplane.spec_decode``'s acceptance (accept ``x`` with
-probability ``p(x)``, else draw from ``p`` without ``x``) keeps the target's distribution
+Greedy drafts are point masses, so ``headrace.dataplane.spec_decode``'s acceptance (accept ``x``
+with probability ``p(x)``, else draw from ``p`` without ``x``) keeps the target's distribution
 exactly; this is what vLLM's rejection sampler does for drafts without probabilities.
 
 CUDA graphs: with the target's graphs the worker captures the draft's decode for the same
@@ -36,14 +36,14 @@ import pathlib
 import numpy as np
 import torch
 
-from common.model_source import ModelSourceError, resolve_model
+from headrace.common.model_source import ModelSourceError, resolve_model
 
-from dataplane import kv_cache, staging
-from dataplane.config import ModelConfig, load_model_config
-from dataplane.cuda_graphs import DecodeGraphs
-from dataplane.input_batch import InputBatch, longest_first
-from dataplane.loader import load_model
-from dataplane.model import AttentionMetadata, CausalLM
+from headrace.dataplane import kv_cache, staging
+from headrace.dataplane.config import ModelConfig, load_model_config
+from headrace.dataplane.cuda_graphs import DecodeGraphs
+from headrace.dataplane.input_batch import InputBatch, longest_first
+from headrace.dataplane.loader import load_model
+from headrace.dataplane.model import AttentionMetadata, CausalLM
 
 
 def check_pair(target: ModelConfig, draft: ModelConfig) -> None:

@@ -16,11 +16,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import kernels
-from dataplane.input_batch import PreparedBatch
-from dataplane.model import AttentionMetadata, CausalLM
-from dataplane.spec_decode import decode_rows
-from kernels.attention_policy import phase_of
+from headrace import kernels
+from headrace.dataplane.input_batch import PreparedBatch
+from headrace.dataplane.model import AttentionMetadata, CausalLM
+from headrace.dataplane.spec_decode import decode_rows
+from headrace.kernels.attention_policy import phase_of
 
 KINDS = ("decode", "mixed", "prefill", "verify")
 MODES = ("full", "piecewise", "eager")   # how the step's forward ran (``graph`` metric label)
@@ -40,8 +40,8 @@ class StepForward:
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.graphs = graphs        # DecodeGraphs or None
         self.mixed = mixed          # MixedGraphs, FullGraphs or None: prefill and mixed steps
-        self.draft = draft          # dataplane.draft_model.DraftModel or None
-        self.attention = attention  # kernels.attention_policy.Policy (None: Triton only)
+        self.draft = draft          # headrace.dataplane.draft_model.DraftModel or None
+        self.attention = attention  # headrace.kernels.attention_policy.Policy (None: Triton only)
         self._arange = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
         self._stepping = None       # the prep ``mode`` sent to the step graphs (``mixed``)
 

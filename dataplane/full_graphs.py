@@ -8,7 +8,7 @@ the pieces; on the H200 a piecewise mixed step of 256 decodes + a 512-token chun
 of host time in its forward for ~7.5 ms of device time (29 replays + 28 layers of Triton
 launches, ~140-250 µs of Python per layer), so the device waited on the host, whereas a full
 decode graph ran 256 decodes in 2.9 ms of device with 0.3 ms of host. Here the attention is
-``kernels.triton_unified`` (one launch whose grid depends on the bucket's token count only)
+``headrace.kernels.triton_unified`` (one launch whose grid depends on the bucket's token count only)
 reading static metadata buffers, so the step is one replay: its host cost is the input copies
 and two replays (the body, then the LM head), whatever the batch's mix.
 
@@ -38,8 +38,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dataplane.mixed_graphs import MixedGraphs
-from dataplane.model import AttentionMetadata, CausalLM
+from headrace.dataplane.mixed_graphs import MixedGraphs
+from headrace.dataplane.model import AttentionMetadata, CausalLM
 
 
 class FullGraphs(MixedGraphs):

@@ -26,11 +26,11 @@ import time
 
 import torch
 
-from dataplane.cuda_graphs import DecodeGraphs
-from dataplane.full_graphs import FullGraphs
-from dataplane.kv_cache import GiB
-from dataplane.mixed_graphs import MixedGraphs
-from dataplane.progress import Progress
+from headrace.dataplane.cuda_graphs import DecodeGraphs
+from headrace.dataplane.full_graphs import FullGraphs
+from headrace.dataplane.kv_cache import GiB
+from headrace.dataplane.mixed_graphs import MixedGraphs
+from headrace.dataplane.progress import Progress
 
 log = logging.getLogger("headrace.dataplane")
 

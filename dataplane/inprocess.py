@@ -19,10 +19,10 @@ import asyncio
 import collections
 from typing import Callable
 
-from dataplane.pipeline import StepPipeline
-from dataplane.launched import Launched
-from dataplane.worker import Worker
-from headrace.dataplane.v1 import worker_pb2 as pb
+from headrace.dataplane.pipeline import StepPipeline
+from headrace.dataplane.launched import Launched
+from headrace.dataplane.worker import Worker
+from headrace.worker.v1 import worker_pb2 as pb
 
 LaunchHook = Callable[[pb.StepRequest, Callable[[], Launched]], Launched]
 

@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 
-from dataplane.sampler import SamplingBatch, SamplingRow, signed_seed
+from headrace.dataplane.sampler import SamplingBatch, SamplingRow, signed_seed
 
 
 class BatchError(ValueError):
@@ -223,7 +223,7 @@ class InputBatch:
                 drafts: np.ndarray | None = None) -> PreparedBatch:
         """Flat inputs for the rows scheduled in a step (validated against the mirror).
         ``drafts``: speculative tokens per row, already in ``tokens`` and counted as known
-        (``dataplane.spec_decode``); a row's logits are then taken at its last 1 + drafts."""
+        (``headrace.dataplane.spec_decode``); a row's logits are then taken at its last 1 + drafts."""
         computed = self.num_computed[rows]
         ends = computed + num_scheduled
         known = self.num_tokens[rows]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dataplane.config import ModelConfig
+from headrace.dataplane.config import ModelConfig
 
 GiB = 1 << 30
 
@@ -34,7 +34,8 @@ def host_budget_bytes(cpu_kv_gib: float) -> int:
 def allocate(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
              device: torch.device, progress=None) -> list[torch.Tensor]:
     """One zeroed tensor per layer (an FP8 cache must hold no NaN, even in slots never written:
-    ``kernels.kv_layout``); ``progress`` (a ``dataplane.progress.Progress``) counts layers."""
+    ``headrace.kernels.kv_layout``); ``progress`` (a ``headrace.dataplane.progress.Progress``)
+    counts layers."""
     shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     caches = []
     for _ in range(cfg.num_layers):

@@ -1,7 +1,7 @@
 """The host KV tier's memory and copy engine (``--kv-offloading-size``): a pool of KV blocks in
 host memory (pinned on CUDA, allocated once at start), and the block copies each step carries
 between it and the device's KV cache, as the control plane's block manager decided them
-(``controlplane.host_tier``).
+(``headrace.controlplane.kv.host_tier``).
 
 The pool is block-major, ``[blocks, layers, 2, block_size, kv_heads, head_dim]``, so one host
 block is one contiguous chunk: a swap-out gathers its device blocks, every layer's K and V,
@@ -10,15 +10,15 @@ one transfer; a swap-in copies each host block to a staging tensor and scatters 
 device blocks (one kernel per layer). A step's copies act as if they ran before its forward
 pass, swap-outs first, then its copy-on-write copies, then its swap-ins.
 
-On CUDA they do not run before it: ``dataplane.kv_transfer`` queues swap-outs and swap-ins on
-two copy streams of their own and orders them by events, so the forward waits only for the
-gather of the blocks it may overwrite and for the loads of the blocks it reads; a swap-in
-whose blocks a later step reads (the control plane sends a waiting request's loads ahead of
-its compute: ``controlplane.prefetch``) overlaps the steps between. Nothing here waits for
-the host. On the CPU the pool is a second tensor and the copies run at once (CI tests the
-logic so). At start ``measure_load_rate`` times the load path itself (the
-``WorkerInfo.host_kv_load_bytes_per_s`` that prices a host hit against recomputing it).
-Under tensor parallelism each rank holds its own shard's pool and makes the same copies.
+On CUDA they do not run before it: ``headrace.dataplane.kv_transfer`` queues swap-outs and swap-ins
+on two copy streams of their own and orders them by events, so the forward waits only for the gather
+of the blocks it may overwrite and for the loads of the blocks it reads; a swap-in whose blocks a
+later step reads (the control plane sends a waiting request's loads ahead of its compute:
+``headrace.controlplane.kv.prefetch``) overlaps the steps between. Nothing here waits for the host.
+On the CPU the pool is a second tensor and the copies run at once (CI tests the logic so). At start
+``measure_load_rate`` times the load path itself (the ``WorkerInfo.host_kv_load_bytes_per_s`` that
+prices a host hit against recomputing it). Under tensor parallelism each rank holds its own shard's
+pool and makes the same copies.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import time
 
 import torch
 
-from dataplane import kv_transfer
-from dataplane.input_batch import BatchError
-from dataplane.kv_cache import GiB, available_host_bytes
+from headrace.dataplane import kv_transfer
+from headrace.dataplane.input_batch import BatchError
+from headrace.dataplane.kv_cache import GiB, available_host_bytes
 
 CHUNK_BLOCKS = 32   # blocks staged on the device at once (bounds the scratch memory)
 

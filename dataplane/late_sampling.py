@@ -36,10 +36,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-import kernels
-from dataplane import staging
-from dataplane.cuda_graphs import capture_graph
-from dataplane.sampler import SampleOutput, SamplingBatch, apply_filters
+from headrace import kernels
+from headrace.dataplane import staging
+from headrace.dataplane.cuda_graphs import capture_graph
+from headrace.dataplane.sampler import SampleOutput, SamplingBatch, apply_filters
 
 
 def _bucket(n: int, cap: int) -> int:

@@ -9,9 +9,9 @@ import dataclasses
 import numpy as np
 import torch
 
-from dataplane.sampler import SampleOutput, SamplingRow
-from dataplane.spec_decode import Verified
-from headrace.dataplane.v1 import worker_pb2 as pb
+from headrace.dataplane.sampler import SampleOutput, SamplingRow
+from headrace.dataplane.spec_decode import Verified
+from headrace.worker.v1 import worker_pb2 as pb
 
 
 def sampling_row(seq: pb.NewSequence) -> SamplingRow:

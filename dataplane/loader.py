@@ -13,12 +13,12 @@ import pathlib
 import torch
 from safetensors import safe_open
 
-from dataplane.config import ModelConfig
-from dataplane.model import CausalLM
-from dataplane.parallel import Shard
-from dataplane.progress import Progress
-from dataplane.quantization import QuantConfig, loading as quant_loading
-from dataplane.rotary import cos_sin_cache
+from headrace.dataplane.config import ModelConfig
+from headrace.dataplane.model import CausalLM
+from headrace.dataplane.parallel import Shard, merged_part
+from headrace.dataplane.progress import Progress
+from headrace.dataplane.quantization import QuantConfig, loading as quant_loading
+from headrace.dataplane.rotary import cos_sin_cache
 
 # HF projection name -> (merged parameter name, index of the shard inside it)
 _MERGED = {
@@ -48,19 +48,6 @@ class _Plan:
     dest_start: int = 0
 
 
-def _merged_plan(cfg: ModelConfig, shard: Shard, merged: str, index: int):
-    """(checkpoint size, source start, rows, destination start) of one merged projection part:
-    each rank's qkv_proj holds [its q rows, its k rows, its v rows]; gate_up_proj [gate, up]."""
-    hd = cfg.head_dim
-    if merged == "qkv_proj":
-        q, kv = shard.num_heads * hd, shard.num_kv_heads * hd
-        if index == 0:
-            return cfg.q_size, shard.head_start * hd, q, 0
-        return cfg.kv_size, shard.kv_head_start * hd, kv, q + (index - 1) * kv
-    i = shard.intermediate_size
-    return cfg.intermediate_size, shard.rank * i, i, index * i
-
-
 def _target(cfg: ModelConfig, shard: Shard, params: dict[str, torch.Tensor], name: str):
     """The ``_Plan`` of a checkpoint tensor, or None to skip it."""
     if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
@@ -69,7 +56,7 @@ def _target(cfg: ModelConfig, shard: Shard, params: dict[str, torch.Tensor], nam
     if len(parts) >= 2 and parts[-2] in _MERGED:
         merged, index = _MERGED[parts[-2]]
         key = ".".join(parts[:-2] + [merged, parts[-1]])
-        full, src, rows, dest = _merged_plan(cfg, shard, merged, index)
+        full, src, rows, dest = merged_part(cfg, shard, merged, index)
         return _Plan(params.get(key), f"{key}[{index}]", 0, full, src, rows, dest)
     param = params.get(name)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -106,7 +93,8 @@ def checkpoint_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
 def load_model(model_dir: str | pathlib.Path, cfg: ModelConfig, device: torch.device,
                dtype: torch.dtype, max_positions: int, shard: Shard | None = None,
                quant: QuantConfig | None = None) -> CausalLM:
-    """``quant``: the projections' quantization (``dataplane.quantization``), None for none."""
+    """``quant``: the projections' quantization (``headrace.dataplane.quantization``), None for
+none."""
     model_dir = pathlib.Path(model_dir)
     shard = shard or Shard.of(cfg)
     with torch.device("meta"):

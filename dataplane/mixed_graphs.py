@@ -47,8 +47,8 @@ import time
 
 import torch
 
-from dataplane.cuda_graphs import batch_sizes, capture_graph
-from dataplane.model import AttentionMetadata, CausalLM
+from headrace.dataplane.cuda_graphs import batch_sizes, capture_graph
+from headrace.dataplane.model import AttentionMetadata, CausalLM
 
 STEPS_PER_DOUBLING = 8   # buckets between 256 and 512 tokens, 512 and 1024, ...
 

@@ -4,7 +4,7 @@ One flattened batch of tokens from many sequences runs through each layer at onc
 reads and writes the paged cache through ``AttentionMetadata``. Projections are merged
 (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``); ``loader`` maps HF names onto them.
 
-Under tensor parallelism (``dataplane.parallel``) the model is built from the rank's local
+Under tensor parallelism (``headrace.dataplane.parallel``) the model is built from the rank's local
 config (its heads, KV heads and MLP columns): ``qkv_proj``/``gate_up_proj`` are column-parallel,
 ``o_proj``/``down_proj`` row-parallel (all-reduced), the embedding and LM head vocab-parallel.
 """
@@ -16,10 +16,10 @@ import dataclasses
 import torch
 from torch import nn
 
-import kernels
-from dataplane import parallel
-from dataplane.config import ModelConfig
-from dataplane.rotary import cos_sin_cache
+from headrace import kernels
+from headrace.dataplane import parallel
+from headrace.dataplane.config import ModelConfig
+from headrace.dataplane.rotary import cos_sin_cache
 
 
 @dataclasses.dataclass
@@ -34,7 +34,7 @@ class AttentionMetadata:
     decode_only: bool | None = None   # every sequence computes exactly one token
     num_decodes: int = 0              # the first num_decodes sequences compute one token each
     decode_order: torch.Tensor | None = None  # [decodes] int32: longest context first (a hint)
-    flash: object | None = None       # the step's kernels.flash_attn4.Plan (--attention-backend)
+    flash: object | None = None       # the step's headrace.kernels.flash_attn4.Plan (--attention-backend)
     unified: bool = False             # one launch by token count (kernels.unified_attention): the
                                       # full graphs' static, padded metadata; the hints unused
 
@@ -173,7 +173,7 @@ class DecoderLayer(nn.Module):
         q, residual = self.pre_attention(positions, h, residual, kv_cache, meta.slot_mapping)
         return self.post_attention(self.self_attn.attend(q, kv_cache, meta), residual)
 
-    # The layer's halves around attention: ``dataplane.mixed_graphs`` captures them in CUDA
+    # The layer's halves around attention: ``headrace.dataplane.mixed_graphs`` captures them in CUDA
     # graphs and launches the attention between them.
 
     def pre_attention(self, positions, h, residual, kv_cache, slot_mapping):

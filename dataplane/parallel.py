@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from dataplane.config import ModelConfig
+from headrace.dataplane.config import ModelConfig
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -120,3 +120,18 @@ class Shard:
         """``cfg`` with this rank's head counts and MLP width (what its layers and KV cache hold)."""
         return dataclasses.replace(cfg, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                                    intermediate_size=self.intermediate_size)
+
+
+def merged_part(cfg: ModelConfig, shard: Shard, merged: str, index: int):
+    """(checkpoint size, source start, rows, destination start) of part ``index`` of a merged
+    projection on ``shard``'s rank: each rank's qkv_proj holds [its q rows, its k rows, its v
+    rows] (index 0, 1, 2); gate_up_proj [gate, up] (0, 1). The loaders of dense and quantized
+    checkpoints (and of adapters) cut the checkpoint's rows by it."""
+    hd = cfg.head_dim
+    if merged == "qkv_proj":
+        q, kv = shard.num_heads * hd, shard.num_kv_heads * hd
+        if index == 0:
+            return cfg.q_size, shard.head_start * hd, q, 0
+        return cfg.kv_size, shard.kv_head_start * hd, kv, q + (index - 1) * kv
+    i = shard.intermediate_size
+    return cfg.intermediate_size, shard.rank * i, i, index * i

@@ -4,21 +4,21 @@ one step that came while a launched step waits for its bitmasks."""
 
 from __future__ import annotations
 
-from common import stage_times
-from dataplane.input_batch import BatchError
-from dataplane.launched import Launched
-from dataplane.runner import ModelRunner
-from headrace.dataplane.v1 import worker_pb2 as pb
+from headrace.common import stage_times
+from headrace.dataplane.input_batch import BatchError
+from headrace.dataplane.launched import Launched
+from headrace.dataplane.runner import ModelRunner
+from headrace.worker.v1 import worker_pb2 as pb
 
 
 class StepPipeline:
-    """Feeds steps to a runner the way the step protocol allows: each step is launched before
-    the one before it is finished, unless it asks for ``flush`` (or samples nothing, or the
-    next step's penalties need the previous token, or it verifies speculative drafts).
-    ``submit`` returns the results that are ready, in step order; ``drain`` finishes what is
-    left. A step launched with ``bitmask_follows`` stays unsampled until the ``late_bitmask``
-    message that must come next. ``launch`` and ``finish`` replace the runner's own calls (to time or trace each
-    step around them)."""
+    """Feeds steps to a runner the way the step protocol allows: each step is launched before the
+    one before it is finished, unless it asks for ``flush`` (or samples nothing, or the next step's
+    penalties need the previous token, or it verifies speculative drafts). ``submit`` returns the
+    results that are ready, in step order; ``drain`` finishes what is left. A step launched with
+    ``bitmask_follows`` stays unsampled until the ``late_bitmask`` message that must come next.
+    ``launch`` and ``finish`` replace the runner's own calls (to time or trace each step around
+    them)."""
 
     def __init__(self, runner: ModelRunner, finish=None, launch=None):
         self.runner = runner

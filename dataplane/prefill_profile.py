@@ -1,6 +1,6 @@
 """Times prefills of several sizes once at start (``WorkerInfo.prefill_profile_tokens`` /
-``_seconds``): the control plane's host KV tier prices recomputing a host-tier hit by their
-slope against loading it (``controlplane.tier_cost``), so the price is this device's, at the
+``_seconds``): the control plane's host KV tier prices recomputing a host-tier hit by their slope
+against loading it (``headrace.controlplane.kv.tier_cost``), so the price is this device's, at the
 step sizes the scheduler emits, and not guessed from step times that mix decodes in.
 
 Each size runs as a real step through the runner (one new sequence from position 0, greedy,
@@ -15,8 +15,8 @@ import logging
 
 import torch
 
-from dataplane.runner import ModelRunner
-from headrace.dataplane.v1 import worker_pb2 as pb
+from headrace.dataplane.runner import ModelRunner
+from headrace.worker.v1 import worker_pb2 as pb
 
 log = logging.getLogger("headrace.dataplane")
 CPU_LARGEST = 128   # a CPU prefills slowly: the profile stays small there

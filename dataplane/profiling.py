@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from headrace.dataplane.v1 import worker_pb2 as pb
+from headrace.worker.v1 import worker_pb2 as pb
 
 log = logging.getLogger("headrace.dataplane")
 

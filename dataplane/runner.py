@@ -15,7 +15,7 @@ third step in flight, a sequence whose sampled token is one of its stop tokens i
 the steps that were sent before the control plane saw that token (one wasted slot at most).
 
 Structured outputs: a step's constrained rows come with packed token bitmasks
-(``dataplane.bitmasks``), uploaded with the step's inputs and applied to the logits on the
+(``headrace.dataplane.bitmasks``), uploaded with the step's inputs and applied to the logits on the
 device before sampling. A step sent with ``bitmask_follows`` is launched up to its logits and
 sampled by ``sample_late`` when its bitmasks arrive (the forward pass runs meanwhile). A step
 that comes while they are awaited has its host half done then (``prepare_ahead``: the delta,
@@ -36,18 +36,19 @@ import time
 import numpy as np
 import torch
 
-import kernels
-from common import stage_times
-from dataplane import bitmasks, kv_offload, late_sampling, parallel, staging, step_delta, step_result
-from dataplane.forward import StepForward, step_kind
-from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
-from dataplane.late_sampling import LateSampler
-from dataplane.launched import Launched, Prepared
-from dataplane.model import CausalLM
-from dataplane.sampler import SampleOutput, SamplingBatch, device_arrays, sample
-from dataplane.spec_decode import SpecDecoder, Verified, verify
-from dataplane.step_delta import StepRows
-from headrace.dataplane.v1 import worker_pb2 as pb
+from headrace import kernels
+from headrace.common import stage_times
+from headrace.dataplane import (bitmasks, kv_offload, late_sampling, parallel, staging, step_delta,
+                                step_result)
+from headrace.dataplane.forward import StepForward, step_kind
+from headrace.dataplane.input_batch import BatchError, InputBatch, PreparedBatch
+from headrace.dataplane.late_sampling import LateSampler
+from headrace.dataplane.launched import Launched, Prepared
+from headrace.dataplane.model import CausalLM
+from headrace.dataplane.sampler import SampleOutput, SamplingBatch, device_arrays, sample
+from headrace.dataplane.spec_decode import SpecDecoder, Verified, verify
+from headrace.dataplane.step_delta import StepRows
+from headrace.worker.v1 import worker_pb2 as pb
 
 
 class ModelRunner:
@@ -64,8 +65,8 @@ class ModelRunner:
         self.batch = InputBatch(max_num_seqs, max_model_len, block_size, self.num_blocks,
                                 keep_tokens=spec is not None)
         self.spec = spec
-        self.draft = spec.draft if spec is not None else None   # dataplane.draft_model.DraftModel
-        self.host_kv = host_kv   # the host KV tier (dataplane.kv_offload), or None
+        self.draft = spec.draft if spec is not None else None   # headrace.dataplane.draft_model.DraftModel
+        self.host_kv = host_kv   # the host KV tier (headrace.dataplane.kv_offload), or None
         self.index = step_delta.RowIndex(self.batch)   # seq ids -> rows, by array
         self.seq_of_row = np.zeros(max_num_seqs, dtype=np.int64)
         # by row; one slot more, where late sampling's padded rows write (``late_sampling``)

@@ -23,8 +23,8 @@ import dataclasses
 import numpy as np
 import torch
 
-import kernels
-from dataplane import staging
+from headrace import kernels
+from headrace.dataplane import staging
 
 _MASK = float("-inf")
 

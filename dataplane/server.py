@@ -18,16 +18,16 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common import net, security, stage_times, tracing
-from common.grpc_options import STEP_MAX_MESSAGE_BYTES, server_options
-from dataplane.input_batch import BatchError
-from dataplane.pipeline import StepPipeline
-from dataplane.read_ahead import ReadAhead
-from dataplane.profiling import StepProfiler
-from dataplane.telemetry import DataPlaneMetrics, StepTracer
-from dataplane.worker import Worker
-from headrace.dataplane.v1 import worker_pb2 as pb
-from headrace.dataplane.v1 import worker_pb2_grpc as pb_grpc
+from headrace.common import net, security, stage_times, tracing
+from headrace.common.grpc_options import STEP_MAX_MESSAGE_BYTES, server_options
+from headrace.dataplane.input_batch import BatchError
+from headrace.dataplane.pipeline import StepPipeline
+from headrace.dataplane.read_ahead import ReadAhead
+from headrace.dataplane.profiling import StepProfiler
+from headrace.dataplane.telemetry import DataPlaneMetrics, StepTracer
+from headrace.dataplane.worker import Worker
+from headrace.worker.v1 import worker_pb2 as pb
+from headrace.worker.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("headrace.dataplane")
 

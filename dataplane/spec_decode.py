@@ -17,9 +17,9 @@ bonus token ``y_d`` comes when all d are accepted. Greedy rows therefore accept 
 match. ``verify`` runs on the device; each position samples with the noise counter of the
 output index it would have without speculation, so seeded sampling is reproducible too.
 
-On a GPU a verify in which every sequence samples (decodes only, no prefill chunk) runs as
-decode rows in the decode CUDA graphs (``decode_rows``; ``dataplane.cuda_graphs``); the ladder
-is sized for ``graph_rows`` rows. Acceptance runs on the device after the replay, no sync.
+On a GPU a verify in which every sequence samples (decodes only, no prefill chunk) runs as decode
+rows in the decode CUDA graphs (``decode_rows``; ``headrace.dataplane.cuda_graphs``); the ladder is
+sized for ``graph_rows`` rows. Acceptance runs on the device after the replay, no sync.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import dataclasses
 import numpy as np
 import torch
 
-from common.ngram import ngram_propose  # noqa: F401 (the proposer; the control plane uses it too)
-from common.speculative import SpeculativeConfig
-from dataplane.input_batch import InputBatch, PreparedBatch, longest_first
-from dataplane.sampler import SamplingBatch
+from headrace.common.ngram import ngram_propose  # noqa: F401 (the proposer; the control plane uses it too)
+from headrace.common.speculative import SpeculativeConfig
+from headrace.dataplane.input_batch import InputBatch, PreparedBatch, longest_first
+from headrace.dataplane.sampler import SamplingBatch
 
 
 def graph_rows(config: SpeculativeConfig | None, max_num_seqs: int) -> int:
@@ -81,7 +81,8 @@ class Verified:
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, draft=None):
-        """``draft``: the ``dataplane.draft_model.DraftModel`` proposing for ``draft_model``."""
+        """``draft``: the ``headrace.dataplane.draft_model.DraftModel`` proposing for
+``draft_model``."""
         if config.method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative method {config.method!r} is not supported by this worker")
         if (config.method == "draft_model") != (draft is not None):

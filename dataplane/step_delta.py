@@ -14,9 +14,9 @@ import dataclasses
 
 import numpy as np
 
-from dataplane.input_batch import BatchError, InputBatch
-from dataplane.launched import sampling_row
-from headrace.dataplane.v1 import worker_pb2 as pb
+from headrace.dataplane.input_batch import BatchError, InputBatch
+from headrace.dataplane.launched import sampling_row
+from headrace.worker.v1 import worker_pb2 as pb
 
 
 @dataclasses.dataclass

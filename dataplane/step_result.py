@@ -9,10 +9,10 @@ import time
 
 import numpy as np
 
-from dataplane.input_batch import InputBatch
-from dataplane.launched import Launched
-from dataplane.spec_decode import SpecDecoder
-from headrace.dataplane.v1 import worker_pb2 as pb
+from headrace.dataplane.input_batch import InputBatch
+from headrace.dataplane.launched import Launched
+from headrace.dataplane.spec_decode import SpecDecoder
+from headrace.worker.v1 import worker_pb2 as pb
 
 
 def build(batch: InputBatch, seq_of_row: np.ndarray, host_kv, launched: Launched) -> pb.StepResult:

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 from opentelemetry.trace import Link, Status, StatusCode
 
-from common import tracing
-from common.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Exporter, Histogram
+from headrace.common import tracing
+from headrace.common.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Exporter, Histogram
 
 P = PREFIX + "dataplane_"
 
@@ -71,7 +71,7 @@ class DataPlaneMetrics(Exporter):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.steps = Counter(P + "steps", "Steps executed.", registry=r)
-        kind = ["kind"]   # decode, mixed, prefill or verify (dataplane.forward.step_kind)
+        kind = ["kind"]   # decode, mixed, prefill or verify (headrace.dataplane.forward.step_kind)
         self.execute = Histogram(P + "step_execute_seconds",
                                  "Time to apply a step, run the forward pass and sample (the "
                                  "device time the control plane reports as phase=execute), by "

@@ -2,9 +2,9 @@
 peak memory, sizes and allocates the KV cache from what is left, captures decode CUDA graphs,
 and answers ``Describe``.
 
-Under tensor parallelism (``dataplane.parallel.init`` first) a worker is one rank: it loads its
-shard of the checkpoint and sizes its KV cache for its own KV heads. Its options,
-``WorkerOptions``, are defined once in ``common.worker_options`` (the command line's too)."""
+Under tensor parallelism (``headrace.dataplane.parallel.init`` first) a worker is one rank: it loads
+its shard of the checkpoint and sizes its KV cache for its own KV heads. Its options,
+``WorkerOptions``, are defined once in ``headrace.common.worker_options`` (the command line's too)."""
 
 from __future__ import annotations
 
@@ -15,23 +15,26 @@ import time
 
 import torch
 
-import kernels
-from common import speculative
-from common.worker_options import WorkerOptions
-from dataplane import draft_model, graph_capture, kv_cache, kv_offload, parallel, prefill_profile
-from dataplane.config import ModelConfig, load_model_config
-from dataplane.cuda_graphs import batch_sizes
-from dataplane.draft_model import DraftModel
-from dataplane.loader import load_model
-from dataplane.model import AttentionMetadata, CausalLM
-from dataplane.progress import Phases, Progress
-from dataplane.quantization import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, layers as quant_layers
-from dataplane.quantization import resolve as resolve_quantization
-from dataplane.runner import ModelRunner
-from dataplane.sampler import SamplingBatch, SamplingRow, sample
-from dataplane.spec_decode import SpecDecoder, graph_rows
-from kernels import attention_policy, kv_layout, quant_dispatch, quant_libs
-from headrace.dataplane.v1 import worker_pb2 as pb
+from headrace import kernels
+from headrace.common import speculative
+from headrace.common.import_errors import import_failure
+from headrace.common.worker_options import WorkerOptions
+from headrace.dataplane import (draft_model, graph_capture, kv_cache, kv_offload, parallel,
+                                prefill_profile)
+from headrace.dataplane.config import ModelConfig, load_model_config
+from headrace.dataplane.cuda_graphs import batch_sizes
+from headrace.dataplane.draft_model import DraftModel
+from headrace.dataplane.loader import load_model
+from headrace.dataplane.model import AttentionMetadata, CausalLM
+from headrace.dataplane.progress import Phases, Progress
+from headrace.dataplane.quantization import (FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES,
+                                             layers as quant_layers)
+from headrace.dataplane.quantization import resolve as resolve_quantization
+from headrace.dataplane.runner import ModelRunner
+from headrace.dataplane.sampler import SamplingBatch, SamplingRow, sample
+from headrace.dataplane.spec_decode import SpecDecoder, graph_rows
+from headrace.kernels import attention_policy, kv_layout, quant_dispatch, quant_libs
+from headrace.worker.v1 import worker_pb2 as pb
 
 log = logging.getLogger("headrace.dataplane")
 # What this process's CUDA context may take before its first tensor: memory in use on the GPU
@@ -75,6 +78,8 @@ def load_failure(exc: BaseException, opts: "WorkerOptions") -> str:
                 f"--gpu-memory-utilization or --max-model-len, or shard it (--tensor-parallel-size)")
     if isinstance(exc, ValueError) and str(exc).startswith("--"):
         return str(exc)   # an option's own message
+    if isinstance(exc, ImportError):   # a missing library, or another distribution's module
+        return f"cannot load the model in {opts.model} on {opts.device}: {import_failure(exc)}"
     detail = (str(exc).strip().splitlines() or [""])[0] or type(exc).__name__
     return f"cannot load the model in {opts.model} on {opts.device}: {detail}"
 
@@ -94,7 +99,7 @@ class Worker:
         torch.manual_seed(opts.seed)
         if world_size != parallel.world_size() or rank != parallel.rank():
             raise RuntimeError(f"rank {rank} of {world_size}: the process group is not initialised "
-                               f"(dataplane.parallel.init)")
+                               f"(headrace.dataplane.parallel.init)")
         self.speculative = speculative.parse(opts.speculative_config)
         mode = graph_capture.resolve_mode(opts)   # CUDA graphs exist on CUDA devices only
         self.graph_mode = mode if self.device.type == "cuda" else "none"

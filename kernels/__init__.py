@@ -1,10 +1,13 @@
 """Hot kernels of the data plane: the functions exported here are what the model calls.
 
-Each op has a plain-torch reference in ``kernels.reference`` and a Triton version (in
-``kernels.triton_ops``, ``kernels.triton_attention`` (with ``kernels.triton_decode`` and
-``kernels.triton_flash``; ``unified_attention``: ``kernels.triton_unified``), ``kernels.triton_prologue``, ``kernels.triton_linear``,
-``kernels.triton_sampling`` or ``kernels.triton_bitmask`` (structured outputs' token mask); the quantized linears ``fp8_linear`` and ``wna16_linear``:
-``kernels.reference_quant`` and ``kernels.triton_quant``) that must match it. The choice is resolved once, at import, from
+Each op has a plain-torch reference in ``headrace.kernels.reference`` and a Triton version (in
+``headrace.kernels.triton_ops``, ``headrace.kernels.triton_attention`` (with
+``headrace.kernels.triton_decode`` and ``headrace.kernels.triton_flash``; ``unified_attention``:
+``headrace.kernels.triton_unified``), ``headrace.kernels.triton_prologue``,
+``headrace.kernels.triton_linear``, ``headrace.kernels.triton_sampling`` or
+``headrace.kernels.triton_bitmask`` (structured outputs' token mask); the quantized linears
+``fp8_linear`` and ``wna16_linear``: ``headrace.kernels.reference_quant`` and
+``headrace.kernels.triton_quant``) that must match it. The choice is resolved once, at import, from
 the environment variable ``HEADRACE_KERNELS``:
 
 * ``auto`` (default): Triton for CUDA tensors when CUDA is available and triton imports, the
@@ -13,19 +16,18 @@ the environment variable ``HEADRACE_KERNELS``:
 * ``triton``: Triton for every tensor (with ``TRITON_INTERPRET=1`` this runs on CPU: tests);
 * ``reference``: the reference everywhere.
 
-``paged_attention`` always accepts the Triton version's optional host-side hints
-(``max_query_len``, ``decode_only``, ``num_decodes``, ``decode_order``); the reference ignores
-them. Its ``flash`` argument (a ``kernels.flash_attn4.Plan``, made once per step when the
-step's ``kernels.attention_policy`` choice is flash-attn-4) sends a CUDA step's prefill part to
+``paged_attention`` always accepts the Triton version's optional host-side hints (``max_query_len``,
+``decode_only``, ``num_decodes``, ``decode_order``); the reference ignores them. Its ``flash``
+argument (a ``headrace.kernels.flash_attn4.Plan``, made once per step when the step's
+``headrace.kernels.attention_policy`` choice is flash-attn-4) sends a CUDA step's prefill part to
 flash-attn-4 instead (``--attention-backend``); CPU tensors and ``reference`` ignore it.
 ``copy_blocks`` (copy on write, rare) is plain torch indexing on every device.
 ``fused_add_rms_norm_fp8`` and ``silu_and_mul_fp8`` return their rows quantised per token
 (``Fp8Rows``), for an FP8 layer that would quantise them itself (``fp8_linear`` takes them).
-``fp8_linear`` and ``wna16_linear`` take a ``kernel`` name where Triton runs (the quantized
-layers pass ``kernels.quant_dispatch``'s choice; the reference ignores it):
-``fp8_linear_kernel`` / ``wna16_linear_kernel`` say which kernel an input of a layer would
-take (``reference`` where the reference runs), for benchmarks and logs; ``on_triton(x)``
-whether the Triton twins run for ``x``.
+``fp8_linear`` and ``wna16_linear`` take a ``kernel`` name where Triton runs (the quantized layers
+pass ``headrace.kernels.quant_dispatch``'s choice; the reference ignores it): ``fp8_linear_kernel``
+/ ``wna16_linear_kernel`` say which kernel an input of a layer would take (``reference`` where the
+reference runs), for benchmarks and logs; ``on_triton(x)`` whether the Triton twins run for ``x``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import os
 
 import torch
 
-from kernels import flash_attn4, reference, reference_quant
+from headrace.kernels import flash_attn4, reference, reference_quant
 
 MODE = os.environ.get("HEADRACE_KERNELS", "auto")
 if MODE not in ("auto", "triton", "reference"):
@@ -45,8 +47,9 @@ def _load_triton():
     if MODE == "reference" or (MODE == "auto" and not torch.cuda.is_available()):
         return None
     try:
-        from kernels import (triton_attention, triton_bitmask, triton_linear, triton_ops,
-                             triton_prologue, triton_quant, triton_sampling, triton_unified)
+        from headrace.kernels import (triton_attention, triton_bitmask, triton_linear, triton_ops,
+                                      triton_prologue, triton_quant, triton_sampling,
+                                      triton_unified)
     except ImportError:
         if MODE == "triton":
             raise
@@ -60,7 +63,7 @@ def _load_triton():
 def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
                          max_query_len=None, decode_only=None, num_decodes=0, decode_order=None,
                          k_scale=1.0, v_scale=1.0, out=None):
-    """kernels.reference.paged_attention, taking (and ignoring) the Triton version's hints."""
+    """headrace.kernels.reference.paged_attention, taking (and ignoring) the Triton version's hints."""
     result = reference.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables,
                                        scale, k_scale, v_scale)
     return result if out is None else out.copy_(result)
@@ -68,7 +71,7 @@ def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_table
 
 def _reference_unified(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
                        k_scale=1.0, v_scale=1.0, out=None):
-    """kernels.reference.paged_attention with triton_unified's padding: query rows past
+    """headrace.kernels.reference.paged_attention with triton_unified's padding: query rows past
     ``query_start_loc[-1]`` keep their value in ``out``."""
     result = reference.paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables,
                                        scale, k_scale, v_scale)
@@ -108,7 +111,7 @@ _paged_attention = _select(_reference_attention, "paged_attention")
 
 def paged_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
                     flash=None, out=None, **hints):
-    """Causal attention of variable-length queries over paged KV (kernels.reference's
+    """Causal attention of variable-length queries over paged KV (headrace.kernels.reference's
     semantics); ``flash``: the step's flash-attn-4 plan, or None; ``out``: where the result
     goes (a tensor of the query's shape; the Triton kernels write it directly)."""
     if flash is None or not query.is_cuda or MODE == "reference":
@@ -135,7 +138,7 @@ def on_triton(x: torch.Tensor | str | torch.device) -> bool:
 
 
 def fp8_linear(x, weight, weight_scale, input_scale=None, bias=None, kernel=None, dense=None):
-    """kernels.reference_quant.fp8_linear's semantics; ``kernel`` (fp8_skinny / fp8_w8a8 /
+    """headrace.kernels.reference_quant.fp8_linear's semantics; ``kernel`` (fp8_skinny / fp8_w8a8 /
     fp8_w8a8_inline (per 128 columns: ``fp8_group_linear``) / scaled_mm) picks the Triton
     kernel where Triton runs; ``dense``: the reference's dequantised
     weight, kept by the caller. x may be ``Fp8Rows`` (``fp8_rows_linear``; then a W8A8 kernel
@@ -151,7 +154,7 @@ def fp8_linear(x, weight, weight_scale, input_scale=None, bias=None, kernel=None
 
 def wna16_linear(x, qweight, scales, zeros, g_idx, perm, bits, group_size, bias=None, kernel=None,
                  tiled=None):
-    """kernels.reference_quant.wna16_linear's semantics; ``kernel`` (triton_skinny /
+    """headrace.kernels.reference_quant.wna16_linear's semantics; ``kernel`` (triton_skinny /
     triton_tiled, on ``tiled``: the weight's ``triton_w4a16_tiled.pack_tiled`` layout / triton)
     picks the Triton kernel where Triton runs."""
     if on_triton(x):
@@ -164,15 +167,15 @@ def wna16_linear(x, qweight, scales, zeros, g_idx, perm, bits, group_size, bias=
 
 def fp8_linear_kernel(rows: int, device: str | torch.device = "cuda",
                       shape: tuple[int, int] | None = None, backend: str = "auto") -> str:
-    """Which kernel ``fp8_linear`` runs for an input of ``rows`` rows on ``device``:
-    'reference', or on the GPU the default by rows ('fp8_skinny' / 'scaled_mm'), or with an
-    [N, K] ``shape`` what a layer of that shape dispatches to (``kernels.quant_dispatch``, the
-    libraries installed here)."""
+    """Which kernel ``fp8_linear`` runs for an input of ``rows`` rows on ``device``: 'reference', or
+    on the GPU the default by rows ('fp8_skinny' / 'scaled_mm'), or with an [N, K] ``shape`` what a
+    layer of that shape dispatches to (``headrace.kernels.quant_dispatch``, the libraries installed
+    here)."""
     if not on_triton(device):
         return "reference"
     if shape is None:
         return _triton[0]["fp8_linear"].fp8_kernel(rows)
-    from kernels import quant_dispatch, quant_libs
+    from headrace.kernels import quant_dispatch, quant_libs
     n, k = shape
     return quant_dispatch.plan("fp8", n, k, backend, lambda name: quant_libs.takes(
         name, scheme="fp8", n=n, k=k, dtype=torch.bfloat16),
@@ -189,7 +192,7 @@ def wna16_linear_kernel(rows: int, device: str | torch.device = "cuda",
     n, k = shape or (0, group_size)
     if shape is None:
         return quant.wna16_kernel(rows, bits, group_size, k)
-    from kernels import quant_dispatch, quant_libs, triton_w4a16, triton_w4a16_tiled
+    from headrace.kernels import quant_dispatch, quant_libs, triton_w4a16, triton_w4a16_tiled
 
     def takes(name: str) -> bool:
         if name == "triton_skinny":

@@ -1,8 +1,8 @@
 """Which attention kernel runs a step: ``--attention-backend {auto,triton,flash-attn}``.
 
-Pure Python (no torch): the worker resolves the requested backend once at start
-(``resolve``), with the reason flash-attn-4 cannot run on this device (or None when it can,
-from ``kernels.flash_attn4.unusable``); the runner then asks the resolved ``Policy`` once per
+Pure Python (no torch): the worker resolves the requested backend once at start (``resolve``), with
+the reason flash-attn-4 cannot run on this device (or None when it can, from
+``headrace.kernels.flash_attn4.unusable``); the runner then asks the resolved ``Policy`` once per
 step (``choose``) and hands the answer to every layer, so no layer repeats the choice.
 
 A step is in one of three phases: ``decode`` (every sequence computes one token), ``prefill``

@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from kernels.attention_policy import FLASH, INSTALL_HINT, PACKAGE, prefill_pairs
+from headrace.kernels.attention_policy import FLASH, INSTALL_HINT, PACKAGE, prefill_pairs
 
 _varlen: Callable | None = None
 
@@ -101,8 +101,8 @@ def varlen_kwargs(query: torch.Tensor, kv_cache: torch.Tensor, p: Plan, scale: f
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, p: Plan, scale: float,
                     decode: Callable, decode_order: torch.Tensor | None = None,
                     varlen: Callable | None = None) -> torch.Tensor:
-    """Causal attention of the step (see kernels.reference.paged_attention): flash-attn-4 for
-    the prefill part, ``decode(query, kv_cache, qsl, seq_lens, tables, scale, decode_only=True,
+    """Causal attention of the step (see headrace.kernels.reference.paged_attention): flash-attn-4
+    for the prefill part, ``decode(query, kv_cache, qsl, seq_lens, tables, scale, decode_only=True,
     decode_order=...)`` for the decodes. ``varlen`` replaces flash_attn_varlen_func (tests)."""
     result = (varlen or load())(**varlen_kwargs(query, kv_cache, p, scale))
     out = result[0] if isinstance(result, tuple) else result
@@ -116,10 +116,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, p: Plan, scale:
 
 def step_plan(policy, prep, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
               block_tables: torch.Tensor) -> Plan | None:
-    """The step's plan when ``policy`` (a ``kernels.attention_policy.Policy``, or None: Triton)
-    sends its prefill part to flash-attn-4, else None. ``prep``: the step's host arrays
-    (``query_start_loc``, ``seq_lens``, ``num_decodes``, ``decode_only``, ``max_query_len``;
-    a ``dataplane.input_batch.PreparedBatch``), the tensors their copies on the device.
+    """The step's plan when ``policy`` (a ``headrace.kernels.attention_policy.Policy``, or None:
+    Triton) sends its prefill part to flash-attn-4, else None. ``prep``: the step's host arrays
+    (``query_start_loc``, ``seq_lens``, ``num_decodes``, ``decode_only``, ``max_query_len``; a
+    ``headrace.dataplane.input_batch.PreparedBatch``), the tensors their copies on the device.
     Called once per step, on the host."""
     if policy is None or not policy.uses_flash or prep.decode_only:
         return None

@@ -20,7 +20,7 @@ context 2,048, against 0.79-0.82x token-major (3.1 TB/s of FP8 against 2.6).
 
 **An FP8 cache holds no NaN**, so attention may read a block's slots past a context: its writes
 store NaN as 0 (``reference._to_cache``, ``triton_e4m3.scaled_e4m3``; e4m3fn has no inf, and
-+-inf saturate to +-448), and the pool starts zeroed (``dataplane.kv_cache.allocate``). A masked
++-inf saturate to +-448), and the pool starts zeroed (``headrace.dataplane.kv_cache.allocate``). A masked
 load along a transposed run is not vectorised: a context's last decode tile, its V masked per
 key, was read a byte at a time (128 ``ld.global.b8`` a thread). It is read in whole blocks
 instead; the keys past the context weigh nothing (their scores are masked, p = 0, and 0 times a

@@ -1,19 +1,19 @@
 """Which kernel runs a quantized linear, per scheme, weight shape and row count: the
 ``--quant-backend`` flag and the table of winners measured on the device.
 
-Pure Python (no torch). Schemes and their kernels (``kernels.quant_libs`` says what each
+Pure Python (no torch). Schemes and their kernels (``headrace.kernels.quant_libs`` says what each
 library kernel takes and which package it needs):
 
 =========  =================================================================================
-fp8        ``fp8_skinny`` (Triton W8A16, ``kernels.triton_fp8_linear``), ``fp8_w8a8`` (Triton
-           W8A8 on the FP8 tensor cores, ``kernels.triton_fp8_w8a8``), ``fp8_w8a8_inline``
+fp8        ``fp8_skinny`` (Triton W8A16, ``headrace.kernels.triton_fp8_linear``), ``fp8_w8a8`` (Triton
+           W8A8 on the FP8 tensor cores, ``headrace.kernels.triton_fp8_w8a8``), ``fp8_w8a8_inline``
            (the same quantising its own rows per 128 columns, ``kernels.
            triton_fp8_w8a8_inline``: for layers whose rows nobody quantised), ``scaled_mm`` (Triton
            per-token activation quantiser + ``torch._scaled_mm``, W8A8), ``gemlite_fp8``
            (gemlite's FP8 weight-only GEMV/GEMM), ``fbgemm_rowwise`` (FBGEMM GenAI's
            row-wise W8A8 ``f8f8bf16_rowwise``)
-w4a16,     ``triton_skinny`` (``kernels.triton_w4a16``), ``triton_tiled`` (4-bit, on a repacked
-           copy of the weight: ``kernels.triton_w4a16_tiled``), ``triton`` (``kernels.triton_quant``'s
+w4a16,     ``triton_skinny`` (``headrace.kernels.triton_w4a16``), ``triton_tiled`` (4-bit, on a repacked
+           copy of the weight: ``headrace.kernels.triton_w4a16_tiled``), ``triton`` (``headrace.kernels.triton_quant``'s
            general dequantise-and-dot kernel: any group layout, prefill sizes), ``tinygemm``
            (torch's built-in ``_weight_int4pack_mm``), ``gemlite``, ``fbgemm_i4`` (FBGEMM
 w8a16      GenAI's preshuffled CUTLASS ``bf16i4bf16_shuffled``); 4-bit kernels rank in w4a16,
@@ -33,7 +33,7 @@ does not hold. The table (``quant_dispatch.json`` beside this file) is
 beside ``fp8_skinny``'s under ``fp8`` and ``triton_skinny``'s under ``w4a16``);
 a row bucket reads the ranking measured at the smallest M at or above it (the largest M
 otherwise). ``tiles`` pins the skinny kernels' launch per scheme, shape and row bucket (the
-bench's sweep winners; ``kernels.skinny_gemm`` computes a tile for the others).
+bench's sweep winners; ``headrace.kernels.skinny_gemm`` computes a tile for the others).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ FAMILY = {"fp8_skinny": "triton", "fp8_w8a8": "triton", "fp8_w8a8_inline": "trit
 FAMILY_FP8 = {"triton": None, "torch": "scaled_mm", "gemlite": "gemlite_fp8",
               "fbgemm": "fbgemm_rowwise"}
 FAMILY_WNA16 = {"triton": None, "torch": "tinygemm", "gemlite": "gemlite", "fbgemm": "fbgemm_i4"}
-# kernels.skinny_gemm's row buckets, then 129..256 and prefill sizes (> 256)
+# headrace.kernels.skinny_gemm's row buckets, then 129..256 and prefill sizes (> 256)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 8192)
 MAX_ROWS = 128
 ALWAYS = ("fp8_skinny", "fp8_w8a8", "fp8_w8a8_inline", "scaled_mm", "triton")   # take every layer of their scheme
@@ -70,7 +70,7 @@ ALWAYS = ("fp8_skinny", "fp8_w8a8", "fp8_w8a8_inline", "scaled_mm", "triton")   
 OWN_LAYOUT = ("tinygemm", "gemlite", "gemlite_fp8", "fbgemm_i4", "triton_tiled")
 TILE_KEYS = SCHEMES + ("fp8_w8a8", "fp8_w8a8_inline", "triton_tiled")   # the pinned tiles' keys: a scheme, or a second kernel's
 TABLE_PATH = pathlib.Path(__file__).with_name("quant_dispatch.json")
-# HEADRACE_QUANT_AUTOTUNE=1: our skinny kernels (kernels.skinny_gemm) and gemlite time their
+# HEADRACE_QUANT_AUTOTUNE=1: our skinny kernels (headrace.kernels.skinny_gemm) and gemlite time their
 # tiles per shape at first use instead of the pinned / fixed ones (minutes at start-up)
 AUTOTUNE = os.environ.get("HEADRACE_QUANT_AUTOTUNE", "0") not in ("", "0")
 

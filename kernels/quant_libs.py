@@ -1,9 +1,9 @@
-"""Quantized GEMMs of other libraries, behind one interface for ``kernels.quant_dispatch``:
+"""Quantized GEMMs of other libraries, behind one interface for ``headrace.kernels.quant_dispatch``:
 whether a kernel can take a layer (``takes``), the one-time conversion of our canonical
 tensors into its layout (``prepare_fp8`` / ``prepare_wna16``) and the call (``run``).
 
-Canonical tensors (``dataplane.quantization.layers``): FP8 ``weight`` [N, K] e4m3 with float32
-``weight_scale`` [N]; integer ``qweight`` [K / P, N] int32 (GPTQ packing, groups sorted),
+Canonical tensors (``headrace.dataplane.quantization.layers``): FP8 ``weight`` [N, K] e4m3 with
+float32 ``weight_scale`` [N]; integer ``qweight`` [K / P, N] int32 (GPTQ packing, groups sorted),
 ``scales`` [G, N] float32, ``zeros`` [G, N] uint8, w = (q - z) * s.
 
 * ``tinygemm`` (torch's own INT4 GEMM, ``aten._weight_int4pack_mm``; no package): 4-bit,
@@ -17,7 +17,7 @@ Canonical tensors (``dataplane.quantization.layers``): FP8 ``weight`` [N, K] e4m
   SiLU kernel quantised, ``f8f8bf16_rowwise`` alone), and W4A16 with groups of 128
   (``preshuffle_i4`` + ``bf16i4bf16_shuffled``, w = q_signed * s + zero as tinygemm's).
 
-The conversions are plain torch (tested on CPU against ``kernels.reference_quant``'s
+The conversions are plain torch (tested on CPU against ``headrace.kernels.reference_quant``'s
 dequantisation; tinygemm's also through torch's CPU twin of the op); the calls need a CUDA
 device. A kernel's output is in x's dtype, the bias added after.
 """
@@ -29,7 +29,7 @@ import pathlib
 
 import torch
 
-from kernels import quant_dispatch, reference_quant
+from headrace.kernels import quant_dispatch, reference_quant
 
 PACKAGES = {"gemlite": ("gemlite", "gemlite", "pip install 'headrace[gemlite]'"),
             "fbgemm": ("fbgemm_gpu.experimental.gen_ai", "fbgemm-gpu-genai",

@@ -5,7 +5,7 @@ data plane runs them on CPU, and tests compare the Triton kernels against them.
 
 Paged KV layout (per layer): ``kv_cache[0]`` holds keys and ``kv_cache[1]`` values,
 each ``[num_blocks, block_size, num_kv_heads, head_dim]`` (an FP8 cache stores its values
-transposed within each block: ``kernels.kv_layout``, whose ``values`` view reads them by
+transposed within each block: ``headrace.kernels.kv_layout``, whose ``values`` view reads them by
 token). A token's slot is
 ``block_id * block_size + offset``; slot ``-1`` marks a padded token that is not written.
 An FP8 cache (float8_e4m3fn) stores ``k / k_scale`` and ``v / v_scale`` (per-tensor scales,
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import kv_layout
+from headrace.kernels import kv_layout
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,7 +59,7 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 def _to_cache(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     if dtype != torch.float8_e4m3fn:
         return x.to(dtype)
-    # NaN stored as 0: an FP8 cache holds no NaN (kernels.kv_layout)
+    # NaN stored as 0: an FP8 cache holds no NaN (headrace.kernels.kv_layout)
     return (x.float() / scale).nan_to_num(nan=0.0).clamp(-448.0, 448.0).to(dtype)
 
 

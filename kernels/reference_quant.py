@@ -1,15 +1,15 @@
 """Plain-torch references of the quantized linear layers and of the quantisers they need.
 
-These define the semantics the Triton twins (``kernels.triton_quant``) reproduce; the data plane
-runs them on CPU and the tests compare against them.
+These define the semantics the Triton twins (``headrace.kernels.triton_quant``) reproduce; the data
+plane runs them on CPU and the tests compare against them.
 
 * FP8 W8A8 (e4m3): weight ``[N, K]`` float8_e4m3fn with one float32 scale per output row
   (a per-tensor scale is that scale on every row); activations quantised per token (row) at run
   time (scale = max|x| / 448, at least 1 / (448 * 512), as vLLM) or with one static scale.
   ``y = (xq * sx) @ (wq * sw)^T``, computed in float32, returned in x's dtype.
   ``fp8_group_linear``: the same with one activation scale per token and 128 columns (the
-  W8A8 kernel that quantises its own rows, ``kernels.triton_fp8_w8a8_inline``).
-* FP8 weight only (W8A16, the GPU's decode path: ``kernels.triton_fp8_linear``): the same
+  W8A8 kernel that quantises its own rows, ``headrace.kernels.triton_fp8_w8a8_inline``).
+* FP8 weight only (W8A16, the GPU's decode path: ``headrace.kernels.triton_fp8_linear``): the same
   weight and scales, activations not quantised: ``y = x @ (wq * sw)^T`` in float32, returned in
   x's dtype (a static input scale does not apply).
 * W4A16 / W8A16 (integer weights, activations unquantised): ``qweight`` ``[K / P, N]`` int32
@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels import reference
+from headrace.kernels import reference
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -124,7 +124,7 @@ def fp8_group_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
                      group: int = 128) -> torch.Tensor:
     """``fp8_linear`` with x quantised per token and ``group`` columns (``per_group_fp8``):
     the semantics of the W8A8 kernel that quantises its own rows
-    (``kernels.triton_fp8_w8a8_inline``)."""
+    (``headrace.kernels.triton_fp8_w8a8_inline``)."""
     n, k = weight.shape
     xq, sx = per_group_fp8(x.reshape(-1, k), group)
     xd = xq.float() * sx.repeat_interleave(group, dim=1)[:, :k]

@@ -47,9 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import quant_dispatch
-from kernels.host import cdiv
-from kernels.triton_flash import INTERPRETED
+from headrace.kernels import quant_dispatch
+from headrace.kernels.host import cdiv
+from headrace.kernels.triton_flash import INTERPRETED
 
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_ROWS = M_BUCKETS[-1]        # the decode range the buckets are tuned for
@@ -72,7 +72,7 @@ def m_bucket(m: int) -> int:
 class Tile:
     """One candidate launch: BLOCK_M rows x BLOCK_N output columns per program, BLOCK_K of K
     per step, ``split`` programs along K, tl.dot (tensor cores) or FMA reductions, and for FMA
-    ``pipe``: the kernel's pipelined program, where it has one (kernels.triton_fp8_linear)."""
+    ``pipe``: the kernel's pipelined program, where it has one (headrace.kernels.triton_fp8_linear)."""
 
     block_m: int
     block_n: int

@@ -1,8 +1,8 @@
 """Triton paged attention over the ``[2, blocks, block_size, kv_heads, head_dim]`` KV cache.
 
 ``paged_attention`` is the entry point: it sends one-token sequences to the decode kernel
-(``kernels.triton_decode``: memory-bound, the context split over SMs) and the rest to the
-prefill kernel here. Both share one inner loop (``kernels.triton_flash._attend``).
+(``headrace.kernels.triton_decode``: memory-bound, the context split over SMs) and the rest to the
+prefill kernel here. Both share one inner loop (``headrace.kernels.triton_flash._attend``).
 
 Prefill and mixed batches are compute-bound (many query tokens share each key), so their
 kernel tiles queries for the tensor cores: grid (query tile, kv head, sequence); a tile's rows
@@ -21,13 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_decode
-from kernels.host import cdiv, next_pow2
-from kernels.triton_decode import num_decode_splits  # noqa: F401  (part of this module's API)
-from kernels.triton_flash import Launch, _causal_tile
+from headrace.kernels import triton_decode
+from headrace.kernels.host import cdiv, next_pow2
+from headrace.kernels.triton_decode import num_decode_splits  # noqa: F401  (part of this module's API)
+from headrace.kernels.triton_flash import Launch, _causal_tile
 
 # Launch configuration, tuned on an H200 (triton 3.6) with ``bench/kernels.py --sweep``: causal
-# bf16 prefill reaches 300-450 TFLOP/s (hd 128, GQA 4). Decode's is in ``kernels.triton_decode``.
+# bf16 prefill reaches 300-450 TFLOP/s (hd 128, GQA 4). Decode's is in ``headrace.kernels.triton_decode``.
 PREFILL_BLOCK_M = 256                                      # rows (query tokens x group) per tile
 PREFILL_BLOCK_N, PREFILL_WARPS, PREFILL_STAGES = 64, 8, 3
 
@@ -63,15 +63,15 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
                     decode_order: torch.Tensor | None = None, k_scale: float = 1.0,
                     v_scale: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of variable-length queries over paged KV; see
-    kernels.reference.paged_attention. Host-side hints avoid a device sync: ``decode_only=True``
-    promises every sequence has exactly one query token; otherwise ``max_query_len`` (the longest
-    q_len) is needed, and found with one sync when not given. All q_len == 1 takes the decode
-    kernel either way. ``num_kv_splits`` (a power of two) overrides num_decode_splits.
-    ``num_decodes``: the first that many sequences of a mixed batch have one query token each;
-    they take the decode kernel (a prefill tile would pad each of them to BLOCK_Q tokens).
-    ``decode_order`` (int32, a permutation of the decode rows, longest context first) is the
-    order their programs start in: a scheduling hint that leaves the result unchanged.
-    ``out``: a contiguous tensor of the query's shape to write (default: a new one)."""
+    headrace.kernels.reference.paged_attention. Host-side hints avoid a device sync:
+    ``decode_only=True`` promises every sequence has exactly one query token; otherwise
+    ``max_query_len`` (the longest q_len) is needed, and found with one sync when not given. All
+    q_len == 1 takes the decode kernel either way. ``num_kv_splits`` (a power of two) overrides
+    num_decode_splits. ``num_decodes``: the first that many sequences of a mixed batch have one
+    query token each; they take the decode kernel (a prefill tile would pad each of them to BLOCK_Q
+    tokens). ``decode_order`` (int32, a permutation of the decode rows, longest context first) is
+    the order their programs start in: a scheduling hint that leaves the result unchanged. ``out``:
+    a contiguous tensor of the query's shape to write (default: a new one)."""
     tokens, heads, head_dim = query.shape
     batch = seq_lens.shape[0]
     query = query if query.stride(-1) == 1 else query.contiguous()

@@ -1,4 +1,5 @@
-"""Triton twin of ``kernels.reference.apply_token_bitmask``: structured outputs' token mask.
+"""Triton twin of ``headrace.kernels.reference.apply_token_bitmask``: structured outputs' token
+mask.
 
 A grammar allows a few tokens of a 150k vocabulary; the control plane ships one bit per token
 (packed int32 words, 1/16 of the bf16 logits' bytes). Each program reads one chunk of one
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.host import cdiv
+from headrace.kernels.host import cdiv
 
 _BLOCK = 4096
 

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.host import next_pow2
-from kernels.triton_flash import Launch, _attend, _query_operand
+from headrace.kernels.host import next_pow2
+from headrace.kernels.triton_flash import Launch, _attend, _query_operand
 
 # Launch configuration (BLOCK_N: keys per loop iteration, warps, stages), tuned on an H200
 # (triton 3.6; bench/fp8_kv_attention.py --tiles / --bf16-tiles). The K/V addresses come from a
@@ -34,7 +34,7 @@ from kernels.triton_flash import Launch, _attend, _query_operand
 # faster until timed first in a row: a row's first timing ran ~5% slow); 64/2/5 and 64/4/5 were
 # up to 1.3x slower at batch 64 (2026-12-03).
 DECODE_TILE = (64, 4, 3)
-# Over an FP8 cache (V stored transposed within each block, ``kernels.kv_layout``), in one split
+# Over an FP8 cache (V stored transposed within each block, ``headrace.kernels.kv_layout``), in one split
 # (the batch alone gives every SM two programs, ``num_decode_splits``: long contexts a program):
 # 64 keys on one warp, 0.93-0.95x of 64/2/4's time at batch 256 (3.1-3.3 TB/s of FP8 bytes),
 # even with it at batch 64; two buffers and 32- or 128-key tiles no faster. In several splits
@@ -77,7 +77,7 @@ def _decode_kernel(Q, K, V, SEQ_LENS, BT, ORDER, PART_O, PART_LSE, OUT, qk_scale
     q_pos = tl.full([G_PAD], ctx - 1, tl.int32)  # the one query sees every key below ctx
     bt_row = BT + seq * stride_bt
     if V_T:   # whole tiles unmasked (the one query sees every key below ctx), then the partial one,
-        # its keys masked in the scores and its V read in whole blocks (kernels.kv_layout)
+        # its keys masked in the scores and its V read in whole blocks (headrace.kernels.kv_layout)
         full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         acc, l_i, m_i = _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head * stride_head, lo, full, q_pos,
                                 qk_scale, stride_block, stride_slot, BLOCK_N, BLOCK_SIZE, HEAD_DIM,

@@ -1,7 +1,7 @@
 """Rounding float32 to e4m3 inside Triton kernels, the same on the GPU and under the CPU
-interpreter: the activation quantisers (``kernels.triton_quant``, the norm and SiLU kernels of
-``kernels.triton_ops``, the W8A8 GEMM that quantises its own rows) and the FP8 KV cache's
-stores (``kernels.triton_prologue``) share it.
+interpreter: the activation quantisers (``headrace.kernels.triton_quant``, the norm and SiLU kernels
+of ``headrace.kernels.triton_ops``, the W8A8 GEMM that quantises its own rows) and the FP8 KV
+cache's stores (``headrace.kernels.triton_prologue``) share it.
 
 Why a helper: on the GPU a float32 -> float8e4nv cast is one rounding to nearest even
 (``cvt.rn.satfinite.e4m3x2.f32``), but the interpreter's cast loses the exponent's carry when
@@ -31,6 +31,6 @@ def to_e4m3(x, dtype, ROUND_FIRST: tl.constexpr):
 @triton.jit
 def scaled_e4m3(x, scale, dtype, ROUND_FIRST: tl.constexpr):
     """x / scale saturated to +-448, as e4m3 (an FP8 KV cache's store); NaN is stored as 0: an
-    FP8 cache holds no NaN (``kernels.kv_layout``: attention reads slots past a context)."""
+    FP8 cache holds no NaN (``headrace.kernels.kv_layout``: attention reads slots past a context)."""
     y = x.to(tl.float32) / scale
     return to_e4m3(tl.clamp(tl.where(y == y, y, 0.0), -448.0, 448.0), dtype, ROUND_FIRST)

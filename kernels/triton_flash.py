@@ -1,7 +1,7 @@
-"""The inner loop both Triton paged-attention kernels share (``kernels.triton_decode`` and
-``kernels.triton_attention``'s prefill; ``_causal_tile``: a query tile of the prefill and the
-unified kernels, ``kernels.triton_unified``), and what every Triton module needs to know about
-running under Triton's CPU interpreter.
+"""The inner loop both Triton paged-attention kernels share (``headrace.kernels.triton_decode`` and
+``headrace.kernels.triton_attention``'s prefill; ``_causal_tile``: a query tile of the prefill and
+the unified kernels, ``headrace.kernels.triton_unified``), and what every Triton module needs to
+know about running under Triton's CPU interpreter.
 
 ``_attend`` gathers a tile of keys through the block table, scores it with tl.dot (tensor
 cores), folds it into an online softmax in float32 in the log2 domain (exp2 is the hardware's
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import kv_layout
+from headrace.kernels import kv_layout
 
 LOG2E = 1.4426950408889634
 FP8_COMPUTE = "float16"    # or "query": the dtype an FP8 cache's tiles widen to
@@ -63,7 +63,7 @@ def _value_tile_t(V, block, k_pos, v_head_off, stride_block, BLOCK_N: tl.constex
     tensor cores by ``ldmatrix`` with no trip through registers and back. Never masked: a
     per-key mask along the run is not vectorised (a context's last tile was read a byte at a
     time), so a tile past a context reads its blocks' other slots whole, which hold finite
-    values (``kernels.kv_layout``: an FP8 cache holds no NaN) and weigh nothing (p = 0)."""
+    values (``headrace.kernels.kv_layout``: an FP8 cache holds no NaN) and weigh nothing (p = 0)."""
     SPAN: tl.constexpr = BLOCK_SIZE if BLOCK_SIZE < BLOCK_N else BLOCK_N   # keys in one run
     off = (block * stride_block + v_head_off + k_pos % BLOCK_SIZE)[:, None] \
         + tl.arange(0, HEAD_DIM)[None, :] * BLOCK_SIZE
@@ -123,7 +123,7 @@ def _attend(acc, l_i, m_i, q, K, V, bt_row, kv_head_off, lo, hi, q_pos, qk_scale
                 block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
             off = block * stride_block + (k_pos % BLOCK_SIZE) * stride_slot + kv_head_off
             k = tl.load(K + off[:, None] + d[None, :], mask=live[:, None], other=0.0).to(dtype)
-            if V_T:   # keys past hi read finite values (kernels.kv_layout), their p is 0
+            if V_T:   # keys past hi read finite values (headrace.kernels.kv_layout), their p is 0
                 v = _value_tile_t(V, block, k_pos, kv_head_off * BLOCK_SIZE, stride_block,
                                   BLOCK_N, BLOCK_SIZE, HEAD_DIM).to(dtype)
             else:

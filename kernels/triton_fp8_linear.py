@@ -1,13 +1,13 @@
-"""Triton skinny GEMM for FP8 weights at decode batch sizes: ``kernels.reference_quant.
+"""Triton skinny GEMM for FP8 weights at decode batch sizes: ``headrace.kernels.reference_quant.
 fp8_weight_linear`` (W8A16 semantics: e4m3 weight, activations left in their own dtype).
 
-Why: at decode (M = 1..~128 rows) a projection is bound by reading its weight once, and FP8
-halves those bytes against bf16, but only if the kernel keeps the H200's memory busy: issue 32
-measured the first version of this kernel (fixed 16 x 32 x 256 tiles) and ``torch._scaled_mm``
-(cuBLASLt row-wise) reading FP8 weights at 0.2-1.1 TB/s where cuBLAS bf16 reads at 2-3.4 TB/s.
-So the launch tile is chosen per row bucket and shape (``kernels.skinny_gemm.Tuner``: pinned by
-the bench's measurements in kernels/quant_dispatch.json, else computed; autotuned over a compact
-list per bucket only with HEADRACE_QUANT_AUTOTUNE=1) among two program shapes:
+Why: at decode (M = 1..~128 rows) a projection is bound by reading its weight once, and FP8 halves
+those bytes against bf16, but only if the kernel keeps the H200's memory busy: issue 32 measured the
+first version of this kernel (fixed 16 x 32 x 256 tiles) and ``torch._scaled_mm`` (cuBLASLt
+row-wise) reading FP8 weights at 0.2-1.1 TB/s where cuBLAS bf16 reads at 2-3.4 TB/s. So the launch
+tile is chosen per row bucket and shape (``headrace.kernels.skinny_gemm.Tuner``: pinned by the
+bench's measurements in kernels/quant_dispatch.json, else computed; autotuned over a compact list
+per bucket only with HEADRACE_QUANT_AUTOTUNE=1) among two program shapes:
 
 * FMA (M <= 4): each program owns BLOCK_N output columns for BLOCK_M rows and streams its
   [BLOCK_N, K] slice of the weight in [BLOCK_N, BLOCK_K] tiles of 256-1024 contiguous bytes
@@ -38,9 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.skinny_gemm import (MAX_SPLIT, PROGRAMS_PER_SM, Tile, Tuner, activations,
-                                 launch_args, program_slice, store_or_reduce)
-from kernels.triton_flash import INTERPRETED   # bfloat16 tl.dot operands widened there
+from headrace.kernels.skinny_gemm import (MAX_SPLIT, PROGRAMS_PER_SM, Tile, Tuner, activations,
+                                          launch_args, program_slice, store_or_reduce)
+from headrace.kernels.triton_flash import INTERPRETED   # bfloat16 tl.dot operands widened there
 
 CONVERT_ASM = tl.constexpr(not INTERPRETED)      # PTX conversions (the interpreter runs none)
 
@@ -252,9 +252,9 @@ TUNER = Tuner(triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
 
 def fp8_weight_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       bias: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
-    """See kernels.reference_quant.fp8_weight_linear. x [..., K] bfloat16 / float16 / float32,
-    weight [N, K] e4m3 (rows contiguous), weight_scale float32 [N] (per channel) or one element
-    (per tensor), bias [N] or None. ``tile``: one launch configuration instead of the pinned
+    """See headrace.kernels.reference_quant.fp8_weight_linear. x [..., K] bfloat16 / float16 /
+    float32, weight [N, K] e4m3 (rows contiguous), weight_scale float32 [N] (per channel) or one
+    element (per tensor), bias [N] or None. ``tile``: one launch configuration instead of the pinned
     or fixed one (tests, bench/quant_kernels.py's sweep)."""
     n, k = weight.shape
     x2 = activations(x, k)

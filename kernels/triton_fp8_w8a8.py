@@ -1,8 +1,8 @@
 """Triton skinny W8A8 GEMM for FP8 layers at decode batch sizes (2..128 rows, and beyond in
-tests): ``kernels.reference_quant.fp8_linear``'s semantics (e4m3 weight with per-row or one
+tests): ``headrace.kernels.reference_quant.fp8_linear``'s semantics (e4m3 weight with per-row or one
 scale, activations quantised per token to e4m3) on the FP8 tensor cores.
 
-Why: the W8A16 skinny program (``kernels.triton_fp8_linear``) widens every weight value in
+Why: the W8A16 skinny program (``headrace.kernels.triton_fp8_linear``) widens every weight value in
 registers before its MMA: on SM90 the weight tile goes global -> shared (async copy) ->
 registers -> converted -> the MMA, and at 16-64 rows it read its weight at 1.2-2.4 TB/s
 (qkv / o / gate_up / down at M = 16: 0.85-0.97x of bf16 cuBLAS, H200, session 24), where a
@@ -11,7 +11,7 @@ weight tile [BLOCK_N, BLOCK_K] is the MMA's wide operand straight from shared me
 wgmma at BLOCK_N >= 64) and the tokens' rows x^T [BLOCK_K, BLOCK_M] its narrow one (swapped
 operands, as the W8A16 dot program), so a step issues no conversion at all. The rows come
 quantised from the kernel that made them (``kernels.Fp8Rows``: the norm and SiLU kernels) or
-from ``kernels.triton_quant.per_token_fp8``; their per-row scales multiply the float32 sums
+from ``headrace.kernels.triton_quant.per_token_fp8``; their per-row scales multiply the float32 sums
 before the per-column weight scale and the bias (``skinny_gemm.store_or_reduce``, which also
 adds split-K partial sums in its self-cleaning workspace). The loops load without masks where
 the shapes allow (``EVEN_K``, ``EVEN_N``; rows past M read the last row, never stored).
@@ -29,11 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.skinny_gemm import (MAX_SPLIT, Tile, Tuner, launch_args, program_slice,
-                                 store_or_reduce)
-from kernels.reference_quant import FP8_MAX as _FP8_MAX, FP8_MIN_SCALE as _FP8_MIN_SCALE
-from kernels.triton_e4m3 import to_e4m3
-from kernels.triton_flash import INTERPRETED
+from headrace.kernels.skinny_gemm import (MAX_SPLIT, Tile, Tuner, launch_args, program_slice,
+                                          store_or_reduce)
+from headrace.kernels.reference_quant import FP8_MAX as _FP8_MAX, FP8_MIN_SCALE as _FP8_MIN_SCALE
+from headrace.kernels.triton_e4m3 import to_e4m3
+from headrace.kernels.triton_flash import INTERPRETED
 
 ROUND_FIRST = tl.constexpr(INTERPRETED)   # triton_e4m3: the interpreter's cast needs it
 GROUP = tl.constexpr(128)       # columns of x quantised together by the inline program

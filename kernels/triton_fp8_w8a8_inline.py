@@ -1,9 +1,9 @@
-"""The skinny W8A8 GEMM that quantises its activations itself: ``kernels.reference_quant.
+"""The skinny W8A8 GEMM that quantises its activations itself: ``headrace.kernels.reference_quant.
 fp8_group_linear``'s semantics (e4m3 weight with per-row or one scale; x quantised to e4m3 per
 token and 128-column group, in the GEMM's own K loop).
 
 Why: an FP8 layer whose rows nobody quantised for it (o_proj: its rows come from attention)
-paid a separate quantiser launch before ``kernels.triton_fp8_w8a8``'s GEMM: ~2.5 us on the
+paid a separate quantiser launch before ``headrace.kernels.triton_fp8_w8a8``'s GEMM: ~2.5 us on the
 H200 (session 24), a fifth of bf16's whole o_proj at 16 rows (12.6 us). Here each program
 loads its rows' [BLOCK_K = 128, BLOCK_M] tile of x in their own dtype with the weight's tile,
 rounds it to e4m3 with one scale per row (that tile's max |x| / 448), and adds the FP8 tensor
@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels.skinny_gemm import MAX_SPLIT, Tile, Tuner, activations, launch_args
-from kernels.triton_flash import INTERPRETED
-from kernels.triton_fp8_w8a8 import GROUP, W8A8_PROGRAMS_PER_SM, _w8a8_skinny_kernel
+from headrace.kernels.skinny_gemm import MAX_SPLIT, Tile, Tuner, activations, launch_args
+from headrace.kernels.triton_flash import INTERPRETED
+from headrace.kernels.triton_fp8_w8a8 import GROUP, W8A8_PROGRAMS_PER_SM, _w8a8_skinny_kernel
 
 
 def _tile(m: int, n: int, warps: int = 4, stages: int = 4, split: int = 1) -> Tile:

@@ -1,5 +1,6 @@
 """4-bit GPTQ words as the tensor cores' operand: one BLOCK_K step of the W4A16 skinny kernel's
-tl.dot program (``kernels.triton_w4a16``), unpacked, zero points subtracted, multiplied by x.
+tl.dot program (``headrace.kernels.triton_w4a16``), unpacked, zero points subtracted, multiplied by
+x.
 
 Why: a decode GEMM over INT4 weights is bound by its weight bytes only if turning 4-bit
 values into the MMA's 16-bit operand costs fewer instructions than the SM can issue while the

@@ -1,5 +1,5 @@
-"""The one-row W4A16 program on packed bfloat16 pairs: ``kernels.triton_w4a16``'s pipelined FMA
-program for 4-bit GPTQ words and bfloat16 activations on the GPU (``PACKED``).
+"""The one-row W4A16 program on packed bfloat16 pairs: ``headrace.kernels.triton_w4a16``'s pipelined
+FMA program for 4-bit GPTQ words and bfloat16 activations on the GPU (``PACKED``).
 
 Why: at one row a 4-bit projection is bound by the instructions it issues per weight value,
 not by its bytes (Nsight Compute, session 23: 0.68 instructions issued a cycle per scheduler,

@@ -1,4 +1,5 @@
-"""Triton twin of ``kernels.reference.linear`` for skinny inputs (a decode of a few sequences).
+"""Triton twin of ``headrace.kernels.reference.linear`` for skinny inputs (a decode of a few
+sequences).
 
 At batch 1-16 a projection is a matrix-vector product: the time is reading the weight, yet the
 library GEMMs picked for M <= 16 reach about a third of the bandwidth on Qwen3-0.6B's small
@@ -15,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.host import cdiv
-from kernels.triton_flash import INTERPRETED   # bfloat16 tl.dot operands widened there
+from headrace.kernels.host import cdiv
+from headrace.kernels.triton_flash import INTERPRETED   # bfloat16 tl.dot operands widened there
 
 MAX_ROWS = 16
 

@@ -1,13 +1,14 @@
 """Triton versions of the data plane's row-wise kernels: rms_norm, fused_add_rms_norm and
-silu_and_mul (paged attention lives in ``kernels.triton_attention``; rotary and the KV write run
-fused with the q/k norms in ``kernels.triton_prologue``), and the ``_fp8`` variants of the last
-two, which hand an FP8 layer its input quantised per token (``kernels.reference_quant.Fp8Rows``)
-from the same pass: the rows are not written in bf16 and read back by a quantiser (in W3's
-FP8 decode steps that quantiser was a launch per GEMM, 4% of the kernel time).
+silu_and_mul (paged attention lives in ``headrace.kernels.triton_attention``; rotary and the KV
+write run fused with the q/k norms in ``headrace.kernels.triton_prologue``), and the ``_fp8``
+variants of the last two, which hand an FP8 layer its input quantised per token
+(``headrace.kernels.reference_quant.Fp8Rows``) from the same pass: the rows are not written in bf16
+and read back by a quantiser (in W3's FP8 decode steps that quantiser was a launch per GEMM, 4% of
+the kernel time).
 
-Each function has the signature and semantics of its twin in ``kernels.reference``, including
-the points where the reference rounds to the activation dtype, so results agree to the last bit
-or so. Inputs may be strided views (the q/k/v splits of ``qkv_proj``) as long as their last
+Each function has the signature and semantics of its twin in ``headrace.kernels.reference``,
+including the points where the reference rounds to the activation dtype, so results agree to the
+last bit or so. Inputs may be strided views (the q/k/v splits of ``qkv_proj``) as long as their last
 dimension is contiguous; outputs are new contiguous tensors.
 """
 
@@ -17,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.host import cdiv, next_pow2
-from kernels.reference_quant import FP8, FP8_MAX, FP8_MIN_SCALE, Fp8Rows
-from kernels.triton_flash import INTERPRETED
-from kernels.triton_e4m3 import to_e4m3
-from kernels.triton_quant import per_token_fp8
+from headrace.kernels.host import cdiv, next_pow2
+from headrace.kernels.reference_quant import FP8, FP8_MAX, FP8_MIN_SCALE, Fp8Rows
+from headrace.kernels.triton_flash import INTERPRETED
+from headrace.kernels.triton_e4m3 import to_e4m3
+from headrace.kernels.triton_quant import per_token_fp8
 
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _FMAX, _MIN_SCALE = tl.constexpr(FP8_MAX), tl.constexpr(FP8_MIN_SCALE)
@@ -106,7 +107,7 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension in float32; see kernels.reference.rms_norm."""
+    """RMSNorm over the last dimension in float32; see headrace.kernels.reference.rms_norm."""
     return _rms_norm(x, None, weight, eps)[0]
 
 
@@ -119,7 +120,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[Fp8Rows, torch.Tensor]:
     """(rms_norm(x + residual) quantised per token, x + residual): see
-    kernels.reference_quant.fused_add_rms_norm_fp8."""
+    headrace.kernels.reference_quant.fused_add_rms_norm_fp8."""
     return _rms_norm(x, residual, weight, eps, fp8=True)
 
 
@@ -160,7 +161,7 @@ def _silu_and_mul_fp8_kernel(X, OUT, SCALE, stride_x, D, ACT: tl.constexpr,
 
 
 def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:
-    """SiLU(gate) * up quantised per token (kernels.reference_quant.silu_and_mul_fp8): one
+    """SiLU(gate) * up quantised per token (headrace.kernels.reference_quant.silu_and_mul_fp8): one
     program holds a row; rows wider than SILU_FP8_MAX_COLS take silu_and_mul, then the
     per-token quantiser."""
     d = gate_up.shape[-1] // 2

@@ -1,11 +1,11 @@
-"""Triton twin of ``kernels.reference.qk_norm_rope_write_kv``: the attention prologue in one
-launch per layer instead of five (q norm, k norm, two rotaries, the KV write).
+"""Triton twin of ``headrace.kernels.reference.qk_norm_rope_write_kv``: the attention prologue in
+one launch per layer instead of five (q norm, k norm, two rotaries, the KV write).
 
 One program per token holds all of its heads: q and k are RMS-normalised per head (in float32,
 rounded where the reference rounds), rotated with the token's cos/sin (cast to the activation
 dtype and every product rounded, as the reference does), q is stored and k and v go straight
 to their cache slot (skipped for slot -1; an FP8 cache's value transposed within its block,
-``kernels.kv_layout``). At a decode step of Qwen3-0.6B this saves 112 small
+``headrace.kernels.kv_layout``). At a decode step of Qwen3-0.6B this saves 112 small
 kernels; at a prefill it saves writing and re-reading q and k three times.
 """
 
@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import kv_layout
-from kernels.host import next_pow2
-from kernels.triton_e4m3 import scaled_e4m3
-from kernels.triton_quant import _INTERPRETED
+from headrace.kernels import kv_layout
+from headrace.kernels.host import next_pow2
+from headrace.kernels.triton_e4m3 import scaled_e4m3
+from headrace.kernels.triton_quant import _INTERPRETED
 
 
 @triton.jit
@@ -83,7 +83,7 @@ def _prologue_kernel(Q, K, V, POS, COS_SIN, QW, KW, OUT_Q, CACHE, SLOTS, eps,
         if FP8:
             v1 = scaled_e4m3(v1, v_scale, cache_dtype, ROUND_FIRST)
             v2 = scaled_e4m3(v2, v_scale, cache_dtype, ROUND_FIRST)
-        if V_T:   # values transposed within the block (kernels.kv_layout): d strides block_size
+        if V_T:   # values transposed within the block (headrace.kernels.kv_layout): d strides block_size
             v_dst = CACHE + stride_c_kv + (slot // block_size) * stride_c_block \
                 + (kv_heads * (2 * HALF) + d) * block_size + slot % block_size
             tl.store(v_dst, v1.to(cache_dtype), mask=kv_mask)
@@ -103,7 +103,7 @@ def qk_norm_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
     has_norm = q_weight is not None
     if has_norm and (q_weight.dtype != q.dtype or k_weight.dtype != q.dtype):
         # mixed-dtype norm weights promote the reference's output: keep its exact semantics
-        from kernels import reference
+        from headrace.kernels import reference
         return reference.qk_norm_rope_write_kv(q, k, v, positions, cos_sin, q_weight, k_weight,
                                                eps, kv_cache, slot_mapping, k_scale, v_scale)
     out = torch.empty((tokens, heads, head_dim), dtype=q.dtype, device=q.device)

@@ -1,18 +1,18 @@
-"""Triton twins of ``kernels.reference_quant``: the quantized linear layers on the GPU.
+"""Triton twins of ``headrace.kernels.reference_quant``: the quantized linear layers on the GPU.
 
 * ``fp8_linear``: FP8 weights. Up to ``FP8_SKINNY_MAX_ROWS`` rows (decode) by default the
-  FP8-weight skinny GEMM of ``kernels.triton_fp8_linear`` (W8A16: x not quantised). Above it
+  FP8-weight skinny GEMM of ``headrace.kernels.triton_fp8_linear`` (W8A16: x not quantised). Above it
   (or with ``kernel="scaled_mm"``) a Triton kernel quantises the activations to e4m3 (one
   program per row: max|x| -> scale, then x / scale; or one static scale), then
   ``torch._scaled_mm`` runs the GEMM on the FP8 tensor cores with row-wise scales (scale_a
   [M, 1], scale_b [1, N], float32) and a bfloat16 output (cast to x's dtype when that differs).
-  ``fp8_kernel(m)`` names the default for m rows; ``kernels.quant_dispatch`` chooses per layer,
-  also among the W8A8 skinny GEMMs (``kernel="fp8_w8a8"``: ``kernels.triton_fp8_w8a8`` after
-  the quantiser or on ``Fp8Rows``; ``"fp8_w8a8_inline"``: ``kernels.triton_fp8_w8a8_inline``,
+  ``fp8_kernel(m)`` names the default for m rows; ``headrace.kernels.quant_dispatch`` chooses per layer,
+  also among the W8A8 skinny GEMMs (``kernel="fp8_w8a8"``: ``headrace.kernels.triton_fp8_w8a8`` after
+  the quantiser or on ``Fp8Rows``; ``"fp8_w8a8_inline"``: ``headrace.kernels.triton_fp8_w8a8_inline``,
   x quantised per token and 128 columns in the GEMM).
 * ``wna16_linear``: W4A16 and W8A16. Up to ``skinny_gemm.MAX_ROWS`` rows, for groups of a
-  multiple of 128 columns (or one group), the decode kernel of ``kernels.triton_w4a16``
-  (``kernel="triton_skinny"``; ``"triton_tiled"``: ``kernels.triton_w4a16_tiled`` on the
+  multiple of 128 columns (or one group), the decode kernel of ``headrace.kernels.triton_w4a16``
+  (``kernel="triton_skinny"``; ``"triton_tiled"``: ``headrace.kernels.triton_w4a16_tiled`` on the
   weight's tiled copy, which the caller passes); otherwise (``kernel="triton"``) the general kernel here: each
   program owns a BLOCK_M x BLOCK_N tile of the output and walks K: it loads the packed int32
   words of a [BLOCK_K, BLOCK_N] weight tile (GPTQ layout, 32 / BITS values per word along K),
@@ -33,12 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import (skinny_gemm, triton_fp8_linear, triton_fp8_w8a8, triton_fp8_w8a8_inline,
-                     triton_w4a16, triton_w4a16_tiled)
-from kernels.host import cdiv, next_pow2
-from kernels.triton_e4m3 import to_e4m3
-from kernels.reference_quant import FP8, FP8_MAX, FP8_MIN_SCALE, Fp8Rows
-from kernels.triton_flash import INTERPRETED as _INTERPRETED   # bfloat16 tl.dot operands widened there
+from headrace.kernels import (skinny_gemm, triton_fp8_linear, triton_fp8_w8a8,
+                              triton_fp8_w8a8_inline, triton_w4a16, triton_w4a16_tiled)
+from headrace.kernels.host import cdiv, next_pow2
+from headrace.kernels.triton_e4m3 import to_e4m3
+from headrace.kernels.reference_quant import FP8, FP8_MAX, FP8_MIN_SCALE, Fp8Rows
+from headrace.kernels.triton_flash import INTERPRETED as _INTERPRETED   # bfloat16 tl.dot operands widened there
 
 
 @triton.jit
@@ -65,7 +65,7 @@ def _per_token_fp8_kernel(X, XQ, SCALE, S_IN, K, stride_xm, stride_qm, STATIC: t
 
 def per_token_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See kernels.reference_quant.per_token_fp8 (x [M, K], last dim contiguous)."""
+    """See headrace.kernels.reference_quant.per_token_fp8 (x [M, K], last dim contiguous)."""
     m, k = x.shape
     xq = torch.empty((m, k), dtype=FP8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
@@ -79,7 +79,7 @@ def per_token_fp8(x: torch.Tensor, input_scale: torch.Tensor | None = None
 
 # Rows up to which fp8_linear takes the skinny FP8-weight kernel (W8A16) by default instead of
 # activation quantisation + _scaled_mm (W8A8): the skinny kernels' tuned range. Per layer and
-# row bucket kernels.quant_dispatch chooses from the H200's measurements (bench/quant_kernels.py).
+# row bucket headrace.kernels.quant_dispatch chooses from the H200's measurements (bench/quant_kernels.py).
 FP8_SKINNY_MAX_ROWS = skinny_gemm.MAX_ROWS
 FP8_KERNELS = ("fp8_skinny", "fp8_w8a8", "fp8_w8a8_inline", "scaled_mm")
 WNA16_KERNELS = ("triton_skinny", "triton_tiled", "triton")
@@ -99,7 +99,7 @@ def wna16_kernel(m: int, bits: int, group_size: int, k: int) -> str:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                kernel: str | None = None) -> torch.Tensor:
-    """See kernels.reference_quant.fp8_linear (W8A8; the skinny kernel's rows:
+    """See headrace.kernels.reference_quant.fp8_linear (W8A8; the skinny kernel's rows:
     fp8_weight_linear, W8A16). weight [N, K] e4m3 (row-major, so weight.t() is the column-major
     operand _scaled_mm wants), weight_scale [N] float32. ``kernel``: one of FP8_KERNELS
     instead of ``fp8_kernel``'s choice (the layer's dispatch, the benchmark, the tests).
@@ -221,7 +221,7 @@ def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  bias: torch.Tensor | None = None,
                  config: tuple[int, int, int, int, int] | None = None,
                  kernel: str | None = None, tiled: torch.Tensor | None = None) -> torch.Tensor:
-    """See kernels.reference_quant.wna16_linear. ``group_size`` > 0 (groups contiguous and
+    """See headrace.kernels.reference_quant.wna16_linear. ``group_size`` > 0 (groups contiguous and
     equal) lets the kernels index scales by k // group_size; 0 makes the general kernel read
     ``g_idx``. ``kernel``: one of WNA16_KERNELS instead of ``wna16_kernel``'s choice
     (``triton_tiled`` runs on ``tiled``, ``triton_w4a16_tiled.pack_tiled(qweight)``, which the

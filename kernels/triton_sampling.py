@@ -1,4 +1,4 @@
-"""Triton twin of ``kernels.reference.sample_race``: sampling in one read of the logits.
+"""Triton twin of ``headrace.kernels.reference.sample_race``: sampling in one read of the logits.
 
 The exponential race needs no softmax (argmax of p / E equals argmax of logits / t - log E),
 so each program reads one chunk of one row's logits in their own dtype, adds the hashed noise
@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kernels.host import cdiv, next_pow2
-from kernels.triton_flash import INTERPRETED   # no fast log in Triton's CPU interpreter
+from headrace.kernels.host import cdiv, next_pow2
+from headrace.kernels.triton_flash import INTERPRETED   # no fast log in Triton's CPU interpreter
 
 _CHUNK = 4096
 

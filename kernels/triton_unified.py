@@ -1,15 +1,15 @@
 """Triton paged attention of a whole mixed batch in one launch whose grid depends only on the
 token count: the attention of a full CUDA graph of a prefill or mixed step
-(``dataplane.full_graphs``).
+(``headrace.dataplane.full_graphs``).
 
-Why: the decode and prefill kernels of ``kernels.triton_attention`` size their grids from the
-step (the number of decodes, the longest query, the split count), so a graph of them would be
-valid for one step shape only, and the piecewise graphs launch them eagerly between pieces:
-~60-90 launches of ~10-20 µs of host time each per step (plus the graph replays), which left
-the H200 waiting on the host in mixed steps (``bench/step_host.py``: 7 ms of host for 7.5 ms
-of device). Here the grid is (query blocks of the padded token range, KV heads), and the step's
-metadata (query offsets, context lengths, block tables) is read from device buffers, so the
-launch captures once per token-count bucket and a replay serves any batch of that size.
+Why: the decode and prefill kernels of ``headrace.kernels.triton_attention`` size their grids from
+the step (the number of decodes, the longest query, the split count), so a graph of them would be
+valid for one step shape only, and the piecewise graphs launch them eagerly between pieces: ~60-90
+launches of ~10-20 µs of host time each per step (plus the graph replays), which left the H200
+waiting on the host in mixed steps (``bench/step_host.py``: 7 ms of host for 7.5 ms of device). Here
+the grid is (query blocks of the padded token range, KV heads), and the step's metadata (query
+offsets, context lengths, block tables) is read from device buffers, so the launch captures once per
+token-count bucket and a replay serves any batch of that size.
 
 Layout (as vLLM's ``triton_unified_attention``, written for our cache and inner loop): a
 sequence of q_len queries owns the query blocks ``[qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q
@@ -21,14 +21,14 @@ tokens. A graph's buffers hold a fixed number of sequences: the unused ones are 
 q_len 0 (``query_start_loc`` continues at the real token count), after every real one; tokens
 past the last real sequence belong to none and their output rows are not written.
 
-Each program holds BLOCK_Q query tokens x the GQA group (padded to a power of two) as the rows
-of one tile, so a K/V tile is loaded once per group, and runs ``kernels.triton_flash._attend``
-over the keys visible to the tile: unmasked below its first query, masked on the causal
-diagonal; a decode row is a tile of one query over its whole context (a split-KV kernel would
-spread a long decode over more SMs; the decode-only steps keep ``kernels.triton_decode`` in
-their own graphs). Programs start last-first: the prefill chunks, which come after the decodes
-and hold the long causal tiles, start before the one-token decode tiles fill in behind them.
-An FP8 cache is read as such (``Launch``: k_scale in the score scale, v_scale on the output).
+Each program holds BLOCK_Q query tokens x the GQA group (padded to a power of two) as the rows of
+one tile, so a K/V tile is loaded once per group, and runs ``headrace.kernels.triton_flash._attend``
+over the keys visible to the tile: unmasked below its first query, masked on the causal diagonal; a
+decode row is a tile of one query over its whole context (a split-KV kernel would spread a long
+decode over more SMs; the decode-only steps keep ``headrace.kernels.triton_decode`` in their own
+graphs). Programs start last-first: the prefill chunks, which come after the decodes and hold the
+long causal tiles, start before the one-token decode tiles fill in behind them. An FP8 cache is read
+as such (``Launch``: k_scale in the score scale, v_scale on the output).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.host import next_pow2
-from kernels.triton_flash import Launch, _causal_tile
+from headrace.kernels.host import next_pow2
+from headrace.kernels.triton_flash import Launch, _causal_tile
 
 # Rows (query tokens x padded group) per tile. 64 is a start value between vLLM's 16 (decode
 # rows waste little) and our prefill kernel's 256 (keys reloaded less often): bench/
@@ -100,11 +100,11 @@ def unified_attention(query: torch.Tensor, kv_cache: torch.Tensor, query_start_l
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
                       k_scale: float = 1.0, v_scale: float = 1.0, out: torch.Tensor | None = None,
                       block_m: int | None = None) -> torch.Tensor:
-    """kernels.reference.paged_attention's semantics in one launch sized by ``query``'s token
-    count and ``seq_lens``' length only (no host sync, nothing read from the device on the
-    host). Sequences past the real ones may be padding with q_len 0 (``query_start_loc``
-    continuing at the last real offset); query rows past ``query_start_loc[-1]`` are left as
-    they are in ``out``. ``block_m``: rows per tile (the bench's sweep)."""
+    """headrace.kernels.reference.paged_attention's semantics in one launch sized by ``query``'s
+    token count and ``seq_lens``' length only (no host sync, nothing read from the device on the
+    host). Sequences past the real ones may be padding with q_len 0 (``query_start_loc`` continuing
+    at the last real offset); query rows past ``query_start_loc[-1]`` are left as they are in
+    ``out``. ``block_m``: rows per tile (the bench's sweep)."""
     tokens, heads, head_dim = query.shape
     query = query if query.stride(-1) == 1 else query.contiguous()
     out = torch.empty_like(query) if out is None else out

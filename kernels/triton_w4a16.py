@@ -1,11 +1,11 @@
 """Triton skinny GEMM for 4- and 8-bit integer weights at decode batch sizes (W4A16 / W8A16,
-``kernels.reference_quant.wna16_linear`` with contiguous groups of a multiple of 128 columns,
-or one group per output channel).
+``headrace.kernels.reference_quant.wna16_linear`` with contiguous groups of a multiple of 128
+columns, or one group per output channel).
 
 Why: a decode projection is bound by its weight bytes, and INT4 reads a quarter of bf16's, but
-``kernels.triton_quant``'s general kernel (tiles for prefill: dequantise a [BLOCK_K, BLOCK_N]
-tile to the activation dtype, then tl.dot) read them at 0.3-1.1 TB/s on the H200 (issue 21).
-This kernel keeps the GPTQ layout (``qweight`` [K / P, N] int32, P = 32 / bits values of K per
+``headrace.kernels.triton_quant``'s general kernel (tiles for prefill: dequantise a [BLOCK_K,
+BLOCK_N] tile to the activation dtype, then tl.dot) read them at 0.3-1.1 TB/s on the H200 (issue
+21). This kernel keeps the GPTQ layout (``qweight`` [K / P, N] int32, P = 32 / bits values of K per
 word, 16-byte loads along N) and does the least work per weight byte:
 
 * a K tile lies inside one group (the group size is a multiple of BLOCK_K = 128), so the
@@ -21,7 +21,7 @@ word, 16-byte loads along N) and does the least work per weight byte:
 * tl.dot programs compute acc^T = Q [BLOCK_N, K] @ X^T with the unpacked values as the MMA's
   A operand, so the weight fills the tensor core's wide side and the tokens its narrow side
   (16 rows at least: one row pads to 16 for free, the MMA's work being no bound here). 4-bit
-  words unpack by magic numbers (``kernels.triton_int4_operand``: two values a shift and an
+  words unpack by magic numbers (``headrace.kernels.triton_int4_operand``: two values a shift and an
   and-or, no int-to-float conversion), their zero points are subtracted exactly in x's dtype,
   and x streams by the pipeline's async copies: 332 warp instructions a 4 KB step of the
   16 x 64 tile on SM90 where the strided, converting version took 670, 350 a 2 KB step of
@@ -29,7 +29,7 @@ word, 16-byte loads along N) and does the least work per weight byte:
   shapes allow (``EVEN_K``, ``EVEN_N``; rows past M read the last row).
 
 The launch tile per row bucket and shape is pinned by the measured table or computed
-(``kernels.skinny_gemm``; autotuned only with HEADRACE_QUANT_AUTOTUNE=1); K is split over
+(``headrace.kernels.skinny_gemm``; autotuned only with HEADRACE_QUANT_AUTOTUNE=1); K is split over
 programs with the self-cleaning workspace where output tiles are few. No host synchronisation:
 CUDA-graph safe.
 """
@@ -42,18 +42,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.host import cdiv
-from kernels.skinny_gemm import (MAX_SPLIT, PROGRAMS_PER_SM, Tile, Tuner, activations,
-                                 launch_args, program_slice, store_or_reduce)
-from kernels.triton_int4_operand import dot_step_int4
-from kernels.triton_int4_packed import fma_pipelined_packed
-from kernels.triton_flash import INTERPRETED
+from headrace.kernels.host import cdiv
+from headrace.kernels.skinny_gemm import (MAX_SPLIT, PROGRAMS_PER_SM, Tile, Tuner, activations,
+                                          launch_args, program_slice, store_or_reduce)
+from headrace.kernels.triton_int4_operand import dot_step_int4
+from headrace.kernels.triton_int4_packed import fma_pipelined_packed
+from headrace.kernels.triton_flash import INTERPRETED
 
 # The PTX unpacking (``triton_int4_operand.unpack_int4_bf16_asm``) instead of the Triton one,
 # for bfloat16 activations: off until the H200 measures it faster (the interpreter cannot run
 # PTX)
 UNPACK_ASM = not INTERPRETED and os.environ.get("HEADRACE_W4A16_ASM") == "1"
-PACKED = not INTERPRETED   # the one-row program on bfloat16 pairs (kernels.triton_int4_packed)
+PACKED = not INTERPRETED   # the one-row program on bfloat16 pairs (headrace.kernels.triton_int4_packed)
 BLOCK_K = 128          # K values per step: one group of the common 128, 64 bytes of int4 a column
 
 
@@ -298,7 +298,7 @@ def supports(bits: int, group_size: int, k: int) -> bool:
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  perm: torch.Tensor | None, bits: int, group_size: int,
                  bias: torch.Tensor | None = None, tile: Tile | None = None) -> torch.Tensor:
-    """See kernels.reference_quant.wna16_linear (groups contiguous, ``supports`` holds);
+    """See headrace.kernels.reference_quant.wna16_linear (groups contiguous, ``supports`` holds);
     ``tile``: one launch configuration instead of the pinned or fixed one."""
     n = qweight.shape[1]
     k = qweight.shape[0] * (32 // bits)

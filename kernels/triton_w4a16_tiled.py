@@ -1,27 +1,27 @@
-"""Triton W4A16 GEMM at decode batch sizes on a tiled INT4 layout, where each thread's 32-bit
-word holds exactly the eight values its tensor-core fragment takes: ``kernels.reference_quant.
+"""Triton W4A16 GEMM at decode batch sizes on a tiled INT4 layout, where each thread's 32-bit word
+holds exactly the eight values its tensor-core fragment takes: ``headrace.kernels.reference_quant.
 wna16_linear``'s semantics for 4-bit weights in groups of a multiple of 128 columns.
 
-Why: in the GPTQ layout (``qweight`` [K / 8, N], 8 values of K a word) a word's values belong
-to four threads' MMA fragments, so the skinny kernel (``kernels.triton_w4a16``) reorders them in
-registers or through shared memory every step: 332 warp instructions a 4 KB step of its 16 x 64
-tile on SM90 (0.32 a byte), and Hopper's wgmma staged that operand through shared memory with
-8-way bank conflicts (session 22). Here the weight is repacked once (``pack_tiled``, as
-Marlin does for its kernel) into blocks of 16 weight rows x 16 K values, 32 words a block, word
-(g, t) holding rows g and g + 8 at K values 2t, 2t + 1, 2t + 8 and 2t + 9: the A operand of an
-m16 x k16 MMA in its own register order. Nibbles i and i + 4 of a word are one bfloat16 pair of
-that operand (row 8 * (i % 2) + g, K 8 * (i // 2) + 2t and the next), so a pair costs one
-shift, one LOP3 (the magic number 0x4300: bfloat16 128 + q) and one bfloat16x2 subtraction of
-128 + zero point, and nothing moves between threads: wgmma takes the operand from registers.
-217 warp instructions a 4 KB step at 16 x 64 on 4 warps (0.21 a byte; ``python -m
-bench.gemm_sass --schemes w4a16t``), no shared memory for the weight. On the H200 at 16 rows
-it runs Llama-3.1-8B's projections at 0.71-0.82x of bf16's time, against 0.76-0.90x for
-``triton_skinny`` (session 25): with half the instructions it is no longer issue-bound.
+Why: in the GPTQ layout (``qweight`` [K / 8, N], 8 values of K a word) a word's values belong to
+four threads' MMA fragments, so the skinny kernel (``headrace.kernels.triton_w4a16``) reorders them
+in registers or through shared memory every step: 332 warp instructions a 4 KB step of its 16 x 64
+tile on SM90 (0.32 a byte), and Hopper's wgmma staged that operand through shared memory with 8-way
+bank conflicts (session 22). Here the weight is repacked once (``pack_tiled``, as Marlin does for
+its kernel) into blocks of 16 weight rows x 16 K values, 32 words a block, word (g, t) holding rows
+g and g + 8 at K values 2t, 2t + 1, 2t + 8 and 2t + 9: the A operand of an m16 x k16 MMA in its own
+register order. Nibbles i and i + 4 of a word are one bfloat16 pair of that operand (row 8 * (i % 2)
++ g, K 8 * (i // 2) + 2t and the next), so a pair costs one shift, one LOP3 (the magic number
+0x4300: bfloat16 128 + q) and one bfloat16x2 subtraction of 128 + zero point, and nothing moves
+between threads: wgmma takes the operand from registers. 217 warp instructions a 4 KB step at 16 x
+64 on 4 warps (0.21 a byte; ``python -m bench.gemm_sass --schemes w4a16t``), no shared memory for
+the weight. On the H200 at 16 rows it runs Llama-3.1-8B's projections at 0.71-0.82x of bf16's time,
+against 0.76-0.90x for ``triton_skinny`` (session 25): with half the instructions it is no longer
+issue-bound.
 
 Each step lies in one group (the group's scale multiplies the step's float32
 product per column, more exact than the reference's rounding of each dequantised weight), the
 next step's words are loaded before the current ones are used, and K is split over programs
-with the self-cleaning workspace where output tiles are few (``kernels.skinny_gemm``). The
+with the self-cleaning workspace where output tiles are few (``headrace.kernels.skinny_gemm``). The
 unpacking is inline PTX on the GPU; under the CPU interpreter the same values come from
 Triton's own shifts and masks. No host synchronisation: CUDA-graph safe.
 """
@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.skinny_gemm import (MAX_SPLIT, PROGRAMS_PER_SM, Tile, Tuner, activations,
-                                 launch_args, program_slice, store_or_reduce)
-from kernels.triton_flash import INTERPRETED
+from headrace.kernels.skinny_gemm import (MAX_SPLIT, PROGRAMS_PER_SM, Tile, Tuner, activations,
+                                          launch_args, program_slice, store_or_reduce)
+from headrace.kernels.triton_flash import INTERPRETED
 
 BLOCK_K = 128           # K values a step: one group of 128, 16 words a weight row
 ROWS = 16               # weight rows (output columns) of a word block

@@ -12,7 +12,7 @@ import sys
 
 PROTO_ROOT = pathlib.Path(__file__).resolve().parent
 PROTO_FILES = ["headrace/v1/inference.proto", "headrace/v1/admin.proto",
-               "headrace/dataplane/v1/worker.proto", "headrace/core/v1/core.proto"]
+               "headrace/worker/v1/worker.proto", "headrace/core/v1/core.proto"]
 
 
 def generate(out_dir: pathlib.Path) -> None:

@@ -30,22 +30,22 @@ import subprocess
 import pytest
 import structlog
 
-import cli.main
-import common.logs
+from headrace.cli import main as cli_main
+from headrace.common import logs as common_logs
 from tests.checkpoints import make_checkpoint
 from tests.harness import Planes
 
 # A command's main() run in-process configures logging for the whole test process; cached
 # loggers would then keep that configuration forever, and structlog's capture_logs in a later
 # test would see nothing. The tests' processes never cache them.
-_configure_logging = common.logs.configure_logging
+_configure_logging = common_logs.configure_logging
 
 
 def _configure_uncached(*args, cache_loggers: bool = True, **kwargs):
     return _configure_logging(*args, cache_loggers=False, **kwargs)
 
 
-common.logs.configure_logging = cli.main.configure_logging = _configure_uncached
+common_logs.configure_logging = cli_main.configure_logging = _configure_uncached
 
 
 @pytest.fixture(autouse=True)

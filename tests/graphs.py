@@ -5,8 +5,8 @@ static buffers, so the tests exercise the buffer logic, padding and dispatch."""
 
 from __future__ import annotations
 
-from dataplane.graph_capture import WorkerGraphs, capture_tokens
-from dataplane.spec_decode import graph_rows
+from headrace.dataplane.graph_capture import WorkerGraphs, capture_tokens
+from headrace.dataplane.spec_decode import graph_rows
 
 
 def attach(worker, mode: str = "full_and_piecewise") -> WorkerGraphs:

@@ -20,12 +20,12 @@ import time
 
 import grpc
 
-from controlplane.core.server import CoreServer
-from controlplane.engine import EngineConfig
-from controlplane.frontend.server import FrontEnd
-from controlplane.server import ControlPlane
-from dataplane.server import serve
-from dataplane.worker import Worker, WorkerOptions
+from headrace.controlplane.core.server import CoreServer
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.controlplane.frontend.server import FrontEnd
+from headrace.controlplane.server import ControlPlane
+from headrace.dataplane.server import serve
+from headrace.dataplane.worker import Worker, WorkerOptions
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 

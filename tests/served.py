@@ -31,8 +31,10 @@ def free_port() -> int:
 
 class Served:
     def __init__(self, log_path, api_server_count: int = 2, extra: tuple[str, ...] = (),
-                 env: dict | None = None):
-        """``extra``: more options of ``serve``; ``env``: more environment variables."""
+                 env: dict | None = None, cwd: str | None = None, command: list[str] | None = None):
+        """``extra``: more options of ``serve``; ``env``: more environment variables; ``cwd``:
+        where it starts; ``command``: the ``headrace`` command (default: this interpreter's
+        module, as serve starts its children)."""
         self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log = open(log_path, "w+")
@@ -41,11 +43,12 @@ class Served:
         self.tmpdir = tempfile.mkdtemp(prefix="hrs-")
         env = dict(os.environ, HEADRACE_LOG_LEVEL="INFO", HEADRACE_LOG_FORMAT="json", TMPDIR=self.tmpdir,
                    **(env or {}))
+        command = command or [sys.executable, "-P", "-m", "headrace.cli"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+            [*command, "serve", "--host", "127.0.0.1", "--port", str(self.port),
              "--metrics-port", str(self.metrics_port), "--http-port", "0",
              "--dataplane-metrics-port", "0", "--api-server-count", str(api_server_count), *extra],
-            env=env, stderr=self.log, start_new_session=True)
+            env=env, stderr=self.log, start_new_session=True, cwd=cwd)
         self.count = api_server_count
         self._channels: list[grpc.Channel] = []
 

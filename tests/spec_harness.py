@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-from controlplane.engine import Engine, EngineConfig
-from controlplane.tokenizer import ModelTokenizer
-from controlplane.validation import build_request
-from dataplane.inprocess import InProcessWorkerGroup
-from dataplane.worker import Worker, WorkerOptions
+from headrace.controlplane.engine.loop import Engine, EngineConfig
+from headrace.controlplane.requests.tokenizer import ModelTokenizer
+from headrace.controlplane.requests.validation import build_request
+from headrace.dataplane.inprocess import InProcessWorkerGroup
+from headrace.dataplane.worker import Worker, WorkerOptions
 from headrace.v1 import inference_pb2 as pb
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,

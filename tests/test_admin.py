@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controlplane.admin import is_local_peer
-from controlplane.engine import EngineConfig
+from headrace.controlplane.admin import is_local_peer
+from headrace.controlplane.engine.loop import EngineConfig
 from tests.checkpoints import make_checkpoint
 from tests.harness import Planes, completion
 from headrace.v1 import admin_pb2 as apb

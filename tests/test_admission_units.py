@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 
-from cli.main import build_parser, dataplane_env
-from common import secret_env
-from cli.configs import plane_options
-from common.security import DEFAULT_TENANT, ApiTokens
-from controlplane import limits
-from controlplane.admin import admin_access, is_loopback_address
-from controlplane.request_path import RequestPath
+from headrace.cli.main import build_parser, dataplane_env
+from headrace.common import secret_env
+from headrace.cli.configs import plane_options
+from headrace.common.security import DEFAULT_TENANT, ApiTokens
+from headrace.controlplane.requests import limits
+from headrace.controlplane.admin import admin_access, is_loopback_address
+from headrace.controlplane.requests.path import RequestPath
 
 
 def test_api_tokens_name_their_tenants():

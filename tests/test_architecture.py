@@ -1,7 +1,8 @@
 """The layering of the tree: neither plane imports the other (``kernels/`` belongs to the data
-plane), the shared layer (``common/``) imports neither plane nor the command line, and the
-control plane (every module of ``controlplane/`` and ``common/``, and the ``headrace``
-commands that run it) never imports torch, so a control-plane process or image can be slim."""
+plane), the shared layer (``common/``) imports neither plane nor the command line, the control
+plane (every module of ``controlplane/`` and ``common/``, and the ``headrace`` commands that run
+it) never imports torch, so a control-plane process or image can be slim, and no two modules
+import each other (an import circle makes a reader hold both files at once)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,22 @@ from tests.torchless import BLOCK_TORCH
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# package -> top-level packages its modules must never import
+# folder -> the import namespace's subpackages its modules must never import (and libraries)
 FORBIDDEN = {
-    "controlplane": {"dataplane", "kernels", "cli", "torch", "triton"},
-    "dataplane": {"controlplane", "cli"},
-    "kernels": {"controlplane", "cli"},
-    "common": {"controlplane", "dataplane", "kernels", "cli", "torch", "triton"},
+    "controlplane": {"headrace.dataplane", "headrace.kernels", "headrace.cli", "torch", "triton"},
+    "dataplane": {"headrace.controlplane", "headrace.cli"},
+    "kernels": {"headrace.controlplane", "headrace.cli"},
+    "common": {"headrace.controlplane", "headrace.dataplane", "headrace.kernels", "headrace.cli",
+               "torch", "triton"},
+    "client": {"headrace.controlplane", "headrace.dataplane", "headrace.kernels", "headrace.cli",
+               "torch"},
 }
+# the folders of the installed packages and their import names (pyproject's package-dir)
+PACKAGE_DIRS = {"cli": "headrace.cli", "client": "headrace.client", "common": "headrace.common",
+                "controlplane": "headrace.controlplane", "dataplane": "headrace.dataplane",
+                "kernels": "headrace.kernels", "protos/headrace": "headrace"}
+# the generic names the tree's folders had as top-level packages before the one namespace
+OLD_TOP_LEVEL = ("cli", "common", "controlplane", "dataplane", "kernels", "headrace_client")
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:
@@ -38,13 +48,54 @@ def imported_modules(path: pathlib.Path) -> set[str]:
     return names
 
 
+def _under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
 def violations(package: str) -> list[str]:
     out = []
     for path in sorted((ROOT / package).rglob("*.py")):
         for name in sorted(imported_modules(path)):
-            if name.split(".")[0] in FORBIDDEN[package]:
+            if _under(name, FORBIDDEN[package]):
                 out.append(f"{path.relative_to(ROOT)} imports {name}")
     return out
+
+
+def module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT)
+    for folder, package in sorted(PACKAGE_DIRS.items(), key=lambda kv: -len(kv[0])):
+        if rel.as_posix().startswith(folder + "/"):
+            parts = list(rel.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            return ".".join([package, *parts])
+    raise ValueError(path)
+
+
+def installed_modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for folder in PACKAGE_DIRS:
+        for path in (ROOT / folder).rglob("*.py"):
+            if "default_model" in path.parts and path.name == "train.py":
+                continue
+            out[module_name(path)] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the installed modules it imports (``from p import m`` counts m when m is a
+    module of p)."""
+    modules = installed_modules()
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in imported_modules(path):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -53,27 +104,48 @@ def test_no_module_imports_across_the_layers(package):
     assert violations(package) == []
 
 
+def test_no_two_modules_import_each_other():
+    graph = import_graph()
+    circles = sorted({tuple(sorted((a, b))) for a, targets in graph.items() for b in targets
+                      if a in graph.get(b, ()) and not a.startswith(b + ".")
+                      and not b.startswith(a + ".")})
+    assert circles == []
+
+
+def test_no_module_imports_the_old_top_level_names():
+    """Everything installed lives under ``headrace``: an import of a bare ``kernels`` or
+    ``controlplane`` would reach another distribution's package (Hugging Face's ``kernels``) or
+    a folder of the current directory."""
+    old = []
+    for folder in ("cli", "client", "common", "controlplane", "dataplane", "kernels", "protos",
+                   "tests", "bench"):
+        for path in (ROOT / folder).rglob("*.py"):
+            old += [f"{path.relative_to(ROOT)}: {name}" for name in imported_modules(path)
+                    if name.split(".")[0] in OLD_TOP_LEVEL]
+    assert old == []
+
+
 def test_the_import_check_sees_imports_anywhere_in_a_module(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("import os\n\ndef f():\n    from dataplane.worker import Worker\n"
+    module.write_text("import os\n\ndef f():\n    from headrace.dataplane.worker import Worker\n"
                       "    import torch.cuda\n")
-    assert {"dataplane.worker", "dataplane.worker.Worker", "torch.cuda"} <= imported_modules(module)
+    assert ({"headrace.dataplane.worker", "headrace.dataplane.worker.Worker", "torch.cuda"}
+            <= imported_modules(module))
 
 
 PROBE = BLOCK_TORCH + '''
 import importlib
 import pkgutil
 
-import common
-import controlplane
+from headrace import common, controlplane
 
 for package in (common, controlplane):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)
-from cli.main import build_parser, cmd_controlplane, cmd_serve, serve_children_argvs
-from cli.configs import engine_config, plane_options
-from cli.options import default_model
-from controlplane.server import ControlPlane, serve_until_signal
+from headrace.cli.main import build_parser, cmd_controlplane, cmd_serve, serve_children_argvs
+from headrace.cli.configs import engine_config, plane_options
+from headrace.cli.options import default_model
+from headrace.controlplane.server import ControlPlane, serve_until_signal
 
 # the control plane's whole set-up: options, the embedded model, its server (bound, then stopped)
 args = build_parser().parse_args(["serve", "--max-num-seqs", "8", "-tp", "2"])
@@ -107,17 +179,19 @@ def test_the_control_plane_runs_with_torch_unimportable():
 
 
 def test_the_probe_would_notice_a_torch_import():
-    out = subprocess.run([sys.executable, "-c", BLOCK_TORCH + "import dataplane.worker\n"],
+    out = subprocess.run([sys.executable, "-c", BLOCK_TORCH + "import headrace.dataplane.worker\n"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode != 0 and "import of torch refused" in out.stderr
 
 
-def test_every_top_level_package_is_installed_and_copied_into_the_image():
+def test_every_package_folder_is_installed_and_copied_into_the_image():
     pyproject = (ROOT / "pyproject.toml").read_text()
-    packages = pyproject[pyproject.index("packages = ["):pyproject.index("]", pyproject.index("packages = ["))]
     dockerfile = (ROOT / "Dockerfile").read_text()
-    for package in ("cli", "common", "controlplane", "dataplane", "kernels"):
-        assert f'"{package}"' in packages and f"COPY {package} ./{package}" in dockerfile, package
+    for folder, package in PACKAGE_DIRS.items():
+        if folder != "protos/headrace":
+            assert f'"{package}" = "{folder}"' in pyproject, package
+        top = folder.split("/")[0]
+        assert f"COPY {top} ./{top}" in dockerfile, top
 
 
 def test_every_python_package_is_listed_for_installation():
@@ -125,39 +199,20 @@ def test_every_python_package_is_listed_for_installation():
     subpackage left out of it would be missing there while every test here passes."""
     pyproject = (ROOT / "pyproject.toml").read_text()
     listed = pyproject[pyproject.index("packages = ["):pyproject.index("]", pyproject.index("packages = ["))]
-    for init in ROOT.glob("*/**/__init__.py"):
-        rel = init.parent.relative_to(ROOT)
-        if rel.parts[0] in ("tests", "bench", "docs", "deploy") or rel.parts[0].startswith("."):
-            continue
-        parts = rel.parts[1:] if rel.parts[0] == "protos" else rel.parts
-        assert f'"{".".join(parts)}"' in listed, ".".join(parts)
+    for folder in PACKAGE_DIRS:
+        for init in (ROOT / folder).rglob("__init__.py"):
+            assert f'"{module_name(init)}"' in listed, module_name(init)
 
 
 def test_the_engine_core_loads_no_api_stack():
-    """The core process (``python -m cli core``) serves no HTTP API: it starts, and restarts
-    while its front ends answer UNAVAILABLE, without importing FastAPI, pydantic or uvicorn."""
-    probe = ("import sys\nimport cli.main, cli.roles, controlplane.core.server, controlplane.lifecycle\n"
-             "print(sorted(m for m in ('fastapi', 'pydantic', 'uvicorn', 'controlplane.http.app') "
+    """The core process (``python -m headrace.cli core``) serves no HTTP API: it starts, and
+    restarts while its front ends answer UNAVAILABLE, without importing FastAPI, pydantic or
+    uvicorn."""
+    probe = ("import sys\nimport headrace.cli.main, headrace.cli.roles, "
+             "headrace.controlplane.core.server, headrace.controlplane.lifecycle\n"
+             "print(sorted(m for m in ('fastapi', 'pydantic', 'uvicorn', 'headrace.controlplane.http.app') "
              "if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip() == "[]"
-
-
-def test_no_installed_distribution_claims_the_kernels_import_name():
-    """This project's top-level ``kernels/`` shares its import name with Hugging Face's
-    ``kernels`` package, which transformers requires from 5.25 (pyproject caps transformers
-    below it). Installed beside this one, the two would share site-packages/kernels in a
-    non-editable install, and transformers would import this one in its place and fail at
-    ``import transformers``."""
-    import importlib.metadata
-
-    import kernels
-
-    assert pathlib.Path(kernels.__file__).resolve().parent == ROOT / "kernels"
-    others = sorted({d.metadata["Name"] for d in importlib.metadata.distributions()
-                     if d.metadata["Name"] and d.metadata["Name"].lower() == "kernels"})
-    assert not others, ("Hugging Face's `kernels` is installed: it shadows (or is shadowed by) "
-                        "this project's kernels/ package; uninstall it (transformers < 5.25 "
-                        "does not need it)")

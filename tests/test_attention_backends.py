@@ -12,10 +12,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import kernels
-from cli.main import build_parser
-from common.worker_options import WorkerOptions
-from kernels import attention_policy as ap, flash_attn4, reference
+from headrace import kernels
+from headrace.cli.main import build_parser
+from headrace.common.worker_options import WorkerOptions
+from headrace.kernels import attention_policy as ap, flash_attn4, reference
 from tests.checkpoints import make_checkpoint
 
 
@@ -211,7 +211,7 @@ def test_step_plan_only_for_flash_steps():
 
 
 def test_a_worker_on_cpu_refuses_an_explicit_flash_attn(tmp_path):
-    from dataplane.worker import Worker, load_failure
+    from headrace.dataplane.worker import Worker, load_failure
 
     model = make_checkpoint(tmp_path / "m", "llama", heads=4, kv_heads=2, head_dim=32)
     opts = WorkerOptions(model=str(model), num_kv_blocks=8, attention_backend="flash-attn")
@@ -261,8 +261,8 @@ def test_unusable_says_what_the_device_or_model_lacks(monkeypatch):
 def test_the_runner_plans_once_per_step_from_its_metadata(tmp_path, monkeypatch):
     """A prefill step, then a mixed one (a decode first): the runner hands the plan of each to
     the model (on CPU the kernels ignore it, so the tokens are the reference's)."""
-    from dataplane.worker import Worker
-    from headrace.dataplane.v1 import worker_pb2 as wpb
+    from headrace.dataplane.worker import Worker
+    from headrace.worker.v1 import worker_pb2 as wpb
 
     model = make_checkpoint(tmp_path / "m", "qwen3", heads=4, kv_heads=2, head_dim=32)
     worker = Worker(WorkerOptions(model=str(model), num_kv_blocks=16))

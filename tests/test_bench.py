@@ -154,7 +154,7 @@ def test_client_pool_streams_from_processes_and_reports_their_cpu():
     """bench.client_pool: requests split over client processes, every token counted, each
     process's CPU use reported."""
     from bench import client_pool
-    from dataplane.default_model import default_model_dir
+    from headrace.dataplane.default_model import default_model_dir
     from tests.harness import Planes
 
     planes = Planes(default_model_dir())
@@ -327,8 +327,8 @@ def test_bytelevel_tokenizer_spells_text_for_grammars(tmp_path):
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     assert tok.get_vocab_size() == 2000 and tok.id_to_token(1500) == "<|endoftext|>"
     assert tok.decode([ord("{"), ord("a")]) == "{a" and tok.decode([1500], skip_special_tokens=True) == ""
-    from controlplane.structured import backends
-    from controlplane.structured.spec import Constraint
+    from headrace.controlplane.structured import backends
+    from headrace.controlplane.structured.spec import Constraint
 
     name = next((n for n in ("guidance", "xgrammar") if backends.installed(n)), None)
     if name is not None:
@@ -391,8 +391,8 @@ def test_emulated_worker_keeps_the_step_protocol_and_the_device_timeline():
     import numpy as np
 
     from bench.emulated_worker import EmulatedRunner
-    from dataplane.pipeline import StepPipeline
-    from headrace.dataplane.v1 import worker_pb2 as wpb
+    from headrace.dataplane.pipeline import StepPipeline
+    from headrace.worker.v1 import worker_pb2 as wpb
 
     vocab, words = 1024, 32
 

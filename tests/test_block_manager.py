@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.block_manager import BlockManager
+from headrace.controlplane.kv.block_manager import BlockManager
 
 
 def _check(bm: BlockManager, covered: dict[int, int]) -> None:

@@ -1,15 +1,15 @@
-"""The front end's copy of an engine core's prefix cache (controlplane.cache_summary): fed the
-block manager's recorded changes, it holds exactly the hashes both tiers cache, under random
-grow / register / adopt / free / reset sequences with evictions (hypothesis); a prompt's
-hashes are the ones the block manager finds; expected hashes hold for their time only."""
+"""The front end's copy of an engine core's prefix cache (headrace.controlplane.kv.cache_summary):
+fed the block manager's recorded changes, it holds exactly the hashes both tiers cache, under random
+grow / register / adopt / free / reset sequences with evictions (hypothesis); a prompt's hashes are
+the ones the block manager finds; expected hashes hold for their time only."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.block_manager import BlockManager
-from controlplane.cache_summary import CacheEvents, CacheView, prompt_hashes
+from headrace.controlplane.kv.block_manager import BlockManager
+from headrace.controlplane.kv.cache_summary import CacheEvents, CacheView, prompt_hashes
 
 STREAMS = ([1, 2, 3, 4, 5, 6, 7, 8] * 8, [9, 8, 7, 6] * 16, [5, 5, 1, 2] * 16)
 

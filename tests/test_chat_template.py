@@ -1,6 +1,6 @@
-"""Chat-template rendering (controlplane.chat_template) against transformers' apply_chat_template
-on templates in the styles of published checkpoints (tests/data/chat_templates), and the
-template's discovery, override and failure modes."""
+"""Chat-template rendering (headrace.controlplane.requests.chat_template) against transformers'
+apply_chat_template on templates in the styles of published checkpoints (tests/data/chat_templates),
+and the template's discovery, override and failure modes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from controlplane.chat_template import ChatTemplate, ChatTemplateError
+from headrace.controlplane.requests.chat_template import ChatTemplate, ChatTemplateError
 
 DATA = pathlib.Path(__file__).parent / "data" / "chat_templates"
 TINY = pathlib.Path(__file__).resolve().parents[1] / "dataplane" / "default_model" / "tiny"

@@ -1,9 +1,9 @@
-"""Latency-aware chunking (``controlplane.chunking`` and the scheduler's prefill phase): the fair
-split (hypothesis), short prompts passing long ones, and the scheduler's invariants under random
-workloads (hypothesis): the token budget, the budget of a step with decodes and the per-prefill
-cap hold; nobody starves; a short prompt that arrives while long ones are chunked is computed
-whole in the next step. End to end (real planes, CPU): greedy outputs with tight chunking equal
-those of an engine that never chunks."""
+"""Latency-aware chunking (``headrace.controlplane.scheduling.chunking`` and the scheduler's prefill
+phase): the fair split (hypothesis), short prompts passing long ones, and the scheduler's invariants
+under random workloads (hypothesis): the token budget, the budget of a step with decodes and the
+per-prefill cap hold; nobody starves; a short prompt that arrives while long ones are chunked is
+computed whole in the next step. End to end (real planes, CPU): greedy outputs with tight chunking
+equal those of an engine that never chunks."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.block_manager import BlockManager
-from controlplane.chunking import Chunking, water_fill
-from controlplane.engine import EngineConfig
-from controlplane.policy import Policy
-from controlplane.scheduler import Scheduler
+from headrace.controlplane.kv.block_manager import BlockManager
+from headrace.controlplane.scheduling.chunking import Chunking, water_fill
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.controlplane.scheduling.policy import Policy
+from headrace.controlplane.scheduling.scheduler import Scheduler
 from tests.test_scheduler import Clock, drain, make_request, run_step
 
 

@@ -29,7 +29,7 @@ def _free_port() -> int:
 def test_serve_without_arguments_then_generate_streams_text(tmp_path):
     port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
     env = dict(os.environ, HEADRACE_LOG_LEVEL="WARNING")
-    serve = BLOCK_TORCH + ("from cli.main import main\n"
+    serve = BLOCK_TORCH + ("from headrace.cli.main import main\n"
                            f"sys.exit(main(['serve', '--port', '{port}', '--http-port', '{http_port}', '--metrics-port', "
                            f"'{metrics_port}', '--dataplane-metrics-port', '0']))")
     log = open(tmp_path / "serve.log", "w+")   # a file, not a pipe: nothing can block on it
@@ -38,7 +38,7 @@ def test_serve_without_arguments_then_generate_streams_text(tmp_path):
     children: list[int] = []
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "cli", "generate", "hello", "--address",
+            [sys.executable, "-P", "-m", "headrace.cli", "generate", "hello", "--address",
              f"127.0.0.1:{port}", "--max-tokens", "24", "--connect-timeout", "120"],
             capture_output=True, text=True, timeout=150, env=env)
         assert out.returncode == 0, out.stderr
@@ -70,7 +70,7 @@ def test_serve_without_arguments_then_generate_streams_text(tmp_path):
 
 
 def test_stream_interval_below_one_is_refused_at_parse_time():
-    out = subprocess.run([sys.executable, "-m", "cli", "controlplane", "--workers",
+    out = subprocess.run([sys.executable, "-P", "-m", "headrace.cli", "controlplane", "--workers",
                           "127.0.0.1:1", "--stream-interval", "0"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 2 and "--stream-interval: must be >= 1, got 0" in out.stderr

@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from cli.main import build_parser
-from common import security
-from controlplane.server import ControlPlane
+from headrace.cli.main import build_parser
+from headrace.common import security
+from headrace.controlplane.server import ControlPlane
 from tests.checkpoints import make_checkpoint
 from tests.harness import Planes
 
@@ -44,7 +44,7 @@ def _headrace(*args, timeout=90, **env) -> subprocess.CompletedProcess:
         for flag in ("--http-port", "--metrics-port") + (("--dataplane-metrics-port",) if args[0] == "serve" else ()):
             if flag not in args:
                 args += (flag, "0")
-    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-P", "-m", "headrace.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=_env(**env), cwd=ROOT)
 
 
@@ -130,7 +130,7 @@ def test_weights_that_cannot_load_end_serve_without_a_restart_loop(broken):
 
 
 def test_a_childs_failure_names_the_command_the_user_ran(monkeypatch):
-    from cli.roles import SUPERVISOR_ENV, failure_label
+    from headrace.cli.roles import SUPERVISOR_ENV, failure_label
 
     parse = build_parser().parse_args
     monkeypatch.delenv(SUPERVISOR_ENV, raising=False)
@@ -225,7 +225,7 @@ def test_serve_listens_on_loopback_by_default_and_leaves_no_temporary_directory(
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("c" * 40)
     port, metrics, http = _free_port(), _free_port(), _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--model", "org/tiny",
+    server = subprocess.Popen([sys.executable, "-P", "-m", "headrace.cli", "serve", "--model", "org/tiny",
                                "--port", str(port), "--metrics-port", str(metrics),
                                "--dataplane-metrics-port", "0", "--http-port", str(http)],
                               env=_env(TMPDIR=str(tmp_path), HF_HOME=str(tmp_path / "hf"),
@@ -236,7 +236,7 @@ def test_serve_listens_on_loopback_by_default_and_leaves_no_temporary_directory(
                         "--connect-timeout", "120", timeout=150)
         assert out.returncode == 0, out.stderr
         assert out.stdout.endswith("\n") and "[length: 4 tokens]" in out.stderr
-        from headrace_client import Client
+        from headrace.client import Client
 
         with Client(f"127.0.0.1:{port}") as client:
             assert client.model_info().model_name == "org/tiny"
@@ -310,7 +310,7 @@ def test_generate_waits_for_a_loading_server_and_leaves_quietly_on_ctrl_c(model_
         out = _headrace("generate", "hi", "--address", address, "--connect-timeout", "1")
         assert out.returncode == 1
         _one_line(out, "loading")
-        proc = subprocess.Popen(_ctrl_c_reaches([sys.executable, "-m", "cli", "generate", "hi", "--address",
+        proc = subprocess.Popen(_ctrl_c_reaches([sys.executable, "-P", "-m", "headrace.cli", "generate", "hi", "--address",
                                                  address, "--connect-timeout", "60"]), env=_env(), cwd=ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(4)
@@ -364,7 +364,7 @@ def test_every_option_has_help_with_its_default():
 def test_ctrl_c_in_the_middle_of_a_stream_ends_the_line_quietly(model_dir):
     planes = Planes(model_dir, num_kv_blocks=32)
     try:
-        proc = subprocess.Popen(_ctrl_c_reaches([sys.executable, "-m", "cli", "generate", "hi", "--address",
+        proc = subprocess.Popen(_ctrl_c_reaches([sys.executable, "-P", "-m", "headrace.cli", "generate", "hi", "--address",
                                                  planes.address, "--ignore-eos", "--max-tokens", "250"]),
                                 env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         first = proc.stdout.read(1)

@@ -1,4 +1,4 @@
-"""Worker options are defined once (``common.worker_options``): the ``headrace`` flags are
+"""Worker options are defined once (``headrace.common.worker_options``): the ``headrace`` flags are
 generated from them, an instance serialises itself to argv and parses back equal, ``serve``
 hands its children every worker option, ``--max-running`` is ``--max-num-seqs``'s synonym,
 ``serve --help`` lists its options under headings, renamed flags keep their old spelling
@@ -12,23 +12,13 @@ import re
 
 import pytest
 
-from cli.main import CONTROL_PLANE_WORKER_OPTIONS, build_parser, serve_children_argvs
-from cli.configs import engine_config
-from common import grpc_options
-from common.options import (
-    DEVICE,
-    GROUPS,
-    MODEL,
-    OBSERVABILITY,
-    PARALLEL,
-    SCHEDULING,
-    SECURITY,
-    SERVER,
-    from_args,
-    to_argv,
-)
-from common.worker_options import ParallelOptions, WorkerOptions
-from dataplane.worker import WorkerOptions as DataPlaneWorkerOptions
+from headrace.cli.main import CONTROL_PLANE_WORKER_OPTIONS, build_parser, serve_children_argvs
+from headrace.cli.configs import engine_config
+from headrace.common import grpc_options
+from headrace.common.options import (DEVICE, GROUPS, MODEL, OBSERVABILITY, PARALLEL, SCHEDULING,
+                                     SECURITY, SERVER, from_args, to_argv)
+from headrace.common.worker_options import ParallelOptions, WorkerOptions
+from headrace.dataplane.worker import WorkerOptions as DataPlaneWorkerOptions
 
 # a value unlike the default for every field (None where the default is a value, and back)
 CHANGED = WorkerOptions(model="/models/x", device="cuda:1", dtype="float16", block_size=32,
@@ -76,8 +66,8 @@ def _serve(*flags: str):
 def test_serve_passes_every_worker_option_to_its_children():
     args = _serve(*to_argv(CHANGED), "--dataplane-metrics-port", "9500")
     (argv,) = serve_children_argvs(args, ["unix:/tmp/dp.sock"])
-    assert argv[1:4] == ["-m", "cli", "dataplane"]
-    child = _dataplane(argv[4:])
+    assert argv[1:5] == ["-P", "-m", "headrace.cli", "dataplane"]
+    child = _dataplane(argv[5:])
     assert from_args(WorkerOptions, child) == CHANGED
     assert (child.listen, child.metrics_port) == ("unix:/tmp/dp.sock", 9500)
     assert from_args(ParallelOptions, child) == ParallelOptions()
@@ -85,7 +75,7 @@ def test_serve_passes_every_worker_option_to_its_children():
 
 def test_serve_gives_each_tensor_parallel_rank_its_device_and_rank():
     args = _serve("--device", "cuda", "-tp", "2", "--max-num-seqs", "64")
-    children = [_dataplane(argv[4:]) for argv in serve_children_argvs(args, ["unix:/a", "unix:/b"])]
+    children = [_dataplane(argv[5:]) for argv in serve_children_argvs(args, ["unix:/a", "unix:/b"])]
     pars = [from_args(ParallelOptions, c) for c in children]
     assert [(p.rank, p.world_size) for p in pars] == [(0, 2), (1, 2)]
     assert pars[0].dist_init == pars[1].dist_init and pars[0].dist_init.startswith("tcp://127.0.0.1:")
@@ -105,7 +95,7 @@ def test_max_num_seqs_limits_the_scheduler_and_the_worker_alike():
 
 
 def test_the_chunking_flags_reach_the_scheduler_and_a_bad_pair_is_named():
-    from controlplane.chunking import Chunking
+    from headrace.controlplane.scheduling.chunking import Chunking
 
     assert engine_config(_serve()).chunking == Chunking()
     args = _serve("--max-prefill-tokens-with-decodes", "512", "--max-num-partial-prefills", "3",
@@ -195,7 +185,7 @@ def test_the_planes_list_every_option_under_a_heading(command, capsys):
 def test_device_auto_picks_cuda_only_when_a_gpu_is_visible(monkeypatch):
     import torch
 
-    from dataplane.worker import resolve_device
+    from headrace.dataplane.worker import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == "cpu"
@@ -203,7 +193,7 @@ def test_device_auto_picks_cuda_only_when_a_gpu_is_visible(monkeypatch):
     assert resolve_device("auto") == "cuda" and resolve_device("cpu") == "cpu"
     # serve passes auto on: each rank resolves it (cuda:r under tensor parallelism)
     children = serve_children_argvs(_serve("-tp", "2"), ["unix:/a", "unix:/b"])
-    assert {from_args(WorkerOptions, _dataplane(argv[4:])).device for argv in children} == {"auto"}
+    assert {from_args(WorkerOptions, _dataplane(argv[5:])).device for argv in children} == {"auto"}
 
 
 def test_renamed_flags_keep_their_old_spelling_hidden(capsys):

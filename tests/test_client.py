@@ -1,4 +1,4 @@
-"""The client library (``headrace_client``) against live planes: typed results of generate,
+"""The client library (``headrace.client``) against live planes: typed results of generate,
 stream, tokenize and model info (sync and asyncio), the API's defaults, exceptions mapped from
 gRPC statuses, the connect timeout naming the state (down, loading, draining), the API token
 (argument and HEADRACE_API_TOKEN) and mutual TLS."""
@@ -12,13 +12,13 @@ import time
 import grpc
 import pytest
 
-from common import security
-from controlplane.server import ControlPlane
+from headrace.common import security
+from headrace.controlplane.server import ControlPlane
 from headrace.v1 import inference_pb2 as pb
-from headrace_client import (AsyncClient, Client, Completion, InvalidRequest, NotReady, ServerBusy,
+from headrace.client import (AsyncClient, Client, Completion, InvalidRequest, NotReady, ServerBusy,
                              Unauthenticated, Unavailable)
-from headrace_client.errors import from_rpc_error
-from headrace_client.types import build_request
+from headrace.client.errors import from_rpc_error
+from headrace.client.types import build_request
 from tests.checkpoints import make_checkpoint
 from tests.harness import Planes, completion
 

@@ -14,8 +14,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
-from headrace_client import AsyncClient, Client
-from headrace_client.connection import SESSION_HEADER
+from headrace.client import AsyncClient, Client
+from headrace.client.connection import SESSION_HEADER
 
 
 class Recorder(pb_grpc.InferenceServicer):

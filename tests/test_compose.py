@@ -81,8 +81,8 @@ def _reads_the_made_secret(service: dict) -> None:
 def test_secret_init_makes_one_secret_and_keeps_it(tmp_path, monkeypatch):
     """The one-shot service's program, run against a directory here: a fresh 0600 secret the
     first time, the same one on every later start; the planes read it through
-    ``common.security.worker_secret`` unless the operator set HEADRACE_WORKER_SECRET."""
-    from common import security
+    ``headrace.common.security.worker_secret`` unless the operator set HEADRACE_WORKER_SECRET."""
+    from headrace.common import security
 
     compose = _load(GPU_FILE)
     init = compose["services"]["secret-init"]

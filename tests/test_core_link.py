@@ -1,8 +1,9 @@
-"""The link between the API front ends and the engine core (``controlplane.core_link``): the
-unix socket is its owner's only; a TCP core serves TLS and only front ends presenting its
-secret (health stays open), and a front end answers and reaches Admin through it; a front end
-with a wrong secret or no TLS never connects; a TCP core address beyond loopback without TLS
-or a secret is refused before anything starts. Certificates: ``certs`` (tests/conftest.py)."""
+"""The link between the API front ends and the engine core
+(``headrace.controlplane.core.security``): the unix socket is its owner's only; a TCP core serves
+TLS and only front ends presenting its secret (health stays open), and a front end answers and
+reaches Admin through it; a front end with a wrong secret or no TLS never connects; a TCP core
+address beyond loopback without TLS or a secret is refused before anything starts. Certificates:
+``certs`` (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cli.main import main
-from common import security
-from controlplane import core_link
-from controlplane.core.server import CoreServer
-from controlplane.frontend.server import FrontEnd
-from dataplane.default_model import default_model_dir
+from headrace.cli.main import main
+from headrace.common import security
+from headrace.controlplane.core import security as core_link
+from headrace.controlplane.core.server import CoreServer
+from headrace.controlplane.frontend.server import FrontEnd
+from headrace.dataplane.default_model import default_model_dir
 from headrace.core.v1 import core_pb2 as cpb
 from headrace.core.v1 import core_pb2_grpc as cpb_grpc
 from headrace.v1 import admin_pb2 as apb
@@ -126,12 +127,13 @@ def test_front_ends_without_the_secret_or_tls_never_connect(tcp):
 
 
 def test_a_core_link_beyond_loopback_needs_tls_and_a_secret(capsys, monkeypatch):
-    import cli.main
     import structlog
+
+    from headrace.cli import main as cli_main
 
     # main() configures the process's logging and binds its role: in-process here, it must
     # not leave them behind for later tests (conftest keeps loggers uncached)
-    monkeypatch.setattr(cli.main, "bind_role", lambda args: None)
+    monkeypatch.setattr(cli_main, "bind_role", lambda args: None)
     saved = structlog.get_config()
     core_link.check("unix:/tmp/x.sock", False, None)
     core_link.check("127.0.0.1:7000", False, None)    # loopback: plaintext allowed

@@ -19,9 +19,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from common import tracing
-from controlplane.frontend.server import FrontEnd
-from dataplane.default_model import default_model_dir
+from headrace.common import tracing
+from headrace.controlplane.frontend.server import FrontEnd
+from headrace.dataplane.default_model import default_model_dir
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 from tests.harness import Planes
@@ -191,7 +191,7 @@ def test_the_core_dates_a_request_by_its_age_on_its_own_clock(pair):
     clock (which may be another host's): the core's queue time starts that long before."""
     from headrace.core.v1 import core_pb2 as cpb
     from headrace.core.v1 import core_pb2_grpc as cpb_grpc
-    from headrace.dataplane.v1 import worker_pb2 as wpb
+    from headrace.worker.v1 import worker_pb2 as wpb
 
     _, split = pair
     registry = split.core.plane.metrics.registry

@@ -13,12 +13,12 @@ import types
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.core.service import CoreRequest, CoreText, FrontendLink
-from controlplane.frontend.client import CoreClient
-from controlplane.output import OutputText
-from controlplane.request import Request, Sequence, Status
+from headrace.controlplane.core.service import CoreRequest, CoreText, FrontendLink
+from headrace.controlplane.frontend.client import CoreClient
+from headrace.controlplane.requests.output import OutputText
+from headrace.controlplane.requests.request import Request, Sequence, Status
 from headrace.core.v1 import core_pb2 as cpb
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.worker.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
 
 
@@ -49,8 +49,8 @@ def test_front_end_gets_exactly_the_cores_tokens(requests, events):
 
 
 async def _run(requests, events):
-    core = types.SimpleNamespace(plane=types.SimpleNamespace(engine=types.SimpleNamespace(scheduler=None)))
-    link, client = FrontendLink(core), CoreClient("unix:/nonexistent", 0, None)
+    plane = types.SimpleNamespace(engine=types.SimpleNamespace(scheduler=None))
+    link, client = FrontendLink(plane), CoreClient("unix:/nonexistent", 0, None)
     pairs = []
     for handle, (n, logprobs) in enumerate(requests, start=1):
         req = CoreRequest(request_id=f"r{handle}", n=n, link=link, handle=handle)

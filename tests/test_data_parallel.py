@@ -18,7 +18,7 @@ import pytest
 
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
-from controlplane.structured import backends
+from headrace.controlplane.structured import backends
 from headrace.v1 import inference_pb2 as pb
 from tests.dp_harness import Cores, generate
 from tests.harness import completion

@@ -106,6 +106,6 @@ def test_a_killed_core_loses_nothing_and_comes_back(served):
     (["--data-parallel-balance-ratio", "0.5"], "--data-parallel-balance-ratio >= 1"),
 ])
 def test_a_bad_data_parallel_option_is_one_line(argv, message):
-    out = subprocess.run([sys.executable, "-m", "cli", "serve", "--port", "0", "--http-port", "0",
+    out = subprocess.run([sys.executable, "-P", "-m", "headrace.cli", "serve", "--port", "0", "--http-port", "0",
                           *argv], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr

@@ -11,12 +11,12 @@ import types
 import pytest
 from prometheus_client.core import GaugeMetricFamily
 
-from cli import data_parallel as dp
-from cli.main import build_parser, controlplane_parser
-from cli.processes import control_plane_children
-from controlplane import dp_metrics
-from controlplane.block_manager import BlockManager
-from controlplane.core.load_publisher import LoadPublisher, merge
+from headrace.cli import data_parallel as dp
+from headrace.cli.main import build_parser, controlplane_parser
+from headrace.cli.processes import control_plane_children
+from headrace.controlplane.frontend import dp_metrics
+from headrace.controlplane.kv.block_manager import BlockManager
+from headrace.controlplane.core.load_publisher import LoadPublisher, merge
 from headrace.core.v1 import core_pb2 as cpb
 
 
@@ -47,8 +47,8 @@ def test_start_up_checks_every_replicas_metrics_ports(monkeypatch):
     """Before any child starts, serve checks the control plane's /metrics (core 0 serves it; the
     other cores none) and every data plane child's: replica i's rank r on
     --dataplane-metrics-port + i x TP + r, on --metrics-host."""
-    from cli import processes, serve
-    from common import net
+    from headrace.cli import processes, serve
+    from headrace.common import net
 
     checked = []
     monkeypatch.setattr(processes, "prepare_core_link", lambda args: None)
@@ -101,7 +101,7 @@ def test_serve_starts_a_core_per_replica_and_front_ends_over_all():
     children = control_plane_children(args, controlplane_parser(), [["unix:/w0"], ["unix:/w1"]],
                                       ["unix:/c0", "unix:/c1"])
     assert [c.role for c in children] == ["core 0", "core 1", "frontend 0"]
-    core0, core1, front = (build_parser().parse_args(c.argv[3:]) for c in children)
+    core0, core1, front = (build_parser().parse_args(c.argv[4:]) for c in children)
     assert (core0.workers, core0.data_parallel_rank, core0.data_parallel_size) == ("unix:/w0", 0, 2)
     assert (core1.workers, core1.data_parallel_rank, core1.metrics_port) == ("unix:/w1", 1, 0)
     assert core0.metrics_port == 9400                     # core 0 serves the one /metrics
@@ -110,7 +110,7 @@ def test_serve_starts_a_core_per_replica_and_front_ends_over_all():
 
 def test_a_data_plane_sharing_its_gpu_sizes_its_kv_cache_from_its_own_share(monkeypatch):
     torch = pytest.importorskip("torch")
-    from dataplane import worker as worker_mod
+    from headrace.dataplane import worker as worker_mod
 
     gib, total = 1 << 30, 100 << 30
     held = {"others": 0}   # memory another process held when this one started
@@ -195,8 +195,8 @@ def test_the_servers_totals_of_the_cores_mirrored_state():
 
 
 def test_a_resumed_requests_stop_string_finds_its_sample_by_index():
-    from controlplane.core.service import CoreRequest, CoreText, EngineCoreService
-    from controlplane.request import Sequence
+    from headrace.controlplane.core.service import CoreRequest, CoreText, EngineCoreService
+    from headrace.controlplane.requests.request import Sequence
     from headrace.v1 import inference_pb2 as pb
 
     finished = []
@@ -213,7 +213,7 @@ def test_a_resumed_requests_stop_string_finds_its_sample_by_index():
 
 
 def test_every_data_parallel_core_gets_exactly_a_cores_secrets():
-    from common import secret_env
+    from headrace.common import secret_env
 
     environ = {"HEADRACE_API_TOKENS": "alpha=tok-a", "HEADRACE_ADMIN_TOKEN": "adm", "PATH": "/bin",
                "HEADRACE_WORKER_SECRET": "wsec", "HEADRACE_CORE_SECRET": "csec"}
@@ -232,9 +232,9 @@ def test_every_data_parallel_core_gets_exactly_a_cores_secrets():
 def test_each_core_bounds_its_own_queue_and_placement_passes_a_full_one():
     import grpc
 
-    from controlplane.frontend.router import CoreRouter
-    from controlplane.placement import Placement
-    from controlplane.request import Failure
+    from headrace.controlplane.frontend.router import CoreRouter
+    from headrace.controlplane.frontend.placement import Placement
+    from headrace.controlplane.requests.request import Failure
     from tests.test_scheduler import make_request
 
     router = CoreRouter(["unix:/c0", "unix:/c1"], 0, None, placement=Placement("round-robin"))

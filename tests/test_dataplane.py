@@ -10,12 +10,12 @@ import time
 import grpc
 import pytest
 
-from dataplane.server import serve
-from dataplane.worker import Worker, WorkerOptions
+from headrace.dataplane.server import serve
+from headrace.dataplane.worker import Worker, WorkerOptions
 from tests.checkpoints import make_checkpoint
 from tests.harness import Planes, completion
-from headrace.dataplane.v1 import worker_pb2 as wpb
-from headrace.dataplane.v1 import worker_pb2_grpc as wpb_grpc
+from headrace.worker.v1 import worker_pb2 as wpb
+from headrace.worker.v1 import worker_pb2_grpc as wpb_grpc
 from headrace.v1 import inference_pb2 as pb
 
 
@@ -102,7 +102,7 @@ def test_requests_survive_a_data_plane_outage(model_dir):
 
 
 def test_requests_fail_with_unavailable_after_the_outage_deadline(model_dir):
-    from controlplane.engine import EngineConfig
+    from headrace.controlplane.engine.loop import EngineConfig
 
     planes = Planes(model_dir, num_kv_blocks=64,
                     config=EngineConfig(outage_deadline_s=0.5, reconnect_interval_s=0.1))
@@ -124,7 +124,7 @@ def test_a_stop_token_leaves_the_sequence_out_of_steps_sent_before_it_was_seen(m
     min_tokens, step 2 runs too (the one wasted slot: it was launched before step 1 finished);
     with it, the stop ids are masked until then, a penalty that makes each step wait for the
     one before, so the verdict comes at step 2 before step 3 starts."""
-    from dataplane.pipeline import StepPipeline
+    from headrace.dataplane.pipeline import StepPipeline
 
     worker = Worker(WorkerOptions(model=str(model_dir), num_kv_blocks=32))
     pipeline = StepPipeline(worker.runner)

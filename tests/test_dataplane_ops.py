@@ -8,11 +8,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dataplane.server import serve
-from dataplane.worker import Worker, WorkerOptions
+from headrace.dataplane.server import serve
+from headrace.dataplane.worker import Worker, WorkerOptions
 from tests.checkpoints import make_checkpoint
-from headrace.dataplane.v1 import worker_pb2 as wpb
-from headrace.dataplane.v1 import worker_pb2_grpc as wpb_grpc
+from headrace.worker.v1 import worker_pb2 as wpb
+from headrace.worker.v1 import worker_pb2_grpc as wpb_grpc
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -13,9 +13,9 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from dataplane.config import load_model_config
-from dataplane.default_model import default_draft_model_dir, default_model_dir, train
-from dataplane.loader import load_model
+from headrace.dataplane.config import load_model_config
+from headrace.dataplane.default_model import default_draft_model_dir, default_model_dir, train
+from headrace.dataplane.loader import load_model
 
 TARGET, DRAFT = default_model_dir(), default_draft_model_dir()
 PROMPTS, PROMPT_LEN, NEW = 4, 48, 32
@@ -43,7 +43,8 @@ def _held_out_runs() -> list[list[int]]:
 
 
 def _agreement(model) -> float:
-    """Fraction of the target's greedy tokens that ``model`` predicts (argmax) from the same context."""
+    """Fraction of the target's greedy tokens that ``model`` predicts (argmax) from the same
+context."""
     hits = 0
     with torch.no_grad():
         for run in _held_out_runs():

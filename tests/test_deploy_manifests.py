@@ -18,7 +18,7 @@ import yaml
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install '.[test]'")
 
-from cli.main import build_parser  # noqa: E402
+from headrace.cli.main import build_parser  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "deploy"
 K8S_VERSION = "1.31"    # a schema version kubernetes-validate ships (CRDs: see below)

@@ -12,9 +12,9 @@ import json
 import numpy as np
 import pytest
 
-from controlplane.engine import EngineConfig
-from dataplane.default_model import default_model_dir
-from dataplane.worker import Worker, WorkerOptions
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.dataplane.default_model import default_model_dir
+from headrace.dataplane.worker import Worker, WorkerOptions
 from headrace.v1 import inference_pb2 as pb
 from tests.checkpoints import make_checkpoint
 from tests.spec_harness import run, worker
@@ -119,9 +119,9 @@ def test_propose_drafts_greedily_from_the_last_token():
 
 
 def test_tensor_parallel_drafts_are_refused_with_one_line():
-    from common import speculative
-    from dataplane import draft_model
-    from dataplane.config import load_model_config
+    from headrace.common import speculative
+    from headrace.dataplane import draft_model
+    from headrace.dataplane.config import load_model_config
 
     config = speculative.parse(json.dumps(_draft(MODEL)))
     with pytest.raises(ValueError, match="--tensor-parallel-size 1"):

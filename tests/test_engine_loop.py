@@ -9,10 +9,10 @@ import itertools
 
 import pytest
 
-from controlplane.engine import Engine, EngineConfig
-from controlplane.output import OutputText
-from controlplane.request import Request, Sequence, Status
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.controlplane.engine.loop import Engine, EngineConfig
+from headrace.controlplane.requests.output import OutputText
+from headrace.controlplane.requests.request import Request, Sequence, Status
+from headrace.worker.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
 
 TOKEN = 7

@@ -1,4 +1,4 @@
-"""The engine through a data plane outage (controlplane/engine.py's ``_reconnect``), with
+"""The engine through a data plane outage (controlplane/engine/loop.py's ``_reconnect``), with
 stand-in workers that go down on demand: requests kept through the outage fail with
 UNAVAILABLE once it outlasts ``outage_deadline_s``, and so does one handed to the engine
 later in the same outage (a front end checks readiness, then awaits tokenization: the
@@ -10,8 +10,8 @@ import asyncio
 
 import grpc
 
-from controlplane.engine import Engine, EngineConfig
-from controlplane.worker_client import WorkerError, WorkerGroup
+from headrace.controlplane.engine.loop import Engine, EngineConfig
+from headrace.controlplane.engine.worker_client import WorkerError, WorkerGroup
 from tests.test_engine_loop import FakeWorkers, _until, make_request
 
 

@@ -1,6 +1,6 @@
-"""Fair share between tenants in the scheduler (controlplane.fairness): a tenant holding every
-running slot or most KV blocks gives way to another tenant's waiting work, waiting work is
-admitted under-share tenants first and interleaved, a tenant alone keeps everything, and on
+"""Fair share between tenants in the scheduler (headrace.controlplane.scheduling.fairness): a tenant
+holding every running slot or most KV blocks gives way to another tenant's waiting work, waiting
+work is admitted under-share tenants first and interleaved, a tenant alone keeps everything, and on
 random workloads of several tenants every request finishes (hypothesis)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import random
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from controlplane.block_manager import BlockManager
-from controlplane.policy import Policy
-from controlplane.request import Status
-from controlplane.scheduler import Scheduler
+from headrace.controlplane.kv.block_manager import BlockManager
+from headrace.controlplane.scheduling.policy import Policy
+from headrace.controlplane.requests.request import Status
+from headrace.controlplane.scheduling.scheduler import Scheduler
 from headrace.v1 import inference_pb2 as pb
 from tests.test_scheduler import Clock, drain, make_request, run_step
 

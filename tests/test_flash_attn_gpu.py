@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-import kernels
-from controlplane.engine import EngineConfig
-from kernels import flash_attn4, reference
+from headrace import kernels
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.kernels import flash_attn4, reference
 
 
 def _why_not() -> str | None:

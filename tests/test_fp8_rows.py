@@ -1,7 +1,7 @@
-"""Activations handed to an FP8 layer already quantised (``kernels.Fp8Rows``): the fused norm
-and SiLU kernels of ``kernels.triton_ops`` against the unfused pair (the bf16 kernel, then the
-per-token quantiser) and the references, ``fp8_linear`` over them, and the model choosing the
-fused path exactly where its FP8 layer would run ``torch._scaled_mm`` (W8A8, dynamic scales).
+"""Activations handed to an FP8 layer already quantised (``kernels.Fp8Rows``): the fused norm and
+SiLU kernels of ``headrace.kernels.triton_ops`` against the unfused pair (the bf16 kernel, then the
+per-token quantiser) and the references, ``fp8_linear`` over them, and the model choosing the fused
+path exactly where its FP8 layer would run ``torch._scaled_mm`` (W8A8, dynamic scales).
 
 Under Triton's CPU interpreter here; with HEADRACE_TEST_DEVICE=cuda compiled on the GPU.
 """
@@ -14,9 +14,9 @@ import torch
 from tests.triton_device import triton_device
 
 DEVICE = triton_device()   # before triton is imported
-import kernels  # noqa: E402
-from kernels import reference_quant as ref  # noqa: E402
-from kernels import triton_ops, triton_quant  # noqa: E402
+from headrace import kernels  # noqa: E402
+from headrace.kernels import reference_quant as ref  # noqa: E402
+from headrace.kernels import triton_ops, triton_quant  # noqa: E402
 
 
 def _rows(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -91,9 +91,9 @@ def _fp8_model(tmp_path, dtype: torch.dtype, backend: str = "auto"):
     """A tiny random Llama quantised to FP8 on load (on the CPU, in ``dtype``)."""
     import dataclasses
 
-    from dataplane.config import load_model_config
-    from dataplane.loader import load_model
-    from dataplane.quantization import resolve
+    from headrace.dataplane.config import load_model_config
+    from headrace.dataplane.loader import load_model
+    from headrace.dataplane.quantization import resolve
     from tests import quant_checkpoints as qc
 
     path = qc.float_model(tmp_path)[0]
@@ -103,8 +103,8 @@ def _fp8_model(tmp_path, dtype: torch.dtype, backend: str = "auto"):
 
 def _forward(model, tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """The logits of one prefill of ``tokens`` fixed random tokens."""
-    from dataplane import kv_cache
-    from dataplane.model import AttentionMetadata
+    from headrace.dataplane import kv_cache
+    from headrace.dataplane.model import AttentionMetadata
 
     blocks = -(-tokens // 16)
     caches = kv_cache.allocate(model.cfg, blocks, 16, dtype, torch.device("cpu"))
@@ -120,8 +120,8 @@ def _forward(model, tokens: int, dtype: torch.dtype) -> torch.Tensor:
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the quantized layers' Triton path set up by hand")
 def test_the_model_hands_fp8_layers_quantised_rows_where_they_run_scaled_mm(tmp_path, monkeypatch):
-    from dataplane.quantization import layers
-    from kernels import skinny_gemm
+    from headrace.dataplane.quantization import layers
+    from headrace.kernels import skinny_gemm
 
     model = _fp8_model(tmp_path, torch.float32)
     # the quantized layers on the Triton path, the rest reference. The per-token quantiser and
@@ -168,7 +168,7 @@ def fbgemm_twins(monkeypatch):
     Counts the GEMM's calls by whether its rows were quantised by the op's quantiser."""
     if hasattr(torch.ops, "fbgemm") and hasattr(torch.ops.fbgemm, "f8f8bf16_rowwise"):
         pytest.skip("FBGEMM GenAI is installed: its own ops are registered")
-    from kernels import quant_libs
+    from headrace.kernels import quant_libs
 
     calls = {"quantiser": 0, "gemm": 0}
     lib = torch.library.Library("fbgemm", "DEF")
@@ -199,7 +199,7 @@ def test_fbgemm_rowwise_layers_take_the_quantised_rows_too(tmp_path, monkeypatch
     count: the norm and SiLU kernels hand three of a layer's four inputs over quantised, and
     only o_proj's input (and the first layer's qkv's) goes through FBGEMM's quantiser; the
     logits are the unfused path's."""
-    from dataplane.quantization import layers
+    from headrace.dataplane.quantization import layers
 
     model = _fp8_model(tmp_path, torch.bfloat16, backend="fbgemm")
     monkeypatch.setattr(kernels, "_triton", ({"fp8_linear": triton_quant}, None))

@@ -1,5 +1,6 @@
-"""The FP8-weight skinny GEMM (``kernels.triton_fp8_linear``, W8A16) against its plain-torch
-reference (``kernels.reference_quant.fp8_weight_linear``), and how ``fp8_linear`` picks it.
+"""The FP8-weight skinny GEMM (``headrace.kernels.triton_fp8_linear``, W8A16) against its
+plain-torch reference (``headrace.kernels.reference_quant.fp8_weight_linear``), and how
+``fp8_linear`` picks it.
 
 Under Triton's CPU interpreter here (TRITON_INTERPRET=1, switched on before triton is imported);
 with HEADRACE_TEST_DEVICE=cuda (or any CUDA machine) compiled on the GPU.
@@ -13,9 +14,9 @@ import torch
 from tests.triton_device import triton_device
 
 DEVICE = triton_device()   # before triton is imported: the CPU interpreter or the GPU
-from kernels import reference_quant as ref  # noqa: E402
-from kernels import skinny_gemm, triton_fp8_linear, triton_quant  # noqa: E402
-from kernels.skinny_gemm import Tile  # noqa: E402
+from headrace.kernels import reference_quant as ref  # noqa: E402
+from headrace.kernels import skinny_gemm, triton_fp8_linear, triton_quant  # noqa: E402
+from headrace.kernels.skinny_gemm import Tile  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
@@ -199,7 +200,7 @@ def test_fp8_linear_takes_the_skinny_kernel_up_to_the_threshold(monkeypatch):
 def test_fp8_linear_kernel_reports_the_dispatch(monkeypatch):
     """kernels.fp8_linear_kernel: 'reference' wherever the reference runs (no CUDA, or
     HEADRACE_KERNELS=reference), else the GPU op's choice by rows."""
-    import kernels
+    from headrace import kernels
     if kernels._triton is None:     # this CPU host: the reference runs
         assert kernels.fp8_linear_kernel(1, "cpu") == kernels.fp8_linear_kernel(1) == "reference"
     monkeypatch.setattr(kernels, "_triton", ({"fp8_linear": triton_quant}, None))

@@ -1,6 +1,6 @@
-"""The skinny W8A8 GEMM on the FP8 tensor cores (``kernels.triton_fp8_w8a8``) against the
-plain-torch W8A8 semantics (``kernels.reference_quant``: rows quantised per token, the weight
-per row or with one scale), and how an FP8 layer's rows reach it.
+"""The skinny W8A8 GEMM on the FP8 tensor cores (``headrace.kernels.triton_fp8_w8a8``) against the
+plain-torch W8A8 semantics (``headrace.kernels.reference_quant``: rows quantised per token, the
+weight per row or with one scale), and how an FP8 layer's rows reach it.
 
 Under Triton's CPU interpreter here (TRITON_INTERPRET=1: the operands widened to float32, exact);
 with HEADRACE_TEST_DEVICE=cuda (or any CUDA machine) compiled on the GPU (wgmma on e4m3).
@@ -14,9 +14,9 @@ import torch
 from tests.triton_device import triton_device
 
 DEVICE = triton_device()   # before triton is imported: the CPU interpreter or the GPU
-from kernels import reference_quant as ref  # noqa: E402
-from kernels import quant_dispatch, skinny_gemm, triton_fp8_w8a8, triton_quant  # noqa: E402
-from kernels.skinny_gemm import Tile  # noqa: E402
+from headrace.kernels import reference_quant as ref  # noqa: E402
+from headrace.kernels import quant_dispatch, skinny_gemm, triton_fp8_w8a8, triton_quant  # noqa: E402
+from headrace.kernels.skinny_gemm import Tile  # noqa: E402
 from tests.test_fp8_skinny import _case as fp8_case  # noqa: E402
 
 

@@ -1,6 +1,6 @@
-"""The W8A8 GEMM that quantises its own rows (``kernels.triton_fp8_w8a8_inline``) against the
-plain-torch semantics (``kernels.reference_quant.fp8_group_linear``: x rounded to e4m3 per token
-and 128 columns), and its place among an FP8 layer's kernels.
+"""The W8A8 GEMM that quantises its own rows (``headrace.kernels.triton_fp8_w8a8_inline``) against
+the plain-torch semantics (``headrace.kernels.reference_quant.fp8_group_linear``: x rounded to e4m3
+per token and 128 columns), and its place among an FP8 layer's kernels.
 
 Under Triton's CPU interpreter here (TRITON_INTERPRET=1: the e4m3 operands widened to float32,
 exact); with HEADRACE_TEST_DEVICE=cuda (or any CUDA machine) compiled on the GPU.
@@ -14,9 +14,9 @@ import torch
 from tests.triton_device import triton_device
 
 DEVICE = triton_device()   # before triton is imported: the CPU interpreter or the GPU
-from kernels import reference_quant as ref  # noqa: E402
-from kernels import quant_dispatch, skinny_gemm, triton_fp8_w8a8_inline, triton_quant  # noqa: E402
-from kernels.skinny_gemm import Tile  # noqa: E402
+from headrace.kernels import reference_quant as ref  # noqa: E402
+from headrace.kernels import quant_dispatch, skinny_gemm, triton_fp8_w8a8_inline, triton_quant  # noqa: E402
+from headrace.kernels.skinny_gemm import Tile  # noqa: E402
 from tests.test_fp8_skinny import _case  # noqa: E402
 
 

@@ -1,21 +1,21 @@
 """Full CUDA graphs of prefill and mixed steps (``--cudagraph-mode full``,
-dataplane.full_graphs): one graph per bucket with the unified attention inside, its metadata
-in static buffers padded past the step's sequences; padded tokens write no KV, steps beyond
-the graphs run eagerly. On a CPU the graphs are the stand-ins (tests/graphs.py) running the
-same body over the same static buffers (the attention is the reference there;
-tests/test_unified_attention.py checks the Triton kernel). Greedy outputs equal eager ones on
-the stand-ins and, on a GPU, real graphs equal eager and transformers: tests/test_mixed_graphs.py
-runs those tests in every step-graph mode."""
+headrace.dataplane.full_graphs): one graph per bucket with the unified attention inside, its
+metadata in static buffers padded past the step's sequences; padded tokens write no KV, steps beyond
+the graphs run eagerly. On a CPU the graphs are the stand-ins (tests/graphs.py) running the same
+body over the same static buffers (the attention is the reference there;
+tests/test_unified_attention.py checks the Triton kernel). Greedy outputs equal eager ones on the
+stand-ins and, on a GPU, real graphs equal eager and transformers: tests/test_mixed_graphs.py runs
+those tests in every step-graph mode."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from dataplane import graph_capture
-from dataplane.forward import StepForward
-from dataplane.full_graphs import FullGraphs
-from dataplane.mixed_graphs import token_buckets
+from headrace.dataplane import graph_capture
+from headrace.dataplane.forward import StepForward
+from headrace.dataplane.full_graphs import FullGraphs
+from headrace.dataplane.mixed_graphs import token_buckets
 from tests import graphs
 from tests.test_mixed_graphs import (SPEC, _prep, _step, _worker,  # noqa: F401
                                      _written_slots, compare_steps, model_dir,  # (a fixture)

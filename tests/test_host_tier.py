@@ -1,8 +1,8 @@
-"""The host KV tier's bookkeeping (controlplane.host_tier through the block manager and the
-scheduler): offload on eviction, prefix hits from the host, swap preemption, pins, resets;
-and a hypothesis property test of the block manager alone over a simulated KV of both tiers
-(no block leaks or is handed out while referenced; every sequence reads its own tokens' KV).
-Random workloads through the scheduler: tests/test_host_tier_workloads.py."""
+"""The host KV tier's bookkeeping (headrace.controlplane.kv.host_tier through the block manager and
+the scheduler): offload on eviction, prefix hits from the host, swap preemption, pins, resets; and a
+hypothesis property test of the block manager alone over a simulated KV of both tiers (no block
+leaks or is handed out while referenced; every sequence reads its own tokens' KV). Random workloads
+through the scheduler: tests/test_host_tier_workloads.py."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import speculative
-from controlplane.block_manager import BlockManager
-from controlplane.policy import Policy
-from controlplane.request import Status
-from controlplane.scheduler import Scheduler
-from controlplane.speculation import Speculation
+from headrace.common import speculative
+from headrace.controlplane.kv.block_manager import BlockManager
+from headrace.controlplane.scheduling.policy import Policy
+from headrace.controlplane.requests.request import Status
+from headrace.controlplane.scheduling.scheduler import Scheduler
+from headrace.controlplane.engine.speculation import Speculation
 from tests.test_scheduler import Clock, make_request, run_step
 
 

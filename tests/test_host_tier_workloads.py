@@ -1,11 +1,11 @@
-"""The host KV tier under the scheduler (hypothesis): random workloads of submits, n = 2
-forks, cancels, data-plane crashes, speculative steps (drafts written, rejected ones cut back
-with ``BlockManager.truncate``) and preemptions (recompute and swap) on a tiny pool, host hits
-loaded or recomputed by the cost rule (``controlplane.tier_cost``, random estimates), played
-against a simulated worker that holds both tiers' KV slot by slot and applies each step's
-swap-outs, copy-on-write copies, swap-ins and forward writes in the workers' order: every
-sequence must read exactly the KV of its own tokens, finish with the tokens of a run without
-offloading, and leave no block of either tier behind."""
+"""The host KV tier under the scheduler (hypothesis): random workloads of submits, n = 2 forks,
+cancels, data-plane crashes, speculative steps (drafts written, rejected ones cut back with
+``BlockManager.truncate``) and preemptions (recompute and swap) on a tiny pool, host hits loaded or
+recomputed by the cost rule (``headrace.controlplane.kv.tier_cost``, random estimates), played
+against a simulated worker that holds both tiers' KV slot by slot and applies each step's swap-outs,
+copy-on-write copies, swap-ins and forward writes in the workers' order: every sequence must read
+exactly the KV of its own tokens, finish with the tokens of a run without offloading, and leave no
+block of either tier behind."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import random
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from controlplane.tier_cost import TierCost
+from headrace.controlplane.kv.tier_cost import TierCost
 from headrace.v1 import inference_pb2 as pb
 from tests.test_host_tier import _sched
 from tests.test_scheduler import make_request

@@ -21,12 +21,12 @@ import grpc
 import psutil
 import pytest
 
-from common.logs import configure_logging
-from common.security import bearer_metadata
-from controlplane import limits
-from controlplane.engine import EngineConfig
-from controlplane.tokenizer import ModelTokenizer
-from dataplane.default_model import default_model_dir
+from headrace.common.logs import configure_logging
+from headrace.common.security import bearer_metadata
+from headrace.controlplane.requests import limits
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.controlplane.requests.tokenizer import ModelTokenizer
+from headrace.dataplane.default_model import default_model_dir
 from tests.harness import Planes, completion
 from tests.test_logs import _lines, captured  # noqa: F401  (a fixture)
 from headrace.v1 import admin_pb2 as apb
@@ -338,7 +338,7 @@ def test_http_takes_every_tenant_token_and_bounds_bodies_like_grpc():
 def test_a_stream_gone_at_its_deadline_counts_as_the_deadline(remaining, reason):
     """The server's deadline trails the client's by the call's way in: a cancel that comes a
     few milliseconds before it is the client's deadline firing."""
-    from controlplane.service import _gone_reason
+    from headrace.controlplane.service import _gone_reason
 
     class Context:
         def time_remaining(self):

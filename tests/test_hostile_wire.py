@@ -12,7 +12,7 @@ import grpc
 import httpx
 import pytest
 
-from controlplane import wire_check
+from headrace.controlplane.requests import wire_check
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import inference_pb2 as pb
 from tests.harness import Planes, completion

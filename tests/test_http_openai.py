@@ -8,7 +8,7 @@ import grpc
 import openai
 import pytest
 
-from dataplane.default_model import default_model_dir
+from headrace.dataplane.default_model import default_model_dir
 from headrace.v1 import inference_pb2 as pb
 from tests.harness import Planes
 

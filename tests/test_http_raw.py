@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from dataplane.default_model import default_model_dir
+from headrace.dataplane.default_model import default_model_dir
 from tests.harness import Planes
 
 
@@ -160,7 +160,7 @@ def test_http_requests_join_the_callers_trace(tmp_path):
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from common import tracing
+    from headrace.common import tracing
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -202,7 +202,7 @@ def test_connections_disable_nagle(planes):
 
 
 def test_a_whole_response_is_built_from_one_message_per_sample(planes, http, monkeypatch):
-    from controlplane.request import Request
+    from headrace.controlplane.requests.request import Request
 
     seen = []
     original = Request.next_responses
@@ -224,14 +224,14 @@ def test_an_http_port_in_use_is_port_in_use(planes):
     import subprocess
     import sys
 
-    from common import net
-    from controlplane.http.server import HttpFrontEnd
+    from headrace.common import net
+    from headrace.controlplane.http.server import HttpFrontEnd
 
     taken = planes.plane.http.port
     second = HttpFrontEnd(planes.plane.requests, "127.0.0.1", taken)
     with pytest.raises(net.PortInUse, match=f"127.0.0.1:{taken} for HTTP.*--http-port"):
         planes.call(second.start())
     # from the command line: one line, before any data plane is started
-    out = subprocess.run([sys.executable, "-m", "cli", "serve", "--port", "0", "--http-port", str(taken)],
+    out = subprocess.run([sys.executable, "-P", "-m", "headrace.cli", "serve", "--port", "0", "--http-port", str(taken)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--http-port" in out.stderr and "Traceback" not in out.stderr

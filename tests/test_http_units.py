@@ -9,12 +9,12 @@ import json
 import grpc
 import pytest
 
-from controlplane.http import convert
-from controlplane.http.convert import HttpError
-from controlplane.http.protocol import ChatCompletionRequest, CompletionRequest
-from controlplane.http.responses import Watched, event_stream
-from controlplane.request_path import RequestError
-from controlplane.sampling_defaults import SamplingDefaults
+from headrace.controlplane.http import convert
+from headrace.controlplane.http.convert import HttpError
+from headrace.controlplane.http.protocol import ChatCompletionRequest, CompletionRequest
+from headrace.controlplane.http.responses import Watched, event_stream
+from headrace.controlplane.requests.path import RequestError
+from headrace.controlplane.requests.sampling_defaults import SamplingDefaults
 from headrace.v1 import inference_pb2 as pb
 
 
@@ -142,7 +142,7 @@ def test_sampling_defaults(tmp_path):
 
 @pytest.mark.parametrize("chat", [True, False])
 def test_fast_text_events_equal_the_full_chunks(chat):
-    from controlplane.http.streaming import Formatter
+    from headrace.controlplane.http.streaming import Formatter
 
     fmt = Formatter(chat, 'ti"ny ✓', 2, None, str)
     msg = pb.GenerateResponse(token_ids=[5], text=' he"llo ✓\n\\', index=1)

@@ -1,6 +1,6 @@
-"""dataplane.inprocess: the control plane's engine drives a worker in this process (composed
-here, above both planes) and gives the same greedy tokens as the planes over gRPC; the launch
-hook sees every step; a receive with nothing ready fails clearly."""
+"""headrace.dataplane.inprocess: the control plane's engine drives a worker in this process
+(composed here, above both planes) and gives the same greedy tokens as the planes over gRPC; the
+launch hook sees every step; a receive with nothing ready fails clearly."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import asyncio
 
 import pytest
 
-from controlplane.engine import Engine, EngineConfig
-from controlplane.tokenizer import ModelTokenizer
-from controlplane.validation import build_request
-from dataplane.default_model import default_model_dir
-from dataplane.inprocess import InProcessWorkerGroup
-from dataplane.worker import Worker, WorkerOptions
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.controlplane.engine.loop import Engine, EngineConfig
+from headrace.controlplane.requests.tokenizer import ModelTokenizer
+from headrace.controlplane.requests.validation import build_request
+from headrace.dataplane.default_model import default_model_dir
+from headrace.dataplane.inprocess import InProcessWorkerGroup
+from headrace.dataplane.worker import Worker, WorkerOptions
+from headrace.worker.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
 from tests.harness import Planes, completion
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataplane.input_batch import BatchError, InputBatch
-from dataplane.sampler import SamplingRow
+from headrace.dataplane.input_batch import BatchError, InputBatch
+from headrace.dataplane.sampler import SamplingRow
 
 
 def srow(prompt, output=()):

@@ -1,11 +1,11 @@
-"""kernels.host: the launchers' integer helpers give Triton's own results (they replace
+"""headrace.kernels.host: the launchers' integer helpers give Triton's own results (they replace
 ``triton.next_power_of_2`` / ``triton.cdiv``, ~3-4 µs of host time per call in Triton 3.5+)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kernels.host import cdiv, next_pow2
+from headrace.kernels.host import cdiv, next_pow2
 
 triton = pytest.importorskip("triton")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.reference as ref
-from dataplane.rotary import cos_sin_cache
+import headrace.kernels.reference as ref
+from headrace.dataplane.rotary import cos_sin_cache
 
 
 def _dense_causal(q, k, v, scale):
@@ -81,7 +81,7 @@ def test_llama3_frequencies_match_transformers():
     cfg = LlamaConfig(head_dim=128, hidden_size=4096, num_attention_heads=32, rope_theta=500000.0,
                       rope_scaling=scaling, max_position_embeddings=131072)
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
-    from dataplane.rotary import inverse_frequencies
+    from headrace.dataplane.rotary import inverse_frequencies
 
     torch.testing.assert_close(inverse_frequencies(128, 500000.0, scaling), expected)
 

@@ -1,4 +1,5 @@
-"""The Triton kernels against their torch references in ``kernels.reference``, on random data.
+"""The Triton kernels against their torch references in ``headrace.kernels.reference``, on random
+data.
 
 On a CUDA machine they run compiled on the GPU; elsewhere under Triton's CPU interpreter, which
 this module switches on (TRITON_INTERPRET=1) before triton is first imported.
@@ -16,9 +17,9 @@ import torch
 from tests.triton_device import triton_device
 
 DEVICE = triton_device()   # before triton is imported: the CPU interpreter or the GPU
-from kernels import triton_attention, triton_decode, triton_ops  # noqa: E402
-import kernels.reference as ref  # noqa: E402
-from dataplane.rotary import cos_sin_cache  # noqa: E402
+from headrace.kernels import triton_attention, triton_decode, triton_ops  # noqa: E402
+import headrace.kernels.reference as ref  # noqa: E402
+from headrace.dataplane.rotary import cos_sin_cache  # noqa: E402
 
 def _randn(*shape, dtype=torch.float32):
     return torch.randn(*shape).to(dtype).to(DEVICE)
@@ -212,11 +213,11 @@ def test_dispatch_resolves_from_environment():
     """HEADRACE_KERNELS=triton sends CPU tensors to the Triton ops (here under the interpreter);
     the default keeps this process's CPU tensors on the reference."""
     x, w = torch.randn(3, 32), torch.randn(32)
-    import kernels
+    from headrace import kernels
 
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6),
                                atol=0, rtol=0)
-    code = ("import kernels, kernels.triton_ops as t, kernels.triton_attention as a;"
+    code = ("import kernels, headrace.kernels.triton_ops as t, headrace.kernels.triton_attention as a;"
             "assert kernels.rms_norm is t.rms_norm and kernels.silu_and_mul is t.silu_and_mul;"
             "assert kernels._paged_attention is a.paged_attention")
     env = dict(os.environ, HEADRACE_KERNELS="triton", TRITON_INTERPRET="1")
@@ -227,7 +228,7 @@ def test_dispatch_resolves_from_environment():
 def test_sample_race_draws_the_reference_tokens(dtype):
     """Same hashed noise, same winner: greedy rows, hot and cold temperatures, masked tokens,
     a vocabulary that is not a multiple of the chunk."""
-    from kernels import triton_sampling
+    from headrace.kernels import triton_sampling
     torch.manual_seed(0)
     rows, vocab = 12, 5000
     logits = (torch.randn(rows, vocab) * 4).to(dtype)
@@ -250,7 +251,7 @@ def test_sample_race_draws_the_reference_tokens(dtype):
 def test_qk_norm_rope_write_kv(heads, kv_heads, head_dim, norm, dtype):
     """The fused prologue against the reference's five ops: q out, and the cache contents
     (unwritten slots, padded tokens and strided q/k/v views of one qkv projection)."""
-    from kernels import triton_prologue
+    from headrace.kernels import triton_prologue
     torch.manual_seed(0)
     tokens, block_size, num_blocks = 7, 4, 6
     qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
@@ -281,7 +282,7 @@ def test_qk_norm_rope_write_kv(heads, kv_heads, head_dim, norm, dtype):
 def test_skinny_linear(rows, n, k, bias, dtype):
     """Every tile shape, column and K tails, bias; more than 16 rows and long rows fall back
     to torch's GEMM."""
-    from kernels import triton_linear
+    from headrace.kernels import triton_linear
     torch.manual_seed(0)
     x, w = _randn(rows, k, dtype=dtype), _randn(n, k, dtype=dtype) / k ** 0.5
     b = _randn(n, dtype=dtype) if bias else None

@@ -55,7 +55,7 @@ def _dataplanes(parent: int) -> list[str]:
 def test_kill_9_of_the_data_plane_during_32_generations():
     port, metrics_port = _free_port(), _free_port()
     env = dict(os.environ, HEADRACE_LOG_LEVEL="WARNING")
-    server = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-P", "-m", "headrace.cli", "serve", "--port", str(port),
                                "--host", "127.0.0.1", "--metrics-port", str(metrics_port),
                                "--dataplane-metrics-port", "0", "--http-port", "0"],
                               env=env, start_new_session=True)

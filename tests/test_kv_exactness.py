@@ -20,7 +20,7 @@ import hashlib
 import pytest
 import torch
 
-from controlplane.engine import EngineConfig
+from headrace.controlplane.engine.loop import EngineConfig
 from tests.checkpoints import make_checkpoint
 from tests.harness import DEVICE, Planes
 from headrace.v1 import inference_pb2 as pb

@@ -1,13 +1,13 @@
-"""kernels.kv_layout: an FP8 cache stores V transposed within each block; ``values`` indexes it
-by token, ``store`` / ``logical`` convert, and the block size it needs is checked."""
+"""headrace.kernels.kv_layout: an FP8 cache stores V transposed within each block; ``values``
+indexes it by token, ``store`` / ``logical`` convert, and the block size it needs is checked."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import kv_layout
-from kernels import reference as ref
+from headrace.kernels import kv_layout
+from headrace.kernels import reference as ref
 
 FP8 = torch.float8_e4m3fn
 
@@ -65,10 +65,10 @@ def test_an_fp8_cache_refuses_other_block_sizes(block_size):
 
 def test_an_fp8_pool_starts_zeroed():
     """Attention reads the slots past a context in an FP8 cache's last blocks whole, so the pool
-    must hold no NaN before anything is written (kernels.kv_layout): it starts as zeros."""
+    must hold no NaN before anything is written (headrace.kernels.kv_layout): it starts as zeros."""
     import types
 
-    from dataplane import kv_cache
+    from headrace.dataplane import kv_cache
     cfg = types.SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8)
     for cache in kv_cache.allocate(cfg, 4, 16, torch.float8_e4m3fn, torch.device("cpu")):
         assert cache.dtype == torch.float8_e4m3fn and cache.shape == (2, 4, 16, 2, 8)

@@ -1,4 +1,4 @@
-"""The host KV tier end to end on CPU (dataplane.kv_offload's copy engine under the control
+"""The host KV tier end to end on CPU (headrace.dataplane.kv_offload's copy engine under the control
 plane's host tier): greedy outputs equal with offloading on and off under a KV pool small
 enough to evict and preempt, whether the cost rule loads host hits, recomputes them or
 decides (--kv-offloading-policy); a prompt evicted from the device is found on the host
@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-from controlplane.engine import EngineConfig
-from controlplane.tier_cost import prefill_slope
-from dataplane.input_batch import BatchError
-from dataplane.kv_offload import HostKV, host_blocks_for
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.controlplane.kv.tier_cost import prefill_slope
+from headrace.dataplane.input_batch import BatchError
+from headrace.dataplane.kv_offload import HostKV, host_blocks_for
 from tests.checkpoints import make_checkpoint
 from tests.harness import DEVICE, Planes, completion
 from tests.test_scheduling_e2e import _workload
@@ -165,8 +165,8 @@ def test_policy_off_leaves_the_workers_host_tier_unused(model_dir):
 
 
 def test_a_restarted_data_plane_forgets_its_host_tier(model_dir):
-    from dataplane.server import serve
-    from dataplane.worker import Worker, WorkerOptions
+    from headrace.dataplane.server import serve
+    from headrace.dataplane.worker import Worker, WorkerOptions
 
     prompt = list(range(2, 66))
     planes = Planes(model_dir, num_kv_blocks=8, worker_fields=OFFLOAD,
@@ -255,7 +255,7 @@ def test_bad_copies_and_sizes_are_refused():
 
 
 def test_consecutive_host_blocks_move_in_one_copy():
-    from dataplane.kv_offload import runs
+    from headrace.dataplane.kv_offload import runs
 
     assert runs([]) == [] and runs([4]) == [(0, 4, 1)]
     assert runs([3, 4, 5, 9, 1, 2]) == [(0, 3, 3), (3, 9, 1), (4, 1, 2)]

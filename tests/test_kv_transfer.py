@@ -1,9 +1,9 @@
-"""The host KV tier's copy ordering on a GPU (dataplane.kv_transfer), checked on a CPU against
-a stand-in of torch.cuda that logs every stream wait and event: a step waits only for the
-loads of the blocks it reads (never for the host, never for a download), loads start after
-the main stream's queued work and after the stores into their host blocks, stores wait for
-the loads still writing their device blocks or reading their host blocks, and finished copies
-are forgotten. On the GPU: the copies themselves (tests/test_kv_offload.py, tests/test_kv_exactness.py)."""
+"""The host KV tier's copy ordering on a GPU (headrace.dataplane.kv_transfer), checked on a CPU
+against a stand-in of torch.cuda that logs every stream wait and event: a step waits only for the
+loads of the blocks it reads (never for the host, never for a download), loads start after the main
+stream's queued work and after the stores into their host blocks, stores wait for the loads still
+writing their device blocks or reading their host blocks, and finished copies are forgotten. On the
+GPU: the copies themselves (tests/test_kv_offload.py, tests/test_kv_exactness.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import contextlib
 
 import numpy as np
 
-from dataplane.kv_transfer import Transfers
+from headrace.dataplane.kv_transfer import Transfers
 
 
 class FakeEvent:

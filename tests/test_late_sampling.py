@@ -1,4 +1,4 @@
-"""Late sampling through graphs (``dataplane.late_sampling``): a step's bitmasks, sampling
+"""Late sampling through graphs (``headrace.dataplane.late_sampling``): a step's bitmasks, sampling
 arrays and rows written into static buffers and replayed give the tokens ``sampler.sample``
 gives (greedy and seeded rows, top-k/top-p and min-p, plain and shared masks, padded rows),
 write them into ``last_token`` (padding into the sink) and to the host; a key's graph is
@@ -19,13 +19,13 @@ from hypothesis import strategies as st
 from tests.triton_device import triton_device
 
 DEVICE = triton_device()   # before triton is imported: the CPU interpreter or the GPU
-from dataplane import sampler, staging  # noqa: E402
-from dataplane.late_sampling import LateSampler  # noqa: E402
-from dataplane.sampler import SamplingBatch, SamplingRow  # noqa: E402
-from dataplane.server import serve  # noqa: E402
-from dataplane.worker import Worker, WorkerOptions  # noqa: E402
-from headrace.dataplane.v1 import worker_pb2 as wpb  # noqa: E402
-from headrace.dataplane.v1 import worker_pb2_grpc as wpb_grpc  # noqa: E402
+from headrace.dataplane import sampler, staging  # noqa: E402
+from headrace.dataplane.late_sampling import LateSampler  # noqa: E402
+from headrace.dataplane.sampler import SamplingBatch, SamplingRow  # noqa: E402
+from headrace.dataplane.server import serve  # noqa: E402
+from headrace.dataplane.worker import Worker, WorkerOptions  # noqa: E402
+from headrace.worker.v1 import worker_pb2 as wpb  # noqa: E402
+from headrace.worker.v1 import worker_pb2_grpc as wpb_grpc  # noqa: E402
 from tests import graphs  # noqa: E402
 from tests.test_dataplane import model_dir  # noqa: E402,F401 (fixture: a qwen3 checkpoint)
 from tests.test_structured_dataplane import decode, late, pack, prefill  # noqa: E402

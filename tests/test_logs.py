@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from common.logs import configure_library_default, configure_logging
+from headrace.common.logs import configure_library_default, configure_logging
 from headrace.v1 import inference_pb2 as pb
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

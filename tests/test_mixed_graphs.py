@@ -1,5 +1,5 @@
-"""Piecewise CUDA graphs of prefill and mixed steps (dataplane.mixed_graphs): buckets cover every
-step size, padded tokens write no KV, the LM head sees the sampled rows only, steps the graphs
+"""Piecewise CUDA graphs of prefill and mixed steps (headrace.dataplane.mixed_graphs): buckets cover
+every step size, padded tokens write no KV, the LM head sees the sampled rows only, steps the graphs
 cannot hold run eagerly, and greedy outputs equal the eager ones. On a CPU the graphs are the
 stand-ins (tests/graphs.py); with HEADRACE_TEST_DEVICE=cuda the worker captures real graphs
 (float32: bit-for-bit equal kernels but for the padding), piecewise and full
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from controlplane.engine import EngineConfig
-from dataplane import graph_capture
-from dataplane.forward import StepForward
-from dataplane.mixed_graphs import token_buckets
-from dataplane.worker import Worker, WorkerOptions
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.dataplane import graph_capture
+from headrace.dataplane.forward import StepForward
+from headrace.dataplane.mixed_graphs import token_buckets
+from headrace.dataplane.worker import Worker, WorkerOptions
+from headrace.worker.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
 from tests import graphs
 from tests.checkpoints import make_checkpoint

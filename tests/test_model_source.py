@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from common.model_source import ModelSourceError, resolve_model, split_model_id
+from headrace.common.model_source import ModelSourceError, resolve_model, split_model_id
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN, OLD = "a" * 40, "b" * 40
@@ -34,7 +34,7 @@ def hf_home(tmp_path):
 
 
 def _resolve(name: str, env: dict) -> subprocess.CompletedProcess:
-    code = ("import sys\nfrom common.model_source import resolve_model, ModelSourceError\n"
+    code = ("import sys\nfrom headrace.common.model_source import resolve_model, ModelSourceError\n"
             "try: print(resolve_model(sys.argv[1]))\n"
             "except ModelSourceError as e: print(e, file=sys.stderr); sys.exit(3)\n")
     full = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
@@ -89,7 +89,7 @@ def test_local_directories_win_and_bad_paths_are_named(tmp_path, monkeypatch):
 
 
 def test_check_checkpoint_names_the_missing_file(tmp_path):
-    from common.model_source import check_checkpoint
+    from headrace.common.model_source import check_checkpoint
 
     with pytest.raises(ModelSourceError, match="no such directory"):
         check_checkpoint(str(tmp_path / "absent"))
@@ -108,7 +108,7 @@ def test_check_checkpoint_names_the_missing_file(tmp_path):
 
 
 def test_a_cached_snapshot_is_named_after_its_repository(hf_home, tmp_path):
-    from common.model_source import model_name
+    from headrace.common.model_source import model_name
 
     assert model_name(hf_home / "hub" / "models--org--tiny" / "snapshots" / MAIN) == "org/tiny"
     assert model_name(tmp_path) == tmp_path.name

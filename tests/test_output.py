@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-from controlplane.output import OutputText
-from controlplane.tokenizer import ModelTokenizer
+from headrace.controlplane.requests.output import OutputText
+from headrace.controlplane.requests.tokenizer import ModelTokenizer
 from tests.checkpoints import write_tokenizer
 
 

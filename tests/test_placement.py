@@ -1,6 +1,6 @@
-"""Placement over data-parallel engine cores (controlplane.placement): the prefix holder wins
-unless its prefix is too short or it is much busier than the least loaded core; equal cores
-share the work; only ready cores are chosen (hypothesis: the invariants over random loads and
+"""Placement over data-parallel engine cores (headrace.controlplane.frontend.placement): the prefix
+holder wins unless its prefix is too short or it is much busier than the least loaded core; equal
+cores share the work; only ready cores are chosen (hypothesis: the invariants over random loads and
 caches)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.placement import Placement, load_score
+from headrace.controlplane.frontend.placement import Placement, load_score
 
 
 @dataclasses.dataclass

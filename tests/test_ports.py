@@ -10,9 +10,9 @@ import socket
 
 import pytest
 
-from common import net
-from controlplane.server import ControlPlane
-from dataplane.server import serve
+from headrace.common import net
+from headrace.controlplane.server import ControlPlane
+from headrace.dataplane.server import serve
 from tests.checkpoints import make_checkpoint
 from tests.harness import Planes
 

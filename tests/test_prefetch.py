@@ -1,16 +1,16 @@
-"""Host-tier loads ahead of compute (controlplane.prefetch through the scheduler): while another
-sequence runs, a host hit's copies go out at once and its sequence is computed only once they
-should have landed, loads queue on one link, a step with only loads to start is sent, a
-deferred sequence gives its blocks back before a running one is preempted (its loaded
-prefix stays cached on the device), an abort or a reset leaves nothing behind, queued
-sequences beyond the budget start their loads, and a swap-preempted sequence resumes the same
-way. The workers' side (a step waits only for the blocks it reads): tests/test_kv_transfer.py;
-random workloads with deferral: tests/test_host_tier_workloads.py."""
+"""Host-tier loads ahead of compute (headrace.controlplane.kv.prefetch through the scheduler): while
+another sequence runs, a host hit's copies go out at once and its sequence is computed only once
+they should have landed, loads queue on one link, a step with only loads to start is sent, a
+deferred sequence gives its blocks back before a running one is preempted (its loaded prefix stays
+cached on the device), an abort or a reset leaves nothing behind, queued sequences beyond the budget
+start their loads, and a swap-preempted sequence resumes the same way. The workers' side (a step
+waits only for the blocks it reads): tests/test_kv_transfer.py; random workloads with deferral:
+tests/test_host_tier_workloads.py."""
 
 from __future__ import annotations
 
-from controlplane.request import Status
-from controlplane.tier_cost import TierCost
+from headrace.controlplane.requests.request import Status
+from headrace.controlplane.kv.tier_cost import TierCost
 from headrace.v1 import inference_pb2 as pb
 from tests.test_host_tier import _run, _sched
 from tests.test_scheduler import make_request, run_step

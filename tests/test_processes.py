@@ -1,17 +1,17 @@
-"""cli.processes without a model: the default front-end count, the options serve forwards to
-its core and front ends (secrets by environment, not argv), and the role supervisor (a dead
-child restarted alone, a usage error ending the server) with stand-in children, and the core
-link's fresh secret (by environment) and TLS options reaching the core and the front ends."""
+"""headrace.cli.processes without a model: the default front-end count, the options serve forwards
+to its core and front ends (secrets by environment, not argv), and the role supervisor (a dead child
+restarted alone, a usage error ending the server) with stand-in children, and the core link's fresh
+secret (by environment) and TLS options reaching the core and the front ends."""
 
 from __future__ import annotations
 
 import sys
 import time
 
-from cli.main import build_parser, controlplane_parser
-from cli.processes import (Child, RoleProcesses, control_plane_children, default_api_server_count,
-                           forward_argv)
-from common import secret_env
+from headrace.cli.main import build_parser, controlplane_parser
+from headrace.cli.processes import (Child, RoleProcesses, control_plane_children,
+                                    default_api_server_count, forward_argv)
+from headrace.common import secret_env
 
 
 def test_default_api_server_count_follows_the_cpu_count():
@@ -27,10 +27,10 @@ def test_serve_forwards_its_control_plane_options_and_keeps_secrets_off_argv():
     children = control_plane_children(args, controlplane_parser(), ["unix:/w.sock"], "unix:/c.sock",
                                       env={"PATH": "/bin"})
     assert [c.role for c in children] == ["core", "frontend 0", "frontend 1", "frontend 2"]
-    assert children[0].argv[3] == "core" and children[2].argv[3:6] == ["frontend", "--index", "1"]
+    assert children[0].argv[4] == "core" and children[2].argv[4:7] == ["frontend", "--index", "1"]
     for child in children:
         assert "sekrit" not in child.argv and "adm" not in child.argv
-        parsed = build_parser().parse_args(child.argv[3:])
+        parsed = build_parser().parse_args(child.argv[4:])
         assert (parsed.model, parsed.port, parsed.http_port, parsed.policy, parsed.max_num_seqs) == \
             ("/m", 6000, 6001, "sjf", 9)
         assert parsed.no_prefix_cache and parsed.log_prompts and parsed.core_address == "unix:/c.sock"
@@ -70,8 +70,8 @@ def test_a_dead_child_is_restarted_alone_and_a_usage_error_is_fatal():
 
 
 def test_serve_gives_the_core_link_a_fresh_secret_by_environment_and_forwards_its_tls(monkeypatch, certs):
-    from cli.configs import core_link_options
-    from cli.processes import prepare_core_link
+    from headrace.cli.configs import core_link_options
+    from headrace.cli.processes import prepare_core_link
 
     for name in secret_env.SECRET_VARS:
         monkeypatch.delenv(name, raising=False)
@@ -87,11 +87,11 @@ def test_serve_gives_the_core_link_a_fresh_secret_by_environment_and_forwards_it
     core, frontend = control_plane_children(args, controlplane_parser(), ["unix:/w.sock"], args.core_address)[:2]
     for child in (core, frontend):
         assert secret not in " ".join(child.argv) and child.env["HEADRACE_CORE_SECRET"] == secret
-        parsed = build_parser().parse_args(child.argv[3:])
+        parsed = build_parser().parse_args(child.argv[4:])
         assert (parsed.core_tls_cert, parsed.core_tls_key, parsed.core_ca) == \
             (c("server.pem"), c("server.key"), c("ca.pem"))
     monkeypatch.setenv("HEADRACE_CORE_SECRET", secret)   # as the children get it
-    core_opts = core_link_options(build_parser().parse_args(core.argv[3:]), "core")
-    front_opts = core_link_options(build_parser().parse_args(frontend.argv[3:]), "frontend")
+    core_opts = core_link_options(build_parser().parse_args(core.argv[4:]), "core")
+    front_opts = core_link_options(build_parser().parse_args(frontend.argv[4:]), "frontend")
     assert core_opts["core_secret"] == front_opts["core_secret"] == secret
     assert core_opts["core_tls"] is not None and front_opts["core_credentials"] is not None

@@ -18,8 +18,8 @@ import threading
 import grpc
 import pytest
 
-from controlplane.profiling import Profiler
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.controlplane.engine.profiling import Profiler
+from headrace.worker.v1 import worker_pb2 as wpb
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 from tests.checkpoints import make_checkpoint
@@ -132,7 +132,7 @@ def test_headrace_admin_profile_records_while_the_server_is_busy(split_planes, t
     worker.start()
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "cli", "admin", "profile", "--steps", "5", "--dir", "profile-out",
+            [sys.executable, "-P", "-m", "headrace.cli", "admin", "profile", "--steps", "5", "--dir", "profile-out",
              "--wait", "60", "--address", split_planes.address],
             cwd=tmp_path, capture_output=True, text=True, timeout=120,
             env=dict(os.environ, HEADRACE_ADMIN_TOKEN=TOKEN))

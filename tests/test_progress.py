@@ -7,8 +7,8 @@ from __future__ import annotations
 import io
 import logging
 
-from dataplane.progress import Phases, Progress
-from dataplane.worker import Worker, WorkerOptions
+from headrace.dataplane.progress import Phases, Progress
+from headrace.dataplane.worker import Worker, WorkerOptions
 from tests.checkpoints import make_checkpoint
 
 
@@ -57,7 +57,7 @@ def test_load_failures_are_one_line_saying_what_to_do(tmp_path):
     import pytest
     import torch
 
-    from dataplane.worker import check_device, load_failure
+    from headrace.dataplane.worker import check_device, load_failure
 
     check_device("cpu")
     for device, message in (("meta", "cpu or cuda"), ("nonsense", "not a device")):

@@ -18,9 +18,9 @@ import httpx
 import psutil
 import pytest
 
-from controlplane import tokenizer as tokenizer_module
-from controlplane.tokenizer import ModelTokenizer, TooLong
-from dataplane.default_model import default_model_dir
+from headrace.controlplane.requests import tokenizer as tokenizer_module
+from headrace.controlplane.requests.tokenizer import ModelTokenizer, TooLong
+from headrace.dataplane.default_model import default_model_dir
 from headrace.v1 import inference_pb2 as pb
 from tests.harness import Planes
 

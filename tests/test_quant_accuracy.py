@@ -19,13 +19,13 @@ import tempfile
 import pytest
 import torch
 
-from dataplane import kv_cache
-from dataplane.config import load_model_config
-from dataplane.default_model import train
-from dataplane.loader import load_model
-from dataplane.model import AttentionMetadata
-from dataplane.quantization import resolve
-from kernels import reference_quant
+from headrace.dataplane import kv_cache
+from headrace.dataplane.config import load_model_config
+from headrace.dataplane.default_model import train
+from headrace.dataplane.loader import load_model
+from headrace.dataplane.model import AttentionMetadata
+from headrace.dataplane.quantization import resolve
+from headrace.kernels import reference_quant
 from tests import quant_checkpoints as qc
 
 pytestmark = pytest.mark.slow   # perplexity and greedy agreement of every scheme on the embedded model

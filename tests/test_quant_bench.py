@@ -1,6 +1,6 @@
 """bench/quant_kernels.py's parts that run without a GPU: which kernels it measures, the tiles
 its sweep times per row bucket (the fixed tile first), and the table it writes, read back by
-``kernels.quant_dispatch`` (rankings and pinned tiles)."""
+``headrace.kernels.quant_dispatch`` (rankings and pinned tiles)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from tests.triton_device import triton_device
 
 DEVICE = triton_device()
 from bench import quant_kernels as qk  # noqa: E402
-from kernels import quant_dispatch, skinny_gemm  # noqa: E402
-from kernels.skinny_gemm import Tile  # noqa: E402
+from headrace.kernels import quant_dispatch, skinny_gemm  # noqa: E402
+from headrace.kernels.skinny_gemm import Tile  # noqa: E402
 
 
 def test_candidates_are_ours_and_the_libraries_asked_for():

@@ -1,6 +1,6 @@
-"""Which kernel a quantized layer runs (``kernels.quant_dispatch``): the Triton defaults, the
-measured table's rankings under ``--quant-backend auto``, the library families, and the
-start-up check of the flag."""
+"""Which kernel a quantized layer runs (``headrace.kernels.quant_dispatch``): the Triton defaults,
+the measured table's rankings under ``--quant-backend auto``, the library families, and the start-up
+check of the flag."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from kernels import quant_dispatch as qd
+from headrace.kernels import quant_dispatch as qd
 
 LLAMA_QKV = (6144, 4096)
 RANKINGS = {"w4a16": {"6144x4096": {"1": ["tinygemm", "triton_skinny", "gemlite"],

@@ -14,9 +14,9 @@ from tests.triton_device import triton_device
 DEVICE = triton_device()
 pytestmark = pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 
-import kernels  # noqa: E402
-from dataplane.quantization import layers  # noqa: E402
-from kernels import quant_libs, reference_quant as ref  # noqa: E402
+from headrace import kernels  # noqa: E402
+from headrace.dataplane.quantization import layers  # noqa: E402
+from headrace.kernels import quant_libs, reference_quant as ref  # noqa: E402
 
 N, K, GROUP = 1536, 2048, 128
 ROWS = (1, 3, 16, 64, 200)
@@ -44,7 +44,7 @@ def _int_layer(backend: str, bits: int) -> layers.WNA16Linear:
 def _served_by(monkeypatch, kernel: str, scheme: str, make_layer):
     """A layer (``auto``) whose table ranks ``kernel`` first at every row count, warmed up: its
     plan holds that kernel alone."""
-    from kernels import quant_dispatch
+    from headrace.kernels import quant_dispatch
     ranked = {"1": [kernel], "256": [kernel]}
     monkeypatch.setattr(quant_dispatch, "table", lambda: {scheme: {f"{N}x{K}": ranked}})
     layer = make_layer()

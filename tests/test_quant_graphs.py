@@ -1,9 +1,9 @@
-"""Quantized layers inside the decode CUDA graphs: each layer plans its kernel per row bucket at
-its first (eager) GPU call, ``layers.warm_up`` runs every bucket before capture, and a decode
-step replayed through ``dataplane.cuda_graphs.DecodeGraphs`` equals the eager step, with the
-skinny kernels doing the work. Here the graphs are the CPU stand-ins and the quantized layers
-run their Triton kernels under the interpreter (the rest of the model keeps the reference
-kernels); tests/test_quant_gpu.py captures real graphs on the GPU."""
+"""Quantized layers inside the decode CUDA graphs: each layer plans its kernel per row bucket at its
+first (eager) GPU call, ``layers.warm_up`` runs every bucket before capture, and a decode step
+replayed through ``headrace.dataplane.cuda_graphs.DecodeGraphs`` equals the eager step, with the
+skinny kernels doing the work. Here the graphs are the CPU stand-ins and the quantized layers run
+their Triton kernels under the interpreter (the rest of the model keeps the reference kernels);
+tests/test_quant_gpu.py captures real graphs on the GPU."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import torch
 from tests.triton_device import triton_device
 
 DEVICE = triton_device()
-import kernels  # noqa: E402
-from dataplane import kv_cache  # noqa: E402
-from dataplane.config import load_model_config  # noqa: E402
-from dataplane.cuda_graphs import DecodeGraphs  # noqa: E402
-from dataplane.loader import load_model  # noqa: E402
-from dataplane.model import AttentionMetadata  # noqa: E402
-from dataplane.quantization import layers, resolve  # noqa: E402
-from kernels import (quant_dispatch, triton_fp8_linear, triton_quant, triton_w4a16,  # noqa: E402
-                     triton_w4a16_tiled)
+from headrace import kernels  # noqa: E402
+from headrace.dataplane import kv_cache  # noqa: E402
+from headrace.dataplane.config import load_model_config  # noqa: E402
+from headrace.dataplane.cuda_graphs import DecodeGraphs  # noqa: E402
+from headrace.dataplane.loader import load_model  # noqa: E402
+from headrace.dataplane.model import AttentionMetadata  # noqa: E402
+from headrace.dataplane.quantization import layers, resolve  # noqa: E402
+from headrace.kernels import (quant_dispatch, triton_fp8_linear, triton_quant, triton_w4a16,
+                              triton_w4a16_tiled)
 from tests import quant_checkpoints as qc  # noqa: E402
 
 pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the GPU twin is tests/test_quant_gpu.py")

@@ -1,5 +1,5 @@
-"""The quantized-linear kernels (``kernels.triton_quant``) against their plain-torch references
-(``kernels.reference_quant``), on random data at small shapes.
+"""The quantized-linear kernels (``headrace.kernels.triton_quant``) against their plain-torch
+references (``headrace.kernels.reference_quant``), on random data at small shapes.
 
 Under Triton's CPU interpreter here (TRITON_INTERPRET=1, switched on before triton is imported);
 with HEADRACE_TEST_DEVICE=cuda (or any CUDA machine) compiled on the GPU.
@@ -13,8 +13,8 @@ import torch
 from tests.triton_device import triton_device
 
 DEVICE = triton_device()   # before triton is imported: the CPU interpreter or the GPU
-from kernels import reference_quant as ref  # noqa: E402
-from kernels import triton_quant  # noqa: E402
+from headrace.kernels import reference_quant as ref  # noqa: E402
+from headrace.kernels import triton_quant  # noqa: E402
 
 
 def _fp8_close(actual_q, actual_s, expect_q, expect_s):
@@ -139,18 +139,18 @@ def test_wna16_ragged_groups_read_g_idx():
 
 # --------------------------------------------------------------------------- FP8 KV cache
 
-from kernels import reference as kref  # noqa: E402
-from kernels import kv_layout, triton_attention, triton_prologue  # noqa: E402
+from headrace.kernels import reference as kref  # noqa: E402
+from headrace.kernels import kv_layout, triton_attention, triton_prologue  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
 
 def _fp8_paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, k_scale, v_scale):
-    """test_kernels_triton's paged batch with its cache stored as FP8 (k / k_scale, v / v_scale;
-    V transposed within each block, ``kernels.kv_layout``); every slot outside a context holds
-    e4m3's largest value, 448 (an FP8 cache holds no NaN, and the kernels read a context's last
-    blocks whole: any weight on those slots would show). Also returns that cache dequantised into
-    float32 (token-major)."""
+    """test_kernels_triton's paged batch with its cache stored as FP8 (k / k_scale, v / v_scale; V
+    transposed within each block, ``headrace.kernels.kv_layout``); every slot outside a context
+    holds e4m3's largest value, 448 (an FP8 cache holds no NaN, and the kernels read a context's
+    last blocks whole: any weight on those slots would show). Also returns that cache dequantised
+    into float32 (token-major)."""
     from tests.test_kernels_triton import _paged_batch
 
     query, cache, *rest = _paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block_size,
@@ -204,7 +204,7 @@ def test_fp8_decode_at_tile_edges(block_size, splits):
 def test_fp8_kv_prologue_writes_scaled_e4m3():
     torch.manual_seed(0)
     tokens, heads, kv_heads, hd = 6, 4, 2, 64
-    from dataplane.rotary import cos_sin_cache
+    from headrace.dataplane.rotary import cos_sin_cache
     cos_sin = cos_sin_cache(hd, 256, 10000.0, None, "cpu")
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * hd) * 4
     q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], -1)
@@ -226,9 +226,9 @@ def test_fp8_kv_prologue_writes_scaled_e4m3():
 def test_fp8_kv_writes_store_nan_as_zero():
     """The reference's and the Triton prologue's FP8 writes store a NaN key or value as 0 (and
     +-inf saturated): an FP8 cache holds no NaN, so attention may read a block's slots past a
-    context whole (``kernels.kv_layout``)."""
+    context whole (``headrace.kernels.kv_layout``)."""
     torch.manual_seed(0)
-    from dataplane.rotary import cos_sin_cache
+    from headrace.dataplane.rotary import cos_sin_cache
     tokens, heads, kv_heads, hd = 3, 2, 2, 64
     cos_sin = cos_sin_cache(hd, 64, 10000.0, None, "cpu")
     q = torch.randn(tokens, heads, hd)
@@ -265,7 +265,7 @@ def test_fp8_kv_attention_widens_tiles_not_the_cache(monkeypatch, compute):
     Queries of magnitude past float16's range do not overflow (clamped before the cast)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from kernels import triton_flash
+    from headrace.kernels import triton_flash
     monkeypatch.setattr(triton_flash, "FP8_COMPUTE", compute)
     torch.manual_seed(1)
     args, deq = _fp8_paged_batch([1, 1, 9], [300, 37, 120], 8, 2, 64, 16, 0.02, 0.05)

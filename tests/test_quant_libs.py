@@ -1,5 +1,5 @@
-"""The library kernels' side of our weights (``kernels.quant_libs``): the conversions into
-tinygemm's, gemlite's and FBGEMM's layouts against ``kernels.reference_quant``'s
+"""The library kernels' side of our weights (``headrace.kernels.quant_libs``): the conversions into
+tinygemm's, gemlite's and FBGEMM's layouts against ``headrace.kernels.reference_quant``'s
 dequantisation (plain torch, here), tinygemm's through torch's CPU twin of the op, which
 layers each kernel takes, and why a library cannot run. The library calls themselves run on
 the GPU (tests/test_quant_gpu.py)."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import quant_libs, reference_quant as ref
+from headrace.kernels import quant_libs, reference_quant as ref
 
 
 def _int_layer(n=64, k=256, bits=4, group=128, seed=0):

@@ -4,18 +4,19 @@ the checkpoint writer's own dequantised weights and logits, tensor-parallel shar
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 import torch
 
-from dataplane import kv_cache
-from dataplane.config import load_model_config
-from dataplane.loader import load_model
-from dataplane.model import AttentionMetadata
-from dataplane.parallel import Shard
-from dataplane.quantization import QuantizationError, resolve
-from dataplane.quantization.layers import Fp8Linear, WNA16Linear
-from kernels import kv_layout, reference_quant
+from headrace.dataplane import kv_cache
+from headrace.dataplane.config import load_model_config
+from headrace.dataplane.loader import load_model
+from headrace.dataplane.model import AttentionMetadata
+from headrace.dataplane.parallel import Shard
+from headrace.dataplane.quantization import QuantizationError, resolve
+from headrace.dataplane.quantization.layers import Fp8Linear, WNA16Linear
+from headrace.kernels import kv_layout, reference_quant
 from tests import quant_checkpoints as qc
 
 IDS = [3, 17, 200, 45, 9, 310, 77, 5, 120, 64, 33, 250, 8, 199, 42, 2]
@@ -268,8 +269,8 @@ def test_bench_quantize_checkpoint_writes_a_loadable_w4a16_copy(tmp_path):
     import sys
 
     src, ref = qc.float_model(tmp_path / "float")
-    subprocess.run([sys.executable, "bench/quantize_checkpoint.py", str(src), str(tmp_path / "q")],
-                   check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "bench.quantize_checkpoint", str(src), str(tmp_path / "q")],
+                   check=True, capture_output=True, cwd=pathlib.Path(__file__).resolve().parents[1])
     model = load(tmp_path / "q", "compressed-tensors")
     layer, ref_layer = model.model.layers[1], ref.model.layers[1]
     w = ref_layer.mlp.down_proj.weight.detach()

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from dataplane.quantization import QuantizationError
-from dataplane.server import serve
-from dataplane.worker import Worker, WorkerOptions
+from headrace.dataplane.quantization import QuantizationError
+from headrace.dataplane.server import serve
+from headrace.dataplane.worker import Worker, WorkerOptions
 from headrace.v1 import inference_pb2 as pb
 from tests.harness import Planes, completion
 from tests.test_quant_accuracy import TINY
@@ -61,21 +61,21 @@ def test_a_quant_backend_that_cannot_run_fails_at_start_naming_it(monkeypatch):
     worker stops before reading weights, with the flag, the reason and the install hint."""
     with pytest.raises(ValueError, match="--quant-backend gemlite: its kernels need a CUDA"):
         Worker(WorkerOptions(model=str(TINY), quantization="fp8", quant_backend="gemlite"))
-    from kernels import quant_dispatch, quant_libs
+    from headrace.kernels import quant_dispatch, quant_libs
     monkeypatch.setattr(quant_libs, "why_not", lambda library: (
         f"the {library} package is not installed or does not import "
         f"(pip install 'headrace[{library}]')"))
     read = []
-    monkeypatch.setattr("dataplane.worker.load_model", lambda *a, **kw: read.append(a))
+    monkeypatch.setattr("headrace.dataplane.worker.load_model", lambda *a, **kw: read.append(a))
     with pytest.raises(ValueError, match=r"--quant-backend fbgemm: the fbgemm package .*headrace\[fbgemm\]"):
         quant_dispatch.resolve_backend("fbgemm", "cuda", quant_libs.why_not)
     with pytest.raises(ValueError, match=r"headrace\[gemlite\]"):
-        monkeypatch.setattr("dataplane.worker.check_device", lambda device: None)
+        monkeypatch.setattr("headrace.dataplane.worker.check_device", lambda device: None)
         Worker(WorkerOptions(model=str(TINY), quantization="fp8", quant_backend="gemlite",
                              device="cuda"))
     assert not read                      # no weight was read
     # without quantized layers the flag has nothing to run: no error
-    monkeypatch.setattr("dataplane.worker.load_model", lambda *a, **kw: (_ for _ in ()).throw(
+    monkeypatch.setattr("headrace.dataplane.worker.load_model", lambda *a, **kw: (_ for _ in ()).throw(
         RuntimeError("loading")))
     with pytest.raises(RuntimeError, match="loading"):
         Worker(WorkerOptions(model=str(TINY), quant_backend="gemlite", device="cuda"))

@@ -16,12 +16,12 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from controlplane import limits
-from controlplane.block_manager import BlockManager
-from controlplane.engine import EngineConfig
-from controlplane.scheduler import Scheduler
-from dataplane.default_model import default_model_dir
-from dataplane.server import serve
+from headrace.controlplane.requests import limits
+from headrace.controlplane.kv.block_manager import BlockManager
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.controlplane.scheduling.scheduler import Scheduler
+from headrace.dataplane.default_model import default_model_dir
+from headrace.dataplane.server import serve
 from headrace.v1 import inference_pb2 as pb
 from tests.harness import Planes, completion
 from tests.test_scheduler import make_request

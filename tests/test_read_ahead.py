@@ -1,5 +1,5 @@
-"""``dataplane.read_ahead.ReadAhead``: a request stream read by a thread of its own, ahead of
-its consumer, in order, with the source's error raised where it is read."""
+"""``headrace.dataplane.read_ahead.ReadAhead``: a request stream read by a thread of its own, ahead
+of its consumer, in order, with the source's error raised where it is read."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dataplane.read_ahead import ReadAhead
+from headrace.dataplane.read_ahead import ReadAhead
 
 
 def test_messages_are_read_while_the_consumer_is_busy_and_come_in_order():

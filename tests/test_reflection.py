@@ -6,7 +6,7 @@ from __future__ import annotations
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from controlplane.reflection import V1
+from headrace.controlplane.reflection import V1
 
 
 def _v1_call(channel, request: dict):

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from dataplane.sampler import SamplingBatch, SamplingRow
-from dataplane.sampler import sample as sample_batch
+from headrace.dataplane.sampler import SamplingBatch, SamplingRow
+from headrace.dataplane.sampler import sample as sample_batch
 
 
 class Sampled:

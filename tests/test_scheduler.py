@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.block_manager import BlockManager
-from controlplane.output import OutputText
-from controlplane.policy import Policy
-from controlplane.request import Request, Sequence, Status
-from controlplane.scheduler import TIME_RECHECK_S, Scheduler
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.controlplane.kv.block_manager import BlockManager
+from headrace.controlplane.requests.output import OutputText
+from headrace.controlplane.scheduling.policy import Policy
+from headrace.controlplane.requests.request import Request, Sequence, Status
+from headrace.controlplane.scheduling.scheduler import TIME_RECHECK_S, Scheduler
+from headrace.worker.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
 
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from controlplane.engine import EngineConfig
-from controlplane.policy import Policy
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.controlplane.scheduling.policy import Policy
 from tests.checkpoints import make_checkpoint
 from tests.harness import Planes, completion
 from headrace.v1 import inference_pb2 as pb

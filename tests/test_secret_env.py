@@ -1,8 +1,8 @@
-"""Secrets read in one place (``common.secret_env``): a flag and its ``HEADRACE_*`` variable
-behave the same; each role's child gets only the secrets it uses, by environment; a secret
-given by flag leaves the process's command line. End to end: ``headrace serve`` with its API
-and admin tokens in the environment enforces them on gRPC, HTTP and Admin, and no process of
-the tree shows a secret in its command line (``/proc/PID/cmdline``)."""
+"""Secrets read in one place (``headrace.common.secret_env``): a flag and its ``HEADRACE_*``
+variable behave the same; each role's child gets only the secrets it uses, by environment; a secret
+given by flag leaves the process's command line. End to end: ``headrace serve`` with its API and
+admin tokens in the environment enforces them on gRPC, HTTP and Admin, and no process of the tree
+shows a secret in its command line (``/proc/PID/cmdline``)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import httpx
 import psutil
 import pytest
 
-from cli.main import build_parser, controlplane_parser, dataplane_env
-from cli.processes import control_plane_children
-from common import secret_env
-from common.security import ApiTokens, bearer_metadata
+from headrace.cli.main import build_parser, controlplane_parser, dataplane_env
+from headrace.cli.processes import control_plane_children
+from headrace.common import secret_env
+from headrace.common.security import ApiTokens, bearer_metadata
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 from headrace.v1 import inference_pb2 as pb
@@ -89,7 +89,7 @@ def test_each_role_gets_only_its_secrets_by_environment():
 
 
 def test_a_secret_given_by_flag_leaves_the_command_line():
-    code = ("import sys; from common.secret_env import scrub_argv; "
+    code = ("import sys; from headrace.common.secret_env import scrub_argv; "
             "print(scrub_argv(['s3cret', 'alpha=tok']), flush=True); sys.stdin.read()")
     proc = subprocess.Popen([sys.executable, "-c", code, "--api-token", "s3cret", "--api-token=alpha=tok",
                              "--other", "s3cretly"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -10,12 +10,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import security
-from dataplane.server import serve
+from headrace.common import security
+from headrace.dataplane.server import serve
 from tests.checkpoints import make_checkpoint
 from tests.harness import Planes, completion
-from headrace.dataplane.v1 import worker_pb2 as wpb
-from headrace.dataplane.v1 import worker_pb2_grpc as wpb_grpc
+from headrace.worker.v1 import worker_pb2 as wpb
+from headrace.worker.v1 import worker_pb2_grpc as wpb_grpc
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 

@@ -1,8 +1,8 @@
-"""What the skinny GEMMs share (``kernels.skinny_gemm``): row buckets, the launch tile without
-timing (pinned by kernels/quant_dispatch.json, else the bucket's first tile with K split by
+"""What the skinny GEMMs share (``headrace.kernels.skinny_gemm``): row buckets, the launch tile
+without timing (pinned by kernels/quant_dispatch.json, else the bucket's first tile with K split by
 arithmetic), the autotuner only when asked (HEADRACE_QUANT_AUTOTUNE=1), the fixed tile inside
-CUDA-graph capture, and the split-K workspace that only grows outside capture. Under Triton's
-CPU interpreter here (the autotuner times one call per candidate there); compiled with
+CUDA-graph capture, and the split-K workspace that only grows outside capture. Under Triton's CPU
+interpreter here (the autotuner times one call per candidate there); compiled with
 HEADRACE_TEST_DEVICE=cuda."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from tests.triton_device import triton_device
 
 DEVICE = triton_device()
-from kernels import reference_quant as ref  # noqa: E402
-from kernels import quant_dispatch, skinny_gemm, triton_fp8_linear, triton_w4a16  # noqa: E402
-from kernels.skinny_gemm import Tile, Tuner  # noqa: E402
+from headrace.kernels import reference_quant as ref  # noqa: E402
+from headrace.kernels import quant_dispatch, skinny_gemm, triton_fp8_linear, triton_w4a16  # noqa: E402
+from headrace.kernels.skinny_gemm import Tile, Tuner  # noqa: E402
 
 
 def test_row_buckets():
@@ -95,7 +95,7 @@ def test_the_fp8_one_row_tile_splits_only_below_two_programs_an_sm():
     """The FP8 word-wise one-row program (8 rows of 1,024 bytes a step) measured fastest
     unsplit at Llama-3.1-8B's shapes (512-3,584 programs); its tuner splits K only where its
     programs are fewer than 2 an SM (the other tiles keep 4)."""
-    from kernels import triton_fp8_linear
+    from headrace.kernels import triton_fp8_linear
     tuner, pipe = triton_fp8_linear.TUNER, triton_fp8_linear.TILES[1][0]
     assert pipe.pipe and (pipe.block_n, pipe.block_k) == (8, 1024)
     assert [tuner.split(pipe, 1, n, k, 132).split for n, k in

@@ -9,9 +9,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import speculative
-from controlplane.speculation import PROBE_TOKENS, Speculation
-from dataplane.spec_decode import ngram_propose
+from headrace.common import speculative
+from headrace.controlplane.engine.speculation import PROBE_TOKENS, Speculation
+from headrace.dataplane.spec_decode import ngram_propose
 
 
 class _Seq:
@@ -86,7 +86,7 @@ def test_no_step_is_given_positions_for_which_the_worker_finds_no_drafts():
     import asyncio
     import random
 
-    from dataplane.default_model import default_model_dir
+    from headrace.dataplane.default_model import default_model_dir
     from headrace.v1 import inference_pb2 as pb
     from tests.spec_harness import NGRAM, run, worker
 

@@ -1,8 +1,9 @@
 """Speculative verifies replayed in the decode CUDA graphs: a verify of decodes only becomes one
-decode row per verified token (its own context length, its sequence's block table), prefill
-steps (and verifies beside prefill chunks) replay the piecewise graphs, and greedy output is
-identical to speculation off with the verify graphs actually replayed. On CPU the graphs are ``cuda_graphs.EagerGraph`` stand-ins over the same
-static buffers; with HEADRACE_TEST_DEVICE=cuda the worker captures real CUDA graphs (fp32)."""
+decode row per verified token (its own context length, its sequence's block table), prefill steps
+(and verifies beside prefill chunks) replay the piecewise graphs, and greedy output is identical to
+speculation off with the verify graphs actually replayed. On CPU the graphs are
+``cuda_graphs.EagerGraph`` stand-ins over the same static buffers; with HEADRACE_TEST_DEVICE=cuda
+the worker captures real CUDA graphs (fp32)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ import os
 import numpy as np
 import pytest
 
-from common import speculative
-from controlplane.engine import EngineConfig
-from dataplane.cuda_graphs import EagerGraph
-from dataplane.default_model import default_model_dir
-from dataplane.input_batch import InputBatch
-from dataplane.sampler import SamplingRow
-from dataplane.spec_decode import SpecDecoder, decode_rows, graph_rows
+from headrace.common import speculative
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.dataplane.cuda_graphs import EagerGraph
+from headrace.dataplane.default_model import default_model_dir
+from headrace.dataplane.input_batch import InputBatch
+from headrace.dataplane.sampler import SamplingRow
+from headrace.dataplane.spec_decode import SpecDecoder, decode_rows, graph_rows
 from headrace.v1 import inference_pb2 as pb
 from tests.graphs import attach, record_modes
 from tests.spec_harness import NGRAM, run, worker

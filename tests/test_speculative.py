@@ -14,13 +14,13 @@ import pytest
 import torch
 from scipy import stats
 
-from common import speculative
-from controlplane.engine import EngineConfig
-from controlplane.metrics import ControlPlaneMetrics
-from controlplane.speculation import Speculation
-from dataplane.default_model import default_model_dir
-from dataplane.sampler import SamplingBatch, sample
-from dataplane.spec_decode import ngram_propose, verify
+from headrace.common import speculative
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.controlplane.metrics import ControlPlaneMetrics
+from headrace.controlplane.engine.speculation import Speculation
+from headrace.dataplane.default_model import default_model_dir
+from headrace.dataplane.sampler import SamplingBatch, sample
+from headrace.dataplane.spec_decode import ngram_propose, verify
 from headrace.v1 import inference_pb2 as pb
 from tests.spec_harness import NGRAM, run, worker
 
@@ -53,7 +53,7 @@ def test_bad_config_is_rejected_with_a_clear_message(text, message):
 
 
 def test_the_worker_reports_its_config_and_the_cli_parses_it():
-    from cli.main import build_parser, main
+    from headrace.cli.main import build_parser, main
 
     with pytest.raises(SystemExit, match="unknown keys"):
         main(["dataplane", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "k": 1}'])
@@ -248,10 +248,10 @@ def test_speculative_positions_never_preempt_and_respect_max_tokens():
 
 
 def test_the_worker_cuts_accepted_drafts_after_a_stop_token_and_rewinds_its_mirror():
-    from dataplane.input_batch import InputBatch
-    from dataplane.sampler import SamplingRow
-    from dataplane.spec_decode import SpecDecoder, Verified
-    from headrace.dataplane.v1 import worker_pb2 as wpb
+    from headrace.dataplane.input_batch import InputBatch
+    from headrace.dataplane.sampler import SamplingRow
+    from headrace.dataplane.spec_decode import SpecDecoder, Verified
+    from headrace.worker.v1 import worker_pb2 as wpb
 
     def state(stops):
         return SamplingRow(0.0, 1.0, 0, 0.0, 1.0, 0.0, 0.0, None, 0, 0, stops, [1, 2, 3, 1, 2], [])

@@ -1,4 +1,4 @@
-"""First-token stage stamps (``common.stage_times``) and their decomposition
+"""First-token stage stamps (``headrace.common.stage_times``) and their decomposition
 (``bench.first_token``): off by default; on, the front end, the core and the step loop stamp a
 request's path, and the stages of a streamed request add up to the TTFT its client measured, in
 the split layout (a front end and an engine core) and in one process."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from bench.first_token import STAGES, ClientStamps, decompose, table
-from common import stage_times
-from dataplane.default_model import default_model_dir
+from headrace.common import stage_times
+from headrace.dataplane.default_model import default_model_dir
 from headrace.v1 import inference_pb2 as pb
 from tests.harness import Planes
 

@@ -1,4 +1,5 @@
-"""dataplane.staging: a step's arrays packed into one buffer come back as the same typed arrays."""
+"""headrace.dataplane.staging: a step's arrays packed into one buffer come back as the same typed
+arrays."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dataplane import staging
+from headrace.dataplane import staging
 
 
 def _arrays():

@@ -3,10 +3,10 @@ and logprobs folded back into the sequences it sampled for."""
 
 from __future__ import annotations
 
-from controlplane.request import Status
-from controlplane.step import NewSeq, RunningSeqs, ScheduledStep
-from controlplane.step_codec import decode, encode, flush_request
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.controlplane.requests.request import Status
+from headrace.controlplane.scheduling.step import NewSeq, RunningSeqs, ScheduledStep
+from headrace.controlplane.engine.step_codec import decode, encode, flush_request
+from headrace.worker.v1 import worker_pb2 as wpb
 from tests.test_scheduler import make_request
 
 

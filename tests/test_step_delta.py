@@ -1,5 +1,5 @@
-"""dataplane.step_delta: a StepRequest's delta applied to the mirror with array work; seq ids
-found by a search over the sorted held ids, which agrees with the mirror's dict whatever the
+"""headrace.dataplane.step_delta: a StepRequest's delta applied to the mirror with array work; seq
+ids found by a search over the sorted held ids, which agrees with the mirror's dict whatever the
 order of adds and removes; bad deltas are refused."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dataplane.input_batch import BatchError, InputBatch
-from dataplane.step_delta import RowIndex, apply
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.dataplane.input_batch import BatchError, InputBatch
+from headrace.dataplane.step_delta import RowIndex, apply
+from headrace.worker.v1 import worker_pb2 as wpb
 from tests.test_input_batch import srow
 
 

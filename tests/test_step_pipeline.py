@@ -1,4 +1,4 @@
-"""``dataplane.pipeline.StepPipeline``'s order of runner calls, against a runner that logs
+"""``headrace.dataplane.pipeline.StepPipeline``'s order of runner calls, against a runner that logs
 them (no model): a step held back until the next is launched, a step that comes while the one
 before waits for its bitmasks (prepared ahead, then launched before or after that step's
 answer, by whether the device still runs), and the refusals."""
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from dataplane.input_batch import BatchError
-from dataplane.pipeline import StepPipeline
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.dataplane.input_batch import BatchError
+from headrace.dataplane.pipeline import StepPipeline
+from headrace.worker.v1 import worker_pb2 as wpb
 
 
 class Launched:

@@ -1,6 +1,6 @@
-"""The client-facing latencies (``controlplane.stream_latency``) as the request path hands
-responses over: TTFT once per request at its first token, ITL per sample with a coalesced burst
-spread over its tokens, nothing for responses without tokens, e2e only when asked."""
+"""The client-facing latencies (``headrace.controlplane.requests.stream_latency``) as the request
+path hands responses over: TTFT once per request at its first token, ITL per sample with a coalesced
+burst spread over its tokens, nothing for responses without tokens, e2e only when asked."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from controlplane.metrics import ControlPlaneMetrics
-from controlplane.stream_latency import StreamLatency
+from headrace.controlplane.metrics import ControlPlaneMetrics
+from headrace.controlplane.requests.stream_latency import StreamLatency
 from headrace.v1 import inference_pb2 as pb
 
 P = "headrace:"

@@ -1,8 +1,8 @@
-"""The grammar engines behind structured outputs (``controlplane.structured``): both backends
-compile every kind of constraint for the embedded model's tokenizer into matchers whose masks
-allow exactly the texts the constraint does, EOS only where the output is complete; bad
-constraints fail with a message naming the problem; the compile pool caches by text and never
-runs on the caller's thread; the front end's cheap checks (``spec``)."""
+"""The grammar engines behind structured outputs (``headrace.controlplane.structured``): both
+backends compile every kind of constraint for the embedded model's tokenizer into matchers whose
+masks allow exactly the texts the constraint does, EOS only where the output is complete; bad
+constraints fail with a message naming the problem; the compile pool caches by text and never runs
+on the caller's thread; the front end's cheap checks (``spec``)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.structured import backends, spec
-from controlplane.structured.compiler import GrammarCompiler
-from controlplane.structured.spec import Constraint, ConstraintError
-from controlplane.tokenizer import ModelTokenizer
-from dataplane.default_model import default_model_dir
+from headrace.controlplane.structured import backends, spec
+from headrace.controlplane.structured.compiler import GrammarCompiler
+from headrace.controlplane.structured.spec import Constraint, ConstraintError
+from headrace.controlplane.requests.tokenizer import ModelTokenizer
+from headrace.dataplane.default_model import default_model_dir
 from headrace.v1 import inference_pb2 as pb
 
 MODEL = default_model_dir()
@@ -117,7 +117,7 @@ def test_guidance_builds_a_lane_per_executor_thread_once_a_grammar_is_shared(tok
     matchers go round them, and every lane's masks are the grammar's."""
     if "guidance" not in NAMES:
         pytest.skip("llguidance is not installed")
-    from controlplane.structured.guidance import GuidanceBackend
+    from headrace.controlplane.structured.guidance import GuidanceBackend
 
     b = GuidanceBackend(pathlib.Path(MODEL) / "tokenizer.json", VOCAB, [EOS], threads=3)
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
@@ -279,8 +279,8 @@ def test_drafts_are_cut_at_the_first_token_the_grammar_rejects(tokenizer):
     none after the first it rejects; the matcher is left as it was."""
     import types
 
-    from controlplane.request import Status
-    from controlplane.structured.outputs import StructuredOutputs
+    from headrace.controlplane.requests.request import Status
+    from headrace.controlplane.structured.outputs import StructuredOutputs
 
     outputs = StructuredOutputs("auto")
     outputs.configure(str(MODEL), VOCAB, [EOS])
@@ -290,7 +290,7 @@ def test_drafts_are_cut_at_the_first_token_the_grammar_rejects(tokenizer):
     drafts = {5: digit}
     msg = outputs.bitmask([seq], drafts)
     assert list(msg.seq_ids) == [5, 5, 5] and drafts == {5: digit[:2]}   # '1', '2' kept; 'a' cut
-    from dataplane.bitmasks import rows_of
+    from headrace.dataplane.bitmasks import rows_of
 
     rows = rows_of(msg, VOCAB)
     for row in rows:   # each position allows digits only

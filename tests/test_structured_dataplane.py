@@ -2,7 +2,7 @@
 (and the reference against the bit layout), the step protocol's bitmasks (inline, and
 ``bitmask_follows`` + ``late_bitmask``: the step is launched, sampled when its bitmasks come,
 and answered in order, at once when its forward pass is done) on a worker over gRPC, its
-refusals, and ``dataplane.bitmasks``."""
+refusals, and ``headrace.dataplane.bitmasks``."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from tests.triton_device import triton_device
 
 DEVICE = triton_device()   # before triton is imported: the CPU interpreter or the GPU
-import kernels.reference as ref  # noqa: E402
-from dataplane import bitmasks  # noqa: E402
-from dataplane.input_batch import BatchError  # noqa: E402
-from headrace.dataplane.v1 import worker_pb2 as wpb  # noqa: E402
+import headrace.kernels.reference as ref  # noqa: E402
+from headrace.dataplane import bitmasks  # noqa: E402
+from headrace.dataplane.input_batch import BatchError  # noqa: E402
+from headrace.worker.v1 import worker_pb2 as wpb  # noqa: E402
 from tests.test_dataplane import model_dir, worker_stub  # noqa: E402,F401 (fixtures: a qwen3 worker)
 
 VOCAB = 384
@@ -49,7 +49,7 @@ def test_the_reference_follows_the_bit_layout():
 @given(vocab=st.integers(1, 9000), n_rows=st.integers(1, 5), seed=st.integers(0, 1000),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_triton_bitmask_matches_the_reference(vocab, n_rows, seed, dtype):
-    from kernels import triton_bitmask
+    from headrace.kernels import triton_bitmask
 
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n_rows + 2, vocab, generator=g).to(dtype).to(DEVICE)
@@ -209,7 +209,7 @@ def test_a_step_prepared_ahead_may_reuse_the_row_of_a_sequence_the_waiting_step_
 def test_masks_shared_by_several_rows_constrain_each_row(worker_stub):
     """The shared form (``mask_of``): three distinct masks for eight sequences, uploaded once
     each and gathered on the device; every sequence samples inside its own mask."""
-    from controlplane.structured import shared_masks   # the engine's packing, as sent
+    from headrace.controlplane.structured import shared_masks   # the engine's packing, as sent
 
     allowed = [{3}, {100, 200}, set(range(300, 384))]
     choice = [0, 1, 2, 1, 0, 2, 2, 1]

@@ -12,11 +12,11 @@ import jsonschema
 import openai
 import pytest
 
-from controlplane.http import structured
-from controlplane.http.convert import HttpError
-from controlplane.http.protocol import ChatCompletionRequest, CompletionRequest
-from controlplane.structured import backends
-from dataplane.default_model import default_model_dir
+from headrace.controlplane.http import structured
+from headrace.controlplane.http.errors import HttpError
+from headrace.controlplane.http.protocol import ChatCompletionRequest, CompletionRequest
+from headrace.controlplane.structured import backends
+from headrace.dataplane.default_model import default_model_dir
 from tests.harness import Planes
 
 pytestmark = pytest.mark.skipif(not any(backends.installed(n) for n in ("guidance", "xgrammar")),

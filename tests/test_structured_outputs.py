@@ -18,8 +18,8 @@ import grpc
 import jsonschema
 import pytest
 
-from controlplane.structured import backends
-from dataplane.default_model import default_model_dir
+from headrace.controlplane.structured import backends
+from headrace.dataplane.default_model import default_model_dir
 from headrace.v1 import inference_pb2 as pb
 from tests.harness import Planes, completion
 

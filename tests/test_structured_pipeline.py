@@ -12,11 +12,11 @@ import types
 
 import numpy as np
 
-from controlplane.engine import Engine, EngineConfig
-from controlplane.request import Status
-from controlplane.structured.outputs import StructuredOutputs
-from dataplane import bitmasks
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.controlplane.engine.loop import Engine, EngineConfig
+from headrace.controlplane.requests.request import Status
+from headrace.controlplane.structured.outputs import StructuredOutputs
+from headrace.dataplane import bitmasks
+from headrace.worker.v1 import worker_pb2 as wpb
 from tests.test_engine_loop import FakeWorkers, _until, make_request
 
 

@@ -12,8 +12,8 @@ import grpc
 import jsonschema
 import pytest
 
-from controlplane.structured import backends
-from dataplane.default_model import default_model_dir
+from headrace.controlplane.structured import backends
+from headrace.dataplane.default_model import default_model_dir
 from headrace.v1 import inference_pb2 as pb
 from tests.harness import Planes
 from tests.test_structured_outputs import (SAMPLED, SCHEMAS, planes, recording, run,  # noqa: F401
@@ -55,8 +55,8 @@ def test_the_split_engine_core_constrains_too():
 
 
 def test_the_client_library_sends_constraints(planes):
-    from headrace_client import Client, InvalidRequest
-    from headrace_client.types import build_request
+    from headrace.client import Client, InvalidRequest
+    from headrace.client.types import build_request
 
     with Client(planes.address) as client:
         out = client.generate("Jane", max_tokens=120, temperature=1.0, seed=3, json_schema=SCHEMAS[0])
@@ -74,7 +74,7 @@ def test_the_client_library_sends_constraints(planes):
 
 
 def _planes_with(**options):
-    from controlplane.engine import EngineConfig
+    from headrace.controlplane.engine.loop import EngineConfig
 
     worker = options.pop("worker_fields", None)
     return Planes(default_model_dir(), config=EngineConfig(**options), worker_fields=worker)
@@ -148,7 +148,7 @@ def test_headrace_generate_takes_a_constraint(planes, tmp_path):
 def test_a_named_backend_that_is_missing_stops_the_command(monkeypatch):
     import argparse
 
-    from cli.configs import check_structured_outputs_backend
+    from headrace.cli.configs import check_structured_outputs_backend
 
     monkeypatch.setattr(backends, "installed", lambda name: False)
     with pytest.raises(SystemExit, match=r"xgrammar is not installed; pip install 'headrace\[xgrammar\]'"):

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.structured import shared_masks
-from dataplane import bitmasks
-from dataplane.input_batch import BatchError
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.controlplane.structured import shared_masks
+from headrace.dataplane import bitmasks
+from headrace.dataplane.input_batch import BatchError
+from headrace.worker.v1 import worker_pb2 as wpb
 
 VOCAB = 151_936                 # Qwen's: 4,748 words a row
 WORDS = (VOCAB + 31) // 32

@@ -8,8 +8,8 @@ import sys
 import threading
 import time
 
-from cli.supervisor import DataPlaneChildren
-from controlplane.metrics import ControlPlaneMetrics
+from headrace.cli.supervisor import DataPlaneChildren
+from headrace.controlplane.metrics import ControlPlaneMetrics
 
 
 def _child(code: str) -> list[str]:

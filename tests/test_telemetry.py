@@ -15,9 +15,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from common import tracing
-from controlplane.engine import EngineConfig
-from common.metrics import Histogram
+from headrace.common import tracing
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.common.metrics import Histogram
 from tests.checkpoints import make_checkpoint
 from tests.harness import Planes, completion
 from headrace.v1 import inference_pb2 as pb

@@ -1,8 +1,8 @@
-"""Tensor parallelism on CPU (gloo; with HEADRACE_TEST_DEVICE=cuda, NCCL on as many GPUs as a
-case has ranks): a control plane over N ``headrace dataplane --rank r``
-processes generates exactly the greedy (and seeded) tokens, and nearly the logprobs, of one unsharded
-worker, for KV heads split across ranks and replicated (fewer KV heads than ranks), tied
-and untied embeddings, and a vocabulary padded to a multiple of the world size."""
+"""Tensor parallelism on CPU (gloo; with HEADRACE_TEST_DEVICE=cuda, NCCL on as many GPUs as a case
+has ranks): a control plane over N ``headrace dataplane --rank r`` processes generates exactly the
+greedy (and seeded) tokens, and nearly the logprobs, of one unsharded worker, for KV heads split
+across ranks and replicated (fewer KV heads than ranks), tied and untied embeddings, and a
+vocabulary padded to a multiple of the world size."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import tempfile
 
 import pytest
 
-from cli.main import _free_port
-from dataplane.config import load_model_config
-from dataplane.parallel import Shard
+from headrace.cli.main import _free_port
+from headrace.dataplane.config import load_model_config
+from headrace.dataplane.parallel import Shard
 from tests.checkpoints import make_checkpoint
 from tests.harness import DEVICE, Planes, completion
 from headrace.v1 import inference_pb2 as pb
@@ -70,7 +70,7 @@ def _start_ranks(model: pathlib.Path, world: int, extra: tuple[str, ...], tmp: s
     addresses = []
     for r in range(world):
         address = f"unix:{tmp}/dp-{r}.sock"
-        argv = [sys.executable, "-m", "cli", "dataplane", "--model", str(model),
+        argv = [sys.executable, "-P", "-m", "headrace.cli", "dataplane", "--model", str(model),
                 "--listen", address, "--rank", str(r), "--world-size", str(world),
                 "--dist-init", dist_init, "--dist-timeout", "180",
                 *(() if "--num-kv-blocks" in extra else ("--num-kv-blocks", "64")),
@@ -103,8 +103,8 @@ def _reload(addresses: list[str], model: pathlib.Path) -> None:
     """Every rank loads ``model`` (together: the ranks of a group load their shards at once)."""
     import grpc
 
-    from headrace.dataplane.v1 import worker_pb2 as wpb
-    from headrace.dataplane.v1 import worker_pb2_grpc as wpb_grpc
+    from headrace.worker.v1 import worker_pb2 as wpb
+    from headrace.worker.v1 import worker_pb2_grpc as wpb_grpc
 
     def one(address):
         with grpc.insecure_channel(address) as channel:
@@ -163,7 +163,7 @@ def test_tp_ranks_each_offload_their_shard_to_the_host_tier(tmp_path):
     """Two ranks with a host KV tier and a 6-block device pool: every rank gets the same
     block copies and keeps its own KV heads; greedy tokens equal one roomy worker's through
     device evictions, host hits and swap preemptions."""
-    from controlplane.engine import EngineConfig
+    from headrace.controlplane.engine.loop import EngineConfig
 
     if DEVICE == "cuda":
         import torch

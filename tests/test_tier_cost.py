@@ -1,10 +1,10 @@
-"""The host KV tier's cost rule (controlplane.tier_cost): the recompute price is the slope of
-the data plane's prefill profile whatever a step's fixed cost, and the slowest rank's; ``cut``
-adopts the prefix that costs least (a host block loaded only where that is cheaper than
-recomputing it), checked against brute force; through the scheduler a host hit is loaded when
-the copy is cheap and recomputed when it is dear, the host copy staying cached, with the same
-tokens either way. Random workloads with the rule on: tests/test_host_tier_workloads.py; end
-to end on CPU (the worker's measured profile and rate): tests/test_kv_offload.py."""
+"""The host KV tier's cost rule (headrace.controlplane.kv.tier_cost): the recompute price is the
+slope of the data plane's prefill profile whatever a step's fixed cost, and the slowest rank's;
+``cut`` adopts the prefix that costs least (a host block loaded only where that is cheaper than
+recomputing it), checked against brute force; through the scheduler a host hit is loaded when the
+copy is cheap and recomputed when it is dear, the host copy staying cached, with the same tokens
+either way. Random workloads with the rule on: tests/test_host_tier_workloads.py; end to end on CPU
+(the worker's measured profile and rate): tests/test_kv_offload.py."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.block_manager import BlockManager
-from controlplane.tier_cost import TierCost, prefill_slope
+from headrace.controlplane.kv.block_manager import BlockManager
+from headrace.controlplane.kv.tier_cost import TierCost, prefill_slope
 from tests.test_host_tier import _run, _sched
 
 
@@ -133,7 +133,7 @@ def test_a_dear_copy_recomputes_and_leaves_the_host_copy_cached():
 
 
 def test_the_rule_and_its_verdict_are_logged_at_start(caplog):
-    from controlplane import host_tier
+    from headrace.controlplane.kv import host_tier
 
     rule = TierCost.for_workers("auto", [_info(rate=1_835_008 / (4.2e-6 * 16), tokens=(1024, 8192),
                                                seconds=(0.004, 0.004 + 7168 * 2.9e-6))],
@@ -159,8 +159,8 @@ def test_auto_that_recomputes_lone_hits_writes_no_evicted_block_back():
 
 
 def test_the_engine_sets_the_write_back_from_the_workers_measurements():
-    from controlplane.engine import Engine, EngineConfig
-    from headrace.dataplane.v1 import worker_pb2 as wpb
+    from headrace.controlplane.engine.loop import Engine, EngineConfig
+    from headrace.worker.v1 import worker_pb2 as wpb
 
     engine = Engine(types.SimpleNamespace(num_kv_blocks=64), EngineConfig(kv_offloading_policy="auto"))
 

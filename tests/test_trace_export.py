@@ -10,7 +10,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from common.trace_export import OneWarningExporter
+from headrace.common.trace_export import OneWarningExporter
 
 
 def _spans(n: int = 1):
@@ -54,7 +54,7 @@ def test_recovery_is_said_once(caplog):
 
 
 def test_tracing_set_up_against_an_absent_collector_warns_once(monkeypatch, caplog):
-    from common import tracing
+    from headrace.common import tracing
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,8 +1,8 @@
-"""The unified attention kernel (``kernels.triton_unified``: one launch for a whole mixed batch,
-grid by token count) against ``kernels.reference.paged_attention``: pure decode, pure prefill,
-mixed, chunks over cached prefixes, GQA and the cache layouts the other kernels take, FP8 KV,
-random ragged batches, and the padding a full CUDA graph's buckets add (sequences of no query,
-token rows past the real ones, which keep what they held). Compiled on a GPU, else under
+"""The unified attention kernel (``headrace.kernels.triton_unified``: one launch for a whole mixed
+batch, grid by token count) against ``headrace.kernels.reference.paged_attention``: pure decode,
+pure prefill, mixed, chunks over cached prefixes, GQA and the cache layouts the other kernels take,
+FP8 KV, random ragged batches, and the padding a full CUDA graph's buckets add (sequences of no
+query, token rows past the real ones, which keep what they held). Compiled on a GPU, else under
 Triton's CPU interpreter (small shapes)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from tests.triton_device import triton_device
 
 DEVICE = triton_device()   # before triton is imported: the CPU interpreter or the GPU
-from kernels import triton_unified  # noqa: E402
-import kernels.reference as ref  # noqa: E402
+from headrace.kernels import triton_unified  # noqa: E402
+import headrace.kernels.reference as ref  # noqa: E402
 from tests.test_kernels_triton import LAYOUTS, _close, _paged_batch  # noqa: E402
 
 
@@ -106,7 +106,7 @@ def test_num_programs_cover_every_query_block():
 
 def test_fp8_kv_cache():
     """An FP8 cache (k_scale 0.02, v_scale 0.05): the attention of the dequantised cache."""
-    from kernels import kv_layout, reference_quant
+    from headrace.kernels import kv_layout, reference_quant
 
     torch.manual_seed(0)
     q_lens, ctx_lens = [1, 1, 7, 20], [40, 5, 7, 90]

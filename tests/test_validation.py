@@ -8,10 +8,10 @@ import itertools
 
 import pytest
 
-from controlplane import validation
-from controlplane.http.protocol import ChatCompletionRequest, CompletionRequest
-from controlplane.tokenizer import ModelTokenizer
-from dataplane.default_model import default_model_dir
+from headrace.controlplane.requests import validation
+from headrace.controlplane.http.protocol import ChatCompletionRequest, CompletionRequest
+from headrace.controlplane.requests.tokenizer import ModelTokenizer
+from headrace.dataplane.default_model import default_model_dir
 from headrace.v1 import inference_pb2 as pb
 
 MAX_LEN = 64

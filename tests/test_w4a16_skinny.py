@@ -1,5 +1,6 @@
-"""The W4A16 / W8A16 decode GEMM (``kernels.triton_w4a16``) against the plain-torch reference
-(``kernels.reference_quant.wna16_linear``), its program shapes, and which layers it takes.
+"""The W4A16 / W8A16 decode GEMM (``headrace.kernels.triton_w4a16``) against the plain-torch
+reference (``headrace.kernels.reference_quant.wna16_linear``), its program shapes, and which layers
+it takes.
 
 Under Triton's CPU interpreter here; with HEADRACE_TEST_DEVICE=cuda (or any CUDA machine)
 compiled on the GPU.
@@ -13,9 +14,9 @@ import torch
 from tests.triton_device import triton_device
 
 DEVICE = triton_device()   # before triton is imported: the CPU interpreter or the GPU
-from kernels import reference_quant as ref  # noqa: E402
-from kernels import skinny_gemm, triton_quant, triton_w4a16  # noqa: E402
-from kernels.skinny_gemm import Tile  # noqa: E402
+from headrace.kernels import reference_quant as ref  # noqa: E402
+from headrace.kernels import skinny_gemm, triton_quant, triton_w4a16  # noqa: E402
+from headrace.kernels.skinny_gemm import Tile  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 # FMA rows 1 / 2 / 4 (one row also pipelined), swapped tl.dot, K split 2..4 (a ragged last

@@ -1,6 +1,7 @@
-"""The W4A16 GEMM on the tiled INT4 layout (``kernels.triton_w4a16_tiled``): its repacking
+"""The W4A16 GEMM on the tiled INT4 layout (``headrace.kernels.triton_w4a16_tiled``): its repacking
 against the GPTQ words, and its products against the plain-torch reference
-(``kernels.reference_quant.wna16_linear``) over tiles, row counts, dtypes, groups and act order.
+(``headrace.kernels.reference_quant.wna16_linear``) over tiles, row counts, dtypes, groups and act
+order.
 
 Under Triton's CPU interpreter here (Triton's own unpacking); with HEADRACE_TEST_DEVICE=cuda (or
 any CUDA machine) compiled on the GPU, where the unpacking is PTX.
@@ -14,9 +15,9 @@ import torch
 from tests.triton_device import triton_device
 
 DEVICE = triton_device()   # before triton is imported: the CPU interpreter or the GPU
-from kernels import reference_quant as ref  # noqa: E402
-from kernels import quant_dispatch, skinny_gemm, triton_w4a16_tiled as tiled  # noqa: E402
-from kernels.skinny_gemm import Tile  # noqa: E402
+from headrace.kernels import reference_quant as ref  # noqa: E402
+from headrace.kernels import quant_dispatch, skinny_gemm, triton_w4a16_tiled as tiled  # noqa: E402
+from headrace.kernels.skinny_gemm import Tile  # noqa: E402
 from tests.test_w4a16_skinny import _layer, _tol  # noqa: E402
 
 
@@ -84,9 +85,9 @@ def test_a_layer_plans_within_its_layout_budget(monkeypatch):
     """A layer whose table ranks the tiled kernel first makes its tiled copy under the default
     budget (one extra layout) and neither runs it nor makes the copy under a budget of none
     (HEADRACE_QUANT_LAYOUTS=0); the results match the reference either way."""
-    import kernels
-    from dataplane.quantization import layers
-    from kernels import triton_quant
+    from headrace import kernels
+    from headrace.dataplane.quantization import layers
+    from headrace.kernels import triton_quant
     monkeypatch.setattr(kernels, "_triton", ({"fp8_linear": triton_quant,
                                               "wna16_linear": triton_quant}, None))
     monkeypatch.setattr(kernels, "MODE", "triton")

@@ -1,6 +1,6 @@
 """One front end's stream as the engine core holds it (``FrontendLink``): the requests it
 submitted (``CoreRequest``, by the handle the front end chose) and the ``Down`` message being
-built for it. ``controlplane.core.service`` says how the messages are batched."""
+built for it. ``headrace.controlplane.core.service`` says how the messages are batched."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from common import stage_times
-from controlplane.core import load_publisher
-from controlplane.request import Request, Status
+from headrace.common import stage_times
+from headrace.controlplane.core import load_publisher
+from headrace.controlplane.requests.request import Request, Status
 from headrace.core.v1 import core_pb2 as cpb
 
 if TYPE_CHECKING:
-    from controlplane.core.service import EngineCoreService
+    from headrace.controlplane.core.plane import EnginePlane
 
 
 class CoreText:
@@ -54,8 +54,8 @@ def _columns() -> tuple[list[int], list[int], list[int], list[int]]:
 class FrontendLink:
     """One front end's stream: its requests by handle and the ``Down`` message being built."""
 
-    def __init__(self, core: "EngineCoreService"):
-        self.core = core
+    def __init__(self, plane: "EnginePlane"):
+        self.plane = plane   # the engine core's (its engine changes on a model reload)
         self.index = -1
         self.requests: dict[int, CoreRequest] = {}
         self._dirty: dict[CoreRequest, None] = {}
@@ -157,7 +157,7 @@ class FrontendLink:
             msg.token_indexes.extend(indexes)
             msg.token_counts.extend(counts)
             msg.token_ids.extend(tokens)
-        msg.num_waiting = self.sent_queued = num_queued(self.core.plane)
+        msg.num_waiting = self.sent_queued = num_queued(self.plane)
         return msg
 
     def note_queue(self, queued: int) -> None:
@@ -168,7 +168,7 @@ class FrontendLink:
     def close(self) -> int:
         """The front end is gone: aborts its requests (their blocks are free at once)."""
         self.closed = True
-        engine, requests = self.core.plane.engine, list(self.requests.values())
+        engine, requests = self.plane.engine, list(self.requests.values())
         for req in requests:
             engine.abort(req)
             self.forget(req)

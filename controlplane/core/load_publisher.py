@@ -1,8 +1,8 @@
 """What an engine core tells the front ends that place requests over several cores
-(``Hello.placement``, ``--data-parallel-size`` > 1): every ``INTERVAL_S`` while anything
-changed, a ``CoreLoad`` on each such stream with the core's running and waiting sequences, its
-KV pool, and its prefix caches' changes as chained block hashes (``controlplane.cache_summary``;
-the whole cache to a stream that just joined, and to all after a reset or a reload).
+(``Hello.placement``, ``--data-parallel-size`` > 1): every ``INTERVAL_S`` while anything changed, a
+``CoreLoad`` on each such stream with the core's running and waiting sequences, its KV pool, and its
+prefix caches' changes as chained block hashes (``headrace.controlplane.kv.cache_summary``; the
+whole cache to a stream that just joined, and to all after a reset or a reload).
 
 The block manager records the changes as it works (one list append per block entering or
 leaving a cache); nothing else runs on the engine's step path. A message not yet sent when
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from controlplane.cache_summary import CacheEvents
+from headrace.controlplane.kv.cache_summary import CacheEvents
 from headrace.core.v1 import core_pb2 as cpb
 
 INTERVAL_S = 0.02
@@ -34,7 +34,7 @@ def merge(pending: cpb.CoreLoad, load: cpb.CoreLoad) -> None:
 
 class LoadPublisher:
     def __init__(self, service, interval_s: float = INTERVAL_S):
-        self.service = service      # controlplane.core.service.EngineCoreService
+        self.service = service      # headrace.controlplane.core.service.EngineCoreService
         self.interval_s = interval_s
         self._events = CacheEvents()
         self._blocks = None         # the block manager being watched

@@ -1,9 +1,9 @@
 """The engine half of a control plane: the engine and its data planes, the model's tokenizer
 and assets (for Admin reload checks), drain / resume / reload, and a state-change callback.
 
-Both the in-process ``controlplane.server.ControlPlane`` and the engine-core process
-(``controlplane.core.server``) are built around one ``EnginePlane``; the Admin service
-(``controlplane.admin``) acts on it."""
+Both the in-process ``headrace.controlplane.server.ControlPlane`` and the engine-core process
+(``headrace.controlplane.core.server``) are built around one ``EnginePlane``; the Admin service
+(``headrace.controlplane.admin``) acts on it."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import time
 
 import grpc
 
-from controlplane import model_roots as roots
-from controlplane.admin import wait_until
-from controlplane.engine import Engine, EngineConfig
-from controlplane.metrics import ControlPlaneMetrics
-from controlplane.request_path import RequestPath
-from controlplane.telemetry import EngineTelemetry
-from controlplane.tokenizer import ModelTokenizer
-from controlplane.worker_client import WorkerError, WorkerGroup
+from headrace.controlplane import model_roots as roots
+from headrace.controlplane.admin import wait_until
+from headrace.controlplane.engine.loop import Engine, EngineConfig
+from headrace.controlplane.metrics import ControlPlaneMetrics
+from headrace.controlplane.requests.path import RequestPath
+from headrace.controlplane.engine.telemetry import EngineTelemetry
+from headrace.controlplane.requests.tokenizer import ModelTokenizer
+from headrace.controlplane.engine.worker_client import WorkerError, WorkerGroup
 
 log = logging.getLogger("headrace.controlplane")
 
@@ -36,7 +36,7 @@ class EnginePlane:
                  generation_config: str = "auto", model_roots: list[str] | None = None,
                  **request_options):
         self.model_dir = model_dir
-        # where Admin may reload a model from (``controlplane.model_roots``), fixed at start
+        # where Admin may reload a model from (``headrace.controlplane.model_roots``), fixed at start
         self.model_roots = roots.roots_for(model_dir, model_roots)
         self.tokenizer = ModelTokenizer(model_dir)
         self.metrics = metrics or ControlPlaneMetrics()

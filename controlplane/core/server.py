@@ -1,13 +1,14 @@
-"""The engine-core process (``headrace core``): one ``EnginePlane`` and a private gRPC server
-(a unix socket under the serve's private directory by default; TCP possible) with the
-``EngineCore`` stream the front ends hold, the Admin service they proxy to, and health. It also
-serves the control plane's one Prometheus /metrics: with ``PROMETHEUS_MULTIPROC_DIR`` set (as
-``headrace serve`` sets it for all its control-plane processes) the counters and histograms of
-every front end are summed in, beside the core's live gauges. ``controlplane.core_link`` says
-how the link is secured (a 0600 unix socket; TLS and a shared secret on TCP).
+"""The engine-core process (``headrace core``): one ``EnginePlane`` and a private gRPC server (a
+unix socket under the serve's private directory by default; TCP possible) with the ``EngineCore``
+stream the front ends hold, the Admin service they proxy to, and health. It also serves the control
+plane's one Prometheus /metrics: with ``PROMETHEUS_MULTIPROC_DIR`` set (as ``headrace serve`` sets
+it for all its control-plane processes) the counters and histograms of every front end are summed
+in, beside the core's live gauges. ``headrace.controlplane.core.security`` says how the link is
+secured (a 0600 unix socket; TLS and a shared secret on TCP).
 
-One of several data-parallel cores (``data_parallel_size`` > 1) mirrors its live gauges into
-the shared metric files, and core 0's /metrics adds their totals (``controlplane.dp_metrics``)."""
+One of several data-parallel cores (``data_parallel_size`` > 1) mirrors its live gauges into the
+shared metric files, and core 0's /metrics adds their totals
+(``headrace.controlplane.frontend.dp_metrics``)."""
 
 from __future__ import annotations
 
@@ -17,15 +18,16 @@ import os
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from common.grpc_options import CORE_MAX_MESSAGE_BYTES, server_options
-from common.metrics import multiprocess_registry
-from controlplane import core_link, dp_metrics
-from controlplane.admin import AdminService
-from controlplane.core.plane import EnginePlane
-from controlplane.core.service import EngineCoreService
-from controlplane.engine import EngineConfig
-from controlplane.metrics import engine_state_collector
-from controlplane.lifecycle import BackgroundTasks, set_health
+from headrace.common.grpc_options import CORE_MAX_MESSAGE_BYTES, server_options
+from headrace.common.metrics import multiprocess_registry
+from headrace.controlplane.core import security as core_link
+from headrace.controlplane.frontend import dp_metrics
+from headrace.controlplane.admin import AdminService
+from headrace.controlplane.core.plane import EnginePlane
+from headrace.controlplane.core.service import EngineCoreService
+from headrace.controlplane.engine.loop import EngineConfig
+from headrace.controlplane.metrics import engine_state_collector
+from headrace.controlplane.lifecycle import BackgroundTasks, set_health
 from headrace.core.v1 import core_pb2_grpc as cpb_grpc
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 
@@ -40,10 +42,10 @@ class CoreServer:
                  admin_insecure_loopback: bool = False, data_parallel_rank: int = 0,
                  data_parallel_size: int = 1, **plane_options):
         """``core_tls``: serve a TCP ``address`` with TLS; ``core_secret``: serve only front ends
-        presenting it (``controlplane.core_link``); ``admin_insecure_loopback``: without a core
-        secret or an admin token, serve Admin to loopback callers (``controlplane.admin``);
-        ``data_parallel_rank``: which of the server's data-parallel cores this is (traces, logs,
-        per-core metrics)."""
+        presenting it (``headrace.controlplane.core.security``); ``admin_insecure_loopback``:
+        without a core secret or an admin token, serve Admin to loopback callers
+        (``headrace.controlplane.admin``); ``data_parallel_rank``: which of the server's
+        data-parallel cores this is (traces, logs, per-core metrics)."""
         core_link.check(address, core_tls is not None, core_secret)
         self.plane = EnginePlane(model_dir, worker_addresses, config, **plane_options)
         self.engine = self.plane.engine

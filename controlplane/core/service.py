@@ -1,14 +1,15 @@
 """``headrace.core.v1.EngineCore``: the engine core's side of the front-end streams.
 
-Each front end holds one ``Connect`` stream. Up come its submissions (validated, tokenised)
-and aborts, which become ``CoreRequest``s in the engine. The engine appends sampled tokens to
-the sequences as always and wakes requests with news (``Request.notify``); a ``CoreRequest``
-wakes by marking itself on its front end's ``FrontendLink``, and the link, once per batch of
-wake-ups (one engine step), appends every new token of its requests to one pending ``Down``
-message: column by column for samples that run on (no message per sample and step), as a
-``SeqDelta`` for a sample's last tokens and for tokens with logprobs. The stream's sender takes the whole pending message when gRPC lets it write, so a
-front end that reads slowly gets fewer, larger messages and the engine never waits on it.
-When a stream ends (front end gone), every request it submitted is aborted: blocks freed.
+Each front end holds one ``Connect`` stream. Up come its submissions (validated, tokenised) and
+aborts, which become ``CoreRequest``s in the engine. The engine appends sampled tokens to the
+sequences as always and wakes requests with news (``Request.notify``); a ``CoreRequest`` wakes by
+marking itself on its front end's ``FrontendLink``, and the link, once per batch of wake-ups (one
+engine step), appends every new token of its requests to one pending ``Down`` message: column by
+column for samples that run on (no message per sample and step), as a ``SeqDelta`` for a sample's
+last tokens and for tokens with logprobs. The stream's sender takes the whole pending message when
+gRPC lets it write, so a front end that reads slowly gets fewer, larger messages and the engine
+never waits on it. When a stream ends (front end gone), every request it submitted is aborted:
+blocks freed.
 
 The core owns the queue and decides its bound: a submission of n samples is refused when n
 more would pass ``--max-queued`` (taken one by one: several together cannot jointly pass it).
@@ -19,7 +20,7 @@ the chosen core's.
 
 Under data parallelism (several cores behind the front ends) a front end that places requests
 (``Hello.placement``) also gets this core's load and prefix-cache changes
-(``controlplane.core.load_publisher``), and a request may arrive here with the tokens its
+(``headrace.controlplane.core.load_publisher``), and a request may arrive here with the tokens its
 samples had generated on a core that was lost (``Submit.resumed``): they are kept, their KV is
 recomputed (through the prefix cache), and generation goes on from there.
 """
@@ -35,13 +36,13 @@ import grpc
 import structlog
 from opentelemetry import trace
 
-from common import tracing
-from controlplane import limits
-from controlplane.core import load_publisher
-from controlplane.core.link import CoreRequest, CoreText, FrontendLink, num_queued
-from controlplane.request import Sequence
-from controlplane.service import model_info
-from controlplane.structured import spec
+from headrace.common import tracing
+from headrace.controlplane.requests import limits
+from headrace.controlplane.core import load_publisher
+from headrace.controlplane.core.link import CoreRequest, CoreText, FrontendLink, num_queued
+from headrace.controlplane.requests.request import Sequence
+from headrace.controlplane.service import model_info
+from headrace.controlplane.structured import spec
 from headrace.core.v1 import core_pb2 as cpb
 from headrace.core.v1 import core_pb2_grpc as cpb_grpc
 from headrace.v1 import inference_pb2 as pb
@@ -52,7 +53,7 @@ QUEUE_PUSH_S = 0.25   # the queue length reaches every front end within this, wh
 
 class EngineCoreService(cpb_grpc.EngineCoreServicer):
     def __init__(self, plane, tensor_parallel_size: int = 1, data_parallel_rank: int = 0):
-        self.plane = plane   # controlplane.core.plane.EnginePlane
+        self.plane = plane   # headrace.controlplane.core.plane.EnginePlane
         self.tp = tensor_parallel_size
         self.dp_rank = data_parallel_rank
         self.links: set[FrontendLink] = set()
@@ -97,7 +98,7 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
             link.push_state(state)
 
     async def Connect(self, request_iterator, context):
-        link = FrontendLink(self)
+        link = FrontendLink(self.plane)
         self.links.add(link)
         reader = asyncio.create_task(self._read(request_iterator, link))
         reader.add_done_callback(lambda _: link._ready.set())

@@ -1,8 +1,8 @@
 """The Admin service of a front end: checks the caller's access here (the same rules as
-``controlplane.admin``: the admin token, else local callers only) and forwards the call to the
-engine core's Admin service, which acts on the one engine. Its answer, or its error status,
-goes back to the caller unchanged. The call carries the core secret (``controlplane.core_link``)
-beside the caller's ``authorization``.
+``headrace.controlplane.admin``: the admin token, else local callers only) and forwards the call to
+the engine core's Admin service, which acts on the one engine. Its answer, or its error status, goes
+back to the caller unchanged. The call carries the core secret
+(``headrace.controlplane.core.security``) beside the caller's ``authorization``.
 
 Under data parallelism (several cores) every call goes to every core at once and the answers
 are combined (``combine``): one configuration with the cores' counts summed (running, waiting,
@@ -16,8 +16,8 @@ import asyncio
 
 import grpc
 
-from controlplane import core_link
-from controlplane.admin import AdminService
+from headrace.controlplane.core import security as core_link
+from headrace.controlplane.admin import AdminService
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 

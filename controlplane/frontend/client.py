@@ -1,21 +1,21 @@
 """``CoreClient``: a front end's end of its ``EngineCore.Connect`` stream to the engine core.
 
-It stands where the ``Engine`` stands for ``controlplane.request_path`` (``submit``, ``abort``,
-``requests``, readiness, the model's limits), so the request path, the gRPC service and the
-HTTP API run unchanged in a front end. Requests keep their local ``Sequence``s: tokens coming
-down are appended to them, stop strings are matched here (a match finishes the sample here and
-in the core), and the client's handler builds its responses from them as in one process.
+It stands where the ``Engine`` stands for ``headrace.controlplane.requests.path`` (``submit``,
+``abort``, ``requests``, readiness, the model's limits), so the request path, the gRPC service and
+the HTTP API run unchanged in a front end. Requests keep their local ``Sequence``s: tokens coming
+down are appended to them, stop strings are matched here (a match finishes the sample here and in
+the core), and the client's handler builds its responses from them as in one process.
 
 Submissions and aborts are batched into one ``Up`` message per event-loop turn. While the core
 is unreachable every request fails UNAVAILABLE and ``healthy`` is False; the stream is opened
 again (``wait_for_ready``) as soon as the core answers. The stream goes over TLS and carries the
-core secret as ``controlplane.core_link`` says.
+core secret as ``headrace.controlplane.core.security`` says.
 
-Under data parallelism (``controlplane.frontend.router``, one client per core) the client asks
-for the core's load and prefix-cache changes (``placement``) and keeps them (``core_load``,
-``view``: what placement reads), and hands the requests of a lost core to ``on_lost`` (they
-resume on another core) instead of failing them, as it offers it a request the core failed
-(``on_failed``: one it could not serve may go on elsewhere)."""
+Under data parallelism (``headrace.controlplane.frontend.router``, one client per core) the client
+asks for the core's load and prefix-cache changes (``placement``) and keeps them (``core_load``,
+``view``: what placement reads), and hands the requests of a lost core to ``on_lost`` (they resume
+on another core) instead of failing them, as it offers it a request the core failed (``on_failed``:
+one it could not serve may go on elsewhere)."""
 
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ import grpc
 import structlog
 from opentelemetry import trace
 
-from common import tracing
-from common.logs import get_logger
-from controlplane import core_link
-from controlplane.cache_summary import CacheView
-from controlplane.frontend.down import DownMessages
-from controlplane.placement import load_score
-from controlplane.request import Failure, Request
+from headrace.common import tracing
+from headrace.common.logs import get_logger
+from headrace.controlplane.core import security as core_link
+from headrace.controlplane.kv.cache_summary import CacheView
+from headrace.controlplane.frontend.down import DownMessages
+from headrace.controlplane.frontend.placement import load_score
+from headrace.controlplane.requests.request import Failure, Request
 from headrace.core.v1 import core_pb2 as cpb
 from headrace.core.v1 import core_pb2_grpc as cpb_grpc
 
@@ -101,7 +101,7 @@ class CoreClient(DownMessages):
     def ready(self) -> bool:
         return self.healthy and not self.draining and self.scheduler is not None
 
-    # -- what placement reads (controlplane.placement.Candidate) -------------------------------
+    # -- what placement reads (headrace.controlplane.frontend.placement.Candidate) -------------------------------
     @property
     def load(self) -> int:
         """The core's last reported load plus what was placed on it since, or at least this

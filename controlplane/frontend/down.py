@@ -1,15 +1,15 @@
-"""How a front end applies its engine core's ``Down`` messages to its requests
-(``DownMessages``, a part of ``controlplane.frontend.client.CoreClient``): the token columns and
-deltas appended to the local sequences (stop strings matched here; a match finishes the sample
-here and, by an ``Abort``, in the core), failures handed to the requests (or offered to
-``on_failed``: under data parallelism a request may go on on another core), the core's state
-and, for placement, its load and prefix-cache changes. Then every request with news is woken."""
+"""How a front end applies its engine core's ``Down`` messages to its requests (``DownMessages``, a
+part of ``headrace.controlplane.frontend.client.CoreClient``): the token columns and deltas appended
+to the local sequences (stop strings matched here; a match finishes the sample here and, by an
+``Abort``, in the core), failures handed to the requests (or offered to ``on_failed``: under data
+parallelism a request may go on on another core), the core's state and, for placement, its load and
+prefix-cache changes. Then every request with news is woken."""
 
 from __future__ import annotations
 
 import grpc
 
-from controlplane.request import Failure, Request, Sequence, Status
+from headrace.controlplane.requests.request import Failure, Request, Sequence, Status
 from headrace.core.v1 import core_pb2 as cpb
 from headrace.v1 import inference_pb2 as pb
 

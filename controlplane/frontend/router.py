@@ -2,7 +2,7 @@
 (``--data-parallel-size M``: one ``CoreClient`` per core), standing where the ``Engine`` stands
 for the request path, as one ``CoreClient`` does for one core.
 
-- Placement (``controlplane.placement``): each request goes to the core chosen from the cores'
+- Placement (``headrace.controlplane.frontend.placement``): each request goes to the core chosen from the cores'
   published load and prefix caches, matched with the prompt's chained block hashes computed
   here (the prompt's token ids go to the chosen core only); the chosen core's view expects the
   prompt's blocks at once, so a burst sharing a new prefix follows its first request.
@@ -15,7 +15,7 @@ for the request path, as one ``CoreClient`` does for one core.
   once at most), and new requests avoid it until it is back. With no other core ready, a lost core's requests fail
   UNAVAILABLE and an unhealthy core keeps its own (it resumes them when its data plane is back).
 - Queues: each core bounds its own queue (``--max-queued``) and refuses what would pass it
-  (``controlplane.core.service``). Placement leaves out a core whose queue, as it last pushed
+  (``headrace.controlplane.core.service``). Placement leaves out a core whose queue, as it last pushed
   it, has no room for the request while another's has; a core that refuses it
   RESOURCE_EXHAUSTED all the same hands it to another core with room.
 - What the request path reads: ready / healthy while any core is; draining when every healthy
@@ -31,13 +31,13 @@ import grpc
 from opentelemetry import trace
 from prometheus_client import Counter
 
-from common.logs import get_logger
-from common.metrics import PREFIX
-from controlplane import limits
-from controlplane.cache_summary import prompt_hashes
-from controlplane.frontend.client import CoreClient
-from controlplane.placement import Placement
-from controlplane.request import Failure, Request
+from headrace.common.logs import get_logger
+from headrace.common.metrics import PREFIX
+from headrace.controlplane.requests import limits
+from headrace.controlplane.kv.cache_summary import prompt_hashes
+from headrace.controlplane.frontend.client import CoreClient
+from headrace.controlplane.frontend.placement import Placement
+from headrace.controlplane.requests.request import Failure, Request
 
 log = get_logger("headrace.frontend")
 NO_CORE = "no engine core is ready (restarting?); retry"

@@ -1,16 +1,16 @@
 """An API front-end process (``headrace frontend --index N``): the public gRPC server
 (Inference, Admin proxied to the core, health, reflection) and the OpenAI-compatible HTTP API,
 with authentication and TLS, over a ``CoreClient``. Validation, tokenisation, chat templates,
-detokenisation, stop strings and streaming run here (``controlplane.request_path``).
+detokenisation, stop strings and streaming run here (``headrace.controlplane.requests.path``).
 
 Front ends share the public ports: each binds them with SO_REUSEPORT and the kernel spreads
-connections over them (``headrace serve`` checks first that no other server holds the ports).
-Health is SERVING only while the core is connected, ready and not draining. The link to the
-core is secured as ``controlplane.core_link`` says (``core_credentials``: verify a TCP core's
-TLS certificate; ``core_secret``: present the core's secret).
+connections over them (``headrace serve`` checks first that no other server holds the ports). Health
+is SERVING only while the core is connected, ready and not draining. The link to the core is secured
+as ``headrace.controlplane.core.security`` says (``core_credentials``: verify a TCP core's TLS
+certificate; ``core_secret``: present the core's secret).
 
 With several core addresses (``--data-parallel-size``) the front end places each request on
-one of the cores (``controlplane.frontend.router``) and Admin calls reach every core."""
+one of the cores (``headrace.controlplane.frontend.router``) and Admin calls reach every core."""
 
 from __future__ import annotations
 
@@ -20,21 +20,22 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from common import security
-from controlplane.frontend.admin_proxy import AdminProxy
-from controlplane.frontend.client import CoreClient
-from controlplane.frontend.router import CoreRouter
-from controlplane.placement import Placement
-from controlplane.http.server import HttpFrontEnd, http_host
-from controlplane.http.timeouts import HTTP_TIMEOUTS
-from controlplane.metrics import ControlPlaneMetrics
-from controlplane.request_path import RequestPath
-from controlplane import core_link, limits
-from controlplane.admin import admin_access
-from controlplane.server import (ADMIN, BackgroundTasks, public_server, request_limits, set_health,
-                                 warn_if_open)
-from controlplane.service import NOT_READY, InferenceService
-from controlplane.tokenizer import ModelTokenizer
+from headrace.common import security
+from headrace.controlplane.frontend.admin_proxy import AdminProxy
+from headrace.controlplane.frontend.client import CoreClient
+from headrace.controlplane.frontend.router import CoreRouter
+from headrace.controlplane.frontend.placement import Placement
+from headrace.controlplane.http.server import HttpFrontEnd, http_host
+from headrace.controlplane.http.timeouts import HTTP_TIMEOUTS
+from headrace.controlplane.metrics import ControlPlaneMetrics
+from headrace.controlplane.requests.path import RequestPath
+from headrace.controlplane.core import security as core_link
+from headrace.controlplane.requests import limits
+from headrace.controlplane.admin import admin_access
+from headrace.controlplane.server import (ADMIN, BackgroundTasks, public_server, request_limits,
+                                          set_health, warn_if_open)
+from headrace.controlplane.service import NOT_READY, InferenceService
+from headrace.controlplane.requests.tokenizer import ModelTokenizer
 
 log = logging.getLogger("headrace.frontend")
 

@@ -1,9 +1,9 @@
 """The OpenAI-compatible routes (FastAPI): /v1/chat/completions, /v1/completions, /v1/models,
-/health, /ready, /tokenize, /detokenize. The ``--api-token`` (any of them) is checked as ``Authorization:
-Bearer`` before a body is read; bodies are read with a size bound (the largest valid request,
-``controlplane.limits``) and validated with the ``protocol`` models; every error
-is an OpenAI error object (never a stack trace); generation goes through the request path with
-the caller's headers (``traceparent``) and ``api="http"`` in the metrics."""
+/health, /ready, /tokenize, /detokenize. The ``--api-token`` (any of them) is checked as
+``Authorization: Bearer`` before a body is read; bodies are read with a size bound (the largest
+valid request, ``headrace.controlplane.requests.limits``) and validated with the ``protocol``
+models; every error is an OpenAI error object (never a stack trace); generation goes through the
+request path with the caller's headers (``traceparent``) and ``api="http"`` in the metrics."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from controlplane.http import convert, responses, streaming, structured
-from controlplane.http.convert import HttpError
-from controlplane.http.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                        TokenizeRequest, error_body)
-from controlplane.request_path import RequestError, RequestPath
-from common.security import as_tokens
+from headrace.controlplane.http import convert, responses, streaming, structured
+from headrace.controlplane.http.errors import HttpError
+from headrace.controlplane.http.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                 DetokenizeRequest, TokenizeRequest, error_body)
+from headrace.controlplane.requests.path import RequestError, RequestPath
+from headrace.common.security import as_tokens
 
 log = logging.getLogger("headrace.http")
 MAX_BODY_BYTES = 32 << 20

@@ -28,7 +28,7 @@ class _Sampling(_Body):
     max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = Field(1, ge=1, lt=1 << 32)   # at most the server's --max-n (controlplane.validation)
+    n: int = Field(1, ge=1, lt=1 << 32)   # at most the server's --max-n (headrace.controlplane.requests.validation)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=1 << 64)
     presence_penalty: float = 0.0
@@ -46,7 +46,7 @@ class _Sampling(_Body):
     priority: Int32 = 0
     stop_token_ids: list[TokenId] | None = None
     request_id: str | None = None
-    # structured outputs (controlplane.http.structured): OpenAI's, and vLLM's current and older
+    # structured outputs (headrace.controlplane.http.structured): OpenAI's, and vLLM's current and older
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None

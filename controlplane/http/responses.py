@@ -12,8 +12,8 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from starlette.responses import Response
 
-from controlplane.http.convert import HttpError
-from controlplane.http.protocol import error_body
+from headrace.controlplane.http.errors import HttpError
+from headrace.controlplane.http.protocol import error_body
 
 log = logging.getLogger("headrace.http")
 
@@ -33,9 +33,9 @@ async def _disconnected(receive) -> None:
 
 
 class Watched(Response):
-    """(A starlette ``Response`` only so FastAPI passes it through.) Runs ``work(send)`` until it is done or the client disconnects; ``on_gone`` is called
-    when the client left first. ``HttpError`` raised before anything was sent becomes its
-    OpenAI error object (and ``on_error(exc)``)."""
+    """(A starlette ``Response`` only so FastAPI passes it through.) Runs ``work(send)`` until it is
+    done or the client disconnects; ``on_gone`` is called when the client left first. ``HttpError``
+    raised before anything was sent becomes its OpenAI error object (and ``on_error(exc)``)."""
 
     def __init__(self, work: Callable[[Callable], Awaitable[None]], on_gone=None, on_error=None):
         self.work, self.on_gone, self.on_error = work, on_gone, on_error

@@ -3,7 +3,7 @@ gRPC aio server: binds its socket at start (so a taken port fails start-up), lea
 handling to the control plane, and stops gracefully with it. A port in use is ``PortInUse``
 (one line from the command line, as for the gRPC port). A connection is closed when a request's
 headers do not arrive within ``header_timeout`` seconds, or when it idles ``keep_alive_timeout``
-seconds between requests (``controlplane.http.timeouts``)."""
+seconds between requests (``headrace.controlplane.http.timeouts``)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import socket
 
 import uvicorn
 
-from common import net
-from controlplane.http import timeouts
-from controlplane.http.app import MAX_BODY_BYTES, build_app
-from controlplane.request_path import RequestPath
+from headrace.common import net
+from headrace.controlplane.http import timeouts
+from headrace.controlplane.http.app import MAX_BODY_BYTES, build_app
+from headrace.controlplane.requests.path import RequestPath
 
 
 def http_host(grpc_address: str) -> str:

@@ -12,9 +12,10 @@ import time
 import uuid
 from typing import AsyncIterator, Callable
 
-from controlplane.http.convert import FINISH, HttpError
-from controlplane.http.tool_calls import ToolCalls
-from controlplane.request_path import RequestError
+from headrace.controlplane.http.convert import FINISH
+from headrace.controlplane.http.errors import HttpError
+from headrace.controlplane.http.tool_calls import ToolCalls
+from headrace.controlplane.requests.path import RequestError
 from headrace.v1 import inference_pb2 as pb
 
 MIN_LOGPROB = -9999.0   # JSON has no -inf (vLLM clamps the same way)
@@ -61,7 +62,7 @@ class Formatter:
     def __init__(self, chat: bool, model: str, n: int, top_logprobs: int | None,
                  token_text: Callable[[int], str], tools: str | None = None):
         """``tools``: a forced tool choice (the function's name or "required"): chat answers
-        are ``tool_calls`` (``controlplane.http.tool_calls``)."""
+        are ``tool_calls`` (``headrace.controlplane.http.tool_calls``)."""
         self.chat, self.model, self.n, self.top_n = chat, model, n, top_logprobs
         self.tools = ToolCalls(tools) if tools and chat else None
         self.token_text = token_text

@@ -10,7 +10,7 @@
   constrains the output to that tool's ``parameters`` schema, ``"required"`` to a JSON array of
   calls (``[{"name", "parameters"}]``) of the given tools (one, with ``parallel_tool_calls:
   false``); the response then carries
-  ``tool_calls`` (``controlplane.http.tool_calls``). ``"auto"`` and ``"none"`` constrain nothing.
+  ``tool_calls`` (``headrace.controlplane.http.tool_calls``). ``"auto"`` and ``"none"`` constrain nothing.
 
 At most one of them may be given; every problem is a 400 naming the parameter.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from controlplane.http import convert   # (convert imports this module: HttpError at call time)
+from headrace.controlplane.http.errors import HttpError
 from headrace.v1 import inference_pb2 as pb
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -32,7 +32,7 @@ def _schema_text(value: Any, param: str) -> str:
         return value   # checked (as JSON) by the request path
     if isinstance(value, (dict, bool)):
         return json.dumps(value)
-    raise convert.HttpError(400, f"{param} must be a JSON Schema (an object)", param)
+    raise HttpError(400, f"{param} must be a JSON Schema (an object)", param)
 
 
 def _one(kind: str, value: Any, param: str, backend: str = "") -> pb.StructuredOutputs:
@@ -41,15 +41,15 @@ def _one(kind: str, value: Any, param: str, backend: str = "") -> pb.StructuredO
         msg.json_schema = _schema_text(value, param)
     elif kind == "json_object":
         if value is not True:
-            raise convert.HttpError(400, f"{param} must be true", param)
+            raise HttpError(400, f"{param} must be true", param)
         msg.json_object = True
     elif kind == "choice":
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
-            raise convert.HttpError(400, f"{param} must be a list of strings", param)
+            raise HttpError(400, f"{param} must be a list of strings", param)
         msg.choice.choices.extend(value)
     else:
         if not isinstance(value, str):
-            raise convert.HttpError(400, f"{param} must be a string", param)
+            raise HttpError(400, f"{param} must be a string", param)
         setattr(msg, kind, value)
     return msg
 
@@ -63,20 +63,20 @@ def _response_format(fmt: dict) -> pb.StructuredOutputs | None:
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
-            raise convert.HttpError(400, "response_format.json_schema.schema is required", "response_format")
+            raise HttpError(400, "response_format.json_schema.schema is required", "response_format")
         return _one("json", spec["schema"], "response_format")
-    raise convert.HttpError(400, f"response_format type {kind!r} is not supported (text, json_object, "
+    raise HttpError(400, f"response_format type {kind!r} is not supported (text, json_object, "
                          "json_schema)", "response_format")
 
 
 def _structured_outputs(so: dict, backend: str) -> pb.StructuredOutputs:
     for key in UNSUPPORTED_KEYS:
         if so.get(key) is not None:
-            raise convert.HttpError(400, f"structured_outputs.{key} is not supported", "structured_outputs")
+            raise HttpError(400, f"structured_outputs.{key} is not supported", "structured_outputs")
     given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
              if so.get(k) not in (None, False)]
     if len(given) != 1:
-        raise convert.HttpError(400, "structured_outputs: give exactly one of json, regex, choice, grammar, "
+        raise HttpError(400, "structured_outputs: give exactly one of json, regex, choice, grammar, "
                              "json_object", "structured_outputs")
     return _one(given[0], so[given[0]], f"structured_outputs.{given[0]}", backend)
 
@@ -90,7 +90,7 @@ def _tool_schema(body) -> tuple[pb.StructuredOutputs | None, Any]:
     functions = [t.get("function") for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)]
     if choice == "required":
         if not functions:
-            raise convert.HttpError(400, "tool_choice 'required' needs tools", "tool_choice")
+            raise HttpError(400, "tool_choice 'required' needs tools", "tool_choice")
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f.get("name")]},
                                                    "parameters": _parameters(f)},
                   "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
@@ -100,12 +100,12 @@ def _tool_schema(body) -> tuple[pb.StructuredOutputs | None, Any]:
         return pb.StructuredOutputs(json_schema=json.dumps(schema)), "required"
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
-        raise convert.HttpError(400, "tool_choice must be 'none', 'auto', 'required' or "
+        raise HttpError(400, "tool_choice must be 'none', 'auto', 'required' or "
                              "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
     for f in functions:
         if f.get("name") == name:
             return pb.StructuredOutputs(json_schema=json.dumps(_parameters(f))), name
-    raise convert.HttpError(400, f"tool_choice names the function {name!r}, which tools do not have", "tool_choice")
+    raise HttpError(400, f"tool_choice names the function {name!r}, which tools do not have", "tool_choice")
 
 
 def tool_mode(body) -> str | None:
@@ -148,7 +148,7 @@ def constraint(body, chat: bool) -> tuple[pb.StructuredOutputs | None, Any]:
             found.append(("tool_choice", tool_msg))
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
-        raise convert.HttpError(400, f"give one structured-output constraint, not several ({names})", found[1][0])
+        raise HttpError(400, f"give one structured-output constraint, not several ({names})", found[1][0])
     if not found:
         return None, None
     msg = found[0][1]

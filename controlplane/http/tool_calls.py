@@ -1,11 +1,10 @@
-"""Chat answers to a forced tool choice (``tool_choice`` naming a function, or
-``"required"``), shaped as OpenAI's ``tool_calls``. The output was constrained to the call's
-arguments (``controlplane.http.structured``): for a named function it is the arguments' JSON
-itself, streamed as ``delta.tool_calls[0].function.arguments`` pieces; for ``"required"`` it is
-a JSON array of ``{"name", "parameters"}``, parsed into one call each once it is complete (a
-stream gets them in its last delta). Finish reasons follow vLLM's: ``stop`` for a named
-function, ``tool_calls`` for ``required`` (``length`` stays ``length``; an array cut short is
-returned as plain content)."""
+"""Chat answers to a forced tool choice (``tool_choice`` naming a function, or ``"required"``),
+shaped as OpenAI's ``tool_calls``. The output was constrained to the call's arguments
+(``headrace.controlplane.http.structured``): for a named function it is the arguments' JSON itself,
+streamed as ``delta.tool_calls[0].function.arguments`` pieces; for ``"required"`` it is a JSON array
+of ``{"name", "parameters"}``, parsed into one call each once it is complete (a stream gets them in
+its last delta). Finish reasons follow vLLM's: ``stop`` for a named function, ``tool_calls`` for
+``required`` (``length`` stays ``length``; an array cut short is returned as plain content)."""
 
 from __future__ import annotations
 

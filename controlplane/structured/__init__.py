@@ -2,4 +2,4 @@
 engines (``backends``: llguidance by default, ``guidance``; ``xgrammar`` selectable), compiling
 off the event loop with a cache (``compiler``), and the engine's per-sequence matchers and
 per-step token bitmasks (``outputs``). The data plane only applies the bitmasks
-(``dataplane.bitmasks``, ``kernels.apply_token_bitmask``). docs/structured_outputs.md."""
+(``headrace.dataplane.bitmasks``, ``kernels.apply_token_bitmask``). docs/structured_outputs.md."""

@@ -8,7 +8,7 @@ transformers when it loads (its own dependencies, for its GPU kernels), so choos
 the engine core torch. ``auto`` takes guidance when it is installed, else xgrammar.
 
 A backend compiles a ``Constraint`` into a ``Compiled`` grammar (off the event loop:
-``controlplane.structured.compiler``), and a compiled grammar gives each sequence its own
+``headrace.controlplane.structured.compiler``), and a compiled grammar gives each sequence its own
 ``Matcher``: it consumes the tokens the sequence samples and fills the packed bitmask of the
 tokens allowed next (``bitmask_words`` int32 words, bit t % 32 of word t / 32 for token t).
 """
@@ -90,10 +90,10 @@ def load(name: str, model_dir: str | pathlib.Path, vocab_size: int, eos_token_id
     Slow (it reads the vocabulary; xgrammar also imports torch): run it off the event loop."""
     tokenizer_file = pathlib.Path(model_dir) / "tokenizer.json"
     if name == "guidance":
-        from controlplane.structured.guidance import GuidanceBackend
+        from headrace.controlplane.structured.guidance import GuidanceBackend
 
         return GuidanceBackend(tokenizer_file, vocab_size, eos_token_ids)
-    from controlplane.structured.xgrammar_engine import XGrammarBackend
+    from headrace.controlplane.structured.xgrammar_engine import XGrammarBackend
 
     return XGrammarBackend(tokenizer_file, vocab_size, eos_token_ids)
 

@@ -18,8 +18,8 @@ import logging
 import threading
 import time
 
-from controlplane.structured import backends
-from controlplane.structured.spec import Constraint, ConstraintError
+from headrace.controlplane.structured import backends
+from headrace.controlplane.structured.spec import Constraint, ConstraintError
 
 log = logging.getLogger("headrace.structured")
 COMPILE_THREADS = 2

@@ -30,7 +30,7 @@ import llguidance.numpy
 import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from controlplane.structured.spec import Constraint, ConstraintError
+from headrace.controlplane.structured.spec import Constraint, ConstraintError
 
 log = logging.getLogger("headrace.structured")
 LANES_PER_THREAD = 1

@@ -13,7 +13,7 @@ with nothing else in flight) get theirs inline. While any constrained sequence r
 at most are in flight. With no constrained sequence alive nothing here runs per step.
 
 Speculative decoding (n-gram): a constrained decode given draft positions gets the drafts the
-worker's rule would propose, computed here (``common.ngram``), each checked against the
+worker's rule would propose, computed here (``headrace.common.ngram``), each checked against the
 grammar: they stop at the first token the grammar rejects, the step carries a bitmask per
 verified position (the matcher advanced through the drafts, then rolled back) and the worker
 verifies exactly those drafts, so every token it emits is one the grammar allows, sampled from
@@ -37,13 +37,13 @@ import logging
 import grpc
 import numpy as np
 
-from common.ngram import ngram_propose
-from controlplane.request import Failure, Request, Sequence, Status
-from controlplane.step import ScheduledStep
-from controlplane.structured import backends, shared_masks
-from controlplane.structured.compiler import GrammarCompiler
-from controlplane.structured.spec import ConstraintError
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.common.ngram import ngram_propose
+from headrace.controlplane.requests.request import Failure, Request, Sequence, Status
+from headrace.controlplane.scheduling.step import ScheduledStep
+from headrace.controlplane.structured import backends, shared_masks
+from headrace.controlplane.structured.compiler import GrammarCompiler
+from headrace.controlplane.structured.spec import ConstraintError
+from headrace.worker.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
 
 log = logging.getLogger("headrace.structured")
@@ -173,7 +173,7 @@ class StructuredOutputs:
         """The bitmasks ``step`` needs (None: no constrained row samples in it). Call after
         ``schedule`` and before ``after_step`` (a row samples when it computes its last token).
         In a speculating step (n-gram, ``speculation``), a constrained decode given positions
-        gets the drafts the worker's rule proposes (``common.ngram``), to be checked."""
+        gets the drafts the worker's rule proposes (``headrace.common.ngram``), to be checked."""
         seqs = [seq for seq, n in step.scheduled()
                 if seq.grammar is not None and seq.num_computed + n == seq.num_total]
         if not seqs:

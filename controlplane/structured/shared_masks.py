@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-from headrace.dataplane.v1 import worker_pb2 as wpb
+from headrace.worker.v1 import worker_pb2 as wpb
 
 _HAS_BITWISE_COUNT = hasattr(np, "bitwise_count")   # numpy >= 2.0
 SHARED_FROM_BYTES = 128 << 10

@@ -5,7 +5,7 @@ makes before anything is compiled, and the key grammars are cached by.
 Kinds: ``json`` (a JSON Schema's text), ``json_object`` (any JSON object), ``regex``,
 ``choice`` (one of a list of strings; its text is the list as JSON) and ``grammar`` (GBNF /
 EBNF, or Lark with the guidance backend). Whether a constraint compiles is the grammar engine's
-to say (``controlplane.structured.compiler``); here only what needs no engine is checked."""
+to say (``headrace.controlplane.structured.compiler``); here only what needs no engine is checked."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import dataclasses
 import hashlib
 import json
 
-from controlplane.limits import MAX_CONSTRAINT_BYTES
-from controlplane.validation import ValidationError
+from headrace.controlplane.requests.limits import MAX_CONSTRAINT_BYTES
+from headrace.controlplane.requests.errors import ValidationError
 from headrace.v1 import inference_pb2 as pb
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")

@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 
-from controlplane.structured.spec import Constraint, ConstraintError
+from headrace.controlplane.structured.spec import Constraint, ConstraintError
 
 JSON_OBJECT = '{"type": "object"}'
 COMPILE_THREADS = 2

@@ -2,7 +2,7 @@
 (``formats``), the quantized linear layers (``layers``) and the loader seam (``loading``).
 See docs/quantization.md."""
 
-from dataplane.quantization.config import (FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, METHODS, QuantConfig,
-                                           QuantizationError, resolve)
+from headrace.dataplane.quantization.config import (FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, METHODS,
+                                                    QuantConfig, QuantizationError, resolve)
 
 __all__ = ["FP8_KV_CACHE_DTYPES", "KV_CACHE_DTYPES", "METHODS", "QuantConfig", "QuantizationError", "resolve"]

@@ -1,6 +1,6 @@
 """Per-format readers: one linear layer's checkpoint tensors -> a ``QWeight`` in one canonical
 layout, whatever packed it (GPTQ, AWQ, compressed-tensors, FP8), so sharding, merging and the
-kernels' repacking are written once (``dataplane.quantization.loading``).
+kernels' repacking are written once (``headrace.dataplane.quantization.loading``).
 
 Published layouts (``out`` x ``in`` is nn.Linear's weight shape; P = 32 / bits values per int32):
 
@@ -24,8 +24,8 @@ import dataclasses
 
 import torch
 
-from dataplane.quantization.config import QuantConfig, QuantizationError
-from kernels import reference_quant
+from headrace.dataplane.quantization.config import QuantConfig, QuantizationError
+from headrace.kernels import reference_quant
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 

@@ -1,15 +1,15 @@
 """The quantized linear layers that replace the model's projections (never the LM head).
 
 ``Fp8Linear`` (W8A8: e4m3 weight, per-row scales, per-token or static activation scale) and
-``WNA16Linear`` (4- or 8-bit integer weights packed for ``kernels.wna16_linear``, group scales
-and zeros, activations in the model dtype) call the kernels in ``kernels``: the plain-torch
-reference where it runs (CPU), and on the GPU the kernel ``kernels.quant_dispatch`` plans for
-the layer's scheme, shape and row count under ``--quant-backend`` (our Triton kernels, or a
-library's: ``kernels.quant_libs``). The plan, and any library layout it needs, is made at the
-layer's first GPU call (the worker's warm-up, eager; ``warm_up`` then compiles every row
-bucket's kernel before CUDA graphs are captured: the skinny kernels' tiles are pinned by the
-measured table or computed, so this is a few compiles shared across shapes, no timing). ``build`` turns a (sharded, merged) ``QWeight`` into a layer;
-``RowParallel`` variants all-reduce their partial products.
+``WNA16Linear`` (4- or 8-bit integer weights packed for ``kernels.wna16_linear``, group scales and
+zeros, activations in the model dtype) call the kernels in ``kernels``: the plain-torch reference
+where it runs (CPU), and on the GPU the kernel ``headrace.kernels.quant_dispatch`` plans for the
+layer's scheme, shape and row count under ``--quant-backend`` (our Triton kernels, or a library's:
+``headrace.kernels.quant_libs``). The plan, and any library layout it needs, is made at the layer's
+first GPU call (the worker's warm-up, eager; ``warm_up`` then compiles every row bucket's kernel
+before CUDA graphs are captured: the skinny kernels' tiles are pinned by the measured table or
+computed, so this is a few compiles shared across shapes, no timing). ``build`` turns a (sharded,
+merged) ``QWeight`` into a layer; ``RowParallel`` variants all-reduce their partial products.
 """
 
 from __future__ import annotations
@@ -17,17 +17,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-from dataplane import parallel
-from dataplane.quantization.formats import QWeight
-from kernels import (quant_dispatch, quant_libs, reference_quant, skinny_gemm, triton_w4a16,
-                     triton_w4a16_tiled)
+from headrace import kernels
+from headrace.dataplane import parallel
+from headrace.dataplane.quantization.formats import QWeight
+from headrace.kernels import quant_dispatch, quant_libs, reference_quant
 
 W8A8_OURS = ("scaled_mm", "fp8_w8a8")   # our W8A8 kernels: they take kernels.Fp8Rows
 
 
 class _Planned(nn.Module):
-    """Per row count, the kernel of ``kernels.quant_dispatch``'s plan (on the Triton path)."""
+    """Per row count, the kernel of ``headrace.kernels.quant_dispatch``'s plan (on the Triton path)."""
 
     scheme = ""
 
@@ -53,7 +52,7 @@ class _Planned(nn.Module):
         return name
 
     def _make_plan(self, dtype: torch.dtype, device: torch.device) -> None:
-        if skinny_gemm.capturing(device):
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("a quantized layer's first call is inside CUDA-graph capture; run "
                                "the model eagerly first (warm-up)")
         self.plan = quant_dispatch.plan(self.scheme, self.out_features, self.in_features,
@@ -149,9 +148,14 @@ class WNA16Linear(_Planned):
         self._dense: torch.Tensor | None = None
 
     def takes(self, name: str, dtype: torch.dtype) -> bool:
+        # our Triton kernels' modules import triton: only where they can run (never on a CPU)
         if name == "triton_skinny":
+            from headrace.kernels import triton_w4a16
+
             return triton_w4a16.supports(self.bits, self.group_size, self.in_features)
         if name == "triton_tiled":
+            from headrace.kernels import triton_w4a16_tiled
+
             return triton_w4a16_tiled.supports(self.bits, self.group_size, self.out_features,
                                                self.in_features)
         return quant_libs.takes(name, scheme="wna16", n=self.out_features, k=self.in_features,
@@ -159,6 +163,8 @@ class WNA16Linear(_Planned):
 
     def prepare(self, name: str, dtype: torch.dtype):
         if name == "triton_tiled":
+            from headrace.kernels import triton_w4a16_tiled
+
             return triton_w4a16_tiled.pack_tiled(self.qweight)
         return quant_libs.prepare_wna16(name, self.qweight, self.scales, self.zeros, self.bits,
                                         self.group_size, dtype)

@@ -1,4 +1,4 @@
-"""Loads the quantized projections: the seam between ``dataplane.loader`` and the formats.
+"""Loads the quantized projections: the seam between ``headrace.dataplane.loader`` and the formats.
 
 Pre-quantized checkpoints: ``prepare`` swaps the model's projections (still on the meta device)
 for weightless placeholders; ``QuantLoader.take`` collects every tensor of a quantized HF
@@ -19,10 +19,10 @@ import re
 import torch
 from torch import nn
 
-from dataplane.config import ModelConfig
-from dataplane.parallel import Shard
-from dataplane.quantization import formats, layers
-from dataplane.quantization.config import QuantConfig, QuantizationError
+from headrace.dataplane.config import ModelConfig
+from headrace.dataplane.parallel import Shard, merged_part
+from headrace.dataplane.quantization import formats, layers
+from headrace.dataplane.quantization.config import QuantConfig, QuantizationError
 
 MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
           "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
@@ -49,14 +49,13 @@ def full_shape(cfg: ModelConfig, proj: str) -> tuple[int, int]:
 
 
 def _shard(cfg: ModelConfig, shard: Shard, proj: str, w: formats.QWeight) -> formats.QWeight:
-    from dataplane.loader import _merged_plan   # the dense loader's shard arithmetic
     merged, index = _merged_of(proj)
     if merged == "o_proj":
         return w.cols(shard.head_start * cfg.head_dim, shard.num_heads * cfg.head_dim)
     if merged == "down_proj":
         i = shard.intermediate_size
         return w.cols(shard.rank * i, i)
-    _, src, rows, _ = _merged_plan(cfg, shard, merged, index)
+    _, src, rows, _ = merged_part(cfg, shard, merged, index)
     return w.rows(src, rows)
 
 

@@ -1,4 +1,4 @@
-from headrace.dataplane.v1 import worker_pb2 as _worker_pb2
+from headrace.worker.v1 import worker_pb2 as _worker_pb2
 from headrace.v1 import inference_pb2 as _inference_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
