@@ -25,7 +25,8 @@ shift
 SECTIONS=${*:-install tests bench w1 long}
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
 SITE=/tmp/site
-export PYTHONPATH=$PWD:$PWD/protos:$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-}
+export PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+. bench/source_path.sh   # the checkout as the package headrace
 export PYTHONUNBUFFERED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=${FA4_CACHE:-1}
 RESULTS=$OUT/fa4.jsonl; : > "$RESULTS"
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-560} ))

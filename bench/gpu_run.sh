@@ -53,7 +53,8 @@
 #     p50 (target >= 1.5x) and DP=2 / DP=1 W1 throughput (target >= 0.9x). ~5 minutes.
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD:$PWD/protos:${PYTHONPATH:-} PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+. bench/source_path.sh   # the checkout as the package headrace
 SECTIONS=${*:-tests w2 w1 w1o w3}
 [[ " $SECTIONS " == *" tier "* ]] && SECTIONS="$SECTIONS w5 w5w1 w5swap w5l"
 log() { echo "== $* ($(date +%T))"; }
@@ -197,7 +198,7 @@ if has structured; then
   SITE=${SITE:-/tmp/site}; mkdir -p "$SITE"
   log structured-install; python3 -m pip install -q --no-index --no-deps --target "$SITE" --upgrade \
     "${STRUCTURED_WHEELS:-.whl}"/*.whl 2>&1 | tail -2
-  export PYTHONPATH=$PWD:$PWD/protos:$SITE:$PYTHONPATH
+  export PYTHONPATH=$SITE:$PYTHONPATH
   python3 -c "import llguidance, xgrammar, jsonschema; print('grammar engines import')" 2>&1 | tail -1
   log structured-tests-gpu
   HEADRACE_TEST_DEVICE=cuda timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_structured_dataplane.py \

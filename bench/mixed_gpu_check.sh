@@ -23,7 +23,8 @@
 set -uo pipefail
 SECTIONS=${*:-tests kernel steps w1}
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD:$PWD/protos:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+. bench/source_path.sh   # the checkout as the package headrace
 RESULTS=$OUT/mixed.jsonl; : > "$RESULTS"
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-230} ))
 log() { echo "== $* ($(date +%T))"; }

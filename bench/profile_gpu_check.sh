@@ -13,7 +13,8 @@
 # plugin), $OUT/profile-*.json|txt.
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD:$PWD/protos:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
+. bench/source_path.sh   # the checkout as the package headrace
 PORT=${PORT:-50171}; ADDR=127.0.0.1:$PORT; PROFILE=$OUT/profile
 log() { echo "== $* ($(date +%T))"; }
 log gpu; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

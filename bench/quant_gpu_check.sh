@@ -50,7 +50,8 @@
 # The last lines: a short table of each section's wall time and result.
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD:$PWD/protos:/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+. bench/source_path.sh   # the checkout as the package headrace
 SECTIONS=${*:-wheels tests gemm attention}
 [[ " $SECTIONS " == *" serve "* ]] && SECTIONS="$SECTIONS w1kv l8"
 log() { echo "== $* ($(date +%T))"; }

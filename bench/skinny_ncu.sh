@@ -13,7 +13,8 @@
 # Reports under $OUT: NAME.txt (ncu's details), w4a16_m16_sass.csv; the last lines: a table.
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD:$PWD/protos:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
+. bench/source_path.sh   # the checkout as the package headrace
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 TABLE=$OUT/table.txt; : > "$TABLE"
 prof() {   # NAME ARGS...: ncu's sections for the 4th launch of one skinny GEMM
