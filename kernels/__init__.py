@@ -3,7 +3,8 @@
 Each op has a plain-torch reference in ``kernels.reference`` and a Triton version (in
 ``kernels.triton_ops``, ``kernels.triton_attention`` (with ``kernels.triton_decode`` and
 ``kernels.triton_flash``; ``unified_attention``: ``kernels.triton_unified``), ``kernels.triton_prologue``, ``kernels.triton_linear``,
-``kernels.triton_sampling`` or ``kernels.triton_bitmask`` (structured outputs' token mask); the quantized linears ``fp8_linear`` and ``wna16_linear``:
+``kernels.triton_sampling`` or ``kernels.triton_bitmask`` (structured outputs' token mask); the batched LoRA update
+``lora_shrink`` / ``lora_expand`` / ``lora_add``: ``kernels.reference_lora`` and ``kernels.triton_lora``; the quantized linears ``fp8_linear`` and ``wna16_linear``:
 ``kernels.reference_quant`` and ``kernels.triton_quant``) that must match it. The choice is resolved once, at import, from
 the environment variable ``HEADRACE_KERNELS``:
 
@@ -34,7 +35,7 @@ import os
 
 import torch
 
-from kernels import flash_attn4, reference, reference_quant
+from kernels import flash_attn4, reference, reference_lora, reference_quant
 
 MODE = os.environ.get("HEADRACE_KERNELS", "auto")
 if MODE not in ("auto", "triton", "reference"):
@@ -45,8 +46,9 @@ def _load_triton():
     if MODE == "reference" or (MODE == "auto" and not torch.cuda.is_available()):
         return None
     try:
-        from kernels import (triton_attention, triton_bitmask, triton_linear, triton_ops,
-                             triton_prologue, triton_quant, triton_sampling, triton_unified)
+        from kernels import (triton_attention, triton_bitmask, triton_linear, triton_lora,
+                             triton_ops, triton_prologue, triton_quant, triton_sampling,
+                             triton_unified)
     except ImportError:
         if MODE == "triton":
             raise
@@ -54,7 +56,8 @@ def _load_triton():
     return {"paged_attention": triton_attention, "sample_race": triton_sampling,
             "qk_norm_rope_write_kv": triton_prologue, "linear": triton_linear,
             "fp8_linear": triton_quant, "wna16_linear": triton_quant,
-            "apply_token_bitmask": triton_bitmask, "unified_attention": triton_unified}, triton_ops
+            "apply_token_bitmask": triton_bitmask, "unified_attention": triton_unified,
+            "lora_shrink": triton_lora, "lora_expand": triton_lora, "lora_add": triton_lora}, triton_ops
 
 
 def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
@@ -126,6 +129,11 @@ apply_token_bitmask = _select(reference.apply_token_bitmask, "apply_token_bitmas
 qk_norm_rope_write_kv = _select(reference.qk_norm_rope_write_kv, "qk_norm_rope_write_kv")
 linear = _select(reference.linear, "linear")
 copy_blocks = reference.copy_blocks   # one indexed copy per layer: torch is the kernel
+# multi-LoRA serving: the batched low-rank update of the tokens of each adapter slot
+LoraMeta = reference_lora.LoraMeta
+lora_shrink = _select(reference_lora.lora_shrink, "lora_shrink")
+lora_expand = _select(reference_lora.lora_expand, "lora_expand")
+lora_add = _select(reference_lora.lora_add, "lora_add")
 
 
 def on_triton(x: torch.Tensor | str | torch.device) -> bool:
