@@ -42,6 +42,7 @@ from dataplane import bitmasks, kv_offload, late_sampling, parallel, staging, st
 from dataplane.forward import StepForward, step_kind
 from dataplane.input_batch import BatchError, InputBatch, PreparedBatch
 from dataplane.late_sampling import LateSampler
+from dataplane.lora import batch as lora_batch
 from dataplane.launched import Launched, Prepared
 from dataplane.model import CausalLM
 from dataplane.sampler import SampleOutput, SamplingBatch, device_arrays, sample
@@ -74,6 +75,7 @@ class ModelRunner:
         self.forward = StepForward(model, kv_caches, device, max_num_seqs, graphs, mixed,
                                    self.draft, attention)
         self.stager = staging.Stager(device)   # a step's inputs: one copy, from pinned buffers
+        self.lora = getattr(model, "lora", None)   # --enable-lora: dataplane.lora.batch.LoraBatch
         self.rank = rank
         self.rng = np.random.default_rng(seed)   # seeds of the unseeded rows' sampling noise
         self._last_done: torch.cuda.Event | None = None
@@ -138,6 +140,8 @@ class ModelRunner:
         delta = step_delta.apply(self.batch, self.index, step, self.seq_of_row, self.num_blocks,
                                  self.spec is not None)
         kv_offload.check_step(self.host_kv, step)
+        if step.lora_loads or self.batch.num_lora_rows:   # adapters into slots, before the forward
+            lora_batch.apply_loads(self.lora, step, self.batch.num_lora_rows)
         if len(delta.rows) == 0:   # every sequence of the step stopped: its block copies still run
             return Prepared(step, launched, delta)
         batch, rows = self.batch, delta.rows

@@ -1,0 +1,211 @@
+"""Multi-LoRA serving on the data plane: PEFT adapters read, checked and sharded
+(``dataplane.lora.adapter``), packed into slots (``dataplane.lora.slots``) and applied in the
+model's projections (``dataplane.lora.layers``): greedy tokens equal transformers + peft's
+(unmerged and merged), in batches mixing three adapters and the base model, each sequence as
+it decodes alone; with the CUDA graphs' stand-ins too (tests/graphs.py). Also: what the
+worker refuses, and with which message."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dataplane.lora import batch as lora_batch
+from dataplane.lora.adapter import AdapterError
+from dataplane.worker import Worker, WorkerOptions
+from headrace.dataplane.v1 import worker_pb2 as wpb
+from tests import graphs
+from tests.checkpoints import make_checkpoint
+from tests.lora_harness import greedy_on_worker, hf_greedy, hf_model, make_adapter
+
+CUDA = os.environ.get("HEADRACE_TEST_DEVICE", "cpu").startswith("cuda")
+PROMPTS = [[5, 17, 42, 9, 100, 3], [7, 8, 250, 31], [60, 61, 62, 63, 64, 65, 66, 67, 68], [2, 300, 12]]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A qwen3 checkpoint (q/k norm, GQA) and three adapters: all 7 projections at rank 8,
+    attention only at rank 4 with rsLoRA, and the MLP only with a rank pattern."""
+    root = tmp_path_factory.mktemp("lora")
+    base = make_checkpoint(root / "base", "qwen3", heads=4, kv_heads=2, head_dim=32)
+    adapters = [
+        make_adapter(base, root / "all", seed=1, r=8, alpha=16),
+        make_adapter(base, root / "attn", seed=2, r=4, alpha=8, rslora=True,
+                     targets=("q_proj", "k_proj", "v_proj", "o_proj")),
+        make_adapter(base, root / "mlp", seed=3, r=8, alpha=32, targets=("gate_proj", "up_proj", "down_proj"),
+                     rank_pattern={"down_proj": 4}, alpha_pattern={"up_proj": 8}),
+    ]
+    return base, adapters
+
+
+def _worker(base, **options) -> Worker:
+    opts = dict(model=str(base), device="cuda" if CUDA else "cpu", dtype="float32",
+                num_kv_blocks=128, block_size=16, max_num_seqs=8, max_batched_tokens=64,
+                enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=4)
+    return Worker(WorkerOptions(**(opts | options)))
+
+
+def _cache(worker, adapters):
+    for i, path in enumerate(adapters):
+        worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=100 + i, path=str(path)))
+
+
+@pytest.mark.slow
+def test_mixed_batch_equals_peft_unmerged_and_merged(model):
+    base, adapters = model
+    worker = _worker(base)
+    _cache(worker, adapters)
+    loads = [(1, 100), (2, 101), (3, 102)]
+    seqs = [(PROMPTS[0], 1), (PROMPTS[1], 2), (PROMPTS[2], 0), (PROMPTS[3], 3)]
+    mixed = greedy_on_worker(worker, seqs, NEW, loads)
+    refs = [hf_model(base), *(hf_model(base, a) for a in adapters)]
+    for (prompt, slot), got in zip(seqs, mixed):
+        assert got == hf_greedy(refs[slot], prompt, NEW), f"slot {slot}"
+    merged = hf_model(base, adapters[0], merged=True)
+    assert mixed[0] == hf_greedy(merged, PROMPTS[0], NEW)
+    # each alone gives the tokens it got in the mixed batch; the base model is not the adapter's
+    for (prompt, slot), got in zip(seqs, mixed):
+        assert greedy_on_worker(worker, [(prompt, slot)], NEW, first_step=100) == [got]
+    assert greedy_on_worker(worker, [(PROMPTS[0], 0)], NEW, first_step=200) != [mixed[0]]
+
+
+@pytest.mark.slow
+def test_graph_stand_ins_replay_the_lora_variant(model):
+    """The CUDA graphs' buffer logic (stand-ins off CUDA): decode steps in the decode graphs,
+    the prefill in the piecewise ones, the LoRA variant only where a token has an adapter."""
+    base, adapters = model
+    worker = _worker(base)
+    g = graphs.attach(worker)
+    assert g.decode.variants == (False, True) and g.mixed.variants == (False, True)
+    assert len(g.decode.lora_graphs) == len(g.decode.graphs)
+    _cache(worker, adapters[:2])
+    modes = graphs.record_modes(worker.runner)
+    seqs = [(PROMPTS[0], 1), (PROMPTS[1], 0), (PROMPTS[3], 2)]
+    got = greedy_on_worker(worker, seqs, NEW, [(1, 100), (2, 101)])
+    assert ("decode", "full") in modes and ("prefill", "piecewise") in modes
+    eager = _worker(base)
+    _cache(eager, adapters[:2])
+    assert got == greedy_on_worker(eager, seqs, NEW, [(1, 100), (2, 101)])
+
+
+def test_tensor_parallel_shards_sum_to_the_whole_update(model):
+    """Each rank's shard (A like the layer's input, B like its output) applied to its part of
+    the projection gives, concatenated (column-parallel) or summed (row-parallel), the update
+    of the unsharded adapter."""
+    from dataplane.config import load_model_config
+    from dataplane.lora import adapter as lora_adapter
+    from dataplane.parallel import Shard
+
+    base, adapters = model
+    cfg = load_model_config(base)
+    whole = lora_adapter.load(adapters[0], cfg, None, 8, torch.float32).weights
+    parts = [lora_adapter.load(adapters[0], cfg, Shard.of(cfg, r, 2), 8, torch.float32).weights
+             for r in range(2)]
+    x = torch.randn(3, cfg.hidden_size)
+    for proj in ("q_proj", "k_proj", "gate_proj"):
+        a, b = whole[(1, proj)]
+        cat = torch.cat([x @ p[(1, proj)][0].t() @ p[(1, proj)][1].t() for p in parts], dim=-1)
+        torch.testing.assert_close(cat, x @ a.t() @ b.t())
+    for proj, width in (("o_proj", cfg.q_size), ("down_proj", cfg.intermediate_size)):
+        a, b = whole[(0, proj)]
+        xin = torch.randn(3, width)
+        halves = xin.chunk(2, dim=-1)
+        total = sum(h @ p[(0, proj)][0].t() @ p[(0, proj)][1].t() for h, p in zip(halves, parts))
+        torch.testing.assert_close(total, xin @ a.t() @ b.t(), atol=1e-4, rtol=1e-4)
+
+
+def _edit(path, tmp_path, name, config=None, drop=None):
+    import shutil
+
+    out = tmp_path / name
+    shutil.copytree(path, out)
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    cfg.update(config or {})
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"use_dora": True}, "DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"target_modules": ["q_proj", "embed_tokens"]}, "embed_tokens"),
+    ({"trainable_token_indices": [1, 2]}, "trainable token"),
+    ({"r": 64}, "over --max-lora-rank 8"),
+    ({"peft_type": "IA3"}, "only LoRA"),
+    ({"bias": "all"}, "biases"),
+    ({"auto_mapping": {"base_model_class": "LlamaForCausalLM"}}, "trained for a LlamaForCausalLM"),
+])
+def test_unservable_adapters_are_refused_with_the_reason(model, tmp_path, change, message):
+    from dataplane.config import load_model_config
+    from dataplane.lora import adapter as lora_adapter
+
+    base, adapters = model
+    bad = _edit(adapters[0], tmp_path, "bad", change)
+    with pytest.raises(AdapterError, match=message):
+        lora_adapter.load(bad, load_model_config(base), None, 8, torch.float32)
+
+
+def test_adapters_of_another_base_model_or_unread_files_are_refused(model, tmp_path):
+    from dataplane.config import load_model_config
+    from dataplane.lora import adapter as lora_adapter
+
+    base, adapters = model
+    other = make_checkpoint(tmp_path / "other", "qwen3", heads=4, kv_heads=2, head_dim=64)
+    foreign = make_adapter(other, tmp_path / "foreign", r=4)
+    cfg = load_model_config(base)
+    with pytest.raises(AdapterError, match="another base model"):
+        lora_adapter.load(foreign, cfg, None, 8, torch.float32)
+    with pytest.raises(AdapterError, match="no adapter_config.json"):
+        lora_adapter.load(tmp_path, cfg, None, 8, torch.float32)
+    with pytest.raises(AdapterError, match="no such adapter directory"):
+        lora_adapter.load(tmp_path / "missing", cfg, None, 8, torch.float32)
+    broken = _edit(adapters[0], tmp_path, "broken")
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(AdapterError, match="cannot be read"):
+        lora_adapter.load(broken, cfg, None, 8, torch.float32)
+
+
+def test_worker_options_and_protocol_mistakes(model):
+    base, adapters = model
+    with pytest.raises(ValueError, match="--max-cpu-loras 1: must be >= --max-loras"):
+        _worker(base, max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ValueError, match="--max-lora-rank 0"):
+        _worker(base, max_lora_rank=0)
+    worker = _worker(base, max_loras=1, max_cpu_loras=1)
+    info = worker.describe()
+    assert (info.max_loras, info.max_lora_rank, info.max_cpu_loras) == (1, 8, 1)
+    assert info.lora_slot_bytes == worker.lora.slots.slot_bytes > 0
+    _cache(worker, adapters[:1])
+    with pytest.raises(ValueError, match="--max-cpu-loras 1"):   # full: the control plane evicts
+        worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=7, path=str(adapters[1])))
+    worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=7, path=str(adapters[1]), evict_ids=[100]))
+    assert list(worker.lora.slots.host) == [7]
+    step = wpb.StepRequest(step_id=1)
+    step.lora_loads.add(slot=1, adapter_id=100)   # dropped from the cache
+    with pytest.raises(lora_batch.BatchError, match="not in the worker's host cache"):
+        worker.runner.launch(step)
+    plain = Worker(WorkerOptions(model=str(base), device="cpu", dtype="float32", num_kv_blocks=16))
+    assert plain.describe().max_loras == 0
+    with pytest.raises(RuntimeError, match="without --enable-lora"):
+        plain.load_adapter(wpb.LoadAdapterRequest(adapter_id=1, path=str(adapters[0])))
+    step = wpb.StepRequest(step_id=1)
+    step.new_seqs.add(seq_id=1, prompt_token_ids=[1, 2], block_ids=[0], num_scheduled_tokens=2,
+                      lora_slot=1, sampling=wpb.Sampling(top_p=1, repetition_penalty=1))
+    with pytest.raises(lora_batch.BatchError, match="without --enable-lora"):
+        plain.runner.launch(step)
+
+
+def test_plan_groups_tokens_by_slot():
+    slots = np.array([-1, 2, 0, 2, -1, 0, 1])
+    p = lora_batch.plan(slots, 3)
+    counts, starts, order = p.array[:3], p.array[3:6], p.array[6:]
+    assert counts.tolist() == [2, 1, 2] and starts.tolist() == [0, 2, 3]
+    assert order.tolist() == [2, 5, 6, 1, 3] and p.slots == (0, 1, 2)
+    assert lora_batch.plan(np.full(4, -1), 3) is None and lora_batch.plan(None, 3) is None
+    with pytest.raises(lora_batch.BatchError, match="LoRA slot 4"):
+        lora_batch.plan(np.array([3]), 3)
