@@ -12,7 +12,7 @@ import shutil
 import sys
 import tempfile
 
-from cli.configs import check_speculative_config, check_structured_outputs_backend, chunking
+from cli.configs import check_speculative_config, check_structured_outputs_backend, chunking, lora_modules
 from cli.options import check_device_name, default_model
 from cli.roles import SUPERVISOR_ENV
 from common import secret_env
@@ -108,6 +108,7 @@ def cmd_serve(args) -> int:
     check_device_name(args.device)
     chunking(args)   # a bad combination of the chunking flags: one line, before any child starts
     placement_of(args)
+    lora_modules(args)
     args.model = _model_for_the_control_plane(args, weights=True)
     check_public_ports(args)
     world, dp = args.tensor_parallel_size, args.data_parallel_size
@@ -158,6 +159,7 @@ def cmd_controlplane(args) -> int:
 
     check_structured_outputs_backend(args)
     chunking(args)
+    lora_modules(args)
     args.model = _model_for_the_control_plane(args, weights=False)
     placement_of(args)
     check_public_ports(args)

@@ -28,6 +28,7 @@ from controlplane import limits, sizing, speculation, step_codec
 from controlplane.engine_config import EngineConfig
 from controlplane.engine_outages import EngineOutages
 from controlplane.inflight import InFlightSteps
+from controlplane.lora import LoraAdapters
 from controlplane.policy import Policy
 from controlplane.profiling import Profiler
 from controlplane.request import Failure, Request, Sequence
@@ -70,6 +71,7 @@ class Engine(EngineOutages):
         self.flush_woken = None
         self.model_dir: str | None = None   # whose tokenizer grammars compile for (EnginePlane)
         self.structured = StructuredOutputs(config.structured_outputs_backend)
+        self.lora = LoraAdapters(config.lora_modules)   # the LoRA adapters served (docs/lora.md)
 
     async def start(self, timeout: float = 600.0) -> None:
         self._build(await self.workers.describe(timeout))
@@ -85,6 +87,8 @@ class Engine(EngineOutages):
         self.structured.configure(self.model_dir, self.info.vocab_size, self.info.eos_token_ids)
         self.scheduler, self.max_model_len = sizing.build_scheduler(self.config, infos,
                                                                     self.workers.num_kv_blocks)
+        self.lora.configure(infos, self.workers, self._wake.set, self._lora_failed)
+        self.scheduler.lora = self.lora if self.lora.enabled else None
 
     @property
     def max_queued(self) -> int:
@@ -146,9 +150,42 @@ class Engine(EngineOutages):
                 setattr(self.config, name, value)
         self._wake.set()   # a larger cap or budget may let waiting work in
 
+    def lora_refusal(self, name: str) -> tuple[grpc.StatusCode, str] | None:
+        """Why a request for the LoRA adapter ``name`` cannot be served (None: it can)."""
+        adapter = self.lora.get(name)
+        if adapter is None:
+            return grpc.StatusCode.NOT_FOUND, f"the model {name!r} does not exist (no such LoRA adapter)"
+        if adapter.error:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"LoRA adapter {name!r} cannot be served: {adapter.error}"
+        return None
+
+    def lora_adapters(self) -> list[pb.LoraAdapter]:
+        """The LoRA adapters served, as the public API lists them (``parent``: the caller's)."""
+        return [pb.LoraAdapter(name=a.name, path=a.path, rank=a.rank, cache_root=a.root, error=a.error)
+                for a in self.lora.adapters()]
+
+    def lora_users(self, adapter) -> int:
+        """Unfinished sequences of ``adapter`` (an unload waits for them)."""
+        return sum(not s.finished and s.lora is adapter for r in self.requests.values() for s in r.sequences)
+
+    def _lora_failed(self, adapter) -> None:
+        """The workers refused ``adapter``: the requests waiting for it fail with the reason."""
+        for request in [r for r in self.requests.values() if any(s.lora is adapter for s in r.sequences)]:
+            self.abort(request)
+            request.fail(Failure(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"LoRA adapter {adapter.name!r} cannot be served: {adapter.error}"))
+
     def submit(self, request: Request) -> None:
         if request.stream_interval <= 0:
             request.stream_interval = self.config.stream_interval
+        if request.lora_name:   # its adapter, for every sample (refused: it fails at once)
+            refusal = self.lora_refusal(request.lora_name)
+            if refusal is not None:
+                request.fail(Failure(*refusal))
+                return
+            adapter = self.lora.get(request.lora_name)
+            for seq in request.sequences:
+                seq.lora = adapter
         self.requests[request.request_id] = request
         self.telemetry.request_submitted(request)
         if request.structured is not None:   # scheduled once its grammar is compiled

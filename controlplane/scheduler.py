@@ -72,6 +72,7 @@ class Scheduler:
         self._truncations: list[tuple[int, int]] = []   # (seq id, blocks) for the workers
         self.prefetch = Prefetch(blocks, tier_cost, clock)   # host-tier loads ahead of compute
         self._shares: fairness.Shares | None = None   # the step's tenants' shares (fair_share)
+        self.lora = None   # controlplane.lora.LoraAdapters when the workers serve LoRA adapters
 
     # -- membership ---------------------------------------------------------------------
     def add(self, seqs: list[Sequence]) -> None:
@@ -168,6 +169,8 @@ class Scheduler:
         self._truncations.clear()
         self.prefetch.reset()
         self.blocks.reset_cache()
+        if self.lora is not None:   # their slots and host caches are gone too
+            self.lora.reset()
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -199,7 +202,7 @@ class Scheduler:
         return True
 
     def register(self, seq: Sequence, end: int) -> None:
-        self.blocks.register(seq.seq_id, lambda: seq.token_ids, end)
+        self.blocks.register(seq.seq_id, lambda: seq.token_ids, end, seq.cache_root)
 
     def may_speculate(self) -> bool:
         """Whether the next step should speculate (then nothing else may be in flight)."""
@@ -236,7 +239,14 @@ class Scheduler:
             step.copies, self._copies = self._copies, []
             step.truncations, self._truncations = self._truncations, []
             step.swap_out, step.swap_in = self.blocks.take_ops()
+            if self.lora is not None:
+                step.lora_loads = self.lora.slots.take_loads()
         return step
+
+    def lora_ready(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may be admitted as far as its LoRA adapter goes: none, or in a
+        device slot now (``controlplane.lora``; a running sequence's slot is never taken)."""
+        return seq.lora is None or (self.lora is not None and self.lora.admissible(seq.lora, self.running))
 
     def grow(self, seq: Sequence, start: int, n: int, scheduled: set[int], victim_key):
         """Blocks for ``seq``'s next ``n`` tokens from ``start``, preempting victims for them:

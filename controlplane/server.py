@@ -20,7 +20,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common import net, security, tracing
 from common.grpc_options import public_server_options
 from controlplane import limits, reflection, wire_check
-from controlplane.admin import AdminService, admin_access
+from controlplane.admin import AdminService, admin_access, is_loopback_address
+from controlplane.http.lora_routes import AdminAccess
+from controlplane.lora_api import LoraAdmin
 from controlplane.core.plane import EnginePlane
 from controlplane.engine import EngineConfig
 from controlplane.http.server import HttpFrontEnd, http_host
@@ -127,7 +129,9 @@ class ControlPlane:
         self.http = None if http_port is None else HttpFrontEnd(
             self.requests, http_host(address), http_port, tokens,
             tensor_parallel_size=len(worker_addresses), ssl=http_tls, max_body=max_body,
-            header_timeout=http_timeouts[0], keep_alive_timeout=http_timeouts[1])
+            header_timeout=http_timeouts[0], keep_alive_timeout=http_timeouts[1],
+            lora_admin=AdminAccess(LoraAdmin(plane=self.core), admin_token,
+                                   admin_insecure_loopback and is_loopback_address(address)))
         self.admin = AdminService(self.core, admin_token,
                                   enabled=admin_access(address, admin_token, admin_insecure_loopback))
         self.server = public_server(self.metrics, self.inference, self.admin, self.health,

@@ -44,6 +44,7 @@ class ScheduledStep:
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (host, device)
     has_decodes: bool = False   # some sequence computes its next token (not only prompt chunks)
+    lora_loads: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (slot, adapter id)
 
     @property
     def speculative(self) -> bool:

@@ -51,8 +51,9 @@ def _worker(base, **options) -> Worker:
 
 
 def _cache(worker, adapters):
-    for i, path in enumerate(adapters):
-        worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=100 + i, path=str(path)))
+    for i, path in enumerate(adapters):   # (each read keeps the ones before)
+        worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=100 + i, path=str(path),
+                                                   keep_ids=range(100, 100 + i)))
 
 
 @pytest.mark.slow
@@ -183,7 +184,7 @@ def test_worker_options_and_protocol_mistakes(model):
     _cache(worker, adapters[:1])
     with pytest.raises(ValueError, match="--max-cpu-loras 1"):   # full: the control plane evicts
         worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=7, path=str(adapters[1])))
-    worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=7, path=str(adapters[1]), evict_ids=[100]))
+    worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=7, path=str(adapters[1])))   # keeps none
     assert list(worker.lora.slots.host) == [7]
     step = wpb.StepRequest(step_id=1)
     step.lora_loads.add(slot=1, adapter_id=100)   # dropped from the cache

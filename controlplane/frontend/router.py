@@ -121,6 +121,9 @@ class CoreRouter:
     def state(self):
         return self.primary.state
 
+    def lora_adapters(self) -> list:
+        return self.primary.lora_adapters()
+
     @property
     def info(self):
         return self.primary.info

@@ -30,7 +30,9 @@ from controlplane.http.timeouts import HTTP_TIMEOUTS
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.request_path import RequestPath
 from controlplane import core_link, limits
-from controlplane.admin import admin_access
+from controlplane.admin import admin_access, is_loopback_address
+from controlplane.http.lora_routes import AdminAccess
+from controlplane.lora_api import LoraAdmin
 from controlplane.server import (ADMIN, BackgroundTasks, public_server, request_limits, set_health,
                                  warn_if_open)
 from controlplane.service import NOT_READY, InferenceService
@@ -93,9 +95,13 @@ class FrontEnd:
         self.server = public_server(self.metrics, self.inference, self.admin, self.health,
                                     api_token=tokens, shared_port=reuse_port,
                                     max_message_bytes=self.max_message_bytes)
+        admin_metadata = ([("authorization", f"Bearer {admin_token}")] if admin_token else []) + \
+            self.admin.secret_metadata
         self.http = None if http_port is None else HttpFrontEnd(
             self.requests, http_host(address), http_port, tokens, ssl=http_tls, reuse_port=reuse_port,
-            max_body=max_body, header_timeout=http_timeouts[0], keep_alive_timeout=http_timeouts[1])
+            max_body=max_body, header_timeout=http_timeouts[0], keep_alive_timeout=http_timeouts[1],
+            lora_admin=AdminAccess(LoraAdmin(stubs=self.admin.stubs, metadata=admin_metadata),
+                                   admin_token, admin_insecure_loopback and is_loopback_address(address)))
         self.port = 0
 
     async def _core_changed(self) -> None:

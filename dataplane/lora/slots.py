@@ -121,12 +121,14 @@ class LoraSlots:
                 b[lo:hi, :rank] = lora_b
         return flat
 
-    def cache(self, adapter_id: int, adapter: Adapter, evict: list[int] = ()) -> None:
-        """Keeps ``adapter`` in the host cache as ``adapter_id`` (first dropping ``evict``)."""
+    def cache(self, adapter_id: int, adapter: Adapter, keep=None) -> None:
+        """Keeps ``adapter`` in the host cache as ``adapter_id``; ``keep``: the other adapters
+        the cache keeps (the rest are dropped first; None keeps all)."""
         flat = self.pack(adapter)
         with self._lock:
-            for other in evict:
-                self.host.pop(other, None)
+            if keep is not None:
+                for other in [i for i in self.host if i not in set(keep) and i != adapter_id]:
+                    del self.host[other]
             if adapter_id not in self.host and len(self.host) >= self.max_cpu_loras:
                 raise ValueError(f"the host cache holds {len(self.host)} adapters "
                                  f"(--max-cpu-loras {self.max_cpu_loras}); drop one first")

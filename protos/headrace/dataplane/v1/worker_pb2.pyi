@@ -7,14 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("adapter_id", "path", "evict_ids")
+    __slots__ = ("adapter_id", "path", "keep_ids")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
-    EVICT_IDS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_IDS_FIELD_NUMBER: _ClassVar[int]
     adapter_id: int
     path: str
-    evict_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, adapter_id: _Optional[int] = ..., path: _Optional[str] = ..., evict_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    keep_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, adapter_id: _Optional[int] = ..., path: _Optional[str] = ..., keep_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ("rank", "fingerprint", "bytes", "seconds")

@@ -90,7 +90,7 @@ class WorkerServicer:
     def LoadAdapter(self, request, context):
         """Multi-LoRA serving (WorkerInfo.max_loras > 0): reads a PEFT LoRA adapter from disk into
         the worker's host cache of WorkerInfo.max_cpu_loras adapters under the control plane's
-        adapter_id (dropping evict_ids first), off the step stream; steps then load it into a
+        adapter_id (the cache keeps keep_ids beside it and drops the rest), off the step stream; steps then load it into a
         device slot (StepRequest.lora_loads). INVALID_ARGUMENT with the reason when the adapter
         cannot be served (DoRA, embeddings, a rank over max_lora_rank, another base model, ...),
         FAILED_PRECONDITION when the worker has no LoRA slots, RESOURCE_EXHAUSTED when the cache
