@@ -81,6 +81,8 @@ class LoraAdapters:
         self.fail = lambda adapter: None   # the engine's: fail the requests waiting on it
         self.on_change = lambda: None   # an adapter's state changed (the front ends learn it)
         self._ids = itertools.count(1)
+        self._next_cache_id = 1         # every read's host-cache key (``Adapter.cache_id``)
+        self._synced: asyncio.Future | None = None   # the workers dropped what was read before a reset
         self._generation = 0            # reads started before a reset are not trusted after it
         self.num_reads = 0
         self.read_seconds = 0.0
@@ -109,13 +111,20 @@ class LoraAdapters:
                       "(start them with --enable-lora)", sorted(self.by_name))
 
     def reset(self) -> None:
-        """The workers lost their state: every adapter is read again when next needed."""
+        """The workers lost their state (or may have): every adapter is read again when next
+        needed, after the workers dropped every copy read before (``below_id``)."""
         self._generation += 1
         if self.slots is not None:
             self.slots.reset()
         for adapter in self.by_name.values():
             adapter.loading = None
             adapter.slot, adapter.cached = None, False
+        if self.enabled and self.workers is not None and self._next_cache_id > 1:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._synced = asyncio.ensure_future(self.workers.drop_adapters([], self._next_cache_id))
 
     # -- requests -----------------------------------------------------------------------------
     def get(self, name: str) -> Adapter | None:
@@ -138,12 +147,18 @@ class LoraAdapters:
         return adapter.loading
 
     async def _read(self, adapter: Adapter, generation: int) -> None:
-        others = [a.id for a in self.by_name.values() if a.loading is not None and a is not adapter]
-        self.slots.make_room(adapter, len(others))
-        keep = list(self.slots.cache) + others
+        if self._synced is not None:   # (a reset's drop first: it would take this read too)
+            try:
+                await self._synced
+            except Exception as exc:  # noqa: BLE001 - the workers are gone: the read fails too
+                log.warning("dropping the LoRA host caches after a reset failed: %s", exc)
+            self._synced = None
+        others = sum(a.loading is not None and a is not adapter for a in self.by_name.values())
+        self.slots.make_room(adapter, others)
+        adapter.cache_id, self._next_cache_id = self._next_cache_id, self._next_cache_id + 1
         start = time.monotonic()
         try:
-            answer = await self.workers.load_adapter(adapter.id, adapter.path, keep)
+            answer = await self.workers.load_adapter(adapter.cache_id, adapter.path)
         except Exception as exc:  # noqa: BLE001 - the workers' refusal, said to its requests
             if generation == self._generation:
                 adapter.loading = None
@@ -153,10 +168,10 @@ class LoraAdapters:
                 self.fail(adapter)
                 self.on_change()
             raise
-        if generation != self._generation:
+        if generation != self._generation:   # (the reset's drop covers this copy)
             return
-        if self.by_name.get(adapter.name) is not adapter:   # unloaded meanwhile
-            await self.workers.drop_adapters([adapter.id])
+        if self.by_name.get(adapter.name) is not adapter:   # unloaded meanwhile: no step loads it
+            await self.workers.drop_adapters([adapter.cache_id])
             return
         adapter.loading, adapter.error = None, ""
         adapter.rank, adapter.root = answer.rank, answer.fingerprint or 1
@@ -208,13 +223,9 @@ class LoraAdapters:
                             f"the LoRA adapter {name!r} is in use by {left} sequences; retry when "
                             f"they finish (or give a longer wait_s)")
         del self.by_name[name]
-        if self.slots is not None:
+        if self.slots is not None:   # its host copy is dropped by the next step
             self.slots.forget(adapter)
-        if self.workers is not None and self.enabled:
-            try:
-                await self.workers.drop_adapters([adapter.id])
-            except Exception as exc:  # noqa: BLE001 - the host copy goes with the next eviction
-                log.warning("dropping LoRA adapter %s from the host caches failed: %s", name, exc)
+            self.wake()
         log.info("LoRA adapter %s unloaded", name)
 
     def adapters(self) -> list[Adapter]:

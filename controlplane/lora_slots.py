@@ -6,10 +6,15 @@ step's ``lora_loads`` fill slots).
 ``acquire`` gives a waiting sequence's adapter a slot before the scheduler admits it: the slot
 it holds already, else a free one, else the least recently used slot whose adapter no running
 sequence uses (a slot in use is never taken); the copy into it goes out with the step
-(``take_loads``). The adapter must be in the host caches first (``Adapter.cached``): while it
+(``take_ops``). The adapter must be in the host caches first (``Adapter.cached``): while it
 is not, ``acquire`` says no and the caller starts its read (``controlplane.lora``). The host
 cache keeps ``capacity`` adapters and drops the least recently used first (``make_room``);
 an adapter in a slot stays usable there even when its host copy is dropped.
+
+Every read of an adapter into the host caches has an id of its own (``cache_id``, never
+reused), and drops ride on the steps, after the loads they carry: a step in flight that loads
+an adapter reads its copy before a later step's drop removes it, and a drop of an old copy
+never touches a newer read of the same adapter (reads run beside the steps).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class Adapter:
     used: int = 0            # last use, for the LRU rules
     unloading: bool = False  # new requests refused; forgotten once its sequences are done
     loading: typing.Any = None   # the host-cache read in flight (an asyncio task)
+    cache_id: int = 0        # the workers' host-cache key of its current copy (a read's own)
 
     def touch(self) -> None:
         self.used = next(_clock)
@@ -47,36 +53,50 @@ class Slots:
         self.num_slots, self.capacity = num_slots, capacity
         self.held: list[Adapter | None] = [None] * num_slots
         self.cache: collections.OrderedDict[int, Adapter] = collections.OrderedDict()
-        self._loads: list[tuple[int, int]] = []   # (slot, adapter id) not yet sent
+        self._loads: list[tuple[int, int]] = []   # (slot, cache id) not yet sent
+        self._drops: list[int] = []               # host copies to drop (cache ids), not yet sent
+        self._claimed: set[int] = set()           # adapters given a slot in the step being built
         self.num_loads = 0
+
+    def begin_step(self) -> None:
+        """A step is being built: the adapters it gives slots are kept until it is sent."""
+        self._claimed.clear()
 
     def acquire(self, adapter: Adapter, running) -> bool:
         """Whether ``adapter`` is (now) in a slot; ``running``: the running sequences (their
-        adapters' slots are not taken)."""
+        adapters' slots are not taken, nor those claimed in the step being built)."""
         adapter.touch()
         if adapter.slot is not None:
+            self._claimed.add(adapter.id)
             return True
         if not adapter.cached:
             return False
         slot = next((i for i, a in enumerate(self.held) if a is None), None)
         if slot is None:
-            busy = {s.lora.id for s in running if s.lora is not None}
+            busy = {s.lora.id for s in running if s.lora is not None} | self._claimed
             free = [i for i, a in enumerate(self.held) if a.id not in busy]
             if not free:
                 return False
             slot = min(free, key=lambda i: self.held[i].used)
             self.held[slot].slot = None
         self.held[slot], adapter.slot = adapter, slot
-        self._loads.append((slot, adapter.id))
+        self._claimed.add(adapter.id)
+        self._loads.append((slot, adapter.cache_id))
         self.num_loads += 1
         if adapter.id in self.cache:
             self.cache.move_to_end(adapter.id)
         return True
 
-    def take_loads(self) -> list[tuple[int, int]]:
-        """The slot loads the step being sent carries (slot 0-based, adapter id)."""
-        loads, self._loads = self._loads, []
-        return loads
+    @property
+    def pending(self) -> bool:
+        """Loads or drops wait for a step to carry them."""
+        return bool(self._loads or self._drops)
+
+    def take_ops(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """What the step being sent carries: slot loads (slot 0-based, cache id), then host
+        copies to drop (cache ids)."""
+        loads, drops, self._loads, self._drops = self._loads, self._drops, [], []
+        return loads, drops
 
     # -- the host caches -----------------------------------------------------------------------
     def make_room(self, adapter: Adapter, reserved: int = 0) -> list[Adapter]:
@@ -91,6 +111,7 @@ class Slots:
             victim = min(victims, key=lambda a: a.used)
             del self.cache[victim.id]
             victim.cached = False
+            self._drops.append(victim.cache_id)
             out.append(victim)
         return out
 
@@ -104,7 +125,8 @@ class Slots:
         if adapter.slot is not None:
             self.held[adapter.slot] = None
             adapter.slot = None
-        self.cache.pop(adapter.id, None)
+        if self.cache.pop(adapter.id, None) is not None:
+            self._drops.append(adapter.cache_id)
         adapter.cached = False
 
     def reset(self) -> None:
@@ -118,3 +140,4 @@ class Slots:
         self.held = [None] * self.num_slots
         self.cache.clear()
         self._loads.clear()
+        self._drops.clear()

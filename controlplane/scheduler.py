@@ -214,6 +214,8 @@ class Scheduler:
         now = self.clock()
         step = ScheduledStep()
         budget = self.max_batched_tokens
+        if self.lora is not None:
+            self.lora.slots.begin_step()
         preemptions_before = self.num_preemptions
         scheduled: set[int] = set()
         budget = self.forks.send(step, self.blocks, budget, scheduled)
@@ -233,14 +235,15 @@ class Scheduler:
         prefill_phase.fill(self, step, prefills, waiting if shares is None else shares.order(waiting),
                            budget, step.has_decodes, preemptions_before, scheduled, victim_key, add_spec)
         step.num_preempted = self.num_preemptions - preemptions_before
-        if not step.empty or self.blocks.copies_pending:   # an empty step is not sent: what
+        lora_ops = self.lora is not None and self.lora.slots.pending
+        if not step.empty or self.blocks.copies_pending or lora_ops:   # an empty step is not sent: what
             # workers must drop waits for the next (one with only loads to start is sent)
             step.finished_seq_ids, self._forget = self._forget, []
             step.copies, self._copies = self._copies, []
             step.truncations, self._truncations = self._truncations, []
             step.swap_out, step.swap_in = self.blocks.take_ops()
-            if self.lora is not None:
-                step.lora_loads = self.lora.slots.take_loads()
+            if lora_ops:
+                step.lora_loads, step.lora_drops = self.lora.slots.take_ops()
         return step
 
     def lora_ready(self, seq: Sequence) -> bool:

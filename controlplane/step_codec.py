@@ -40,6 +40,7 @@ def encode(step: ScheduledStep, step_id: int, flush: bool) -> wpb.StepRequest:
         msg.swap_out_host_blocks.extend([h for _, h in step.swap_out])
     for slot, adapter_id in step.lora_loads:   # (slots are 1-based on the wire)
         msg.lora_loads.add(slot=slot + 1, adapter_id=adapter_id)
+    msg.lora_drops.extend(step.lora_drops)
     if step.swap_in:
         msg.swap_in_host_blocks.extend([h for h, _ in step.swap_in])
         msg.swap_in_device_blocks.extend([d for _, d in step.swap_in])

@@ -102,11 +102,11 @@ class WorkerGroup:
         self.infos = _one_model(list(infos))
         return self.infos
 
-    async def load_adapter(self, adapter_id: int, path: str, keep: list[int],
+    async def load_adapter(self, adapter_id: int, path: str,
                            timeout: float = 600.0) -> pb.LoadAdapterResponse:
         """Every worker reads a LoRA adapter into its host cache (in parallel); WorkerError
         with the first refusal."""
-        request = pb.LoadAdapterRequest(adapter_id=adapter_id, path=path, keep_ids=keep)
+        request = pb.LoadAdapterRequest(adapter_id=adapter_id, path=path)
 
         async def one(addr, stub):
             try:
@@ -117,8 +117,9 @@ class WorkerGroup:
         answers = await asyncio.gather(*(one(a, s) for a, s in zip(self.addresses, self._stubs)))
         return answers[0]
 
-    async def drop_adapters(self, adapter_ids: list[int]) -> None:
-        await asyncio.gather(*(stub.DropAdapters(pb.DropAdaptersRequest(adapter_ids=adapter_ids),
+    async def drop_adapters(self, adapter_ids: list[int], below: int = 0) -> None:
+        request = pb.DropAdaptersRequest(adapter_ids=adapter_ids, below_id=below)
+        await asyncio.gather(*(stub.DropAdapters(request,
                                                  timeout=30, metadata=self._metadata)
                                for stub in self._stubs))
 

@@ -140,7 +140,7 @@ class ModelRunner:
         delta = step_delta.apply(self.batch, self.index, step, self.seq_of_row, self.num_blocks,
                                  self.spec is not None)
         kv_offload.check_step(self.host_kv, step)
-        if step.lora_loads or self.batch.num_lora_rows:   # adapters into slots, before the forward
+        if step.lora_loads or step.lora_drops or self.batch.num_lora_rows:   # slots, before the forward
             lora_batch.apply_loads(self.lora, step, self.batch.num_lora_rows)
         if len(delta.rows) == 0:   # every sequence of the step stopped: its block copies still run
             return Prepared(step, launched, delta)

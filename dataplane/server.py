@@ -165,7 +165,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     def DropAdapters(self, request, context):
         worker = self._require_worker(context)
         if worker.lora is not None:
-            worker.lora.slots.drop(list(request.adapter_ids))
+            worker.lora.slots.drop(list(request.adapter_ids), request.below_id)
         return pb.DropAdaptersResponse()
 
     def Reload(self, request, context):

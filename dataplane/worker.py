@@ -325,7 +325,7 @@ class Worker:
         start = time.perf_counter()
         adapter = lora.adapter.load(request.path, self.cfg, self.shard, self.opts.max_lora_rank,
                                     self.dtype)
-        self.lora.slots.cache(request.adapter_id, adapter, list(request.keep_ids))
+        self.lora.slots.cache(request.adapter_id, adapter)
         seconds = time.perf_counter() - start
         log.info("LoRA adapter %s cached as %d: rank %d, %.1f MiB, %.3fs", request.path,
                  request.adapter_id, adapter.rank, adapter.num_bytes / 2**20, seconds)

@@ -51,9 +51,8 @@ def _worker(base, **options) -> Worker:
 
 
 def _cache(worker, adapters):
-    for i, path in enumerate(adapters):   # (each read keeps the ones before)
-        worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=100 + i, path=str(path),
-                                                   keep_ids=range(100, 100 + i)))
+    for i, path in enumerate(adapters):
+        worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=100 + i, path=str(path)))
 
 
 @pytest.mark.slow
@@ -181,12 +180,17 @@ def test_worker_options_and_protocol_mistakes(model):
     info = worker.describe()
     assert (info.max_loras, info.max_lora_rank, info.max_cpu_loras) == (1, 8, 1)
     assert info.lora_slot_bytes == worker.lora.slots.slot_bytes > 0
-    _cache(worker, adapters[:1])
-    with pytest.raises(ValueError, match="--max-cpu-loras 1"):   # full: the control plane evicts
-        worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=7, path=str(adapters[1])))
-    worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=7, path=str(adapters[1])))   # keeps none
-    assert list(worker.lora.slots.host) == [7]
-    step = wpb.StepRequest(step_id=1)
+    _cache(worker, adapters[:2])   # (the control plane keeps it within 1: drops ride on steps)
+    with pytest.raises(ValueError, match="--max-cpu-loras 1"):   # beyond twice that: refused
+        worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=7, path=str(adapters[2])))
+    step = wpb.StepRequest(step_id=1, lora_drops=[101])   # loads first, then drops
+    step.lora_loads.add(slot=1, adapter_id=101)
+    worker.runner.finish(worker.runner.launch(step))
+    assert list(worker.lora.slots.host) == [100] and worker.lora.slots.held == [101]
+    worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=7, path=str(adapters[2])))
+    worker.lora.slots.drop([], below=101)   # a fresh control plane: every id below its first
+    assert list(worker.lora.slots.host) == []
+    step = wpb.StepRequest(step_id=2)
     step.lora_loads.add(slot=1, adapter_id=100)   # dropped from the cache
     with pytest.raises(lora_batch.BatchError, match="not in the worker's host cache"):
         worker.runner.launch(step)

@@ -93,8 +93,10 @@ def apply_loads(batch: LoraBatch | None, step, num_lora_rows: int) -> None:
     """A step's ``lora_loads`` into the worker's slots (BatchError for LoRA sent to a worker
     without ``--enable-lora``)."""
     if batch is None:
-        if step.lora_loads or num_lora_rows:
+        if step.lora_loads or num_lora_rows or step.lora_drops:
             raise BatchError("LoRA adapters sent to a worker started without --enable-lora")
         return
     for load in step.lora_loads:
         batch.slots.load(load.slot - 1, load.adapter_id)
+    if step.lora_drops:
+        batch.slots.drop(step.lora_drops)

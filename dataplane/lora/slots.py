@@ -121,22 +121,21 @@ class LoraSlots:
                 b[lo:hi, :rank] = lora_b
         return flat
 
-    def cache(self, adapter_id: int, adapter: Adapter, keep=None) -> None:
-        """Keeps ``adapter`` in the host cache as ``adapter_id``; ``keep``: the other adapters
-        the cache keeps (the rest are dropped first; None keeps all)."""
+    def cache(self, adapter_id: int, adapter: Adapter) -> None:
+        """Keeps ``adapter`` in the host cache as ``adapter_id``. The control plane keeps the
+        cache within ``max_cpu_loras`` (its drops ride on the steps, so reads may land before
+        the drops that make room for them): beyond twice that, ValueError."""
         flat = self.pack(adapter)
         with self._lock:
-            if keep is not None:
-                for other in [i for i in self.host if i not in set(keep) and i != adapter_id]:
-                    del self.host[other]
-            if adapter_id not in self.host and len(self.host) >= self.max_cpu_loras:
+            if adapter_id not in self.host and len(self.host) >= 2 * self.max_cpu_loras:
                 raise ValueError(f"the host cache holds {len(self.host)} adapters "
-                                 f"(--max-cpu-loras {self.max_cpu_loras}); drop one first")
+                                 f"(--max-cpu-loras {self.max_cpu_loras}); drop some first")
             self.host[adapter_id] = flat
 
-    def drop(self, adapter_ids) -> None:
+    def drop(self, adapter_ids, below: int = 0) -> None:
+        """Drops ``adapter_ids`` and every id below ``below`` from the host cache."""
         with self._lock:
-            for adapter_id in adapter_ids:
+            for adapter_id in [i for i in self.host if i < below] + list(adapter_ids):
                 self.host.pop(adapter_id, None)
 
     # -- slots --------------------------------------------------------------------------------

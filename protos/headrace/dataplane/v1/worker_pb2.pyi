@@ -7,14 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("adapter_id", "path", "keep_ids")
+    __slots__ = ("adapter_id", "path")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
-    KEEP_IDS_FIELD_NUMBER: _ClassVar[int]
     adapter_id: int
     path: str
-    keep_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, adapter_id: _Optional[int] = ..., path: _Optional[str] = ..., keep_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, adapter_id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ("rank", "fingerprint", "bytes", "seconds")
@@ -29,10 +27,12 @@ class LoadAdapterResponse(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class DropAdaptersRequest(_message.Message):
-    __slots__ = ("adapter_ids",)
+    __slots__ = ("adapter_ids", "below_id")
     ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    BELOW_ID_FIELD_NUMBER: _ClassVar[int]
     adapter_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, adapter_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    below_id: int
+    def __init__(self, adapter_ids: _Optional[_Iterable[int]] = ..., below_id: _Optional[int] = ...) -> None: ...
 
 class DropAdaptersResponse(_message.Message):
     __slots__ = ()
@@ -188,7 +188,7 @@ class LoraLoad(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., adapter_id: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "running_seq_ids", "running_num_scheduled", "running_new_block_counts", "running_new_block_ids", "finished_seq_ids", "copy_src_blocks", "copy_dst_blocks", "flush", "running_num_spec", "truncate_seq_ids", "truncate_num_blocks", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks", "trace_context", "trace_links", "bitmask", "bitmask_follows", "late_bitmask", "checked_draft_seq_ids", "checked_draft_counts", "checked_drafts", "profile", "lora_loads")
+    __slots__ = ("step_id", "new_seqs", "running_seq_ids", "running_num_scheduled", "running_new_block_counts", "running_new_block_ids", "finished_seq_ids", "copy_src_blocks", "copy_dst_blocks", "flush", "running_num_spec", "truncate_seq_ids", "truncate_num_blocks", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks", "trace_context", "trace_links", "bitmask", "bitmask_follows", "late_bitmask", "checked_draft_seq_ids", "checked_draft_counts", "checked_drafts", "profile", "lora_loads", "lora_drops")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,7 @@ class StepRequest(_message.Message):
     CHECKED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LORA_DROPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     running_seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -250,7 +251,8 @@ class StepRequest(_message.Message):
     checked_drafts: _containers.RepeatedScalarFieldContainer[int]
     profile: ProfileCommand
     lora_loads: _containers.RepeatedCompositeFieldContainer[LoraLoad]
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_seq_ids: _Optional[_Iterable[int]] = ..., running_num_scheduled: _Optional[_Iterable[int]] = ..., running_new_block_counts: _Optional[_Iterable[int]] = ..., running_new_block_ids: _Optional[_Iterable[int]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., flush: _Optional[bool] = ..., running_num_spec: _Optional[_Iterable[int]] = ..., truncate_seq_ids: _Optional[_Iterable[int]] = ..., truncate_num_blocks: _Optional[_Iterable[int]] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., bitmask_follows: _Optional[bool] = ..., late_bitmask: _Optional[bool] = ..., checked_draft_seq_ids: _Optional[_Iterable[int]] = ..., checked_draft_counts: _Optional[_Iterable[int]] = ..., checked_drafts: _Optional[_Iterable[int]] = ..., profile: _Optional[_Union[ProfileCommand, _Mapping]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ...) -> None: ...
+    lora_drops: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_seq_ids: _Optional[_Iterable[int]] = ..., running_num_scheduled: _Optional[_Iterable[int]] = ..., running_new_block_counts: _Optional[_Iterable[int]] = ..., running_new_block_ids: _Optional[_Iterable[int]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., flush: _Optional[bool] = ..., running_num_spec: _Optional[_Iterable[int]] = ..., truncate_seq_ids: _Optional[_Iterable[int]] = ..., truncate_num_blocks: _Optional[_Iterable[int]] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., bitmask_follows: _Optional[bool] = ..., late_bitmask: _Optional[bool] = ..., checked_draft_seq_ids: _Optional[_Iterable[int]] = ..., checked_draft_counts: _Optional[_Iterable[int]] = ..., checked_drafts: _Optional[_Iterable[int]] = ..., profile: _Optional[_Union[ProfileCommand, _Mapping]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ..., lora_drops: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenBitmask(_message.Message):
     __slots__ = ("seq_ids", "bits", "mask_of", "allowed_counts", "allowed_ids")

@@ -89,10 +89,11 @@ class WorkerServicer:
 
     def LoadAdapter(self, request, context):
         """Multi-LoRA serving (WorkerInfo.max_loras > 0): reads a PEFT LoRA adapter from disk into
-        the worker's host cache of WorkerInfo.max_cpu_loras adapters under the control plane's
-        adapter_id (the cache keeps keep_ids beside it and drops the rest), off the step stream; steps then load it into a
-        device slot (StepRequest.lora_loads). INVALID_ARGUMENT with the reason when the adapter
-        cannot be served (DoRA, embeddings, a rank over max_lora_rank, another base model, ...),
+        the worker's host cache under adapter_id, off the step stream; steps then load it into a
+        device slot (StepRequest.lora_loads) and drop it from the cache (StepRequest.lora_drops).
+        The control plane keeps the cache within WorkerInfo.max_cpu_loras adapters (the worker
+        holds twice that at most). INVALID_ARGUMENT with the reason when the adapter cannot be
+        served (DoRA, embeddings, a rank over max_lora_rank, another base model, ...),
         FAILED_PRECONDITION when the worker has no LoRA slots, RESOURCE_EXHAUSTED when the cache
         is full.
         """
@@ -101,7 +102,9 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DropAdapters(self, request, context):
-        """Takes adapters out of the host cache (a slot that holds one keeps it until reloaded).
+        """Drops adapters from the host cache at once (a slot that holds one keeps it until reloaded):
+        those listed and every id below below_id (a control plane starting afresh drops what it
+        read before). Only for adapters no step in flight loads: a step's lora_drops otherwise.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
