@@ -228,3 +228,25 @@ def test_split_engine_core_and_front_end(model):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         planes.close()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_apply_their_shards(tmp_path):
+    """Two ``headrace dataplane`` ranks (gloo on a CPU; KV heads replicated: one KV head for two
+    ranks) serve the adapters with peft's greedy tokens: A sharded like each layer's input, B
+    like its output, the row-parallel layers' partial updates summed by their all-reduce."""
+    from tests.test_tensor_parallel import _ranks
+
+    base = make_checkpoint(tmp_path / "base", "qwen3", heads=4, kv_heads=1, head_dim=32)
+    adapters = {"one": make_adapter(base, tmp_path / "one", seed=11),
+                "two": make_adapter(base, tmp_path / "two", seed=12, r=4, targets=("k_proj", "o_proj", "down_proj"))}
+    expected = {name: hf_greedy(hf_model(base, path), PROMPTS[0], NEW) for name, path in adapters.items()}
+    flags = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
+    with _ranks(base, 2, flags) as (_, addresses):
+        planes = Planes(base, workers=addresses, config=EngineConfig(
+            lora_modules=[(n, str(p)) for n, p in adapters.items()]))
+        try:
+            for name in adapters:
+                assert _greedy(planes, PROMPTS[0], name) == expected[name], name
+        finally:
+            planes.close()
