@@ -12,11 +12,11 @@ from headrace_client.aio import AsyncClient
 from headrace_client.client import Client
 from headrace_client.connection import ConnectionOptions
 from headrace_client.errors import (Cancelled, DeadlineExceeded, HeadraceError, InvalidRequest,
-                                    NotReady, PermissionDenied, ServerBusy, Unauthenticated,
-                                    Unavailable)
+                                    ModelNotFound, NotReady, PermissionDenied, ServerBusy,
+                                    Unauthenticated, Unavailable)
 from headrace_client.types import Chunk, Completion, ModelInfo, Tokens, TokenLogprob, Usage
 
 __all__ = ["AsyncClient", "Cancelled", "Chunk", "Client", "Completion", "ConnectionOptions",
-           "DeadlineExceeded", "HeadraceError", "InvalidRequest", "ModelInfo", "NotReady",
+           "DeadlineExceeded", "HeadraceError", "InvalidRequest", "ModelInfo", "ModelNotFound", "NotReady",
            "PermissionDenied", "ServerBusy", "Tokens", "TokenLogprob", "Unauthenticated",
            "Unavailable", "Usage"]

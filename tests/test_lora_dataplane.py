@@ -214,3 +214,40 @@ def test_plan_groups_tokens_by_slot():
     assert lora_batch.plan(np.full(4, -1), 3) is None and lora_batch.plan(None, 3) is None
     with pytest.raises(lora_batch.BatchError, match="LoRA slot 4"):
         lora_batch.plan(np.array([3]), 3)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_quantized_projections_add_the_update_to_their_output(model, scheme):
+    """A quantized model serves adapters: each projection's output is the quantized layer's
+    plus the update (its input never pre-quantised for it); a mixed batch equals its parts."""
+    from dataplane.lora.layers import LoraProjection
+
+    base, adapters = model
+    worker = _worker(base, quantization=scheme)
+    _cache(worker, adapters[:1])
+    worker.runner.finish(worker.runner.launch(_load_step(1, 100)))
+    proj = worker.runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(proj, LoraProjection) and not proj.wants_fp8_rows(torch.zeros(2, 8))
+    x = torch.randn(3, proj.lora_a.shape[2])
+    batch = proj.batch
+    batch.begin(lora_batch.plan(np.array([0, -1, 0]), 3), torch.tensor(lora_batch.plan(
+        np.array([0, -1, 0]), 3).array))
+    try:
+        got = proj(x)
+    finally:
+        batch.begin(None, None)
+    want = proj.base(x)
+    a, b = proj.lora_a[0], proj.lora_b[0]
+    r = b.shape[1]
+    for i, (lo, hi) in enumerate(zip(proj.slices, proj.slices[1:])):
+        want[[0, 2], lo:hi] += x[[0, 2]] @ a[i * r:(i + 1) * r].t() @ b[lo:hi].t()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    seqs = [(PROMPTS[0], 1), (PROMPTS[1], 0)]
+    mixed = greedy_on_worker(worker, seqs, 4, first_step=10)
+    assert mixed == [greedy_on_worker(worker, [s], 4, first_step=20 + i)[0] for i, s in enumerate(seqs)]
+
+
+def _load_step(slot: int, adapter_id: int) -> wpb.StepRequest:
+    step = wpb.StepRequest(step_id=1)
+    step.lora_loads.add(slot=slot, adapter_id=adapter_id)
+    return step

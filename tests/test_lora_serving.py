@@ -10,6 +10,7 @@ engine core and an API front end (``headrace serve``'s split)."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import grpc
@@ -103,6 +104,23 @@ def test_unknown_models_are_not_found_and_model_info_lists_the_adapters(planes, 
     assert {a.name: (a.path, a.parent) for a in info.lora_adapters} == {
         n: (str(p), "base") for n, p in adapters.items()}
     assert (info.max_loras, info.max_lora_rank) == (2, 8)
+
+
+def test_python_client_and_admin_command(planes, model, capsys):
+    from cli.main import main
+    from headrace_client import Client, ModelNotFound
+
+    _, _, expected, _ = model
+    with Client(planes.address) as client:
+        out = client.generate(token_ids=PROMPTS[1], max_tokens=NEW, ignore_eos=True, temperature=0,
+                              model="one")
+        assert out.token_ids == expected["one"][1]
+        with pytest.raises(ModelNotFound, match="four"):
+            client.generate(token_ids=PROMPTS[1], max_tokens=2, model="four")
+    assert main(["admin", "--address", planes.address, "--api-token", ADMIN, "loras"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {a["adapter"]["name"] for a in listed["adapters"]} == {"one", "two", "three"}
+    assert listed["maxLoras"] == 2
 
 
 def test_prefix_cache_is_keyed_by_adapter(planes):
