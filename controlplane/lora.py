@@ -125,6 +125,7 @@ class LoraAdapters:
             except RuntimeError:
                 return
             self._synced = asyncio.ensure_future(self.workers.drop_adapters([], self._next_cache_id))
+            self._synced.add_done_callback(lambda f: f.cancelled() or f.exception())   # (seen)
 
     # -- requests -----------------------------------------------------------------------------
     def get(self, name: str) -> Adapter | None:

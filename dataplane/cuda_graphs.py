@@ -92,7 +92,8 @@ class DecodeGraphs:
                                   dtype=model.model.embed_tokens.weight.dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # with the LoRA kernels
-        self.variants = lora_graphs.variants(model)
+        self.lora = lora_graphs.batch_of(model)   # --enable-lora: its LoraBatch
+        self.variants = lora_graphs.variants(self.lora)
         self.outputs: dict[int, torch.Tensor] = {}
         self.sizes = batch_sizes(max_batch)
         self.capture_seconds = 0.0
@@ -129,7 +130,7 @@ class DecodeGraphs:
         for active in self.variants:   # with LoRA: a variant with its kernels, one without
             table = self.lora_graphs if active else self.graphs
             for size in reversed(self.sizes):       # largest first: smaller ones reuse its memory
-                with lora_graphs.capturing(self.model, active):
+                with lora_graphs.capturing(self.lora, active):
                     self._forward(size)                 # warm-up: compiles kernels, sets up cuBLAS
                     torch.cuda.synchronize(self.device)
                     graph = capture_graph(lambda s=size: self.outputs.__setitem__(s, self._forward(s)),
@@ -168,7 +169,7 @@ class DecodeGraphs:
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
             self.block_tables[n:size, 0].fill_(0)
-        (self.lora_graphs if lora_graphs.active(self.model) else self.graphs)[size].replay()
+        (self.lora_graphs if lora_graphs.active(self.lora) else self.graphs)[size].replay()
         self.num_replays += 1
         self.num_verify_replays += int(verify)
         return self.outputs[size][:n]

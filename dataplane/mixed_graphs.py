@@ -104,7 +104,8 @@ class MixedGraphs:
         self.row_sizes = batch_sizes(self.max_rows) if lm_head else []
         self.pieces: dict[int, list] = {}
         self.lora_pieces: dict[int, list] = {}   # with the LoRA kernels (``dataplane.lora.graphs``)
-        self.variants = lora_graphs.variants(model)
+        self.lora = lora_graphs.batch_of(model)   # --enable-lora: its LoraBatch
+        self.variants = lora_graphs.variants(self.lora)
         self.heads: dict[int, object] = {}
         self.capture_seconds = 0.0
         self.num_replays = 0
@@ -167,7 +168,7 @@ class MixedGraphs:
             if not cuda:
                 graph = EagerPiece(run)
             else:
-                with lora_graphs.capturing(self.model, active):
+                with lora_graphs.capturing(self.lora, active):
                     run()   # warm-up: compiles kernels, sets up cuBLAS
                     torch.cuda.synchronize(self.device)
                     graph = capture_graph(run, pool, stream)
@@ -189,7 +190,7 @@ class MixedGraphs:
 
     def pieces_of(self, size: int) -> list:
         """The bucket's pieces in the step's variant (with the LoRA kernels or without)."""
-        return (self.lora_pieces if lora_graphs.active(self.model) else self.pieces)[size]
+        return (self.lora_pieces if lora_graphs.active(self.lora) else self.pieces)[size]
 
     def bucket(self, num_tokens: int) -> int:
         return next(s for s in self.buckets if s >= num_tokens)

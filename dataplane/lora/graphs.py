@@ -10,18 +10,21 @@ from __future__ import annotations
 import contextlib
 
 
-def variants(model) -> tuple[bool, ...]:
+def batch_of(model):
+    """The model's ``LoraBatch`` (None without LoRA); the graphs keep it, read once."""
+    return getattr(model, "lora", None)
+
+
+def variants(batch) -> tuple[bool, ...]:
     """The variants to capture: (False,) without LoRA, (False, True) with it."""
-    return (False, True) if getattr(model, "lora", None) is not None else (False,)
+    return (False, True) if batch is not None else (False,)
 
 
-def capturing(model, active: bool):
+def capturing(batch, active: bool):
     """While a variant is captured: the layers run the LoRA kernels or not."""
-    batch = getattr(model, "lora", None)
     return batch.capturing(active) if batch is not None else contextlib.nullcontext()
 
 
-def active(model) -> bool:
+def active(batch) -> bool:
     """Whether the step being run has tokens of an adapter (its graphs' variant)."""
-    batch = getattr(model, "lora", None)
     return batch is not None and batch.active
