@@ -69,7 +69,7 @@ class StepForward:
         arrays = dict(seq_lens=prep.seq_lens, block_tables=prep.block_tables,
                       last_rows=prep.last_rows, decode_order=prep.decode_order)
         if prep.lora_slots is not None and self.lora is not None:   # tokens of adapters
-            prep.lora = lora_batch.plan(prep.lora_slots, self.lora.num_slots)
+            prep.lora = lora_batch.plan(prep.lora_slots, self.lora.num_slots, self.lora.max_tokens)
             if prep.lora is not None:
                 arrays["lora_meta"] = prep.lora.array
         if self._step_graphs(prep, mode):   # ids, positions, slots, sampled indices: [4, bucket]

@@ -225,7 +225,8 @@ class Worker:
             max_query_len=1, decode_only=True,
             decode_order=torch.arange(n, dtype=torch.int32, device=dev))
         if self.lora is not None:   # every token of slot 0: the LoRA kernels compiled and counted
-            plan = lora.batch.plan(np.zeros(n, dtype=np.int64), self.opts.max_loras)
+            plan = lora.batch.plan(np.zeros(n, dtype=np.int64), self.opts.max_loras,
+                                   self.lora.batch.max_tokens)
             self.lora.batch.begin(plan, torch.from_numpy(plan.array).to(dev))
         hidden = model(torch.zeros(n, dtype=torch.int64, device=dev),
                        torch.zeros(n, dtype=torch.int64, device=dev), cache, meta)

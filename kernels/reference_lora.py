@@ -13,11 +13,14 @@ gets ``y[t, slice i] += scale * (x[t] @ A_i^T) @ B_i^T`` where A_i is rows [i R,
 * ``lora_expand``: ``y[t, slice i] += scale * sum_k buf[k, t, i R:(i + 1) R] @ B_i^T``, in
   place, only for the tokens of a slot (the others' rows of ``y`` and ``buf`` are not read).
 
-Which tokens use which slot is ``LoraMeta``: the tokens grouped by slot (``order``), how many
-each slot has (``counts``) and where its group starts (``starts``), all int32 on the device,
-of static sizes (CUDA graphs read them as static buffers), and the same on the host as
-``segments`` (slot, start, count), which is what this reference reads (it runs where the
-forward pass runs from Python every step: CPU data planes and tests).
+Which tokens use which slot is ``LoraMeta``: the tokens grouped by slot (``order``) and the
+work list of the Triton kernels, ``blocks``: every group cut into blocks of ``BLOCK_SIZES``
+tokens, one (slot, start in ``order``, tokens) row each, a list per block size, its unused rows
+zero (int32 on the device, of static sizes: CUDA graphs read them as static buffers); and the
+same groups on the host as ``segments`` (slot, start, count), which is what this reference
+reads (it runs where the forward pass runs from Python every step: CPU data planes and tests).
+A step of T tokens over L slots has at most ceil(T / size) + min(L, T) blocks of a size
+(``max_blocks``): the kernels' grids, which depend on T and L alone.
 """
 
 from __future__ import annotations
@@ -27,11 +30,37 @@ import typing
 import torch
 
 
+BLOCK_SIZES = (16, 64)   # the kernels' token blocks: the fused small-step kernel's, the others'
+
+
 class LoraMeta(typing.NamedTuple):
     order: torch.Tensor     # [>= tokens with a slot] int32: token indices, slot 0's first
-    counts: torch.Tensor    # [slots] int32: tokens of each slot
-    starts: torch.Tensor    # [slots] int32: where each slot's tokens start in ``order``
+    blocks: tuple           # per BLOCK_SIZES: [>= max_blocks, 3] int32 (slot, start, tokens) rows
     segments: tuple = ()    # ((slot, start, count), ...) on the host, slots with tokens only
+
+
+def max_blocks(tokens: int, slots: int, size: int) -> int:
+    """The most blocks of ``size`` tokens a step of ``tokens`` tokens over ``slots`` slots has."""
+    return -(-tokens // size) + min(slots, tokens)
+
+
+def block_rows(counts, size: int, rows: int):
+    """numpy: the (slot, start, tokens) rows of ``counts`` tokens per slot (grouped in slot
+    order) cut into blocks of ``size``, in an int32 [rows, 3] array (unused rows zero)."""
+    import numpy as np
+
+    counts = np.asarray(counts, dtype=np.int64)
+    starts = np.cumsum(counts) - counts
+    per = -(-counts // size)
+    total = int(per.sum())
+    first = np.repeat(np.cumsum(per) - per, per)
+    index = np.arange(total) - first
+    begin = np.repeat(starts, per) + index * size
+    out = np.zeros((rows, 3), dtype=np.int32)
+    out[:total, 0] = np.repeat(np.arange(len(counts)), per)
+    out[:total, 1] = begin
+    out[:total, 2] = np.minimum(size, np.repeat(starts + counts, per) - begin)
+    return out
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoraMeta,
@@ -82,6 +111,8 @@ def meta_of(token_slots: torch.Tensor, num_slots: int) -> LoraMeta:
     counts = torch.bincount(slots[slots >= 0], minlength=num_slots)[:num_slots]
     starts = torch.cumsum(counts, 0) - counts
     segments = tuple((s, int(starts[s]), int(counts[s])) for s in range(num_slots) if counts[s])
-    device = token_slots.device
-    return LoraMeta(order.to(torch.int32).to(device), counts.to(torch.int32).to(device),
-                    starts.to(torch.int32).to(device), segments)
+    device, tokens = token_slots.device, len(slots)
+    blocks = tuple(torch.from_numpy(block_rows(counts.numpy(), size,
+                                               max_blocks(max(tokens, 1), num_slots, size))).to(device)
+                   for size in BLOCK_SIZES)
+    return LoraMeta(order.to(torch.int32).to(device), blocks, segments)

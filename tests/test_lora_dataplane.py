@@ -205,15 +205,22 @@ def test_worker_options_and_protocol_mistakes(model):
         plain.runner.launch(step)
 
 
-def test_plan_groups_tokens_by_slot():
-    slots = np.array([-1, 2, 0, 2, -1, 0, 1])
-    p = lora_batch.plan(slots, 3)
-    counts, starts, order = p.array[:3], p.array[3:6], p.array[6:]
-    assert counts.tolist() == [2, 1, 2] and starts.tolist() == [0, 2, 3]
-    assert order.tolist() == [2, 5, 6, 1, 3] and p.slots == (0, 1, 2)
-    assert lora_batch.plan(np.full(4, -1), 3) is None and lora_batch.plan(None, 3) is None
+def test_plan_groups_tokens_by_slot_and_cuts_them_into_blocks():
+    slots = np.array([-1, 2, 0, 2, -1, 0, 1] + [1] * 20)
+    p = lora_batch.plan(slots, 3, 40)
+    small, large = lora_batch.layout(3, 40)   # rows: ceil(40 / 16) + 3, ceil(40 / 64) + 3
+    assert (small, large) == (6, 4)
+    blocks16 = p.array[:3 * small].reshape(small, 3).tolist()
+    blocks64 = p.array[3 * small:3 * (small + large)].reshape(large, 3).tolist()
+    order = p.array[3 * (small + large):]
+    # slot 0: 2 tokens at 0; slot 1: 21 at 2 (a block of 16, then 5); slot 2: 2 at 23
+    assert blocks16 == [[0, 0, 2], [1, 2, 16], [1, 18, 5], [2, 23, 2], [0, 0, 0], [0, 0, 0]]
+    assert blocks64 == [[0, 0, 2], [1, 2, 21], [2, 23, 2], [0, 0, 0]]
+    assert order[:5].tolist() == [2, 5, 6, 7, 8] and order[-2:].tolist() == [1, 3]
+    assert p.slots == (0, 1, 2) and p.segments == ((0, 0, 2), (1, 2, 21), (2, 23, 2))
+    assert lora_batch.plan(np.full(4, -1), 3, 40) is None and lora_batch.plan(None, 3, 40) is None
     with pytest.raises(lora_batch.BatchError, match="LoRA slot 4"):
-        lora_batch.plan(np.array([3]), 3)
+        lora_batch.plan(np.array([3]), 3, 40)
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "int8"])
@@ -230,8 +237,8 @@ def test_quantized_projections_add_the_update_to_their_output(model, scheme):
     assert isinstance(proj, LoraProjection) and not proj.wants_fp8_rows(torch.zeros(2, 8))
     x = torch.randn(3, proj.lora_a.shape[2])
     batch = proj.batch
-    batch.begin(lora_batch.plan(np.array([0, -1, 0]), 3), torch.tensor(lora_batch.plan(
-        np.array([0, -1, 0]), 3).array))
+    step = lora_batch.plan(np.array([0, -1, 0]), 3, batch.max_tokens)
+    batch.begin(step, torch.tensor(step.array))
     try:
         got = proj(x)
     finally:

@@ -54,7 +54,7 @@ def test_reference_matches_the_per_token_formula(slices):
 def test_reference_without_adapters_leaves_y():
     x, a, b, y, _ = _case(5, 16, (0, 16), 4, 2, torch.float32)
     meta = ref.meta_of(torch.full((5,), -1), 2)
-    assert meta.segments == () and int(meta.counts.sum()) == 0
+    assert meta.segments == () and not any(b.any() for b in meta.blocks)
     assert torch.equal(ref.lora_add(y.clone(), x, a, b, meta, (0, 16)), y)
 
 
@@ -62,38 +62,45 @@ def _on(device, *ts):
     return [t.to(device) for t in ts]
 
 
+def _dev(meta):
+    return ref.LoraMeta(meta.order.to(DEVICE), tuple(b.to(DEVICE) for b in meta.blocks), meta.segments)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,k,slices,rank,num_slots", [
-    (1, 64, (0, 96), 16, 2),               # one decode token
+    (1, 64, (0, 96), 16, 2),               # one decode token: the fused kernel
     (7, 300, (0, 64, 80, 96), 8, 4),       # q/k/v of a merged projection, rank < 16 (padded)
-    (40, 512, (0, 48, 96), 16, 3),         # gate/up; K split in 2
-    (80, 96, (0, 40), 32, 2),              # a prefill block of 64 tokens, rank 32
+    (40, 200, (0, 48, 96), 16, 3),         # gate/up; a slot with more than one block of 16
+    (80, 96, (0, 40), 32, 2),              # a prefill: shrink + expand, rank 32
+    (150, 72, (0, 24, 40, 56), 16, 3),     # three slices, more than one block of 64 per slot
 ])
 def test_triton_matches_reference(dtype, tokens, k, slices, rank, num_slots):
     x, a, b, y, slots = _case(tokens, k, slices, rank, num_slots, dtype, seed=tokens)
     meta = ref.meta_of(slots, num_slots)
     expected = ref.lora_add(y.clone(), x, a, b, meta, slices, scale=2.0)
     x, a, b, y = _on(DEVICE, x, a, b, y)
-    dev_meta = ref.LoraMeta(*(t.to(DEVICE) for t in meta[:3]), meta.segments)
-    got = triton_lora.lora_add(y.clone(), x, a, b, dev_meta, slices, scale=2.0)
+    got = triton_lora.lora_add(y.clone(), x, a, b, _dev(meta), slices, scale=2.0)
     tol = dict(atol=5e-2, rtol=5e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got.cpu().float(), expected.float(), **tol)
     none = (slots < 0).to(DEVICE)
     assert torch.equal(got[none], y[none])   # rows of no adapter: not touched
 
 
-def test_triton_split_k_partials_sum_to_the_shrink():
-    x, a, b, y, slots = _case(3, 1024, (0, 32), 16, 2, torch.float32, none_every=10)
-    meta = ref.meta_of(slots, 2)
-    dev_meta = ref.LoraMeta(*(t.to(DEVICE) for t in meta[:3]), meta.segments)
-    buf = triton_lora.lora_shrink(x.to(DEVICE), a.to(DEVICE), dev_meta)
-    assert buf.shape[0] == 4   # a decode-sized step splits K (1024 / 256)
-    used = slots >= 0   # (the rows of a token without an adapter are not written)
-    torch.testing.assert_close(buf.sum(0).cpu()[used], ref.lora_shrink(x, a, meta)[0][used],
+def test_fused_and_two_kernel_paths_agree():
+    """The small-step kernel (one launch) and the shrink + expand give the same update."""
+    x, a, b, y, slots = _case(24, 160, (0, 32, 48, 64), 8, 3, torch.float32, seed=3)
+    meta = _dev(ref.meta_of(slots, 3))
+    x, a, b, y = _on(DEVICE, x, a, b, y)
+    fused = triton_lora.lora_fused(y.clone(), x, a, b, meta, (0, 32, 48, 64))
+    split = triton_lora.lora_expand(y.clone(), triton_lora.lora_shrink(x, a, meta), b, meta, (0, 32, 48, 64))
+    torch.testing.assert_close(fused.cpu(), split.cpu(), atol=1e-4, rtol=1e-4)
+    used = (slots >= 0)
+    shrunk = triton_lora.lora_shrink(x, a, meta)[0].cpu()
+    torch.testing.assert_close(shrunk[used], ref.lora_shrink(x.cpu(), a.cpu(), ref.meta_of(slots, 3))[0][used],
                                atol=1e-4, rtol=1e-4)
 
 
-def test_triton_strided_slot_buffers_and_empty_slots():
+def test_triton_strided_slot_buffers_and_empty_steps():
     """Slot buffers are strided views of one pool (a slot's layers contiguous, ``dataplane.lora``);
     a slot without tokens, and a step without any adapter, write nothing."""
     x, a, b, y, slots = _case(9, 64, (0, 48), 16, 3, torch.float32)
@@ -108,10 +115,20 @@ def test_triton_strided_slot_buffers_and_empty_slots():
     pool = pool.to(DEVICE)
     a_view = pool[:, 7:7 + a[0].numel()].view(3, *a.shape[1:])
     b_view = pool[:, 7 + a[0].numel():].view(3, *b.shape[1:])
-    dev_meta = ref.LoraMeta(*(t.to(DEVICE) for t in meta[:3]), meta.segments)
-    got = triton_lora.lora_add(y.clone().to(DEVICE), x.to(DEVICE), a_view, b_view, dev_meta, (0, 48))
+    got = triton_lora.lora_add(y.clone().to(DEVICE), x.to(DEVICE), a_view, b_view, _dev(meta), (0, 48))
     torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
-    nobody = ref.meta_of(torch.full((9,), -1), 3)
-    nobody = ref.LoraMeta(*(t.to(DEVICE) for t in nobody[:3]), ())
+    nobody = _dev(ref.meta_of(torch.full((9,), -1), 3))
     yd = y.to(DEVICE)
-    assert torch.equal(triton_lora.lora_add(yd.clone(), x.to(DEVICE), a_view, b_view, nobody, (0, 48)), yd)
+    for add in (triton_lora.lora_add, triton_lora.lora_fused):
+        assert torch.equal(add(yd.clone(), x.to(DEVICE), a_view, b_view, nobody, (0, 48)), yd)
+    big = _dev(ref.meta_of(torch.full((70,), -1), 3))   # (the two-kernel path's empty lists)
+    y70, x70 = torch.randn(70, 48, device=DEVICE), torch.randn(70, 64, device=DEVICE)
+    assert torch.equal(triton_lora.lora_add(y70.clone(), x70, a_view, b_view, big, (0, 48)), y70)
+
+
+def test_block_lists_bound_the_grid():
+    counts = [0, 17, 1, 0, 40]
+    rows = ref.block_rows(counts, 16, ref.max_blocks(58, 5, 16))
+    assert rows[:6].tolist() == [[1, 0, 16], [1, 16, 1], [2, 17, 1], [4, 18, 16], [4, 34, 16],
+                                 [4, 50, 8]]
+    assert not rows[6:].any() and len(rows) == 4 + 5
