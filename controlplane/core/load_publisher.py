@@ -37,8 +37,8 @@ def merge(pending: cpb.CoreLoad, load: cpb.CoreLoad) -> None:
 def _lora_state(engine) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The LoRA adapters in a device slot and in the host caches (placement prefers a core
     that has a request's adapter loaded)."""
-    lora = engine.lora
-    if not lora.enabled:
+    lora = getattr(engine, "lora", None)
+    if lora is None or not lora.enabled:
         return (), ()
     adapters = lora.adapters()
     return (tuple(sorted(a.name for a in adapters if a.slot is not None)),

@@ -89,7 +89,8 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
         if msg.loaded:
             msg.info.CopyFrom(engine.info)
             msg.model_info.CopyFrom(model_info(engine, self.tp))
-        msg.lora_adapters.extend(engine.lora_adapters())
+        if getattr(engine, "lora", None) is not None:
+            msg.lora_adapters.extend(engine.lora_adapters())
         return msg
 
     def broadcast_state(self) -> None:
