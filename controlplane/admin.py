@@ -250,13 +250,10 @@ class AdminService(apb_grpc.AdminServicer):
     async def _lora(self, context, what: str, name: str, arg):
         if self.plane.engine.scheduler is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet")
-        try:
-            answer = await lora_api.call_local(self.plane, what, name, arg)
+        try:   # (controlplane.lora logs the change)
+            return await lora_api.call_local(self.plane, what, name, arg)
         except lora_api.AdminError as exc:
             await context.abort(exc.code, exc.message)
-        log.info("LoRA adapter loaded" if what == "load" else "LoRA adapter unloaded",
-                 lora_name=name, peer=context.peer())
-        return answer
 
     # -- profiling (controlplane.profiling) --------------------------------------------------
     async def StartProfile(self, request: apb.StartProfileRequest, context):
