@@ -55,7 +55,6 @@ def _cache(worker, adapters):
         worker.load_adapter(wpb.LoadAdapterRequest(adapter_id=100 + i, path=str(path)))
 
 
-@pytest.mark.slow
 def test_mixed_batch_equals_peft_unmerged_and_merged(model):
     base, adapters = model
     worker = _worker(base)
@@ -74,7 +73,6 @@ def test_mixed_batch_equals_peft_unmerged_and_merged(model):
     assert greedy_on_worker(worker, [(PROMPTS[0], 0)], NEW, first_step=200) != [mixed[0]]
 
 
-@pytest.mark.slow
 def test_graph_stand_ins_replay_the_lora_variant(model):
     """The CUDA graphs' buffer logic (stand-ins off CUDA): decode steps in the decode graphs,
     the prefill in the piecewise ones, the LoRA variant only where a token has an adapter."""
@@ -88,7 +86,7 @@ def test_graph_stand_ins_replay_the_lora_variant(model):
     seqs = [(PROMPTS[0], 1), (PROMPTS[1], 0), (PROMPTS[3], 2)]
     got = greedy_on_worker(worker, seqs, NEW, [(1, 100), (2, 101)])
     assert ("decode", "full") in modes and ("prefill", "piecewise") in modes
-    eager = _worker(base)
+    eager = _worker(base, enforce_eager=True)
     _cache(eager, adapters[:2])
     assert got == greedy_on_worker(eager, seqs, NEW, [(1, 100), (2, 101)])
 
