@@ -36,17 +36,16 @@ class LoraProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.batch
-        if self.row_parallel and parallel.world_size() > 1:
-            y = _partial(self.base, x)
-            if batch.active:
-                kernels.lora_add(y, x.reshape(-1, x.shape[-1]), self.lora_a, self.lora_b,
-                                 batch.meta, self.slices)
+        tp_rows = self.row_parallel and parallel.world_size() > 1
+        y = _partial(self.base, x) if tp_rows else self.base(x)
+        if batch.active:   # (the kernels read rows of unit stride and update y in place)
+            y = y if y.is_contiguous() else y.contiguous()
+            x2 = x.reshape(-1, x.shape[-1])
+            kernels.lora_add(y.view(-1, y.shape[-1]), x2 if x2.stride(-1) == 1 else x2.contiguous(),
+                             self.lora_a, self.lora_b, batch.meta, self.slices)
+        if tp_rows:
             y = parallel.all_reduce(y)
             return y if self.base.bias is None else y + self.base.bias
-        y = self.base(x)
-        if batch.active:
-            kernels.lora_add(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), self.lora_a,
-                             self.lora_b, batch.meta, self.slices)
         return y
 
 
