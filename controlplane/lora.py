@@ -5,7 +5,8 @@ sequence runs only once its adapter is in a slot.
 
 An adapter is read into the workers' host caches (``LoadAdapter``, off the step stream) when
 it is registered at run time (its errors are the caller's: a bad adapter is refused at once),
-else when a request first needs it; meanwhile its requests wait (others run). A read the
+at start for the first ``--max-cpu-loras`` of ``--lora-modules``, else when a request first
+needs it; meanwhile its requests wait (others run). A read the
 workers refuse fails the requests waiting for it (INVALID_ARGUMENT with the reason), and the
 adapter stays listed with its error. Its fingerprint (the files' hash, from the workers) roots
 the hash chain of its prompt blocks, so two adapters never share KV, nor an adapter and the
@@ -109,6 +110,9 @@ class LoraAdapters:
         if self.by_name and not self.enabled:
             log.error("LoRA adapters %s are registered but the data planes have no LoRA slots "
                       "(start them with --enable-lora)", sorted(self.by_name))
+        elif self.enabled:   # read the first ones now: refused ones are said at start, and the
+            for adapter in list(self.by_name.values())[:self.slots.capacity]:   # first requests wait less
+                self.start_read(adapter).add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def reset(self) -> None:
         """The workers lost their state (or may have): every adapter is read again when next

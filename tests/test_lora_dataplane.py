@@ -256,3 +256,15 @@ def _load_step(slot: int, adapter_id: int) -> wpb.StepRequest:
     step = wpb.StepRequest(step_id=1)
     step.lora_loads.add(slot=slot, adapter_id=adapter_id)
     return step
+
+
+@pytest.mark.parametrize("family,options", [("qwen2", dict(heads=4, kv_heads=2, tie=True)),   # qkv bias
+                                            ("mistral", dict(heads=4, kv_heads=1))])
+def test_every_family_equals_peft(tmp_path, family, options):
+    base = make_checkpoint(tmp_path / "base", family, head_dim=32, **options)
+    adapter = make_adapter(base, tmp_path / "lora", seed=9, r=4, alpha=8)
+    worker = _worker(base)
+    _cache(worker, [adapter])
+    got = greedy_on_worker(worker, [(PROMPTS[0], 1), (PROMPTS[2], 0)], NEW, [(1, 100)])
+    assert got == [hf_greedy(hf_model(base, adapter), PROMPTS[0], NEW),
+                   hf_greedy(hf_model(base), PROMPTS[2], NEW)]
