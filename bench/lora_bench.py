@@ -54,7 +54,27 @@ def serve(args, lora: bool, extra: list[str] = ()) -> subprocess.Popen:
     from headrace_client import AsyncClient
 
     asyncio.run(AsyncClient(f"127.0.0.1:{args.port}").wait_ready(900))
+    if lora:   # the adapters read at start (up to the host caches' size) before measuring
+        wait_cached(f"127.0.0.1:{args.port}", min(len(args.paths), args.max_cpu_loras or args.adapters))
     return server
+
+
+def wait_cached(address: str, count: int, timeout: float = 600) -> None:
+    from headrace.v1 import admin_pb2 as apb
+    from headrace.v1 import admin_pb2_grpc as apb_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = apb_grpc.AdminStub(channel)
+        while time.monotonic() < deadline:
+            listed = stub.ListLoraAdapters(apb.ListLoraAdaptersRequest(),
+                                           metadata=[("authorization", f"Bearer {ADMIN}")])
+            errors = [s.adapter.error for s in listed.adapters if s.adapter.error]
+            if errors:
+                raise SystemExit(f"an adapter cannot be served: {errors[0]}")
+            if sum(s.cached for s in listed.adapters) >= count:
+                return
+            time.sleep(0.5)
 
 
 def w1(address: str, models: list[str], args) -> dict:

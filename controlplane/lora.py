@@ -110,9 +110,10 @@ class LoraAdapters:
         if self.by_name and not self.enabled:
             log.error("LoRA adapters %s are registered but the data planes have no LoRA slots "
                       "(start them with --enable-lora)", sorted(self.by_name))
-        elif self.enabled:   # read the first ones now: refused ones are said at start, and the
-            for adapter in list(self.by_name.values())[:self.slots.capacity]:   # first requests wait less
-                self.start_read(adapter).add_done_callback(lambda f: f.cancelled() or f.exception())
+        elif self.enabled:   # read the first ones now, one after the other: refused ones are
+            # said at start, and the first requests wait less
+            first = list(self.by_name.values())[:self.slots.capacity]
+            asyncio.ensure_future(self._read_each(first, self._generation))
 
     def reset(self) -> None:
         """The workers lost their state (or may have): every adapter is read again when next
@@ -146,6 +147,17 @@ class LoraAdapters:
                 sum(a.loading is not None for a in self.by_name.values()) < self.slots.capacity:
             self.start_read(adapter)
         return False
+
+    async def _read_each(self, adapters: list[Adapter], generation: int) -> None:
+        for adapter in adapters:
+            if generation != self._generation or self.by_name.get(adapter.name) is not adapter:
+                return
+            if adapter.cached or adapter.error:
+                continue
+            try:
+                await (adapter.loading or self.start_read(adapter))
+            except Exception:  # noqa: BLE001 - logged by the read, said to its requests
+                pass
 
     def start_read(self, adapter: Adapter) -> asyncio.Task:
         adapter.loading = asyncio.ensure_future(self._read(adapter, self._generation))
