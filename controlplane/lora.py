@@ -27,7 +27,6 @@ import time
 import grpc
 
 from controlplane.lora_slots import Adapter, Slots
-from controlplane.request import Failure
 
 log = logging.getLogger("headrace.lora")
 NAME_CHARS = 200
