@@ -71,7 +71,7 @@ class Engine(EngineOutages):
         self.flush_woken = None
         self.model_dir: str | None = None   # whose tokenizer grammars compile for (EnginePlane)
         self.structured = StructuredOutputs(config.structured_outputs_backend)
-        self.lora = LoraAdapters(config.lora_modules)   # the LoRA adapters served (docs/lora.md)
+        self.lora = LoraAdapters(config.lora_modules, self)   # the LoRA adapters served (docs/lora.md)
 
     async def start(self, timeout: float = 600.0) -> None:
         self._build(await self.workers.describe(timeout))
@@ -87,7 +87,7 @@ class Engine(EngineOutages):
         self.structured.configure(self.model_dir, self.info.vocab_size, self.info.eos_token_ids)
         self.scheduler, self.max_model_len = sizing.build_scheduler(self.config, infos,
                                                                     self.workers.num_kv_blocks)
-        self.lora.configure(infos, self.workers, self._wake.set, self._lora_failed)
+        self.lora.configure(infos, self.workers, self._wake.set)
         self.scheduler.lora = self.lora if self.lora.enabled else None
 
     @property
@@ -152,40 +152,17 @@ class Engine(EngineOutages):
 
     def lora_refusal(self, name: str) -> tuple[grpc.StatusCode, str] | None:
         """Why a request for the LoRA adapter ``name`` cannot be served (None: it can)."""
-        adapter = self.lora.get(name)
-        if adapter is None:
-            return grpc.StatusCode.NOT_FOUND, f"the model {name!r} does not exist (no such LoRA adapter)"
-        if adapter.error:
-            return grpc.StatusCode.INVALID_ARGUMENT, f"LoRA adapter {name!r} cannot be served: {adapter.error}"
-        return None
+        return self.lora.refusal(name)
 
     def lora_adapters(self) -> list[pb.LoraAdapter]:
         """The LoRA adapters served, as the public API lists them (``parent``: the caller's)."""
-        return [pb.LoraAdapter(name=a.name, path=a.path, rank=a.rank, cache_root=a.root, error=a.error)
-                for a in self.lora.adapters()]
-
-    def lora_users(self, adapter) -> int:
-        """Unfinished sequences of ``adapter`` (an unload waits for them)."""
-        return sum(not s.finished and s.lora is adapter for r in self.requests.values() for s in r.sequences)
-
-    def _lora_failed(self, adapter) -> None:
-        """The workers refused ``adapter``: the requests waiting for it fail with the reason."""
-        for request in [r for r in self.requests.values() if any(s.lora is adapter for s in r.sequences)]:
-            self.abort(request)
-            request.fail(Failure(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"LoRA adapter {adapter.name!r} cannot be served: {adapter.error}"))
+        return self.lora.listed()
 
     def submit(self, request: Request) -> None:
         if request.stream_interval <= 0:
             request.stream_interval = self.config.stream_interval
-        if request.lora_name:   # its adapter, for every sample (refused: it fails at once)
-            refusal = self.lora_refusal(request.lora_name)
-            if refusal is not None:
-                request.fail(Failure(*refusal))
-                return
-            adapter = self.lora.get(request.lora_name)
-            for seq in request.sequences:
-                seq.lora = adapter
+        if request.lora_name and not self.lora.attach(request):   # refused: it failed at once
+            return
         self.requests[request.request_id] = request
         self.telemetry.request_submitted(request)
         if request.structured is not None:   # scheduled once its grammar is compiled

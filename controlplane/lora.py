@@ -27,6 +27,8 @@ import time
 import grpc
 
 from controlplane.lora_slots import Adapter, Slots
+from controlplane.request import Failure
+from headrace.v1 import inference_pb2 as pb
 
 log = logging.getLogger("headrace.lora")
 NAME_CHARS = 200
@@ -71,14 +73,14 @@ def parse_modules(specs) -> list[tuple[str, str]]:
 
 
 class LoraAdapters:
-    def __init__(self, modules: list[tuple[str, str]] = ()):
+    def __init__(self, modules: list[tuple[str, str]] = (), engine=None):
         self.modules = list(modules)   # --lora-modules, registered when the workers are known
+        self.engine = engine            # controlplane.engine.Engine: its requests
         self.by_name: dict[str, Adapter] = {}
         self.slots: Slots | None = None
         self.max_loras = self.max_cpu_loras = self.max_rank = 0
         self.workers = None
         self.wake = lambda: None        # the engine's: a read landed
-        self.fail = lambda adapter: None   # the engine's: fail the requests waiting on it
         self.on_change = lambda: None   # an adapter's state changed (the front ends learn it)
         self._ids = itertools.count(1)
         self._next_cache_id = 1         # every read's host-cache key (``Adapter.cache_id``)
@@ -91,12 +93,12 @@ class LoraAdapters:
     def enabled(self) -> bool:
         return self.max_loras > 0
 
-    def configure(self, infos, workers, wake, fail) -> None:
+    def configure(self, infos, workers, wake) -> None:
         """The workers' LoRA capacity (``WorkerInfo``); forgets what their caches held."""
         self.max_loras = min(i.max_loras for i in infos)
         self.max_cpu_loras = min(i.max_cpu_loras for i in infos) if self.max_loras else 0
         self.max_rank = min(i.max_lora_rank for i in infos) if self.max_loras else 0
-        self.workers, self.wake, self.fail = workers, wake, fail
+        self.workers, self.wake = workers, wake
         self.slots = Slots(self.max_loras, max(self.max_cpu_loras, self.max_loras)) \
             if self.enabled else None
         self.reset()
@@ -135,6 +137,47 @@ class LoraAdapters:
     def get(self, name: str) -> Adapter | None:
         adapter = self.by_name.get(name)
         return None if adapter is None or adapter.unloading else adapter
+
+    def refusal(self, name: str) -> tuple[grpc.StatusCode, str] | None:
+        """Why a request for the adapter ``name`` cannot be served (None: it can)."""
+        adapter = self.get(name)
+        if adapter is None:
+            return grpc.StatusCode.NOT_FOUND, f"the model {name!r} does not exist (no such LoRA adapter)"
+        if adapter.error:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"LoRA adapter {name!r} cannot be served: {adapter.error}"
+        return None
+
+    def attach(self, request) -> bool:
+        """Gives every sample of ``request`` its adapter (``request.lora_name``); a request
+        that cannot be served fails at once (False)."""
+        refusal = self.refusal(request.lora_name)
+        if refusal is not None:
+            request.fail(Failure(*refusal))
+            return False
+        adapter = self.by_name[request.lora_name]
+        for seq in request.sequences:
+            seq.lora = adapter
+        return True
+
+    def users(self, adapter: Adapter) -> int:
+        """Unfinished sequences of ``adapter`` (an unload waits for them)."""
+        return sum(not s.finished and s.lora is adapter
+                   for r in self.engine.requests.values() for s in r.sequences)
+
+    def fail(self, adapter: Adapter) -> None:
+        """The workers refused ``adapter``: the requests waiting for it fail with the reason."""
+        if self.engine is None:
+            return
+        for request in [r for r in self.engine.requests.values()
+                        if any(s.lora is adapter for s in r.sequences)]:
+            self.engine.abort(request)
+            request.fail(Failure(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"LoRA adapter {adapter.name!r} cannot be served: {adapter.error}"))
+
+    def listed(self) -> list:
+        """The adapters as the public API lists them (``headrace.v1.LoraAdapter``)."""
+        return [pb.LoraAdapter(name=a.name, path=a.path, rank=a.rank, cache_root=a.root, error=a.error)
+                for a in self.adapters()]
 
     def admissible(self, adapter: Adapter, running) -> bool:
         """Whether a sequence of ``adapter`` may be admitted now: its adapter is in a slot, or
@@ -223,16 +266,16 @@ class LoraAdapters:
         log.info("LoRA adapter %s loaded from %s", name, path)
         return adapter
 
-    async def unregister(self, name: str, wait_s: float, users) -> None:
-        """Stops serving ``name``; ``users(adapter)``: how many sequences still use it."""
+    async def unregister(self, name: str, wait_s: float) -> None:
+        """Stops serving ``name`` once no sequence uses it (waiting up to ``wait_s``)."""
         adapter = self.by_name.get(name)
         if adapter is None or adapter.unloading:
             raise LoraError(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter named {name!r} is loaded")
         adapter.unloading = True
         deadline = time.monotonic() + max(0.0, wait_s)
-        while users(adapter) and time.monotonic() < deadline:
+        while self.users(adapter) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        left = users(adapter)
+        left = self.users(adapter)
         if left:
             adapter.unloading = False
             raise LoraError(grpc.StatusCode.FAILED_PRECONDITION,

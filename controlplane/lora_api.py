@@ -110,7 +110,7 @@ async def call_local(plane, what: str, name: str, arg) -> apb.LoraAdapters:
         if what == "load":
             await engine.lora.register(name, arg)
         else:
-            await engine.lora.unregister(name, arg, engine.lora_users)
+            await engine.lora.unregister(name, arg)
     except LoraError as exc:
         raise AdminError(exc.code, exc.message) from None
     plane.changed()   # the front ends learn the new list

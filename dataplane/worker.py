@@ -13,14 +13,12 @@ import logging
 import pathlib
 import time
 
-import numpy as np
 import torch
 
 import kernels
 from common import speculative
 from common.worker_options import WorkerOptions
 from dataplane import draft_model, graph_capture, kv_cache, kv_offload, lora, parallel, prefill_profile
-from dataplane.lora import adapter as _adapter  # noqa: F401 (lora.adapter)
 from dataplane.config import ModelConfig, load_model_config
 from dataplane.cuda_graphs import batch_sizes
 from dataplane.draft_model import DraftModel
@@ -225,13 +223,11 @@ class Worker:
             max_query_len=1, decode_only=True,
             decode_order=torch.arange(n, dtype=torch.int32, device=dev))
         if self.lora is not None:   # every token of slot 0: the LoRA kernels compiled and counted
-            plan = lora.batch.plan(np.zeros(n, dtype=np.int64), self.opts.max_loras,
-                                   self.lora.batch.max_tokens)
-            self.lora.batch.begin(plan, torch.from_numpy(plan.array).to(dev))
+            self.lora.every_token(n)
         hidden = model(torch.zeros(n, dtype=torch.int64, device=dev),
                        torch.zeros(n, dtype=torch.int64, device=dev), cache, meta)
         if self.lora is not None:
-            self.lora.batch.begin(None, None)
+            self.lora.batch.begin(None, None)   # (back to no adapter)
         rows = min(n, self.opts.max_num_seqs)
         worst = SamplingRow(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.0,
                             presence_penalty=0.0, frequency_penalty=0.0, seed=1, logprobs=20,
@@ -312,9 +308,7 @@ class Worker:
             host_kv_load_bytes_per_s=self.host_load_rate,
             prefill_profile_tokens=self.prefill_profile[0], prefill_profile_seconds=self.prefill_profile[1])
         if self.lora is not None:
-            s = self.lora.slots
-            info.max_loras, info.max_lora_rank, info.max_cpu_loras = s.max_loras, s.max_rank, s.max_cpu_loras
-            info.lora_slot_bytes = s.slot_bytes
+            self.lora.describe_into(info)
         speculative.to_proto(self.speculative, info.speculative)
         return info
 
@@ -323,12 +317,4 @@ class Worker:
         served; ``RuntimeError``: this worker has no LoRA slots). Runs off the step stream."""
         if self.lora is None:
             raise RuntimeError("this data plane was started without --enable-lora")
-        start = time.perf_counter()
-        adapter = lora.adapter.load(request.path, self.cfg, self.shard, self.opts.max_lora_rank,
-                                    self.dtype)
-        self.lora.slots.cache(request.adapter_id, adapter)
-        seconds = time.perf_counter() - start
-        log.info("LoRA adapter %s cached as %d: rank %d, %.1f MiB, %.3fs", request.path,
-                 request.adapter_id, adapter.rank, adapter.num_bytes / 2**20, seconds)
-        return pb.LoadAdapterResponse(rank=adapter.rank, fingerprint=adapter.fingerprint,
-                                      bytes=adapter.num_bytes, seconds=seconds)
+        return self.lora.read(request, self.cfg, self.shard)

@@ -12,14 +12,18 @@ fill slots, a new sequence's ``lora_slot`` says which slot its tokens use.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 
 import torch
 
 from dataplane.config import ModelConfig
+from dataplane.lora import adapter as adapters
 from dataplane.lora.batch import LoraBatch
 from dataplane.lora.layers import install
 from dataplane.lora.slots import LoraSlots
 
+log = logging.getLogger("headrace.dataplane")
 MAX_RANK = 512
 
 
@@ -27,6 +31,36 @@ MAX_RANK = 512
 class LoraRuntime:
     slots: LoraSlots
     batch: LoraBatch
+
+    def read(self, request, model: ModelConfig, shard):
+        """``Worker.LoadAdapter``: the adapter of ``request`` read (this rank's shard, checked:
+        ``adapter.AdapterError``) into the host cache; its ``LoadAdapterResponse``."""
+        from headrace.dataplane.v1 import worker_pb2 as pb
+
+        start = time.perf_counter()
+        adapter = adapters.load(request.path, model, shard, self.slots.max_rank, self.slots.dtype)
+        self.slots.cache(request.adapter_id, adapter)
+        seconds = time.perf_counter() - start
+        log.info("LoRA adapter %s cached as %d: rank %d, %.1f MiB, %.3fs", request.path,
+                 request.adapter_id, adapter.rank, adapter.num_bytes / 2**20, seconds)
+        return pb.LoadAdapterResponse(rank=adapter.rank, fingerprint=adapter.fingerprint,
+                                      bytes=adapter.num_bytes, seconds=seconds)
+
+    def every_token(self, n: int) -> None:
+        """The warm-up's step: its ``n`` tokens all of slot 0 (the kernels compiled, their
+        memory counted)."""
+        import numpy as np
+
+        from dataplane.lora.batch import plan
+
+        step = plan(np.zeros(n, dtype=np.int64), self.batch.num_slots, self.batch.max_tokens)
+        self.batch.begin(step, torch.from_numpy(step.array).to(self.slots.device))
+
+    def describe_into(self, info) -> None:
+        """The capacity ``WorkerInfo`` reports."""
+        s = self.slots
+        info.max_loras, info.max_lora_rank, info.max_cpu_loras = s.max_loras, s.max_rank, s.max_cpu_loras
+        info.lora_slot_bytes = s.slot_bytes
 
     def describe(self) -> str:
         s = self.slots
