@@ -103,9 +103,13 @@ class LoraAdmin:
 
 async def call_local(plane, what: str, name: str, arg) -> apb.LoraAdapters:
     """Admin's LoRA operations on an ``EnginePlane`` (AdminError with the refusal's status)."""
+    from controlplane import model_roots
     from controlplane.lora import LoraError
 
     engine = plane.engine
+    if what == "load" and arg and not model_roots.allowed(arg, plane.model_roots):
+        raise AdminError(grpc.StatusCode.PERMISSION_DENIED,
+                         model_roots.refusal(arg).replace("model ", "lora_path ", 1))
     try:
         if what == "load":
             await engine.lora.register(name, arg)

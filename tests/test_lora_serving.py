@@ -186,6 +186,9 @@ def test_runtime_load_and_unload_over_http_and_admin(model):
         r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "x", "lora_path": str(root)},
                        headers=auth)
         assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "x", "lora_path": "/etc"},
+                       headers=auth)   # as ReloadModel: only under the allowed model roots
+        assert r.status_code == 403 and "--model-root" in r.json()["error"]["message"]
         # an unload while the adapter runs: refused at once without a wait ...
         stream = planes.stub.Generate(pb.GenerateRequest(
             prompt_token_ids=pb.TokenIds(ids=PROMPTS[0]), max_tokens=200, ignore_eos=True,

@@ -147,7 +147,8 @@ class AdminServicer:
     def LoadLoraAdapter(self, request, context):
         """Multi-LoRA serving (docs/lora.md): registers a PEFT LoRA adapter under lora_name and reads
         it into the data planes' host caches (INVALID_ARGUMENT with the reason when it cannot be
-        served, ALREADY_EXISTS for a name in use, FAILED_PRECONDITION without --enable-lora).
+        served, ALREADY_EXISTS for a name in use, FAILED_PRECONDITION without --enable-lora,
+        PERMISSION_DENIED for a path outside the allowed model roots, as ReloadModel's).
         vLLM's POST /v1/load_lora_adapter does the same.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
