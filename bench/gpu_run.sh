@@ -168,7 +168,7 @@ fi
 if has lora; then   # issue 53 on Qwen3-0.6B, ~8 minutes
   log "lora: GPU tests (Triton kernels, peft equality with real CUDA graphs, serving end to end)"
   HEADRACE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_kernels.py \
-    tests/test_lora_dataplane.py tests/test_lora_serving.py -k "not tensor_parallel" 2>&1 | tail -3
+    tests/test_lora_dataplane.py tests/test_lora_gpu.py tests/test_lora_serving.py -k "not tensor_parallel" 2>&1 | tail -3
   log "lora kernels: the update's device time beside the projections"
   timeout 120 python3 -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b --tokens 1,16,256,2048 \
     | tee -a "$OUT/results.jsonl"
