@@ -83,11 +83,11 @@ def test_slot_invariants_under_random_traffic(events, num_slots):
         if finish:
             running = [s for s in running if s.lora is not adapter]
             continue
-        held = {s.lora.slot for s in running}
+        held = {s.lora.id: s.lora.slot for s in running}
         slots.begin_step()
         if slots.acquire(adapter, running):
             running.append(types.SimpleNamespace(lora=adapter))
-        assert all(s.lora.slot in held or s.lora is adapter for s in running)
+        assert all(s.lora.slot == held[s.lora.id] for s in running if s.lora.id in held)
         in_slots = [a for a in slots.held if a is not None]
         assert len({a.id for a in in_slots}) == len(in_slots)
         for i, a in enumerate(slots.held):
