@@ -6,8 +6,9 @@ requests over its own connections (each may reach another API front end) from a 
 time, and reports the CPU it used (user + system) over the wall time it ran: a process near
 100% is the limit of the run, not the server (``usage``: ``client_limited``).
 
-Requests are ``(send offset s, prompt ids, max_tokens, temperature, stream_interval)`` (0: the
-server's default; 100000: one message per request, an offline client); each comes back as
+Requests are ``(send offset s, prompt ids, max_tokens, temperature, stream_interval[, model])``
+(interval 0: the server's default; 100000: one message per request, an offline client; model: a
+LoRA adapter's name, gRPC only); each comes back as
 ``{"ok", "ttft", "e2e", "itls" (per token), "tokens", "end" (epoch s)}`` or
 ``{"ok": False, "error"}``."""
 
@@ -21,7 +22,7 @@ BUSY = 0.9   # a client process this busy (CPU seconds per wall second) is the l
 
 
 async def _one(stub, target, pb, prompt, max_tokens: int, temperature: float, interval: int,
-               start_at: float) -> dict:
+               start_at: float, model: str = "") -> dict:
     await asyncio.sleep(max(0.0, start_at - time.time()))
     sent, stamps = time.perf_counter(), []
     try:
@@ -32,7 +33,7 @@ async def _one(stub, target, pb, prompt, max_tokens: int, temperature: float, in
         else:
             req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
                                      ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature),
-                                     stream_interval=interval)
+                                     stream_interval=interval, model=model)
             async for resp in stub.Generate(req, timeout=600):
                 stamps.append((time.perf_counter(), len(resp.token_ids)))
     except Exception as exc:  # noqa: BLE001 - counted as failed
@@ -62,8 +63,9 @@ def _process(address: str, http_url: str | None, items: list, t0: float, channel
             targets, stubs = [None], [pb_grpc.InferenceStub(c) for c in chans]
         cpu0 = time.process_time()
         results = await asyncio.gather(*(
-            _one(stubs[i % len(stubs)], targets[i % len(targets)], pb, p, m, temp, interval, t0 + off)
-            for i, (off, p, m, temp, interval) in enumerate(items)))
+            _one(stubs[i % len(stubs)], targets[i % len(targets)], pb, p, m, temp, interval, t0 + off,
+                 *rest)
+            for i, (off, p, m, temp, interval, *rest) in enumerate(items)))
         cpu = time.process_time() - cpu0
         for c in chans:
             await c.close()

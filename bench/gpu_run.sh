@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout's root on the H200): GPU correctness, then the serving
 # workloads through the gRPC planes and in one process (bench/README.md). Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5swap w5l tier hf spy kern ragged tp spec specdraft structured dp
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5swap w5l tier hf spy kern ragged tp spec specdraft structured dp lora lora8b
 #   (default: tests w2 w1 w1o w3); TP_WATCH_S: seconds the tp section waits before dumping stacks
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # ragged: decode attention on W1's ragged batches, by KV split count and program start order.
@@ -51,6 +51,10 @@
 #     req/s under prefix and round-robin placement (DP_ARGS: more bench.dp_bench options, e.g.
 #     "--rates 40 --num-kv-blocks 3072"). The table last: round-robin / prefix TTFT
 #     p50 (target >= 1.5x) and DP=2 / DP=1 W1 throughput (target >= 0.9x). ~5 minutes.
+# lora: multi-LoRA serving (issue 53) on Qwen3-0.6B: the LoRA GPU tests, bench.lora_kernels, then
+#   bench.lora_bench load,w2,w1,cold (8 random rank-16 adapters on all 7 projections); ~8 minutes.
+# lora8b: on Llama-3.1-8B: the slot load of a rank-16 adapter and W4-like Poisson load over 100
+#   adapters (Zipf) on --max-loras 16 against the base model; ~9 minutes (its own call).
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -82,7 +86,7 @@ if has tp; then   # NCCL tensor parallelism on every GPU the machine has (2 or 4
   wait $tp_pid; tail -15 "$OUT/tp-pytest.txt"
   tail -n 8 "$OUT"/tp-logs/*/rank-*.log 2>/dev/null | cut -c1-300
 fi
-if has w1 || has w1o || has w1s || has w2 || has ttft || has w4 || has w5 || has w5w1 || has w5swap || has hf || has spy || has kern || has spec || has dp; then
+if has w1 || has w1o || has w1s || has w2 || has ttft || has w4 || has w5 || has w5w1 || has w5swap || has hf || has spy || has kern || has spec || has dp || has lora; then
   log ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda
 fi
 for w in w2 w1; do
@@ -161,6 +165,24 @@ fi
 if has dp; then
   log "dp: two replicas sharing the GPU: W1 and parity against one replica, W4S prefix vs round robin"
   timeout 480 python3 -m bench.dp_bench --model /tmp/qwen3 --parts parity,w1,w4s ${DP_ARGS:-} | tee -a "$OUT/results.jsonl"
+fi
+if has lora; then   # issue 53 on Qwen3-0.6B, ~8 minutes
+  log "lora: GPU tests (Triton kernels, peft equality with real CUDA graphs, serving end to end)"
+  HEADRACE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_kernels.py \
+    tests/test_lora_dataplane.py tests/test_lora_gpu.py tests/test_lora_serving.py -k "not tensor_parallel" 2>&1 | tail -3
+  log "lora kernels: the update's device time beside the projections"
+  timeout 120 python3 -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b --tokens 1,16,256,2048 \
+    | tee -a "$OUT/results.jsonl"
+  log "lora serving: slot load, W2 ITL adapter vs base, W1 with 8 adapters vs no LoRA, a cold adapter's TTFT"
+  timeout 420 python3 -m bench.lora_bench --model /tmp/qwen3 --cases load,w2,w1,cold | tee -a "$OUT/results.jsonl"
+fi
+if has lora8b; then   # issue 53 on Llama-3.1-8B: slot load, W4 over 100 Zipf adapters on 16 slots; ~9 minutes
+  [ -d /tmp/llama8b ] || { log ckpt8b; rm -rf /tmp/qwen3; python3 -m bench.random_checkpoint llama-3.1-8b /tmp/llama8b --device cuda; }
+  log "lora 8B: 100 adapters (Zipf) on 16 slots under Poisson load vs the base model"
+  timeout 560 python3 -m bench.lora_bench --model /tmp/llama8b --cases load,w4 --adapters 100 --max-loras 16 \
+    --rates 4,8,12 --search 2 --duration 15 \
+    --serve-args "--device cuda --max-running 256 --max-batched-tokens 8192 --max-model-len 4096" \
+    | tee -a "$OUT/results.jsonl"
 fi
 if has w5; then
   log "host KV tier on the GPU: exactness, copy ordering, copy engine"

@@ -65,10 +65,11 @@ def quantile(xs: list[float], q: float) -> float:
 
 
 def run_rate(address: str, rate: float, args, items: list | None = None) -> dict:
-    """One rate of ``workload`` (or of ``items``: [(send offset s, prompt ids, max_tokens)])."""
+    """One rate of ``workload`` (or of ``items``: [(send offset s, prompt ids, max_tokens[,
+    model])], model: a LoRA adapter's name)."""
     if items is None:
         items = workload(rate, args.duration, args.seed, args.prompt_mean, args.output_mean, args.max_length)
-    items = [(off, p, m, 0.0, 0) for off, p, m in items]   # greedy, the server's stream interval
+    items = [(off, p, m, 0.0, 0, *model) for off, p, m, *model in items]   # greedy, the server's interval
     url = getattr(args, "dataplane_metrics", None)   # (bench.dp_bench: none)
     before = dataplane_metrics.snapshot(url) if url else {}
     results, usage, t0 = client_pool.run(address, items, args.clients, args.channels)

@@ -1,5 +1,6 @@
 """``headrace admin``: a client of a running server's ``headrace.v1.Admin`` service (print or
-change the live configuration, drain, resume, reload the model, record a profile)."""
+change the live configuration, drain, resume, reload the model, record a profile, load and
+unload LoRA adapters)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,14 @@ def add_admin_parser(sub, formatter_class=argparse.HelpFormatter) -> None:
     f.add_argument("--wait", type=float, default=300.0,
                    help="seconds to wait for the steps (the server must be busy meanwhile); then "
                         "it stops with what was recorded")
+    lo = op("load-lora", "serve a PEFT LoRA adapter under a name (needs --enable-lora; docs/lora.md)")
+    lo.add_argument("name", help="the name requests give as their model")
+    lo.add_argument("path", help="the adapter's directory, as the data planes see it")
+    un = op("unload-lora", "stop serving a LoRA adapter (new requests for it are refused at once)")
+    un.add_argument("name")
+    un.add_argument("--wait", type=float, default=30.0,
+                    help="seconds to wait for the requests still using it (0: refuse if in use)")
+    op("loras", "list the LoRA adapters served, with their running and waiting sequences")
     p.set_defaults(func=run_admin_command)
 
 
@@ -98,6 +107,14 @@ def run_admin_command(args) -> int:
                 out = stub.Drain(apb.DrainRequest(timeout_s=args.wait, abort_remaining=args.abort), **call)
             elif op == "resume":
                 out = stub.Resume(apb.ResumeRequest(), **call)
+            elif op == "load-lora":
+                out = stub.LoadLoraAdapter(apb.LoadLoraAdapterRequest(lora_name=args.name,
+                                                                      lora_path=args.path), **call)
+            elif op == "unload-lora":
+                out = stub.UnloadLoraAdapter(apb.UnloadLoraAdapterRequest(lora_name=args.name,
+                                                                          wait_s=args.wait), **call)
+            elif op == "loras":
+                out = stub.ListLoraAdapters(apb.ListLoraAdaptersRequest(), **call)
             elif op == "profile":
                 stub.StartProfile(apb.StartProfileRequest(dir=os.path.abspath(args.dir),
                                                           num_steps=args.steps), **call)

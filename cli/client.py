@@ -33,6 +33,8 @@ def add_generate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None,
                    help="stop string, not returned (repeat for several)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    p.add_argument("--model", default=None,
+                   help="a LoRA adapter the server serves, by name (default: the base model; docs/lora.md)")
     shape = p.add_mutually_exclusive_group()   # structured outputs (docs/structured_outputs.md)
     shape.add_argument("--json-schema", default=None,
                        help="the output is JSON valid against this schema (its JSON text, or @FILE)")
@@ -91,6 +93,8 @@ def run_generate(args) -> int:
         params["stop"] = args.stop
     if args.ignore_eos:
         params["ignore_eos"] = True
+    if args.model:
+        params["model"] = args.model
     params.update(_structured(args))
     last = "\n"   # the last character written to stdout
     try:

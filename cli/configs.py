@@ -80,7 +80,19 @@ def engine_config(args) -> EngineConfig:
                         stream_interval=args.stream_interval,
                         preemption_mode=args.preemption_mode,
                         kv_offloading_policy=args.kv_offloading_policy,
-                        structured_outputs_backend=args.structured_outputs_backend)
+                        structured_outputs_backend=args.structured_outputs_backend,
+                        lora_modules=lora_modules(args))
+
+
+def lora_modules(args) -> list[tuple[str, str]]:
+    """``--lora-modules`` as (name, path) pairs (ValueError naming a malformed entry, or the
+    flag used where the data planes are started without ``--enable-lora``)."""
+    from headrace.controlplane.lora.registry import parse_modules
+
+    modules = parse_modules(getattr(args, "lora_modules", None))
+    if modules and getattr(args, "enable_lora", True) is False:
+        raise ValueError("--lora-modules needs --enable-lora (the data planes' adapter slots)")
+    return modules
 
 
 def check_structured_outputs_backend(args) -> None:

@@ -133,6 +133,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="grammar engine of structured outputs (JSON schema, regex, choice, grammar): "
              "guidance (llguidance, torch-free), xgrammar (imports torch into the engine core), "
              "auto: guidance if installed, else xgrammar (docs/structured_outputs.md)")
+    argument_group(parser, MODEL).add_argument(
+        "--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served under these names: a request's model "
+             "(OpenAI) or model field (gRPC) selects one; also vLLM's JSON form "
+             '\'{"name": NAME, "path": PATH}\'; needs --enable-lora (docs/lora.md)')
     p.add_argument("--max-n", type=positive_int, default=DEFAULT_MAX_N,
                    help="sequences a request may ask for at most: its parallel samples (n) times "
                         f"its prompts (default {DEFAULT_MAX_N})")

@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 from headrace.cli.configs import (check_speculative_config, check_structured_outputs_backend,
-                                  chunking)
+                                  chunking, lora_modules)
 from headrace.cli.options import check_device_name, default_model
 from headrace.cli.roles import SUPERVISOR_ENV, child_command
 from headrace.common import secret_env
@@ -111,6 +111,7 @@ def cmd_serve(args) -> int:
     check_device_name(args.device)
     chunking(args)   # a bad combination of the chunking flags: one line, before any child starts
     placement_of(args)
+    lora_modules(args)
     args.model = _model_for_the_control_plane(args, weights=True)
     check_public_ports(args)
     world, dp = args.tensor_parallel_size, args.data_parallel_size
@@ -161,6 +162,7 @@ def cmd_controlplane(args) -> int:
 
     check_structured_outputs_backend(args)
     chunking(args)
+    lora_modules(args)
     args.model = _model_for_the_control_plane(args, weights=False)
     placement_of(args)
     check_public_ports(args)

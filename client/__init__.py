@@ -12,11 +12,11 @@ from headrace.client.aio import AsyncClient
 from headrace.client.client import Client
 from headrace.client.connection import ConnectionOptions
 from headrace.client.errors import (Cancelled, DeadlineExceeded, HeadraceError, InvalidRequest,
-                                    NotReady, PermissionDenied, ServerBusy, Unauthenticated,
-                                    Unavailable)
+                                    ModelNotFound, NotReady, PermissionDenied, ServerBusy,
+                                    Unauthenticated, Unavailable)
 from headrace.client.types import Chunk, Completion, ModelInfo, Tokens, TokenLogprob, Usage
 
 __all__ = ["AsyncClient", "Cancelled", "Chunk", "Client", "Completion", "ConnectionOptions",
-           "DeadlineExceeded", "HeadraceError", "InvalidRequest", "ModelInfo", "NotReady",
+           "DeadlineExceeded", "HeadraceError", "InvalidRequest", "ModelInfo", "ModelNotFound", "NotReady",
            "PermissionDenied", "ServerBusy", "Tokens", "TokenLogprob", "Unauthenticated",
            "Unavailable", "Usage"]

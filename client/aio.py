@@ -63,6 +63,7 @@ class AsyncClient:
                        json_schema: dict[str, Any] | str | None = None, regex: str | None = None,
                        choice: Sequence[str] | None = None, grammar: str | None = None,
                        json_object: bool = False, structured_backend: str | None = None,
+                       model: str | None = None,
                        timeout: float | None = None,
                        session_id: str | None = None) -> Completion | list[Completion]:
         request = whole(request_from(locals()))
@@ -86,6 +87,7 @@ class AsyncClient:
                json_schema: dict[str, Any] | str | None = None, regex: str | None = None,
                choice: Sequence[str] | None = None, grammar: str | None = None,
                json_object: bool = False, structured_backend: str | None = None,
+               model: str | None = None,
                timeout: float | None = None, session_id: str | None = None) -> AsyncIterator[Chunk]:
         """An async iterator of chunks (``Client.stream``'s options); a misspelt option is a
         TypeError here, at the call."""

@@ -62,13 +62,15 @@ class Client:
                  json_schema: dict[str, Any] | str | None = None, regex: str | None = None,
                  choice: Sequence[str] | None = None, grammar: str | None = None,
                  json_object: bool = False, structured_backend: str | None = None,
+                 model: str | None = None,
                  timeout: float | None = None,
                  session_id: str | None = None) -> Completion | list[Completion]:
         """The whole completion (one message from the server); a list of ``n`` when n > 1.
         Options left None take the server's defaults (``GenerateRequest``'s fields). Structured
         outputs: at most one of ``json_schema`` (a dict or its JSON text), ``regex``, ``choice``,
         ``grammar`` (GBNF) or ``json_object``; ``structured_backend`` names the server's grammar
-        engine to use (default: its own). ``session_id``: this call's affinity key (default: the
+        engine to use (default: its own). ``model``: a LoRA adapter the server serves, by name
+        (default: the base model). ``session_id``: this call's affinity key (default: the
         client's)."""
         request = whole(request_from(locals()))
         collector = Collector()
@@ -90,6 +92,7 @@ class Client:
                json_schema: dict[str, Any] | str | None = None, regex: str | None = None,
                choice: Sequence[str] | None = None, grammar: str | None = None,
                json_object: bool = False, structured_backend: str | None = None,
+               model: str | None = None,
                timeout: float | None = None, session_id: str | None = None) -> Iterator[Chunk]:
         """Chunks as the server sends them; leaving the loop early cancels the request. The
         options are ``generate``'s."""

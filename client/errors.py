@@ -46,6 +46,10 @@ class Cancelled(HeadraceError):
     """CANCELLED: the call was cancelled."""
 
 
+class ModelNotFound(HeadraceError):
+    """NOT_FOUND: the request's ``model`` is neither the base model nor a LoRA adapter served."""
+
+
 class NotReady(Unavailable):
     """The server did not become ready within the connect timeout. ``state`` says why:
     ``down`` (nothing answers at the address), ``loading`` (up, the model is not ready) or
@@ -67,6 +71,7 @@ _BY_CODE = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.NOT_FOUND: ModelNotFound,
 }
 
 

@@ -87,16 +87,17 @@ def build_request(prompt: str | None = None, token_ids: Sequence[int] | None = N
                   stream_interval: int | None = None, request_id: str | None = None,
                   json_schema: dict[str, Any] | str | None = None, regex: str | None = None,
                   choice: Sequence[str] | None = None, grammar: str | None = None,
-                  json_object: bool = False, structured_backend: str | None = None
-                  ) -> pb.GenerateRequest:
+                  json_object: bool = False, structured_backend: str | None = None,
+                  model: str | None = None) -> pb.GenerateRequest:
     """A GenerateRequest of exactly the options given (None: the server's default);
     ``logit_bias``: token id -> bias added to its logit (OpenAI's, each in [-100, 100]).
     Structured outputs: at most one of ``json_schema`` (a dict or its JSON text), ``regex``,
     ``choice``, ``grammar`` (GBNF) or ``json_object``; ``structured_backend`` names the
-    grammar engine the server must use (default: its own)."""
+    grammar engine the server must use (default: its own). ``model``: a LoRA adapter the
+    server serves (default: the base model)."""
     if (prompt is None) == (token_ids is None):
         raise TypeError("give either a prompt or token_ids")
-    req = pb.GenerateRequest(request_id=request_id or "", ignore_eos=ignore_eos)
+    req = pb.GenerateRequest(request_id=request_id or "", ignore_eos=ignore_eos, model=model or "")
     if prompt is not None:
         req.prompt = prompt
     else:
@@ -149,7 +150,8 @@ _REQUEST_PARAMETERS = ("prompt", "token_ids", "temperature", "top_p", "top_k", "
                        "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                        "logit_bias", "max_tokens", "min_tokens", "stop", "stop_token_ids",
                        "ignore_eos", "priority", "logprobs", "n", "stream_interval", "request_id",
-                       "json_schema", "regex", "choice", "grammar", "json_object", "structured_backend")
+                       "json_schema", "regex", "choice", "grammar", "json_object", "structured_backend",
+                       "model")
 
 
 def request_from(arguments: dict) -> pb.GenerateRequest:

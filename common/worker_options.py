@@ -81,6 +81,16 @@ class WorkerOptions:
         "(flash-attn-4 for every prefill; pip install 'headrace[flash-attn]'); decodes run "
         "Triton's kernel (kernels/attention_policy.py)", choices=("auto", "triton", "flash-attn"),
         group=DEVICE)
+    enable_lora: bool = option(False, "serve LoRA adapters on top of the model: adapter slots on "
+                                      "the device, a host cache, the LoRA kernels (vLLM's name; "
+                                      "docs/lora.md)", group=MODEL)
+    max_loras: int = option(1, "LoRA adapters one step may mix: device slots, each of "
+                               "--max-lora-rank (vLLM's name and default)", group=MODEL)
+    max_lora_rank: int = option(16, "the largest LoRA rank served (slots are padded to it; "
+                                    "vLLM's name and default)", group=MODEL)
+    max_cpu_loras: int | None = option(None, "LoRA adapters kept in host memory, ready to load "
+                                             "into a slot (default: --max-loras; vLLM's name)",
+                                       group=MODEL)
 
 
 @dataclasses.dataclass

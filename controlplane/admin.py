@@ -24,6 +24,7 @@ import grpc
 
 from headrace.common import net
 from headrace.common.logs import get_logger
+from headrace.controlplane.lora import api as lora_api
 from headrace.controlplane import model_roots
 from headrace.controlplane.scheduling.policy import POLICIES, Policy
 from headrace.controlplane.engine.profiling import ProfileRefused
@@ -231,6 +232,29 @@ class AdminService(apb_grpc.AdminServicer):
                 num_kv_blocks=engine.scheduler.blocks.num_blocks,
                 max_model_len=engine.max_model_len, aborted=aborted, seconds=seconds)
 
+
+    # -- LoRA adapters (headrace.controlplane.lora.registry) ----------------------------------------------------
+    async def LoadLoraAdapter(self, request: apb.LoadLoraAdapterRequest, context):
+        await self._authorize(context)
+        return await self._lora(context, "load", request.lora_name, request.lora_path)
+
+    async def UnloadLoraAdapter(self, request: apb.UnloadLoraAdapterRequest, context):
+        await self._authorize(context)
+        if not 0 <= request.wait_s < float("inf"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "wait_s must be >= 0")
+        return await self._lora(context, "unload", request.lora_name, request.wait_s)
+
+    async def ListLoraAdapters(self, request, context):
+        await self._authorize(context)
+        return lora_api.listing(self.plane.engine)
+
+    async def _lora(self, context, what: str, name: str, arg):
+        if self.plane.engine.scheduler is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is not loaded yet")
+        try:   # (headrace.controlplane.lora.registry logs the change)
+            return await lora_api.call_local(self.plane, what, name, arg)
+        except lora_api.AdminError as exc:
+            await context.abort(exc.code, exc.message)
 
     # -- profiling (headrace.controlplane.engine.profiling) --------------------------------------------------
     async def StartProfile(self, request: apb.StartProfileRequest, context):

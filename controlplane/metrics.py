@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from headrace.common.metrics import PREFIX, STEP_BUCKETS, TOKEN_BUCKETS, Exporter, Histogram
+from headrace.controlplane.lora import metrics as lora_metrics
 from headrace.v1 import inference_pb2 as pb
 
 # Buckets (seconds) of the request latencies; headrace.common.metrics has the step and token ones.
@@ -89,6 +90,8 @@ class _EngineState:
         yield from self._speculation(getattr(sched, "speculation", None))
         if sched is not None:
             yield from _tiers(sched.blocks, base, sched.tier_cost)
+        if engine is not None:
+            yield from lora_metrics.collect(engine)
 
     def _speculation(self, spec):
         """vLLM's spec_decode counters (only when the workers speculate)."""

@@ -21,7 +21,9 @@ from headrace.common import net, security, tracing
 from headrace.common.grpc_options import public_server_options
 from headrace.controlplane.requests import limits, wire_check
 from headrace.controlplane import reflection
-from headrace.controlplane.admin import AdminService, admin_access
+from headrace.controlplane.admin import AdminService, admin_access, is_loopback_address
+from headrace.controlplane.http.lora_routes import AdminAccess
+from headrace.controlplane.lora.api import LoraAdmin
 from headrace.controlplane.core.plane import EnginePlane
 from headrace.controlplane.engine.loop import EngineConfig
 from headrace.controlplane.http.server import HttpFrontEnd, http_host
@@ -128,7 +130,9 @@ class ControlPlane:
         self.http = None if http_port is None else HttpFrontEnd(
             self.requests, http_host(address), http_port, tokens,
             tensor_parallel_size=len(worker_addresses), ssl=http_tls, max_body=max_body,
-            header_timeout=http_timeouts[0], keep_alive_timeout=http_timeouts[1])
+            header_timeout=http_timeouts[0], keep_alive_timeout=http_timeouts[1],
+            lora_admin=AdminAccess(LoraAdmin(plane=self.core), admin_token,
+                                   admin_insecure_loopback and is_loopback_address(address)))
         self.admin = AdminService(self.core, admin_token,
                                   enabled=admin_access(address, admin_token, admin_insecure_loopback))
         self.server = public_server(self.metrics, self.inference, self.admin, self.health,

@@ -81,10 +81,16 @@ class InferenceService(pb_grpc.InferenceServicer):
 def model_info(engine, tensor_parallel_size: int) -> pb.ModelInfo:
     """What ``GetModelInfo`` answers for a loaded engine."""
     info, blocks = engine.info, engine.scheduler.blocks
+    lora = getattr(engine, "lora", None)   # (an engine of LoRA adapters: headrace.controlplane.lora.registry)
+    adapters = engine.lora_adapters() if lora is not None else []
+    for adapter in adapters:
+        adapter.parent = info.model_name
     return pb.ModelInfo(model_name=info.model_name, architecture=info.architecture,
                         max_model_len=engine.max_model_len, vocab_size=info.vocab_size,
                         dtype=info.dtype, device=info.device, tensor_parallel_size=tensor_parallel_size,
                         kv_block_size=blocks.block_size, num_kv_blocks=blocks.num_blocks,
                         eos_token_ids=list(info.eos_token_ids),
                         kv_cache_dtype=info.kv_cache_dtype, quantization=info.quantization,
-                        num_host_kv_blocks=blocks.host.num_blocks if blocks.host else 0)
+                        num_host_kv_blocks=blocks.host.num_blocks if blocks.host else 0,
+                        lora_adapters=adapters, max_loras=lora.max_loras if lora else 0,
+                        max_lora_rank=lora.max_rank if lora else 0)

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from headrace.dataplane.lora import graphs as lora_graphs
 from headrace.dataplane.model import AttentionMetadata, CausalLM
 
 
@@ -90,6 +91,9 @@ class DecodeGraphs:
         self.logits = torch.zeros((max_batch, model.shard.vocab_size),
                                   dtype=model.model.embed_tokens.weight.dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}   # with the LoRA kernels
+        self.lora = lora_graphs.batch_of(model)   # --enable-lora: its LoraBatch
+        self.variants = lora_graphs.variants(self.lora)
         self.outputs: dict[int, torch.Tensor] = {}
         self.sizes = batch_sizes(max_batch)
         self.capture_seconds = 0.0
@@ -117,23 +121,31 @@ class DecodeGraphs:
         them; ``pool``: a graph memory pool to capture into (None: a new one, ``self.pool`` after)."""
         start = time.perf_counter()
         if self.device.type != "cuda":
-            for size in self.sizes:
-                self.outputs[size] = self._forward(size)
-                self.graphs[size] = EagerGraph(self, size)
+            for active in self.variants:
+                for size in self.sizes:
+                    self.outputs[size] = self._forward(size)
+                    (self.lora_graphs if active else self.graphs)[size] = EagerGraph(self, size)
             return
         stream = torch.cuda.Stream(self.device)
-        for size in reversed(self.sizes):       # largest first: smaller ones reuse its memory
-            self._forward(size)                 # warm-up: compiles kernels, sets up cuBLAS
-            torch.cuda.synchronize(self.device)
-            graph = capture_graph(lambda s=size: self.outputs.__setitem__(s, self._forward(s)),
-                                  pool, stream)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[size] = graph
-            if progress is not None:
-                progress.update()
+        for active in self.variants:   # with LoRA: a variant with its kernels, one without
+            table = self.lora_graphs if active else self.graphs
+            for size in reversed(self.sizes):       # largest first: smaller ones reuse its memory
+                with lora_graphs.capturing(self.lora, active):
+                    self._forward(size)                 # warm-up: compiles kernels, sets up cuBLAS
+                    torch.cuda.synchronize(self.device)
+                    graph = capture_graph(lambda s=size: self.outputs.__setitem__(s, self._forward(s)),
+                                          pool, stream)
+                pool = graph.pool() if pool is None else pool
+                table[size] = graph
+                if progress is not None:
+                    progress.update()
         torch.cuda.synchronize(self.device)
         self.pool = pool
         self.capture_seconds = time.perf_counter() - start
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.sizes) * len(self.variants)
 
     def fits(self, batch: int) -> bool:
         return bool(self.graphs) and batch <= self.max_batch
@@ -157,7 +169,7 @@ class DecodeGraphs:
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
             self.block_tables[n:size, 0].fill_(0)
-        self.graphs[size].replay()
+        (self.lora_graphs if lora_graphs.active(self.lora) else self.graphs)[size].replay()
         self.num_replays += 1
         self.num_verify_replays += int(verify)
         return self.outputs[size][:n]

@@ -18,6 +18,7 @@ import torch
 
 from headrace import kernels
 from headrace.dataplane.input_batch import PreparedBatch
+from headrace.dataplane.lora import batch as lora_batch
 from headrace.dataplane.model import AttentionMetadata, CausalLM
 from headrace.dataplane.spec_decode import decode_rows
 from headrace.kernels.attention_policy import phase_of
@@ -44,6 +45,7 @@ class StepForward:
         self.attention = attention  # headrace.kernels.attention_policy.Policy (None: Triton only)
         self._arange = torch.arange(max_num_seqs + 1, dtype=torch.int32, device=device)
         self._stepping = None       # the prep ``mode`` sent to the step graphs (``mixed``)
+        self.lora = getattr(model, "lora", None)   # headrace.dataplane.lora.batch.LoraBatch (--enable-lora)
 
     def mode(self, prep: PreparedBatch) -> str:
         """The step's ``graph`` label: full (the decode graphs, or the full step graphs),
@@ -66,6 +68,10 @@ class StepForward:
         """The model inputs the step's ``mode`` reads, as host arrays."""
         arrays = dict(seq_lens=prep.seq_lens, block_tables=prep.block_tables,
                       last_rows=prep.last_rows, decode_order=prep.decode_order)
+        if prep.lora_slots is not None and self.lora is not None:   # tokens of adapters
+            prep.lora = lora_batch.plan(prep.lora_slots, self.lora.num_slots, self.lora.max_tokens)
+            if prep.lora is not None:
+                arrays["lora_meta"] = prep.lora.array
         if self._step_graphs(prep, mode):   # ids, positions, slots, sampled indices: [4, bucket]
             n, m = len(prep.positions), len(prep.logits_indices)
             rows = np.zeros((4, self.mixed.bucket(n)), dtype=np.int64)
@@ -88,6 +94,8 @@ class StepForward:
                last_token: torch.Tensor) -> torch.Tensor | None:
         """Logits of the step's sampling tokens (None when none samples); decodes read their
         input ids from the device's last tokens (``last_token``, by row)."""
+        if self.lora is not None:   # which slot each token reads (None: no adapter in the step)
+            self.lora.begin(prep.lora, dev.get("lora_meta"))
         if mode == "full" and not self._step_graphs(prep, mode):
             if prep.decode_only:
                 input_ids = last_token[dev["last_rows"]]

@@ -98,6 +98,6 @@ class FullGraphs(MixedGraphs):
         self.block_tables[:tables.shape[0], :tables.shape[1]].copy_(tables)
         if last_index is not None and len(last_index):
             self.input_ids[last_index] = last_tokens
-        self.pieces[size][0].replay()
+        self.pieces_of(size)[0].replay()
         self.num_replays += 1
         return self._replay_head(num_rows)

@@ -78,7 +78,7 @@ class WorkerGraphs:
 
     @property
     def num_graphs(self) -> int:
-        return (len(self.decode.sizes) if self.decode else 0) + (self.mixed.num_graphs if self.mixed else 0)
+        return (self.decode.num_graphs if self.decode else 0) + (self.mixed.num_graphs if self.mixed else 0)
 
     def reserve_bytes(self, activation_bytes: int) -> int:
         """What the graphs will take beyond what is allocated now: their memory pool, at most
@@ -121,6 +121,8 @@ class WorkerGraphs:
         parts = []
         if self.decode is not None:
             parts.append(f"{len(self.decode.sizes)} decode sizes up to {self.decode.max_batch}")
+            if len(self.decode.variants) > 1:
+                parts.append("each graph with and without the LoRA kernels")
         if self.mixed is not None:
             parts.append(f"{len(self.mixed.buckets)} prefill/mixed buckets up to "
                          f"{self.mixed.max_tokens} tokens x {self.mixed.pieces_per_bucket} "

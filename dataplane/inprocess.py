@@ -49,6 +49,16 @@ class InProcessWorkerGroup:
         self.infos = [self.worker.describe()]
         return self.infos
 
+    async def load_adapter(self, adapter_id: int, path: str) -> pb.LoadAdapterResponse:
+        """The worker reads a LoRA adapter into its host cache (on a thread, as the RPC runs
+        beside the steps); ``ValueError`` with the reason when it cannot."""
+        request = pb.LoadAdapterRequest(adapter_id=adapter_id, path=path)
+        return await asyncio.to_thread(self.worker.load_adapter, request)
+
+    async def drop_adapters(self, adapter_ids: list[int], below: int = 0) -> None:
+        if self.worker.lora is not None:
+            self.worker.lora.slots.drop(adapter_ids, below)
+
     @property
     def num_kv_blocks(self) -> int:
         return self.infos[0].num_kv_blocks

@@ -37,6 +37,9 @@ class PreparedBatch:
     decode_order: np.ndarray | None = None   # [decode rows] int32: longest context first
     num_drafts: np.ndarray | None = None     # [sampling seqs] speculative drafts each verifies:
                                              # its logits_indices are its last 1 + drafts tokens
+    lora_slots: np.ndarray | None = None     # [tokens] int64 adapter slot of each token (-1:
+                                             # none); None when no held sequence has an adapter
+    lora: object = None                      # its headrace.dataplane.lora.batch.Plan (set by the forward)
 
 
 def longest_first(seq_lens: np.ndarray) -> np.ndarray:
@@ -68,6 +71,8 @@ class InputBatch:
         self.stop_ids: list[frozenset[int] | None] = [None] * max_seqs
         self.stop_table = np.full((max_seqs, 1), -1, dtype=np.int64)   # the same, -1 padded
         self.stopped: set[int] = set()   # seq ids whose sampled token finished them
+        self.lora_slot = np.full(max_seqs, -1, dtype=np.int64)   # adapter slot (-1: none)
+        self.num_lora_rows = 0   # rows whose sequence uses an adapter
         self.rows: dict[int, int] = {}
         self.version = 0   # bumped when a sequence is added or removed (``step_delta``'s index)
         self.sampling: list[SamplingRow | None] = [None] * max_seqs
@@ -88,6 +93,8 @@ class InputBatch:
             self.stop_ids[row], self.has_stops[row] = None, False
             self.num_history_rows -= int(self.uses_history[row])
             self.uses_history[row] = False
+            self.num_lora_rows -= int(self.lora_slot[row] >= 0)
+            self.lora_slot[row] = -1
             self._free_rows.append(row)
 
     def _set_blocks(self, row: int, start: int, ids) -> None:
@@ -100,7 +107,8 @@ class InputBatch:
         self.block_table[row, start:end] = ids
         self.num_table[row] = end
 
-    def add(self, seq_id: int, row_state: SamplingRow, block_ids, num_computed: int) -> int:
+    def add(self, seq_id: int, row_state: SamplingRow, block_ids, num_computed: int,
+            lora_slot: int = -1) -> int:
         if seq_id in self.rows:
             raise BatchError(f"sequence {seq_id} is already running")
         if not self._free_rows:
@@ -126,6 +134,8 @@ class InputBatch:
         self.has_stops[row] = self.stop_ids[row] is not None
         self._set_stops(row, sorted(self.stop_ids[row] or ()))
         self._set_blocks(row, 0, block_ids)
+        self.lora_slot[row] = lora_slot
+        self.num_lora_rows += int(lora_slot >= 0)
         if self.tokens is not None:
             self.tokens[row, :n] = r.prompt_token_ids + r.output_token_ids
         return row
@@ -244,7 +254,8 @@ class InputBatch:
                 query_start_loc=np.arange(n + 1, dtype=np.int32), seq_lens=ends.astype(np.int32),
                 block_tables=self.block_table[rows, :width], logits_indices=index, sample_rows=rows,
                 max_query_len=1, decode_only=True, last_index=index, last_rows=rows,
-                decode_order=longest_first(ends))
+                decode_order=longest_first(ends),
+                lora_slots=self.lora_slot[rows] if self.num_lora_rows else None)
         # A mixed batch puts its one-token rows first: attention runs them with the decode
         # kernel and only the rest with prefill tiles.
         single = num_scheduled == 1
@@ -287,4 +298,5 @@ class InputBatch:
             max_query_len=int(num_scheduled.max()), decode_only=False,
             last_index=starts[:-1][at_end].astype(np.int64), last_rows=rows[at_end],
             num_decodes=num_decodes, decode_order=longest_first(ends[:num_decodes]),
-            num_drafts=num_drafts)
+            num_drafts=num_drafts,
+            lora_slots=self.lora_slot[row_of_token] if self.num_lora_rows else None)

@@ -48,6 +48,7 @@ import time
 import torch
 
 from headrace.dataplane.cuda_graphs import batch_sizes, capture_graph
+from headrace.dataplane.lora import graphs as lora_graphs
 from headrace.dataplane.model import AttentionMetadata, CausalLM
 
 STEPS_PER_DOUBLING = 8   # buckets between 256 and 512 tokens, 512 and 1024, ...
@@ -102,6 +103,9 @@ class MixedGraphs:
         self.buckets = token_buckets(max_tokens)
         self.row_sizes = batch_sizes(self.max_rows) if lm_head else []
         self.pieces: dict[int, list] = {}
+        self.lora_pieces: dict[int, list] = {}   # with the LoRA kernels (``headrace.dataplane.lora.graphs``)
+        self.lora = lora_graphs.batch_of(model)   # --enable-lora: its LoraBatch
+        self.variants = lora_graphs.variants(self.lora)
         self.heads: dict[int, object] = {}
         self.capture_seconds = 0.0
         self.num_replays = 0
@@ -121,7 +125,7 @@ class MixedGraphs:
 
     @property
     def num_graphs(self) -> int:
-        return len(self.buckets) * self.pieces_per_bucket + len(self.row_sizes)
+        return len(self.buckets) * self.pieces_per_bucket * len(self.variants) + len(self.row_sizes)
 
     def static_bytes(self) -> int:
         """Device memory of the static buffers (the graphs' pool comes on top)."""
@@ -155,22 +159,24 @@ class MixedGraphs:
         graph memory pool to share (the decode graphs'); ``progress`` counts graphs."""
         start = time.perf_counter()
         cuda = self.device.type == "cuda"
-        jobs = [(size, k) for size in reversed(self.buckets) for k in range(self.pieces_per_bucket)]
-        jobs += [(rows, None) for rows in reversed(self.row_sizes)]
+        jobs = [(active, size, k) for active in self.variants for size in reversed(self.buckets)
+                for k in range(self.pieces_per_bucket)]
+        jobs += [(False, rows, None) for rows in reversed(self.row_sizes)]
         stream = torch.cuda.Stream(self.device) if cuda else None
-        for size, k in jobs:
+        for active, size, k in jobs:
             run = (lambda s=size: self._head(s)) if k is None else (lambda s=size, k=k: self._piece(s, k))
             if not cuda:
                 graph = EagerPiece(run)
             else:
-                run()   # warm-up: compiles kernels, sets up cuBLAS
-                torch.cuda.synchronize(self.device)
-                graph = capture_graph(run, pool, stream)
+                with lora_graphs.capturing(self.lora, active):
+                    run()   # warm-up: compiles kernels, sets up cuBLAS
+                    torch.cuda.synchronize(self.device)
+                    graph = capture_graph(run, pool, stream)
                 pool = graph.pool() if pool is None else pool
             if k is None:
                 self.heads[size] = graph
             else:
-                self.pieces.setdefault(size, []).append(graph)
+                (self.lora_pieces if active else self.pieces).setdefault(size, []).append(graph)
             if progress is not None:
                 progress.update()
         if cuda:
@@ -181,6 +187,10 @@ class MixedGraphs:
     def fits(self, num_tokens: int, num_rows: int, num_seqs: int = 0) -> bool:
         """Whether a step of ``num_tokens`` tokens sampling ``num_rows`` rows can replay."""
         return bool(self.pieces) and num_tokens <= self.max_tokens and num_rows <= self.max_rows
+
+    def pieces_of(self, size: int) -> list:
+        """The bucket's pieces in the step's variant (with the LoRA kernels or without)."""
+        return (self.lora_pieces if lora_graphs.active(self.lora) else self.pieces)[size]
 
     def bucket(self, num_tokens: int) -> int:
         return next(s for s in self.buckets if s >= num_tokens)
@@ -211,7 +221,7 @@ class MixedGraphs:
         self.rows[:, :size].copy_(rows)
         if last_index is not None and len(last_index):
             self.input_ids[last_index] = last_tokens
-        pieces, layers = self.pieces[size], self.model.model.layers
+        pieces, layers = self.pieces_of(size), self.model.model.layers
         n = num_tokens
         for k, piece in enumerate(pieces):
             piece.replay()

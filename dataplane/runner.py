@@ -43,6 +43,7 @@ from headrace.dataplane import (bitmasks, kv_offload, late_sampling, parallel, s
 from headrace.dataplane.forward import StepForward, step_kind
 from headrace.dataplane.input_batch import BatchError, InputBatch, PreparedBatch
 from headrace.dataplane.late_sampling import LateSampler
+from headrace.dataplane.lora import batch as lora_batch
 from headrace.dataplane.launched import Launched, Prepared
 from headrace.dataplane.model import CausalLM
 from headrace.dataplane.sampler import SampleOutput, SamplingBatch, device_arrays, sample
@@ -75,6 +76,7 @@ class ModelRunner:
         self.forward = StepForward(model, kv_caches, device, max_num_seqs, graphs, mixed,
                                    self.draft, attention)
         self.stager = staging.Stager(device)   # a step's inputs: one copy, from pinned buffers
+        self.lora = getattr(model, "lora", None)   # --enable-lora: headrace.dataplane.lora.batch.LoraBatch
         self.rank = rank
         self.rng = np.random.default_rng(seed)   # seeds of the unseeded rows' sampling noise
         self._last_done: torch.cuda.Event | None = None
@@ -139,6 +141,8 @@ class ModelRunner:
         delta = step_delta.apply(self.batch, self.index, step, self.seq_of_row, self.num_blocks,
                                  self.spec is not None)
         kv_offload.check_step(self.host_kv, step)
+        if step.lora_loads or step.lora_drops or self.batch.num_lora_rows:   # slots, before the forward
+            lora_batch.apply_loads(self.lora, step, self.batch.num_lora_rows)
         if len(delta.rows) == 0:   # every sequence of the step stopped: its block copies still run
             return Prepared(step, launched, delta)
         batch, rows = self.batch, delta.rows

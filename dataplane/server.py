@@ -148,6 +148,26 @@ class WorkerService(pb_grpc.WorkerServicer):
             self.worker.runner.reset()
             context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {exc!r}")
 
+    def LoadAdapter(self, request, context):
+        """Reads a LoRA adapter into the host cache, beside the steps (not under their lock)."""
+        from headrace.dataplane.lora.adapter import AdapterError
+
+        worker = self._require_worker(context)
+        try:
+            return worker.load_adapter(request)
+        except AdapterError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RuntimeError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:   # the host cache is full
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+
+    def DropAdapters(self, request, context):
+        worker = self._require_worker(context)
+        if worker.lora is not None:
+            worker.lora.slots.drop(list(request.adapter_ids), request.below_id)
+        return pb.DropAdaptersResponse()
+
     def Reload(self, request, context):
         """Frees the old model, loads the new one; puts the old one back if that fails."""
         with self._lock:   # after the step in progress

@@ -78,7 +78,8 @@ def apply(batch: InputBatch, index: RowIndex, step: pb.StepRequest, seq_of_row: 
     new_rows, new_counts, last = [], [], []
     for new in step.new_seqs:
         row_state = sampling_row(new)
-        row = batch.add(new.seq_id, row_state, new.block_ids, new.num_computed_tokens)
+        row = batch.add(new.seq_id, row_state, new.block_ids, new.num_computed_tokens,
+                        new.lora_slot - 1)
         seq_of_row[row] = new.seq_id
         new_rows.append(row)
         new_counts.append(new.num_scheduled_tokens)

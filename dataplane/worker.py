@@ -19,7 +19,7 @@ from headrace import kernels
 from headrace.common import speculative
 from headrace.common.import_errors import import_failure
 from headrace.common.worker_options import WorkerOptions
-from headrace.dataplane import (draft_model, graph_capture, kv_cache, kv_offload, parallel,
+from headrace.dataplane import (draft_model, graph_capture, kv_cache, kv_offload, lora, parallel,
                                 prefill_profile)
 from headrace.dataplane.config import ModelConfig, load_model_config
 from headrace.dataplane.cuda_graphs import batch_sizes
@@ -101,8 +101,13 @@ class Worker:
             raise RuntimeError(f"rank {rank} of {world_size}: the process group is not initialised "
                                f"(headrace.dataplane.parallel.init)")
         self.speculative = speculative.parse(opts.speculative_config)
+        lora.check_options(opts)
         mode = graph_capture.resolve_mode(opts)   # CUDA graphs exist on CUDA devices only
         self.graph_mode = mode if self.device.type == "cuda" else "none"
+        if opts.enable_lora and self.graph_mode != "none" and not kernels.on_triton(self.device):
+            log.warning("LoRA with HEADRACE_KERNELS=%s: the LoRA reference reads each step's groups "
+                        "on the host, so no CUDA graphs are captured", kernels.MODE)
+            self.graph_mode = "none"
         self.cfg: ModelConfig = load_model_config(opts.model)
         drafting = self.speculative is not None and self.speculative.method == "draft_model"
         if drafting:
@@ -131,6 +136,12 @@ class Worker:
                            self.max_model_len, self.shard, self.quant)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()   # an on-the-fly quantization's float weights
+        self.lora = None   # headrace.dataplane.lora.LoraRuntime (--enable-lora): slots counted in the peak
+        if opts.enable_lora:
+            self.lora = lora.enable(model, self.local_cfg, opts, self.dtype, self.device,
+                                    max(opts.max_batched_tokens, graph_rows(self.speculative,
+                                                                            opts.max_num_seqs)))
+            log.info("%s", self.lora.describe())
         draft = None
         if drafting:
             draft = DraftModel.load(draft_dir, self.cfg, self.device, self.dtype,
@@ -216,8 +227,12 @@ class Worker:
             block_tables=torch.zeros((n, 1), dtype=torch.int32, device=dev),
             max_query_len=1, decode_only=True,
             decode_order=torch.arange(n, dtype=torch.int32, device=dev))
+        if self.lora is not None:   # every token of slot 0: the LoRA kernels compiled and counted
+            self.lora.every_token(n)
         hidden = model(torch.zeros(n, dtype=torch.int64, device=dev),
                        torch.zeros(n, dtype=torch.int64, device=dev), cache, meta)
+        if self.lora is not None:
+            self.lora.batch.begin(None, None)   # (back to no adapter)
         rows = min(n, self.opts.max_num_seqs)
         worst = SamplingRow(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.0,
                             presence_penalty=0.0, frequency_penalty=0.0, seed=1, logprobs=20,
@@ -297,5 +312,14 @@ class Worker:
             startup_seconds=self.startup_seconds,
             host_kv_load_bytes_per_s=self.host_load_rate,
             prefill_profile_tokens=self.prefill_profile[0], prefill_profile_seconds=self.prefill_profile[1])
+        if self.lora is not None:
+            self.lora.describe_into(info)
         speculative.to_proto(self.speculative, info.speculative)
         return info
+
+    def load_adapter(self, request: pb.LoadAdapterRequest) -> pb.LoadAdapterResponse:
+        """Reads a LoRA adapter into the host cache (``lora.adapter.AdapterError``: it cannot be
+        served; ``RuntimeError``: this worker has no LoRA slots). Runs off the step stream."""
+        if self.lora is None:
+            raise RuntimeError("this data plane was started without --enable-lora")
+        return self.lora.read(request, self.cfg, self.shard)

@@ -1,13 +1,11 @@
 """Hot kernels of the data plane: the functions exported here are what the model calls.
 
 Each op has a plain-torch reference in ``headrace.kernels.reference`` and a Triton version (in
-``headrace.kernels.triton_ops``, ``headrace.kernels.triton_attention`` (with
-``headrace.kernels.triton_decode`` and ``headrace.kernels.triton_flash``; ``unified_attention``:
-``headrace.kernels.triton_unified``), ``headrace.kernels.triton_prologue``,
-``headrace.kernels.triton_linear``, ``headrace.kernels.triton_sampling`` or
-``headrace.kernels.triton_bitmask`` (structured outputs' token mask); the quantized linears
-``fp8_linear`` and ``wna16_linear``: ``headrace.kernels.reference_quant`` and
-``headrace.kernels.triton_quant``) that must match it. The choice is resolved once, at import, from
+``headrace.kernels.triton_ops``, ``headrace.kernels.triton_attention`` (with ``headrace.kernels.triton_decode`` and
+``headrace.kernels.triton_flash``; ``unified_attention``: ``headrace.kernels.triton_unified``), ``headrace.kernels.triton_prologue``, ``headrace.kernels.triton_linear``,
+``headrace.kernels.triton_sampling`` or ``headrace.kernels.triton_bitmask`` (structured outputs' token mask); the batched LoRA update
+``lora_shrink`` / ``lora_expand`` / ``lora_add``: ``headrace.kernels.reference_lora`` and ``headrace.kernels.triton_lora``; the quantized linears ``fp8_linear`` and ``wna16_linear``:
+``headrace.kernels.reference_quant`` and ``headrace.kernels.triton_quant``) that must match it. The choice is resolved once, at import, from
 the environment variable ``HEADRACE_KERNELS``:
 
 * ``auto`` (default): Triton for CUDA tensors when CUDA is available and triton imports, the
@@ -36,7 +34,7 @@ import os
 
 import torch
 
-from headrace.kernels import flash_attn4, reference, reference_quant
+from headrace.kernels import flash_attn4, reference, reference_lora, reference_quant
 
 MODE = os.environ.get("HEADRACE_KERNELS", "auto")
 if MODE not in ("auto", "triton", "reference"):
@@ -47,8 +45,8 @@ def _load_triton():
     if MODE == "reference" or (MODE == "auto" and not torch.cuda.is_available()):
         return None
     try:
-        from headrace.kernels import (triton_attention, triton_bitmask, triton_linear, triton_ops,
-                                      triton_prologue, triton_quant, triton_sampling,
+        from headrace.kernels import (triton_attention, triton_bitmask, triton_linear, triton_lora,
+                                      triton_ops, triton_prologue, triton_quant, triton_sampling,
                                       triton_unified)
     except ImportError:
         if MODE == "triton":
@@ -57,7 +55,8 @@ def _load_triton():
     return {"paged_attention": triton_attention, "sample_race": triton_sampling,
             "qk_norm_rope_write_kv": triton_prologue, "linear": triton_linear,
             "fp8_linear": triton_quant, "wna16_linear": triton_quant,
-            "apply_token_bitmask": triton_bitmask, "unified_attention": triton_unified}, triton_ops
+            "apply_token_bitmask": triton_bitmask, "unified_attention": triton_unified,
+            "lora_shrink": triton_lora, "lora_expand": triton_lora, "lora_add": triton_lora}, triton_ops
 
 
 def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
@@ -129,6 +128,11 @@ apply_token_bitmask = _select(reference.apply_token_bitmask, "apply_token_bitmas
 qk_norm_rope_write_kv = _select(reference.qk_norm_rope_write_kv, "qk_norm_rope_write_kv")
 linear = _select(reference.linear, "linear")
 copy_blocks = reference.copy_blocks   # one indexed copy per layer: torch is the kernel
+# multi-LoRA serving: the batched low-rank update of the tokens of each adapter slot
+LoraMeta = reference_lora.LoraMeta
+lora_shrink = _select(reference_lora.lora_shrink, "lora_shrink")
+lora_expand = _select(reference_lora.lora_expand, "lora_expand")
+lora_add = _select(reference_lora.lora_add, "lora_add")
 
 
 def on_triton(x: torch.Tensor | str | torch.device) -> bool:

@@ -22,7 +22,7 @@ BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_
            "step_host", "structured_bench", "fp8_kv_attention", "unified_attention", "placement_sim",
            "dp_bench", "mask_wire_bench", "mask_fill_bench", "emulated_worker", "late_mask_hops",
            "late_sample_host", "decode_ptx", "worker_start", "gemm_sass", "skinny_ncu", "read_floor",
-           "quant_accuracy_gpu"]
+           "quant_accuracy_gpu", "lora_adapters", "lora_bench", "lora_kernels"]
 SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token", "w5_report"]   # imported, not run
 
 
@@ -504,3 +504,21 @@ def test_read_floor_reads_every_word():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_random_lora_adapters_are_served_adapters(tmp_path):
+    """bench.lora_adapters writes PEFT adapters the data plane reads (all 7 projections, the
+    rank asked for, alpha twice it), from the checkpoint's config.json alone."""
+    import torch
+
+    from bench.lora_adapters import write_adapters
+    from headrace.dataplane.config import load_model_config
+    from headrace.dataplane.lora import adapter
+    from tests.checkpoints import make_checkpoint
+
+    model = make_checkpoint(tmp_path / "m", "llama", heads=4, kv_heads=2, head_dim=32)
+    paths = write_adapters(model, tmp_path / "loras", 2, rank=4)
+    read = [adapter.load(p, load_model_config(model), None, 8, torch.float32) for p in paths]
+    assert [a.rank for a in read] == [4, 4] and read[0].fingerprint != read[1].fingerprint
+    assert len(read[0].weights) == 2 * 7
+    assert write_adapters(model, tmp_path / "loras", 2, rank=4) == paths   # kept, not rewritten

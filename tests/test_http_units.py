@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from headrace.controlplane.http import convert
-from headrace.controlplane.http.convert import HttpError
+from headrace.controlplane.http.errors import HttpError
 from headrace.controlplane.http.protocol import ChatCompletionRequest, CompletionRequest
 from headrace.controlplane.http.responses import Watched, event_stream
 from headrace.controlplane.requests.path import RequestError

@@ -28,8 +28,21 @@ def merge(pending: cpb.CoreLoad, load: cpb.CoreLoad) -> None:
         return
     for name in NUMBERS:   # the newest
         setattr(pending, name, getattr(load, name))
+    pending.lora_in_slots[:] = load.lora_in_slots
+    pending.lora_cached[:] = load.lora_cached
     pending.cached_hashes.extend(load.cached_hashes)
     pending.evicted_hashes.extend(load.evicted_hashes)
+
+
+def _lora_state(engine) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The LoRA adapters in a device slot and in the host caches (placement prefers a core
+    that has a request's adapter loaded)."""
+    lora = getattr(engine, "lora", None)
+    if lora is None or not lora.enabled:
+        return (), ()
+    adapters = lora.adapters()
+    return (tuple(sorted(a.name for a in adapters if a.slot is not None)),
+            tuple(sorted(a.name for a in adapters if a.cached)))
 
 
 class LoadPublisher:
@@ -69,14 +82,15 @@ class LoadPublisher:
             blocks.watch(self._events)
         reset, stored, evicted = self._events.take()
         numbers = (len(sched.running), len(sched.waiting), blocks.num_blocks, blocks.num_free,
-                   blocks.block_size)
+                   blocks.block_size, *_lora_state(self.service.plane.engine))
         snapshot = None
         for link in links:
             fresh = reset or link in self._fresh
             if not fresh and not stored and not evicted and self._last.get(link) == numbers:
                 continue
             load = cpb.CoreLoad(running=numbers[0], waiting=numbers[1], num_kv_blocks=numbers[2],
-                                num_free_kv_blocks=numbers[3], block_size=numbers[4])
+                                num_free_kv_blocks=numbers[3], block_size=numbers[4],
+                                lora_in_slots=numbers[5], lora_cached=numbers[6])
             if fresh:
                 snapshot = blocks.hashes() if snapshot is None else snapshot
                 load.cache_reset = True

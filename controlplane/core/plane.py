@@ -45,6 +45,7 @@ class EnginePlane:
                              EngineTelemetry(self.metrics, log_requests=log_requests))
         self.engine.model_dir = model_dir   # structured outputs compile for its tokenizer
         self.engine.on_health_change = self.changed
+        self.engine.lora.on_change = self.changed   # (the front ends' adapter list)
         # ``request_options``: RequestPath's tenant tokens, trust_tenant_header, max_n, max_prompts
         self.requests = RequestPath(self.engine, model_dir, self.tokenizer, chat_template=chat_template,
                                     generation_config=generation_config, log_prompts=log_prompts,

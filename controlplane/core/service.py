@@ -90,6 +90,8 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
         if msg.loaded:
             msg.info.CopyFrom(engine.info)
             msg.model_info.CopyFrom(model_info(engine, self.tp))
+        if getattr(engine, "lora", None) is not None:
+            msg.lora_adapters.extend(engine.lora_adapters())
         return msg
 
     def broadcast_state(self) -> None:
@@ -146,6 +148,8 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
             return grpc.StatusCode.INVALID_ARGUMENT, f"request_id {submit.request_id!r} is already in use"
         if not submit.sampling or len(submit.prompt_token_ids) + submit.max_tokens > engine.max_model_len:
             return grpc.StatusCode.INVALID_ARGUMENT, "request does not fit max_model_len (model reloaded?)"
+        if submit.lora_name:   # (unloaded since the front end checked it)
+            return engine.lora_refusal(submit.lora_name)
         return None
 
     def submit(self, link: FrontendLink, s: cpb.Submit) -> None:
@@ -162,7 +166,7 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
         arrival = time.monotonic() - s.age   # on this clock (the front end's may be another host's)
         req = CoreRequest(request_id=s.request_id, n=len(s.sampling), stream_interval=s.stream_interval,
                           arrival=arrival, link=link, handle=s.handle, tenant=s.tenant,
-                          structured=constraint)
+                          structured=constraint, lora_name=s.lora_name)
         prompt, text = list(s.prompt_token_ids), CoreText(s.has_stop_strings)
         req.sequences = [Sequence(request=req, seq_id=next(engine.seq_ids), index=i,
                                   prompt_token_ids=prompt, sampling=sampling, max_tokens=s.max_tokens,

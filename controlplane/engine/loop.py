@@ -29,6 +29,7 @@ from headrace.controlplane.engine import sizing, speculation, step_codec
 from headrace.controlplane.engine.config import EngineConfig
 from headrace.controlplane.engine.outages import EngineOutages
 from headrace.controlplane.engine.inflight import InFlightSteps
+from headrace.controlplane.lora.registry import LoraAdapters
 from headrace.controlplane.scheduling.policy import Policy
 from headrace.controlplane.engine.profiling import Profiler
 from headrace.controlplane.requests.request import Failure, Request, Sequence
@@ -71,6 +72,7 @@ class Engine(EngineOutages):
         self.flush_woken = None
         self.model_dir: str | None = None   # whose tokenizer grammars compile for (EnginePlane)
         self.structured = StructuredOutputs(config.structured_outputs_backend)
+        self.lora = LoraAdapters(config.lora_modules, self)   # the LoRA adapters served (docs/lora.md)
 
     async def start(self, timeout: float = 600.0) -> None:
         self._build(await self.workers.describe(timeout))
@@ -86,6 +88,8 @@ class Engine(EngineOutages):
         self.structured.configure(self.model_dir, self.info.vocab_size, self.info.eos_token_ids)
         self.scheduler, self.max_model_len = sizing.build_scheduler(self.config, infos,
                                                                     self.workers.num_kv_blocks)
+        self.lora.configure(infos, self.workers, self._wake.set)
+        self.scheduler.lora = self.lora if self.lora.enabled else None
 
     @property
     def max_queued(self) -> int:
@@ -147,9 +151,19 @@ class Engine(EngineOutages):
                 setattr(self.config, name, value)
         self._wake.set()   # a larger cap or budget may let waiting work in
 
+    def lora_refusal(self, name: str) -> tuple[grpc.StatusCode, str] | None:
+        """Why a request for the LoRA adapter ``name`` cannot be served (None: it can)."""
+        return self.lora.refusal(name)
+
+    def lora_adapters(self) -> list[pb.LoraAdapter]:
+        """The LoRA adapters served, as the public API lists them (``parent``: the caller's)."""
+        return self.lora.listed()
+
     def submit(self, request: Request) -> None:
         if request.stream_interval <= 0:
             request.stream_interval = self.config.stream_interval
+        if request.lora_name and not self.lora.attach(request):   # refused: it failed at once
+            return
         self.requests[request.request_id] = request
         self.telemetry.request_submitted(request)
         if request.structured is not None:   # scheduled once its grammar is compiled

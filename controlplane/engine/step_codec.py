@@ -24,7 +24,8 @@ def encode(step: ScheduledStep, step_id: int, flush: bool) -> wpb.StepRequest:
         msg.new_seqs.add(seq_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids,
                          output_token_ids=seq.output_token_ids, block_ids=new.block_ids,
                          num_computed_tokens=seq.num_computed, num_scheduled_tokens=new.num_tokens,
-                         sampling=seq.sampling)
+                         sampling=seq.sampling,
+                         lora_slot=0 if seq.lora is None else seq.lora.slot + 1)
     if running.seqs:
         msg.running_seq_ids.extend([s.seq_id for s in running.seqs])
         msg.running_num_scheduled.extend(running.num_tokens)
@@ -37,6 +38,9 @@ def encode(step: ScheduledStep, step_id: int, flush: bool) -> wpb.StepRequest:
     if step.swap_out:
         msg.swap_out_device_blocks.extend([d for d, _ in step.swap_out])
         msg.swap_out_host_blocks.extend([h for _, h in step.swap_out])
+    for slot, adapter_id in step.lora_loads:   # (slots are 1-based on the wire)
+        msg.lora_loads.add(slot=slot + 1, adapter_id=adapter_id)
+    msg.lora_drops.extend(step.lora_drops)
     if step.swap_in:
         msg.swap_in_host_blocks.extend([h for h, _ in step.swap_in])
         msg.swap_in_device_blocks.extend([d for _, d in step.swap_in])

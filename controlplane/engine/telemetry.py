@@ -90,6 +90,8 @@ class EngineTelemetry:
                              "headrace.prompt_tokens": len(seq0.prompt_token_ids),
                              "headrace.max_tokens": seq0.max_tokens, "headrace.n": request.n,
                              "headrace.priority": seq0.priority})
+        if request.lora_name:
+            span.set_attribute("headrace.lora_adapter", request.lora_name)
         for seq in request.sequences:
             self._seqs[seq.seq_id] = _SeqTrace(st)
         self._seqs[seq0.seq_id].queue = self.tracer.start_span(
@@ -170,6 +172,7 @@ class EngineTelemetry:
                 if len(seqs) > 1 else FINISH_NAMES.get(seqs[0].finish_reason, ""),
                 prompt_tokens=prompt, completion_tokens=generated,
                 cached_prompt_tokens=seqs[0].num_cached_prompt_tokens,
+                **({"lora_adapter": request.lora_name} if request.lora_name else {}),
                 preemptions=sum(s.num_preemptions for s in seqs),
                 queue_s=None if st.first_sched is None else round(st.first_sched - st.arrival, 6),
                 ttft_s=None if st.first_token is None else round(st.first_token - st.arrival, 6),

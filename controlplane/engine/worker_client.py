@@ -102,6 +102,27 @@ class WorkerGroup:
         self.infos = _one_model(list(infos))
         return self.infos
 
+    async def load_adapter(self, adapter_id: int, path: str,
+                           timeout: float = 600.0) -> pb.LoadAdapterResponse:
+        """Every worker reads a LoRA adapter into its host cache (in parallel); WorkerError
+        with the first refusal."""
+        request = pb.LoadAdapterRequest(adapter_id=adapter_id, path=path)
+
+        async def one(addr, stub):
+            try:
+                return await stub.LoadAdapter(request, timeout=timeout, metadata=self._metadata)
+            except grpc.aio.AioRpcError as exc:
+                raise WorkerError(exc.details() or f"LoadAdapter on {addr}: {exc.code().name}") from exc
+
+        answers = await asyncio.gather(*(one(a, s) for a, s in zip(self.addresses, self._stubs)))
+        return answers[0]
+
+    async def drop_adapters(self, adapter_ids: list[int], below: int = 0) -> None:
+        request = pb.DropAdaptersRequest(adapter_ids=adapter_ids, below_id=below)
+        await asyncio.gather(*(stub.DropAdapters(request,
+                                                 timeout=30, metadata=self._metadata)
+                               for stub in self._stubs))
+
     @property
     def num_kv_blocks(self) -> int:
         """KV capacity of the group: the smallest of its workers'."""

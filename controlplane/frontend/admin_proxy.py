@@ -21,7 +21,8 @@ from headrace.controlplane.admin import AdminService
 from headrace.v1 import admin_pb2 as apb
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 
-METHODS = ("GetConfig", "UpdateConfig", "Drain", "Resume", "ReloadModel", "StartProfile", "StopProfile")
+METHODS = ("GetConfig", "UpdateConfig", "Drain", "Resume", "ReloadModel", "StartProfile", "StopProfile",
+           "LoadLoraAdapter", "UnloadLoraAdapter", "ListLoraAdapters")
 NO_CORE = "the engine core is unavailable (restarting?); retry"
 SUMMED = {apb.Config: ("running", "waiting", "in_flight_requests", "num_kv_blocks", "num_host_kv_blocks"),
           apb.DrainResponse: ("in_flight", "aborted"),
@@ -45,6 +46,15 @@ def combine(answers: list):
         elif isinstance(first, apb.ReloadModelResponse):
             first.max_model_len = min(first.max_model_len, other.max_model_len)
             first.seconds = max(first.seconds, other.seconds)
+    if isinstance(first, apb.LoraAdapters) and len(answers) > 1:   # each core's sequences summed
+        by_name = {s.adapter.name: s for s in first.adapters}
+        for other in answers[1:]:
+            for state in other.adapters:
+                mine = by_name.get(state.adapter.name)
+                if mine is not None:
+                    mine.running += state.running
+                    mine.waiting += state.waiting
+                    mine.in_slot, mine.cached = mine.in_slot and state.in_slot, mine.cached and state.cached
     if isinstance(first, apb.ProfileStatus) and len(answers) > 1:
         first.recording = any(a.recording for a in answers)
         first.steps_recorded = sum(a.steps_recorded for a in answers)

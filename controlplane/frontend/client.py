@@ -101,6 +101,10 @@ class CoreClient(DownMessages):
     def ready(self) -> bool:
         return self.healthy and not self.draining and self.scheduler is not None
 
+    def lora_adapters(self) -> list:
+        """The core's LoRA adapters, as it last pushed them (``CoreState.lora_adapters``)."""
+        return list(self.state.lora_adapters)
+
     # -- what placement reads (headrace.controlplane.frontend.placement.Candidate) -------------------------------
     @property
     def load(self) -> int:
@@ -128,7 +132,7 @@ class CoreClient(DownMessages):
                 request_id=request.request_id, prompt_token_ids=seq0.prompt_token_ids,
                 max_tokens=seq0.max_tokens, priority=seq0.priority,
                 stream_interval=request.stream_interval, has_stop_strings=seq0.output.has_stop,
-                tenant=request.tenant,
+                tenant=request.tenant, lora_name=request.lora_name,
                 trace_id=structlog.contextvars.get_contextvars().get("trace_id", ""))
             submit.sampling.extend(s.sampling for s in request.sequences)
             if request.structured is not None:

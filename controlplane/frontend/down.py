@@ -24,7 +24,9 @@ class DownMessages:
             self.core_load = cpb.CoreLoad(running=load.running, waiting=load.waiting,
                                           num_kv_blocks=load.num_kv_blocks,
                                           num_free_kv_blocks=load.num_free_kv_blocks,
-                                          block_size=load.block_size)
+                                          block_size=load.block_size,
+                                          lora_in_slots=load.lora_in_slots,
+                                          lora_cached=load.lora_cached)
             self.placed_since_report = 0
         self._queue.num_queued = down.num_waiting
         woken, by_handle = {}, self._by_handle

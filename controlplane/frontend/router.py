@@ -121,6 +121,9 @@ class CoreRouter:
     def state(self):
         return self.primary.state
 
+    def lora_adapters(self) -> list:
+        return self.primary.lora_adapters()
+
     @property
     def info(self):
         return self.primary.info
@@ -157,7 +160,29 @@ class CoreRouter:
         if self.placement.policy != "prefix":
             return []
         block_size = self.primary.core_load.block_size or (self.info.block_size if self.info else 0)
-        return prompt_hashes(request.sequences[0].prompt_token_ids, block_size) if block_size else []
+        root = 0
+        if request.lora_name:   # its adapter's chain (cores agree: it is the files' hash)
+            adapter = next((a for a in self.lora_adapters() if a.name == request.lora_name), None)
+            if adapter is None or not adapter.cache_root:
+                return []
+            root = adapter.cache_root
+        return prompt_hashes(request.sequences[0].prompt_token_ids, block_size, root) if block_size else []
+
+    def _lora_warm(self, request: Request, cores: list) -> list:
+        """``cores`` with only those that hold the request's LoRA adapter in a slot (else in
+        their host caches) left ready, unless those are much busier than the least loaded
+        core: loading an adapter costs a read from disk or a copy, a busy core more."""
+        name = request.lora_name
+        ready = [c for c in cores if c.ready]
+        if not name or not ready:
+            return cores
+        for where in ("lora_in_slots", "lora_cached"):
+            warm = [c for c in ready if name in getattr(c.core_load, where)]
+            if warm:
+                if self.placement.much_busier(min(c.load for c in warm), min(c.load for c in ready)):
+                    return cores
+                return [c if c in warm else _Unready() for c in cores]
+        return cores
 
     def _place(self, request: Request, lost: CoreClient | None = None) -> None:
         """Sends ``request`` to the core placement chooses (``lost``: it resumes, not there)."""
@@ -167,6 +192,7 @@ class CoreRouter:
         full = [i for i, c in enumerate(cores) if c.ready and _queue_full(c, weight)]
         if full and len(full) < sum(c.ready for c in cores):   # a core with room takes it
             cores = [_Unready() if i in full else c for i, c in enumerate(cores)]
+        cores = self._lora_warm(request, cores)
         choice = self.placement.choose(cores, hashes)
         if choice is None:
             self.requests.pop(request.request_id, None)

@@ -31,7 +31,9 @@ from headrace.controlplane.metrics import ControlPlaneMetrics
 from headrace.controlplane.requests.path import RequestPath
 from headrace.controlplane.core import security as core_link
 from headrace.controlplane.requests import limits
-from headrace.controlplane.admin import admin_access
+from headrace.controlplane.admin import admin_access, is_loopback_address
+from headrace.controlplane.http.lora_routes import AdminAccess
+from headrace.controlplane.lora.api import LoraAdmin
 from headrace.controlplane.server import (ADMIN, BackgroundTasks, public_server, request_limits,
                                           set_health, warn_if_open)
 from headrace.controlplane.service import NOT_READY, InferenceService
@@ -94,9 +96,13 @@ class FrontEnd:
         self.server = public_server(self.metrics, self.inference, self.admin, self.health,
                                     api_token=tokens, shared_port=reuse_port,
                                     max_message_bytes=self.max_message_bytes)
+        admin_metadata = ([("authorization", f"Bearer {admin_token}")] if admin_token else []) + \
+            self.admin.secret_metadata
         self.http = None if http_port is None else HttpFrontEnd(
             self.requests, http_host(address), http_port, tokens, ssl=http_tls, reuse_port=reuse_port,
-            max_body=max_body, header_timeout=http_timeouts[0], keep_alive_timeout=http_timeouts[1])
+            max_body=max_body, header_timeout=http_timeouts[0], keep_alive_timeout=http_timeouts[1],
+            lora_admin=AdminAccess(LoraAdmin(stubs=self.admin.stubs, metadata=admin_metadata),
+                                   admin_token, admin_insecure_loopback and is_loopback_address(address)))
         self.port = 0
 
     async def _core_changed(self) -> None:

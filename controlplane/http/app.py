@@ -8,7 +8,6 @@ request path with the caller's headers (``traceparent``) and ``api="http"`` in t
 from __future__ import annotations
 
 import logging
-import time
 
 import grpc
 import pydantic
@@ -16,7 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from headrace.controlplane.http import convert, responses, streaming, structured
+from headrace.controlplane.lora import api as lora_api
+from headrace.controlplane.http import convert, lora_routes, responses, streaming, structured
 from headrace.controlplane.http.errors import HttpError
 from headrace.controlplane.http.protocol import (ChatCompletionRequest, CompletionRequest,
                                                  DetokenizeRequest, TokenizeRequest, error_body)
@@ -49,14 +49,16 @@ class Api:
             raise HttpError(401, "missing or wrong bearer token (Authorization: Bearer TOKEN)",
                             code="invalid_api_key")
 
-    def model_names(self) -> set[str]:
-        info = self.path.engine.info
-        return {self.path.model_name, self.path.model_dir} | ({info.model_name} if info else set())
-
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names():
-            raise HttpError(404, f"the model {model!r} does not exist; this server serves "
-                                 f"{self.path.model_name!r}", "model", "model_not_found")
+        """404 for a model that is neither the base model nor a LoRA adapter served."""
+        if model is None:
+            return
+        try:
+            self.path.lora_of(model)
+        except RequestError as exc:
+            if exc.code == grpc.StatusCode.NOT_FOUND:
+                raise HttpError(404, exc.message, "model", "model_not_found") from None
+            raise HttpError(400, exc.message, "model") from None
 
     async def body(self, request: Request, model: type[pydantic.BaseModel]):
         length = request.headers.get("content-length")
@@ -128,7 +130,9 @@ class Api:
 
 
 def build_app(path: RequestPath, api_token=None, tensor_parallel_size: int = 1,
-              max_body: int = MAX_BODY_BYTES) -> FastAPI:
+              max_body: int = MAX_BODY_BYTES, lora_admin=None) -> FastAPI:
+    """``lora_admin``: ``headrace.controlplane.http.lora_routes.AdminAccess`` for vLLM's runtime
+    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (None: they answer 404)."""
     api = Api(path, api_token, max_body)
     app = FastAPI(title="headrace", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = api
@@ -164,10 +168,9 @@ def build_app(path: RequestPath, api_token=None, tensor_parallel_size: int = 1,
     async def models(request: Request):
         api.check_auth(request)
         path.check_loaded()
-        card = {"id": path.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "headrace", "root": path.model_dir, "parent": None,
-                "max_model_len": path.engine.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": lora_api.model_cards(path)}   # the base, its adapters
+
+    lora_routes.add(app, api, lora_admin)
 
     @app.get("/health")
     async def health():

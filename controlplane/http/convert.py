@@ -22,6 +22,7 @@ def _common(body, max_tokens: int | None, logprobs: int, chat: bool = False) -> 
     if body.stream_options is not None and not body.stream:
         raise HttpError(400, "stream_options is only allowed when stream is true", "stream_options")
     req = pb.GenerateRequest(request_id=body.request_id or "", n=body.n, min_tokens=body.min_tokens,
+                             model=body.model or "",
                              ignore_eos=body.ignore_eos, priority=body.priority, logprobs=logprobs,
                              stop=[body.stop] if isinstance(body.stop, str) else (body.stop or []),
                              stop_token_ids=body.stop_token_ids or [])

@@ -13,7 +13,8 @@ from headrace.controlplane.http.protocol import error_body
 STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
           grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
           grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504}
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 409: "invalid_request_error",
          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 GRPC_CODE = {v: k for k, v in STATUS.items()} | {413: grpc.StatusCode.INVALID_ARGUMENT}
 _PARAM = re.compile(r"^(?:sampling\.)?([a-z_]+)")

@@ -41,9 +41,9 @@ class HttpFrontEnd:
     def __init__(self, path: RequestPath, host: str, port: int, api_token=None, *,
                  tensor_parallel_size: int = 1, ssl: tuple | None = None, reuse_port: bool = False,
                  max_body: int = MAX_BODY_BYTES, header_timeout: float = timeouts.DEFAULT_HEADER_TIMEOUT,
-                 keep_alive_timeout: float = timeouts.DEFAULT_KEEP_ALIVE_TIMEOUT):
+                 keep_alive_timeout: float = timeouts.DEFAULT_KEEP_ALIVE_TIMEOUT, lora_admin=None):
         self.host, self.port, self.reuse_port = host, port, reuse_port
-        self.app = build_app(path, api_token, tensor_parallel_size, max_body)
+        self.app = build_app(path, api_token, tensor_parallel_size, max_body, lora_admin)
         options = {}
         if ssl is not None:
             import ssl as ssl_module

@@ -107,12 +107,13 @@ class BlockManager:
         """Tokens the sequence's table could cover if it took every free block."""
         return (len(self._tables.get(seq_id, ())) + len(self._free)) * self.block_size
 
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
+    def match_prefix(self, token_ids: list[int], root: int = _ROOT_HASH) -> list[int]:
         """Cached blocks holding the longest prefix of ``token_ids``, leaving at least the last
-        token to compute (its logits are needed)."""
+        token to compute (its logits are needed). ``root``: the hash chain's start (a LoRA
+        adapter's: its KV is never another model's)."""
         if not self.enable_prefix_cache:
             return []
-        bs, h, hits, host = self.block_size, _ROOT_HASH, [], self.host
+        bs, h, hits, host = self.block_size, root, [], self.host
         for i in range((len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(h, tokens)
@@ -203,16 +204,18 @@ class BlockManager:
         self._tables.setdefault(seq_id, []).extend(new)
         return new
 
-    def register(self, seq_id: int, token_ids: Callable[[], list[int]], num_tokens: int) -> None:
+    def register(self, seq_id: int, token_ids: Callable[[], list[int]], num_tokens: int,
+                 root: int = _ROOT_HASH) -> None:
         """Publishes the sequence's blocks that ``num_tokens`` tokens fill completely.
-        ``token_ids`` is called only when a block boundary was crossed."""
+        ``token_ids`` is called only when a block boundary was crossed; ``root``: the chain's
+        start (as ``match_prefix``'s)."""
         chain, table, bs = self._chain.setdefault(seq_id, []), self._tables[seq_id], self.block_size
         if not self.enable_prefix_cache or num_tokens // bs <= len(chain):
             return
         token_ids = token_ids()
         for i in range(len(chain), num_tokens // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(chain[-1] if chain else _ROOT_HASH, tokens)
+            h = chain_hash(chain[-1] if chain else root, tokens)
             chain.append(h)
             block = table[i]
             if h not in self.cached and self._hash[block] is None:

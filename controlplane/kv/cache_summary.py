@@ -24,10 +24,10 @@ EXPECT_TTL_S = 5.0        # an expected block not confirmed by then is forgotten
 MAX_EXPECTED = 1 << 16    # expected hashes kept per core at most (oldest dropped)
 
 
-def prompt_hashes(token_ids, block_size: int) -> list[int]:
+def prompt_hashes(token_ids, block_size: int, root: int = _ROOT_HASH) -> list[int]:
     """The chained hashes of the full blocks ``BlockManager.match_prefix`` could find for
-    ``token_ids`` (every full block before the last token)."""
-    h, out = _ROOT_HASH, []
+    ``token_ids`` (every full block before the last token); ``root``: a LoRA adapter's."""
+    h, out = root, []
     for i in range((len(token_ids) - 1) // block_size):
         h = chain_hash(h, tuple(token_ids[i * block_size:(i + 1) * block_size]))
         out.append(h)

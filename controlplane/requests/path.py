@@ -31,6 +31,7 @@ from headrace.common import stage_times, tracing
 from headrace.common.logs import get_logger
 from headrace.common.security import DEFAULT_TENANT, ApiTokens
 from headrace.controlplane.requests import chat_input, limits
+from headrace.controlplane.lora import api as lora_api
 from headrace.controlplane.requests.chat_template import ChatTemplate, ChatTemplateError
 from headrace.controlplane.engine.loop import Engine
 from headrace.controlplane.requests.sampling_defaults import SamplingDefaults
@@ -94,6 +95,21 @@ class RequestPath:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
         if not self.engine.healthy or self.engine.scheduler is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)")
+
+    def base_names(self) -> set[str]:
+        """The names a request's ``model`` may give the base model by."""
+        info = self.engine.info
+        return {self.model_name, self.model_dir} | ({info.model_name} if info is not None else set())
+
+    def lora_of(self, model: str) -> str:
+        """The LoRA adapter ``model`` names ("" for the base model); RequestError NOT_FOUND
+        for an unknown name (INVALID_ARGUMENT for an adapter the data planes refused)."""
+        try:
+            return lora_api.lora_of(model, self.base_names(), self.engine, self.model_name)
+        except lora_api.ModelNotFound as exc:
+            raise RequestError(exc.code, exc.message) from None
+        except ValueError as exc:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
     def check_loaded(self) -> None:
         """The model is there (answers while draining): model info, tokenization."""
@@ -254,6 +270,7 @@ class RequestPath:
         self.check_ready()
         self.check_queue(weight)
         request = self.defaults.apply(request)
+        lora = self.lora_of(request.model)
         try:   # every cheap check first: refused requests cost no tokenization
             check_request(request, vocab_size=engine.info.vocab_size, max_model_len=engine.max_model_len,
                           max_n=self.max_n, max_text_bytes=self.max_text_bytes)
@@ -265,6 +282,7 @@ class RequestPath:
                                 eos_token_ids=list(engine.info.eos_token_ids), max_n=self.max_n,
                                 default_max_tokens=self.defaults.max_tokens, tenant=tenant,
                                 checked=True)
+            req.lora_name = lora
         except ValidationError as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         if req.request_id in engine.requests:

@@ -46,6 +46,7 @@ class Request:
     stream_interval: int = 0   # tokens per streamed message at least (0: the engine's default)
     tenant: str = ""           # the client it is served for (fair share: ``headrace.controlplane.scheduling.fairness``)
     structured: object = None  # its structured-output constraint (``headrace.controlplane.structured.spec``)
+    lora_name: str = ""        # the LoRA adapter it asked for (``model``; "": the base model)
     sequences: list["Sequence"] = dataclasses.field(default_factory=list)
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     failure: Failure | None = None
@@ -103,6 +104,12 @@ class Sequence:
     text_fed: int = 0         # output tokens already turned into text
     final_sent: bool = False
     grammar: object = None    # its structured-output matcher (``headrace.controlplane.structured``)
+    lora: object = None       # its LoRA adapter (``headrace.controlplane.lora.slots.Adapter``), or None
+
+    @property
+    def cache_root(self) -> int:
+        """The root of its prompt blocks' hash chain: its adapter's (0: the base model's)."""
+        return 0 if self.lora is None else self.lora.root
 
     @property
     def request_id(self) -> str:

@@ -41,7 +41,7 @@ def admit(blocks: BlockManager, seq: Sequence, budget: int, reserve: int,
             return 0
         blocks.swap_in(sid, end)
         return None if defer_loads else n
-    found = blocks.match_prefix(seq.token_ids)
+    found = blocks.match_prefix(seq.token_ids, seq.cache_root)
     hits = found if cost is None or blocks.host is None else found[:cost.cut(found)]
     cached = blocks.cached_tokens(hits)
     n = min(seq.num_tokens - cached, budget)

@@ -35,8 +35,10 @@ def fill(sched, step: ScheduledStep, running: list[Sequence], waiting: list[Sequ
     for seq in chunking.order(running + waiting, to_compute):
         if seq.status is Status.RUNNING:
             order.append(seq)
-        elif slots > 0 and not seq.num_inflight and not prefetch.loading(seq, now):
-            # (not: preempted with a token in flight, or its host-tier KV still landing)
+        elif slots > 0 and not seq.num_inflight and not prefetch.loading(seq, now) and \
+                sched.lora_ready(seq):
+            # (not: preempted with a token in flight, its host-tier KV still landing, or its
+            # LoRA adapter in no slot)
             order.append(seq)
             slots -= 1
     head = chunking.max_num_partial_prefills

@@ -72,6 +72,7 @@ class Scheduler:
         self._truncations: list[tuple[int, int]] = []   # (seq id, blocks) for the workers
         self.prefetch = Prefetch(blocks, tier_cost, clock)   # host-tier loads ahead of compute
         self._shares: fairness.Shares | None = None   # the step's tenants' shares (fair_share)
+        self.lora = None   # headrace.controlplane.lora.registry.LoraAdapters when the workers serve LoRA adapters
 
     # -- membership ---------------------------------------------------------------------
     def add(self, seqs: list[Sequence]) -> None:
@@ -168,6 +169,8 @@ class Scheduler:
         self._truncations.clear()
         self.prefetch.reset()
         self.blocks.reset_cache()
+        if self.lora is not None:   # their slots and host caches are gone too
+            self.lora.reset()
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -199,7 +202,7 @@ class Scheduler:
         return True
 
     def register(self, seq: Sequence, end: int) -> None:
-        self.blocks.register(seq.seq_id, lambda: seq.token_ids, end)
+        self.blocks.register(seq.seq_id, lambda: seq.token_ids, end, seq.cache_root)
 
     def may_speculate(self) -> bool:
         """Whether the next step should speculate (then nothing else may be in flight)."""
@@ -211,6 +214,8 @@ class Scheduler:
         now = self.clock()
         step = ScheduledStep()
         budget = self.max_batched_tokens
+        if self.lora is not None:
+            self.lora.slots.begin_step()
         preemptions_before = self.num_preemptions
         scheduled: set[int] = set()
         budget = self.forks.send(step, self.blocks, budget, scheduled)
@@ -230,13 +235,21 @@ class Scheduler:
         prefill_phase.fill(self, step, prefills, waiting if shares is None else shares.order(waiting),
                            budget, step.has_decodes, preemptions_before, scheduled, victim_key, add_spec)
         step.num_preempted = self.num_preemptions - preemptions_before
-        if not step.empty or self.blocks.copies_pending:   # an empty step is not sent: what
+        lora_ops = self.lora is not None and self.lora.slots.pending
+        if not step.empty or self.blocks.copies_pending or lora_ops:   # an empty step is not sent: what
             # workers must drop waits for the next (one with only loads to start is sent)
             step.finished_seq_ids, self._forget = self._forget, []
             step.copies, self._copies = self._copies, []
             step.truncations, self._truncations = self._truncations, []
             step.swap_out, step.swap_in = self.blocks.take_ops()
+            if lora_ops:
+                step.lora_loads, step.lora_drops = self.lora.slots.take_ops()
         return step
+
+    def lora_ready(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may be admitted as far as its LoRA adapter goes: none, or in a
+        device slot now (``headrace.controlplane.lora.registry``; a running sequence's slot is never taken)."""
+        return seq.lora is None or (self.lora is not None and self.lora.admissible(seq.lora, self.running))
 
     def grow(self, seq: Sequence, start: int, n: int, scheduled: set[int], victim_key):
         """Blocks for ``seq``'s next ``n`` tokens from ``start``, preempting victims for them:

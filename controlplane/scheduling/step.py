@@ -44,6 +44,9 @@ class ScheduledStep:
     swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, host)
     swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # (host, device)
     has_decodes: bool = False   # some sequence computes its next token (not only prompt chunks)
+    # LoRA: adapters copied into device slots (slot, host-cache id), then host copies dropped
+    lora_loads: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    lora_drops: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def speculative(self) -> bool:
@@ -53,7 +56,8 @@ class ScheduledStep:
     @property
     def empty(self) -> bool:
         """Nothing to compute and no host-tier copy to start: not sent."""
-        return not self.new and not self.running.seqs and not self.swap_in and not self.swap_out
+        return not self.new and not self.running.seqs and not self.swap_in and not self.swap_out \
+            and not self.lora_loads and not self.lora_drops
 
     @property
     def num_tokens(self) -> int:

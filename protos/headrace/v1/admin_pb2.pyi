@@ -1,3 +1,4 @@
+from headrace.v1 import inference_pb2 as _inference_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -5,6 +6,52 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "wait_s")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    wait_s: float
+    def __init__(self, lora_name: _Optional[str] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class ListLoraAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoraAdapterState(_message.Message):
+    __slots__ = ("adapter", "running", "waiting", "in_slot", "cached")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    IN_SLOT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    adapter: _inference_pb2.LoraAdapter
+    running: int
+    waiting: int
+    in_slot: bool
+    cached: bool
+    def __init__(self, adapter: _Optional[_Union[_inference_pb2.LoraAdapter, _Mapping]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., in_slot: _Optional[bool] = ..., cached: _Optional[bool] = ...) -> None: ...
+
+class LoraAdapters(_message.Message):
+    __slots__ = ("adapters", "max_loras", "max_cpu_loras", "max_lora_rank")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterState]
+    max_loras: int
+    max_cpu_loras: int
+    max_lora_rank: int
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoraAdapterState, _Mapping]]] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class GetConfigRequest(_message.Message):
     __slots__ = ()

@@ -69,6 +69,21 @@ class AdminStub:
                 request_serializer=headrace_dot_v1_dot_admin__pb2.StopProfileRequest.SerializeToString,
                 response_deserializer=headrace_dot_v1_dot_admin__pb2.ProfileStatus.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/headrace.v1.Admin/LoadLoraAdapter',
+                request_serializer=headrace_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=headrace_dot_v1_dot_admin__pb2.LoraAdapters.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/headrace.v1.Admin/UnloadLoraAdapter',
+                request_serializer=headrace_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=headrace_dot_v1_dot_admin__pb2.LoraAdapters.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/headrace.v1.Admin/ListLoraAdapters',
+                request_serializer=headrace_dot_v1_dot_admin__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=headrace_dot_v1_dot_admin__pb2.LoraAdapters.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -129,6 +144,33 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Multi-LoRA serving (docs/lora.md): registers a PEFT LoRA adapter under lora_name and reads
+        it into the data planes' host caches (INVALID_ARGUMENT with the reason when it cannot be
+        served, ALREADY_EXISTS for a name in use, FAILED_PRECONDITION without --enable-lora,
+        PERMISSION_DENIED for a path outside the allowed model roots, as ReloadModel's).
+        vLLM's POST /v1/load_lora_adapter does the same.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stops serving an adapter: new requests naming it get NOT_FOUND at once; the call waits up
+        to wait_s for the requests using it to finish, then forgets it (FAILED_PRECONDITION when
+        some still run: it stays served). vLLM's POST /v1/unload_lora_adapter.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """The adapters served, with the requests running and waiting on each.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +208,21 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.StopProfile,
                     request_deserializer=headrace_dot_v1_dot_admin__pb2.StopProfileRequest.FromString,
                     response_serializer=headrace_dot_v1_dot_admin__pb2.ProfileStatus.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=headrace_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=headrace_dot_v1_dot_admin__pb2.LoraAdapters.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=headrace_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=headrace_dot_v1_dot_admin__pb2.LoraAdapters.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=headrace_dot_v1_dot_admin__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=headrace_dot_v1_dot_admin__pb2.LoraAdapters.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -357,6 +414,87 @@ class Admin:
             '/headrace.v1.Admin/StopProfile',
             headrace_dot_v1_dot_admin__pb2.StopProfileRequest.SerializeToString,
             headrace_dot_v1_dot_admin__pb2.ProfileStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/headrace.v1.Admin/LoadLoraAdapter',
+            headrace_dot_v1_dot_admin__pb2.LoadLoraAdapterRequest.SerializeToString,
+            headrace_dot_v1_dot_admin__pb2.LoraAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/headrace.v1.Admin/UnloadLoraAdapter',
+            headrace_dot_v1_dot_admin__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            headrace_dot_v1_dot_admin__pb2.LoraAdapters.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/headrace.v1.Admin/ListLoraAdapters',
+            headrace_dot_v1_dot_admin__pb2.ListLoraAdaptersRequest.SerializeToString,
+            headrace_dot_v1_dot_admin__pb2.LoraAdapters.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,7 +26,7 @@ from headrace.worker.v1 import worker_pb2 as headrace_dot_worker_dot_v1_dot_work
 from headrace.v1 import inference_pb2 as headrace_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bheadrace/core/v1/core.proto\x12\x10headrace.core.v1\x1a\x1fheadrace/worker/v1/worker.proto\x1a\x1bheadrace/v1/inference.proto\"?\n\x05Hello\x12\x16\n\x0e\x66rontend_index\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x11\n\tplacement\x18\x03 \x01(\x08\"2\n\x07Resumed\x12\r\n\x05index\x18\x01 \x01(\r\x12\x18\n\x10output_token_ids\x18\x02 \x03(\r\"\xe5\x03\n\x06Submit\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x03(\x0b\x32\x1c.headrace.worker.v1.Sampling\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x17\n\x0fstream_interval\x18\x07 \x01(\r\x12\x18\n\x10has_stop_strings\x18\x08 \x01(\x08\x12\x41\n\rtrace_context\x18\n \x03(\x0b\x32*.headrace.core.v1.Submit.TraceContextEntry\x12\x10\n\x08trace_id\x18\x0b \x01(\t\x12\x0e\n\x06tenant\x18\x0c \x01(\t\x12\x0b\n\x03\x61ge\x18\r \x01(\x01\x12\x32\n\nstructured\x18\x0e \x01(\x0b\x32\x1e.headrace.v1.StructuredOutputs\x12*\n\x07resumed\x18\x0f \x03(\x0b\x32\x19.headrace.core.v1.Resumed\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\t\x10\nR\x07\x61rrival\"Q\n\x05\x41\x62ort\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12)\n\x06reason\x18\x02 \x01(\x0e\x32\x19.headrace.v1.FinishReason\x12\r\n\x05index\x18\x03 \x01(\r\"\x80\x01\n\x02Up\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x17.headrace.core.v1.Hello\x12)\n\x07submits\x18\x02 \x03(\x0b\x32\x18.headrace.core.v1.Submit\x12\'\n\x06\x61\x62orts\x18\x03 \x03(\x0b\x32\x17.headrace.core.v1.Abort\"\xb9\x01\n\x08SeqDelta\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.headrace.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.headrace.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\"7\n\x06\x46\x61iled\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xf7\x01\n\tCoreState\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12\x0e\n\x06loaded\x18\x03 \x01(\x08\x12\x11\n\tmodel_dir\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12,\n\x04info\x18\x06 \x01(\x0b\x32\x1e.headrace.worker.v1.WorkerInfo\x12*\n\nmodel_info\x18\x07 \x01(\x0b\x32\x16.headrace.v1.ModelInfo\x12\x12\n\nmax_queued\x18\x08 \x01(\r\x12\x1f\n\x17\x64\x65\x66\x61ult_stream_interval\x18\t \x01(\r\"\xb7\x01\n\x08\x43oreLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_reset\x18\x06 \x01(\x08\x12\x15\n\rcached_hashes\x18\x07 \x03(\x06\x12\x16\n\x0e\x65victed_hashes\x18\x08 \x03(\x06\"\x9e\x02\n\x04\x44own\x12*\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x1a.headrace.core.v1.SeqDelta\x12(\n\x06\x66\x61iled\x18\x02 \x03(\x0b\x32\x18.headrace.core.v1.Failed\x12*\n\x05state\x18\x03 \x01(\x0b\x32\x1b.headrace.core.v1.CoreState\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x15\n\rtoken_handles\x18\x05 \x03(\x04\x12\x15\n\rtoken_indexes\x18\x06 \x03(\r\x12\x14\n\x0ctoken_counts\x18\x07 \x03(\r\x12\x11\n\ttoken_ids\x18\x08 \x03(\r\x12(\n\x04load\x18\t \x01(\x0b\x32\x1a.headrace.core.v1.CoreLoad2I\n\nEngineCore\x12;\n\x07\x43onnect\x12\x14.headrace.core.v1.Up\x1a\x16.headrace.core.v1.Down(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bheadrace/core/v1/core.proto\x12\x10headrace.core.v1\x1a\x1fheadrace/worker/v1/worker.proto\x1a\x1bheadrace/v1/inference.proto\"?\n\x05Hello\x12\x16\n\x0e\x66rontend_index\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\x12\x11\n\tplacement\x18\x03 \x01(\x08\"2\n\x07Resumed\x12\r\n\x05index\x18\x01 \x01(\r\x12\x18\n\x10output_token_ids\x18\x02 \x03(\r\"\xf8\x03\n\x06Submit\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x03(\x0b\x32\x1c.headrace.worker.v1.Sampling\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x17\n\x0fstream_interval\x18\x07 \x01(\r\x12\x18\n\x10has_stop_strings\x18\x08 \x01(\x08\x12\x41\n\rtrace_context\x18\n \x03(\x0b\x32*.headrace.core.v1.Submit.TraceContextEntry\x12\x10\n\x08trace_id\x18\x0b \x01(\t\x12\x0e\n\x06tenant\x18\x0c \x01(\t\x12\x0b\n\x03\x61ge\x18\r \x01(\x01\x12\x32\n\nstructured\x18\x0e \x01(\x0b\x32\x1e.headrace.v1.StructuredOutputs\x12*\n\x07resumed\x18\x0f \x03(\x0b\x32\x19.headrace.core.v1.Resumed\x12\x11\n\tlora_name\x18\x10 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\t\x10\nR\x07\x61rrival\"Q\n\x05\x41\x62ort\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12)\n\x06reason\x18\x02 \x01(\x0e\x32\x19.headrace.v1.FinishReason\x12\r\n\x05index\x18\x03 \x01(\r\"\x80\x01\n\x02Up\x12&\n\x05hello\x18\x01 \x01(\x0b\x32\x17.headrace.core.v1.Hello\x12)\n\x07submits\x18\x02 \x03(\x0b\x32\x18.headrace.core.v1.Submit\x12\'\n\x06\x61\x62orts\x18\x03 \x03(\x0b\x32\x17.headrace.core.v1.Abort\"\xb9\x01\n\x08SeqDelta\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.headrace.v1.TokenLogprob\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.headrace.v1.FinishReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\"7\n\x06\x46\x61iled\x12\x0e\n\x06handle\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xa8\x02\n\tCoreState\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x10\n\x08\x64raining\x18\x02 \x01(\x08\x12\x0e\n\x06loaded\x18\x03 \x01(\x08\x12\x11\n\tmodel_dir\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12,\n\x04info\x18\x06 \x01(\x0b\x32\x1e.headrace.worker.v1.WorkerInfo\x12*\n\nmodel_info\x18\x07 \x01(\x0b\x32\x16.headrace.v1.ModelInfo\x12\x12\n\nmax_queued\x18\x08 \x01(\r\x12\x1f\n\x17\x64\x65\x66\x61ult_stream_interval\x18\t \x01(\r\x12/\n\rlora_adapters\x18\n \x03(\x0b\x32\x18.headrace.v1.LoraAdapter\"\xe3\x01\n\x08\x43oreLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x1a\n\x12num_free_kv_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_reset\x18\x06 \x01(\x08\x12\x15\n\rcached_hashes\x18\x07 \x03(\x06\x12\x16\n\x0e\x65victed_hashes\x18\x08 \x03(\x06\x12\x15\n\rlora_in_slots\x18\t \x03(\t\x12\x13\n\x0blora_cached\x18\n \x03(\t\"\x9e\x02\n\x04\x44own\x12*\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x1a.headrace.core.v1.SeqDelta\x12(\n\x06\x66\x61iled\x18\x02 \x03(\x0b\x32\x18.headrace.core.v1.Failed\x12*\n\x05state\x18\x03 \x01(\x0b\x32\x1b.headrace.core.v1.CoreState\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\r\x12\x15\n\rtoken_handles\x18\x05 \x03(\x04\x12\x15\n\rtoken_indexes\x18\x06 \x03(\r\x12\x14\n\x0ctoken_counts\x18\x07 \x03(\r\x12\x11\n\ttoken_ids\x18\x08 \x03(\r\x12(\n\x04load\x18\t \x01(\x0b\x32\x1a.headrace.core.v1.CoreLoad2I\n\nEngineCore\x12;\n\x07\x43onnect\x12\x14.headrace.core.v1.Up\x1a\x16.headrace.core.v1.Down(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,23 +40,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESUMED']._serialized_start=176
   _globals['_RESUMED']._serialized_end=226
   _globals['_SUBMIT']._serialized_start=229
-  _globals['_SUBMIT']._serialized_end=714
-  _globals['_SUBMIT_TRACECONTEXTENTRY']._serialized_start=648
-  _globals['_SUBMIT_TRACECONTEXTENTRY']._serialized_end=699
-  _globals['_ABORT']._serialized_start=716
-  _globals['_ABORT']._serialized_end=797
-  _globals['_UP']._serialized_start=800
-  _globals['_UP']._serialized_end=928
-  _globals['_SEQDELTA']._serialized_start=931
-  _globals['_SEQDELTA']._serialized_end=1116
-  _globals['_FAILED']._serialized_start=1118
-  _globals['_FAILED']._serialized_end=1173
-  _globals['_CORESTATE']._serialized_start=1176
-  _globals['_CORESTATE']._serialized_end=1423
-  _globals['_CORELOAD']._serialized_start=1426
-  _globals['_CORELOAD']._serialized_end=1609
-  _globals['_DOWN']._serialized_start=1612
-  _globals['_DOWN']._serialized_end=1898
-  _globals['_ENGINECORE']._serialized_start=1900
-  _globals['_ENGINECORE']._serialized_end=1973
+  _globals['_SUBMIT']._serialized_end=733
+  _globals['_SUBMIT_TRACECONTEXTENTRY']._serialized_start=667
+  _globals['_SUBMIT_TRACECONTEXTENTRY']._serialized_end=718
+  _globals['_ABORT']._serialized_start=735
+  _globals['_ABORT']._serialized_end=816
+  _globals['_UP']._serialized_start=819
+  _globals['_UP']._serialized_end=947
+  _globals['_SEQDELTA']._serialized_start=950
+  _globals['_SEQDELTA']._serialized_end=1135
+  _globals['_FAILED']._serialized_start=1137
+  _globals['_FAILED']._serialized_end=1192
+  _globals['_CORESTATE']._serialized_start=1195
+  _globals['_CORESTATE']._serialized_end=1491
+  _globals['_CORELOAD']._serialized_start=1494
+  _globals['_CORELOAD']._serialized_end=1721
+  _globals['_DOWN']._serialized_start=1724
+  _globals['_DOWN']._serialized_end=2010
+  _globals['_ENGINECORE']._serialized_start=2012
+  _globals['_ENGINECORE']._serialized_end=2085
 # @@protoc_insertion_point(module_scope)

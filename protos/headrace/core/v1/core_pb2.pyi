@@ -27,7 +27,7 @@ class Resumed(_message.Message):
     def __init__(self, index: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("handle", "request_id", "prompt_token_ids", "sampling", "max_tokens", "priority", "stream_interval", "has_stop_strings", "trace_context", "trace_id", "tenant", "age", "structured", "resumed")
+    __slots__ = ("handle", "request_id", "prompt_token_ids", "sampling", "max_tokens", "priority", "stream_interval", "has_stop_strings", "trace_context", "trace_id", "tenant", "age", "structured", "resumed", "lora_name")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class Submit(_message.Message):
     AGE_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     handle: int
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -63,7 +64,8 @@ class Submit(_message.Message):
     age: float
     structured: _inference_pb2.StructuredOutputs
     resumed: _containers.RepeatedCompositeFieldContainer[Resumed]
-    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[_worker_pb2.Sampling, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., stream_interval: _Optional[int] = ..., has_stop_strings: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_id: _Optional[str] = ..., tenant: _Optional[str] = ..., age: _Optional[float] = ..., structured: _Optional[_Union[_inference_pb2.StructuredOutputs, _Mapping]] = ..., resumed: _Optional[_Iterable[_Union[Resumed, _Mapping]]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, handle: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[_worker_pb2.Sampling, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., stream_interval: _Optional[int] = ..., has_stop_strings: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_id: _Optional[str] = ..., tenant: _Optional[str] = ..., age: _Optional[float] = ..., structured: _Optional[_Union[_inference_pb2.StructuredOutputs, _Mapping]] = ..., resumed: _Optional[_Iterable[_Union[Resumed, _Mapping]]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class Abort(_message.Message):
     __slots__ = ("handle", "reason", "index")
@@ -112,7 +114,7 @@ class Failed(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class CoreState(_message.Message):
-    __slots__ = ("healthy", "draining", "loaded", "model_dir", "max_model_len", "info", "model_info", "max_queued", "default_stream_interval")
+    __slots__ = ("healthy", "draining", "loaded", "model_dir", "max_model_len", "info", "model_info", "max_queued", "default_stream_interval", "lora_adapters")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     LOADED_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +124,7 @@ class CoreState(_message.Message):
     MODEL_INFO_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     draining: bool
     loaded: bool
@@ -131,10 +134,11 @@ class CoreState(_message.Message):
     model_info: _inference_pb2.ModelInfo
     max_queued: int
     default_stream_interval: int
-    def __init__(self, healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., loaded: _Optional[bool] = ..., model_dir: _Optional[str] = ..., max_model_len: _Optional[int] = ..., info: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ..., model_info: _Optional[_Union[_inference_pb2.ModelInfo, _Mapping]] = ..., max_queued: _Optional[int] = ..., default_stream_interval: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[_inference_pb2.LoraAdapter]
+    def __init__(self, healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., loaded: _Optional[bool] = ..., model_dir: _Optional[str] = ..., max_model_len: _Optional[int] = ..., info: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ..., model_info: _Optional[_Union[_inference_pb2.ModelInfo, _Mapping]] = ..., max_queued: _Optional[int] = ..., default_stream_interval: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[_inference_pb2.LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class CoreLoad(_message.Message):
-    __slots__ = ("running", "waiting", "num_kv_blocks", "num_free_kv_blocks", "block_size", "cache_reset", "cached_hashes", "evicted_hashes")
+    __slots__ = ("running", "waiting", "num_kv_blocks", "num_free_kv_blocks", "block_size", "cache_reset", "cached_hashes", "evicted_hashes", "lora_in_slots", "lora_cached")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +147,8 @@ class CoreLoad(_message.Message):
     CACHE_RESET_FIELD_NUMBER: _ClassVar[int]
     CACHED_HASHES_FIELD_NUMBER: _ClassVar[int]
     EVICTED_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LORA_IN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_CACHED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     num_kv_blocks: int
@@ -151,7 +157,9 @@ class CoreLoad(_message.Message):
     cache_reset: bool
     cached_hashes: _containers.RepeatedScalarFieldContainer[int]
     evicted_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_reset: _Optional[bool] = ..., cached_hashes: _Optional[_Iterable[int]] = ..., evicted_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_in_slots: _containers.RepeatedScalarFieldContainer[str]
+    lora_cached: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., cache_reset: _Optional[bool] = ..., cached_hashes: _Optional[_Iterable[int]] = ..., evicted_hashes: _Optional[_Iterable[int]] = ..., lora_in_slots: _Optional[_Iterable[str]] = ..., lora_cached: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Down(_message.Message):
     __slots__ = ("deltas", "failed", "state", "num_waiting", "token_handles", "token_indexes", "token_counts", "token_ids", "load")

@@ -6,6 +6,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("adapter_id", "path")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: int
+    path: str
+    def __init__(self, adapter_id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("rank", "fingerprint", "bytes", "seconds")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    fingerprint: int
+    bytes: int
+    seconds: float
+    def __init__(self, rank: _Optional[int] = ..., fingerprint: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class DropAdaptersRequest(_message.Message):
+    __slots__ = ("adapter_ids", "below_id")
+    ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    BELOW_ID_FIELD_NUMBER: _ClassVar[int]
+    adapter_ids: _containers.RepeatedScalarFieldContainer[int]
+    below_id: int
+    def __init__(self, adapter_ids: _Optional[_Iterable[int]] = ..., below_id: _Optional[int] = ...) -> None: ...
+
+class DropAdaptersResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ReloadRequest(_message.Message):
     __slots__ = ("model",)
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -17,7 +49,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "dtype", "device", "rank", "world_size", "block_size", "num_kv_blocks", "kv_bytes_per_block", "eos_token_ids", "max_num_seqs", "max_batched_tokens", "startup_seconds", "kv_cache_dtype", "quantization", "speculative", "num_host_kv_blocks", "host_kv_load_bytes_per_s", "prefill_profile_tokens", "prefill_profile_seconds")
+    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "dtype", "device", "rank", "world_size", "block_size", "num_kv_blocks", "kv_bytes_per_block", "eos_token_ids", "max_num_seqs", "max_batched_tokens", "startup_seconds", "kv_cache_dtype", "quantization", "speculative", "num_host_kv_blocks", "host_kv_load_bytes_per_s", "prefill_profile_tokens", "prefill_profile_seconds", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_slot_bytes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +72,10 @@ class WorkerInfo(_message.Message):
     HOST_KV_LOAD_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PROFILE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_PROFILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -62,7 +98,11 @@ class WorkerInfo(_message.Message):
     host_kv_load_bytes_per_s: float
     prefill_profile_tokens: _containers.RepeatedScalarFieldContainer[int]
     prefill_profile_seconds: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., startup_seconds: _Optional[float] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ..., num_host_kv_blocks: _Optional[int] = ..., host_kv_load_bytes_per_s: _Optional[float] = ..., prefill_profile_tokens: _Optional[_Iterable[int]] = ..., prefill_profile_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    lora_slot_bytes: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., startup_seconds: _Optional[float] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ..., num_host_kv_blocks: _Optional[int] = ..., host_kv_load_bytes_per_s: _Optional[float] = ..., prefill_profile_tokens: _Optional[_Iterable[int]] = ..., prefill_profile_seconds: _Optional[_Iterable[float]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., lora_slot_bytes: _Optional[int] = ...) -> None: ...
 
 class Speculative(_message.Message):
     __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "disable_by_batch_size", "min_acceptance")
@@ -120,7 +160,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "output_token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling")
+    __slots__ = ("seq_id", "prompt_token_ids", "output_token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "lora_slot")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +168,7 @@ class NewSequence(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LORA_SLOT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -135,10 +176,19 @@ class NewSequence(_message.Message):
     num_computed_tokens: int
     num_scheduled_tokens: int
     sampling: Sampling
-    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    lora_slot: int
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., lora_slot: _Optional[int] = ...) -> None: ...
+
+class LoraLoad(_message.Message):
+    __slots__ = ("slot", "adapter_id")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    adapter_id: int
+    def __init__(self, slot: _Optional[int] = ..., adapter_id: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_seqs", "running_seq_ids", "running_num_scheduled", "running_new_block_counts", "running_new_block_ids", "finished_seq_ids", "copy_src_blocks", "copy_dst_blocks", "flush", "running_num_spec", "truncate_seq_ids", "truncate_num_blocks", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks", "trace_context", "trace_links", "bitmask", "bitmask_follows", "late_bitmask", "checked_draft_seq_ids", "checked_draft_counts", "checked_drafts", "profile")
+    __slots__ = ("step_id", "new_seqs", "running_seq_ids", "running_num_scheduled", "running_new_block_counts", "running_new_block_ids", "finished_seq_ids", "copy_src_blocks", "copy_dst_blocks", "flush", "running_num_spec", "truncate_seq_ids", "truncate_num_blocks", "swap_out_device_blocks", "swap_out_host_blocks", "swap_in_host_blocks", "swap_in_device_blocks", "trace_context", "trace_links", "bitmask", "bitmask_follows", "late_bitmask", "checked_draft_seq_ids", "checked_draft_counts", "checked_drafts", "profile", "lora_loads", "lora_drops")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +222,8 @@ class StepRequest(_message.Message):
     CHECKED_DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     CHECKED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     PROFILE_FIELD_NUMBER: _ClassVar[int]
+    LORA_LOADS_FIELD_NUMBER: _ClassVar[int]
+    LORA_DROPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
     running_seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -198,7 +250,9 @@ class StepRequest(_message.Message):
     checked_draft_counts: _containers.RepeatedScalarFieldContainer[int]
     checked_drafts: _containers.RepeatedScalarFieldContainer[int]
     profile: ProfileCommand
-    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_seq_ids: _Optional[_Iterable[int]] = ..., running_num_scheduled: _Optional[_Iterable[int]] = ..., running_new_block_counts: _Optional[_Iterable[int]] = ..., running_new_block_ids: _Optional[_Iterable[int]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., flush: _Optional[bool] = ..., running_num_spec: _Optional[_Iterable[int]] = ..., truncate_seq_ids: _Optional[_Iterable[int]] = ..., truncate_num_blocks: _Optional[_Iterable[int]] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., bitmask_follows: _Optional[bool] = ..., late_bitmask: _Optional[bool] = ..., checked_draft_seq_ids: _Optional[_Iterable[int]] = ..., checked_draft_counts: _Optional[_Iterable[int]] = ..., checked_drafts: _Optional[_Iterable[int]] = ..., profile: _Optional[_Union[ProfileCommand, _Mapping]] = ...) -> None: ...
+    lora_loads: _containers.RepeatedCompositeFieldContainer[LoraLoad]
+    lora_drops: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running_seq_ids: _Optional[_Iterable[int]] = ..., running_num_scheduled: _Optional[_Iterable[int]] = ..., running_new_block_counts: _Optional[_Iterable[int]] = ..., running_new_block_ids: _Optional[_Iterable[int]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., copy_src_blocks: _Optional[_Iterable[int]] = ..., copy_dst_blocks: _Optional[_Iterable[int]] = ..., flush: _Optional[bool] = ..., running_num_spec: _Optional[_Iterable[int]] = ..., truncate_seq_ids: _Optional[_Iterable[int]] = ..., truncate_num_blocks: _Optional[_Iterable[int]] = ..., swap_out_device_blocks: _Optional[_Iterable[int]] = ..., swap_out_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_host_blocks: _Optional[_Iterable[int]] = ..., swap_in_device_blocks: _Optional[_Iterable[int]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., trace_links: _Optional[_Iterable[str]] = ..., bitmask: _Optional[_Union[TokenBitmask, _Mapping]] = ..., bitmask_follows: _Optional[bool] = ..., late_bitmask: _Optional[bool] = ..., checked_draft_seq_ids: _Optional[_Iterable[int]] = ..., checked_draft_counts: _Optional[_Iterable[int]] = ..., checked_drafts: _Optional[_Iterable[int]] = ..., profile: _Optional[_Union[ProfileCommand, _Mapping]] = ..., lora_loads: _Optional[_Iterable[_Union[LoraLoad, _Mapping]]] = ..., lora_drops: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenBitmask(_message.Message):
     __slots__ = ("seq_ids", "bits", "mask_of", "allowed_counts", "allowed_ids")

@@ -49,6 +49,16 @@ class WorkerStub:
                 request_serializer=headrace_dot_worker_dot_v1_dot_worker__pb2.ReloadRequest.SerializeToString,
                 response_deserializer=headrace_dot_worker_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/headrace.worker.v1.Worker/LoadAdapter',
+                request_serializer=headrace_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=headrace_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.DropAdapters = channel.unary_unary(
+                '/headrace.worker.v1.Worker/DropAdapters',
+                request_serializer=headrace_dot_worker_dot_v1_dot_worker__pb2.DropAdaptersRequest.SerializeToString,
+                response_deserializer=headrace_dot_worker_dot_v1_dot_worker__pb2.DropAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -77,6 +87,29 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Multi-LoRA serving (WorkerInfo.max_loras > 0): reads a PEFT LoRA adapter from disk into
+        the worker's host cache under adapter_id, off the step stream; steps then load it into a
+        device slot (StepRequest.lora_loads) and drop it from the cache (StepRequest.lora_drops).
+        The control plane keeps the cache within WorkerInfo.max_cpu_loras adapters (the worker
+        holds twice that at most). INVALID_ARGUMENT with the reason when the adapter cannot be
+        served (DoRA, embeddings, a rank over max_lora_rank, another base model, ...),
+        FAILED_PRECONDITION when the worker has no LoRA slots, RESOURCE_EXHAUSTED when the cache
+        is full.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropAdapters(self, request, context):
+        """Drops adapters from the host cache at once (a slot that holds one keeps it until reloaded):
+        those listed and every id below below_id (a control plane starting afresh drops what it
+        read before). Only for adapters no step in flight loads: a step's lora_drops otherwise.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +127,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Reload,
                     request_deserializer=headrace_dot_worker_dot_v1_dot_worker__pb2.ReloadRequest.FromString,
                     response_serializer=headrace_dot_worker_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=headrace_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=headrace_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'DropAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropAdapters,
+                    request_deserializer=headrace_dot_worker_dot_v1_dot_worker__pb2.DropAdaptersRequest.FromString,
+                    response_serializer=headrace_dot_worker_dot_v1_dot_worker__pb2.DropAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +220,60 @@ class Worker:
             '/headrace.worker.v1.Worker/Reload',
             headrace_dot_worker_dot_v1_dot_worker__pb2.ReloadRequest.SerializeToString,
             headrace_dot_worker_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/headrace.worker.v1.Worker/LoadAdapter',
+            headrace_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterRequest.SerializeToString,
+            headrace_dot_worker_dot_v1_dot_worker__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/headrace.worker.v1.Worker/DropAdapters',
+            headrace_dot_worker_dot_v1_dot_worker__pb2.DropAdaptersRequest.SerializeToString,
+            headrace_dot_worker_dot_v1_dot_worker__pb2.DropAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
