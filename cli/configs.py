@@ -80,7 +80,8 @@ def engine_config(args) -> EngineConfig:
                         stream_interval=args.stream_interval,
                         preemption_mode=args.preemption_mode,
                         kv_offloading_policy=args.kv_offloading_policy,
-                        structured_outputs_backend=args.structured_outputs_backend)
+                        structured_outputs_backend=args.structured_outputs_backend,
+                        deterministic=getattr(args, "deterministic", False))
 
 
 def check_structured_outputs_backend(args) -> None:

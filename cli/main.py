@@ -52,7 +52,8 @@ from common.options import (
 from common.worker_options import ParallelOptions, WorkerOptions
 
 # what the control plane alone needs of the worker's options (its step limits, the tokenizer)
-CONTROL_PLANE_WORKER_OPTIONS = ("model", "max_model_len", "max_num_seqs", "max_batched_tokens")
+CONTROL_PLANE_WORKER_OPTIONS = ("model", "max_model_len", "max_num_seqs", "max_batched_tokens",
+                                "deterministic")
 
 
 def cmd_health(args) -> int:

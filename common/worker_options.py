@@ -81,6 +81,11 @@ class WorkerOptions:
         "(flash-attn-4 for every prefill; pip install 'headrace[flash-attn]'); decodes run "
         "Triton's kernel (kernels/attention_policy.py)", choices=("auto", "triton", "flash-attn"),
         group=DEVICE)
+    deterministic: bool = option(
+        False, "batch-invariant kernels: a request's tokens and logprobs depend only on the "
+               "model, its prompt, its sampling parameters and its seed (unseeded requests "
+               "sample with seed 0), whatever else runs beside it; refuses quantized weights and "
+               "flash-attn-4 (docs/determinism.md)", group=DEVICE)
 
 
 @dataclasses.dataclass

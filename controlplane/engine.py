@@ -24,7 +24,7 @@ import time
 
 import grpc
 
-from controlplane import limits, sizing, speculation, step_codec
+from controlplane import deterministic, limits, sizing, speculation, step_codec
 from controlplane.engine_config import EngineConfig
 from controlplane.engine_outages import EngineOutages
 from controlplane.inflight import InFlightSteps
@@ -81,10 +81,16 @@ class Engine(EngineOutages):
         """(Re)builds the KV block pool and the scheduler for what the workers serve."""
         if self.scheduler is not None:
             self.telemetry.metrics.retire(self.scheduler)
+        deterministic.check_workers(self.config.deterministic, infos)
         self.info = infos[0]
         self.structured.configure(self.model_dir, self.info.vocab_size, self.info.eos_token_ids)
         self.scheduler, self.max_model_len = sizing.build_scheduler(self.config, infos,
                                                                     self.workers.num_kv_blocks)
+
+    @property
+    def deterministic(self) -> bool:
+        """Batch-invariant serving (``--deterministic``): what the data planes run."""
+        return self.info is not None and self.info.deterministic
 
     @property
     def max_queued(self) -> int:

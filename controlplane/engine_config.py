@@ -29,3 +29,5 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": a victim's KV waits in the host KV tier
     kv_offloading_policy: str = "auto"  # host-tier hits: loaded where cheaper (always, never; off: no tier)
     structured_outputs_backend: str = "auto"  # grammar engine: auto, guidance or xgrammar
+    deterministic: bool = False        # --deterministic: every data plane must run batch-invariant
+                                       # (also on when they all report it: Engine.deterministic)

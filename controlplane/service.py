@@ -87,4 +87,5 @@ def model_info(engine, tensor_parallel_size: int) -> pb.ModelInfo:
                         kv_block_size=blocks.block_size, num_kv_blocks=blocks.num_blocks,
                         eos_token_ids=list(info.eos_token_ids),
                         kv_cache_dtype=info.kv_cache_dtype, quantization=info.quantization,
-                        num_host_kv_blocks=blocks.host.num_blocks if blocks.host else 0)
+                        num_host_kv_blocks=blocks.host.num_blocks if blocks.host else 0,
+                        deterministic=info.deterministic)

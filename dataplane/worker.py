@@ -116,11 +116,20 @@ class Worker:
             raise ValueError(f"--kv-cache-dtype {opts.kv_cache_dtype!r}: choose from {KV_CACHE_DTYPES}")
         self.kv_dtype = torch.float8_e4m3fn if opts.kv_cache_dtype in FP8_KV_CACHE_DTYPES else self.dtype
         kv_layout.check_block_size(self.kv_dtype, opts.block_size)
+        if opts.deterministic:
+            kernels.batch_invariant.check(quantization=self.quant and self.quant.describe(),
+                                          attention_backend=opts.attention_backend)
+        kernels.batch_invariant.enable(opts.deterministic)   # before the model's first step
         self.attention = attention_policy.resolve(
             opts.attention_backend, self.device.type,
-            None if self.device.type != "cuda" else kernels.flash_attn4.unusable(
-                self.device, self.dtype, self.kv_dtype, self.local_cfg.head_dim))
+            None if self.device.type != "cuda" else
+            "--deterministic runs the batch-invariant Triton kernels" if opts.deterministic else
+            kernels.flash_attn4.unusable(self.device, self.dtype, self.kv_dtype,
+                                         self.local_cfg.head_dim))
         log.info("%s", self.attention.describe())
+        if opts.deterministic:
+            log.info("deterministic: batch-invariant kernels (GEMMs, attention, LM head; "
+                     "docs/determinism.md)")
         self.others_bytes = self._memory_of_others()   # before this process's weights and cache
         model = load_model(pathlib.Path(opts.model), self.cfg, self.device, self.dtype,
                            self.max_model_len, self.shard, self.quant)
@@ -183,7 +192,7 @@ class Worker:
         self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,
                                   opts.max_num_seqs, self.graphs.decode, rank=rank, seed=opts.seed,
                                   spec=spec, attention=self.attention, host_kv=host_kv,
-                                  mixed=self.graphs.mixed)
+                                  mixed=self.graphs.mixed, deterministic=opts.deterministic)
         self.prefill_profile: tuple[list[int], list[float]] = ([], [])
         if host_kv is not None:   # what recomputing a host-tier hit costs here
             tokens = prefill_profile.sizes(opts.max_batched_tokens, self.max_model_len, num_blocks,
@@ -291,6 +300,7 @@ class Worker:
             max_num_seqs=self.opts.max_num_seqs, max_batched_tokens=self.opts.max_batched_tokens,
             startup_seconds=self.startup_seconds,
             host_kv_load_bytes_per_s=self.host_load_rate,
-            prefill_profile_tokens=self.prefill_profile[0], prefill_profile_seconds=self.prefill_profile[1])
+            prefill_profile_tokens=self.prefill_profile[0], prefill_profile_seconds=self.prefill_profile[1],
+            deterministic=self.opts.deterministic)
         speculative.to_proto(self.speculative, info.speculative)
         return info

@@ -166,7 +166,8 @@ def build_app(path: RequestPath, api_token=None, tensor_parallel_size: int = 1,
         path.check_loaded()
         card = {"id": path.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "headrace", "root": path.model_dir, "parent": None,
-                "max_model_len": path.engine.max_model_len}
+                "max_model_len": path.engine.max_model_len,
+                "deterministic": bool(path.engine.info.deterministic)}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17headrace/v1/admin.proto\x12\x0bheadrace.v1\"\x12\n\x10GetConfigRequest\"~\n\x10SchedulingPolicy\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\naging_rate\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x1e\n\x11max_queue_delay_s\x18\x03 \x01(\x01H\x01\x88\x01\x01\x42\r\n\x0b_aging_rateB\x14\n\x12_max_queue_delay_s\"\xfe\x04\n\x06\x43onfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12-\n\x06policy\x18\x03 \x01(\x0b\x32\x1d.headrace.v1.SchedulingPolicy\x12\x13\n\x0bmax_running\x18\x04 \x01(\r\x12\x1a\n\x12max_batched_tokens\x18\x05 \x01(\r\x12\x12\n\nmax_queued\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x15\n\rkv_block_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x14\n\x0cprefix_cache\x18\n \x01(\x08\x12\x11\n\twatermark\x18\x0b \x01(\x01\x12\x0f\n\x07workers\x18\x0c \x03(\t\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\r\n\x05ready\x18\x0e \x01(\x08\x12\x0f\n\x07running\x18\x0f \x01(\r\x12\x0f\n\x07waiting\x18\x10 \x01(\r\x12\x1a\n\x12in_flight_requests\x18\x11 \x01(\r\x12\x1a\n\x12worker_max_running\x18\x12 \x01(\r\x12!\n\x19worker_max_batched_tokens\x18\x13 \x01(\r\x12\x1a\n\x12num_host_kv_blocks\x18\x14 \x01(\r\x12\x17\n\x0fpreemption_mode\x18\x15 \x01(\t\x12\x1c\n\x14kv_offloading_policy\x18\x16 \x01(\t\x12#\n\x1bhost_load_seconds_per_token\x18\x17 \x01(\x01\x12#\n\x1brecompute_seconds_per_token\x18\x18 \x01(\x01\x12#\n\x1bhost_hits_recomputed_tokens\x18\x19 \x01(\x04\"\x9d\x02\n\x13UpdateConfigRequest\x12\x13\n\x06policy\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x17\n\naging_rate\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1e\n\x11max_queue_delay_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x0bmax_running\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x1f\n\x12max_batched_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x17\n\nmax_queued\x18\x06 \x01(\rH\x05\x88\x01\x01\x42\t\n\x07_policyB\r\n\x0b_aging_rateB\x14\n\x12_max_queue_delay_sB\x0e\n\x0c_max_runningB\x15\n\x13_max_batched_tokensB\r\n\x0b_max_queued\":\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\x12\x17\n\x0f\x61\x62ort_remaining\x18\x02 \x01(\x08\"D\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x62orted\x18\x03 \x01(\r\"\x0f\n\rResumeRequest\"<\n\x12ReloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\"\x88\x01\n\x13ReloadModelResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x0f\n\x07\x61\x62orted\x18\x05 \x01(\r\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"5\n\x13StartProfileRequest\x12\x0b\n\x03\x64ir\x18\x01 \x01(\t\x12\x11\n\tnum_steps\x18\x02 \x01(\r\"$\n\x12StopProfileRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\"y\n\rProfileStatus\x12\x11\n\trecording\x18\x01 \x01(\x08\x12\x0b\n\x03\x64ir\x18\x02 \x01(\t\x12\x11\n\tnum_steps\x18\x03 \x01(\r\x12\x16\n\x0esteps_recorded\x18\x04 \x01(\r\x12\r\n\x05\x66iles\x18\x05 \x03(\t\x12\x0e\n\x06\x65rrors\x18\x06 \x03(\t2\xf6\x03\n\x05\x41\x64min\x12?\n\tGetConfig\x12\x1d.headrace.v1.GetConfigRequest\x1a\x13.headrace.v1.Config\x12\x45\n\x0cUpdateConfig\x12 .headrace.v1.UpdateConfigRequest\x1a\x13.headrace.v1.Config\x12>\n\x05\x44rain\x12\x19.headrace.v1.DrainRequest\x1a\x1a.headrace.v1.DrainResponse\x12\x39\n\x06Resume\x12\x1a.headrace.v1.ResumeRequest\x1a\x13.headrace.v1.Config\x12P\n\x0bReloadModel\x12\x1f.headrace.v1.ReloadModelRequest\x1a .headrace.v1.ReloadModelResponse\x12L\n\x0cStartProfile\x12 .headrace.v1.StartProfileRequest\x1a\x1a.headrace.v1.ProfileStatus\x12J\n\x0bStopProfile\x12\x1f.headrace.v1.StopProfileRequest\x1a\x1a.headrace.v1.ProfileStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17headrace/v1/admin.proto\x12\x0bheadrace.v1\"\x12\n\x10GetConfigRequest\"~\n\x10SchedulingPolicy\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\naging_rate\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x1e\n\x11max_queue_delay_s\x18\x03 \x01(\x01H\x01\x88\x01\x01\x42\r\n\x0b_aging_rateB\x14\n\x12_max_queue_delay_s\"\x95\x05\n\x06\x43onfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12-\n\x06policy\x18\x03 \x01(\x0b\x32\x1d.headrace.v1.SchedulingPolicy\x12\x13\n\x0bmax_running\x18\x04 \x01(\r\x12\x1a\n\x12max_batched_tokens\x18\x05 \x01(\r\x12\x12\n\nmax_queued\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x15\n\rkv_block_size\x18\x08 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\t \x01(\r\x12\x14\n\x0cprefix_cache\x18\n \x01(\x08\x12\x11\n\twatermark\x18\x0b \x01(\x01\x12\x0f\n\x07workers\x18\x0c \x03(\t\x12\x10\n\x08\x64raining\x18\r \x01(\x08\x12\r\n\x05ready\x18\x0e \x01(\x08\x12\x0f\n\x07running\x18\x0f \x01(\r\x12\x0f\n\x07waiting\x18\x10 \x01(\r\x12\x1a\n\x12in_flight_requests\x18\x11 \x01(\r\x12\x1a\n\x12worker_max_running\x18\x12 \x01(\r\x12!\n\x19worker_max_batched_tokens\x18\x13 \x01(\r\x12\x1a\n\x12num_host_kv_blocks\x18\x14 \x01(\r\x12\x17\n\x0fpreemption_mode\x18\x15 \x01(\t\x12\x1c\n\x14kv_offloading_policy\x18\x16 \x01(\t\x12#\n\x1bhost_load_seconds_per_token\x18\x17 \x01(\x01\x12#\n\x1brecompute_seconds_per_token\x18\x18 \x01(\x01\x12#\n\x1bhost_hits_recomputed_tokens\x18\x19 \x01(\x04\x12\x15\n\rdeterministic\x18\x1a \x01(\x08\"\x9d\x02\n\x13UpdateConfigRequest\x12\x13\n\x06policy\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x17\n\naging_rate\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1e\n\x11max_queue_delay_s\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x0bmax_running\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x1f\n\x12max_batched_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x17\n\nmax_queued\x18\x06 \x01(\rH\x05\x88\x01\x01\x42\t\n\x07_policyB\r\n\x0b_aging_rateB\x14\n\x12_max_queue_delay_sB\x0e\n\x0c_max_runningB\x15\n\x13_max_batched_tokensB\r\n\x0b_max_queued\":\n\x0c\x44rainRequest\x12\x11\n\ttimeout_s\x18\x01 \x01(\x01\x12\x17\n\x0f\x61\x62ort_remaining\x18\x02 \x01(\x08\"D\n\rDrainResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x08\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x62orted\x18\x03 \x01(\r\"\x0f\n\rResumeRequest\"<\n\x12ReloadModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x02 \x01(\x01\"\x88\x01\n\x13ReloadModelResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rnum_kv_blocks\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x0f\n\x07\x61\x62orted\x18\x05 \x01(\r\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"5\n\x13StartProfileRequest\x12\x0b\n\x03\x64ir\x18\x01 \x01(\t\x12\x11\n\tnum_steps\x18\x02 \x01(\r\"$\n\x12StopProfileRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\"y\n\rProfileStatus\x12\x11\n\trecording\x18\x01 \x01(\x08\x12\x0b\n\x03\x64ir\x18\x02 \x01(\t\x12\x11\n\tnum_steps\x18\x03 \x01(\r\x12\x16\n\x0esteps_recorded\x18\x04 \x01(\r\x12\r\n\x05\x66iles\x18\x05 \x03(\t\x12\x0e\n\x06\x65rrors\x18\x06 \x03(\t2\xf6\x03\n\x05\x41\x64min\x12?\n\tGetConfig\x12\x1d.headrace.v1.GetConfigRequest\x1a\x13.headrace.v1.Config\x12\x45\n\x0cUpdateConfig\x12 .headrace.v1.UpdateConfigRequest\x1a\x13.headrace.v1.Config\x12>\n\x05\x44rain\x12\x19.headrace.v1.DrainRequest\x1a\x1a.headrace.v1.DrainResponse\x12\x39\n\x06Resume\x12\x1a.headrace.v1.ResumeRequest\x1a\x13.headrace.v1.Config\x12P\n\x0bReloadModel\x12\x1f.headrace.v1.ReloadModelRequest\x1a .headrace.v1.ReloadModelResponse\x12L\n\x0cStartProfile\x12 .headrace.v1.StartProfileRequest\x1a\x1a.headrace.v1.ProfileStatus\x12J\n\x0bStopProfile\x12\x1f.headrace.v1.StopProfileRequest\x1a\x1a.headrace.v1.ProfileStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULINGPOLICY']._serialized_start=60
   _globals['_SCHEDULINGPOLICY']._serialized_end=186
   _globals['_CONFIG']._serialized_start=189
-  _globals['_CONFIG']._serialized_end=827
-  _globals['_UPDATECONFIGREQUEST']._serialized_start=830
-  _globals['_UPDATECONFIGREQUEST']._serialized_end=1115
-  _globals['_DRAINREQUEST']._serialized_start=1117
-  _globals['_DRAINREQUEST']._serialized_end=1175
-  _globals['_DRAINRESPONSE']._serialized_start=1177
-  _globals['_DRAINRESPONSE']._serialized_end=1245
-  _globals['_RESUMEREQUEST']._serialized_start=1247
-  _globals['_RESUMEREQUEST']._serialized_end=1262
-  _globals['_RELOADMODELREQUEST']._serialized_start=1264
-  _globals['_RELOADMODELREQUEST']._serialized_end=1324
-  _globals['_RELOADMODELRESPONSE']._serialized_start=1327
-  _globals['_RELOADMODELRESPONSE']._serialized_end=1463
-  _globals['_STARTPROFILEREQUEST']._serialized_start=1465
-  _globals['_STARTPROFILEREQUEST']._serialized_end=1518
-  _globals['_STOPPROFILEREQUEST']._serialized_start=1520
-  _globals['_STOPPROFILEREQUEST']._serialized_end=1556
-  _globals['_PROFILESTATUS']._serialized_start=1558
-  _globals['_PROFILESTATUS']._serialized_end=1679
-  _globals['_ADMIN']._serialized_start=1682
-  _globals['_ADMIN']._serialized_end=2184
+  _globals['_CONFIG']._serialized_end=850
+  _globals['_UPDATECONFIGREQUEST']._serialized_start=853
+  _globals['_UPDATECONFIGREQUEST']._serialized_end=1138
+  _globals['_DRAINREQUEST']._serialized_start=1140
+  _globals['_DRAINREQUEST']._serialized_end=1198
+  _globals['_DRAINRESPONSE']._serialized_start=1200
+  _globals['_DRAINRESPONSE']._serialized_end=1268
+  _globals['_RESUMEREQUEST']._serialized_start=1270
+  _globals['_RESUMEREQUEST']._serialized_end=1285
+  _globals['_RELOADMODELREQUEST']._serialized_start=1287
+  _globals['_RELOADMODELREQUEST']._serialized_end=1347
+  _globals['_RELOADMODELRESPONSE']._serialized_start=1350
+  _globals['_RELOADMODELRESPONSE']._serialized_end=1486
+  _globals['_STARTPROFILEREQUEST']._serialized_start=1488
+  _globals['_STARTPROFILEREQUEST']._serialized_end=1541
+  _globals['_STOPPROFILEREQUEST']._serialized_start=1543
+  _globals['_STOPPROFILEREQUEST']._serialized_end=1579
+  _globals['_PROFILESTATUS']._serialized_start=1581
+  _globals['_PROFILESTATUS']._serialized_end=1702
+  _globals['_ADMIN']._serialized_start=1705
+  _globals['_ADMIN']._serialized_end=2207
 # @@protoc_insertion_point(module_scope)

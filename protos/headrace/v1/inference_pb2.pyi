@@ -206,7 +206,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "dtype", "device", "tensor_parallel_size", "kv_block_size", "num_kv_blocks", "eos_token_ids", "kv_cache_dtype", "quantization", "num_host_kv_blocks")
+    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "dtype", "device", "tensor_parallel_size", "kv_block_size", "num_kv_blocks", "eos_token_ids", "kv_cache_dtype", "quantization", "num_host_kv_blocks", "deterministic")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,7 @@ class ModelInfo(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     max_model_len: int
@@ -233,4 +234,5 @@ class ModelInfo(_message.Message):
     kv_cache_dtype: str
     quantization: str
     num_host_kv_blocks: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., num_host_kv_blocks: _Optional[int] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., num_host_kv_blocks: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
