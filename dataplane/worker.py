@@ -241,6 +241,9 @@ class Worker:
         longest query of a step), so no request pays a Triton compilation."""
         cfg, dev, bs = self.local_cfg, self.device, self.opts.block_size
         longest = 512   # tiles stop growing at 256 query rows
+        if self.opts.deterministic:   # a decode of two splits: its combine kernel compiled too
+            from kernels import triton_invariant_attention
+            longest = max(longest, 2 * triton_invariant_attention.SPLIT_TOKENS)
         blocks = -(-longest // bs)
         cache = kv_cache.allocate(cfg, blocks, bs, self.kv_dtype, dev)[0]
         tables = torch.arange(blocks, dtype=torch.int32, device=dev)[None, :]
@@ -253,6 +256,12 @@ class Worker:
                 max_query_len=q_len, decode_only=q_len == 1,
                 decode_order=torch.zeros(1, dtype=torch.int32, device=dev))
             q_len *= 2
+        if self.opts.deterministic:
+            kernels.paged_attention(
+                torch.zeros((1, cfg.num_heads, cfg.head_dim), dtype=self.dtype, device=dev), cache,
+                torch.tensor([0, 1], dtype=torch.int32, device=dev),
+                torch.tensor([longest], dtype=torch.int32, device=dev), tables, cfg.head_dim ** -0.5,
+                max_query_len=1, decode_only=True)
         if self.attention.uses_flash:   # flash-attn-4 compiles its kernels at the first call
             kernels.flash_attn4.warm_up(cache, cfg.num_heads, self.dtype, self.opts.max_num_seqs)
 

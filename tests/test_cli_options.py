@@ -38,7 +38,7 @@ CHANGED = WorkerOptions(model="/models/x", device="cuda:1", dtype="float16", blo
                         cudagraph_mode="piecewise", max_cudagraph_capture_size=1024, seed=7,
                         speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
                         quantization="fp8", kv_cache_dtype="fp8", attention_backend="flash-attn",
-                        kv_offloading_size=1.5, quant_backend="gemlite")
+                        kv_offloading_size=1.5, quant_backend="gemlite", deterministic=True)
 
 
 def _dataplane(argv: list[str]):
