@@ -17,10 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from controlplane.engine import Engine, EngineConfig
 from controlplane.chunking import Chunking
-from controlplane.tokenizer import ModelTokenizer
-from controlplane.validation import build_request
+from controlplane.engine import Engine, EngineConfig
 from dataplane.inprocess import InProcessWorkerGroup
 from dataplane.worker import Worker, WorkerOptions
 from headrace.v1 import admin_pb2 as apb
@@ -28,11 +26,11 @@ from headrace.v1 import admin_pb2_grpc as apb_grpc
 from headrace.v1 import inference_pb2 as pb
 from kernels import batch_invariant
 from tests.checkpoints import make_checkpoint
+from tests.det_harness import MAX_TOKENS, alone, make_request, serve, serve_waves
 from tests.harness import DEVICE, Planes
 
 DTYPE = "bfloat16" if DEVICE.startswith("cuda") else "float32"
 POOL = 24          # KV blocks of 16 tokens: a few requests fill it (preemption by recompute)
-MAX_TOKENS = 256   # the worker's step limit; the engines' are smaller
 
 
 @pytest.fixture(scope="module")
@@ -58,65 +56,6 @@ def worker(model_dir):
     return _worker(model_dir)
 
 
-def _request(prompt, max_tokens, temperature, seed, n=1) -> pb.GenerateRequest:
-    sampling = pb.SamplingParams(temperature=temperature)
-    if seed is not None:
-        sampling.seed = seed
-    return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
-                              ignore_eos=True, logprobs=1, n=n, sampling=sampling)
-
-
-async def _serve(worker: Worker, waves: list[list[pb.GenerateRequest]],
-                 config: EngineConfig) -> tuple[list[list[tuple]], int]:
-    """Each request's samples as (tokens, logprobs); wave k + 1 is submitted once wave k's
-    first request has streamed a message. Returns them and the preemptions counted."""
-    engine = Engine(InProcessWorkerGroup(worker), config)
-    await engine.start(timeout=60)
-    tok = ModelTokenizer(str(worker.opts.model))
-    outs: list = []
-
-    async def collect(req):
-        samples = [([], []) for _ in range(req.n)]
-        while not req.delivered:
-            for msg in await req.next_responses():
-                samples[msg.index][0].extend(msg.token_ids)
-                samples[msg.index][1].extend(lp.logprob for lp in msg.logprobs)
-        return [(tuple(t), tuple(lp)) for t, lp in samples]
-
-    try:
-        tasks = []
-        for wave in waves:
-            started = []
-            for message in wave:
-                req = build_request(message, tok, seq_ids=engine.seq_ids,
-                                    vocab_size=engine.info.vocab_size,
-                                    max_model_len=engine.max_model_len, eos_token_ids=[],
-                                    deterministic=engine.deterministic)
-                engine.submit(req)
-                started.append(req)
-                tasks.append(asyncio.ensure_future(collect(req)))
-            while started and not started[0].delivered and not started[0].sequences[0].output_token_ids:
-                await asyncio.sleep(0.001)
-        outs = await asyncio.wait_for(asyncio.gather(*tasks), 300)
-        return outs, engine.scheduler.num_preemptions
-    finally:
-        await engine.stop()
-
-
-def serve(worker, waves, **config) -> list:
-    return asyncio.run(_serve(worker, waves, EngineConfig(**config)))[0]
-
-
-_ALONE: dict = {}
-
-
-def alone(worker, message: pb.GenerateRequest) -> list:
-    key = (id(worker), message.SerializeToString(deterministic=True))
-    if key not in _ALONE:
-        _ALONE[key] = serve(worker, [[message]], max_running=1, max_batched_tokens=MAX_TOKENS)[0]
-    return _ALONE[key]
-
-
 SHARED = [(7 * i) % 500 + 3 for i in range(40)]   # a prefix some prompts start with
 
 
@@ -126,7 +65,7 @@ def requests(draw):
     prompt = prefix + draw(st.lists(st.integers(3, 500), min_size=1, max_size=70))
     temperature = draw(st.sampled_from([0.0, 0.9]))
     seed = draw(st.none() | st.integers(0, 1 << 40))
-    return _request(prompt, draw(st.integers(1, 6)), temperature, seed)
+    return make_request(prompt, draw(st.integers(1, 6)), temperature, seed)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
@@ -148,9 +87,9 @@ def test_every_request_gives_the_tokens_and_logprobs_it_gives_alone(worker, wave
 def test_preempted_and_recomputed_requests_give_the_tokens_they_give_alone(worker):
     """Six requests of ~100 tokens each on a pool of 24 blocks: the scheduler preempts (by
     recompute: a victim's prompt and generated tokens are prefilled again, in other chunks)."""
-    messages = [_request([(13 * i + j) % 500 + 3 for j in range(90 + 5 * i)], 12, 0.9 * (i % 2), i)
+    messages = [make_request([(13 * i + j) % 500 + 3 for j in range(90 + 5 * i)], 12, 0.9 * (i % 2), i)
                 for i in range(6)]
-    engine_outs, preemptions = asyncio.run(_serve(worker, [messages], EngineConfig(
+    engine_outs, preemptions = asyncio.run(serve_waves(worker, [messages], EngineConfig(
         max_running=6, max_batched_tokens=48, chunking=Chunking(max_prefill_tokens_with_decodes=48))))
     assert preemptions > 0
     for message, samples in zip(messages, engine_outs):
@@ -158,17 +97,17 @@ def test_preempted_and_recomputed_requests_give_the_tokens_they_give_alone(worke
 
 
 def test_unseeded_samples_are_reproducible_and_n_samples_differ(worker):
-    message = _request(list(range(3, 40)), 8, 1.0, None, n=2)
+    message = make_request(list(range(3, 40)), 8, 1.0, None, n=2)
     first = serve(worker, [[message]], max_running=4)[0]
-    again = serve(worker, [[message, _request([9] * 20, 5, 1.0, None)]], max_running=4)[0]
+    again = serve(worker, [[message, make_request([9] * 20, 5, 1.0, None)]], max_running=4)[0]
     assert first == again
     assert first[0] != first[1]    # sample i takes seed DEFAULT_SEED + i
 
 
 def test_a_restarted_or_second_data_plane_and_ngram_speculation_give_the_same_bits(worker,
                                                                                  model_dir):
-    messages = [_request([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7] * 3, 10, 0.0, None),
-                _request(list(range(40, 90)), 9, 0.9, 3)]
+    messages = [make_request([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7] * 3, 10, 0.0, None),
+                make_request(list(range(40, 90)), 9, 0.9, 3)]
     expected = [alone(worker, m) for m in messages]
     replica = _worker(model_dir)   # a fresh worker: a data-plane restart, or replica 2 of -dp 2
     assert serve(replica, [messages], max_running=4, max_batched_tokens=32) == expected
