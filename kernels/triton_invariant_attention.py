@@ -184,7 +184,8 @@ def _unified_kernel(Q, K, V, OUT, QSL, SEQ_LENS, BT, num_seqs, qk_scale, v_scale
               BLOCK_N, BLOCK_SIZE, PRECISION, DOT_F32, KV_F16, V_T)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+# the split count and the table width vary between eager steps: no variant compiled per value
+@triton.jit(do_not_specialize=["stride_bt", "MAX_SPLITS", "NUM_HEADS"])
 def _decode_kernel(Q, K, V, OUT, SEQ_LENS, BT, PART_O, PART_ML, qk_scale, v_scale, stride_qt,
                    stride_qh, stride_ot, stride_oh, stride_bt, stride_block, stride_slot,
                    stride_head, MAX_SPLITS, NUM_HEADS, SPLIT_TOKENS: tl.constexpr,
@@ -229,7 +230,7 @@ def _decode_kernel(Q, K, V, OUT, SEQ_LENS, BT, PART_O, PART_ML, qk_scale, v_scal
             tl.store(PART_ML + item * 2 + 1, l, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MAX_SPLITS", "NUM_HEADS"])
 def _combine_kernel(SEQ_LENS, PART_O, PART_ML, OUT, v_scale, stride_ot, stride_oh, MAX_SPLITS,
                     NUM_HEADS, SPLIT_TOKENS: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                     HEAD_DIM: tl.constexpr):
