@@ -8,6 +8,12 @@ calls (launch cost as served), after a check that its rows are batch-invariant.
     python -m bench.det_kernels                  # both tables (~1 min on an H100)
     python -m bench.det_kernels --sweep          # + GEMM tiles per shape: the best, as PINNED
 
+``--parts probe`` asks the device whether a GEMM's bits depend on more than its K order: each
+shape's default tile against tiles of other heights, widths, K steps, warps and stages with the
+same K slices (the same additions in the same order, other tensor-core instructions and
+layouts); where every one gives the same bits, ``tile_for`` could pick a tile per row count
+without breaking the invariance (it does not: one tile per shape).
+
 ``--sweep`` times candidate tiles (BLOCK_N, K slice, warps, stages) per shape and prints the
 winner of a weighted time over the row counts (decode rows weigh most: W1/W3/W4 are decode
 bound) as a ``PINNED`` entry for kernels/triton_invariant_gemm.py (pinning changes the bits of
@@ -114,6 +120,33 @@ def _sweep(name, n, k, w, x, rows, sms, device) -> dict:
             "pinned": None if best is None else f"PINNED[({n}, {k}, {sms})] = Tile(*{best['tile']})"}
 
 
+def probe(n: int, k: int, dtype, device: str) -> dict:
+    """Which other tiles with the default tile's K slices give its bits (see the docstring)."""
+    import dataclasses
+
+    from kernels import triton_invariant_gemm as gemm
+    from kernels.skinny_gemm import sm_count
+
+    w = (torch.randn(n, k, device=device) * 0.02).to(dtype)
+    x = torch.randn(96, k, device=device).to(dtype)
+    base = gemm.tile_for(n, k, sm_count(torch.device(device)), x.element_size())
+    slice_k = base.slice_k or k
+    expected = gemm.linear(x, w, tile=base)
+    same, differ = [], []
+    for change in ({"block_m": 128}, {"block_m": 16}, {"block_n": 128 if base.block_n == 64 else 64},
+                   {"block_n": 32}, {"block_k": 32}, {"warps": 8}, {"stages": 2}):
+        tile = dataclasses.replace(base, slice_k=slice_k if base.slice_k else 0, **change)
+        if slice_k % tile.block_k:
+            continue
+        try:
+            got = gemm.linear(x, w, tile=tile)
+        except Exception as exc:  # noqa: BLE001 - does not compile (shared memory)
+            differ.append(f"{change} ({type(exc).__name__})")
+            continue
+        (same if torch.equal(got, expected) else differ).append(str(change))
+    return {"tile": list(vars(base).values()), "same_bits": same, "other_bits": differ}
+
+
 def attention_table(device: str, dtype, quick: bool) -> list[dict]:
     from kernels import triton_attention, triton_invariant_attention as det
 
@@ -149,7 +182,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--models", default="qwen3,llama", help="whose shapes: qwen3, llama")
     ap.add_argument("--sweep", action="store_true", help="sweep GEMM tiles per shape (PINNED lines)")
-    ap.add_argument("--parts", default="gemm,attention")
+    ap.add_argument("--parts", default="gemm,attention", help="gemm, attention, probe")
     args = ap.parse_args()
     quick = args.device != "cuda"
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -162,6 +195,14 @@ def main() -> None:
                 shapes = {"tiny": (40, 96)}
             for row in gemm_table(shapes, rows, dtype, args.device, args.sweep):
                 print(json.dumps({"bench": "det_gemm", "model": model, **row}), flush=True)
+            if quick:
+                break
+    if "probe" in parts:
+        for model in args.models.split(","):
+            shapes = {"qwen3": QWEN, "llama": LLAMA}[model]
+            for name, (n, k) in ({"tiny": (40, 96)} if quick else shapes).items():
+                print(json.dumps({"bench": "det_gemm_probe", "model": model, "shape": name,
+                                  **probe(n, k, dtype, args.device)}), flush=True)
             if quick:
                 break
     if "attention" in parts:

@@ -106,7 +106,8 @@ if has dettests; then
     > "$OUT/det-tests.txt" 2>&1; echo "pytest exit $?" >> "$OUT/det-tests.txt"; tail -6 "$OUT/det-tests.txt"
 fi
 if has detkern; then
-  log "deterministic kernels against the default ones"; timeout 300 python3 -m bench.det_kernels | tee -a "$OUT/det-kernels.jsonl"
+  log "deterministic kernels against the default ones, and which GEMM tiles round alike"
+  timeout 300 python3 -m bench.det_kernels --parts gemm,attention,probe | tee -a "$OUT/det-kernels.jsonl"
 fi
 if has w1 || has w1o || has w1s || has w2 || has ttft || has w4 || has w5 || has w5w1 || has w5swap || has hf || has spy || has kern || has spec || has dp \
     || has detw1 || has detw2 || has detspec || has detw4 || has detw4id || has detw5; then

@@ -55,9 +55,11 @@ from kernels.skinny_gemm import sm_count
 from kernels.triton_flash import Launch, _attend, _query_operand
 from kernels.triton_unified import _find_seq, num_programs
 
-# Part of the numerics: outputs are bit-identical only between runs with the same values.
+# Part of the numerics: outputs are bit-identical only between runs with the same values (the
+# variables are benchmark knobs: bench/det_kernels.py sweeps them).
 SPLIT_TOKENS = int(os.environ.get("HEADRACE_DET_SPLIT_TOKENS", "512"))
-BLOCK_M, BLOCK_N, WARPS, STAGES = 64, 64, 4, 2
+BLOCK_M, BLOCK_N, WARPS, STAGES = (int(v) for v in os.environ.get(
+    "HEADRACE_DET_ATTENTION_TILE", "64,64,4,2").split(","))   # rows, keys, warps, stages
 if SPLIT_TOKENS % BLOCK_N:
     raise ValueError(f"HEADRACE_DET_SPLIT_TOKENS={SPLIT_TOKENS}: must be a multiple of {BLOCK_N}")
 

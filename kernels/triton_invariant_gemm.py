@@ -151,8 +151,18 @@ WORKSPACE = Workspace()    # the split slices' partial sums and tile counters (i
 
 def splits(tile: Tile, m: int, n: int, k: int, sms: int) -> bool:
     """Whether the slices run as programs of their own for an [m, n] output (a scheduling
-    choice: the bits are the same either way)."""
-    return tile.slices(k) > 1 and cdiv(m, tile.block_m) * cdiv(n, tile.block_n) < PROGRAMS_PER_SM * sms
+    choice: the bits are the same either way): when that reads the weight (plus the slices'
+    float32 partial sums, written and read back) sooner than the folded launch's fewer
+    programs do, in bytes over the share of ``PROGRAMS_PER_SM`` programs an SM each keeps
+    busy. So a decode's few rows split, a prefill's (or 256 decodes') thousands do not."""
+    slices = tile.slices(k)
+    if slices == 1:
+        return False
+    programs, target = cdiv(m, tile.block_m) * cdiv(n, tile.block_n), PROGRAMS_PER_SM * sms
+    weight = 2.0 * n * k
+    folded = weight / min(1.0, programs / target)
+    split = (weight + 8.0 * m * n * slices) / min(1.0, programs * slices / target)
+    return split < folded
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

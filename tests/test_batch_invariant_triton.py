@@ -66,7 +66,8 @@ def test_tile_for_slices_k_for_decode_parallelism_and_not_for_wide_outputs():
     qkv = gemm.tile_for(4096, 1024, 132)   # Qwen3-0.6B's qkv on an H100/H200
     assert qkv.block_m == 64 and qkv.slices(1024) > 1
     assert (4096 // qkv.block_n) * qkv.slices(1024) >= 132   # a decode: a program an SM at least
-    assert gemm.splits(qkv, 1, 4096, 1024, 132) and not gemm.splits(qkv, 2048, 4096, 1024, 132)
+    assert gemm.splits(qkv, 1, 4096, 1024, 132) and gemm.splits(qkv, 16, 4096, 1024, 132)
+    assert not gemm.splits(qkv, 256, 4096, 1024, 132) and not gemm.splits(qkv, 2048, 4096, 1024, 132)
     head = gemm.tile_for(151936, 1024, 132)
     assert head.slices(1024) == 1 and head.block_n == 128
     assert gemm.tile_for(1024, 200, 132).slices(200) == 1      # short K: one slice
