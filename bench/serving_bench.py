@@ -124,7 +124,7 @@ async def throughput(stub, requests, args, profile=lambda: None) -> dict:
     items = [(0.0, p, m, temp, STREAM_INTERVAL, i) for i, (p, m, temp) in enumerate(requests)]
     results, usage, t0 = await asyncio.to_thread(
         client_pool.run, args.address, items, args.clients, args.channels,
-        args.http_url if args.api == "http" else None, 3.0, args.digest)
+        args.http_url if args.api == "http" else None, 3.0, getattr(args, "digest", None))
     steps = dataplane_metrics.delta(before, dataplane_metrics.snapshot(args.dataplane_metrics))
     if spy is not None:
         spy.wait(60)
@@ -137,7 +137,7 @@ async def throughput(stub, requests, args, profile=lambda: None) -> dict:
             "steps": sum(k["steps"] for k in steps["steps_by_kind"].values()),
             "steps_by_kind": steps["steps_by_kind"], **usage,
             "first_error": next((r["error"] for r in results if not r["ok"]), None),
-            **(digest_report(client_pool.digests(results), args) if args.digest else {})}
+            **(digest_report(client_pool.digests(results), args) if getattr(args, "digest", None) else {})}
 
 
 async def latency(stub, repeats: int = 5, stages_dir: str | None = None, args=None) -> dict:
@@ -145,7 +145,7 @@ async def latency(stub, repeats: int = 5, stages_dir: str | None = None, args=No
     await run_one(stub, [1, 2, 3], 8, 0.0)
     ttfts, itls, ids, per_request = [], [], [], {}
     stages = ClientStamps(stages_dir) if stages_dir else None
-    digest = args.digest if args is not None else None
+    digest = getattr(args, "digest", None)
     for i in range(repeats):
         prompt = [rng.randint(0, 10000) for _ in range(128)]
         stamps: list = []
