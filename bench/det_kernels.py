@@ -148,7 +148,7 @@ def probe(n: int, k: int, dtype, device: str) -> dict:
 
 
 def attention_table(device: str, dtype, quick: bool) -> list[dict]:
-    from kernels import triton_attention, triton_invariant_attention as det
+    from kernels import triton_attention, triton_invariant_attention as det, triton_invariant_tile as tile
 
     heads, kv_heads, head_dim, bs = (16, 8, 128, 16) if device == "cuda" else (4, 2, 32, 16)
     cases = [("decode", b, ctx) for b in (1, 64, 256) for ctx in (1024, 4096, 16384)]
@@ -167,13 +167,14 @@ def attention_table(device: str, dtype, quick: bool) -> list[dict]:
         qsl = (torch.arange(seqs + 1, dtype=torch.int32, device=device) if kind == "decode"
                else torch.tensor([0, size], dtype=torch.int32, device=device))
         hints = dict(decode_only=True) if kind == "decode" else dict(max_query_len=size)
-        run_det = lambda: det.paged_attention(q, cache, qsl, lens, tables, 0.08, **hints)  # noqa: E731
-        run_base = lambda: triton_attention.paged_attention(q, cache, qsl, lens, tables, 0.08, **hints)  # noqa: E731
+        args = (q, cache, qsl, lens, tables, 0.08)
+        run_det = lambda: det.paged_attention(*args, **hints)  # noqa: E731
+        run_base = lambda: triton_attention.paged_attention(*args, **hints)  # noqa: E731
         d, b = timed(run_det, device), timed(run_base, device)
         close = torch.allclose(run_det().float(), run_base().float(), atol=2e-2, rtol=2e-2)
         out.append({"attention": kind, "batch" if kind == "decode" else "tokens": size, "context": ctx,
                     "det_us": round(d, 1), "default_us": round(b, 1), "x_default": round(d / b, 2),
-                    "close": close, "split_tokens": det.SPLIT_TOKENS})
+                    "close": close, "split_tokens": tile.SPLIT_TOKENS})
     return out
 
 

@@ -62,7 +62,8 @@ def targets(lines: list[dict], tests: str | None) -> list[tuple]:
                           for r in ident["rates"])
         alone = ident.get("alone") or {}
         ok = ident["identical_across_rates"] and alone.get("identical", False) and ident["deterministic"]
-        rows.append((f"W4 {ident['requests']} requests bit-identical ({ident['digest']}) across rates and alone",
+        rows.append((f"W4 {ident['requests']} requests bit-identical ({ident['digest']}) across "
+                     "rates and alone",
                      "all equal", f"rates {rates}; alone {alone.get('equal')}/{alone.get('compared')}",
                      "met" if ok else "NOT met"))
     else:

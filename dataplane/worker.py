@@ -242,8 +242,8 @@ class Worker:
         cfg, dev, bs = self.local_cfg, self.device, self.opts.block_size
         longest = 512   # tiles stop growing at 256 query rows
         if self.opts.deterministic:   # a decode of two splits: its combine kernel compiled too
-            from kernels import triton_invariant_attention
-            longest = max(longest, 2 * triton_invariant_attention.SPLIT_TOKENS)
+            from kernels import triton_invariant_tile
+            longest = max(longest, 2 * triton_invariant_tile.SPLIT_TOKENS)
         blocks = -(-longest // bs)
         cache = kv_cache.allocate(cfg, blocks, bs, self.kv_dtype, dev)[0]
         tables = torch.arange(blocks, dtype=torch.int32, device=dev)[None, :]

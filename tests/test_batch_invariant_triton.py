@@ -16,6 +16,7 @@ from tests.triton_device import triton_device
 DEVICE = triton_device()   # before triton is imported
 from kernels import reference as ref  # noqa: E402
 from kernels import triton_invariant_attention as attn  # noqa: E402
+from kernels import triton_invariant_tile  # noqa: E402
 from kernels import triton_invariant_gemm as gemm  # noqa: E402
 
 CUDA = DEVICE == "cuda"
@@ -84,7 +85,7 @@ SPLIT = 512 if CUDA else 128
 
 @pytest.fixture
 def split_tokens(monkeypatch):
-    monkeypatch.setattr(attn, "SPLIT_TOKENS", SPLIT)
+    monkeypatch.setattr(triton_invariant_tile, "SPLIT_TOKENS", SPLIT)
     return SPLIT
 
 
