@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout's root on the H200): GPU correctness, then the serving
 # workloads through the gRPC planes and in one process (bench/README.md). Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5swap w5l tier hf spy kern ragged tp spec specdraft structured dp lora lora8b
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5swap w5l tier hf spy kern ragged tp spec specdraft structured dp det dettests detkern detw1 detw2 detspec detw4 detw4id detw5 detw3 lora lora8b
 #   (default: tests w2 w1 w1o w3); TP_WATCH_S: seconds the tp section waits before dumping stacks
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # ragged: decode attention on W1's ragged batches, by KV split count and program start order.
@@ -55,12 +55,30 @@
 #   bench.lora_bench load,w2,w1,cold (8 random rank-16 adapters on all 7 projections); ~8 minutes.
 # lora8b: on Llama-3.1-8B: the slot load of a rank-16 adapter and W4-like Poisson load over 100
 #   adapters (Zipf) on --max-loras 16 against the base model; ~9 minutes (its own call).
+# det: --deterministic (issue 54; docs/determinism.md), each figure beside a same-call baseline
+#   without it; `det` = dettests detkern detw2 detw1 detspec (~7 min); then `detw4 detw4id`
+#   (~8 min), `detw5` (~4 min) and `detw3` (~6 min; last: its 8B checkpoint replaces /tmp/qwen3)
+#   in calls of their own; `python3 -m bench.det_targets $OUT/results.jsonl` prints the table.
+# dettests: the batch-invariant kernels compiled (GEMM rows at 1-2048 rows, attention rows as
+#   decodes / prefill chunks / unified / mixed, FP8 KV) and served (96 requests at once against
+#   each alone under every --cudagraph-mode, long contexts, FP8 KV) ($OUT/det-tests.txt).
+# detkern: bench.det_kernels: the GEMM and attention against the default kernels, per shape.
+# detw2 / detw1: W2 (ITL, TTFT) and W1 (offline client) without, then with --deterministic.
+# detspec: W2 grounded in one process with --deterministic, n-gram speculation off and on: the
+#   output digests must be equal (exact verification).
+# detw4: W4's highest rate at the SLO (100/160/220 req/s, two bisection runs) without and with.
+# detw4id: 1,000 W4 requests at 60, 120 and 180 req/s and alone (every DET_ALONE_EVERY-th, 1),
+#   --deterministic: their outputs (tokens and logprobs) must all be equal.
+# detw5: W5 (32 conversations x 4 turns) with --deterministic, host tier off / auto / always:
+#   the same tokens and logprobs in every mode.
+# detw3: W3 (Llama-3.1-8B) without, then with --deterministic.
 set -uo pipefail
 OUT=${OUT:-/tmp/headrace-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 . bench/source_path.sh   # the checkout as the package headrace
 SECTIONS=${*:-tests w2 w1 w1o w3}
 [[ " $SECTIONS " == *" tier "* ]] && SECTIONS="$SECTIONS w5 w5w1 w5swap w5l"
+[[ " $SECTIONS " == *" det "* ]] && SECTIONS="$SECTIONS dettests detkern detw2 detw1 detspec"
 log() { echo "== $* ($(date +%T))"; }
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
 log gpu; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -86,7 +104,18 @@ if has tp; then   # NCCL tensor parallelism on every GPU the machine has (2 or 4
   wait $tp_pid; tail -15 "$OUT/tp-pytest.txt"
   tail -n 8 "$OUT"/tp-logs/*/rank-*.log 2>/dev/null | cut -c1-300
 fi
-if has w1 || has w1o || has w1s || has w2 || has ttft || has w4 || has w5 || has w5w1 || has w5swap || has hf || has spy || has kern || has spec || has dp || has lora; then
+if has dettests; then
+  log "deterministic: the batch-invariant kernels and serving on the GPU"
+  HEADRACE_TEST_DEVICE=cuda timeout 480 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_batch_invariant_triton.py tests/test_deterministic_gpu.py tests/test_deterministic_serving.py \
+    > "$OUT/det-tests.txt" 2>&1; echo "pytest exit $?" >> "$OUT/det-tests.txt"; tail -6 "$OUT/det-tests.txt"
+fi
+if has detkern; then
+  log "deterministic kernels against the default ones, and which GEMM tiles round alike"
+  timeout 300 python3 -m bench.det_kernels --parts gemm,attention,probe | tee -a "$OUT/det-kernels.jsonl"
+fi
+if has w1 || has w1o || has w1s || has w2 || has ttft || has w4 || has w5 || has w5w1 || has w5swap || has hf || has spy || has kern || has spec || has dp || has lora \
+    || has detw1 || has detw2 || has detspec || has detw4 || has detw4id || has detw5; then
   log ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda
 fi
 for w in w2 w1; do
@@ -162,6 +191,43 @@ if has w4; then
   timeout 150 python3 -m bench.w4_bench --model /tmp/qwen3 --api-server-counts 1 --rates 140 --duration 8 \
     --clients 4 | tee -a "$OUT/results.jsonl"
 fi
+for w in w2 w1; do   # deterministic against the default mode, one server each, same call
+  has det$w || continue
+  extra=""; [ $w = w1 ] && extra="--stream-interval 100000"
+  for mode in base det; do
+    flag=""; [ $mode = det ] && flag="--deterministic"
+    log "det$w: $w grpc, $mode"
+    timeout 200 python3 -m bench.serving_bench --model /tmp/qwen3 --workload $w $extra $flag \
+      --label "$w-$mode" | tee -a "$OUT/results.jsonl"
+  done
+done
+if has detspec; then
+  ngram='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+  for spec in "" "$ngram"; do
+    log "detspec: w2 grounded in one process, --deterministic, speculation ${spec:+on}${spec:-off}"
+    timeout 200 python3 -m bench.inprocess_bench --model /tmp/qwen3 --workload w2 --grounded --deterministic \
+      --digest ${spec:+--speculative-config "$spec"} | tee -a "$OUT/results.jsonl"
+  done
+fi
+if has detw4; then
+  for mode in base det; do
+    flag=""; [ $mode = det ] && flag="--deterministic"
+    log "detw4: w4, serve's default front ends, 100/160/220 req/s + 2 bisection runs, $mode"
+    timeout 300 python3 -m bench.w4_bench --model /tmp/qwen3 --api-server-counts 0 --rates 100,160,220 \
+      --search 2 --duration 8 --clients 4 $flag | tee -a "$OUT/results.jsonl"
+  done
+fi
+if has detw4id; then
+  log "detw4id: 1,000 W4 requests at 60, 120, 180 req/s and alone, --deterministic"
+  timeout 540 python3 -m bench.w4_bench --model /tmp/qwen3 --api-server-counts 0 --deterministic \
+    --identity 1000 --rates 60,120,180 --digest logprobs --alone-every "${DET_ALONE_EVERY:-1}" --clients 4 \
+    | tee -a "$OUT/results.jsonl"
+fi
+if has detw5; then
+  log "detw5: W5 --deterministic, host tier off / auto / always, one data plane"
+  timeout 420 python3 -m bench.w5_bench --model /tmp/qwen3 --num-kv-blocks 4096 --offload-gib 20 \
+    --conversations 32 --turns 4 --modes off,auto,always --deterministic | tee -a "$OUT/results.jsonl"
+fi
 if has dp; then
   log "dp: two replicas sharing the GPU: W1 and parity against one replica, W4S prefix vs round robin"
   timeout 480 python3 -m bench.dp_bench --model /tmp/qwen3 --parts parity,w1,w4s ${DP_ARGS:-} | tee -a "$OUT/results.jsonl"
@@ -201,7 +267,7 @@ if [ -n "$cases" ]; then   # one process: the tiered worker serves both cases
     --swap-blocks 4096 | tee -a "$OUT/results.jsonl"
 fi
 if has hf; then log hf; timeout 120 python3 -m bench.hf_reference /tmp/qwen3 | tee -a "$OUT/results.jsonl"; fi
-if has w3 || has w3tp; then   # w3tp: the same with the model split over two GPUs (NCCL)
+if has w3 || has w3tp || has detw3; then   # w3tp: the same with the model split over two GPUs (NCCL)
   log ckpt8b; rm -rf /tmp/qwen3; python3 -m bench.random_checkpoint llama-3.1-8b /tmp/llama8b --device cuda
   w3args="--device cuda --max-running 256 --max-batched-tokens 8192 --max-model-len 4096"
   for tp in 1 2; do
@@ -209,6 +275,13 @@ if has w3 || has w3tp; then   # w3tp: the same with the model split over two GPU
     log "w3 tp$tp"; timeout 240 python3 -m bench.serving_bench --model /tmp/llama8b --workload w3 \
       --num-seqs 256 --serve-args "$w3args --tensor-parallel-size $tp" | tee -a "$OUT/results.jsonl"
   done
+  if has detw3; then
+    for mode in base det; do
+      flag=""; [ $mode = det ] && flag="--deterministic"
+      log "detw3: w3, $mode"; timeout 280 python3 -m bench.serving_bench --model /tmp/llama8b --workload w3 \
+        --num-seqs 256 --serve-args "$w3args" $flag --label "w3-$mode" | tee -a "$OUT/results.jsonl"
+    done
+  fi
 fi
 if has w5l; then   # last: the 8B checkpoint takes /tmp/qwen3's place on disk (as w3's does)
   [ -d /tmp/llama8b ] || { log ckpt8b; rm -rf /tmp/qwen3; python3 -m bench.random_checkpoint llama-3.1-8b /tmp/llama8b --device cuda; }
@@ -231,6 +304,9 @@ if has structured; then
 fi
 log done; cat "$OUT/results.jsonl" 2>/dev/null
 [ -f "$OUT/results.jsonl" ] && python3 -m bench.gpu_table "$OUT/results.jsonl"
+if has dettests || has detw1 || has detw2 || has detw3 || has detw4 || has detw4id || has detw5 || has detspec; then
+  log "issue 54 targets"; python3 -m bench.det_targets "$OUT/results.jsonl" --tests "$OUT/det-tests.txt"
+fi
 if has w5 || has w5w1 || has w5swap || has w5l; then   # last: the table of issue 33's targets
   log "issue 33 targets"; python3 -m bench.tier_targets "$OUT/results.jsonl" --tests "$OUT/tier-tests.txt"
 fi

@@ -23,8 +23,10 @@ import asyncio
 import cProfile
 import functools
 import json
+import hashlib
 import pstats
 import random
+import struct
 import time
 
 from bench.serving_bench import w1_requests
@@ -169,16 +171,27 @@ def submitter(engine: Engine, tok: ModelTokenizer):
         req = build_request(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
                                                ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature)),
                             tok, seq_ids=engine.seq_ids, vocab_size=engine.info.vocab_size,
-                            max_model_len=engine.max_model_len, eos_token_ids=[])
+                            max_model_len=engine.max_model_len, eos_token_ids=[],
+                            deterministic=engine.deterministic)
         engine.submit(req)
+        if OUTPUTS is not None:
+            SUBMITTED.append(req.request_id)
         return req
     return submit
 
 
+OUTPUTS: dict | None = None   # (--digest) request id -> its token ids
+SUBMITTED: list = []          # (--digest) request ids in submit order
+
+
 async def consume(request) -> int:
-    count = 0
+    count, ids = 0, []
     while not request.delivered:
-        count += sum(len(m.token_ids) for m in await request.next_responses())
+        for m in await request.next_responses():
+            count += len(m.token_ids)
+            ids.extend(m.token_ids)
+    if OUTPUTS is not None:
+        OUTPUTS[request.request_id] = ids
     return count
 
 
@@ -187,13 +200,16 @@ async def run(args) -> dict:
                                   max_batched_tokens=args.max_batched_tokens,
                                   speculative_config=args.speculative_config,
                                   attention_backend=args.attention_backend,
-                                  cudagraph_mode=args.cudagraph_mode))
+                                  cudagraph_mode=args.cudagraph_mode,
+                                  deterministic=args.deterministic))
     local = TimedWorkers(worker)
     engine = Engine(local, EngineConfig(max_running=256, max_batched_tokens=args.max_batched_tokens))
     await engine.start()
     tok = ModelTokenizer(args.model)
     submit = submitter(engine, tok)
     await consume(submit([1, 2, 3], 4, 0.6))     # warm-up
+    global OUTPUTS
+    OUTPUTS = {} if args.digest else None
     local.runner_s = local.device_s = local.device_idle_s = 0.0
     local.steps = []
     local.windows = [KernelWindow(w, args.out_dir) for w in args.kernel_windows]
@@ -268,7 +284,11 @@ async def run(args) -> dict:
     out.update(workload=f"{args.workload}{'-grounded' if args.grounded else ''}"
                         f"{'-spec' if spec is not None else ''}-in-process", runner_s=round(local.runner_s, 3),
                device_s=round(local.device_s, 3), device_idle_s=round(local.device_idle_s, 3),
-               wall_s=round(wall, 3), startup_s=round(worker.startup_seconds, 1))
+               wall_s=round(wall, 3), startup_s=round(worker.startup_seconds, 1),
+               deterministic=args.deterministic)
+    if OUTPUTS is not None:   # the requests in submit order (W1: all at once; W2: one by one)
+        ids = [t for rid in SUBMITTED for t in OUTPUTS.get(rid, []) + [-1]]
+        out["output_digest"] = hashlib.sha256(struct.pack(f"<{len(ids)}i", *ids)).hexdigest()[:24]
     await engine.stop()
     return out
 
@@ -302,6 +322,10 @@ def main() -> None:
     ap.add_argument("--w2-tokens", type=int, default=256, help="w2: tokens generated per request")
     ap.add_argument("--step-table", action="store_true",
                     help="print device time and idle over ranges of the timed steps")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="the worker's --deterministic (batch-invariant kernels; docs/determinism.md)")
+    ap.add_argument("--digest", action="store_true",
+                    help="output_digest: a hash of every request's tokens (runs compare by it)")
     args = ap.parse_args()
     print(json.dumps(asyncio.run(run(args))), flush=True)
 

@@ -15,12 +15,20 @@ device's idle share (``bench.dataplane_metrics``). W2 runs from this process; wi
 the server's processes stamp each first token's path (``headrace.common.stage_times``) and the line
 adds its decomposition (``first_token_ms``, ``bench.first_token``).
 The workloads are defined in docs/benchmarks.md.
+
+``--deterministic`` serves in that mode (docs/determinism.md); ``--digest tokens|logprobs``
+hashes every request's output (``bench.client_pool``; ``logprobs``: the requests ask for the
+sampled tokens' logprobs and the hash covers their bits), the line gains ``output_digest`` (all
+requests, in order), ``--digests-out FILE`` writes each request's and ``--compare FILE`` says
+how many equal another run's (``digests_vs``): a deterministic run against one of the other
+mode, one alone against one in a batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -57,12 +65,15 @@ SERVE = ["-P", "-m", "headrace.cli", "serve"]   # the `headrace serve` command l
 
 
 async def run_one(stub, prompt, max_tokens, temperature, stamps: list | None = None,
-                  request_id: str = "", stages: ClientStamps | None = None) -> int:
+                  request_id: str = "", stages: ClientStamps | None = None,
+                  output: list | None = None, digest: str | None = None) -> int:
+    """Streams one request; ``output`` (with ``digest``) gets its token ids and logprobs."""
     if isinstance(stub, HttpTarget):   # --api http
         return await run_one_http(stub, prompt, max_tokens, temperature, stamps)
     req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
                              ignore_eos=True, sampling=pb.SamplingParams(temperature=temperature),
-                             stream_interval=STREAM_INTERVAL, request_id=request_id)
+                             stream_interval=STREAM_INTERVAL, request_id=request_id,
+                             logprobs=int(digest == "logprobs"))
     count = 0
     if stages is not None:
         stages.sent(request_id)
@@ -72,7 +83,24 @@ async def run_one(stub, prompt, max_tokens, temperature, stamps: list | None = N
         count += len(resp.token_ids)
         if stamps is not None:
             stamps.append((time.perf_counter(), len(resp.token_ids)))
+        if output is not None:
+            output.append((list(resp.token_ids), [lp.logprob for lp in resp.logprobs]))
     return count
+
+
+def digest_report(per_request: dict, args) -> dict:
+    """The run's digests: one over every request in key order, written / compared as asked."""
+    joined = "".join(per_request[k] for k in sorted(per_request))
+    out = {"output_digest": hashlib.sha256(joined.encode()).hexdigest()[:24],
+           "digested_requests": len(per_request), "digest": args.digest}
+    if args.digests_out:
+        with open(args.digests_out, "w") as f:
+            json.dump({str(k): v for k, v in per_request.items()}, f)
+    if args.compare:
+        with open(args.compare) as f:
+            expected = json.load(f)
+        out["digests_vs"] = client_pool.compare({str(k): v for k, v in per_request.items()}, expected)
+    return out
 
 
 def start_py_spy(pid: int | None, out: str | None, seconds: float):
@@ -93,10 +121,10 @@ async def throughput(stub, requests, args, profile=lambda: None) -> dict:
     await run_one(stub, [1, 2, 3], 4, 0.6)    # warm-up
     spy = profile()
     before = dataplane_metrics.snapshot(args.dataplane_metrics)
-    items = [(0.0, p, m, temp, STREAM_INTERVAL) for p, m, temp in requests]
+    items = [(0.0, p, m, temp, STREAM_INTERVAL, i) for i, (p, m, temp) in enumerate(requests)]
     results, usage, t0 = await asyncio.to_thread(
         client_pool.run, args.address, items, args.clients, args.channels,
-        args.http_url if args.api == "http" else None)
+        args.http_url if args.api == "http" else None, 3.0, getattr(args, "digest", None))
     steps = dataplane_metrics.delta(before, dataplane_metrics.snapshot(args.dataplane_metrics))
     if spy is not None:
         spy.wait(60)
@@ -108,20 +136,27 @@ async def throughput(stub, requests, args, profile=lambda: None) -> dict:
             "device_idle_s": steps["device_idle_s"], "device_idle_share": steps["device_idle_share"],
             "steps": sum(k["steps"] for k in steps["steps_by_kind"].values()),
             "steps_by_kind": steps["steps_by_kind"], **usage,
-            "first_error": next((r["error"] for r in results if not r["ok"]), None)}
+            "first_error": next((r["error"] for r in results if not r["ok"]), None),
+            **(digest_report(client_pool.digests(results), args) if getattr(args, "digest", None) else {})}
 
 
-async def latency(stub, repeats: int = 5, stages_dir: str | None = None) -> dict:
+async def latency(stub, repeats: int = 5, stages_dir: str | None = None, args=None) -> dict:
     rng = random.Random(0)
     await run_one(stub, [1, 2, 3], 8, 0.0)
-    ttfts, itls, ids = [], [], []
+    ttfts, itls, ids, per_request = [], [], [], {}
     stages = ClientStamps(stages_dir) if stages_dir else None
+    digest = getattr(args, "digest", None)
     for i in range(repeats):
         prompt = [rng.randint(0, 10000) for _ in range(128)]
         stamps: list = []
+        output: list | None = [] if digest else None
         start = time.perf_counter()
         ids.append(f"w2-{i}-{time.time_ns()}")
-        await run_one(stub, prompt, 256, 0.0, stamps, ids[-1], stages)
+        await run_one(stub, prompt, 256, 0.0, stamps, ids[-1], stages, output, digest)
+        if output is not None:
+            per_request[i] = client_pool.output_digest(
+                [t for toks, _ in output for t in toks],
+                [lp for _, lps in output for lp in lps] if digest == "logprobs" else None)
         ttfts.append(stamps[0][0] - start)
         for (t0, _), (t1, n) in zip(stamps, stamps[1:]):
             itls.extend([(t1 - t0) / n] * n)
@@ -132,6 +167,8 @@ async def latency(stub, repeats: int = 5, stages_dir: str | None = None) -> dict
            "tokens": len(itls) + repeats}
     if stages is not None:
         out["first_token_ms"] = decompose(stages_dir, ids)
+    if digest:
+        out.update(digest_report(per_request, args))
     return out
 
 
@@ -153,11 +190,11 @@ async def main_async(args) -> dict:
         elif args.workload == "w3":
             out = await throughput(stub, w3_requests(args.num_seqs or 512), args, profile)
         else:
-            out = await latency(stub, args.repeats, args.stages)
+            out = await latency(stub, args.repeats, args.stages, args)
         if args.api == "http":
             await stub.close()
         out.update(workload=args.workload, seconds_to_ready=round(ready, 1), api=args.api,
-                   label=args.label)
+                   label=args.label, deterministic=args.deterministic)
         return out
 
 
@@ -191,6 +228,14 @@ def main() -> None:
     ap.add_argument("--label", default="", help="a name for this run in its JSON line (bench.gpu_table)")
     ap.add_argument("--py-spy", default=None, help="w1/w3: write py-spy raw stacks of the server here")
     ap.add_argument("--py-spy-seconds", type=float, default=8)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="serve with --deterministic (batch-invariant kernels; docs/determinism.md)")
+    ap.add_argument("--digest", choices=["tokens", "logprobs"], default=None,
+                    help="hash each request's output (logprobs: their bits too; the requests ask "
+                         "for them): output_digest in the line")
+    ap.add_argument("--digests-out", default=None, help="--digest: write each request's digest here (JSON)")
+    ap.add_argument("--compare", default=None,
+                    help="--digest: a --digests-out file of another run; the line says how many equal")
     args = ap.parse_args()
     server, args.server_pid = None, None
     global STREAM_INTERVAL
@@ -199,7 +244,7 @@ def main() -> None:
         args.address = f"127.0.0.1:{args.port}"
         cmd = [sys.executable, *SERVE, "--model", args.model,
                "--host", "127.0.0.1", "--port", str(args.port), "--http-port", str(args.port + 1),
-               *args.serve_args.split()]
+               *args.serve_args.split(), *(["--deterministic"] if args.deterministic else [])]
         args.http_url = args.http_url or f"http://127.0.0.1:{args.port + 1}"
         env = dict(os.environ, HEADRACE_LOG_LEVEL="WARNING")
         if args.stages:

@@ -15,12 +15,21 @@ runs bisecting towards it).
 Starts `headrace serve --api-server-count N` per N (unless --address is given), like
 bench.serving_bench. Writes w4.json and, when matplotlib is installed, w4.png (latency
 against request rate, one line per N) to --out-dir; prints one JSON line per N.
+
+``--deterministic`` serves in that mode (docs/determinism.md) and ``--digest tokens|logprobs``
+hashes each request's output (``output_digest`` per rate). ``--identity N`` instead plays the
+same N requests (arrival times aside) at each of ``--rates`` and then alone, one after the
+other (every ``--alone-every``-th of them), and prints how many outputs equal the first rate's
+and the alone ones (issue 54's target: all, tokens and logprobs, with ``--deterministic``):
+
+    python -m bench.w4_bench --model /tmp/qwen3 --deterministic --identity 1000 --rates 60,120,180 --digest logprobs
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import os
@@ -43,11 +52,12 @@ def lengths(n: int, mean: float, seed: int, sigma: float = 1.0, low: int = 4, hi
 
 
 def workload(rate: float, duration: float, seed: int, prompt_mean: float, output_mean: float,
-             max_length: int = 1024):
+             max_length: int = 1024, n: int | None = None):
     """[(send offset s, prompt ids, max_tokens)] with Poisson arrivals at ``rate`` per second;
-    prompt and output lengths each at most ``max_length``."""
+    prompt and output lengths each at most ``max_length``; ``n`` requests (default: ``rate x
+    duration``): the same prompts and lengths at any rate."""
     rng = random.Random(seed)
-    n = max(1, int(rate * duration))
+    n = n or max(1, int(rate * duration))
     prompts = lengths(n, prompt_mean, seed + 1, high=max_length)
     outputs = lengths(n, output_mean, seed + 2, high=max_length)
     t, out = 0.0, []
@@ -69,10 +79,13 @@ def run_rate(address: str, rate: float, args, items: list | None = None) -> dict
     model])], model: a LoRA adapter's name)."""
     if items is None:
         items = workload(rate, args.duration, args.seed, args.prompt_mean, args.output_mean, args.max_length)
-    items = [(off, p, m, 0.0, 0, *model) for off, p, m, *model in items]   # greedy, the server's interval
+    temperature, digest = getattr(args, "temperature", 0.0), getattr(args, "digest", None)
+    # greedy by default, the server's stream interval; each request keyed by its index (and its
+    # LoRA adapter, where the items name one)
+    items = [(off, p, m, temperature, 0, i, *model) for i, (off, p, m, *model) in enumerate(items)]
     url = getattr(args, "dataplane_metrics", None)   # (bench.dp_bench: none)
     before = dataplane_metrics.snapshot(url) if url else {}
-    results, usage, t0 = client_pool.run(address, items, args.clients, args.channels)
+    results, usage, t0 = client_pool.run(address, items, args.clients, args.channels, digest=digest)
     steps = dataplane_metrics.delta(before, dataplane_metrics.snapshot(url) if url else {})
     ok = [r for r in results if r["ok"]]
     wall = max((r["end"] for r in ok), default=t0) - t0
@@ -91,14 +104,74 @@ def run_rate(address: str, rate: float, args, items: list | None = None) -> dict
            "first_error": next((r["error"] for r in results if not r["ok"]), None)}
     out["meets_slo"] = (not out["failed"] and quantile(ttfts, .99) <= SLO_TTFT_S
                         and quantile(itls, .99) <= SLO_ITL_S)
+    if digest:
+        out["_digests"] = client_pool.digests(results)
+        joined = "".join(out["_digests"][k] for k in sorted(out["_digests"]))
+        out["output_digest"] = hashlib.sha256(joined.encode()).hexdigest()[:24]
     return out | usage | steps
+
+
+def run_alone(address: str, items: list, args) -> dict:
+    """``items`` one at a time from this process (nothing else in the server): key -> digest."""
+    import grpc
+
+    from headrace.v1 import inference_pb2 as pb
+    from headrace.v1 import inference_pb2_grpc as pb_grpc
+
+    async def run():
+        out = {}
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            for key, prompt, max_tokens in items:
+                req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
+                                         ignore_eos=True, logprobs=int(args.digest == "logprobs"),
+                                         sampling=pb.SamplingParams(temperature=args.temperature))
+                ids, logprobs = [], []
+                async for resp in stub.Generate(req, timeout=600):
+                    ids.extend(resp.token_ids)
+                    logprobs.extend(lp.logprob for lp in resp.logprobs)
+                out[key] = client_pool.output_digest(ids, logprobs if args.digest == "logprobs" else None)
+        return out
+
+    return asyncio.run(run())
+
+
+def identity(address: str, args) -> dict:
+    """The same ``--identity`` requests at each rate, then alone: how many outputs agree."""
+    from headrace.client import AsyncClient, NotReady
+
+    try:
+        asyncio.run(AsyncClient(address).wait_ready(900))
+    except NotReady as exc:
+        raise SystemExit(str(exc)) from None
+    n = args.identity
+    rows = []
+    for rate in args.rates:
+        items = workload(rate, n / rate, args.seed, args.prompt_mean, args.output_mean,
+                         args.max_length, n=n)
+        rows.append(run_rate(address, rate, args, items))
+    first = rows[0]["_digests"]
+    out = {"workload": "w4-identity", "requests": n, "digest": args.digest,
+           "deterministic": args.deterministic, "temperature": args.temperature,
+           "rates": [{k: r[k] for k in ("rate", "request_per_s", "failed", "output_digest",
+                                        "ttft_ms_p99", "itl_ms_p99", "meets_slo")}
+                     | {"vs_first_rate": client_pool.compare(r["_digests"], first)} for r in rows]}
+    out["identical_across_rates"] = all(r["vs_first_rate"]["identical"] for r in out["rates"])
+    if args.alone_every:
+        items = workload(args.rates[0], n / args.rates[0], args.seed, args.prompt_mean,
+                         args.output_mean, args.max_length, n=n)
+        picked = [(i, p, m) for i, (_, p, m) in enumerate(items) if i % args.alone_every == 0]
+        alone = run_alone(address, picked, args)
+        out["alone"] = client_pool.compare(alone, {k: first.get(k) for k in alone})
+    return out
 
 
 def start_server(args, count: int):
     """``headrace serve`` with ``count`` API front ends (0: its default for this machine)."""
     cmd = [sys.executable, "-P", "-m", "headrace.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
            "--port", str(args.port), "--http-port", "0",
-           *(["--api-server-count", str(count)] if count else []), *args.serve_args.split()]
+           *(["--api-server-count", str(count)] if count else []), *args.serve_args.split(),
+           *(["--deterministic"] if getattr(args, "deterministic", False) else [])]
     return subprocess.Popen(cmd, env=dict(os.environ, HEADRACE_LOG_LEVEL="WARNING"), start_new_session=True)
 
 
@@ -193,8 +266,27 @@ def main() -> None:
     ap.add_argument("--dataplane-metrics", default="http://127.0.0.1:9401/metrics",
                     help="the data plane's /metrics (step time by kind, device idle share per rate)")
     ap.add_argument("--out-dir", default=None, help="write w4.json (and w4.png) here")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="serve with --deterministic (batch-invariant kernels; docs/determinism.md)")
+    ap.add_argument("--digest", choices=["tokens", "logprobs"], default=None,
+                    help="hash each request's output (logprobs: their bits too): output_digest per rate")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the requests' temperature (0: greedy, W4's; > 0: unseeded sampling)")
+    ap.add_argument("--identity", type=int, default=0,
+                    help="N: the same N requests at each rate of --rates, then alone (see above)")
+    ap.add_argument("--alone-every", type=int, default=1,
+                    help="--identity: run every K-th request alone (0: none)")
     args = ap.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
+    if args.identity:
+        args.digest = args.digest or "logprobs"
+        server = start_server(args, int(args.api_server_counts.split(",")[0])) if args.address is None else None
+        try:
+            print(json.dumps(identity(args.address or f"127.0.0.1:{args.port}", args)), flush=True)
+        finally:
+            if server is not None:
+                stop_server(server)
+        return
     from headrace.cli.processes import default_api_server_count
 
     counts = [int(c) or default_api_server_count() for c in args.api_server_counts.split(",")]
@@ -210,8 +302,10 @@ def main() -> None:
                 stop_server(server)
         runs[count] = rows
         best = max((r["rate"] for r in rows if r["meets_slo"]), default=None)
+        for r in rows:
+            r.pop("_digests", None)
         print(json.dumps({"workload": "w4", "api_server_count": count, "max_rate_at_slo": best,
-                          "rates": rows}), flush=True)
+                          "deterministic": args.deterministic, "rates": rows}), flush=True)
     if args.out_dir:
         out = pathlib.Path(args.out_dir)
         out.mkdir(parents=True, exist_ok=True)

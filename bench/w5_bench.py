@@ -33,6 +33,10 @@ the same mode differ the same way (``--modes off,off``). ``/alone`` fixes the ba
 at a time): what is left is loaded against recomputed KV. A wrong block would show as
 conversations that differ from their first turns on, in every run. Tiny sizes run on a CPU
 (``--device cpu --conversations 4 --turns 3 --user-tokens 40 --output-tokens 8``).
+
+``--deterministic`` serves in that mode (batch-invariant kernels, docs/determinism.md): then
+every mode must give every conversation the same tokens and the same logprobs (the turns ask
+for them; ``histories_digest`` covers both), which is issue 54's W5 target.
 """
 
 from __future__ import annotations
@@ -63,21 +67,24 @@ def conversations(args, seed: int | None = None) -> tuple[list[int], list[list[l
     return system, users
 
 
-async def _turn(stub, pb, prompt: list[int], max_tokens: int) -> dict:
+async def _turn(stub, pb, prompt: list[int], max_tokens: int, logprobs: bool = False) -> dict:
     req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=max_tokens,
-                             ignore_eos=True, sampling=pb.SamplingParams(temperature=0.0))
-    sent, first, tokens, cached = time.perf_counter(), None, [], 0
+                             ignore_eos=True, sampling=pb.SamplingParams(temperature=0.0),
+                             logprobs=int(logprobs))
+    sent, first, tokens, cached, lps = time.perf_counter(), None, [], 0, []
     async for resp in stub.Generate(req, timeout=1800):
         if first is None and resp.token_ids:
             first = time.perf_counter()
         tokens.extend(resp.token_ids)
+        lps.extend(lp.logprob for lp in resp.logprobs)
         if resp.HasField("usage"):
             cached = resp.usage.cached_prompt_tokens
     return {"ttft": (first or time.perf_counter()) - sent, "tokens": tokens, "cached": cached,
-            "prompt": len(prompt)}
+            "prompt": len(prompt), "logprobs": lps}
 
 
-async def _play(stub, pb, system, users, turns_per_conv: int, concurrency: int, output_tokens: int) -> list[dict]:
+async def _play(stub, pb, system, users, turns_per_conv: int, concurrency: int, output_tokens: int,
+                logprobs: bool = False) -> list[dict]:
     """Every conversation's turns, round robin (turn t of every conversation before turn t + 1
     of any), ``concurrency`` turns at once; each turn's record, with its conversation's tokens."""
     history = [list(system) for _ in users]
@@ -92,7 +99,7 @@ async def _play(stub, pb, system, users, turns_per_conv: int, concurrency: int, 
             await ready.wait_for(lambda: done[c] == t - 1)
         async with gate:
             prompt = history[c] + users[c][t]
-            r = await _turn(stub, pb, prompt, output_tokens)
+            r = await _turn(stub, pb, prompt, output_tokens, logprobs)
         history[c] = prompt + r["tokens"]
         r.update(conversation=c, turn=t)
         turns.append(r)
@@ -122,15 +129,17 @@ async def run_workload(address: str, args, alone: bool = False) -> dict:
                         args.warmup_conversations, min(args.output_tokens, 16))
         start = time.perf_counter()
         turns = await _play(stub, pb, system, users, args.turns, 1 if alone else args.concurrency,
-                            args.output_tokens)
+                            args.output_tokens, args.deterministic)
         wall = time.perf_counter() - start
     later = [r["ttft"] for r in turns if r["turn"] > 0]
     ms = lambda x: round(x * 1e3, 2)  # noqa: E731
     out_tokens = sum(len(r["tokens"]) for r in turns)
     prompt_tokens = sum(r["prompt"] for r in turns)
     outputs = [[[] for _ in range(args.turns)] for _ in users]   # [conversation][turn] -> tokens
+    logprobs = [[[] for _ in range(args.turns)] for _ in users]  # (--deterministic) their logprobs
     for r in turns:
         outputs[r["conversation"]][r["turn"]] = r["tokens"]
+        logprobs[r["conversation"]][r["turn"]] = r["logprobs"]
     return {"turns": len(turns), "wall_s": round(wall, 2),
             "ttft_ms_p50": ms(quantile([r["ttft"] for r in turns], .5)),
             "ttft_ms_p99": ms(quantile([r["ttft"] for r in turns], .99)),
@@ -140,9 +149,10 @@ async def run_workload(address: str, args, alone: bool = False) -> dict:
             "total_tok_per_s": round((out_tokens + prompt_tokens) / wall, 1),
             "prompt_tokens": prompt_tokens,
             "cached_prompt_tokens": sum(r["cached"] for r in turns),
-            # equal in two modes: the same tokens were generated (greedy)
-            "histories_digest": hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16],
-            "_outputs": outputs}
+            # equal in two modes: the same tokens (and logprobs, with --deterministic) were generated
+            "histories_digest": hashlib.sha256(json.dumps(
+                [outputs, logprobs] if args.deterministic else outputs).encode()).hexdigest()[:16],
+            "_outputs": outputs, "_logprobs": logprobs}
 
 
 MODES = ("off", "auto", "always", "never")
@@ -153,7 +163,8 @@ def _launch(cmd: list[str]) -> subprocess.Popen:
 
 def _public(args) -> list[str]:
     return ["--model", args.model, "--host", "127.0.0.1", "--port", str(args.port), "--http-port", "0",
-            "--metrics-port", str(args.metrics_port), "--api-server-count", "1", *args.serve_args.split()]
+            "--metrics-port", str(args.metrics_port), "--api-server-count", "1", *args.serve_args.split(),
+            *(["--deterministic"] if args.deterministic else [])]
 
 
 def start_server(args, mode: str) -> subprocess.Popen:
@@ -169,7 +180,8 @@ def start_dataplane(args, listen: str) -> subprocess.Popen:
     """The one data plane every mode's control plane steps (with the host tier)."""
     return _launch(["dataplane", "--model", args.model, "--listen", listen, "--metrics-port", "0",
                     "--device", args.device, "--num-kv-blocks", str(args.num_kv_blocks),
-                    "--kv-offloading-size", str(args.offload_gib), *args.serve_args.split()])
+                    "--kv-offloading-size", str(args.offload_gib), *args.serve_args.split(),
+                    *(["--deterministic"] if args.deterministic else [])])
 
 
 def start_controlplane(args, mode: str, workers: str) -> subprocess.Popen:
@@ -196,7 +208,7 @@ def run_mode(args, mode: str, alone: bool, workers: str | None) -> dict:
             stop_server(server)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     looked = delta.get("prefix_cache_queries", 0.0)
-    row.update(workload="w5", model=os.path.basename(args.model.rstrip("/")),
+    row.update(workload="w5", model=os.path.basename(args.model.rstrip("/")), deterministic=args.deterministic,
                offloading=mode + ("/alone" if alone else ""), num_kv_blocks=args.num_kv_blocks,
                offload_gib=args.offload_gib if mode != "off" else 0,
                hit_rate_device=round(delta.get("device", 0.0) / looked, 4) if looked else None,
@@ -254,6 +266,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=2000, help="token ids are drawn below this")
     ap.add_argument("--ready-timeout", type=float, default=900)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="serve with --deterministic: every mode must give the same tokens and "
+                         "logprobs (docs/determinism.md)")
     args = ap.parse_args()
     if args.model is None:
         from headrace.cli.options import default_model

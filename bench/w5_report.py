@@ -22,6 +22,9 @@ def compare(row: dict, base: dict) -> dict:
     diffs = [d for d in map(first_divergence, row["_outputs"], base["_outputs"]) if d is not None]
     out = {"vs": base["offloading"], "same_conversations": len(row["_outputs"]) - len(diffs),
            "conversations": len(row["_outputs"])}
+    if any(t for conv in row.get("_logprobs", []) for t in conv):   # asked for (--deterministic)
+        out["same_with_logprobs"] = sum(a == b and x == y for a, b, x, y in zip(
+            row["_outputs"], base["_outputs"], row["_logprobs"], base["_logprobs"]))
     if diffs:
         out["first_divergence_turn_min"] = min(t for t, _ in diffs)
         out["first_divergence_turn_median"] = statistics.median(t for t, _ in diffs)

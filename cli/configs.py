@@ -81,7 +81,8 @@ def engine_config(args) -> EngineConfig:
                         preemption_mode=args.preemption_mode,
                         kv_offloading_policy=args.kv_offloading_policy,
                         structured_outputs_backend=args.structured_outputs_backend,
-                        lora_modules=lora_modules(args))
+                        lora_modules=lora_modules(args),
+                        deterministic=getattr(args, "deterministic", False))
 
 
 def lora_modules(args) -> list[tuple[str, str]]:

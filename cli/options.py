@@ -265,7 +265,8 @@ def add_api_args(p: argparse.ArgumentParser) -> None:
 
 
 # what the control plane alone needs of the worker's options (its step limits, the tokenizer)
-CONTROL_PLANE_WORKER_OPTIONS = ("model", "max_model_len", "max_num_seqs", "max_batched_tokens")
+CONTROL_PLANE_WORKER_OPTIONS = ("model", "max_model_len", "max_num_seqs", "max_batched_tokens",
+                                "deterministic")
 
 
 def add_controlplane_args(p: argparse.ArgumentParser, supervisor: bool = False) -> None:

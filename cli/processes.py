@@ -64,7 +64,8 @@ def forward_argv(parser: argparse.ArgumentParser, args: argparse.Namespace,
             continue   # (two options may share a dest: an alias with a default of None)
         seen.add(dest)
         flag = max(action.option_strings, key=len)
-        if isinstance(action, argparse.BooleanOptionalAction):
+        if isinstance(action, argparse.BooleanOptionalAction):   # --x / --no-x: the first
+            flag = action.option_strings[0]
             argv.append(flag if value else "--no-" + flag[2:])
         elif action.nargs == 0:
             argv.append(flag)

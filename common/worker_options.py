@@ -91,6 +91,11 @@ class WorkerOptions:
     max_cpu_loras: int | None = option(None, "LoRA adapters kept in host memory, ready to load "
                                              "into a slot (default: --max-loras; vLLM's name)",
                                        group=MODEL)
+    deterministic: bool = option(
+        False, "batch-invariant kernels: a request's tokens and logprobs depend only on the "
+               "model, its prompt, its sampling parameters and its seed (unseeded requests "
+               "sample with seed 0), whatever else runs beside it; refuses quantized weights and "
+               "flash-attn-4 (docs/determinism.md)", group=DEVICE)
 
 
 @dataclasses.dataclass

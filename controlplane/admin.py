@@ -105,7 +105,8 @@ class AdminService(apb_grpc.AdminServicer):
                          workers=plane.workers.addresses, draining=engine.draining,
                          ready=engine.ready, in_flight_requests=len(engine.requests),
                          preemption_mode=cfg.preemption_mode,
-                         kv_offloading_policy=cfg.kv_offloading_policy)
+                         kv_offloading_policy=cfg.kv_offloading_policy,
+                         deterministic=cfg.deterministic)
         policy = sched.policy if sched is not None else cfg.policy
         msg.policy.name = policy.name
         if policy.aging_rate is not None:
@@ -114,6 +115,7 @@ class AdminService(apb_grpc.AdminServicer):
             msg.policy.max_queue_delay_s = policy.max_queue_delay
         if engine.info is not None:
             msg.model_name = engine.info.model_name
+            msg.deterministic = engine.info.deterministic
             msg.max_model_len = engine.max_model_len
         if sched is not None:
             msg.max_running, msg.max_batched_tokens = sched.max_running, sched.max_batched_tokens

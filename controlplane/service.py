@@ -93,4 +93,5 @@ def model_info(engine, tensor_parallel_size: int) -> pb.ModelInfo:
                         kv_cache_dtype=info.kv_cache_dtype, quantization=info.quantization,
                         num_host_kv_blocks=blocks.host.num_blocks if blocks.host else 0,
                         lora_adapters=adapters, max_loras=lora.max_loras if lora else 0,
-                        max_lora_rank=lora.max_rank if lora else 0)
+                        max_lora_rank=lora.max_rank if lora else 0,
+                        deterministic=info.deterministic)

@@ -245,9 +245,12 @@ class CausalLM(nn.Module):
         CUDA graphs' one static logits buffer)."""
         weight = (self.model.embed_tokens.weight if self.cfg.tie_word_embeddings
                   else self.lm_head.weight)
-        if self.shard.world == 1 and out is not None:
+        if kernels.batch_invariant.ENABLED:   # --deterministic: the head batch-invariant too
+            logits = kernels.linear(hidden, weight)
+        elif self.shard.world == 1 and out is not None:
             return torch.mm(hidden, weight.t(), out=out)
-        logits = torch.nn.functional.linear(hidden, weight)
+        else:
+            logits = torch.nn.functional.linear(hidden, weight)
         if self.shard.world > 1:
             logits = parallel.all_gather_last(logits)[:, :self.shard.vocab_size]
         return logits if out is None else out.copy_(logits)

@@ -18,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from headrace import kernels
 from headrace.dataplane.config import ModelConfig
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -48,8 +49,20 @@ def rank() -> int:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sums ``x`` across ranks in place (row-parallel layers' partial products)."""
-    if world_size() > 1:
+    """Sums ``x`` across ranks in place (row-parallel layers' partial products). Under
+    ``--deterministic`` with more than two ranks, the partials are gathered and added in rank
+    order: NCCL picks its algorithm (ring, tree) and chunking by message size, i.e. by batch,
+    and with three or more terms the order changes the rounding (two terms add alike either
+    way)."""
+    n = world_size()
+    if n > 2 and kernels.batch_invariant.ENABLED:
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x.contiguous())
+        total = parts[0]
+        for part in parts[1:]:
+            total = total + part
+        return x.copy_(total)
+    if n > 1:
         dist.all_reduce(x)
     return x
 

@@ -43,10 +43,11 @@ from headrace.dataplane import (bitmasks, kv_offload, late_sampling, parallel, s
 from headrace.dataplane.forward import StepForward, step_kind
 from headrace.dataplane.input_batch import BatchError, InputBatch, PreparedBatch
 from headrace.dataplane.late_sampling import LateSampler
-from headrace.dataplane.lora import batch as lora_batch
 from headrace.dataplane.launched import Launched, Prepared
 from headrace.dataplane.model import CausalLM
-from headrace.dataplane.sampler import SampleOutput, SamplingBatch, device_arrays, sample
+from headrace.dataplane.lora import batch as lora_batch
+from headrace.dataplane.sampler import (SampleOutput, SamplingBatch, device_arrays, sample,
+                                        with_default_seed)
 from headrace.dataplane.spec_decode import SpecDecoder, Verified, verify
 from headrace.dataplane.step_delta import StepRows
 from headrace.worker.v1 import worker_pb2 as pb
@@ -56,7 +57,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  device: torch.device, max_model_len: int, max_num_seqs: int = 256,
                  graphs=None, rank: int = 0, seed: int | None = None, spec: SpecDecoder | None = None,
-                 attention=None, host_kv: kv_offload.HostKV | None = None, mixed=None):
+                 attention=None, host_kv: kv_offload.HostKV | None = None, mixed=None,
+                 deterministic: bool = False):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -79,6 +81,8 @@ class ModelRunner:
         self.lora = getattr(model, "lora", None)   # --enable-lora: headrace.dataplane.lora.batch.LoraBatch
         self.rank = rank
         self.rng = np.random.default_rng(seed)   # seeds of the unseeded rows' sampling noise
+        # --deterministic: unseeded rows take ``seed`` itself (no fresh noise a step)
+        self.default_seed = (seed or 0) if deterministic else None
         self._last_done: torch.cuda.Event | None = None
         self._ahead: Prepared | None = None   # a step's host half, done ahead (``prepare_ahead``)
         self._late: LateSampler | None = None   # late sampling's graphs, made at their first use
@@ -159,6 +163,8 @@ class ModelRunner:
                                          batch.num_output[sample_rows].copy(), None)
         else:
             sampling = batch.sampling_batch(sample_rows) if len(sample_rows) else None
+        if sampling is not None and self.default_seed is not None:
+            sampling = with_default_seed(sampling, self.default_seed)
         if batch.tokens is not None:
             launched.token_rows, launched.token_pos = sample_rows, batch.num_tokens[sample_rows].copy()
         launched.kind, launched.graph = step_kind(prep), self.forward.mode(prep)

@@ -124,6 +124,14 @@ class SampleOutput:
                 [vals[i][:k] for i, k in enumerate(self.ks)])
 
 
+def with_default_seed(b: SamplingBatch, seed: int) -> SamplingBatch:
+    """``b`` with its unseeded rows seeded with ``seed`` (``--deterministic``: no row draws
+    fresh noise, so a request's samples depend on its own parameters only; the control plane
+    seeds every request in that mode, this covers one that does not)."""
+    return dataclasses.replace(b, seed=np.where(b.has_seed, b.seed, np.int64(signed_seed(seed))),
+                               has_seed=np.ones_like(b.has_seed))
+
+
 def signed_seed(seed: int) -> int:
     seed &= (1 << 64) - 1
     return seed - (1 << 64) if seed >= 1 << 63 else seed
@@ -178,7 +186,7 @@ def apply_filters(logits: torch.Tensor, dev: dict[str, torch.Tensor]) -> torch.T
     logits = logits / dev["temp"][:, None]
     if "top_k" in dev:
         top_k, top_p = dev["top_k"], dev["top_p"]
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)   # ties: by id
         ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
         sorted_logits = sorted_logits.masked_fill((top_k[:, None] > 0) & (ranks >= top_k[:, None]), _MASK)
         probs = sorted_logits.softmax(-1)
@@ -211,6 +219,9 @@ def sample(logits: torch.Tensor, b: SamplingBatch, dev: dict[str, torch.Tensor] 
         tokens = kernels.sample_race(logits, dev["race_temp"], dev["seeds"], dev["counters"])
     elif not (b.temperature > 0).any():   # greedy rows only: no noise to draw
         tokens = logits.argmax(-1)
+    elif kernels.batch_invariant.ENABLED:   # every row seeded; logs vectorized wherever it sits
+        noise = kernels.reference_invariant.race_noise(dev["seeds"], dev["counters"], logits.shape[1])
+        tokens = kernels.reference_invariant.race(logits, dev["race_temp"], noise)
     else:   # the hash costs ~10 integer passes over the logits on a CPU: only seeded rows pay it
         noise = torch.empty(logits.shape, dtype=torch.float32).exponential_()
         if b.has_seed.any():

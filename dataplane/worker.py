@@ -126,11 +126,21 @@ class Worker:
             raise ValueError(f"--kv-cache-dtype {opts.kv_cache_dtype!r}: choose from {KV_CACHE_DTYPES}")
         self.kv_dtype = torch.float8_e4m3fn if opts.kv_cache_dtype in FP8_KV_CACHE_DTYPES else self.dtype
         kv_layout.check_block_size(self.kv_dtype, opts.block_size)
+        if opts.deterministic:
+            kernels.batch_invariant.check(quantization=self.quant and self.quant.describe(),
+                                          attention_backend=opts.attention_backend,
+                                          lora=opts.enable_lora)
+        kernels.batch_invariant.enable(opts.deterministic)   # before the model's first step
         self.attention = attention_policy.resolve(
             opts.attention_backend, self.device.type,
-            None if self.device.type != "cuda" else kernels.flash_attn4.unusable(
-                self.device, self.dtype, self.kv_dtype, self.local_cfg.head_dim))
+            None if self.device.type != "cuda" else
+            "--deterministic runs the batch-invariant Triton kernels" if opts.deterministic else
+            kernels.flash_attn4.unusable(self.device, self.dtype, self.kv_dtype,
+                                         self.local_cfg.head_dim))
         log.info("%s", self.attention.describe())
+        if opts.deterministic:
+            log.info("deterministic: batch-invariant kernels (GEMMs, attention, LM head; "
+                     "docs/determinism.md)")
         self.others_bytes = self._memory_of_others()   # before this process's weights and cache
         model = load_model(pathlib.Path(opts.model), self.cfg, self.device, self.dtype,
                            self.max_model_len, self.shard, self.quant)
@@ -199,7 +209,7 @@ class Worker:
         self.runner = ModelRunner(model, caches, opts.block_size, self.device, self.max_model_len,
                                   opts.max_num_seqs, self.graphs.decode, rank=rank, seed=opts.seed,
                                   spec=spec, attention=self.attention, host_kv=host_kv,
-                                  mixed=self.graphs.mixed)
+                                  mixed=self.graphs.mixed, deterministic=opts.deterministic)
         self.prefill_profile: tuple[list[int], list[float]] = ([], [])
         if host_kv is not None:   # what recomputing a host-tier hit costs here
             tokens = prefill_profile.sizes(opts.max_batched_tokens, self.max_model_len, num_blocks,
@@ -252,6 +262,9 @@ class Worker:
         longest query of a step), so no request pays a Triton compilation."""
         cfg, dev, bs = self.local_cfg, self.device, self.opts.block_size
         longest = 512   # tiles stop growing at 256 query rows
+        if self.opts.deterministic:   # a decode of two splits: its combine kernel compiled too
+            from headrace.kernels import triton_invariant_tile
+            longest = max(longest, 2 * triton_invariant_tile.SPLIT_TOKENS)
         blocks = -(-longest // bs)
         cache = kv_cache.allocate(cfg, blocks, bs, self.kv_dtype, dev)[0]
         tables = torch.arange(blocks, dtype=torch.int32, device=dev)[None, :]
@@ -264,6 +277,12 @@ class Worker:
                 max_query_len=q_len, decode_only=q_len == 1,
                 decode_order=torch.zeros(1, dtype=torch.int32, device=dev))
             q_len *= 2
+        if self.opts.deterministic:
+            kernels.paged_attention(
+                torch.zeros((1, cfg.num_heads, cfg.head_dim), dtype=self.dtype, device=dev), cache,
+                torch.tensor([0, 1], dtype=torch.int32, device=dev),
+                torch.tensor([longest], dtype=torch.int32, device=dev), tables, cfg.head_dim ** -0.5,
+                max_query_len=1, decode_only=True)
         if self.attention.uses_flash:   # flash-attn-4 compiles its kernels at the first call
             kernels.flash_attn4.warm_up(cache, cfg.num_heads, self.dtype, self.opts.max_num_seqs)
 
@@ -311,7 +330,8 @@ class Worker:
             max_num_seqs=self.opts.max_num_seqs, max_batched_tokens=self.opts.max_batched_tokens,
             startup_seconds=self.startup_seconds,
             host_kv_load_bytes_per_s=self.host_load_rate,
-            prefill_profile_tokens=self.prefill_profile[0], prefill_profile_seconds=self.prefill_profile[1])
+            prefill_profile_tokens=self.prefill_profile[0], prefill_profile_seconds=self.prefill_profile[1],
+            deterministic=self.opts.deterministic)
         if self.lora is not None:
             self.lora.describe_into(info)
         speculative.to_proto(self.speculative, info.speculative)

@@ -20,6 +20,8 @@ argument (a ``headrace.kernels.flash_attn4.Plan``, made once per step when the s
 ``headrace.kernels.attention_policy`` choice is flash-attn-4) sends a CUDA step's prefill part to
 flash-attn-4 instead (``--attention-backend``); CPU tensors and ``reference`` ignore it.
 ``copy_blocks`` (copy on write, rare) is plain torch indexing on every device.
+``batch_invariant.enable()`` (``--deterministic``) rebinds ``linear``, ``paged_attention`` and
+``unified_attention`` to batch-invariant twins (``headrace.kernels.batch_invariant``).
 ``fused_add_rms_norm_fp8`` and ``silu_and_mul_fp8`` return their rows quantised per token
 (``Fp8Rows``), for an FP8 layer that would quantise them itself (``fp8_linear`` takes them).
 ``fp8_linear`` and ``wna16_linear`` take a ``kernel`` name where Triton runs (the quantized layers
@@ -34,7 +36,7 @@ import os
 
 import torch
 
-from headrace.kernels import flash_attn4, reference, reference_lora, reference_quant
+from headrace.kernels import batch_invariant, flash_attn4, reference, reference_lora, reference_quant
 
 MODE = os.environ.get("HEADRACE_KERNELS", "auto")
 if MODE not in ("auto", "triton", "reference"):

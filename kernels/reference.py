@@ -159,7 +159,13 @@ def race_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch
     in the batch. Each row's 64-bit key (``race_row_keys``) is mixed with the token id in 32-bit
     arithmetic, (id ^ key_hi) * TOKEN_MUL + key_lo, then murmur3's fmix32 (a bijection: a row's
     tokens get distinct hashes). 23 hash bits make a uniform u in (0, 1) exactly representable
-    in float32; the noise is -log(u). (32-bit work per token: the GPU twin is cheap.)"""
+    in float32 (``race_uniform``); the noise is -log(u). (32-bit work per token: the GPU twin
+    is cheap.)"""
+    return -torch.log(race_uniform(seeds, counters, vocab))
+
+
+def race_uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The uniform u [rows, vocab] of ``race_noise`` (exact float32 values)."""
     key = race_row_keys(seeds, counters)
     key_lo, key_hi = (key & _LOW32)[:, None], _srl(key, 32)[:, None]
     v = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :]
@@ -169,8 +175,7 @@ def race_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch
     x = x ^ (x >> 13)
     x = (x * FMIX2) & _LOW32
     x = x ^ (x >> 16)
-    u = ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
-    return -torch.log(u)
+    return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def race(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

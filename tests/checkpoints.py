@@ -48,8 +48,8 @@ def make_checkpoint(path: pathlib.Path, arch: str = "llama", *, heads: int = 4, 
     hidden = heads * head_dim if head_dim >= 64 else 128
     cfg = cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-              head_dim=head_dim, max_position_embeddings=256, tie_word_embeddings=tie,
-              bos_token_id=0, eos_token_id=1, initializer_range=0.15, **(extra or {}))
+              head_dim=head_dim, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1,
+              initializer_range=0.15, **({"max_position_embeddings": 256} | (extra or {})))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(path)

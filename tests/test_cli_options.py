@@ -29,7 +29,7 @@ CHANGED = WorkerOptions(model="/models/x", device="cuda:1", dtype="float16", blo
                         speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
                         quantization="fp8", kv_cache_dtype="fp8", attention_backend="flash-attn",
                         kv_offloading_size=1.5, quant_backend="gemlite", enable_lora=True,
-                        max_loras=4, max_lora_rank=32, max_cpu_loras=8)
+                        max_loras=4, max_lora_rank=32, max_cpu_loras=8, deterministic=True)
 
 
 def _dataplane(argv: list[str]):

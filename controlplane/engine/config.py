@@ -30,3 +30,5 @@ class EngineConfig:
     kv_offloading_policy: str = "auto"  # host-tier hits: loaded where cheaper (always, never; off: no tier)
     structured_outputs_backend: str = "auto"  # grammar engine: auto, guidance or xgrammar
     lora_modules: list = dataclasses.field(default_factory=list)   # (name, path): --lora-modules
+    deterministic: bool = False        # --deterministic: every data plane must run batch-invariant
+                                       # (also on when they all report it: Engine.deterministic)

@@ -24,12 +24,12 @@ import time
 
 import grpc
 
+from headrace.controlplane.engine import deterministic
 from headrace.controlplane.requests import limits
 from headrace.controlplane.engine import sizing, speculation, step_codec
 from headrace.controlplane.engine.config import EngineConfig
 from headrace.controlplane.engine.outages import EngineOutages
 from headrace.controlplane.engine.inflight import InFlightSteps
-from headrace.controlplane.lora.registry import LoraAdapters
 from headrace.controlplane.scheduling.policy import Policy
 from headrace.controlplane.engine.profiling import Profiler
 from headrace.controlplane.requests.request import Failure, Request, Sequence
@@ -38,6 +38,7 @@ from headrace.controlplane.scheduling.step import ScheduledStep
 from headrace.controlplane.structured.outputs import StructuredOutputs
 from headrace.controlplane.engine.telemetry import EngineTelemetry
 from headrace.controlplane.engine.worker_client import WorkerError, WorkerGroup
+from headrace.controlplane.lora.registry import LoraAdapters
 from headrace.worker.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
 
@@ -84,12 +85,18 @@ class Engine(EngineOutages):
         """(Re)builds the KV block pool and the scheduler for what the workers serve."""
         if self.scheduler is not None:
             self.telemetry.metrics.retire(self.scheduler)
+        deterministic.check_workers(self.config.deterministic, infos)
         self.info = infos[0]
         self.structured.configure(self.model_dir, self.info.vocab_size, self.info.eos_token_ids)
         self.scheduler, self.max_model_len = sizing.build_scheduler(self.config, infos,
                                                                     self.workers.num_kv_blocks)
         self.lora.configure(infos, self.workers, self._wake.set)
         self.scheduler.lora = self.lora if self.lora.enabled else None
+
+    @property
+    def deterministic(self) -> bool:
+        """Batch-invariant serving (``--deterministic``): what the data planes run."""
+        return self.info is not None and self.info.deterministic
 
     @property
     def max_queued(self) -> int:

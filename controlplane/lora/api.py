@@ -52,13 +52,13 @@ def lora_of(model: str, base_names, engine, base_name: str = "") -> str:
 
 def model_cards(path) -> list[dict]:
     """``/v1/models``: the base model, then each adapter (``parent``: the base model)."""
-    created = int(time.time())
-    cards = [{"id": path.model_name, "object": "model", "created": created, "owned_by": "headrace",
-              "root": path.model_dir, "parent": None, "max_model_len": path.engine.max_model_len}]
-    for adapter in adapters_of(path.engine).values():
-        cards.append({"id": adapter.name, "object": "model", "created": created,
-                      "owned_by": "headrace", "root": adapter.path, "parent": path.model_name,
-                      "max_model_len": path.engine.max_model_len})
+    created, engine = int(time.time()), path.engine
+    common = {"object": "model", "created": created, "owned_by": "headrace",
+              "max_model_len": engine.max_model_len,
+              "deterministic": engine.deterministic}   # --deterministic (docs/determinism.md)
+    cards = [{"id": path.model_name, "root": path.model_dir, "parent": None, **common}]
+    for adapter in adapters_of(engine).values():
+        cards.append({"id": adapter.name, "root": adapter.path, "parent": path.model_name, **common})
     return cards
 
 

@@ -281,7 +281,7 @@ class RequestPath:
                                 vocab_size=engine.info.vocab_size, max_model_len=engine.max_model_len,
                                 eos_token_ids=list(engine.info.eos_token_ids), max_n=self.max_n,
                                 default_max_tokens=self.defaults.max_tokens, tenant=tenant,
-                                checked=True)
+                                checked=True, deterministic=engine.info.deterministic)
             req.lora_name = lora
         except ValidationError as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

@@ -12,6 +12,7 @@ import math
 import uuid
 
 from headrace.controlplane.requests import limits
+from headrace.controlplane.engine.deterministic import seed_sampling
 from headrace.controlplane.requests.errors import ValidationError
 from headrace.controlplane.requests.output import OutputText
 from headrace.controlplane.requests.request import Request, Sequence
@@ -147,15 +148,18 @@ def build_request(req: pb.GenerateRequest, tokenizer: ModelTokenizer, *, seq_ids
                   vocab_size: int, max_model_len: int, eos_token_ids: list[int],
                   ids: list[int] | None = None, max_n: int = limits.DEFAULT_MAX_N,
                   default_max_tokens: int | None = None, tenant: str = "",
-                  checked: bool = False) -> Request:
+                  checked: bool = False, deterministic: bool = False) -> Request:
     """A validated Request with its ``n`` sequences (ids drawn from the ``seq_ids`` iterator).
     ``ids``: the prompt's ids, tokenized (or rendered) by the caller; without them a
     ``prompt`` is tokenized here. ``default_max_tokens`` (the model's max_new_tokens) applies,
-    capped by the room left, when max_tokens is unset. ``checked``: ``check_request`` passed."""
+    capped by the room left, when max_tokens is unset. ``deterministic`` (the engine's mode):
+    an unseeded request samples with ``headrace.controlplane.engine.deterministic.DEFAULT_SEED``. ``checked``: ``check_request`` passed."""
     if not checked:
         check_request(req, vocab_size=vocab_size, max_model_len=max_model_len, max_n=max_n)
     rid = req.request_id or uuid.uuid4().hex
     sampling = _sampling(req.sampling, vocab_size, checked)
+    if deterministic:
+        seed_sampling(sampling)
     if ids is None:
         kind = req.WhichOneof("input")
         _check(kind != "messages", "messages: chat is not available here")

@@ -68,7 +68,7 @@ class SchedulingPolicy(_message.Message):
     def __init__(self, name: _Optional[str] = ..., aging_rate: _Optional[float] = ..., max_queue_delay_s: _Optional[float] = ...) -> None: ...
 
 class Config(_message.Message):
-    __slots__ = ("model", "model_name", "policy", "max_running", "max_batched_tokens", "max_queued", "max_model_len", "kv_block_size", "num_kv_blocks", "prefix_cache", "watermark", "workers", "draining", "ready", "running", "waiting", "in_flight_requests", "worker_max_running", "worker_max_batched_tokens", "num_host_kv_blocks", "preemption_mode", "kv_offloading_policy", "host_load_seconds_per_token", "recompute_seconds_per_token", "host_hits_recomputed_tokens")
+    __slots__ = ("model", "model_name", "policy", "max_running", "max_batched_tokens", "max_queued", "max_model_len", "kv_block_size", "num_kv_blocks", "prefix_cache", "watermark", "workers", "draining", "ready", "running", "waiting", "in_flight_requests", "worker_max_running", "worker_max_batched_tokens", "num_host_kv_blocks", "preemption_mode", "kv_offloading_policy", "host_load_seconds_per_token", "recompute_seconds_per_token", "host_hits_recomputed_tokens", "deterministic")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class Config(_message.Message):
     HOST_LOAD_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     HOST_HITS_RECOMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_name: str
     policy: SchedulingPolicy
@@ -119,7 +120,8 @@ class Config(_message.Message):
     host_load_seconds_per_token: float
     recompute_seconds_per_token: float
     host_hits_recomputed_tokens: int
-    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., policy: _Optional[_Union[SchedulingPolicy, _Mapping]] = ..., max_running: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_queued: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., watermark: _Optional[float] = ..., workers: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., ready: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., worker_max_running: _Optional[int] = ..., worker_max_batched_tokens: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., preemption_mode: _Optional[str] = ..., kv_offloading_policy: _Optional[str] = ..., host_load_seconds_per_token: _Optional[float] = ..., recompute_seconds_per_token: _Optional[float] = ..., host_hits_recomputed_tokens: _Optional[int] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, model: _Optional[str] = ..., model_name: _Optional[str] = ..., policy: _Optional[_Union[SchedulingPolicy, _Mapping]] = ..., max_running: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., max_queued: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., watermark: _Optional[float] = ..., workers: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., ready: _Optional[bool] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., worker_max_running: _Optional[int] = ..., worker_max_batched_tokens: _Optional[int] = ..., num_host_kv_blocks: _Optional[int] = ..., preemption_mode: _Optional[str] = ..., kv_offloading_policy: _Optional[str] = ..., host_load_seconds_per_token: _Optional[float] = ..., recompute_seconds_per_token: _Optional[float] = ..., host_hits_recomputed_tokens: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class UpdateConfigRequest(_message.Message):
     __slots__ = ("policy", "aging_rate", "max_queue_delay_s", "max_running", "max_batched_tokens", "max_queued")

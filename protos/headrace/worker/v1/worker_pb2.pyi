@@ -49,7 +49,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "dtype", "device", "rank", "world_size", "block_size", "num_kv_blocks", "kv_bytes_per_block", "eos_token_ids", "max_num_seqs", "max_batched_tokens", "startup_seconds", "kv_cache_dtype", "quantization", "speculative", "num_host_kv_blocks", "host_kv_load_bytes_per_s", "prefill_profile_tokens", "prefill_profile_seconds", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_slot_bytes")
+    __slots__ = ("model_name", "architecture", "vocab_size", "max_model_len", "dtype", "device", "rank", "world_size", "block_size", "num_kv_blocks", "kv_bytes_per_block", "eos_token_ids", "max_num_seqs", "max_batched_tokens", "startup_seconds", "kv_cache_dtype", "quantization", "speculative", "num_host_kv_blocks", "host_kv_load_bytes_per_s", "prefill_profile_tokens", "prefill_profile_seconds", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_slot_bytes", "deterministic")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class WorkerInfo(_message.Message):
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
     LORA_SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -102,7 +103,8 @@ class WorkerInfo(_message.Message):
     max_lora_rank: int
     max_cpu_loras: int
     lora_slot_bytes: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., startup_seconds: _Optional[float] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ..., num_host_kv_blocks: _Optional[int] = ..., host_kv_load_bytes_per_s: _Optional[float] = ..., prefill_profile_tokens: _Optional[_Iterable[int]] = ..., prefill_profile_seconds: _Optional[_Iterable[float]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., lora_slot_bytes: _Optional[int] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_num_seqs: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., startup_seconds: _Optional[float] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., speculative: _Optional[_Union[Speculative, _Mapping]] = ..., num_host_kv_blocks: _Optional[int] = ..., host_kv_load_bytes_per_s: _Optional[float] = ..., prefill_profile_tokens: _Optional[_Iterable[int]] = ..., prefill_profile_seconds: _Optional[_Iterable[float]] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., lora_slot_bytes: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class Speculative(_message.Message):
     __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "disable_by_batch_size", "min_acceptance")
