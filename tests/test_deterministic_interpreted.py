@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow   # ~10-20 s: the whole model interpreted
 SCRIPT = textwrap.dedent("""
     import json, sys, warnings
     warnings.filterwarnings("ignore")
-    import kernels
+    from headrace import kernels
     from headrace.dataplane.worker import Worker, WorkerOptions
     from tests.det_harness import alone, make_request, serve
 

@@ -217,7 +217,8 @@ def test_dispatch_resolves_from_environment():
 
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6),
                                atol=0, rtol=0)
-    code = ("import kernels, headrace.kernels.triton_ops as t, headrace.kernels.triton_attention as a;"
+    code = ("from headrace import kernels; import headrace.kernels.triton_ops as t, "
+            "headrace.kernels.triton_attention as a;"
             "assert kernels.rms_norm is t.rms_norm and kernels.silu_and_mul is t.silu_and_mul;"
             "assert kernels._paged_attention is a.paged_attention")
     env = dict(os.environ, HEADRACE_KERNELS="triton", TRITON_INTERPRET="1")

@@ -55,7 +55,7 @@ def model_cards(path) -> list[dict]:
     created, engine = int(time.time()), path.engine
     common = {"object": "model", "created": created, "owned_by": "headrace",
               "max_model_len": engine.max_model_len,
-              "deterministic": engine.deterministic}   # --deterministic (docs/determinism.md)
+              "deterministic": bool(engine.info and engine.info.deterministic)}   # docs/determinism.md
     cards = [{"id": path.model_name, "root": path.model_dir, "parent": None, **common}]
     for adapter in adapters_of(engine).values():
         cards.append({"id": adapter.name, "root": adapter.path, "parent": path.model_name, **common})
