@@ -9,6 +9,12 @@ A request with a structured-output constraint reaches the scheduler once its gra
 compiled (``controlplane.structured``, off the loop); each step then carries its constrained
 rows' token bitmasks, and their matchers consume the tokens folded in.
 
+A step the data plane reports it raised (``StepResult.error``) is not an outage:
+``controlplane.step_failures`` finds the requests that cause it and fails only those, or
+holds everything while the worker is broken; ``controlplane.step_watchdog`` marks the engine
+unhealthy while a step takes far longer than any of its size before it and the data plane does
+not answer (``healthy`` is the workers connected and neither of them in trouble).
+
 Requests are woken after the next step is sent (the device is fed before clients are), except
 in an engine core (``flush_woken``): there waking them is one message per front end, so while
 another step is still in flight (the device stays busy) a folded step's news goes out first.
@@ -24,6 +30,7 @@ import time
 
 import grpc
 
+from common import failpoints
 from controlplane import limits, sizing, speculation, step_codec
 from controlplane.engine_config import EngineConfig
 from controlplane.engine_outages import EngineOutages
@@ -33,6 +40,8 @@ from controlplane.profiling import Profiler
 from controlplane.request import Failure, Request, Sequence
 from controlplane.scheduler import Scheduler
 from controlplane.step import ScheduledStep
+from controlplane.step_failures import StepFailed, StepFailures
+from controlplane.step_watchdog import StepWatchdog
 from controlplane.structured.outputs import StructuredOutputs
 from controlplane.telemetry import EngineTelemetry
 from controlplane.worker_client import WorkerError, WorkerGroup
@@ -54,7 +63,8 @@ class Engine(EngineOutages):
         self.info: wpb.WorkerInfo | None = None
         self.scheduler: Scheduler | None = None
         self.max_model_len = 0
-        self.healthy = False
+        self.connected = False   # the workers' step streams are open (else: reconnecting)
+        self._reported_healthy = (False, False)   # (healthy, watchdog.hung) as last told
         self.requests: dict[str, Request] = {}
         self.seq_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
@@ -70,12 +80,15 @@ class Engine(EngineOutages):
         self.flush_woken = None
         self.model_dir: str | None = None   # whose tokenizer grammars compile for (EnginePlane)
         self.structured = StructuredOutputs(config.structured_outputs_backend)
+        self.faults = StepFailures(self)      # steps the data plane reports it raised
+        self.watchdog = StepWatchdog(self)    # steps that take far too long
 
     async def start(self, timeout: float = 600.0) -> None:
         self._build(await self.workers.describe(timeout))
         await self.workers.open()
         self._set_healthy(True)
         self._task = asyncio.create_task(self._loop(), name="headrace-engine")
+        self.watchdog.start()
 
     def _build(self, infos: list[wpb.WorkerInfo]) -> None:
         """(Re)builds the KV block pool and the scheduler for what the workers serve."""
@@ -99,10 +112,30 @@ class Engine(EngineOutages):
         """The model is loaded, the data plane answers and requests are admitted."""
         return self.healthy and not self.draining and self.scheduler is not None
 
-    def _set_healthy(self, healthy: bool) -> None:
-        changed, self.healthy = healthy != self.healthy, healthy
-        if changed and self.on_health_change is not None:
-            self.on_health_change()
+    @property
+    def trouble(self) -> str | None:
+        """Why the engine cannot serve although the workers are connected (None: it can)."""
+        return self.faults.reason or self.watchdog.reason
+
+    @property
+    def healthy(self) -> bool:
+        """The workers are connected and run steps."""
+        return self.connected and self.trouble is None
+
+    def _set_healthy(self, connected: bool) -> None:
+        self.connected = connected
+        self._health_changed()
+
+    def _health_changed(self) -> None:
+        """Calls ``on_health_change`` when ``healthy`` (or the watchdog's state) changed."""
+        state = (self.healthy, self.watchdog.hung)
+        if state != self._reported_healthy:
+            self._reported_healthy = state
+            if self.on_health_change is not None:
+                self.on_health_change()
+
+    def _wake_after(self, delay: float) -> None:
+        asyncio.get_running_loop().call_later(delay, self._wake.set)
 
     async def _stop_loop(self) -> None:
         if self._task:
@@ -157,8 +190,12 @@ class Engine(EngineOutages):
         self.admit(request)
 
     def admit(self, request: Request) -> None:
-        """Hands a submitted request's sequences to the scheduler."""
-        self.scheduler.add(request.sequences)
+        """Hands a submitted request's sequences to the scheduler (held while a failed step's
+        sequences are tested apart)."""
+        if self.faults.active:
+            self.faults.hold(request)
+        else:
+            self.scheduler.add(request.sequences)
         self._wake.set()
 
     def abort(self, request: Request) -> None:
@@ -176,6 +213,7 @@ class Engine(EngineOutages):
         self._wake.set()
 
     async def stop(self) -> None:
+        await self.watchdog.stop()
         await self._stop_loop()
         self.fail_all(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         await self.workers.close()
@@ -195,13 +233,18 @@ class Engine(EngineOutages):
         event can change that."""
         self._inflight = inflight = InFlightSteps(self.workers, self.telemetry,
                                                   self.config.pipeline_depth, self._step_ids, self.profiler)
+        inflight.on_answer = self.watchdog.observe
         try:
             while True:
-                if not self.healthy:
+                if not self.connected:
                     self._wake_requests()
                     await self._reconnect()
                     continue
                 try:
+                    if failpoints.ACTIVE:
+                        failpoints.hit("core.loop")
+                    if self.faults.active:
+                        self.faults.check()
                     step = None
                     # a speculating step runs alone: the sequences' tokens must all be known
                     speculate = self.scheduler.may_speculate()
@@ -226,6 +269,9 @@ class Engine(EngineOutages):
                         await self._fold_oldest()
                 except WorkerError as exc:
                     self._workers_lost(exc)
+                except StepFailed as exc:   # the worker is there: find what makes it raise
+                    self._wake_requests()
+                    await self.faults.step_failed(exc)
                 except Exception as exc:   # a bug: its requests fail, the engine starts afresh
                     await self._loop_failed(exc)
         finally:
@@ -233,6 +279,8 @@ class Engine(EngineOutages):
 
     async def _fold_oldest(self) -> None:
         sent, result = await self._inflight.receive()
+        if result.HasField("error"):   # the step raised: every step in flight is lost
+            raise StepFailed(result.error, [(sent.step_id, sent.step)] + self._inflight.in_flight())
         t2 = time.perf_counter()
         if sent.traced is not None or not sent.step.empty:
             emitted = self._fold(sent.step, result)
@@ -303,6 +351,7 @@ class Engine(EngineOutages):
     def _finish(self, seq: Sequence, reason: int) -> None:
         self.structured.release(seq)
         self.scheduler.finish(seq, reason)
-        self.telemetry.seq_finished(seq, reason)
+        if not getattr(seq.request, "internal", False):   # (not the step failures' canary)
+            self.telemetry.seq_finished(seq, reason)
         if seq.request.finished and self.requests.pop(seq.request_id, None) is not None:
             self.telemetry.request_done(seq.request)

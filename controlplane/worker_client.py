@@ -157,10 +157,28 @@ class WorkerGroup:
             raise WorkerError(f"data plane stream closed: {exc}") from exc
         if any(r is grpc.aio.EOF for r in results):
             raise WorkerError("data plane closed its step stream")
+        for result in results:   # a rank's step raised (StepResult.error): the group's did
+            if result.HasField("error"):
+                return result
         for other in results[1:]:   # a profile's end: every rank's report, in rank 0's result
             if other.profile_reports:
                 results[0].profile_reports.extend(other.profile_reports)
         return results[0]
+
+    async def alive(self, timeout: float) -> bool:
+        """Whether every worker answers a health check within ``timeout`` seconds (a stopped
+        or wedged process does not; one busy with a long step does: its server threads do)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        async def one(channel):
+            try:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                timeout=timeout)
+                return True
+            except grpc.aio.AioRpcError:
+                return False
+
+        return all(await asyncio.gather(*(one(c) for c in self._channels)))
 
     async def close(self) -> None:
         await self.close_streams()
