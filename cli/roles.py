@@ -88,7 +88,9 @@ def cmd_frontend(args) -> int:
                                       f"{args.host}:{args.port}", max_model_len=getattr(args, "max_model_len", None),
                                       **{k: opts[k] for k in keys},
                                       **core_link_options(args, "frontend"),
-                                      placement=placement_of(args)))
+                                      placement=placement_of(args),
+                                      outage_deadline=args.outage_deadline,
+                                      drain_timeout=args.drain_timeout))
 
 
 def cmd_dataplane(args) -> int:

@@ -91,7 +91,8 @@ class RequestPath:
         if self.engine.draining:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
         if not self.engine.healthy or self.engine.scheduler is None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)")
+            why = getattr(self.engine, "trouble", None) or "loading or data plane down"
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model is not ready ({why})")
 
     def check_loaded(self) -> None:
         """The model is there (answers while draining): model info, tokenization."""

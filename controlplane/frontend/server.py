@@ -61,7 +61,8 @@ class FrontEnd:
                  admin_insecure_loopback: bool = False,
                  max_model_len: int | None = None,
                  core_credentials: grpc.ChannelCredentials | None = None,
-                 core_secret: str | None = None, placement: Placement | None = None):
+                 core_secret: str | None = None, placement: Placement | None = None,
+                 outage_deadline: float = 60.0, drain_timeout: float = 10.0):
         cores = core_address.split(",") if isinstance(core_address, str) else list(core_address)
         for core in cores:
             core_link.check(core, core_credentials is not None, core_secret)
@@ -72,11 +73,13 @@ class FrontEnd:
         changed = lambda: self._background.spawn(self._core_changed())  # noqa: E731
         if len(cores) == 1:
             self.client = CoreClient(cores[0], index, self.metrics, on_change=changed,
-                                     credentials=core_credentials, secret=core_secret)
+                                     credentials=core_credentials, secret=core_secret,
+                                     resume_deadline_s=outage_deadline)
         else:
             self.client = CoreRouter(cores, index, self.metrics, on_change=changed,
                                      credentials=core_credentials, secret=core_secret,
-                                     placement=placement)
+                                     placement=placement, resume_deadline_s=outage_deadline)
+        self.drain_timeout = drain_timeout
         tokenizer = ModelTokenizer(model_dir)
         self.requests = RequestPath(self.client, model_dir, tokenizer,
                                     chat_template=chat_template, generation_config=generation_config,
