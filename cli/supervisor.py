@@ -68,6 +68,9 @@ class DataPlaneChildren:
         self._delays = 0
         self._on_give_up: list[Callable[[], None]] = []
         self._lock = threading.Lock()
+        from cli.processes import at_force_exit, kill_group
+
+        at_force_exit(lambda: kill_group(self.children))
         self._start()
         self._thread = threading.Thread(target=self._watch, name="headrace-supervisor", daemon=True)
         self._thread.start()

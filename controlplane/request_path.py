@@ -26,7 +26,7 @@ import grpc
 import structlog
 from opentelemetry import trace
 
-from common import stage_times, tracing
+from common import failpoints, stage_times, tracing
 from common.logs import get_logger
 from common.security import DEFAULT_TENANT, ApiTokens
 from controlplane import chat_input, limits
@@ -70,6 +70,8 @@ class RequestPath:
         self.chat_template_file = chat_template
         self.generation_config = generation_config
         self.tracer = tracing.get_tracer("headrace.controlplane")   # None: tracing off
+        self.active: set = set()        # requests whose stream is open (``controlplane.shutdown``)
+        self.shutting_down = False      # no request is admitted any more
         self.set_model(model_dir, tokenizer)
 
     def load_assets(self, model_dir: str) -> tuple[ChatTemplate | None, SamplingDefaults]:
@@ -88,6 +90,8 @@ class RequestPath:
 
     # -- readiness -------------------------------------------------------------------------
     def check_ready(self) -> None:
+        if self.shutting_down:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another replica")
         if self.engine.draining:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
         if not self.engine.healthy or self.engine.scheduler is None:
@@ -197,6 +201,7 @@ class RequestPath:
                 self._failed(api, method, exc)
                 raise
             reason = None
+            self.active.add(req)
             try:
                 while not req.delivered:
                     responses = await req.next_responses()
@@ -208,6 +213,8 @@ class RequestPath:
                         stages = None
                     if req.delivered and not _aborted(req):
                         latency.finished(now)
+                    if failpoints.ACTIVE:
+                        failpoints.hit("frontend.stream", request_id=req.request_id)
                     for msg in responses:
                         yield msg
             except RequestError as exc:
@@ -215,6 +222,13 @@ class RequestPath:
                 reason = "refused" if exc.code == grpc.StatusCode.INVALID_ARGUMENT else "server_abort"
                 self._failed(api, method, exc)
                 raise
+            except Exception as exc:   # a bug while streaming: this stream fails with a status
+                log.error("stream failed", error=type(exc).__name__, exc_info=exc)
+                reason, error = "server_abort", RequestError(
+                    grpc.StatusCode.INTERNAL, f"internal error in the front end ({type(exc).__name__}); "
+                                              "the request was not completed")
+                self._failed(api, method, error)
+                raise error from None
             finally:
                 if reason is None and not req.delivered:
                     reason = gone_reason()
@@ -222,6 +236,7 @@ class RequestPath:
                     reason = "server_abort"   # drained or reloaded: a last ABORTED response
                 if reason not in (None, "refused"):
                     self._abandoned(req, api, reason)
+                self.active.discard(req)
                 self.engine.abort(req)   # no-op when finished; frees the blocks when the client left
 
     def check_queue(self, weight: int = 1) -> None:

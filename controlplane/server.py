@@ -29,6 +29,7 @@ from controlplane.lifecycle import (ADMIN, INFERENCE, BackgroundTasks, run_until
                                     set_health)
 from controlplane.metrics import ControlPlaneMetrics, MetricsInterceptor
 from controlplane.service import InferenceService
+from controlplane.shutdown import end_streams
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
@@ -174,13 +175,15 @@ class ControlPlane:
         await self.core.resume()
 
     async def stop(self, grace: float = 10.0) -> None:
-        """Graceful: NOT_SERVING, refuse new calls, let in-flight ones finish within ``grace``."""
+        """Graceful: NOT_SERVING, refuse new calls, let open streams finish within ``grace``,
+        then end each with a last event (``controlplane.shutdown``) and stop."""
         self.engine.draining = True
         await self.sync_health()
+        await end_streams(self.requests, grace)
         if self.http is not None:
-            await asyncio.gather(self.server.stop(grace), self.http.stop(grace))
+            await asyncio.gather(self.server.stop(1.0), self.http.stop(1.0))
         else:
-            await self.server.stop(grace)
+            await self.server.stop(1.0)
         await self.core.stop()
 
 

@@ -34,6 +34,7 @@ from controlplane.admin import admin_access
 from controlplane.server import (ADMIN, BackgroundTasks, public_server, request_limits, set_health,
                                  warn_if_open)
 from controlplane.service import NOT_READY, InferenceService
+from controlplane.shutdown import end_streams
 from controlplane.tokenizer import ModelTokenizer
 
 log = logging.getLogger("headrace.frontend")
@@ -122,8 +123,12 @@ class FrontEnd:
         log.info("front end %d listening on %s%s", self.index, self.address,
                  f" and HTTP {self.http.host}:{self.http.port}" if self.http else "")
 
-    async def stop(self, grace: float = 10.0) -> None:
+    async def stop(self, grace: float | None = None) -> None:
+        """Ends every open stream as ``controlplane.shutdown`` says (``grace``: the drain
+        timeout, default the front end's), then stops the servers."""
         await set_health(self.health, False)
+        await end_streams(self.requests, self.drain_timeout if grace is None else grace)
+        grace = 1.0
         stops = [self.server.stop(grace)] + ([self.http.stop(grace)] if self.http else [])
         await asyncio.gather(*stops)
         await self.client.stop()
