@@ -7,7 +7,12 @@ that is fatal (``serve`` ends with the child's one-line reason and a non-zero st
 restart loop); after the model has served, restarts wait an exponentially growing delay
 (``backoff``: first, longest; reset once a group has served for ``stable_s``), and after
 ``max_load_failures`` failed loads in a row the supervisor gives up (the control plane stays
-NOT_SERVING; a log line; the ``headrace:dataplane_given_up`` gauge)."""
+NOT_SERVING; a log line; the ``headrace:dataplane_given_up`` gauge).
+
+A group whose engine core reports a step hung (``hung``: the core's step watchdog,
+``controlplane.step_watchdog``, says the data plane has not answered for
+``--step-hang-timeout``) is killed (SIGKILL: a stopped process takes nothing else) and restarted
+like one that died; the core resumes its requests by recompute."""
 
 from __future__ import annotations
 
@@ -22,6 +27,33 @@ from typing import Callable
 log = logging.getLogger("headrace.supervisor")
 
 EXIT_LOAD_FAILED = 3   # a data plane that printed why it could not load its model
+
+
+def core_watchdog_probe(address: str, ca: str | None = None) -> Callable[[], bool]:
+    """Whether the engine core at ``address`` reports its data plane hung (its step watchdog's
+    health service NOT_SERVING; health checks need no secret)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from controlplane.step_watchdog import HEALTH_SERVICE
+
+    channel = []
+
+    def hung() -> bool:
+        if not channel:
+            if ca and not address.startswith("unix:"):
+                with open(ca, "rb") as f:
+                    channel.append(grpc.secure_channel(address, grpc.ssl_channel_credentials(f.read())))
+            else:
+                channel.append(grpc.insecure_channel(address))
+        try:
+            status = health_pb2_grpc.HealthStub(channel[0]).Check(
+                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=1).status
+        except grpc.RpcError:
+            return False
+        return status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    return hung
 
 
 def health_probe(listens: list[str]) -> Callable[[], bool]:
@@ -50,8 +82,11 @@ class DataPlaneChildren:
     def __init__(self, argvs: Callable[[], list[list[str]]], env: dict, poll_s: float = 0.2, *,
                  ready: Callable[[], bool] | None = None, metrics=None,
                  backoff: tuple[float, float] = (1.0, 30.0), max_load_failures: int = 3,
-                 stable_s: float = 60.0):
+                 stable_s: float = 60.0, hung: Callable[[], bool] | None = None,
+                 hung_poll_s: float = 1.0):
         self._argvs, self._env, self._poll_s = argvs, env, poll_s
+        self._hung, self._hung_poll_s, self._hung_checked = hung, hung_poll_s, 0.0
+        self.killed_hung = 0
         self._ready = ready or (lambda: True)
         self.metrics = metrics            # controlplane.metrics.ControlPlaneMetrics or None
         self.backoff, self.max_load_failures, self.stable_s = backoff, max_load_failures, stable_s
@@ -117,6 +152,7 @@ class DataPlaneChildren:
             dead = [c for c in self.children if c.poll() is not None]
             if not dead:
                 self._note_serving()
+                self._kill_if_hung()
                 continue
             if self._stop.is_set():
                 return
@@ -127,7 +163,8 @@ class DataPlaneChildren:
                 self._give_up(f"the data plane exited with status {code} while loading the model",
                               fatal=True)
                 return
-            cause = "crash"
+            cause = "hung" if self._killed else "crash"
+            self._killed = False
             if loading:
                 self.load_failures += 1
                 cause = "load_failure"
@@ -147,6 +184,24 @@ class DataPlaneChildren:
                 return
             self.restarts += 1
             self._start()
+
+    _killed = False
+
+    def _kill_if_hung(self) -> None:
+        """Kills the group when its engine core reports a step hung (after it has served)."""
+        now = time.monotonic()
+        if self._hung is None or self._serving_since is None or now - self._hung_checked < self._hung_poll_s:
+            return
+        self._hung_checked = now
+        if not self._hung():
+            return
+        log.error("the engine core reports a data plane step hung; killing the data plane "
+                  "(pids %s) to restart it", ", ".join(str(c.pid) for c in self.children))
+        self._killed = True
+        self.killed_hung += 1
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
 
     def _note_serving(self) -> None:
         now = time.monotonic()
