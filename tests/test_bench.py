@@ -22,7 +22,7 @@ BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_
            "step_host", "structured_bench", "fp8_kv_attention", "unified_attention", "placement_sim",
            "dp_bench", "mask_wire_bench", "mask_fill_bench", "emulated_worker", "late_mask_hops",
            "late_sample_host", "decode_ptx", "worker_start", "gemm_sass", "skinny_ncu", "read_floor",
-           "quant_accuracy_gpu"]
+           "quant_accuracy_gpu", "chaos"]
 SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token", "w5_report"]   # imported, not run
 
 
