@@ -108,6 +108,8 @@ class StepFailures:
         suspects, new = exc.suspects()
         engine._inflight.fail(WorkerError(f"step {error.step_id} raised {error.error_class}"))
         engine.scheduler.reset()
+        for seq in self._held:   # (as reset does to the waiting: their tokens in flight are lost)
+            seq.num_inflight = seq.num_computed = 0
         await engine.workers.open()   # fresh streams: the workers start from an empty mirror
         now = self.clock()
         self._last_failure = now

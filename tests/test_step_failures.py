@@ -60,8 +60,8 @@ def _engine(workers, **config):
 
 
 def test_a_poisoned_request_fails_alone_and_the_others_finish():
-    async def main():
-        workers = RaisingWorkers(num_blocks=64, block_size=4)
+    async def main():   # (answers take a while: several steps are in flight when one raises)
+        workers = RaisingWorkers(num_blocks=64, block_size=4, step_s=0.002)
         engine = _engine(workers)
         await engine.start()
         others = [make_request(5, max_tokens=12) for _ in range(7)]
