@@ -106,9 +106,9 @@ def table(r: dict, args) -> None:
     rows = ["| target | measured | |", "| --- | --- | --- |"]
     if "poisoned" in r:
         p = r["poisoned"]
-        rows.append(_row("poisoned request: INTERNAL within 5 s", f"{p['poisoned_error'][0] if p['poisoned_error'] else 'none'} "
-                         f"after {p['poisoned_failed_after_s']} s", bool(p["poisoned_error"]) and
-                         p["poisoned_error"][0] == "INTERNAL" and p["poisoned_failed_after_s"] < 5))
+        code = p["poisoned_error"][0] if p["poisoned_error"] else "none"
+        rows.append(_row("poisoned request: INTERNAL within 5 s", f"{code} after {p['poisoned_failed_after_s']} s",
+                         code == "INTERNAL" and p["poisoned_failed_after_s"] < 5))
         rows.append(_row("the other streams finish all their tokens", f"{p['same_tokens']}/{p['streams']}",
                          p["same_tokens"] == p["streams"]))
         rows.append(_row("log growth under 200 KB", f"{p['log_growth_bytes'] / 1000:.1f} KB",
@@ -129,7 +129,8 @@ def table(r: dict, args) -> None:
         if name in r:
             k = r[name]
             rows.append(_row(label, f"{k['same_tokens']}/{k['streams']}, errors {len(k['errors'])}, "
-                             f"longest pause {k['longest_gap_s']} s", k["same_tokens"] == k["streams"] and not k["errors"]))
+                             f"longest pause {k['longest_gap_s']} s",
+                             k["same_tokens"] == k["streams"] and not k["errors"]))
     if "kill_frontend" in r:
         k = r["kill_frontend"]
         rows.append(_row("kill -9 front end: its streams fail explicitly, the others finish",
@@ -143,8 +144,8 @@ def table(r: dict, args) -> None:
     if "ctrl_c" in r:
         c = r["ctrl_c"]
         rows.append(_row(f"Ctrl-C, {c['streams']} HTTP streams: a last event and [DONE] within the drain timeout",
-                         f"{c['done_events']} [DONE], {c['error_events']} error events, last at {c['last_stream_end_s']} s "
-                         f"(drain {c['drain_timeout_s']:g} s)",
+                         f"{c['done_events']} [DONE], {c['error_events']} error events, "
+                         f"last at {c['last_stream_end_s']} s (drain {c['drain_timeout_s']:g} s)",
                          c["done_events"] == c["streams"] and c["last_stream_end_s"] <= c["drain_timeout_s"] + 1))
         rows.append(_row("process tree gone within drain + 3 s", f"{c['tree_gone_s']} s",
                          c["tree_gone_s"] is not None and c["tree_gone_s"] <= c["drain_timeout_s"] + 3))

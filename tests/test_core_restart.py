@@ -18,7 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from controlplane.core.server import CoreServer
 from dataplane.default_model import default_model_dir
 from headrace.v1 import inference_pb2 as pb
-from headrace.v1 import inference_pb2_grpc as pb_grpc
 from tests.harness import Planes
 
 MODEL = str(default_model_dir())
