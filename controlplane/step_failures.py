@@ -222,8 +222,9 @@ class StepFailures:
             if request.finished or request.failure is not None:
                 continue
             self.culprits += 1
-            log.error("request %s fails: the data plane raised %s computing it (step %d); "
-                      "the other requests go on", request.request_id, error.error_class, error.step_id)
+            log.error("request failed: the data plane raised %s computing it (step %d); the other "
+                      "requests go on", error.error_class, error.step_id,
+                      extra={"request_id": request.request_id, "code": "INTERNAL"})
             self.engine.abort(request)
             request.fail(Failure(grpc.StatusCode.INTERNAL,
                                  f"the data plane failed computing this request ({error.error_class}); "
