@@ -112,31 +112,6 @@ class Engine(EngineOutages):
         """The model is loaded, the data plane answers and requests are admitted."""
         return self.healthy and not self.draining and self.scheduler is not None
 
-    @property
-    def trouble(self) -> str | None:
-        """Why the engine cannot serve although the workers are connected (None: it can)."""
-        return self.faults.reason or self.watchdog.reason
-
-    @property
-    def healthy(self) -> bool:
-        """The workers are connected and run steps."""
-        return self.connected and self.trouble is None
-
-    def _set_healthy(self, connected: bool) -> None:
-        self.connected = connected
-        self._health_changed()
-
-    def _health_changed(self) -> None:
-        """Calls ``on_health_change`` when ``healthy`` (or the watchdog's state) changed."""
-        state = (self.healthy, self.watchdog.hung)
-        if state != self._reported_healthy:
-            self._reported_healthy = state
-            if self.on_health_change is not None:
-                self.on_health_change()
-
-    def _wake_after(self, delay: float) -> None:
-        asyncio.get_running_loop().call_later(delay, self._wake.set)
-
     async def _stop_loop(self) -> None:
         if self._task:
             self._task.cancel()
