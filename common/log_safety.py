@@ -129,10 +129,10 @@ class RepeatFilter(logging.Filter):
         if getattr(self._local, "summing", False):
             return True
         now = self.clock()
-        self._sum_up_quiet(now)
-        if record.levelno < logging.WARNING:
+        key = self.key(record) if record.levelno >= logging.WARNING else None
+        self._sum_up_quiet(now, key)
+        if key is None:
             return True
-        key = self.key(record)
         with self._lock:
             seen = self._seen.get(key)
             if seen is not None and now - seen[0] < self.interval_s:
@@ -148,13 +148,15 @@ class RepeatFilter(logging.Filter):
             _add_field(record, "repeated", left_out)
         return True
 
-    def _sum_up_quiet(self, now: float) -> None:
+    def _sum_up_quiet(self, now: float, current: tuple | None) -> None:
         """Lines left out of kinds whose interval ended with none written since: one summary
-        each (the last one left out, with its count)."""
+        each (the last one left out, with its count); not the ``current`` line's kind, which
+        carries its count itself."""
         if self.handler is None:
             return
         with self._lock:
-            due = [(k, v) for k, v in self._seen.items() if v[1] and now - v[0] >= self.interval_s]
+            due = [(k, v) for k, v in self._seen.items()
+                   if v[1] and now - v[0] >= self.interval_s and k != current]
             for key, value in due:
                 self._seen[key] = [now, 0, None]
         for _, (_, count, record) in due:
