@@ -96,7 +96,9 @@ def capped(renderer, limit: int = MAX_LINE_BYTES):
 
 
 def _size(line) -> int:
-    return len(line) if isinstance(line, bytes) else len(line.encode("utf-8", "replace"))
+    if isinstance(line, bytes) or len(line) * 4 <= MAX_LINE_BYTES:   # (no UTF-8 char is longer)
+        return len(line)
+    return len(line.encode("utf-8", "replace"))
 
 
 class RepeatFilter(logging.Filter):
