@@ -146,7 +146,7 @@ def table(r: dict, args) -> None:
         rows.append(_row(f"Ctrl-C, {c['streams']} HTTP streams: a last event and [DONE] within the drain timeout",
                          f"{c['done_events']} [DONE], {c['error_events']} error events, "
                          f"last at {c['last_stream_end_s']} s (drain {c['drain_timeout_s']:g} s)",
-                         c["done_events"] == c["streams"] and c["last_stream_end_s"] <= c["drain_timeout_s"] + 1))
+                         c["done_events"] == c["streams"] and c["last_stream_end_s"] <= c["drain_timeout_s"]))
         rows.append(_row("process tree gone within drain + 3 s", f"{c['tree_gone_s']} s",
                          c["tree_gone_s"] is not None and c["tree_gone_s"] <= c["drain_timeout_s"] + 3))
         rows.append(_row("no traceback", f"{c['tracebacks_after_signal']} lines", c["tracebacks_after_signal"] == 0))

@@ -1,6 +1,7 @@
 """Shutdown that ends every stream (SIGTERM/SIGINT of a control-plane process, ``ControlPlane.
 stop``): new requests are refused at once (UNAVAILABLE, health NOT_SERVING), open streams may
-finish for up to the drain timeout, then each one still open ends with a last event: a gRPC
+finish for up to the drain timeout (less half a second, for the last events to reach the
+clients within it), then each one still open ends with a last event: a gRPC
 stream with UNAVAILABLE "server is shutting down", an HTTP stream with an error event and
 ``data: [DONE]`` (``controlplane.http.streaming``), a non-streamed HTTP request with a 503.
 Only then do the servers stop, with nothing left for them to cut (no cancelled handler, no
@@ -19,6 +20,8 @@ from controlplane.request import Failure
 log = logging.getLogger("headrace.controlplane")
 SHUTTING_DOWN = "server is shutting down; retry on another replica"
 ENDING_S = 2.0   # how long the ended streams get to write their last event
+MARGIN_S = 0.5   # the streams still open are ended this long before the drain timeout, so their
+                 # last events reach the clients within it
 
 
 async def end_streams(path, timeout: float) -> tuple[int, int]:
@@ -28,7 +31,7 @@ async def end_streams(path, timeout: float) -> tuple[int, int]:
     open_at_start = len(path.active)
     if open_at_start:
         log.info("shutting down: %d open streams get up to %.0fs to finish", open_at_start, timeout)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + max(0.0, timeout - min(MARGIN_S, timeout / 10))
     while path.active and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     left = list(path.active)

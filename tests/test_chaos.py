@@ -133,6 +133,6 @@ def test_a_hung_data_plane_is_killed_and_restarted_and_the_streams_resume(fragil
 def test_ctrl_c_ends_every_http_stream_with_a_last_event(fragile):
     out = chaos.ctrl_c(fragile, N, tokens=900, drain_timeout=3.0)
     assert out["done_events"] == out["error_events"] == N and out["transport_errors"] == 0, out
-    assert out["last_stream_end_s"] < 3.0 + 2.5, out
+    assert out["last_stream_end_s"] <= 3.0, out   # within the drain timeout
     assert out["tree_gone_s"] is not None and out["tree_gone_s"] < 3.0 + 3.0, out
     assert out["tracebacks_after_signal"] == 0, out
