@@ -150,16 +150,17 @@ class WorkerGroup:
     async def receive(self) -> pb.StepResult:
         """The result of the oldest step sent and not yet received (rank 0's answer)."""
         try:
-            results = [await call.read() for call in self._calls]
+            results = []
+            for call in self._calls:
+                results.append(await call.read())
+                if results[-1] is not grpc.aio.EOF and results[-1].HasField("error"):
+                    return results[-1]   # a rank's step raised: the others' answers do not matter
         except grpc.aio.AioRpcError as exc:
             raise WorkerError(f"data plane step failed: {exc.code().name}: {exc.details()}") from exc
         except asyncio.InvalidStateError as exc:
             raise WorkerError(f"data plane stream closed: {exc}") from exc
         if any(r is grpc.aio.EOF for r in results):
             raise WorkerError("data plane closed its step stream")
-        for result in results:   # a rank's step raised (StepResult.error): the group's did
-            if result.HasField("error"):
-                return result
         for other in results[1:]:   # a profile's end: every rank's report, in rank 0's result
             if other.profile_reports:
                 results[0].profile_reports.extend(other.profile_reports)
