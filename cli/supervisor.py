@@ -38,14 +38,19 @@ def core_watchdog_probe(address: str, ca: str | None = None) -> Callable[[], boo
     from controlplane.step_watchdog import HEALTH_SERVICE
 
     channel = []
+    # a core that is not listening yet (or restarting) must not push the channel's reconnect
+    # back-off towards its two minutes: the next probe after it is back must reach it
+    options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+               ("grpc.max_reconnect_backoff_ms", 1000)]
 
     def hung() -> bool:
         if not channel:
             if ca and not address.startswith("unix:"):
                 with open(ca, "rb") as f:
-                    channel.append(grpc.secure_channel(address, grpc.ssl_channel_credentials(f.read())))
+                    channel.append(grpc.secure_channel(address, grpc.ssl_channel_credentials(f.read()),
+                                                       options=options))
             else:
-                channel.append(grpc.insecure_channel(address))
+                channel.append(grpc.insecure_channel(address, options=options))
         try:
             status = health_pb2_grpc.HealthStub(channel[0]).Check(
                 health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=1).status
@@ -62,10 +67,13 @@ def health_probe(listens: list[str]) -> Callable[[], bool]:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     channels = {}
+    options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+               ("grpc.max_reconnect_backoff_ms", 1000)]   # (a restarted child is seen at once)
 
     def ready() -> bool:
         for address in listens:
-            channel = channels.get(address) or channels.setdefault(address, grpc.insecure_channel(address))
+            channel = channels.get(address) or channels.setdefault(
+                address, grpc.insecure_channel(address, options=options))
             try:
                 status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                                   timeout=1).status
