@@ -42,7 +42,14 @@ class EngineOutages:
                 self.on_health_change()
 
     def _wake_after(self, delay: float) -> None:
-        asyncio.get_running_loop().call_later(delay, self._wake.set)
+        """Wakes the loop in ``delay`` seconds (one timer at a time: the earliest asked for)."""
+        loop = asyncio.get_running_loop()
+        due, timer = loop.time() + delay, getattr(self, "_wake_timer", None)
+        if timer is not None and not timer.cancelled() and timer.when() <= due and timer.when() > loop.time():
+            return
+        if timer is not None:
+            timer.cancel()
+        self._wake_timer = loop.call_at(due, self._wake.set)
 
     def _workers_lost(self, exc: WorkerError) -> None:
         self._inflight.fail(exc)
