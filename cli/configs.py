@@ -75,6 +75,8 @@ def engine_config(args) -> EngineConfig:
                         chunking=chunking(args),
                         enable_prefix_cache=not args.no_prefix_cache, watermark=args.watermark,
                         max_queued=args.max_queued, outage_deadline_s=args.outage_deadline,
+                        step_timeout_floor_s=args.step_timeout_floor,
+                        step_hang_timeout_s=args.step_hang_timeout,
                         fair_share=not args.no_fair_share,
                         pipeline_depth=1 if args.no_overlap else args.pipeline_depth,
                         stream_interval=args.stream_interval,

@@ -144,14 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def bind_role(args) -> None:
-    """Every log line of this process names its role (core, frontend N, dataplane rank r)."""
-    import structlog
+    """Every log line of this process names its role (core, frontend N, dataplane rank r),
+    whichever thread writes it."""
+    from headrace.common.logs import set_process_fields
 
     role = {"serve": "supervisor", "controlplane": "supervisor"}.get(args.command, args.command)
     extra = {"frontend": args.index} if args.command == "frontend" else \
         {"rank": args.rank} if args.command == "dataplane" else \
         {"core": args.data_parallel_rank} if args.command == "core" and args.data_parallel_size > 1 else {}
-    structlog.contextvars.bind_contextvars(role=role, **extra)
+    set_process_fields(role=role, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         secret_env.scrub_argv(secret_env.flag_values(args))
         configure_logging(getattr(args, "log_format", None))
         bind_role(args)
+        from headrace.common import failpoints
+
+        failpoints.warn_if_active()
     try:
         if args.command not in ("health", "generate", "admin"):
             secret_env.resolve(args)   # (a tokens file that cannot be read: one line)

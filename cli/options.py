@@ -219,7 +219,19 @@ def add_ops_args(p: argparse.ArgumentParser, metrics_port: int, control: bool) -
                        help="waiting sequences at most; beyond, RESOURCE_EXHAUSTED (HTTP 429) "
                             f"(default {QUEUE_PER_SLOT} x --max-num-seqs; 0: unbounded)")
         p.add_argument("--outage-deadline", type=float, default=60.0,
-                       help="seconds requests wait for a lost data plane before UNAVAILABLE")
+                       help="seconds requests wait for a lost data plane (or one whose steps keep "
+                            "failing) before UNAVAILABLE")
+        p.add_argument("--step-timeout-floor", type=float, default=5.0,
+                       help="seconds a step may go unanswered, if also far longer than any step of "
+                            "its size, before the data plane is checked; one that does not answer "
+                            "then makes the server NOT_SERVING (default 5)")
+        p.add_argument("--step-hang-timeout", type=float, default=60.0,
+                       help="seconds a data plane may stay unanswering before it counts as hung: "
+                            "serve kills and restarts it, requests resume by recompute (default 60; "
+                            "0: never)")
+        p.add_argument("--drain-timeout", type=float, default=10.0,
+                       help="on SIGTERM/SIGINT: seconds open streams may take to finish before each "
+                            "ends with an error (a second SIGINT exits at once; default 10)")
         p.add_argument("--stream-interval", type=positive_int, default=1,
                        help="tokens per streamed message at least, for requests that do not set "
                             "stream_interval, after the first token, which goes out at once "

@@ -77,6 +77,47 @@ def forward_argv(parser: argparse.ArgumentParser, args: argparse.Namespace,
     return argv
 
 
+# what a second SIGINT runs before the supervisor exits at once: each kills a group of children
+# (SIGKILL) or removes what they leave behind (``at_force_exit``)
+_FORCE_EXIT: list = []
+
+
+def at_force_exit(fn) -> None:
+    _FORCE_EXIT.append(fn)
+
+
+def stop_on_signals(done: threading.Event, drain_timeout: float | None = None) -> None:
+    """SIGINT/SIGTERM set ``done`` (a graceful stop: open streams get ``drain_timeout``); a
+    second SIGINT kills every child at once and exits (status 130)."""
+    def handler(sig, _frame):
+        if done.is_set():
+            if sig == signal.SIGINT:
+                log.warning("second SIGINT: stopping every process at once")
+                for fn in reversed(_FORCE_EXIT):
+                    try:
+                        fn()
+                    except Exception:  # noqa: BLE001 - exiting anyway
+                        pass
+                os._exit(130)
+            return
+        done.set()
+        log.info("stopping: open streams get up to %ss to finish (Ctrl-C again to stop at once)",
+                 f"{drain_timeout:g}" if drain_timeout is not None else "a few ")
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+def kill_group(procs) -> None:
+    """SIGKILL to each process (its own session and group: ``start_new_session``) and its group."""
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                proc.kill()
+
+
 class Child:
     """``role``: "core" or "frontend N"; ``env``: its own environment (None: the group's)."""
 
@@ -93,6 +134,7 @@ class RoleProcesses:
 
     def __init__(self, children: list[Child], env: dict, poll_s: float = 0.1, on_fatal=None):
         self.children, self._env, self._poll_s = children, env, poll_s
+        at_force_exit(lambda: kill_group([c.proc for c in self.children]))
         self._on_fatal = on_fatal
         self.fatal: Child | None = None
         self._stop = threading.Event()
@@ -203,13 +245,14 @@ def run_control_plane(args, parser: argparse.ArgumentParser, workers: list[str],
     log.info("control plane: %d engine core(s) on %s, %d API front ends on port %d", dp,
              ", ".join(cores), len(children) - dp, args.port)
     done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
+    drain = getattr(args, "drain_timeout", 10.0)
+    stop_on_signals(done, drain)
+    at_force_exit(lambda: __import__("shutil").rmtree(private_dir, ignore_errors=True))
     if stop_hook is not None:
         stop_hook(done.set)
     roles = RoleProcesses(children, env, on_fatal=done.set)
     try:
         done.wait()
     finally:
-        roles.stop()
+        roles.stop(timeout=drain + 3)
     return roles.fatal is not None

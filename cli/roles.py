@@ -91,7 +91,9 @@ def cmd_frontend(args) -> int:
                                       f"{args.host}:{args.port}", max_model_len=getattr(args, "max_model_len", None),
                                       **{k: opts[k] for k in keys},
                                       **core_link_options(args, "frontend"),
-                                      placement=placement_of(args)))
+                                      placement=placement_of(args),
+                                      outage_deadline=args.outage_deadline,
+                                      drain_timeout=args.drain_timeout))
 
 
 def cmd_dataplane(args) -> int:
@@ -121,8 +123,14 @@ def cmd_dataplane(args) -> int:
         return EXIT_LOAD_FAILED
     tracing.setup_tracing("headrace-dataplane")
     done = threading.Event()
+
+    def on_signal(sig, _frame):
+        if done.is_set() and sig == signal.SIGINT:   # a second Ctrl-C: at once
+            os._exit(130)
+        done.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
+        signal.signal(sig, on_signal)
     metrics_host = args.metrics_host or "127.0.0.1"   # never the --listen host unless asked
     # listen at once (health NOT_SERVING) so probes see the model loading, not a closed port
     server = serve(None, args.listen, metrics_port=args.metrics_port or None, metrics_host=metrics_host,

@@ -103,7 +103,8 @@ def cmd_serve(args) -> int:
     from headrace.cli import data_parallel
     from headrace.cli.configs import placement_of
     from headrace.cli.processes import run_control_plane
-    from headrace.cli.supervisor import EXIT_LOAD_FAILED, DataPlaneChildren, health_probe
+    from headrace.cli.supervisor import (EXIT_LOAD_FAILED, DataPlaneChildren, core_watchdog_probe,
+                                         health_probe)
     from headrace.common.metrics import enable_multiprocess
 
     check_speculative_config(args)
@@ -134,10 +135,12 @@ def cmd_serve(args) -> int:
         from headrace.controlplane.metrics import ControlPlaneMetrics
 
         metrics = ControlPlaneMetrics()
+        cores = data_parallel.core_addresses(args.core_address, sock_dir, dp)   # (as run_control_plane)
         for i in range(dp):
             groups.append(DataPlaneChildren(
                 lambda i=i: serve_children_argvs(args, listens[i], devices and devices[i], i), env,
-                ready=health_probe(listens[i]), metrics=metrics))
+                ready=health_probe(listens[i]), metrics=metrics,
+                hung=core_watchdog_probe(cores[i], args.core_ca) if args.step_hang_timeout > 0 else None))
             if devices and data_parallel.sharing(devices) > 1 and i < dp - 1:
                 data_parallel.wait_loaded(groups[-1])   # the next sizes its KV from what is left
         failed = run_control_plane(args, _parser(), listens, sock_dir, dict(os.environ),

@@ -7,7 +7,12 @@ that is fatal (``serve`` ends with the child's one-line reason and a non-zero st
 restart loop); after the model has served, restarts wait an exponentially growing delay
 (``backoff``: first, longest; reset once a group has served for ``stable_s``), and after
 ``max_load_failures`` failed loads in a row the supervisor gives up (the control plane stays
-NOT_SERVING; a log line; the ``headrace:dataplane_given_up`` gauge)."""
+NOT_SERVING; a log line; the ``headrace:dataplane_given_up`` gauge).
+
+A group whose engine core reports a step hung (``hung``: the core's step watchdog,
+``headrace.controlplane.engine.step_watchdog``, says the data plane has not answered for
+``--step-hang-timeout``) is killed (SIGKILL: a stopped process takes nothing else) and restarted
+like one that died; the core resumes its requests by recompute."""
 
 from __future__ import annotations
 
@@ -24,16 +29,51 @@ log = logging.getLogger("headrace.supervisor")
 EXIT_LOAD_FAILED = 3   # a data plane that printed why it could not load its model
 
 
+def core_watchdog_probe(address: str, ca: str | None = None) -> Callable[[], bool]:
+    """Whether the engine core at ``address`` reports its data plane hung (its step watchdog's
+    health service NOT_SERVING; health checks need no secret)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from headrace.controlplane.engine.step_watchdog import HEALTH_SERVICE
+
+    channel = []
+    # a core that is not listening yet (or restarting) must not push the channel's reconnect
+    # back-off towards its two minutes: the next probe after it is back must reach it
+    options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+               ("grpc.max_reconnect_backoff_ms", 1000)]
+
+    def hung() -> bool:
+        if not channel:
+            if ca and not address.startswith("unix:"):
+                with open(ca, "rb") as f:
+                    channel.append(grpc.secure_channel(address, grpc.ssl_channel_credentials(f.read()),
+                                                       options=options))
+            else:
+                channel.append(grpc.insecure_channel(address, options=options))
+        try:
+            status = health_pb2_grpc.HealthStub(channel[0]).Check(
+                health_pb2.HealthCheckRequest(service=HEALTH_SERVICE), timeout=1).status
+        except grpc.RpcError:
+            return False
+        return status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    return hung
+
+
 def health_probe(listens: list[str]) -> Callable[[], bool]:
     """Whether every data plane at ``listens`` answers SERVING (health checks need no secret)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     channels = {}
+    options = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+               ("grpc.max_reconnect_backoff_ms", 1000)]   # (a restarted child is seen at once)
 
     def ready() -> bool:
         for address in listens:
-            channel = channels.get(address) or channels.setdefault(address, grpc.insecure_channel(address))
+            channel = channels.get(address) or channels.setdefault(
+                address, grpc.insecure_channel(address, options=options))
             try:
                 status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                                   timeout=1).status
@@ -50,8 +90,11 @@ class DataPlaneChildren:
     def __init__(self, argvs: Callable[[], list[list[str]]], env: dict, poll_s: float = 0.2, *,
                  ready: Callable[[], bool] | None = None, metrics=None,
                  backoff: tuple[float, float] = (1.0, 30.0), max_load_failures: int = 3,
-                 stable_s: float = 60.0):
+                 stable_s: float = 60.0, hung: Callable[[], bool] | None = None,
+                 hung_poll_s: float = 1.0):
         self._argvs, self._env, self._poll_s = argvs, env, poll_s
+        self._hung, self._hung_poll_s, self._hung_checked = hung, hung_poll_s, 0.0
+        self.killed_hung = 0
         self._ready = ready or (lambda: True)
         self.metrics = metrics            # headrace.controlplane.metrics.ControlPlaneMetrics or None
         self.backoff, self.max_load_failures, self.stable_s = backoff, max_load_failures, stable_s
@@ -68,6 +111,9 @@ class DataPlaneChildren:
         self._delays = 0
         self._on_give_up: list[Callable[[], None]] = []
         self._lock = threading.Lock()
+        from headrace.cli.processes import at_force_exit, kill_group
+
+        at_force_exit(lambda: kill_group(self.children))
         self._start()
         self._thread = threading.Thread(target=self._watch, name="headrace-supervisor", daemon=True)
         self._thread.start()
@@ -114,6 +160,7 @@ class DataPlaneChildren:
             dead = [c for c in self.children if c.poll() is not None]
             if not dead:
                 self._note_serving()
+                self._kill_if_hung()
                 continue
             if self._stop.is_set():
                 return
@@ -124,7 +171,8 @@ class DataPlaneChildren:
                 self._give_up(f"the data plane exited with status {code} while loading the model",
                               fatal=True)
                 return
-            cause = "crash"
+            cause = "hung" if self._killed else "crash"
+            self._killed = False
             if loading:
                 self.load_failures += 1
                 cause = "load_failure"
@@ -144,6 +192,24 @@ class DataPlaneChildren:
                 return
             self.restarts += 1
             self._start()
+
+    _killed = False
+
+    def _kill_if_hung(self) -> None:
+        """Kills the group when its engine core reports a step hung (after it has served)."""
+        now = time.monotonic()
+        if self._hung is None or self._serving_since is None or now - self._hung_checked < self._hung_poll_s:
+            return
+        self._hung_checked = now
+        if not self._hung():
+            return
+        log.error("the engine core reports a data plane step hung; killing the data plane "
+                  "(pids %s) to restart it", ", ".join(str(c.pid) for c in self.children))
+        self._killed = True
+        self.killed_hung += 1
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
 
     def _note_serving(self) -> None:
         now = time.monotonic()

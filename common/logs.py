@@ -7,6 +7,10 @@ opentelemetry) go through the same renderer. Context bound with
 ``structlog.contextvars`` (the request id and trace id while a request handler runs) is
 merged into every line of that task; the engine loop, which serves many requests, passes
 them explicitly. Prompt text is never logged unless ``--log-prompts`` asks for it.
+
+Every line is safe to keep (``headrace.common.log_safety``): it names the process's role (from any
+thread), tracebacks show no frame locals (they hold requests: prompts, token ids, tensors), no
+line is over 8 KB, and a repeated warning or error is written once per interval with a count.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ import os
 import sys
 
 import structlog
+from structlog.tracebacks import ExceptionDictTransformer
+
+from headrace.common import log_safety
+from headrace.common.log_safety import set_process_fields  # noqa: F401  (the role's fields: headrace.cli.main)
 
 LOG_FORMATS = ("json", "console")
 
@@ -42,6 +50,7 @@ def configure_logging(fmt: str | None = None, level: str | int | None = None, st
     level = level or os.environ.get("HEADRACE_LOG_LEVEL", "INFO")
     shared = [
         structlog.contextvars.merge_contextvars,
+        log_safety.process_fields,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.stdlib.ExtraAdder(),
@@ -51,9 +60,12 @@ def configure_logging(fmt: str | None = None, level: str | int | None = None, st
     ]
     if fmt == "json":
         renderer = structlog.processors.JSONRenderer()
-        shared.append(structlog.processors.dict_tracebacks)
+        shared.append(structlog.processors.ExceptionRenderer(
+            ExceptionDictTransformer(show_locals=False, max_frames=20)))
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=getattr(stream, "isatty", lambda: False)())
+        renderer = structlog.dev.ConsoleRenderer(colors=getattr(stream, "isatty", lambda: False)(),
+                                                 exception_formatter=structlog.dev.plain_traceback)
+    renderer = log_safety.capped(renderer)
     structlog.configure(
         processors=[structlog.stdlib.filter_by_level, *shared,
                     structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
@@ -66,6 +78,9 @@ def configure_logging(fmt: str | None = None, level: str | int | None = None, st
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer])
     handler = logging.StreamHandler(stream)
     handler.setFormatter(formatter)
+    repeats = log_safety.RepeatFilter()
+    repeats.handler = handler
+    handler.addFilter(repeats)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

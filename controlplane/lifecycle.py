@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 from grpc_health.v1 import health, health_pb2
@@ -39,14 +40,23 @@ class BackgroundTasks:
         task.add_done_callback(self._tasks.discard)
 
 
-async def run_until_signal(server, grace: float = 10.0, stop_hook=None) -> None:
+async def run_until_signal(server, grace: float | None = None, stop_hook=None) -> None:
     """Starts ``server`` (anything with ``start()`` and ``stop(grace)``) and runs it until
     SIGINT/SIGTERM, or until the function ``stop_hook`` is handed is called (from any thread);
-    start-up errors are raised."""
+    start-up errors are raised. ``grace``: what ``stop`` gets (default the server's
+    ``drain_timeout``, else 10 s). A second SIGINT while it stops ends the process at once."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    grace = grace if grace is not None else getattr(server, "drain_timeout", 10.0)
+
+    def on_signal(sig):
+        if stop.is_set() and sig == signal.SIGINT:
+            log.warning("second SIGINT: exiting now")
+            os._exit(130)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     if stop_hook is not None:
         stop_hook(lambda: loop.call_soon_threadsafe(stop.set))
     starting = asyncio.create_task(server.start())

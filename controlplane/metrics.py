@@ -215,7 +215,8 @@ class ControlPlaneMetrics(Exporter):
         self.api_requests = Counter(p + "api_requests", "Requests received, by API (grpc, http) "
                                     "and method.", ["api", "method"], registry=r)
         self.dataplane_restarts = Counter(p + "dataplane_restarts", "Data plane restarts by `headrace serve`, by "
-            "cause (crash: it had served; load_failure: it died loading).", ["cause"], registry=r)
+            "cause (crash: it had served; load_failure: it died loading; hung: killed after the engine "
+            "core's step watchdog found it hung).", ["cause"], registry=r)
         self.dataplane_given_up = Gauge(p + "dataplane_given_up", "1 once `headrace serve` stopped "
                                         "restarting its data plane after repeated load failures.",
                                         multiprocess_mode="max", registry=r)

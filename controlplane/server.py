@@ -32,6 +32,7 @@ from headrace.controlplane.lifecycle import (ADMIN, INFERENCE, BackgroundTasks, 
                                              set_health)
 from headrace.controlplane.metrics import ControlPlaneMetrics, MetricsInterceptor
 from headrace.controlplane.service import InferenceService
+from headrace.controlplane.shutdown import end_streams
 from headrace.v1 import admin_pb2_grpc as apb_grpc
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
@@ -179,13 +180,15 @@ class ControlPlane:
         await self.core.resume()
 
     async def stop(self, grace: float = 10.0) -> None:
-        """Graceful: NOT_SERVING, refuse new calls, let in-flight ones finish within ``grace``."""
+        """Graceful: NOT_SERVING, refuse new calls, let open streams finish within ``grace``,
+        then end each with a last event (``headrace.controlplane.shutdown``) and stop."""
         self.engine.draining = True
         await self.sync_health()
+        await end_streams(self.requests, grace)
         if self.http is not None:
-            await asyncio.gather(self.server.stop(grace), self.http.stop(grace))
+            await asyncio.gather(self.server.stop(1.0), self.http.stop(1.0))
         else:
-            await self.server.stop(grace)
+            await self.server.stop(1.0)
         await self.core.stop()
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from headrace import kernels
+from headrace.common import failpoints
 from headrace.dataplane import staging
 
 _MASK = float("-inf")
@@ -204,6 +205,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch, dev: dict[str, torch.Tensor] 
            rng: np.random.Generator | None = None) -> SampleOutput:
     """logits: [rows, vocab] in the model's dtype; ``dev``: ``device_arrays`` on the logits'
     device (uploaded here from ``rng``'s seeds when not given)."""
+    if failpoints.ACTIVE:   # (tests: a request whose sampling raises, by its seed)
+        failpoints.hit("headrace.dataplane.sampler", seed=b.seed[b.has_seed].tolist())
     if dev is None:
         dev = staging.upload(device_arrays(b, rng or np.random.default_rng()), logits.device)
     want = int(b.logprobs.max()) if len(b.logprobs) else 0

@@ -4,10 +4,17 @@ while it reloads), plus its Prometheus exporter and step spans.
 
 Only one control plane drives a worker at a time: a new Execute stream resets the mirror
 and supersedes the previous stream, which then ends with ``ABORTED``.
+
+A step that raises (a bug, a device error) does not end the stream: the worker forgets every
+sequence and answers that step, every step it had not answered and every step it receives
+after on this stream with ``StepResult.error`` (which step raised, the exception's class), so
+the control plane can tell it from a lost worker, open a fresh stream and find the sequences
+that cause it. A protocol mistake (``BatchError``) still ends the stream with INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import logging
@@ -18,7 +25,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from headrace.common import net, security, stage_times, tracing
+from headrace.common import failpoints, net, security, stage_times, tracing
 from headrace.common.grpc_options import STEP_MAX_MESSAGE_BYTES, server_options
 from headrace.dataplane.input_batch import BatchError
 from headrace.dataplane.pipeline import StepPipeline
@@ -32,6 +39,15 @@ from headrace.worker.v1 import worker_pb2_grpc as pb_grpc
 log = logging.getLogger("headrace.dataplane")
 
 WORKER = pb.DESCRIPTOR.services_by_name["Worker"].full_name
+ERROR_MESSAGE_CHARS = 300   # of a raised step's exception message, in its results and the log
+
+
+class StepRaised(Exception):
+    """A step raised: ``error`` says which and what (its stream answers every step with it)."""
+
+    def __init__(self, error: pb.StepError):
+        super().__init__(error.error_class)
+        self.error = error
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -80,8 +96,10 @@ class WorkerService(pb_grpc.WorkerServicer):
         metrics, tracer, clock = self.metrics, self.tracer, time.perf_counter
         started = {}   # step id -> (span, t0) of steps launched and not yet finished
         profiler = StepProfiler(self.worker.rank, self.worker.device)   # Admin StartProfile
+        current = [0]   # the step being launched or finished (the one that raised, if one does)
 
         def finish(step, launched):
+            current[0] = step.step_id
             span, t0 = started.pop(step.step_id)
             if stage_times.STAGES is not None:
                 stage_times.STAGES.stamp(f"step:{step.step_id}", "w_finish")
@@ -93,6 +111,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             return result
 
         def launch(step):
+            current[0] = step.step_id
+            if failpoints.ACTIVE and (step.new_seqs or step.running_seq_ids):
+                failpoints.hit("dataplane.step", step_id=step.step_id, rank=self.worker.rank)
             if stage_times.STAGES is not None:
                 stage_times.STAGES.stamp(f"step:{step.step_id}", "w_launch")
             with profiler.step_range(step):
@@ -100,36 +121,65 @@ class WorkerService(pb_grpc.WorkerServicer):
 
         try:
             yield from self._steps(request_iterator, context, generation, StepPipeline(
-                self.worker.runner, finish, launch), started, profiler)
+                self.worker.runner, finish, launch), started, profiler, current)
         finally:
             profiler.close()
 
-    def _steps(self, request_iterator, context, generation, pipeline, started, profiler):
+    def _steps(self, request_iterator, context, generation, pipeline, started, profiler, current):
         clock = time.perf_counter
+        unanswered: collections.deque[int] = collections.deque()   # step ids, in order
+        failed: pb.StepError | None = None   # once a step raised: every step's answer
+
+        def answers(ready):
+            for result in _answers(ready):
+                while unanswered and unanswered[0] <= result.step_id:
+                    unanswered.popleft()
+                yield result
+
         for step in ReadAhead(request_iterator, "execute-read-ahead"):
             if stage_times.STAGES is not None:   # (a benchmark's timestamps: bench.late_mask_hops)
                 stage_times.STAGES.stamp(f"step:{step.step_id}", "w_late" if step.late_bitmask else "w_read")
+            if failed is not None:   # nothing runs on this stream any more; each step is answered
+                if generation != self._generation:
+                    context.abort(grpc.StatusCode.ABORTED, "superseded by a newer control plane stream")
+                if not step.late_bitmask:
+                    yield pb.StepResult(step_id=step.step_id, error=failed)
+                continue
             span = self.tracer.start(step)
-            with self._lock:
-                if not step.late_bitmask:   # (that only completes a step started before)
-                    started[step.step_id] = (span, clock())
-                    profiler.on_submit(step)
-                ready = self._submit(context, generation, step, span, lambda: pipeline.submit(step))
-            yield from _answers(ready)
-            while pipeline.deferred is not None:   # launched once the answer before it is out
-                deferred = pipeline.deferred
+            try:
                 with self._lock:
-                    ready = self._submit(context, generation, deferred,
-                                         started.get(deferred.step_id, (None,))[0], pipeline.resume)
-                yield from _answers(ready)
-        with self._lock:
-            ready = pipeline.drain()
-        yield from ready
+                    if not step.late_bitmask:   # (that only completes a step started before)
+                        started[step.step_id] = (span, clock())
+                        unanswered.append(step.step_id)
+                        profiler.on_submit(step)
+                    ready = self._submit(context, generation, step, span, lambda: pipeline.submit(step),
+                                         current)
+                yield from answers(ready)
+                while pipeline.deferred is not None:   # launched once the answer before it is out
+                    deferred = pipeline.deferred
+                    with self._lock:
+                        ready = self._submit(context, generation, deferred,
+                                             started.get(deferred.step_id, (None,))[0], pipeline.resume,
+                                             current)
+                    yield from answers(ready)
+            except StepRaised as exc:
+                failed = exc.error
+                for span, _ in started.values():
+                    self.tracer.end(span, error=exc)
+                started.clear()
+                for step_id in unanswered:
+                    yield pb.StepResult(step_id=step_id, error=failed)
+                unanswered.clear()
+        if failed is None:
+            with self._lock:
+                ready = pipeline.drain()
+            yield from ready
 
-    def _submit(self, context, generation, step, span, call):
+    def _submit(self, context, generation, step, span, call, current):
         """``call`` (the pipeline's, for ``step``) under the lock; a superseded stream, a
         protocol mistake or a device error ends the stream with its status."""
         metrics, tracer = self.metrics, self.tracer
+        current[0] = step.step_id   # (launch and finish name theirs, maybe the step before)
         if generation != self._generation:
             tracer.end(span, error=RuntimeError("superseded"))
             metrics.errors.labels("ABORTED").inc()
@@ -141,12 +191,15 @@ class WorkerService(pb_grpc.WorkerServicer):
             metrics.errors.labels("INVALID_ARGUMENT").inc()
             self.worker.runner.reset()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {step.step_id}: {exc}")
-        except Exception as exc:  # device errors: report, do not kill the process
-            log.exception("step %d failed", step.step_id)
+        except Exception as exc:  # a bug or a device error: answered, the stream goes on
+            message = (str(exc).strip().splitlines() or [""])[0][:ERROR_MESSAGE_CHARS]
+            log.error("step %d raised %s; every sequence is forgotten and the control plane told",
+                      current[0], type(exc).__name__, exc_info=exc)
             tracer.end(span, error=exc)
             metrics.errors.labels("INTERNAL").inc()
             self.worker.runner.reset()
-            context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {exc!r}")
+            raise StepRaised(pb.StepError(step_id=current[0], error_class=type(exc).__name__,
+                                          message=message)) from None
 
     def LoadAdapter(self, request, context):
         """Reads a LoRA adapter into the host cache, beside the steps (not under their lock)."""

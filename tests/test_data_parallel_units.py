@@ -254,3 +254,29 @@ def test_each_core_bounds_its_own_queue_and_placement_passes_a_full_one():
     other = make_request(8)
     router.submit(other)                                 # a core refuses it with its own reason
     assert any(other.request_id in c.requests for c in router.clients)
+
+
+def test_a_lost_cores_requests_wait_for_it_when_no_other_core_is_ready():
+    import asyncio
+
+    from headrace.controlplane.frontend.router import CoreRouter
+    from headrace.controlplane.frontend.placement import Placement
+    from tests.test_scheduler import make_request
+
+    async def main():
+        router = CoreRouter(["unix:/c0", "unix:/c1"], 0, None, placement=Placement("round-robin"))
+        c0, c1 = router.clients
+        c0.connected = True
+        c0._set_state(cpb.CoreState(healthy=True, loaded=True))
+        request = make_request(8, n=2)
+        router.submit(request)
+        assert request.request_id in c0.requests
+        request.sequences[0].output_token_ids = [5, 6]   # what its samples had got
+        c0._lost()                                        # core 0 gone, core 1 not ready either
+        assert request.failure is None and len(c0.parked) == 1 and request.request_id in router.requests
+        c0.connected = True
+        c0._set_state(cpb.CoreState(healthy=True, loaded=True))   # back: resubmitted with its tokens
+        assert not c0.parked and request.request_id in c0.requests
+        (submit,) = c0._up.submits
+        assert [list(r.output_token_ids) for r in submit.resumed] == [[5, 6], []]
+    asyncio.run(main())

@@ -151,3 +151,27 @@ def test_fast_text_events_equal_the_full_chunks(chat):
         assert event.startswith(b"data: ") and event.endswith(b"\n\n") and event.count(b"\n") == 2
         expected = fmt.chunk(3, msg, False) | ({"usage": None} if usage else {})
         assert json.loads(event[6:]) == expected and expected["choices"][0]["index"] == 7
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"max_tokens": True}, "max_tokens"), ({"n": "2"}, "n"), ({"stream": "yes"}, "stream"),
+    ({"stream": 1}, "stream"), ({"seed": "7"}, "seed"), ({"temperature": "0.5"}, "temperature"),
+    ({"logprobs": True}, "logprobs"), ({"ignore_eos": "false"}, "ignore_eos"),
+    ({"prompt": [1, True]}, "prompt"), ({"top_k": 2.5}, "top_k"),
+])
+def test_wrong_json_types_are_refused_naming_the_field(body, field):
+    import pydantic
+
+    with pytest.raises(pydantic.ValidationError) as err:
+        CompletionRequest.model_validate_json(json.dumps({"prompt": "x", **body}))
+    assert err.value.errors()[0]["loc"][0] == field
+
+
+def test_json_numbers_take_the_field_type_they_can_be():
+    body = CompletionRequest.model_validate_json(json.dumps(
+        {"prompt": [1, 2.0], "max_tokens": 16.0, "n": 2, "temperature": 1, "top_p": 1}))
+    assert body.prompt == [1, 2] and body.max_tokens == 16 and body.temperature == 1.0
+    assert isinstance(body.max_tokens, int) and isinstance(body.temperature, float)
+    chat = ChatCompletionRequest.model_validate_json(json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2.0}))
+    assert chat.logprobs is True and chat.top_logprobs == 2

@@ -93,3 +93,28 @@ def test_the_backoff_starts_over_once_a_group_has_served_long_enough():
     finally:
         children.stop()
     assert list(children.delays)[:3] == [0.1, 0.1, 0.1]
+
+
+def test_a_group_the_core_reports_hung_is_killed_and_restarted():
+    starts: list[float] = []
+    hung = threading.Event()
+
+    def argvs():
+        starts.append(time.monotonic())
+        return [_child("import time; time.sleep(60)")]   # alive, never exits by itself
+
+    metrics = ControlPlaneMetrics()
+    children = DataPlaneChildren(argvs, {}, poll_s=0.02, ready=lambda: True, metrics=metrics,
+                                 backoff=(0.05, 0.1), hung=hung.is_set, hung_poll_s=0.05)
+    try:
+        assert _wait(lambda: children._serving_since is not None)
+        first = children.children[0]
+        time.sleep(0.2)
+        assert len(starts) == 1 and first.poll() is None   # not hung: left alone
+        hung.set()
+        assert _wait(lambda: len(starts) == 2)
+        hung.clear()
+        assert first.poll() is not None and children.killed_hung == 1
+        assert metrics.registry.get_sample_value("headrace:dataplane_restarts_total", {"cause": "hung"}) == 1
+    finally:
+        children.stop()

@@ -16,12 +16,13 @@ import logging
 import os
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from headrace.common.grpc_options import CORE_MAX_MESSAGE_BYTES, server_options
 from headrace.common.metrics import multiprocess_registry
 from headrace.controlplane.core import security as core_link
 from headrace.controlplane.frontend import dp_metrics
+from headrace.controlplane.engine import step_watchdog
 from headrace.controlplane.admin import AdminService
 from headrace.controlplane.core.plane import EnginePlane
 from headrace.controlplane.core.service import EngineCoreService
@@ -67,12 +68,20 @@ class CoreServer:
         apb_grpc.add_AdminServicer_to_server(admin, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._background = BackgroundTasks()
-        self.plane.on_change.append(
-            lambda: self._background.spawn(set_health(self.health, self.engine.ready)))
+        self.plane.on_change.append(lambda: self._background.spawn(self._sync_health()))
         self.port = 0
+
+    async def _sync_health(self) -> None:
+        """Inference as the engine's readiness; the step watchdog's service NOT_SERVING while a
+        data plane step hangs (``headrace serve`` then restarts the data plane)."""
+        await set_health(self.health, self.engine.ready)
+        await self.health.set(step_watchdog.HEALTH_SERVICE,
+                              health_pb2.HealthCheckResponse.NOT_SERVING if self.engine.watchdog.hung
+                              else health_pb2.HealthCheckResponse.SERVING)
 
     async def start(self, ready_timeout: float = 600.0) -> None:
         await set_health(self.health, False)
+        await self.health.set(step_watchdog.HEALTH_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         self.port = core_link.bind(self.server, self.address, self.tls)
         if self.port == 0:
             raise RuntimeError(f"cannot bind {self.address}")

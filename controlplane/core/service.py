@@ -86,7 +86,8 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
                             loaded=engine.scheduler is not None and engine.info is not None,
                             model_dir=plane.model_dir, max_model_len=engine.max_model_len,
                             max_queued=engine.max_queued,
-                            default_stream_interval=engine.config.stream_interval)
+                            default_stream_interval=engine.config.stream_interval,
+                            unhealthy_reason=(engine.trouble or "") if engine.connected else "")
         if msg.loaded:
             msg.info.CopyFrom(engine.info)
             msg.model_info.CopyFrom(model_info(engine, self.tp))
@@ -140,10 +141,12 @@ class EngineCoreService(cpb_grpc.EngineCoreServicer):
         if engine.draining:
             return grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica"
         if not engine.healthy or engine.scheduler is None:
-            return grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)"
-        refusal = limits.queue_refusal(engine.max_queued, engine.scheduler.num_queued, len(submit.sampling))
-        if refusal:
-            return refusal
+            why = engine.trouble if engine.connected and engine.trouble else "loading or data plane down"
+            return grpc.StatusCode.UNAVAILABLE, f"model is not ready ({why})"
+        if not submit.resumed:   # (admitted before its core was lost: not refused now)
+            refusal = limits.queue_refusal(engine.max_queued, engine.scheduler.num_queued, len(submit.sampling))
+            if refusal:
+                return refusal
         if submit.request_id in engine.requests:
             return grpc.StatusCode.INVALID_ARGUMENT, f"request_id {submit.request_id!r} is already in use"
         if not submit.sampling or len(submit.prompt_token_ids) + submit.max_tokens > engine.max_model_len:

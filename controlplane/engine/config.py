@@ -25,6 +25,11 @@ class EngineConfig:
     reconnect_interval_s: float = 1.0
     pipeline_depth: int = 3            # steps in flight; 1 = no overlap (each step answered at once)
     outage_deadline_s: float = 60.0    # requests wait this long for a lost data plane to return
+                                       # (or for one whose steps keep raising to recover)
+    step_timeout_floor_s: float = 5.0  # a step owed longer (and far longer than any of its size)
+                                       # while the data plane does not answer: NOT_SERVING
+    step_hang_timeout_s: float = 60.0  # stalled this long: hung, serve restarts the data plane
+                                       # (0: never)
     stream_interval: int = 1           # tokens per streamed message at least, unless a request says
     preemption_mode: str = "recompute"  # or "swap": a victim's KV waits in the host KV tier
     kv_offloading_policy: str = "auto"  # host-tier hits: loaded where cheaper (always, never; off: no tier)

@@ -35,6 +35,7 @@ class Sent(typing.NamedTuple):
     step: ScheduledStep
     traced: object       # the step's tracing state (None when it is not traced)
     at: float            # time.perf_counter() when it was sent
+    step_id: int = 0
 
 
 class InFlightSteps:
@@ -50,6 +51,8 @@ class InFlightSteps:
         # bitmasks are not sent yet, oldest first
         self._late: collections.deque[list] = collections.deque()
         self._result: asyncio.Task | None = None   # the oldest step's result, being read
+        self.answered_at = time.perf_counter()     # when the last result came (the watchdog's)
+        self.on_answer = None   # called with (step, seconds the worker took) per result
 
     def __len__(self) -> int:
         return len(self._sent)
@@ -96,7 +99,20 @@ class InFlightSteps:
             stages.stamp(f"step:{msg.step_id}", "scheduled", at=scheduled)
             stages.stamp(f"step:{msg.step_id}", "sent")
         self._last_flushed = msg.flush
-        self._sent.append(Sent(step, traced, time.perf_counter()))
+        self._sent.append(Sent(step, traced, time.perf_counter(), msg.step_id))
+
+    def in_flight(self) -> list[tuple[int, ScheduledStep]]:
+        """(step id, step) of every step sent and not answered, the oldest first."""
+        return [(s.step_id, s.step) for s in self._sent]
+
+    def waiting_since(self) -> tuple[float, int, ScheduledStep] | None:
+        """Since when (perf_counter) the workers owe the oldest step's answer (its send, or the
+        answer before it, whichever came last), its id and the step; None with nothing in
+        flight."""
+        if not self._sent:
+            return None
+        oldest = self._sent[0]
+        return max(oldest.at, self.answered_at), oldest.step_id, oldest.step
 
     async def send_late_bitmask(self) -> bool:
         """After a fold: the bitmasks of the step waiting for them, once it is the oldest step
@@ -146,13 +162,18 @@ class InFlightSteps:
         else:
             await self._ask()
             result = await self.workers.receive()
+        now = time.perf_counter()
+        sent = self._sent.popleft()
+        if self.on_answer is not None and not result.HasField("error"):
+            self.on_answer(sent.step, now - max(sent.at, self.answered_at))
+        self.answered_at = now
         if result.profile_reports:
             self.profiler.received(result)
         if stage_times.STAGES is not None:
             stage_times.STAGES.stamp(f"step:{result.step_id}", "result", execute_ms=result.execute_ms,
                                      device_ms=result.device_ms, sample_ms=result.sample_ms,
                                      idle_ms=result.device_idle_ms)
-        return self._sent.popleft(), result
+        return sent, result
 
     async def flush(self) -> None:
         """Sends an empty step that makes the workers answer the one they hold back (and
@@ -163,7 +184,7 @@ class InFlightSteps:
             late[2] += 1
         await self.workers.send(msg)
         self._last_flushed = True
-        self._sent.append(Sent(ScheduledStep(), None, time.perf_counter()))
+        self._sent.append(Sent(ScheduledStep(), None, time.perf_counter(), msg.step_id))
 
     def close(self) -> None:
         """The loop ends: a result still being read is not awaited any more."""

@@ -9,6 +9,12 @@ A request with a structured-output constraint reaches the scheduler once its gra
 (``headrace.controlplane.structured``, off the loop); each step then carries its constrained rows'
 token bitmasks, and their matchers consume the tokens folded in.
 
+A step the data plane reports it raised (``StepResult.error``) is not an outage:
+``headrace.controlplane.engine.step_failures`` finds the requests that cause it and fails only those, or
+holds everything while the worker is broken; ``headrace.controlplane.engine.step_watchdog`` marks the engine
+unhealthy while a step takes far longer than any of its size before it and the data plane does
+not answer (``healthy`` is the workers connected and neither of them in trouble).
+
 Requests are woken after the next step is sent (the device is fed before clients are), except
 in an engine core (``flush_woken``): there waking them is one message per front end, so while
 another step is still in flight (the device stays busy) a folded step's news goes out first.
@@ -24,7 +30,7 @@ import time
 
 import grpc
 
-from headrace.controlplane.engine import deterministic
+from headrace.common import failpoints
 from headrace.controlplane.requests import limits
 from headrace.controlplane.engine import sizing, speculation, step_codec
 from headrace.controlplane.engine.config import EngineConfig
@@ -35,9 +41,12 @@ from headrace.controlplane.engine.profiling import Profiler
 from headrace.controlplane.requests.request import Failure, Request, Sequence
 from headrace.controlplane.scheduling.scheduler import Scheduler
 from headrace.controlplane.scheduling.step import ScheduledStep
+from headrace.controlplane.engine.step_failures import StepFailed, StepFailures
+from headrace.controlplane.engine.step_watchdog import StepWatchdog
 from headrace.controlplane.structured.outputs import StructuredOutputs
 from headrace.controlplane.engine.telemetry import EngineTelemetry
 from headrace.controlplane.engine.worker_client import WorkerError, WorkerGroup
+from headrace.controlplane.engine import deterministic
 from headrace.controlplane.lora.registry import LoraAdapters
 from headrace.worker.v1 import worker_pb2 as wpb
 from headrace.v1 import inference_pb2 as pb
@@ -57,7 +66,8 @@ class Engine(EngineOutages):
         self.info: wpb.WorkerInfo | None = None
         self.scheduler: Scheduler | None = None
         self.max_model_len = 0
-        self.healthy = False
+        self.connected = False   # the workers' step streams are open (else: reconnecting)
+        self._reported_healthy = (False, False)   # (healthy, watchdog.hung) as last told
         self.requests: dict[str, Request] = {}
         self.seq_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
@@ -74,12 +84,15 @@ class Engine(EngineOutages):
         self.model_dir: str | None = None   # whose tokenizer grammars compile for (EnginePlane)
         self.structured = StructuredOutputs(config.structured_outputs_backend)
         self.lora = LoraAdapters(config.lora_modules, self)   # the LoRA adapters served (docs/lora.md)
+        self.faults = StepFailures(self)      # steps the data plane reports it raised
+        self.watchdog = StepWatchdog(self)    # steps that take far too long
 
     async def start(self, timeout: float = 600.0) -> None:
         self._build(await self.workers.describe(timeout))
         await self.workers.open()
         self._set_healthy(True)
         self._task = asyncio.create_task(self._loop(), name="headrace-engine")
+        self.watchdog.start()
 
     def _build(self, infos: list[wpb.WorkerInfo]) -> None:
         """(Re)builds the KV block pool and the scheduler for what the workers serve."""
@@ -110,11 +123,6 @@ class Engine(EngineOutages):
     def ready(self) -> bool:
         """The model is loaded, the data plane answers and requests are admitted."""
         return self.healthy and not self.draining and self.scheduler is not None
-
-    def _set_healthy(self, healthy: bool) -> None:
-        changed, self.healthy = healthy != self.healthy, healthy
-        if changed and self.on_health_change is not None:
-            self.on_health_change()
 
     async def _stop_loop(self) -> None:
         if self._task:
@@ -179,8 +187,12 @@ class Engine(EngineOutages):
         self.admit(request)
 
     def admit(self, request: Request) -> None:
-        """Hands a submitted request's sequences to the scheduler."""
-        self.scheduler.add(request.sequences)
+        """Hands a submitted request's sequences to the scheduler (held while a failed step's
+        sequences are tested apart)."""
+        if self.faults.active:
+            self.faults.hold(request)
+        else:
+            self.scheduler.add(request.sequences)
         self._wake.set()
 
     def abort(self, request: Request) -> None:
@@ -198,6 +210,7 @@ class Engine(EngineOutages):
         self._wake.set()
 
     async def stop(self) -> None:
+        await self.watchdog.stop()
         await self._stop_loop()
         self.fail_all(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         await self.workers.close()
@@ -217,13 +230,18 @@ class Engine(EngineOutages):
         event can change that."""
         self._inflight = inflight = InFlightSteps(self.workers, self.telemetry,
                                                   self.config.pipeline_depth, self._step_ids, self.profiler)
+        inflight.on_answer = self.watchdog.observe
         try:
             while True:
-                if not self.healthy:
+                if not self.connected:
                     self._wake_requests()
                     await self._reconnect()
                     continue
                 try:
+                    if failpoints.ACTIVE:
+                        failpoints.hit("core.loop")
+                    if self.faults.active:
+                        self.faults.check()
                     step = None
                     # a speculating step runs alone: the sequences' tokens must all be known
                     speculate = self.scheduler.may_speculate()
@@ -248,6 +266,9 @@ class Engine(EngineOutages):
                         await self._fold_oldest()
                 except WorkerError as exc:
                     self._workers_lost(exc)
+                except StepFailed as exc:   # the worker is there: find what makes it raise
+                    self._wake_requests()
+                    await self.faults.step_failed(exc)
                 except Exception as exc:   # a bug: its requests fail, the engine starts afresh
                     await self._loop_failed(exc)
         finally:
@@ -255,6 +276,8 @@ class Engine(EngineOutages):
 
     async def _fold_oldest(self) -> None:
         sent, result = await self._inflight.receive()
+        if result.HasField("error"):   # the step raised: every step in flight is lost
+            raise StepFailed(result.error, [(sent.step_id, sent.step)] + self._inflight.in_flight())
         t2 = time.perf_counter()
         if sent.traced is not None or not sent.step.empty:
             emitted = self._fold(sent.step, result)
@@ -325,6 +348,7 @@ class Engine(EngineOutages):
     def _finish(self, seq: Sequence, reason: int) -> None:
         self.structured.release(seq)
         self.scheduler.finish(seq, reason)
-        self.telemetry.seq_finished(seq, reason)
+        if not getattr(seq.request, "internal", False):   # (not the step failures' canary)
+            self.telemetry.seq_finished(seq, reason)
         if seq.request.finished and self.requests.pop(seq.request_id, None) is not None:
             self.telemetry.request_done(seq.request)

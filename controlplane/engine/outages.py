@@ -1,7 +1,9 @@
-"""What the engine loop does when it cannot go on: the data plane is lost (its requests are kept for
-recompute and fail only past ``outage_deadline_s``), or the loop itself hits an error (its requests
-fail with INTERNAL and it starts afresh). A mixin of ``headrace.controlplane.engine.loop. Engine``:
-it reads and changes the engine's state (its in-flight steps, scheduler, requests and health)."""
+"""What the engine loop does when it cannot go on: the data plane is lost (its requests are
+kept for recompute and fail only past ``outage_deadline_s``), or the loop itself hits an error
+(its requests fail with INTERNAL and it starts afresh); and the engine's health: the workers
+connected, and neither the step failures (``headrace.controlplane.engine.step_failures``) nor the step watchdog
+(``headrace.controlplane.engine.step_watchdog``) in trouble. A mixin of ``headrace.controlplane.engine.loop.Engine``: it reads
+and changes the engine's state (its in-flight steps, scheduler, requests and health)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,38 @@ log = logging.getLogger("headrace.engine")
 
 
 class EngineOutages:
+    @property
+    def trouble(self) -> str | None:
+        """Why the engine cannot serve although the workers are connected (None: it can)."""
+        return self.faults.reason or self.watchdog.reason
+
+    @property
+    def healthy(self) -> bool:
+        """The workers are connected and run steps."""
+        return self.connected and self.trouble is None
+
+    def _set_healthy(self, connected: bool) -> None:
+        self.connected = connected
+        self._health_changed()
+
+    def _health_changed(self) -> None:
+        """Calls ``on_health_change`` when ``healthy`` (or the watchdog's state) changed."""
+        state = (self.healthy, self.watchdog.hung)
+        if state != self._reported_healthy:
+            self._reported_healthy = state
+            if self.on_health_change is not None:
+                self.on_health_change()
+
+    def _wake_after(self, delay: float) -> None:
+        """Wakes the loop in ``delay`` seconds (one timer at a time: the earliest asked for)."""
+        loop = asyncio.get_running_loop()
+        due, timer = loop.time() + delay, getattr(self, "_wake_timer", None)
+        if timer is not None and not timer.cancelled() and timer.when() <= due and timer.when() > loop.time():
+            return
+        if timer is not None:
+            timer.cancel()
+        self._wake_timer = loop.call_at(due, self._wake.set)
+
     def _workers_lost(self, exc: WorkerError) -> None:
         self._inflight.fail(exc)
         log.error("worker group failed: %s; keeping %d requests for recompute", exc, len(self.requests))

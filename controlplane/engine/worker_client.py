@@ -171,7 +171,11 @@ class WorkerGroup:
     async def receive(self) -> pb.StepResult:
         """The result of the oldest step sent and not yet received (rank 0's answer)."""
         try:
-            results = [await call.read() for call in self._calls]
+            results = []
+            for call in self._calls:
+                results.append(await call.read())
+                if results[-1] is not grpc.aio.EOF and results[-1].HasField("error"):
+                    return results[-1]   # a rank's step raised: the others' answers do not matter
         except grpc.aio.AioRpcError as exc:
             raise WorkerError(f"data plane step failed: {exc.code().name}: {exc.details()}") from exc
         except asyncio.InvalidStateError as exc:
@@ -182,6 +186,21 @@ class WorkerGroup:
             if other.profile_reports:
                 results[0].profile_reports.extend(other.profile_reports)
         return results[0]
+
+    async def alive(self, timeout: float) -> bool:
+        """Whether every worker answers a health check within ``timeout`` seconds (a stopped
+        or wedged process does not; one busy with a long step does: its server threads do)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        async def one(channel):
+            try:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                timeout=timeout)
+                return True
+            except grpc.aio.AioRpcError:
+                return False
+
+        return all(await asyncio.gather(*(one(c) for c in self._channels)))
 
     async def close(self) -> None:
         await self.close_streams()

@@ -7,8 +7,13 @@ down are appended to them, stop strings are matched here (a match finishes the s
 the core), and the client's handler builds its responses from them as in one process.
 
 Submissions and aborts are batched into one ``Up`` message per event-loop turn. While the core
-is unreachable every request fails UNAVAILABLE and ``healthy`` is False; the stream is opened
-again (``wait_for_ready``) as soon as the core answers. The stream goes over TLS and carries the
+is unreachable ``healthy`` is False (NOT_SERVING) and new requests fail UNAVAILABLE; the stream
+is opened again (``wait_for_ready``) as soon as the core answers. The requests it was serving
+are kept (``headrace.controlplane.frontend.resume``): once the restarted core is ready each is submitted
+again with the tokens its samples had (``Submit.resumed``), and its client's stream goes on
+where it stopped, the same tokens as without the crash (greedy, or seeded: the noise is a
+function of the seed and the token's index); one the core cannot take back, or that waits
+longer than ``resume_deadline_s``, fails UNAVAILABLE. The stream goes over TLS and carries the
 core secret as ``headrace.controlplane.core.security`` says.
 
 Under data parallelism (``headrace.controlplane.frontend.router``, one client per core) the client
@@ -34,6 +39,7 @@ from headrace.common.logs import get_logger
 from headrace.controlplane.core import security as core_link
 from headrace.controlplane.kv.cache_summary import CacheView
 from headrace.controlplane.frontend.down import DownMessages
+from headrace.controlplane.frontend.resume import Parked
 from headrace.controlplane.frontend.placement import load_score
 from headrace.controlplane.requests.request import Failure, Request
 from headrace.core.v1 import core_pb2 as cpb
@@ -57,8 +63,9 @@ class _QueueView:
 class CoreClient(DownMessages):
     def __init__(self, address: str, index: int, metrics, on_change=None, *,
                  credentials: grpc.ChannelCredentials | None = None, secret: str | None = None,
-                 placement: bool = False):
+                 placement: bool = False, resume_deadline_s: float = 60.0):
         self.address, self.index, self.placement = address, index, placement
+        self.parked = Parked(self, resume_deadline_s)   # kept through a core restart
         self.credentials, self.metadata = credentials, core_link.metadata(secret)
         self.telemetry = types.SimpleNamespace(metrics=metrics)
         self.config = types.SimpleNamespace(max_queued=0, stream_interval=1)
@@ -105,7 +112,14 @@ class CoreClient(DownMessages):
         """The core's LoRA adapters, as it last pushed them (``CoreState.lora_adapters``)."""
         return list(self.state.lora_adapters)
 
-    # -- what placement reads (headrace.controlplane.frontend.placement.Candidate) -------------------------------
+    @property
+    def trouble(self) -> str | None:
+        """Why the core cannot serve (None: it can, or is loading)."""
+        if not self.connected:
+            return "the engine core is unavailable (restarting?)"
+        return self.state.unhealthy_reason or None
+
+    # -- what placement reads (headrace.controlplane.frontend.placement.Candidate) -----------
     @property
     def load(self) -> int:
         """The core's last reported load plus what was placed on it since, or at least this
@@ -161,6 +175,7 @@ class CoreClient(DownMessages):
 
     def abort(self, request: Request) -> None:
         """The client left (or its request ended): the core drops it, if it still runs."""
+        self.parked.drop(request)
         if self.requests.pop(request.request_id, None) is None:
             return
         handle = getattr(request, "core_handle", None)
@@ -180,6 +195,7 @@ class CoreClient(DownMessages):
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         self._lost()
+        self.parked.fail_all(CORE_DOWN)
 
     async def _run(self) -> None:
         delay = RETRY_FIRST_S   # between attempts: doubles while they fail, reset once connected
@@ -223,8 +239,9 @@ class CoreClient(DownMessages):
             yield msg
 
     def _lost(self) -> None:
-        """The core is gone: every request fails UNAVAILABLE (its blocks went with the core, or
-        the core aborts them when it sees the stream end), or resumes elsewhere (``on_lost``)."""
+        """The core is gone (its blocks went with it, or it aborts them when it sees the stream
+        end): every request waits for it to come back (``parked``), or resumes elsewhere
+        (``on_lost``); when this front end stops, they fail UNAVAILABLE."""
         was = self.connected
         self.connected = False
         self._up = cpb.Up()
@@ -235,12 +252,14 @@ class CoreClient(DownMessages):
         self._by_handle.clear()
         if self.on_lost is not None and not self._stopping:
             self.on_lost(self, requests)
+        elif not self._stopping:
+            self.parked.keep(requests)
         else:
             for request in requests:
                 request.fail(Failure(grpc.StatusCode.UNAVAILABLE, CORE_DOWN))
         if was and not self._stopping:
-            log.error("lost the engine core", address=self.address, requests=len(requests),
-                      resumed_elsewhere=self.on_lost is not None)
+            log.error("lost the engine core; its requests wait for it", address=self.address,
+                      requests=len(requests), resumed_elsewhere=self.on_lost is not None)
         if was:
             self._changed()
 
@@ -260,4 +279,7 @@ class CoreClient(DownMessages):
             self.scheduler = None
         if model_changed:
             log.info("the engine core serves another model", model=state.model_dir)
+            self.parked.fail_all("the engine core restarted with another model")
+        if self.parked and self.ready:
+            self.parked.resubmit()
         self._changed()

@@ -12,8 +12,9 @@ for the request path, as one ``CoreClient`` does for one core.
   fails a request UNAVAILABLE (shutting down, draining alone, not ready): its requests resume
   on another ready core with the tokens their samples had generated (``Submit.resumed``:
   nothing the client received is sent again, nothing is lost; each request tries every core
-  once at most), and new requests avoid it until it is back. With no other core ready, a lost core's requests fail
-  UNAVAILABLE and an unhealthy core keeps its own (it resumes them when its data plane is back).
+  once at most), and new requests avoid it until it is back. With no other core ready, a lost
+  core's requests wait for it to come back (``headrace.controlplane.frontend.resume``) and an unhealthy
+  core keeps its own (it resumes them when its data plane is back).
 - Queues: each core bounds its own queue (``--max-queued``) and refuses what would pass it
   (``headrace.controlplane.core.service``). Placement leaves out a core whose queue, as it last pushed
   it, has no room for the request while another's has; a core that refuses it
@@ -75,9 +76,10 @@ class _Unready:
 class CoreRouter:
     def __init__(self, addresses: list[str], index: int, metrics, on_change=None, *,
                  credentials: grpc.ChannelCredentials | None = None, secret: str | None = None,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, resume_deadline_s: float = 60.0):
         self.clients = [CoreClient(address, index, metrics, on_change=self._changed,
-                                   credentials=credentials, secret=secret, placement=True)
+                                   credentials=credentials, secret=secret, placement=True,
+                                   resume_deadline_s=resume_deadline_s)
                         for address in addresses]
         for client in self.clients:
             client.on_lost, client.on_failed = self._resume, self._failed
@@ -194,6 +196,9 @@ class CoreRouter:
             cores = [_Unready() if i in full else c for i, c in enumerate(cores)]
         cores = self._lora_warm(request, cores)
         choice = self.placement.choose(cores, hashes)
+        if choice is None and lost is not None and not lost._stopping:
+            lost.parked.keep([request])   # no other core: it waits for its own to come back
+            return
         if choice is None:
             self.requests.pop(request.request_id, None)
             self._core_of.pop(request.request_id, None)

@@ -37,6 +37,7 @@ from headrace.controlplane.lora.api import LoraAdmin
 from headrace.controlplane.server import (ADMIN, BackgroundTasks, public_server, request_limits,
                                           set_health, warn_if_open)
 from headrace.controlplane.service import NOT_READY, InferenceService
+from headrace.controlplane.shutdown import end_streams
 from headrace.controlplane.requests.tokenizer import ModelTokenizer
 
 log = logging.getLogger("headrace.frontend")
@@ -64,7 +65,8 @@ class FrontEnd:
                  admin_insecure_loopback: bool = False,
                  max_model_len: int | None = None,
                  core_credentials: grpc.ChannelCredentials | None = None,
-                 core_secret: str | None = None, placement: Placement | None = None):
+                 core_secret: str | None = None, placement: Placement | None = None,
+                 outage_deadline: float = 60.0, drain_timeout: float = 10.0):
         cores = core_address.split(",") if isinstance(core_address, str) else list(core_address)
         for core in cores:
             core_link.check(core, core_credentials is not None, core_secret)
@@ -75,11 +77,13 @@ class FrontEnd:
         changed = lambda: self._background.spawn(self._core_changed())  # noqa: E731
         if len(cores) == 1:
             self.client = CoreClient(cores[0], index, self.metrics, on_change=changed,
-                                     credentials=core_credentials, secret=core_secret)
+                                     credentials=core_credentials, secret=core_secret,
+                                     resume_deadline_s=outage_deadline)
         else:
             self.client = CoreRouter(cores, index, self.metrics, on_change=changed,
                                      credentials=core_credentials, secret=core_secret,
-                                     placement=placement)
+                                     placement=placement, resume_deadline_s=outage_deadline)
+        self.drain_timeout = drain_timeout
         tokenizer = ModelTokenizer(model_dir)
         self.requests = RequestPath(self.client, model_dir, tokenizer,
                                     chat_template=chat_template, generation_config=generation_config,
@@ -126,8 +130,12 @@ class FrontEnd:
         log.info("front end %d listening on %s%s", self.index, self.address,
                  f" and HTTP {self.http.host}:{self.http.port}" if self.http else "")
 
-    async def stop(self, grace: float = 10.0) -> None:
+    async def stop(self, grace: float | None = None) -> None:
+        """Ends every open stream as ``headrace.controlplane.shutdown`` says (``grace``: the drain
+        timeout, default the front end's), then stops the servers."""
         await set_health(self.health, False)
+        await end_streams(self.requests, self.drain_timeout if grace is None else grace)
+        grace = 1.0
         stops = [self.server.stop(grace)] + ([self.http.stop(grace)] if self.http else [])
         await asyncio.gather(*stops)
         await self.client.stop()

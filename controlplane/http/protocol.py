@@ -3,20 +3,32 @@ tokenize, detokenize) with vLLM's sampling extras, and the OpenAI error object. 
 are ignored, as OpenAI's and vLLM's servers do; fields headrace cannot honour are refused by
 ``convert`` with a 400 naming them. Every integer is bounded by the range of the protobuf field
 it becomes (``Int32``, ``TokenId``): a larger one (``max_tokens: 1e20``) is a 400 naming it,
-never a 500 from the conversion."""
+never a 500 from the conversion. Types are strict, as JSON says them: a boolean where an integer
+is expected (``"max_tokens": true``), a string for a number (``"n": "2"``) or for a boolean
+(``"stream": "yes"``) is a 400 naming the field; an integral number written as a float (``2.0``)
+is taken as the integer, an integer where a float is expected as that float."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-Int32 = Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)]
-TokenId = Annotated[int, Field(ge=0, lt=1 << 32)]
+
+def _integral(value):
+    """2.0 is the integer 2 (JSON has one number type); anything else goes to the strict check."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+Int32 = Annotated[Int, Field(ge=-(1 << 31), lt=1 << 31)]
+TokenId = Annotated[Int, Field(ge=0, lt=1 << 32)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -28,9 +40,9 @@ class _Sampling(_Body):
     max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = Field(1, ge=1, lt=1 << 32)   # at most the server's --max-n (headrace.controlplane.requests.validation)
+    n: Int = Field(1, ge=1, lt=1 << 32)   # at most the server's --max-n (headrace.controlplane.requests.validation)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=1 << 64)
+    seed: Int | None = Field(None, ge=0, lt=1 << 64)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -57,11 +69,11 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]   # ids: checked by ``convert``
-    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt: Union[str, list[str], list[Int], list[list[Int]]]   # ids: checked by ``convert``
+    logprobs: Int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
 
 class TextPart(_Body):
@@ -80,7 +92,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None   # false: tool_choice "required" makes one call

@@ -27,11 +27,11 @@ import grpc
 import structlog
 from opentelemetry import trace
 
-from headrace.common import stage_times, tracing
+from headrace.common import failpoints, stage_times, tracing
+from headrace.controlplane.lora import api as lora_api
 from headrace.common.logs import get_logger
 from headrace.common.security import DEFAULT_TENANT, ApiTokens
 from headrace.controlplane.requests import chat_input, limits
-from headrace.controlplane.lora import api as lora_api
 from headrace.controlplane.requests.chat_template import ChatTemplate, ChatTemplateError
 from headrace.controlplane.engine.loop import Engine
 from headrace.controlplane.requests.sampling_defaults import SamplingDefaults
@@ -73,6 +73,8 @@ class RequestPath:
         self.chat_template_file = chat_template
         self.generation_config = generation_config
         self.tracer = tracing.get_tracer("headrace.controlplane")   # None: tracing off
+        self.active: set = set()        # requests whose stream is open (``headrace.controlplane.shutdown``)
+        self.shutting_down = False      # no request is admitted any more
         self.set_model(model_dir, tokenizer)
 
     def load_assets(self, model_dir: str) -> tuple[ChatTemplate | None, SamplingDefaults]:
@@ -91,10 +93,13 @@ class RequestPath:
 
     # -- readiness -------------------------------------------------------------------------
     def check_ready(self) -> None:
+        if self.shutting_down:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another replica")
         if self.engine.draining:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
         if not self.engine.healthy or self.engine.scheduler is None:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "model is not ready (loading or data plane down)")
+            why = getattr(self.engine, "trouble", None) or "loading or data plane down"
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"model is not ready ({why})")
 
     def base_names(self) -> set[str]:
         """The names a request's ``model`` may give the base model by."""
@@ -215,6 +220,7 @@ class RequestPath:
                 self._failed(api, method, exc)
                 raise
             reason = None
+            self.active.add(req)
             try:
                 while not req.delivered:
                     responses = await req.next_responses()
@@ -226,6 +232,8 @@ class RequestPath:
                         stages = None
                     if req.delivered and not _aborted(req):
                         latency.finished(now)
+                    if failpoints.ACTIVE:
+                        failpoints.hit("frontend.stream", request_id=req.request_id)
                     for msg in responses:
                         yield msg
             except RequestError as exc:
@@ -233,6 +241,13 @@ class RequestPath:
                 reason = "refused" if exc.code == grpc.StatusCode.INVALID_ARGUMENT else "server_abort"
                 self._failed(api, method, exc)
                 raise
+            except Exception as exc:   # a bug while streaming: this stream fails with a status
+                log.error("stream failed", error=type(exc).__name__, exc_info=exc)
+                reason, error = "server_abort", RequestError(
+                    grpc.StatusCode.INTERNAL, f"internal error in the front end ({type(exc).__name__}); "
+                                              "the request was not completed")
+                self._failed(api, method, error)
+                raise error from None
             finally:
                 if reason is None and not req.delivered:
                     reason = gone_reason()
@@ -240,6 +255,7 @@ class RequestPath:
                     reason = "server_abort"   # drained or reloaded: a last ABORTED response
                 if reason not in (None, "refused"):
                     self._abandoned(req, api, reason)
+                self.active.discard(req)
                 self.engine.abort(req)   # no-op when finished; frees the blocks when the client left
 
     def check_queue(self, weight: int = 1) -> None:

@@ -29,6 +29,8 @@ class Status(enum.Enum):
     RUNNING = 2
     FINISHED = 3
     GRAMMAR = 4        # its structured-output grammar compiles: not yet with the scheduler
+    HELD = 5           # kept out of the scheduler while a failed step's sequences are tested
+                       # apart (``headrace.controlplane.engine.step_failures``)
 
 
 @dataclasses.dataclass

@@ -114,7 +114,7 @@ class Failed(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class CoreState(_message.Message):
-    __slots__ = ("healthy", "draining", "loaded", "model_dir", "max_model_len", "info", "model_info", "max_queued", "default_stream_interval", "lora_adapters")
+    __slots__ = ("healthy", "draining", "loaded", "model_dir", "max_model_len", "info", "model_info", "max_queued", "default_stream_interval", "lora_adapters", "unhealthy_reason")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     LOADED_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class CoreState(_message.Message):
     MAX_QUEUED_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    UNHEALTHY_REASON_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     draining: bool
     loaded: bool
@@ -135,7 +136,8 @@ class CoreState(_message.Message):
     max_queued: int
     default_stream_interval: int
     lora_adapters: _containers.RepeatedCompositeFieldContainer[_inference_pb2.LoraAdapter]
-    def __init__(self, healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., loaded: _Optional[bool] = ..., model_dir: _Optional[str] = ..., max_model_len: _Optional[int] = ..., info: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ..., model_info: _Optional[_Union[_inference_pb2.ModelInfo, _Mapping]] = ..., max_queued: _Optional[int] = ..., default_stream_interval: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[_inference_pb2.LoraAdapter, _Mapping]]] = ...) -> None: ...
+    unhealthy_reason: str
+    def __init__(self, healthy: _Optional[bool] = ..., draining: _Optional[bool] = ..., loaded: _Optional[bool] = ..., model_dir: _Optional[str] = ..., max_model_len: _Optional[int] = ..., info: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ..., model_info: _Optional[_Union[_inference_pb2.ModelInfo, _Mapping]] = ..., max_queued: _Optional[int] = ..., default_stream_interval: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[_inference_pb2.LoraAdapter, _Mapping]]] = ..., unhealthy_reason: _Optional[str] = ...) -> None: ...
 
 class CoreLoad(_message.Message):
     __slots__ = ("running", "waiting", "num_kv_blocks", "num_free_kv_blocks", "block_size", "cache_reset", "cached_hashes", "evicted_hashes", "lora_in_slots", "lora_cached")

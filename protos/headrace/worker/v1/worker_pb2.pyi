@@ -282,6 +282,16 @@ class ProfileCommand(_message.Message):
     stop: bool
     def __init__(self, dir: _Optional[str] = ..., num_steps: _Optional[int] = ..., name: _Optional[str] = ..., stop: _Optional[bool] = ...) -> None: ...
 
+class StepError(_message.Message):
+    __slots__ = ("step_id", "error_class", "message")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CLASS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    error_class: str
+    message: str
+    def __init__(self, step_id: _Optional[int] = ..., error_class: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class ProfileReport(_message.Message):
     __slots__ = ("rank", "files", "steps", "error")
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -295,7 +305,7 @@ class ProfileReport(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., steps: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "execute_ms", "device_ms", "device_idle_ms", "sample_ms", "stopped_seq_ids", "num_tokens", "num_draft_tokens", "swap_ms", "swap_out_bytes", "swap_in_bytes", "profile_reports")
+    __slots__ = ("step_id", "seq_ids", "token_ids", "logprobs", "top_token_ids", "top_logprobs", "execute_ms", "device_ms", "device_idle_ms", "sample_ms", "stopped_seq_ids", "num_tokens", "num_draft_tokens", "swap_ms", "swap_out_bytes", "swap_in_bytes", "error", "profile_reports")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +322,7 @@ class StepResult(_message.Message):
     SWAP_MS_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     PROFILE_REPORTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -329,5 +340,6 @@ class StepResult(_message.Message):
     swap_ms: float
     swap_out_bytes: int
     swap_in_bytes: int
+    error: StepError
     profile_reports: _containers.RepeatedCompositeFieldContainer[ProfileReport]
-    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., execute_ms: _Optional[float] = ..., device_ms: _Optional[float] = ..., device_idle_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., stopped_seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., swap_ms: _Optional[float] = ..., swap_out_bytes: _Optional[int] = ..., swap_in_bytes: _Optional[int] = ..., profile_reports: _Optional[_Iterable[_Union[ProfileReport, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., execute_ms: _Optional[float] = ..., device_ms: _Optional[float] = ..., device_idle_ms: _Optional[float] = ..., sample_ms: _Optional[float] = ..., stopped_seq_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., swap_ms: _Optional[float] = ..., swap_out_bytes: _Optional[int] = ..., swap_in_bytes: _Optional[int] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., profile_reports: _Optional[_Iterable[_Union[ProfileReport, _Mapping]]] = ...) -> None: ...
