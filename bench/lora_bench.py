@@ -43,7 +43,7 @@ ADMIN = "lora-bench"
 
 
 def serve(args, lora: bool, extra: list[str] = ()) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "cli", "serve", "--model", args.model, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-P", "-m", "headrace.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
            "--port", str(args.port), "--http-port", "0", *args.serve_args.split(), *extra]
     if lora:
         cmd += ["--enable-lora", "--max-loras", str(args.max_loras), "--max-lora-rank", str(args.rank),

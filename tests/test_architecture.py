@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -123,6 +124,30 @@ def test_no_module_imports_the_old_top_level_names():
             old += [f"{path.relative_to(ROOT)}: {name}" for name in imported_modules(path)
                     if name.split(".")[0] in OLD_TOP_LEVEL]
     assert old == []
+
+
+_NAMES = "|".join(OLD_TOP_LEVEL)
+# an import statement's start (a line's, or after ";"), or a module run with -m
+_OLD_IN_CODE = re.compile(rf"(?:^|;)\s*(?:import\s+(?:{_NAMES})\b(?!\s*[=:])|from\s+(?:{_NAMES})[.\s])"
+                          rf"|-m\s+(?:{_NAMES})\b")
+
+
+def test_no_script_or_command_line_names_the_old_top_level_packages():
+    """Code run from strings (``python -c`` probes) and child command lines (``-m`` NAME) too:
+    run from the repository's root they would import its folders as top-level packages, a
+    second copy beside ``headrace``'s."""
+    found = []
+    for folder in ("cli", "client", "common", "controlplane", "dataplane", "kernels", "tests", "bench"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    found += [f"{path.relative_to(ROOT)}: {line.strip()}"
+                              for line in node.value.splitlines() if _OLD_IN_CODE.search(line)]
+                elif isinstance(node, (ast.List, ast.Tuple)):
+                    items = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+                    found += [f"{path.relative_to(ROOT)}: -m {b}" for a, b in zip(items, items[1:])
+                              if a == "-m" and b in OLD_TOP_LEVEL]
+    assert found == []
 
 
 def test_the_import_check_sees_imports_anywhere_in_a_module(tmp_path):

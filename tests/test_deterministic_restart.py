@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow   # a serve process tree, 16 generations three tim
 @pytest.mark.timeout(300)
 def test_a_deterministic_server_resumes_killed_generations_with_the_same_bits():
     port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-P", "-m", "headrace.cli", "serve", "--port", str(port),
                                "--host", "127.0.0.1", "--metrics-port", "0",
                                "--dataplane-metrics-port", "0", "--http-port", "0",
                                "--api-server-count", "1", "--deterministic"],

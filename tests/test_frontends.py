@@ -268,21 +268,24 @@ def test_kill_9_of_a_front_end_mid_stream(served):
 
 
 def test_front_ends_stay_up_while_the_core_restarts(served):
+    """A front end outlives its core: while the core restarts, each request either waits and
+    is served by the restarted core (``headrace.controlplane.frontend.resume``) or, arriving
+    while the core is known to be away, fails UNAVAILABLE; nothing else, and the same front-end
+    process serves again afterwards."""
     channel = served.channel_to(1)
     frontend = served.role_pids()["frontend 1"]
-    os.kill(served.role_pids()["core"], signal.SIGKILL)
-
-    def unavailable():
+    core = served.role_pids()["core"]
+    os.kill(core, signal.SIGKILL)
+    outcomes = set()
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
         try:
             _generate(channel, "Water runs", max_tokens=2)
+            outcomes.add("served")
         except grpc.RpcError as exc:
-            return exc.code() == grpc.StatusCode.UNAVAILABLE
-        return False
-
-    served.wait_for(unavailable, 10, "UNAVAILABLE while the core is down")
-    status = served.health(channel)
-    if status == health_pb2.HealthCheckResponse.NOT_SERVING:   # unless the core is back already
-        assert served.role_pids()["frontend 1"] == frontend
+            outcomes.add(exc.code().name)
+    assert outcomes <= {"served", "UNAVAILABLE"}, outcomes
+    served.wait_for(lambda: served.role_pids().get("core", core) != core, 30, "a new core")
     served.wait_for(lambda: served.health(channel) == health_pb2.HealthCheckResponse.SERVING, 60,
                     "SERVING again with the restarted core")
     assert served.role_pids()["frontend 1"] == frontend, "the front end stayed up"
