@@ -38,6 +38,7 @@ import time
 import grpc
 
 from bench import client_pool, lora_adapters, serving_bench, w4_bench
+from bench.ready import wait_ready
 
 ADMIN = "lora-bench"
 
@@ -51,9 +52,7 @@ def serve(args, lora: bool, extra: list[str] = ()) -> subprocess.Popen:
                 *(f"a{i}={p}" for i, p in enumerate(args.paths))]
     env = dict(os.environ, HEADRACE_LOG_LEVEL="WARNING", HEADRACE_ADMIN_TOKEN=ADMIN)
     server = subprocess.Popen(cmd, env=env, start_new_session=True)
-    from headrace.client import AsyncClient
-
-    asyncio.run(AsyncClient(f"127.0.0.1:{args.port}").wait_ready(900))
+    wait_ready(f"127.0.0.1:{args.port}", server)
     if lora:   # the adapters read at start (up to the host caches' size) before measuring
         wait_cached(f"127.0.0.1:{args.port}", min(len(args.paths), args.max_cpu_loras or args.adapters))
     return server

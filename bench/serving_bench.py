@@ -42,9 +42,9 @@ import grpc
 
 from bench import client_pool, dataplane_metrics
 from bench.first_token import ClientStamps, decompose
+from bench.ready import wait_ready_async
 from bench.serving_http import HttpTarget, run_one_http
 from headrace.common.stage_times import ENV as STAGES_ENV
-from headrace.client import AsyncClient, NotReady
 from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
@@ -176,10 +176,7 @@ async def main_async(args) -> dict:
     async with grpc.aio.insecure_channel(args.address, options=[
             ("grpc.max_receive_message_length", 64 << 20)]) as channel:
         t0 = time.perf_counter()
-        try:
-            await AsyncClient(args.address).wait_ready(900)
-        except NotReady as exc:
-            raise SystemExit(str(exc)) from None
+        await wait_ready_async(args.address, getattr(args, "server", None))
         ready = time.perf_counter() - t0
         stub = pb_grpc.InferenceStub(channel)
         if args.api == "http":
@@ -237,7 +234,7 @@ def main() -> None:
     ap.add_argument("--compare", default=None,
                     help="--digest: a --digests-out file of another run; the line says how many equal")
     args = ap.parse_args()
-    server, args.server_pid = None, None
+    server, args.server_pid, args.server = None, None, None
     global STREAM_INTERVAL
     STREAM_INTERVAL = args.stream_interval
     if args.address is None:
@@ -249,7 +246,7 @@ def main() -> None:
         env = dict(os.environ, HEADRACE_LOG_LEVEL="WARNING")
         if args.stages:
             env[STAGES_ENV] = args.stages
-        server = subprocess.Popen(cmd, env=env, start_new_session=True)
+        server = args.server = subprocess.Popen(cmd, env=env, start_new_session=True)
         args.server_pid = server.pid
     if args.http_url is None:
         args.http_url = f"http://{args.address.rsplit(':', 1)[0]}:8000"

@@ -40,6 +40,7 @@ import subprocess
 import sys
 
 from bench import client_pool, dataplane_metrics
+from bench.ready import wait_ready
 
 SLO_TTFT_S, SLO_ITL_S = 0.200, 0.050
 
@@ -138,12 +139,7 @@ def run_alone(address: str, items: list, args) -> dict:
 
 def identity(address: str, args) -> dict:
     """The same ``--identity`` requests at each rate, then alone: how many outputs agree."""
-    from headrace.client import AsyncClient, NotReady
-
-    try:
-        asyncio.run(AsyncClient(address).wait_ready(900))
-    except NotReady as exc:
-        raise SystemExit(str(exc)) from None
+    wait_ready(address, getattr(args, "server", None))
     n = args.identity
     rows = []
     for rate in args.rates:
@@ -188,12 +184,7 @@ def sweep(address: str, args) -> list[dict]:
     """The rates asked for, then ``--search`` more runs closing in on the highest rate that
     meets the SLO: between the best that met it and the lowest above that failed (bisection);
     above every rate when all met it (x1.25), below when none did (halving)."""
-    from headrace.client import AsyncClient, NotReady
-
-    try:
-        asyncio.run(AsyncClient(address).wait_ready(900))
-    except NotReady as exc:
-        raise SystemExit(str(exc)) from None
+    wait_ready(address, getattr(args, "server", None))
     run_rate(address, 2.0, argparse.Namespace(**{**vars(args), "duration": 2.0}))   # warm-up
     rows = [run_rate(address, rate, args) for rate in args.rates]
     for _ in range(args.search):
@@ -280,7 +271,8 @@ def main() -> None:
     args.rates = [float(r) for r in args.rates.split(",")]
     if args.identity:
         args.digest = args.digest or "logprobs"
-        server = start_server(args, int(args.api_server_counts.split(",")[0])) if args.address is None else None
+        server = args.server = (start_server(args, int(args.api_server_counts.split(",")[0]))
+                                if args.address is None else None)
         try:
             print(json.dumps(identity(args.address or f"127.0.0.1:{args.port}", args)), flush=True)
         finally:
@@ -292,9 +284,9 @@ def main() -> None:
     counts = [int(c) or default_api_server_count() for c in args.api_server_counts.split(",")]
     runs = {}
     for count in counts:
-        server = None
+        server = args.server = None
         if args.address is None:
-            server = start_server(args, count)
+            server = args.server = start_server(args, count)
         try:
             rows = sweep(args.address or f"127.0.0.1:{args.port}", args)
         finally:

@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 
+from bench.ready import wait_ready
 from bench.w4_bench import quantile, stop_server
 from bench.w5_report import compare, table, tier_hits
 
@@ -189,17 +190,12 @@ def start_controlplane(args, mode: str, workers: str) -> subprocess.Popen:
 
 
 def run_mode(args, mode: str, alone: bool, workers: str | None) -> dict:
-    from headrace.client import AsyncClient, NotReady
-
     server = None
     if args.address is None:
         server = start_server(args, mode) if workers is None else start_controlplane(args, mode, workers)
     address = args.address or f"127.0.0.1:{args.port}"
     try:
-        try:
-            asyncio.run(AsyncClient(address).wait_ready(args.ready_timeout))
-        except NotReady as exc:
-            raise SystemExit(f"w5 ({mode}): {exc}") from None
+        wait_ready(address, server, args.ready_timeout)
         before = tier_hits(args.metrics_port)
         row = asyncio.run(run_workload(address, args, alone))
         after = tier_hits(args.metrics_port)

@@ -42,6 +42,11 @@ def import_failure(exc: ImportError) -> str:
     name = exc.name or ""
     top = name.split(".")[0]
     if top == "headrace":
+        stray = _namespace_folder(name)
+        if stray:   # a folder of ignored files left by an older version, where a package is mapped
+            return (f"cannot import {name} ({exc}): the folder {stray} (no __init__.py: a "
+                    f"leftover of an older version, holding only ignored files such as "
+                    f"__pycache__) stands in for it; remove that folder")
         return (f"cannot import {name} ({exc}); the headrace package Python found "
                 f"({origin('headrace')}) is incomplete or not the installed one: reinstall it "
                 f"(pip install -e . in the clone) and check PYTHONPATH")
@@ -51,3 +56,14 @@ def import_failure(exc: ImportError) -> str:
     return (f"{exc}; {top or 'the module'} comes from {origin(top) if top else 'unknown'}, which "
             f"may be another distribution's package of that name or an old version: reinstall "
             f"the one headrace needs")
+
+
+def _namespace_folder(name: str) -> str | None:
+    """The folder standing in for ``name`` or one of its parents as a namespace package (a
+    folder without __init__.py that Python found before the installed package), if any."""
+    parts = name.split(".")
+    for i in range(2, len(parts) + 1):
+        module = sys.modules.get(".".join(parts[:i]))
+        if module is not None and getattr(module, "__file__", None) is None:
+            return ", ".join(getattr(module, "__path__", [])) or None
+    return None

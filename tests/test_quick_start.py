@@ -122,3 +122,17 @@ def test_an_import_failure_names_the_module_its_origin_and_the_fix():
     ours = import_failure(ModuleNotFoundError("No module named 'headrace.worker.v1'",
                                               name="headrace.worker.v1"))
     assert "reinstall it" in ours and "headrace" in ours
+
+
+def test_a_leftover_folder_standing_in_for_a_subpackage_is_named(monkeypatch, tmp_path):
+    """A folder of ignored files left by an older version (``protos/headrace/dataplane/`` with
+    only ``__pycache__``) imports as a namespace package in place of the real one: the line
+    names the folder to remove."""
+    import types
+
+    stray = types.ModuleType("headrace.stray")   # a namespace package: a path, no __file__
+    stray.__path__ = [str(tmp_path)]
+    monkeypatch.setitem(sys.modules, "headrace.stray", stray)
+    line = import_failure(ImportError("cannot import name 'x' from 'headrace.stray' (unknown "
+                                      "location)", name="headrace.stray"))
+    assert str(tmp_path) in line and "remove that folder" in line
