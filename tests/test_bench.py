@@ -24,7 +24,7 @@ BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_
            "late_sample_host", "decode_ptx", "worker_start", "gemm_sass", "skinny_ncu", "read_floor",
            "quant_accuracy_gpu", "lora_adapters", "lora_bench", "lora_kernels", "det_kernels",
            "det_targets", "chaos"]
-SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token", "w5_report"]   # imported, not run
+SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token", "w5_report", "ready"]   # imported, not run
 
 
 @pytest.mark.parametrize("name", BENCHES)
