@@ -227,6 +227,8 @@ def test_every_python_package_is_listed_for_installation():
     for folder in PACKAGE_DIRS:
         for init in (ROOT / folder).rglob("__init__.py"):
             assert f'"{module_name(init)}"' in listed, module_name(init)
+        for module in (ROOT / folder).rglob("*.py"):   # a folder of modules is a package
+            assert (module.parent / "__init__.py").exists(), module.relative_to(ROOT)
 
 
 def test_the_engine_core_loads_no_api_stack():
