@@ -4,7 +4,7 @@ environment variable ``HEADRACE_FAILPOINTS`` names some; off, a failpoint costs 
 test (``if failpoints.ACTIVE:``) and nothing else.
 
 ``HEADRACE_FAILPOINTS="NAME=ACTION[@KEY=VALUE...][;NAME=ACTION...]"``, e.g.
-``headrace.dataplane.sampler=raise(IndexError)@seed=666`` (the sampler raises IndexError in every step
+``dataplane.sampler=raise(IndexError)@seed=666`` (the sampler raises IndexError in every step
 that samples a row seeded 666: one poisoned request) or ``core.loop=exit(9)@after=200`` (the
 engine core dies at its 201st loop turn). Actions: ``raise(ExceptionClass)`` (a built-in
 exception class; default RuntimeError), ``sleep(SECONDS)``, ``exit(STATUS)`` (the process ends
@@ -13,7 +13,7 @@ the call site's fact ``KEY`` is VALUE or contains it (the sampler's ``seed`` is 
 seeds); ``after=N`` skips the first N matching hits; ``times=N`` acts N times at most.
 
 The failpoints in the code: ``dataplane.step`` (a data plane step, as it is launched; facts
-``step_id``, ``rank``), ``headrace.dataplane.sampler`` (sampling a step's rows; ``seed``),
+``step_id``, ``rank``), ``dataplane.sampler`` (sampling a step's rows; ``seed``),
 ``core.loop`` (a turn of the engine loop), ``frontend.stream`` (a front end hands responses to
 a client's stream; ``request_id``). Every process of ``headrace serve`` inherits the variable;
 each logs a warning at start when failpoints are active (``warn_if_active``)."""
@@ -29,7 +29,7 @@ import threading
 import time
 
 ENV = "HEADRACE_FAILPOINTS"
-NAMES = ("dataplane.step", "headrace.dataplane.sampler", "core.loop", "frontend.stream")
+NAMES = ("dataplane.step", "dataplane.sampler", "core.loop", "frontend.stream")
 
 log = logging.getLogger("headrace.failpoints")
 

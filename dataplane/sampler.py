@@ -206,7 +206,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, dev: dict[str, torch.Tensor] 
     """logits: [rows, vocab] in the model's dtype; ``dev``: ``device_arrays`` on the logits'
     device (uploaded here from ``rng``'s seeds when not given)."""
     if failpoints.ACTIVE:   # (tests: a request whose sampling raises, by its seed)
-        failpoints.hit("headrace.dataplane.sampler", seed=b.seed[b.has_seed].tolist())
+        failpoints.hit("dataplane.sampler", seed=b.seed[b.has_seed].tolist())
     if dev is None:
         dev = staging.upload(device_arrays(b, rng or np.random.default_rng()), logits.device)
     want = int(b.logprobs.max()) if len(b.logprobs) else 0

@@ -4,7 +4,7 @@ issue's sizes (8 streams of 200 tokens). Each experiment returns a dict of what 
 
 - ``kill``: kill -9 of a process kind (``dataplane``, ``core``, ``frontend 0``) mid-stream;
 - ``stop``: SIGSTOP of one for some seconds, then SIGCONT (and how soon health said so);
-- ``poisoned``: a request whose sampling raises (the ``headrace.dataplane.sampler`` failpoint, by its
+- ``poisoned``: a request whose sampling raises (the ``dataplane.sampler`` failpoint, by its
   seed) beside the other streams: its status, theirs, the log's growth;
 - ``abandoned``: streams cancelled after their first token: blocks, requests and memory after;
 - ``ctrl_c``: SIGINT to serve with HTTP streams open: their last events, how long the tree took
@@ -30,7 +30,7 @@ from headrace.v1 import inference_pb2 as pb
 from headrace.v1 import inference_pb2_grpc as pb_grpc
 
 POISON_SEED = 666
-FAILPOINTS = f"headrace.dataplane.sampler=raise(IndexError)@seed={POISON_SEED}"
+FAILPOINTS = f"dataplane.sampler=raise(IndexError)@seed={POISON_SEED}"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 

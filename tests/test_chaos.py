@@ -3,7 +3,7 @@ front ends) with 8 greedy streams in flight while something goes wrong (tests/ch
 nothing is lost: every stream ends with all its tokens, the same as undisturbed, or with an
 explicit status where nothing could save it (the clients of a front end killed under them).
 
-1. a poisoned request (its sampling raises: the ``headrace.dataplane.sampler`` failpoint by its seed):
+1. a poisoned request (its sampling raises: the ``dataplane.sampler`` failpoint by its seed):
    INTERNAL within 5 s, the others finish, the log grows little, the next request is served;
 2. streams abandoned after their first token: no request, block or memory left behind;
 3-5. SIGSTOP of the data plane (NOT_SERVING within seconds), of the engine core, of a front end;

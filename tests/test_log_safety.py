@@ -92,12 +92,12 @@ def test_every_line_of_every_thread_names_the_role(lines):
 def test_failpoints_are_off_by_default_and_act_only_on_their_conditions():
     assert not failpoints.ACTIVE   # (the tests' environment sets none)
     try:
-        failpoints.configure("headrace.dataplane.sampler=raise(IndexError)@seed=666@after=1@times=1")
-        failpoints.hit("headrace.dataplane.sampler", seed=[1, 2])      # not its seed
-        failpoints.hit("headrace.dataplane.sampler", seed=[5, 666])    # its seed, skipped once (after=1)
-        with pytest.raises(IndexError, match="failpoint headrace.dataplane.sampler"):
-            failpoints.hit("headrace.dataplane.sampler", seed=[666])
-        failpoints.hit("headrace.dataplane.sampler", seed=[666])       # times=1: done
+        failpoints.configure("dataplane.sampler=raise(IndexError)@seed=666@after=1@times=1")
+        failpoints.hit("dataplane.sampler", seed=[1, 2])      # not its seed
+        failpoints.hit("dataplane.sampler", seed=[5, 666])    # its seed, skipped once (after=1)
+        with pytest.raises(IndexError, match="failpoint dataplane.sampler"):
+            failpoints.hit("dataplane.sampler", seed=[666])
+        failpoints.hit("dataplane.sampler", seed=[666])       # times=1: done
         with pytest.raises(failpoints.FailpointError):
             failpoints.parse("nowhere=raise(IndexError)")
         with pytest.raises(failpoints.FailpointError):

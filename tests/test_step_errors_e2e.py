@@ -46,7 +46,7 @@ def _errors(planes) -> float:
 def test_a_request_whose_sampling_raises_fails_alone(planes):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         expected = list(pool.map(lambda i: _run(planes, i), range(4)))
-    failpoints.configure("headrace.dataplane.sampler=raise(IndexError)@seed=666")
+    failpoints.configure("dataplane.sampler=raise(IndexError)@seed=666")
     before = _errors(planes)
     with concurrent.futures.ThreadPoolExecutor(5) as pool:
         others = [pool.submit(_run, planes, i) for i in range(4)]
