@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _env(**extra) -> dict:
-    env = dict(os.environ, HEADRACE_LOG_LEVEL="WARNING", PYTHONPATH=f"{ROOT}:{ROOT}/protos", **extra)
+    env = dict(os.environ, HEADRACE_LOG_LEVEL="WARNING", **extra)
     for name in ("HEADRACE_API_TOKEN", "HEADRACE_ADDRESS", "HEADRACE_TLS_CA", "HEADRACE_TLS_CERT",
                  "HEADRACE_TLS_KEY", "HEADRACE_MODEL"):
         if name not in extra:

@@ -38,7 +38,7 @@ def _resolve(name: str, env: dict) -> subprocess.CompletedProcess:
             "try: print(resolve_model(sys.argv[1]))\n"
             "except ModelSourceError as e: print(e, file=sys.stderr); sys.exit(3)\n")
     full = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    full.update(env, PYTHONPATH=f"{ROOT}:{ROOT}/protos")
+    full.update(env)
     return subprocess.run([sys.executable, "-c", code, name], env=full, capture_output=True,
                           text=True, timeout=60)
 
