@@ -46,8 +46,9 @@ def model(tmp_path_factory):
 
 def _planes(base, adapters, **kw):
     modules = [(n, str(p)) for n, p in adapters.items()]
+    options = kw.pop("plane_options", {"http_port": 0, "admin_token": ADMIN})
     return Planes(base, num_kv_blocks=128, config=EngineConfig(lora_modules=modules),
-                  worker_fields=LORA, plane_options={"http_port": 0, "admin_token": ADMIN}, **kw)
+                  worker_fields=LORA, plane_options=options, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +188,8 @@ def test_runtime_load_and_unload_over_http_and_admin(model):
                        headers=auth)
         assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
         r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "x", "lora_path": "/etc"},
-                       headers=auth)   # as ReloadModel: only under the allowed model roots
-        assert r.status_code == 403 and "--model-root" in r.json()["error"]["message"]
+                       headers=auth)   # anywhere (no --model-root), but it must be an adapter
+        assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
         # an unload while the adapter runs: refused at once without a wait ...
         stream = planes.stub.Generate(pb.GenerateRequest(
             prompt_token_ids=pb.TokenIds(ids=PROMPTS[0]), max_tokens=200, ignore_eos=True,
@@ -271,3 +272,21 @@ def test_tensor_parallel_ranks_apply_their_shards(tmp_path):
                 assert _greedy(planes, PROMPTS[0], name) == expected[name], name
         finally:
             planes.close()
+
+
+def test_an_operators_model_roots_limit_runtime_loads(model):
+    """With --model-root, a runtime load outside the roots is refused as ReloadModel's model
+    is (one message whether or not the path exists); without it, the admin token suffices."""
+    base, adapters, _, root = model
+    planes = _planes(base, {}, plane_options={"http_port": 0, "admin_token": ADMIN,
+                                              "model_roots": [str(root / "elsewhere")]})
+    try:
+        url = f"http://127.0.0.1:{planes.plane.http.port}/v1"
+        auth = {"Authorization": f"Bearer {ADMIN}"}
+        for path in (str(adapters["two"]), "/etc", "/no/such/dir"):
+            r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "x", "lora_path": path},
+                           headers=auth)
+            assert r.status_code == 403 and "--model-root" in r.json()["error"]["message"], path
+    finally:
+        planes.close()
+

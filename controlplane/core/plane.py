@@ -38,6 +38,7 @@ class EnginePlane:
         self.model_dir = model_dir
         # where Admin may reload a model from (``headrace.controlplane.model_roots``), fixed at start
         self.model_roots = roots.roots_for(model_dir, model_roots)
+        self.model_roots_given = bool(model_roots)   # --model-root: runtime LoRA loads kept to it too
         self.tokenizer = ModelTokenizer(model_dir)
         self.metrics = metrics or ControlPlaneMetrics()
         self.workers = WorkerGroup(worker_addresses, worker_credentials, worker_secret)

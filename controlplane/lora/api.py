@@ -107,7 +107,10 @@ async def call_local(plane, what: str, name: str, arg) -> apb.LoraAdapters:
     from headrace.controlplane.lora.registry import LoraError
 
     engine = plane.engine
-    if what == "load" and arg and not model_roots.allowed(arg, plane.model_roots):
+    # the admin token authorizes a load (vLLM's rule); an operator's own --model-root limits it
+    # further, as it limits ReloadModel (by default the adapter may lie anywhere)
+    if what == "load" and arg and getattr(plane, "model_roots_given", False) and \
+            not model_roots.allowed(arg, plane.model_roots):
         raise AdminError(grpc.StatusCode.PERMISSION_DENIED,
                          model_roots.refusal(arg).replace("model ", "lora_path ", 1))
     try:
