@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -28,8 +29,13 @@ HOSTILE = 'raise ImportError("a folder of the current directory was imported")\n
 
 @pytest.mark.slow
 def test_a_wheel_of_the_tree_installs_the_one_package_headrace(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
-                          str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    had_build = (ROOT / "build").exists()
+    try:
+        out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
+                              str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    finally:   # setuptools builds in the tree's build/: leave no copy of the sources behind
+        if not had_build:
+            shutil.rmtree(ROOT / "build", ignore_errors=True)
     if out.returncode != 0 and "Could not find a version that satisfies" in out.stderr:
         pytest.skip("no package index to build the wheel's build environment from")
     assert out.returncode == 0, out.stderr[-3000:]

@@ -109,7 +109,7 @@ async def call_local(plane, what: str, name: str, arg) -> apb.LoraAdapters:
     engine = plane.engine
     # the admin token authorizes a load (vLLM's rule); an operator's own --model-root limits it
     # further, as it limits ReloadModel (by default the adapter may lie anywhere)
-    if what == "load" and arg and getattr(plane, "model_roots_given", False) and \
+    if what == "load" and arg and plane.model_roots_given and \
             not model_roots.allowed(arg, plane.model_roots):
         raise AdminError(grpc.StatusCode.PERMISSION_DENIED,
                          model_roots.refusal(arg).replace("model ", "lora_path ", 1))
