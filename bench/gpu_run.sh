@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout's root on the H200): GPU correctness, then the serving
 # workloads through the gRPC planes and in one process (bench/README.md). Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5swap w5l tier hf spy kern ragged tp spec specdraft structured dp det dettests detkern detw1 detw2 detspec detw4 detw4id detw5 detw3 lora lora8b
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5swap w5l tier hf spy kern ragged tp spec specdraft structured dp det dettests detkern detw1 detw2 detspec detw4 detw4id detw5 detw3 lora lora8b tune
 #   (default: tests w2 w1 w1o w3); TP_WATCH_S: seconds the tp section waits before dumping stacks
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # ragged: decode attention on W1's ragged batches, by KV split count and program start order.
@@ -51,6 +51,7 @@
 #     req/s under prefix and round-robin placement (DP_ARGS: more bench.dp_bench options, e.g.
 #     "--rates 40 --num-kv-blocks 3072"). The table last: round-robin / prefix TTFT
 #     p50 (target >= 1.5x) and DP=2 / DP=1 W1 throughput (target >= 0.9x). ~5 minutes.
+# tune: bench.det_kernels (probe, tables, Qwen3 tile sweep) and bench.lora_kernels --sweep (fused launches).
 # lora: multi-LoRA serving (issue 53) on Qwen3-0.6B: the LoRA GPU tests, bench.lora_kernels, then
 #   bench.lora_bench load,w2,w1,cold (8 random rank-16 adapters on all 7 projections); ~8 minutes.
 # lora8b: on Llama-3.1-8B: the slot load of a rank-16 adapter and W4-like Poisson load over 100
@@ -231,6 +232,13 @@ fi
 if has dp; then
   log "dp: two replicas sharing the GPU: W1 and parity against one replica, W4S prefix vs round robin"
   timeout 480 python3 -m bench.dp_bench --model /tmp/qwen3 --parts parity,w1,w4s ${DP_ARGS:-} | tee -a "$OUT/results.jsonl"
+fi
+if has tune; then   # issues 53/54: kernel launches to pin, ~6 minutes
+  log "tune: which GEMM tiles round alike; deterministic kernels vs default; GEMM tiles (Qwen3); fused LoRA launches"
+  timeout 150 python3 -m bench.det_kernels --parts probe,gemm,attention > "$OUT/det-kernels.jsonl"; tail -3 "$OUT/det-kernels.jsonl"
+  timeout 200 python3 -m bench.det_kernels --sweep --parts gemm --models qwen3 > "$OUT/det-sweep.jsonl"; grep -o '"pinned.*' "$OUT/det-sweep.jsonl"
+  timeout 150 python3 -m bench.lora_kernels --sweep --model qwen3-0.6b --tokens 1,16 > "$OUT/lora-sweep.jsonl"; grep -o '"pinned.*' "$OUT/lora-sweep.jsonl"
+  timeout 60 python3 -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b --tokens 1,16,256 --mix 1 | tee "$OUT/lora-kernels.txt" | head -8
 fi
 if has lora; then   # issue 53 on Qwen3-0.6B, ~8 minutes
   log "lora: GPU tests (Triton kernels, peft equality with real CUDA graphs, serving end to end)"
