@@ -1,7 +1,7 @@
 """Prometheus metrics of multi-LoRA serving, read from the engine when scraped (nothing per
 step): vLLM's ``lora_requests_info`` gauge (its labels name the adapters with sequences running
 and waiting, and the slot count; its value is the time of the scrape, as vLLM's), the
-sequences of each adapter, and how often adapters were copied into slots and read from disk."""
+sequences of each adapter, and how often adapters were copied into slots and read from disk (and how long the reads took)."""
 
 from __future__ import annotations
 
@@ -42,4 +42,8 @@ def collect(engine):
     reads = CounterMetricFamily(PREFIX + "lora_adapter_reads", "Adapters read from disk into the "
                                 "data planes' host caches.")
     reads.add_metric([], lora.num_reads)
-    yield from (info, seqs, adapters, loads, reads)
+    read_time = CounterMetricFamily(PREFIX + "lora_adapter_read_seconds", "Time the reads of "
+                                    "adapters into the data planes' host caches took (from the "
+                                    "request to every worker's answer).")
+    read_time.add_metric([], lora.read_seconds)
+    yield from (info, seqs, adapters, loads, reads, read_time)
