@@ -203,11 +203,13 @@ class WorkerService(pb_grpc.WorkerServicer):
 
     def LoadAdapter(self, request, context):
         """Reads a LoRA adapter into the host cache, beside the steps (not under their lock)."""
-        from headrace.dataplane.lora.adapter import AdapterError
+        from headrace.dataplane.lora.adapter import AdapterError, AdapterNotFound
 
         worker = self._require_worker(context)
         try:
             return worker.load_adapter(request)
+        except AdapterNotFound as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except AdapterError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except RuntimeError as exc:

@@ -180,7 +180,11 @@ def test_runtime_load_and_unload_over_http_and_admin(model):
         r = httpx.post(f"{url}/load_lora_adapter", json=body, headers=auth)
         assert r.status_code == 200 and "Success" in r.text
         assert _greedy(planes, PROMPTS[3], "two") == expected["two"][3]
-        assert httpx.post(f"{url}/load_lora_adapter", json=body, headers=auth).status_code == 409
+        r = httpx.post(f"{url}/load_lora_adapter", json=body, headers=auth)   # vLLM's 400
+        assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "gone", "lora_path": str(root / "none")},
+                       headers=auth)   # vLLM's 404 for no adapter at the path
+        assert r.status_code == 404 and "no such adapter directory" in r.json()["error"]["message"]
         r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)},
                        headers=auth)
         assert r.status_code == 400 and "another base model" in r.json()["error"]["message"]

@@ -17,7 +17,12 @@ CHANNEL_OPTIONS = channel_options()
 
 
 class WorkerError(RuntimeError):
-    """A worker stream broke or a worker answered with an error."""
+    """A worker stream broke or a worker answered with an error (``code``: its status, when
+    it answered one)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 def _tracing_interceptors() -> list:
@@ -112,7 +117,8 @@ class WorkerGroup:
             try:
                 return await stub.LoadAdapter(request, timeout=timeout, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
-                raise WorkerError(exc.details() or f"LoadAdapter on {addr}: {exc.code().name}") from exc
+                raise WorkerError(exc.details() or f"LoadAdapter on {addr}: {exc.code().name}",
+                                  exc.code()) from exc
 
         answers = await asyncio.gather(*(one(a, s) for a, s in zip(self.addresses, self._stubs)))
         return answers[0]

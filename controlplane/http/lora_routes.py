@@ -1,10 +1,10 @@
 """vLLM's runtime LoRA routes: ``POST /v1/load_lora_adapter`` with ``{"lora_name", "lora_path"}``
 and ``POST /v1/unload_lora_adapter`` with ``{"lora_name"}`` (and headrace's optional
 ``"wait_s"``: how long an unload waits for the adapter's requests, default 30 s). They answer
-vLLM's plain-text ``Success: ...`` (200) or an OpenAI error object: 400 for an adapter that
-cannot be served or a bad body, 404 for an unknown name, 409 where the server's state is in the
-way (the name is loaded already, the adapter's requests outlast the wait, or the server runs
-without ``--enable-lora``).
+vLLM's plain-text ``Success: ...`` (200) or an OpenAI error object with vLLM's statuses: 400
+for an adapter that cannot be served, a bad body or a name loaded already, 404 for an unknown
+name or no adapter at the path, 409 where the server's state is in the way (the adapter's
+requests outlast the wait, or the server runs without ``--enable-lora``).
 
 They are operations, so the admin token guards them, as the Admin service's calls
 (``headrace.controlplane.admin``): ``Authorization: Bearer <admin token>``, else 401. A server without an
@@ -27,7 +27,7 @@ from headrace.controlplane.http.errors import HttpError
 from headrace.controlplane.http.protocol import _Body
 
 STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 409,
-          grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ALREADY_EXISTS: 409,
+          grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.ALREADY_EXISTS: 400,
           grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403,
           grpc.StatusCode.UNAVAILABLE: 503}
 

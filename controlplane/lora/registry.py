@@ -254,14 +254,16 @@ class LoraAdapters:
         old = self.by_name.get(name)
         if old is not None:
             raise LoraError(grpc.StatusCode.ALREADY_EXISTS,
-                            f"the LoRA adapter {name!r} is already loaded (from {old.path}); "
+                            f"the LoRA adapter {name!r} has already been loaded (from {old.path}); "
                             "unload it first")
         adapter = self.by_name[name] = Adapter(name, path, next(self._ids))
         try:
             await self.start_read(adapter)
-        except Exception:  # noqa: BLE001 - refused: not served
+        except Exception as exc:  # noqa: BLE001 - refused: not served
             self.by_name.pop(name, None)
-            raise LoraError(grpc.StatusCode.INVALID_ARGUMENT,
+            missing = isinstance(exc, FileNotFoundError) or \
+                getattr(exc, "code", None) == grpc.StatusCode.NOT_FOUND
+            raise LoraError(grpc.StatusCode.NOT_FOUND if missing else grpc.StatusCode.INVALID_ARGUMENT,
                             f"cannot load LoRA adapter {name!r}: {adapter.error}") from None
         log.info("LoRA adapter %s loaded from %s", name, path)
         return adapter

@@ -56,6 +56,10 @@ class AdapterError(ValueError):
     """The adapter cannot be served here: the message says why and what to do."""
 
 
+class AdapterNotFound(AdapterError, FileNotFoundError):
+    """No adapter at the path (vLLM answers 404 for it; the other refusals are 400)."""
+
+
 @dataclasses.dataclass
 class Adapter:
     """One rank's share of an adapter: per (layer, projection) its A [r, in] and B [out, r]
@@ -71,7 +75,7 @@ class Adapter:
 def read_config(path: pathlib.Path) -> dict:
     cfg_path = path / CONFIG_FILE
     if not path.is_dir():
-        raise AdapterError(f"{path}: no such adapter directory")
+        raise AdapterNotFound(f"{path}: no such adapter directory")
     if not cfg_path.is_file():
         raise AdapterError(f"{path}: no {CONFIG_FILE} (a PEFT LoRA adapter directory has "
                            f"{CONFIG_FILE} and {WEIGHTS_FILE})")
