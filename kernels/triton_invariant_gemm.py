@@ -65,6 +65,20 @@ class Tile:
 # are batch-invariant): pin before serving, not between runs that must agree.
 PINNED: dict[tuple[int, int, int], Tile] = {}
 
+# SM count -> ((most rows, tile height), ...): on a device where ``bench/det_kernels.py --parts
+# probe`` found every tile height giving a row the same bits (the same K slices and steps on
+# other tensor-core instructions), a launch takes its height from its row count: a decode's
+# few rows a 16-row tile, a prefill's thousands a 128-row one. Empty: 64 rows everywhere.
+ROW_HEIGHTS: dict[int, tuple[tuple[int, int], ...]] = {}
+
+
+def height_for(m: int, sms: int) -> int | None:
+    """The tile height for ``m`` rows on a device of ``sms`` SMs (None: the shape's tile's)."""
+    for most, height in ROW_HEIGHTS.get(sms, ()):
+        if m <= most:
+            return height
+    return None
+
 
 def tile_for(n: int, k: int, sms: int, element_size: int = 2) -> Tile:
     """The one tile of an [n, k] weight on a device of ``sms`` SMs: 64 rows a program (a
@@ -184,7 +198,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out.copy_((bias if bias is not None else out.new_zeros(n)).expand(m, n))
         return out.view(*x.shape[:-1], n)
     sms = sm_count(x.device)
-    tile = tile or tile_for(n, k, sms, x.element_size())
+    if tile is None:
+        tile = tile_for(n, k, sms, x.element_size())
+        height = height_for(m, sms)
+        if height is not None and height != tile.block_m:
+            tile = dataclasses.replace(tile, block_m=height)
     num_slices = tile.slices(k)
     slice_k = tile.slice_k if num_slices > 1 else cdiv(k, tile.block_k) * tile.block_k
     split = splits(tile, m, n, k, sms) if split is None else (split and num_slices > 1)
