@@ -54,7 +54,7 @@
 # tune: bench.det_kernels (probe, tables, Qwen3 tile sweep) and bench.lora_kernels --sweep (fused launches).
 # lora: multi-LoRA serving (issue 53) on Qwen3-0.6B: the LoRA GPU tests, bench.lora_kernels, then
 #   bench.lora_bench load,w2,w1,cold (8 random rank-16 adapters on all 7 projections); ~8 minutes.
-# lora8b: on Llama-3.1-8B: the slot load of a rank-16 adapter and W4-like Poisson load over 100
+# lora8b: on Llama-3.1-8B: the slot load of a rank-16 adapter, W2 ITL adapter vs base, and W4-like Poisson load over 100
 #   adapters (Zipf) on --max-loras 16 against the base model; ~9 minutes (its own call).
 # det: --deterministic (issue 54; docs/determinism.md), each figure beside a same-call baseline
 #   without it; `det` = dettests detkern detw2 detw1 detspec (~7 min); then `detw4 detw4id`
@@ -253,8 +253,8 @@ fi
 if has lora8b; then   # issue 53 on Llama-3.1-8B: slot load, W4 over 100 Zipf adapters on 16 slots; ~9 minutes
   [ -d /tmp/llama8b ] || { log ckpt8b; rm -rf /tmp/qwen3; python3 -m bench.random_checkpoint llama-3.1-8b /tmp/llama8b --device cuda; }
   log "lora 8B: 100 adapters (Zipf) on 16 slots under Poisson load vs the base model"
-  timeout 560 python3 -m bench.lora_bench --model /tmp/llama8b --cases load,w4 --adapters 100 --max-loras 16 \
-    --rates 4,8,12 --search 2 --duration 15 \
+  timeout 560 python3 -m bench.lora_bench --model /tmp/llama8b --cases load,w2,w4 --adapters 100 --max-loras 16 \
+    --rates 4,8,12 --search 1 --duration 15 --repeats 2 \
     --serve-args "--device cuda --max-running 256 --max-batched-tokens 8192 --max-model-len 4096" \
     | tee -a "$OUT/results.jsonl"
 fi
