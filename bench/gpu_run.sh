@@ -117,7 +117,8 @@ if has detkern; then
 fi
 if has w1 || has w1o || has w1s || has w2 || has ttft || has w4 || has w5 || has w5w1 || has w5swap || has hf || has spy || has kern || has spec || has dp || has lora \
     || has detw1 || has detw2 || has detspec || has detw4 || has detw4id || has detw5; then
-  log ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda
+  [ -f /tmp/qwen3/.complete ] || { log ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda \
+    && touch /tmp/qwen3/.complete; }
 fi
 for w in w2 w1; do
   has $w || continue
