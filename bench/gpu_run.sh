@@ -236,14 +236,15 @@ if has dp; then
 fi
 if has tune; then   # issues 53/54: kernel launches to pin, ~6 minutes
   log "tune: which GEMM tiles round alike; deterministic kernels vs default; GEMM tiles (Qwen3); fused LoRA launches"
-  timeout 150 python3 -m bench.det_kernels --parts probe,gemm,attention > "$OUT/det-kernels.jsonl"; tail -3 "$OUT/det-kernels.jsonl"
+  HEADRACE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_linear.py 2>&1 | tail -2
+  timeout 150 python3 -m bench.det_kernels --parts probe,gemm,attention > "$OUT/det-kernels.jsonl"; grep probe "$OUT/det-kernels.jsonl"
   timeout 200 python3 -m bench.det_kernels --sweep --parts gemm --models qwen3 > "$OUT/det-sweep.jsonl"; grep -o '"pinned.*' "$OUT/det-sweep.jsonl"
   timeout 150 python3 -m bench.lora_kernels --sweep --model qwen3-0.6b --tokens 1,16 > "$OUT/lora-sweep.jsonl"; grep -o '"pinned.*' "$OUT/lora-sweep.jsonl"
   timeout 60 python3 -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b --tokens 1,16,256 --mix 1 | tee "$OUT/lora-kernels.txt" | head -8
 fi
 if has lora; then   # issue 53 on Qwen3-0.6B, ~8 minutes
   log "lora: GPU tests (Triton kernels, peft equality with real CUDA graphs, serving end to end)"
-  HEADRACE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_kernels.py \
+  HEADRACE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_kernels.py tests/test_lora_linear.py \
     tests/test_lora_dataplane.py tests/test_lora_gpu.py tests/test_lora_serving.py -k "not tensor_parallel" 2>&1 | tail -3
   log "lora kernels: the update's device time beside the projections"
   timeout 120 python3 -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b --tokens 1,16,256,2048 \
