@@ -234,13 +234,13 @@ if has dp; then
   log "dp: two replicas sharing the GPU: W1 and parity against one replica, W4S prefix vs round robin"
   timeout 480 python3 -m bench.dp_bench --model /tmp/qwen3 --parts parity,w1,w4s ${DP_ARGS:-} | tee -a "$OUT/results.jsonl"
 fi
-if has tune; then   # issues 53/54: kernel launches to pin, ~6 minutes
-  log "tune: which GEMM tiles round alike; deterministic kernels vs default; GEMM tiles (Qwen3); fused LoRA launches"
+if has tune; then   # issues 53/54: kernel launches to pin, ~7 minutes
+  log "tune: the one-launch LoRA projection (tests, time), det probe and tables, LoRA sweeps, det GEMM sweep (Qwen3)"
   HEADRACE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_linear.py 2>&1 | tail -2
-  timeout 150 python3 -m bench.det_kernels --parts probe,gemm,attention > "$OUT/det-kernels.jsonl"; grep probe "$OUT/det-kernels.jsonl"
-  timeout 200 python3 -m bench.det_kernels --sweep --parts gemm --models qwen3 > "$OUT/det-sweep.jsonl"; grep -o '"pinned.*' "$OUT/det-sweep.jsonl"
-  timeout 150 python3 -m bench.lora_kernels --sweep --model qwen3-0.6b --tokens 1,16 > "$OUT/lora-sweep.jsonl"; grep -o '"pinned.*' "$OUT/lora-sweep.jsonl"
   timeout 60 python3 -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b --tokens 1,16,256 --mix 1 | tee "$OUT/lora-kernels.txt" | head -8
+  timeout 150 python3 -m bench.det_kernels --parts probe,gemm,attention > "$OUT/det-kernels.jsonl"; grep probe "$OUT/det-kernels.jsonl"
+  timeout 150 python3 -m bench.lora_kernels --sweep --model qwen3-0.6b --tokens 1,16 > "$OUT/lora-sweep.jsonl"; grep -o '"pinned.*' "$OUT/lora-sweep.jsonl" | cut -c1-400
+  timeout 180 python3 -m bench.det_kernels --sweep --parts gemm --models qwen3 > "$OUT/det-sweep.jsonl"; grep -o '"pinned.*' "$OUT/det-sweep.jsonl"
 fi
 if has lora; then   # issue 53 on Qwen3-0.6B, ~8 minutes
   log "lora: GPU tests (Triton kernels, peft equality with real CUDA graphs, serving end to end)"
