@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout's root on the H200): GPU correctness, then the serving
 # workloads through the gRPC planes and in one process (bench/README.md). Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5swap w5l tier hf spy kern ragged tp spec specdraft structured dp det dettests detkern detw1 detw2 detspec detw4 detw4id detw5 detw3 lora lora8b tune
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5swap w5l tier hf spy kern ragged tp spec specdraft structured dp det dettests detkern detw1 detw2 detspec detw4 detw4id detw5 detw3 lora lora8b tune lorad detprobe
 #   (default: tests w2 w1 w1o w3); TP_WATCH_S: seconds the tp section waits before dumping stacks
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # ragged: decode attention on W1's ragged batches, by KV split count and program start order.
@@ -51,6 +51,8 @@
 #     req/s under prefix and round-robin placement (DP_ARGS: more bench.dp_bench options, e.g.
 #     "--rates 40 --num-kv-blocks 3072"). The table last: round-robin / prefix TTFT
 #     p50 (target >= 1.5x) and DP=2 / DP=1 W1 throughput (target >= 0.9x). ~5 minutes.
+# lorad: LoRA decode (one-launch projection tests, kernel times, W2 and cold on Qwen3-0.6B), ~5 min.
+# detprobe: bench.det_kernels probe and tables, ~2 min.
 # tune: bench.det_kernels (probe, tables, Qwen3 tile sweep) and bench.lora_kernels --sweep (fused launches).
 # lora: multi-LoRA serving (issue 53) on Qwen3-0.6B: the LoRA GPU tests, bench.lora_kernels, then
 #   bench.lora_bench load,w2,w1,cold (8 random rank-16 adapters on all 7 projections); ~8 minutes.
@@ -116,7 +118,7 @@ if has detkern; then
   timeout 300 python3 -m bench.det_kernels --parts gemm,attention,probe | tee -a "$OUT/det-kernels.jsonl"
 fi
 if has w1 || has w1o || has w1s || has w2 || has ttft || has w4 || has w5 || has w5w1 || has w5swap || has hf || has spy || has kern || has spec || has dp || has lora \
-    || has detw1 || has detw2 || has detspec || has detw4 || has detw4id || has detw5; then
+    || has detw1 || has detw2 || has detspec || has detw4 || has detw4id || has detw5 || has lorad; then
   [ -f /tmp/qwen3/.complete ] || { log ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda \
     && touch /tmp/qwen3/.complete; }
 fi
@@ -233,6 +235,16 @@ fi
 if has dp; then
   log "dp: two replicas sharing the GPU: W1 and parity against one replica, W4S prefix vs round robin"
   timeout 480 python3 -m bench.dp_bench --model /tmp/qwen3 --parts parity,w1,w4s ${DP_ARGS:-} | tee -a "$OUT/results.jsonl"
+fi
+if has lorad; then   # issue 53's decode path on Qwen3-0.6B: one-launch projections, W2 and a cold adapter; ~5 minutes
+  log "lorad: the one-launch LoRA projection and the LoRA GPU tests; kernel times; W2 and cold on Qwen3-0.6B"
+  HEADRACE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_linear.py \
+    tests/test_lora_gpu.py 2>&1 | tail -2
+  timeout 60 python3 -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b --tokens 1,16,256 --mix 1 | tee "$OUT/lora-kernels.txt" | head -8
+  timeout 240 python3 -m bench.lora_bench --model /tmp/qwen3 --cases load,w2,cold | tee -a "$OUT/results.jsonl" | tail -6
+fi
+if has detprobe; then   # issue 54: which GEMM tiles round alike, and the kernels against the default; ~2 minutes
+  timeout 150 python3 -m bench.det_kernels --parts probe,gemm,attention > "$OUT/det-kernels.jsonl"; grep probe "$OUT/det-kernels.jsonl"
 fi
 if has tune; then   # issues 53/54: kernel launches to pin, ~7 minutes
   log "tune: the one-launch LoRA projection (tests, time), det probe and tables, LoRA sweeps, det GEMM sweep (Qwen3)"
