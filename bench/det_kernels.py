@@ -92,10 +92,12 @@ def _candidates(k: int, wide: bool):
     from headrace.kernels.triton_invariant_gemm import Tile
 
     block_k = 32 if wide else 64
-    for block_n in (64, 128):
+    for block_m, block_n in ((64, 64), (64, 128), (128, 128)):   # 128 rows: prefill's cuBLAS-like tile
         for slice_k in sorted({0, *(s for s in (256, 512, 1024, 2048) if s < k)}):
             for warps, stages in ((4, 3), (4, 4), (8, 3)):
-                yield Tile(64, block_n, block_k, warps, stages, slice_k)
+                if block_m == 128 and warps == 4:
+                    continue   # a 128 x 128 float32 accumulator wants 8 warps
+                yield Tile(block_m, block_n, block_k, warps, stages, slice_k)
 
 
 def _sweep(name, n, k, w, x, rows, sms, device) -> dict:
