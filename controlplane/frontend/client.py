@@ -89,6 +89,11 @@ class CoreClient(DownMessages):
         self.core_load = cpb.CoreLoad()      # (placement) the core's last report
         self.view = CacheView()              # (placement) what its prefix cache holds
         self.placed_since_report = 0
+        # LoRA adapters through a core restart: what the lost core served ({name: path}), and
+        # how to load them into its successor (set by the front end: ``adapter_restore``)
+        self.restore_adapters = None         # async ([(name, path)]) -> None
+        self._lost_adapters: dict[str, str] | None = None
+        self._restoring: asyncio.Task | None = None
 
     # -- what the request path reads -----------------------------------------------------------
     @property
@@ -244,6 +249,8 @@ class CoreClient(DownMessages):
         (``on_lost``); when this front end stops, they fail UNAVAILABLE."""
         was = self.connected
         self.connected = False
+        if was and self._lost_adapters is None:
+            self._lost_adapters = {a.name: a.path for a in self.state.lora_adapters if not a.error}
         self._up = cpb.Up()
         self.view.clear()
         self.core_load, self.placed_since_report = cpb.CoreLoad(), 0
@@ -280,6 +287,29 @@ class CoreClient(DownMessages):
         if model_changed:
             log.info("the engine core serves another model", model=state.model_dir)
             self.parked.fail_all("the engine core restarted with another model")
-        if self.parked and self.ready:
+        if self.ready and self._lost_adapters is not None:
+            self._restore([(n, p) for n, p in self._lost_adapters.items()
+                           if n not in {a.name for a in state.lora_adapters}])
+        if self.parked and self.ready and self._restoring is None:
             self.parked.resubmit()
         self._changed()
+
+    def _restore(self, missing: list[tuple[str, str]]) -> None:
+        """The restarted core lacks adapters the lost one served (loaded at run time): they
+        are loaded again before the parked requests, some of which need them, go back."""
+        self._lost_adapters = None
+        if not missing or self.restore_adapters is None:
+            return
+
+        async def run():
+            try:
+                await self.restore_adapters(missing)
+            except Exception as exc:  # noqa: BLE001 - their requests then fail NOT_FOUND, said once
+                log.error("could not load the LoRA adapters again into the restarted core",
+                          adapters=len(missing), error=type(exc).__name__)
+            finally:
+                self._restoring = None
+            if self.parked and self.ready:
+                self.parked.resubmit()
+
+        self._restoring = asyncio.ensure_future(run())

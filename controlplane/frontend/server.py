@@ -33,7 +33,7 @@ from headrace.controlplane.core import security as core_link
 from headrace.controlplane.requests import limits
 from headrace.controlplane.admin import admin_access, is_loopback_address
 from headrace.controlplane.http.lora_routes import AdminAccess
-from headrace.controlplane.lora.api import LoraAdmin
+from headrace.controlplane.lora.api import LoraAdmin, restorer
 from headrace.controlplane.server import (ADMIN, BackgroundTasks, public_server, request_limits,
                                           set_health, warn_if_open)
 from headrace.controlplane.service import NOT_READY, InferenceService
@@ -107,6 +107,10 @@ class FrontEnd:
             max_body=max_body, header_timeout=http_timeouts[0], keep_alive_timeout=http_timeouts[1],
             lora_admin=AdminAccess(LoraAdmin(stubs=self.admin.stubs, metadata=admin_metadata),
                                    admin_token, admin_insecure_loopback and is_loopback_address(address)))
+        clients = self.client.clients if isinstance(self.client, CoreRouter) else [self.client]
+        admin_of = dict(zip(cores, self.admin.stubs))
+        for client in clients:   # a restarted core gets the lost one's runtime-loaded adapters
+            client.restore_adapters = restorer(admin_of[client.address], admin_metadata)
         self.port = 0
 
     async def _core_changed(self) -> None:

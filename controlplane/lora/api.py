@@ -3,7 +3,9 @@ base model's names, an adapter's, or NOT_FOUND as vLLM answers), the model cards
 ``/v1/models`` (the base model and every adapter, with ``parent``), and the runtime load and
 unload of adapters behind Admin and vLLM's ``/v1/load_lora_adapter`` /
 ``/v1/unload_lora_adapter`` (``LoraAdmin``: in the engine's process it acts on the engine, in
-an API front end it calls the engine cores' Admin service).
+an API front end it calls the engine cores' Admin service), and the adapters a front end loads
+again into a restarted core (``restorer``: the lost core's runtime loads, so the requests it
+resumes find them).
 
 The engine (``headrace.controlplane.engine.loop.Engine``) and a front end's core client both answer
 ``lora_adapters()`` with ``headrace.v1.LoraAdapter`` messages (the core pushes them in its
@@ -99,6 +101,28 @@ class LoraAdmin:
             if isinstance(answer, BaseException):
                 raise answer
         return answers[0]
+
+
+def restorer(stub, metadata):
+    """A front end's ``CoreClient.restore_adapters`` for the core behind ``stub`` (its Admin
+    stub): loads each (name, path) the lost core served; a name loaded already (by another
+    front end, or from ``--lora-modules``) is fine, any other refusal is logged once."""
+    import logging
+
+    log = logging.getLogger("headrace.lora")
+
+    async def restore(missing: list[tuple[str, str]]) -> None:
+        for name, path in missing:
+            try:
+                await stub.LoadLoraAdapter(apb.LoadLoraAdapterRequest(lora_name=name, lora_path=path),
+                                           metadata=metadata, timeout=600)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                    log.warning("LoRA adapter %s not loaded again after the core restarted: %s",
+                                name, exc.code().name)
+        log.info("LoRA adapters loaded again into the restarted engine core: %d", len(missing))
+
+    return restore
 
 
 async def call_local(plane, what: str, name: str, arg) -> apb.LoraAdapters:
