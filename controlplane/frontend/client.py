@@ -90,7 +90,7 @@ class CoreClient(DownMessages):
         self.view = CacheView()              # (placement) what its prefix cache holds
         self.placed_since_report = 0
         # LoRA adapters through a core restart: what the lost core served ({name: path}), and
-        # how to load them into its successor (set by the front end: ``adapter_restore``)
+        # how to load them into its successor (the front end sets it: ``lora.api.restorer``)
         self.restore_adapters = None         # async ([(name, path)]) -> None
         self._lost_adapters: dict[str, str] | None = None
         self._restoring: asyncio.Task | None = None
