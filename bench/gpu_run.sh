@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from a checkout's root on the H200): GPU correctness, then the serving
 # workloads through the gRPC planes and in one process (bench/README.md). Usage:
-#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5swap w5l tier hf spy kern ragged tp spec specdraft structured dp det dettests detkern detw1 detw2 detspec detw4 detw4id detw5 detw3 lora lora8b tune lorad detprobe
+#   bash bench/gpu_run.sh [SECTION...]   sections: tests w2 w1 w1o w1s ttft w3 w3tp w4 w5 w5w1 w5swap w5l tier hf spy kern ragged tp spec specdraft structured dp det dettests detkern detw1 detw2 detspec detw4 detw4id detw5 detw3 lora lora8b tune lorad detprobe detrow
 #   (default: tests w2 w1 w1o w3); TP_WATCH_S: seconds the tp section waits before dumping stacks
 # kern: device kernel time per step (torch.profiler) over windows of W1 and W2 in one process.
 # ragged: decode attention on W1's ragged batches, by KV split count and program start order.
@@ -51,7 +51,7 @@
 #     req/s under prefix and round-robin placement (DP_ARGS: more bench.dp_bench options, e.g.
 #     "--rates 40 --num-kv-blocks 3072"). The table last: round-robin / prefix TTFT
 #     p50 (target >= 1.5x) and DP=2 / DP=1 W1 throughput (target >= 0.9x). ~5 minutes.
-# lorad: LoRA decode (one-launch projection tests, kernel times, W2 and cold on Qwen3-0.6B), ~5 min.
+# lorad: LoRA decode (GPU tests, kernel times, W2 and cold on Qwen3-0.6B), ~5 min.
 # detprobe: bench.det_kernels probe and tables, ~2 min.
 # tune: bench.det_kernels (probe, tables, Qwen3 tile sweep) and bench.lora_kernels --sweep (fused launches).
 # lora: multi-LoRA serving (issue 53) on Qwen3-0.6B: the LoRA GPU tests, bench.lora_kernels, then
@@ -236,19 +236,25 @@ if has dp; then
   log "dp: two replicas sharing the GPU: W1 and parity against one replica, W4S prefix vs round robin"
   timeout 480 python3 -m bench.dp_bench --model /tmp/qwen3 --parts parity,w1,w4s ${DP_ARGS:-} | tee -a "$OUT/results.jsonl"
 fi
-if has lorad; then   # issue 53's decode path on Qwen3-0.6B: one-launch projections, W2 and a cold adapter; ~5 minutes
-  log "lorad: the one-launch LoRA projection and the LoRA GPU tests; kernel times; W2 and cold on Qwen3-0.6B"
-  HEADRACE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_linear.py \
+if has lorad; then   # issue 53's decode path on Qwen3-0.6B: the GPU tests, kernel times, W2 and a cold adapter; ~5 minutes
+  log "lorad: the LoRA GPU tests; kernel times; W2 and cold on Qwen3-0.6B"
+  HEADRACE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_lora_gpu.py 2>&1 | tail -2
   timeout 60 python3 -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b --tokens 1,16,256 --mix 1 | tee "$OUT/lora-kernels.txt" | head -8
   timeout 240 python3 -m bench.lora_bench --model /tmp/qwen3 --cases load,w2,cold | tee -a "$OUT/results.jsonl" | tail -6
+fi
+if has detrow; then   # issue 54: per-row-count GEMM tiles (ROW_TILES): kernel rows still invariant, their time
+  HEADRACE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_batch_invariant_triton.py 2>&1 | tail -2
+  timeout 100 python3 -m bench.det_kernels --parts gemm > "$OUT/det-gemm.jsonl"; python3 -c "
+import json
+for l in open('$OUT/det-gemm.jsonl'):
+    d = json.loads(l); print(d['model'], d['shape'], d['rows'], d['det_us'], d['default_us'], d['x_default'], d['invariant'])"
 fi
 if has detprobe; then   # issue 54: which GEMM tiles round alike, and the kernels against the default; ~2 minutes
   timeout 150 python3 -m bench.det_kernels --parts probe,gemm,attention > "$OUT/det-kernels.jsonl"; grep probe "$OUT/det-kernels.jsonl"
 fi
 if has tune; then   # issues 53/54: kernel launches to pin, ~7 minutes
-  log "tune: the one-launch LoRA projection (tests, time), det probe and tables, LoRA sweeps, det GEMM sweep (Qwen3)"
-  HEADRACE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_linear.py 2>&1 | tail -2
+  log "tune: LoRA kernel times, det probe and tables, LoRA sweep, det GEMM sweep (Qwen3)"
   timeout 60 python3 -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b --tokens 1,16,256 --mix 1 | tee "$OUT/lora-kernels.txt" | head -8
   timeout 150 python3 -m bench.det_kernels --parts probe,gemm,attention > "$OUT/det-kernels.jsonl"; grep probe "$OUT/det-kernels.jsonl"
   timeout 150 python3 -m bench.lora_kernels --sweep --model qwen3-0.6b --tokens 1,16 > "$OUT/lora-sweep.jsonl"; grep -o '"pinned.*' "$OUT/lora-sweep.jsonl" | cut -c1-400
@@ -256,7 +262,7 @@ if has tune; then   # issues 53/54: kernel launches to pin, ~7 minutes
 fi
 if has lora; then   # issue 53 on Qwen3-0.6B, ~8 minutes
   log "lora: GPU tests (Triton kernels, peft equality with real CUDA graphs, serving end to end)"
-  HEADRACE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_kernels.py tests/test_lora_linear.py \
+  HEADRACE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_kernels.py \
     tests/test_lora_dataplane.py tests/test_lora_gpu.py tests/test_lora_serving.py -k "not tensor_parallel" 2>&1 | tail -3
   log "lora kernels: the update's device time beside the projections"
   timeout 120 python3 -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b --tokens 1,16,256,2048 \

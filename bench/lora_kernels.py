@@ -5,9 +5,7 @@ slot) at decode and prefill token counts, with the tokens spread over 1 or ``--m
 rank ``--rank`` in ``--slots`` slots; each replayed from a CUDA graph (µs a call), after a check
 of the update against the torch reference. The per-layer sums times the layer count give the
 step's added device time, hence the expected W2 ITL ratio (batch 1) and W1's cost (large
-batches): printed as a table and one JSON line. At most 16 tokens (a decode) the data plane
-runs the projection and its update as one launch (``kernels.lora_linear``): its time less the
-plain projection's is the ``one-launch +ms`` column, what a served decode step adds.
+batches): printed as a table and one JSON line.
 
     python -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b [--tokens 1,16,64,256,2048]
     python -m bench.lora_kernels --sweep --model qwen3-0.6b --tokens 1,16   # the fused kernel's launches
@@ -15,8 +13,7 @@ plain projection's is the ``one-launch +ms`` column, what a served decode step a
 ``--sweep`` times the fused small-step kernel (``kernels.triton_lora.lora_fused``) per projection
 over launches (columns a program, K step, warps, stages) at the given token counts and prints
 the best of each as a ``PINNED`` line for kernels/triton_lora.py (the update is the same with
-any launch: the sweep checks it against the reference), and the same for the one-launch
-projection (``kernels.triton_lora_linear``'s ``PINNED``) at the counts of at most 16 tokens.
+any launch: the sweep checks it against the reference).
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ import json
 import torch
 
 from bench.random_checkpoint import CONFIGS
-from headrace.kernels.reference_lora import LINEAR_MAX_ROWS
 
 GRAPH_CALLS = 20
 
@@ -68,7 +64,7 @@ def measure(name: str, tokens: int, mix: int, args) -> dict:
     cfg, dev, dtype = CONFIGS[name], torch.device("cuda"), torch.bfloat16
     rank, slots = args.rank, args.slots
     row = {"model": name, "tokens": tokens, "adapters": mix}
-    total_base = total_lora = total_one = 0.0
+    total_base = total_lora = 0.0
     for proj, (k, slices) in _shapes(cfg).items():
         n, pieces = slices[-1], len(slices) - 1
         x = torch.randn(tokens, k, device=dev, dtype=dtype)
@@ -84,20 +80,12 @@ def measure(name: str, tokens: int, mix: int, args) -> dict:
         base_us = _graph_us(lambda: kernels.linear(x, w))
         lora_us = _graph_us(lambda: kernels.lora_add(y, x, a, b, meta, slices))
         row[proj] = {"base_us": round(base_us, 2), "lora_us": round(lora_us, 2)}
-        if tokens <= LINEAR_MAX_ROWS:   # the projection and its update in one launch (decode)
-            one = kernels.lora_linear(x, w, None, a, b, meta, slices)
-            torch.testing.assert_close(one.float(), ref, atol=0.1, rtol=0.05)
-            one_us = _graph_us(lambda: kernels.lora_linear(x, w, None, a, b, meta, slices))
-            row[proj]["one_launch_us"] = round(one_us, 2)
-            total_one += one_us - base_us
         total_base += base_us
         total_lora += lora_us
     layers = cfg["num_hidden_layers"]
     row.update(layer_base_us=round(total_base, 1), layer_lora_us=round(total_lora, 1),
                step_lora_ms=round(total_lora * layers / 1e3, 3),
                step_projections_ms=round(total_base * layers / 1e3, 3))
-    if tokens <= LINEAR_MAX_ROWS:   # what the one-launch path adds to the step (the served one)
-        row["step_one_launch_added_ms"] = round(total_one * layers / 1e3, 3)
     return row
 
 
@@ -137,46 +125,16 @@ def sweep(name: str, token_counts: list[int], args) -> list[dict]:
                         continue
                     results.append({"launch": list(launch), "us": {t: round(v, 2) for t, v in times.items()},
                                     "score": round(sum(times.values()), 2)})
-        linear = _sweep_linear(cases, w, a, b, slices, n, k, pieces)
         ok = sorted((r for r in results if "score" in r), key=lambda r: r["score"])
         default = triton_lora.fused_launch(n, k, pieces, 2)
         row = {"bench": "lora_fused_sweep", "model": name, "proj": proj, "n": n, "k": k,
                "base_us": {t: round(v, 2) for t, v in base.items()},
                "default": next((r for r in results if r["launch"] == list(default)), None),
                "best": ok[:3], "errors": sum("error" in r for r in results),
-               "pinned": ok and f"PINNED[({n}, {k}, {pieces})] = FusedLaunch(*{ok[0]['launch']})",
-               "one_launch": linear}
+               "pinned": ok and f"PINNED[({n}, {k}, {pieces})] = FusedLaunch(*{ok[0]['launch']})"}
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
-
-
-def _sweep_linear(cases, w, a, b, slices, n, k, pieces) -> dict:
-    """``kernels.triton_lora_linear``'s launches at the cases of at most 16 tokens."""
-    from headrace.kernels import triton_lora_linear as one
-
-    cases = [c for c in cases if c[0] <= LINEAR_MAX_ROWS]
-    results = []
-    for block_n in (16, 32, 64):
-        for block_k in (128, 256, 512):
-            for warps, stages in ((4, 3), (4, 4), (8, 3)):
-                launch = one.Launch(block_n, block_k, warps, stages)
-                try:
-                    times = {}
-                    for tokens, x, _, meta, ref in cases:
-                        got = one.lora_linear(x, w, None, a, b, meta, slices, launch=launch)
-                        torch.testing.assert_close(got.float(), ref, atol=0.1, rtol=0.05)
-                        times[tokens] = _graph_us(lambda x=x, meta=meta, launch=launch: one.lora_linear(
-                            x, w, None, a, b, meta, slices, launch=launch))
-                except Exception as exc:  # noqa: BLE001 - no compile (registers, shared memory)
-                    results.append({"launch": list(launch), "error": repr(exc)[:80]})
-                    continue
-                results.append({"launch": list(launch), "us": {t: round(v, 2) for t, v in times.items()},
-                                "score": round(sum(times.values()), 2)})
-    ok = sorted((r for r in results if "score" in r), key=lambda r: r["score"])
-    default = one.launch_for(n, k, pieces, 2)
-    return {"default": next((r for r in results if r["launch"] == list(default)), None), "best": ok[:3],
-            "pinned": ok and f"PINNED[({n}, {k}, {pieces})] = Launch(*{ok[0]['launch']})"}
 
 
 def main() -> None:
@@ -194,12 +152,10 @@ def main() -> None:
         return
     rows = [measure(m, int(t), int(k), args) for m in args.model.split(",")
             for t in args.tokens.split(",") for k in args.mix.split(",") if int(k) <= int(t)]
-    print(f"{'model':14} {'tokens':>6} {'adapters':>8} {'proj ms/step':>12} {'LoRA ms/step':>12} {'ratio':>6} "
-          f"{'one-launch +ms':>14}")
+    print(f"{'model':14} {'tokens':>6} {'adapters':>8} {'proj ms/step':>12} {'LoRA ms/step':>12} {'ratio':>6}")
     for r in rows:
         print(f"{r['model']:14} {r['tokens']:>6} {r['adapters']:>8} {r['step_projections_ms']:>12} "
-              f"{r['step_lora_ms']:>12} {r['step_lora_ms'] / r['step_projections_ms']:>6.2f} "
-              f"{r.get('step_one_launch_added_ms', '-'):>14}")
+              f"{r['step_lora_ms']:>12} {r['step_lora_ms'] / r['step_projections_ms']:>6.2f}")
     print(json.dumps({"bench": "lora_kernels", "rows": rows}))
 
 

@@ -102,20 +102,6 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     return lora_expand(y, lora_shrink(x, lora_a, meta), lora_b, meta, slices, scale)
 
 
-LINEAR_MAX_ROWS = BLOCK_SIZES[0]   # ``lora_linear``'s steps: at most one 16-token block
-
-
-def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                lora_a: torch.Tensor, lora_b: torch.Tensor, meta: LoraMeta,
-                slices: tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
-    """A projection with its LoRA update (a step of at most ``LINEAR_MAX_ROWS`` tokens): here
-    ``x @ weight^T (+ bias)``, then ``lora_add`` on it; the Triton twin
-    (``headrace.kernels.triton_lora_linear``) does both in one launch."""
-    from headrace.kernels import reference
-
-    return lora_add(reference.linear(x, weight, bias), x, lora_a, lora_b, meta, slices, scale)
-
-
 def meta_of(token_slots: torch.Tensor, num_slots: int) -> LoraMeta:
     """The ``LoraMeta`` of a per-token slot index (-1: no adapter), for tests and benchmarks
     (the data plane builds it from its host arrays: ``headrace.dataplane.lora.batch``)."""

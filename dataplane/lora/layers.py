@@ -2,9 +2,7 @@
 layer's q/k/v, o, gate/up and down projections (plain, or quantized: any layer whose forward
 takes float rows) in a ``LoraProjection``, which runs the base layer and then, while the
 step's ``LoraBatch`` is active, ``kernels.lora_add`` over its slot buffers
-(``headrace.dataplane.lora.slots``); a step of at most 16 tokens through a plain (unquantized)
-layer runs both as one ``kernels.lora_linear`` launch (a decode's update rides on the weight's
-read instead of a graph node of its own). A worker without ``--enable-lora`` installs nothing: its model is
+(``headrace.dataplane.lora.slots``). A worker without ``--enable-lora`` installs nothing: its model is
 unchanged.
 
 A row-parallel projection (o_proj, down_proj) under tensor parallelism adds its update to the
@@ -23,8 +21,6 @@ from headrace import kernels
 from headrace.dataplane import parallel
 from headrace.dataplane.lora.batch import LoraBatch
 from headrace.dataplane.lora.slots import ROW_PARALLEL, LoraSlots, Site
-from headrace.dataplane.model import Linear
-from headrace.kernels.reference_lora import LINEAR_MAX_ROWS
 
 
 class LoraProjection(nn.Module):
@@ -34,9 +30,6 @@ class LoraProjection(nn.Module):
         self.lora_a, self.lora_b = slots.views(site)
         self.slices = site.slices
         self.row_parallel = site.merged in ROW_PARALLEL
-        # a plain projection (not quantized): small steps run it and the update in one launch
-        self.plain = isinstance(base, Linear) and base.weight.dtype in (torch.bfloat16, torch.float16,
-                                                                       torch.float32)
 
     def wants_fp8_rows(self, x: torch.Tensor) -> bool:
         return False
@@ -44,16 +37,6 @@ class LoraProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.batch
         tp_rows = self.row_parallel and parallel.world_size() > 1
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if batch.active and self.plain and 0 < rows <= LINEAR_MAX_ROWS:   # a decode: one launch
-            x2 = x.reshape(rows, x.shape[-1])
-            y = kernels.lora_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), self.base.weight,
-                                    None if tp_rows else self.base.bias, self.lora_a, self.lora_b,
-                                    batch.meta, self.slices).view(*x.shape[:-1], -1)
-            if tp_rows:
-                y = parallel.all_reduce(y)
-                return y if self.base.bias is None else y + self.base.bias
-            return y
         y = _partial(self.base, x) if tp_rows else self.base(x)
         if batch.active:   # (the kernels read rows of unit stride and update y in place)
             y = y if y.is_contiguous() else y.contiguous()
