@@ -24,8 +24,12 @@ program walks every slice of its tile and keeps the running sum in a second accu
 Either way the same additions happen in the same order. The launch disables FMA contraction
 (``enable_fp_fusion=False``) so that the slice and bias additions compile alike in both.
 
-What it gives up: the tile is chosen once per shape (``tile_for``: 64 x 64 or 64 x 128 tiles,
-slices long enough for the decode batch to keep ~2 programs an SM streaming), not per row
+Which tile runs: the K slices are chosen once per shape (``tile_for``: slices long enough for
+the decode batch to keep ~2 programs an SM streaming); they alone fix the bits on the H100,
+whose tensor cores gave every tile height, width, K step, warp and stage count the same bits
+(``bench/det_kernels.py --parts probe``, session 28), so there the tile's other dimensions
+follow the row count (``ROW_TILES``: 16-row tiles for a decode's few rows, 128 x 128 for a
+prefill's). Elsewhere, what it gives up: the tile is chosen once per shape, not per row
 count, so a one-row decode computes a 64-row tile (the weight read dominates there) and a
 large prefill runs this tile instead of cuBLAS's best; ``bench/det_kernels.py`` measures both
 against cuBLAS and sweeps the tiles (``PINNED`` holds the winners per shape and device).
@@ -65,19 +69,24 @@ class Tile:
 # are batch-invariant): pin before serving, not between runs that must agree.
 PINNED: dict[tuple[int, int, int], Tile] = {}
 
-# SM count -> ((most rows, tile height), ...): on a device where ``bench/det_kernels.py --parts
-# probe`` found every tile height giving a row the same bits (the same K slices and steps on
-# other tensor-core instructions), a launch takes its height from its row count: a decode's
-# few rows a 16-row tile, a prefill's thousands a 128-row one. Empty: 64 rows everywhere.
-ROW_HEIGHTS: dict[int, tuple[tuple[int, int], ...]] = {}
+# SM count -> ((most rows, tile changes), ...): on a device where ``bench/det_kernels.py
+# --parts probe`` found a row's bits to depend on the K slices alone (every tile height, width,
+# K step, warp count and stage count gave the same bits: H100, session 28), a launch takes its
+# tile from its row count, the shape's K slices kept: a decode's few rows a 16-row tile, a
+# prefill's or a large batch's rows 128 x 128 tiles (cuBLAS's shape there). Other devices: the
+# shape's one tile for every row count.
+ROW_TILES: dict[int, tuple[tuple[int, dict], ...]] = {
+    132: ((16, {"block_m": 16}), (64, {}),
+          (1 << 62, {"block_m": 128, "block_n": 128, "warps": 8, "stages": 3})),
+}
 
 
-def height_for(m: int, sms: int) -> int | None:
-    """The tile height for ``m`` rows on a device of ``sms`` SMs (None: the shape's tile's)."""
-    for most, height in ROW_HEIGHTS.get(sms, ()):
+def row_tile(tile: Tile, m: int, sms: int) -> Tile:
+    """``tile`` (a shape's) for a launch of ``m`` rows: its K slices, the rest by ``ROW_TILES``."""
+    for most, changes in ROW_TILES.get(sms, ()):
         if m <= most:
-            return height
-    return None
+            return dataclasses.replace(tile, **changes) if changes else tile
+    return tile
 
 
 def tile_for(n: int, k: int, sms: int, element_size: int = 2) -> Tile:
@@ -200,9 +209,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     sms = sm_count(x.device)
     if tile is None:
         tile = tile_for(n, k, sms, x.element_size())
-        height = height_for(m, sms)
-        if height is not None and height != tile.block_m:
-            tile = dataclasses.replace(tile, block_m=height)
+        if x.is_cuda and not INTERPRETED and x.element_size() == 2:   # (probed on the GPU only)
+            tile = row_tile(tile, m, sms)
     num_slices = tile.slices(k)
     slice_k = tile.slice_k if num_slices > 1 else cdiv(k, tile.block_k) * tile.block_k
     split = splits(tile, m, n, k, sms) if split is None else (split and num_slices > 1)
