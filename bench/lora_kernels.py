@@ -59,7 +59,7 @@ def _graph_us(fn) -> float:
 @torch.inference_mode()
 def measure(name: str, tokens: int, mix: int, args) -> dict:
     from headrace import kernels
-    from headrace.kernels import reference_lora
+    from headrace.kernels import reference_lora, triton_lora
 
     cfg, dev, dtype = CONFIGS[name], torch.device("cuda"), torch.bfloat16
     rank, slots = args.rank, args.slots
@@ -80,6 +80,9 @@ def measure(name: str, tokens: int, mix: int, args) -> dict:
         base_us = _graph_us(lambda: kernels.linear(x, w))
         lora_us = _graph_us(lambda: kernels.lora_add(y, x, a, b, meta, slices))
         row[proj] = {"base_us": round(base_us, 2), "lora_us": round(lora_us, 2)}
+        if tokens <= triton_lora.FUSED_MAX_TOKENS:   # the one-launch kernel it replaced, beside it
+            row[proj]["fused_us"] = round(_graph_us(
+                lambda: triton_lora.lora_fused(y, x, a, b, meta, slices)), 2)
         total_base += base_us
         total_lora += lora_us
     layers = cfg["num_hidden_layers"]

@@ -9,16 +9,16 @@ start, tokens), so each program reads its slot's weights once for up to BLOCK_M 
 grid is bounded by the step's token count and the slot count alone (static: the CUDA graphs
 replay it with any step's list; unused rows have no tokens and their programs exit at once).
 
-Two paths, by the step's token count T:
-
-* T <= ``FUSED_MAX_TOKENS`` (decode steps, the ITL-bound ones): one kernel per projection.
-  Each program owns BLOCK_N output columns of one block of 16 tokens: it computes the block's
-  ``h = x @ A^T`` over the whole K (the slot's A, [slices x R, K], is a few hundred kilobytes,
-  read by the projection's few column programs mostly from L2), then adds ``h_i @ B^T`` of each
-  slice i to the columns of that slice it owns. One launch instead of two: at batch 1 the
-  update's cost is its launches (~4 projections x layers of them a step).
-* larger T (prefill and mixed steps): a shrink (``buf = x @ A^T`` per block of 64 tokens, float32)
-  and an expand (``y += buf_i @ B_i^T`` per slice), each block's A and B read once.
+Every step runs a shrink (``buf = x @ A^T`` per block of 64 tokens, float32) and an expand
+(``y += buf_i @ B_i^T`` per slice, its columns over programs), each block's A and B read once.
+In a step of at most ``FUSED_MAX_TOKENS`` tokens (decodes: the ITL-bound steps) the shrink's
+one or two token blocks have one column block (S x R <= 64 columns), so its K is cut over
+programs too (``shrink_splits``: one BLOCK_K step each) and their float32 partial sums are added
+in order by the expand, which reads them: two short, wide launches. The fused small-step kernel
+(``lora_fused``: each column program computes its block's whole ``h`` and adds its columns)
+measured slower on an H100 (its column programs each loop over all of K and reread A: 5.7-8.5
+µs a Qwen3-0.6B projection at batch 1, 19-38 µs a Llama-3.1-8B one); it stays for
+``bench/lora_kernels.py``'s comparison.
 
 Accumulation is float32; ``h`` / ``buf`` is rounded to B's type for the expand's dot (as vLLM
 does). ``y`` is updated in place and only rows of tokens with a slot are touched.
@@ -38,6 +38,8 @@ from headrace.kernels.triton_flash import INTERPRETED   # bfloat16 tl.dot operan
 
 MAX_SLICES = 3
 FUSED_MAX_TOKENS = 64
+SHRINK_BLOCK_K = 128      # K elements a shrink program steps (16-bit inputs)
+MAX_SHRINK_SPLITS = 32
 SMALL, LARGE = BLOCK_SIZES
 
 
@@ -111,8 +113,8 @@ def _fused_kernel(X, A, B, Y, ORDER, BLOCKS, N, K, R, scale, S1, S2,
 
 
 @triton.jit
-def _shrink_kernel(X, A, BUF, ORDER, BLOCKS, N, K, stride_xm, stride_as, stride_an, stride_bm,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _shrink_kernel(X, A, BUF, ORDER, BLOCKS, N, K, K_PER, stride_xm, stride_as, stride_an, stride_bk,
+                   stride_bm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     slot, rows, row_ok, count = _block(BLOCKS, ORDER, BLOCK_M)
     if count == 0:
@@ -121,9 +123,11 @@ def _shrink_kernel(X, A, BUF, ORDER, BLOCKS, N, K, stride_xm, stride_as, stride_
     col_ok = cols < N
     a_base = A + slot * stride_as
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    split = tl.program_id(2)   # K elements [split x K_PER, + K_PER): its partial sum in buf[split]
+    k_end = tl.minimum(K, (split + 1) * K_PER)
+    for k0 in range(split * K_PER, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
+        k_ok = k < k_end
         x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         if DOT_F32:
@@ -131,12 +135,13 @@ def _shrink_kernel(X, A, BUF, ORDER, BLOCKS, N, K, stride_xm, stride_as, stride_
         a = tl.load(a_base + cols[:, None] * stride_an + k[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(x.dtype)
         acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
-    tl.store(BUF + rows[:, None] * stride_bm + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(BUF + split.to(tl.int64) * stride_bk + rows[:, None] * stride_bm + cols[None, :], acc,
+             mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _expand_kernel(BUF, B, Y, ORDER, BLOCKS, R, scale, S0, S1, S2, S3,
-                   stride_bm, stride_bs, stride_bn, stride_ym,
+def _expand_kernel(BUF, B, Y, ORDER, BLOCKS, R, scale, S0, S1, S2, S3, SPLITS,
+                   stride_bk, stride_bm, stride_bs, stride_bn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     slot, rows, row_ok, count = _block(BLOCKS, ORDER, BLOCK_M)
@@ -152,8 +157,11 @@ def _expand_kernel(BUF, B, Y, ORDER, BLOCKS, R, scale, S0, S1, S2, S3,
     col_ok = cols < hi
     r = tl.arange(0, BLOCK_R)
     r_ok = r < R
-    h = tl.load(BUF + rows[:, None] * stride_bm + piece * R + r[None, :],
-                mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    h_at = BUF + rows[:, None] * stride_bm + piece * R + r[None, :]
+    h_ok = row_ok[:, None] & r_ok[None, :]
+    h = tl.load(h_at, mask=h_ok, other=0.0)
+    for s in range(1, SPLITS):   # the shrink's K partial sums, in order
+        h += tl.load(h_at + s * stride_bk, mask=h_ok, other=0.0)
     b = tl.load(B + slot * stride_bs + cols[:, None].to(tl.int64) * stride_bn + r[None, :],
                 mask=col_ok[:, None] & r_ok[None, :], other=0.0)
     if DOT_F32:
@@ -177,24 +185,38 @@ def _grid_blocks(meta: LoraMeta, tokens: int, slots: int, size: int) -> tuple[to
     return blocks, min(blocks.shape[0], max_blocks(tokens, slots, size))
 
 
+def shrink_splits(tokens: int, k: int) -> int:
+    """How many programs share a token block's K in the shrink: a step of at most
+    ``FUSED_MAX_TOKENS`` tokens (a decode) has one or two token blocks and one column block
+    (S x R <= 64 columns), so its K is cut into one BLOCK_K step a program (at most
+    ``MAX_SHRINK_SPLITS``) instead of one program looping over all of it; larger steps have
+    programs enough."""
+    return min(MAX_SHRINK_SPLITS, cdiv(k, SHRINK_BLOCK_K)) if tokens <= FUSED_MAX_TOKENS else 1
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoraMeta,
-                buf: torch.Tensor | None = None) -> torch.Tensor:
-    """[1, tokens, S x R] float32 (the reference's layout): each slot's tokens' ``x @ A^T``;
-    rows of tokens without a slot are not written. ``lora_a`` [slots, S x R, K] may be a
-    strided view (its rows contiguous)."""
+                buf: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+    """[splits, tokens, S x R] float32 partial sums over K (the reference's layout when
+    ``splits`` is 1; the expand adds them in order): each slot's tokens' ``x @ A^T``; rows of
+    tokens without a slot are not written. ``lora_a`` [slots, S x R, K] may be a strided view
+    (its rows contiguous)."""
     tokens, k = x.shape
     slots, n = lora_a.shape[0], lora_a.shape[1]
+    block_k = 64 if x.element_size() >= 4 else SHRINK_BLOCK_K
+    splits = splits or shrink_splits(tokens, k)
+    k_per = cdiv(cdiv(k, splits), block_k) * block_k
+    splits = max(1, cdiv(k, k_per))
     if buf is None:
-        buf = torch.empty((1, tokens, n), dtype=torch.float32, device=x.device)
+        buf = torch.empty((splits, tokens, n), dtype=torch.float32, device=x.device)
     if tokens == 0:
         return buf
     blocks, num = _grid_blocks(meta, tokens, slots, LARGE)
     block_n = min(64, max(16, next_pow2(n)))
     precision, dot_f32 = _precision(x.dtype)
-    _shrink_kernel[(num, cdiv(n, block_n))](
-        x, lora_a, buf, meta.order, blocks, n, k, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-        buf.stride(1), BLOCK_M=LARGE, BLOCK_N=block_n, BLOCK_K=64 if x.element_size() >= 4 else 128,
-        PRECISION=precision, DOT_F32=dot_f32, num_warps=4)
+    _shrink_kernel[(num, cdiv(n, block_n), splits)](
+        x, lora_a, buf, meta.order, blocks, n, k, k_per, x.stride(0), lora_a.stride(0),
+        lora_a.stride(1), buf.stride(0), buf.stride(1), BLOCK_M=LARGE, BLOCK_N=block_n,
+        BLOCK_K=block_k, PRECISION=precision, DOT_F32=dot_f32, num_warps=4)
     return buf
 
 
@@ -208,20 +230,18 @@ def _bounds(slices: tuple[int, ...]) -> list[int]:
 def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, meta: LoraMeta,
                 slices: tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
     """Adds each slot's tokens' update to ``y`` [tokens, width] in place (``buf``: the
-    shrink's, its first dimension summed)."""
+    shrink's partial sums, added here in order)."""
     tokens = y.shape[0]
     if tokens == 0:
         return y
     bounds = _bounds(slices)
-    if buf.shape[0] != 1:
-        buf = buf.sum(0, keepdim=True)
     widest = max(bounds[i + 1] - bounds[i] for i in range(len(slices) - 1))
     slots, rank = lora_b.shape[0], lora_b.shape[2]
     blocks, num = _grid_blocks(meta, tokens, slots, LARGE)
     precision, dot_f32 = _precision(lora_b.dtype)
     _expand_kernel[(num, cdiv(widest, 64), len(slices) - 1)](
-        buf, lora_b, y, meta.order, blocks, rank, float(scale), *bounds, buf.stride(1),
-        lora_b.stride(0), lora_b.stride(1), y.stride(0), BLOCK_M=LARGE, BLOCK_N=64,
+        buf, lora_b, y, meta.order, blocks, rank, float(scale), *bounds, buf.shape[0], buf.stride(0),
+        buf.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), BLOCK_M=LARGE, BLOCK_N=64,
         BLOCK_R=max(16, next_pow2(rank)), PRECISION=precision, DOT_F32=dot_f32, num_warps=4)
     return y
 
@@ -271,10 +291,8 @@ def lora_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: t
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
              meta: LoraMeta, slices: tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
-    """The whole update of ``y`` in place: one fused launch for a step of at most
-    ``FUSED_MAX_TOKENS`` tokens, else a shrink and an expand."""
+    """The whole update of ``y`` in place: a shrink (its K split over programs for a step of
+    at most ``FUSED_MAX_TOKENS`` tokens) and an expand."""
     if y.shape[0] == 0:
         return y
-    if y.shape[0] <= FUSED_MAX_TOKENS and slices[0] == 0:
-        return lora_fused(y, x, lora_a, lora_b, meta, slices, scale)
     return lora_expand(y, lora_shrink(x, lora_a, meta), lora_b, meta, slices, scale)
