@@ -28,8 +28,8 @@ Which tile runs: the K slices are chosen once per shape (``tile_for``: slices lo
 the decode batch to keep ~2 programs an SM streaming); they alone fix the bits on the H100,
 whose tensor cores gave every tile height, width, K step, warp and stage count the same bits
 (``bench/det_kernels.py --parts probe``, session 28), so there the tile's other dimensions
-follow the row count (``ROW_TILES``: 16-row tiles for a decode's few rows, 128 x 128 for a
-prefill's). Elsewhere, what it gives up: the tile is chosen once per shape, not per row
+may follow the row count (``HOPPER_ROW_TILES``: 16-row tiles for a decode's few rows, 128 x 128
+for a prefill's; served once verified on the GPU: ``ROW_TILES``). Until then, what it gives up: the tile is chosen once per shape, not per row
 count, so a one-row decode computes a 64-row tile (the weight read dominates there) and a
 large prefill runs this tile instead of cuBLAS's best; ``bench/det_kernels.py`` measures both
 against cuBLAS and sweeps the tiles (``PINNED`` holds the winners per shape and device).
@@ -69,16 +69,18 @@ class Tile:
 # are batch-invariant): pin before serving, not between runs that must agree.
 PINNED: dict[tuple[int, int, int], Tile] = {}
 
-# SM count -> ((most rows, tile changes), ...): on a device where ``bench/det_kernels.py
-# --parts probe`` found a row's bits to depend on the K slices alone (every tile height, width,
-# K step, warp count and stage count gave the same bits: H100, session 28), a launch takes its
-# tile from its row count, the shape's K slices kept: a decode's few rows a 16-row tile, a
-# prefill's or a large batch's rows 128 x 128 tiles (cuBLAS's shape there). Other devices: the
-# shape's one tile for every row count.
-ROW_TILES: dict[int, tuple[tuple[int, dict], ...]] = {
-    132: ((16, {"block_m": 16}), (64, {}),
-          (1 << 62, {"block_m": 128, "block_n": 128, "warps": 8, "stages": 3})),
-}
+# ((most rows, tile changes), ...): on the H100 ``bench/det_kernels.py --parts probe`` found a
+# row's bits to depend on the K slices alone (every tile height, width, K step, warp count and
+# stage count gave the 64 x 64 tile's bits on all ten Qwen3 / Llama shapes; session 28), so a
+# launch there may take its tile from its row count, the shape's K slices kept: a decode's few
+# rows a 16-row tile, a prefill's or a large batch's 128 x 128 tiles (cuBLAS's shape there).
+HOPPER_ROW_TILES = ((16, {"block_m": 16}), (64, {}),
+                    (1 << 62, {"block_m": 128, "block_n": 128, "warps": 8, "stages": 3}))
+# SM count -> the row tiles serving uses. Empty until this exact table has passed
+# ``tests/test_batch_invariant_triton.py::test_row_tiles_keep_every_rows_bits`` on the GPU (the
+# probe changed one dimension at a time; that test runs the table's tiles at 1-2,048 rows):
+# then ``{132: HOPPER_ROW_TILES}`` (H100 and H200 have 132 SMs). Meanwhile: one tile a shape.
+ROW_TILES: dict[int, tuple[tuple[int, dict], ...]] = {}
 
 
 def row_tile(tile: Tile, m: int, sms: int) -> Tile:

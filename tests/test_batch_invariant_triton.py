@@ -51,6 +51,25 @@ def test_gemm_rows_have_the_same_bits_at_every_batch_size(n, k):
                                rtol=2e-2 if CUDA else 1e-4)
 
 
+@pytest.mark.skipif(not CUDA, reason="the row tiles are the GPU's (the interpreter keeps one tile)")
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_row_tiles_keep_every_rows_bits(n, k, monkeypatch):
+    """The H100 probe's per-row-count tiles (``HOPPER_ROW_TILES``): every row the same bits at
+    every batch size, and the bits of the shape's one tile (what ``ROW_TILES`` serves once this
+    passes on the GPU)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    monkeypatch.setitem(gemm.ROW_TILES, sms, gemm.HOPPER_ROW_TILES)
+    g = torch.Generator().manual_seed(3 * n + k)
+    w, b = _randn(n, k, g=g, scale=0.05), _randn(n, g=g)
+    biggest = max(ROWS)
+    x = _randn(biggest, k, g=g)
+    full = gemm.linear(x, w, b)
+    assert torch.equal(full, gemm.linear(x, w, b, tile=gemm.tile_for(n, k, sms)))
+    for m in ROWS:
+        idx = torch.randperm(biggest, generator=g)[:m].to(DEVICE)
+        assert torch.equal(gemm.linear(x[idx], w, b), full[idx]), f"{m} rows"
+
+
 @pytest.mark.parametrize("n,k", SHAPES[:2])
 def test_gemm_slices_split_over_programs_or_folded_give_the_same_bits(n, k):
     g = torch.Generator().manual_seed(7)
