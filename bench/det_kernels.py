@@ -187,7 +187,14 @@ def main() -> None:
     ap.add_argument("--models", default="qwen3,llama", help="whose shapes: qwen3, llama")
     ap.add_argument("--sweep", action="store_true", help="sweep GEMM tiles per shape (PINNED lines)")
     ap.add_argument("--parts", default="gemm,attention", help="gemm, attention, probe")
+    ap.add_argument("--row-tiles", action="store_true",
+                    help="time the GEMM with HOPPER_ROW_TILES (a tile per row count) on this device")
     args = ap.parse_args()
+    if args.row_tiles and args.device == "cuda":
+        from headrace.kernels import triton_invariant_gemm as gemm
+        from headrace.kernels.skinny_gemm import sm_count
+
+        gemm.ROW_TILES[sm_count(torch.device("cuda"))] = gemm.HOPPER_ROW_TILES
     quick = args.device != "cuda"
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     rows = ROWS if not quick else (1, 3)

@@ -245,7 +245,7 @@ if has lorad; then   # issue 53's decode path on Qwen3-0.6B: the GPU tests, kern
 fi
 if has detrow; then   # issue 54: per-row-count GEMM tiles (ROW_TILES): kernel rows still invariant, their time
   HEADRACE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_batch_invariant_triton.py 2>&1 | tail -2
-  timeout 100 python3 -m bench.det_kernels --parts gemm > "$OUT/det-gemm.jsonl"; python3 -c "
+  timeout 100 python3 -m bench.det_kernels --parts gemm --row-tiles > "$OUT/det-gemm.jsonl"; python3 -c "
 import json
 for l in open('$OUT/det-gemm.jsonl'):
     d = json.loads(l); print(d['model'], d['shape'], d['rows'], d['det_us'], d['default_us'], d['x_default'], d['invariant'])"
