@@ -12,7 +12,10 @@ neighbours, up to 1,600 rows (``tests/test_batch_invariant_reference.py`` checks
 it runs). So:
 
 * ``linear`` pads the rows to a multiple of ``ROW_MULTIPLE`` (16: both dtypes) and runs one
-  product (the padding rows are zeros and are dropped): at most 15 wasted rows a call.
+  product (the padding rows are zeros and are dropped): at most 15 wasted rows a call. A
+  weight of fewer than ``ROW_MULTIPLE`` output columns is padded to that many too: with 2-9
+  columns MKL gave a row other bits at another position within the same padded product
+  (session 28, a property-test example; 0 of 3,000 random cases once padded).
 * ``paged_attention`` runs, per sequence, an online softmax over the keys in fixed chunks of
   ``KEY_CHUNK`` positions counted from position 0, with the queries padded to a multiple of
   ``ROW_MULTIPLE`` rows: every product has a fixed inner dimension (head_dim, then the chunk)
@@ -87,11 +90,14 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), each row's bits independent of the others (rows padded to a
     multiple of ROW_MULTIPLE)."""
-    k = x.shape[-1]
+    k, n = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
-    out = torch.nn.functional.linear(_pad_rows(x2, rows), weight, bias)[:rows]
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    if n < ROW_MULTIPLE:   # (few output columns: see the module doc)
+        weight = torch.cat([weight, weight.new_zeros((ROW_MULTIPLE - n, k))])
+        bias = None if bias is None else torch.cat([bias, bias.new_zeros(ROW_MULTIPLE - n)])
+    out = torch.nn.functional.linear(_pad_rows(x2, rows), weight, bias)[:rows, :n]
+    return out.reshape(*x.shape[:-1], n)
 
 
 def _attend_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: int,

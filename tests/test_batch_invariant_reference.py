@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from headrace import kernels
@@ -20,6 +20,9 @@ DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 @FAST
 @given(dtype=DTYPES, n=st.integers(1, 300), k=st.integers(1, 700), rows=st.integers(1, 90),
        seed=st.integers(0, 1 << 16), bias=st.booleans())
+@example(dtype=torch.float32, n=4, k=5, rows=1, seed=0, bias=False)     # (MKL's few-column
+@example(dtype=torch.float32, n=4, k=5, rows=2, seed=0, bias=False)     # path: position mattered)
+@example(dtype=torch.float32, n=12, k=651, rows=2, seed=0, bias=False)
 def test_a_linear_row_has_the_same_bits_alone_and_in_any_batch(dtype, n, k, rows, seed, bias):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g).to(dtype)
@@ -33,8 +36,9 @@ def test_a_linear_row_has_the_same_bits_alone_and_in_any_batch(dtype, n, k, rows
     others = torch.randn(rows + 5, k, generator=g).to(dtype)
     others[3] = x[pick]
     assert torch.equal(inv.linear(others.view(1, rows + 5, k), w, b)[0, 3], alone[0])
-    torch.testing.assert_close(batch.float(), ref.linear(x, w, b).float(),
-                               **({} if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)))
+    torch.testing.assert_close(batch.float(), ref.linear(x, w, b).float(),   # (other sum orders)
+                               **(dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32
+                                  else dict(atol=5e-2, rtol=2e-2)))
 
 
 def _paged(ctx: int, kv_heads: int, head_dim: int, dtype, g, block_size=16):
