@@ -199,14 +199,14 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, meta: LoraMeta,
     """[splits, tokens, S x R] float32 partial sums over K (the reference's layout when
     ``splits`` is 1; the expand adds them in order): each slot's tokens' ``x @ A^T``; rows of
     tokens without a slot are not written. ``lora_a`` [slots, S x R, K] may be a strided view
-    (its rows contiguous)."""
+    (its rows contiguous); a given ``buf`` sets the split count."""
     tokens, k = x.shape
     slots, n = lora_a.shape[0], lora_a.shape[1]
     block_k = 64 if x.element_size() >= 4 else SHRINK_BLOCK_K
-    splits = splits or shrink_splits(tokens, k)
+    splits = buf.shape[0] if buf is not None else splits or shrink_splits(tokens, k)
     k_per = cdiv(cdiv(k, splits), block_k) * block_k
-    splits = max(1, cdiv(k, k_per))
-    if buf is None:
+    if buf is None:   # (a given buffer's programs past K store zeros)
+        splits = max(1, cdiv(k, k_per))
         buf = torch.empty((splits, tokens, n), dtype=torch.float32, device=x.device)
     if tokens == 0:
         return buf
