@@ -53,7 +53,7 @@
 #     p50 (target >= 1.5x) and DP=2 / DP=1 W1 throughput (target >= 0.9x). ~5 minutes.
 # lorad: LoRA decode (GPU tests, kernel times, W2 and cold on Qwen3-0.6B), ~5 min.
 # detprobe: bench.det_kernels probe and tables, ~2 min.
-# tune: bench.det_kernels (probe, tables, Qwen3 tile sweep) and bench.lora_kernels --sweep (fused launches).
+# tune: bench.lora_kernels, bench.det_kernels (probe, tables, Qwen3 tile sweep).
 # lora: multi-LoRA serving (issue 53) on Qwen3-0.6B: the LoRA GPU tests, bench.lora_kernels, then
 #   bench.lora_bench load,w2,w1,cold (8 random rank-16 adapters on all 7 projections); ~8 minutes.
 # lora8b: on Llama-3.1-8B: the slot load of a rank-16 adapter, W2 ITL adapter vs base, and W4-like Poisson load over 100
@@ -254,10 +254,9 @@ if has detprobe; then   # issue 54: which GEMM tiles round alike, and the kernel
   timeout 150 python3 -m bench.det_kernels --parts probe,gemm,attention > "$OUT/det-kernels.jsonl"; grep probe "$OUT/det-kernels.jsonl"
 fi
 if has tune; then   # issues 53/54: kernel launches to pin, ~7 minutes
-  log "tune: LoRA kernel times, det probe and tables, LoRA sweep, det GEMM sweep (Qwen3)"
+  log "tune: LoRA kernel times, det probe and tables, det GEMM sweep (Qwen3)"
   timeout 60 python3 -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b --tokens 1,16,256 --mix 1 | tee "$OUT/lora-kernels.txt" | head -8
   timeout 150 python3 -m bench.det_kernels --parts probe,gemm,attention > "$OUT/det-kernels.jsonl"; grep probe "$OUT/det-kernels.jsonl"
-  timeout 150 python3 -m bench.lora_kernels --sweep --model qwen3-0.6b --tokens 1,16 > "$OUT/lora-sweep.jsonl"; grep -o '"pinned.*' "$OUT/lora-sweep.jsonl" | cut -c1-400
   timeout 180 python3 -m bench.det_kernels --sweep --parts gemm --models qwen3 > "$OUT/det-sweep.jsonl"; grep -o '"pinned.*' "$OUT/det-sweep.jsonl"
 fi
 if has lora; then   # issue 53 on Qwen3-0.6B, ~8 minutes

@@ -8,12 +8,9 @@ step's added device time, hence the expected W2 ITL ratio (batch 1) and W1's cos
 batches): printed as a table and one JSON line.
 
     python -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b [--tokens 1,16,64,256,2048]
-    python -m bench.lora_kernels --sweep --model qwen3-0.6b --tokens 1,16   # the fused kernel's launches
 
-``--sweep`` times the fused small-step kernel (``kernels.triton_lora.lora_fused``) per projection
-over launches (columns a program, K step, warps, stages) at the given token counts and prints
-the best of each as a ``PINNED`` line for kernels/triton_lora.py (the update is the same with
-any launch: the sweep checks it against the reference).
+At most 64 tokens the table also times the fused one-launch kernel the decode path used before
+session 28 (``fused_us``), beside the served shrink + expand with K split over programs.
 """
 
 from __future__ import annotations
@@ -92,54 +89,6 @@ def measure(name: str, tokens: int, mix: int, args) -> dict:
     return row
 
 
-def sweep(name: str, token_counts: list[int], args) -> list[dict]:
-    """Per projection: the fused kernel's time over launches (summed over ``token_counts``)."""
-    from headrace.kernels import reference_lora, triton_lora
-
-    cfg, dev, dtype = CONFIGS[name], torch.device("cuda"), torch.bfloat16
-    rank, slots, out = args.rank, args.slots, []
-    for proj, (k, slices) in _shapes(cfg).items():
-        n, pieces = slices[-1], len(slices) - 1
-        w = torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5
-        a = torch.randn(slots, pieces * rank, k, device=dev, dtype=dtype) / k ** 0.5
-        b = torch.randn(slots, n, rank, device=dev, dtype=dtype) * 0.02
-        cases = []
-        for tokens in token_counts:
-            x = torch.randn(tokens, k, device=dev, dtype=dtype)
-            meta = reference_lora.meta_of(torch.arange(tokens, device=dev) % 1, slots)
-            y = x @ w.t()
-            ref = reference_lora.lora_add(y.float().clone(), x.float(), a.float(), b.float(), meta, slices)
-            cases.append((tokens, x, y, meta, ref))
-        base = {t: _graph_us(lambda x=x: x @ w.t()) for t, x, *_ in cases}
-        results = []
-        for block_n in (32, 64, 128):
-            for block_k in (128, 256, 512):
-                for warps, stages in ((4, 1), (4, 3), (8, 3)):
-                    launch = triton_lora.FusedLaunch(block_n, block_k, warps, stages)
-                    try:
-                        times = {}
-                        for tokens, x, y, meta, ref in cases:
-                            got = triton_lora.lora_fused(y.clone(), x, a, b, meta, slices, launch=launch)
-                            torch.testing.assert_close(got.float(), ref, atol=0.1, rtol=0.05)
-                            times[tokens] = _graph_us(lambda: triton_lora.lora_fused(
-                                y, x, a, b, meta, slices, launch=launch))
-                    except Exception as exc:  # noqa: BLE001 - no compile (registers, shared memory)
-                        results.append({"launch": list(launch), "error": repr(exc)[:80]})
-                        continue
-                    results.append({"launch": list(launch), "us": {t: round(v, 2) for t, v in times.items()},
-                                    "score": round(sum(times.values()), 2)})
-        ok = sorted((r for r in results if "score" in r), key=lambda r: r["score"])
-        default = triton_lora.fused_launch(n, k, pieces, 2)
-        row = {"bench": "lora_fused_sweep", "model": name, "proj": proj, "n": n, "k": k,
-               "base_us": {t: round(v, 2) for t, v in base.items()},
-               "default": next((r for r in results if r["launch"] == list(default)), None),
-               "best": ok[:3], "errors": sum("error" in r for r in results),
-               "pinned": ok and f"PINNED[({n}, {k}, {pieces})] = FusedLaunch(*{ok[0]['launch']})"}
-        print(json.dumps(row), flush=True)
-        out.append(row)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-0.6b,llama-3.1-8b", help=f"of {', '.join(CONFIGS)}")
@@ -147,12 +96,7 @@ def main() -> None:
     ap.add_argument("--mix", default="1,8", help="adapters the tokens are dealt over")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--slots", type=int, default=16, help="device slots (--max-loras)")
-    ap.add_argument("--sweep", action="store_true", help="the fused kernel's launches (PINNED lines)")
     args = ap.parse_args()
-    if args.sweep:
-        for m in args.model.split(","):
-            sweep(m, [int(t) for t in args.tokens.split(",")], args)
-        return
     rows = [measure(m, int(t), int(k), args) for m in args.model.split(",")
             for t in args.tokens.split(",") for k in args.mix.split(",") if int(k) <= int(t)]
     print(f"{'model':14} {'tokens':>6} {'adapters':>8} {'proj ms/step':>12} {'LoRA ms/step':>12} {'ratio':>6}")

@@ -26,8 +26,6 @@ does). ``y`` is updated in place and only rows of tokens with a slot are touched
 
 from __future__ import annotations
 
-import typing
-
 import torch
 import triton
 import triton.language as tl
@@ -246,46 +244,24 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, meta: 
     return y
 
 
-class FusedLaunch(typing.NamedTuple):
-    """The fused kernel's launch: output columns a program, K elements a step, warps, stages."""
-    block_n: int
-    block_k: int
-    warps: int
-    stages: int
-
-
-# (n, k, slices) -> FusedLaunch: the winners of ``python -m bench.lora_kernels --sweep`` on an
-# H100 (any launch gives the same update; only its time changes)
-PINNED: dict[tuple[int, int, int], FusedLaunch] = {}
-
-
-def fused_launch(n: int, k: int, slices: int, element_size: int) -> FusedLaunch:
-    """The launch of the fused kernel for an [n, k] projection of ``slices`` slices."""
-    if element_size >= 4:
-        return FusedLaunch(128 if n >= 2048 else 64, 64, 4, 3)
-    pinned = PINNED.get((n, k, slices))
-    return pinned or FusedLaunch(128 if n >= 2048 else 64, 128, 4, 3)
-
-
 def lora_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               meta: LoraMeta, slices: tuple[int, ...], scale: float = 1.0,
-               launch: FusedLaunch | None = None) -> torch.Tensor:
-    """The whole update in one launch (small steps: see the module doc); ``launch``: force
-    one (the bench's sweep)."""
+               meta: LoraMeta, slices: tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
+    """The whole update in one launch (the small-step kernel before session 28: see the
+    module doc; ``bench/lora_kernels.py`` times it beside the served path)."""
     tokens, k = x.shape
     bounds = _bounds(slices)
     slots, rank, n = lora_b.shape[0], lora_b.shape[2], slices[-1] - slices[0]
     if slices[0] != 0:
         raise ValueError("the fused LoRA kernel updates whole rows (slices from 0)")
     blocks, num = _grid_blocks(meta, tokens, slots, SMALL)
-    launch = launch or fused_launch(n, k, len(slices) - 1, x.element_size())
+    block_n = 128 if n >= 2048 else 64
     precision, dot_f32 = _precision(x.dtype)
-    _fused_kernel[(num, cdiv(n, launch.block_n))](
+    _fused_kernel[(num, cdiv(n, block_n))](
         x, lora_a, lora_b, y, meta.order, blocks, n, k, rank, float(scale), bounds[1], bounds[2],
         x.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1),
-        y.stride(0), SLICES=len(slices) - 1, BLOCK_M=SMALL, BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k, BLOCK_R=max(16, next_pow2(rank)),
-        PRECISION=precision, DOT_F32=dot_f32, num_warps=launch.warps, num_stages=launch.stages)
+        y.stride(0), SLICES=len(slices) - 1, BLOCK_M=SMALL, BLOCK_N=block_n,
+        BLOCK_K=64 if x.element_size() >= 4 else 128, BLOCK_R=max(16, next_pow2(rank)),
+        PRECISION=precision, DOT_F32=dot_f32, num_warps=4)
     return y
 
 
