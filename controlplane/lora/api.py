@@ -120,7 +120,7 @@ def restorer(stub, metadata):
                 if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
                     log.warning("LoRA adapter %s not loaded again after the core restarted: %s",
                                 name, exc.code().name)
-        log.info("LoRA adapters loaded again into the restarted engine core: %d", len(missing))
+        log.info("LoRA adapters of the lost engine core asked of the restarted one: %d", len(missing))
 
     return restore
 

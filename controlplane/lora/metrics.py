@@ -1,7 +1,8 @@
 """Prometheus metrics of multi-LoRA serving, read from the engine when scraped (nothing per
 step): vLLM's ``lora_requests_info`` gauge (its labels name the adapters with sequences running
 and waiting, and the slot count; its value is the time of the scrape, as vLLM's), the
-sequences of each adapter, and how often adapters were copied into slots and read from disk (and how long the reads took)."""
+sequences of each adapter, and how often adapters were copied into slots and read from disk
+(and how long the reads took)."""
 
 from __future__ import annotations
 
