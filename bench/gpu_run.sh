@@ -51,7 +51,8 @@
 #     req/s under prefix and round-robin placement (DP_ARGS: more bench.dp_bench options, e.g.
 #     "--rates 40 --num-kv-blocks 3072"). The table last: round-robin / prefix TTFT
 #     p50 (target >= 1.5x) and DP=2 / DP=1 W1 throughput (target >= 0.9x). ~5 minutes.
-# lorad: LoRA decode (GPU tests, kernel times, W2 and cold on Qwen3-0.6B), ~5 min.
+# lorad: LoRA decode (GPU tests, kernel times, W2 and cold on Qwen3-0.6B), ~5 min; LORAD_BASELINE=1 adds
+#   W2 with HEADRACE_LORA_ONE_LAUNCH=0 (the three-launch update) as a same-call baseline, ~2 min more.
 # detprobe: bench.det_kernels probe and tables, ~2 min.
 # tune: bench.lora_kernels, bench.det_kernels (probe, tables, Qwen3 tile sweep).
 # lora: multi-LoRA serving (issue 53) on Qwen3-0.6B: the LoRA GPU tests, bench.lora_kernels, then
@@ -236,12 +237,23 @@ if has dp; then
   log "dp: two replicas sharing the GPU: W1 and parity against one replica, W4S prefix vs round robin"
   timeout 480 python3 -m bench.dp_bench --model /tmp/qwen3 --parts parity,w1,w4s ${DP_ARGS:-} | tee -a "$OUT/results.jsonl"
 fi
-if has lorad; then   # issue 53's decode path on Qwen3-0.6B: the GPU tests, kernel times, W2 and a cold adapter; ~4 minutes
+if has lorad; then   # issue 53's decode path on Qwen3-0.6B: the GPU tests, kernel times, W2 (one launch, then
+  # the three-launch path of session 28 as LORAD_BASELINE=1's same-call baseline) and a cold adapter; ~5 minutes
   log "lorad: the LoRA GPU tests; kernel times; W2 (and cold: LORAD_CASES) on Qwen3-0.6B"
+  HEADRACE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_linear_kernel.py \
+    2>&1 | tail -2 | tee "$OUT/lora-one-launch-tests.txt"
+  grep -q ' passed' "$OUT/lora-one-launch-tests.txt" || { export HEADRACE_LORA_ONE_LAUNCH=0; log "one launch OFF"; }
   HEADRACE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_kernels.py \
     tests/test_lora_gpu.py 2>&1 | tail -2
   timeout 60 python3 -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b --tokens 1,16 --mix 1 | tee "$OUT/lora-kernels.txt" | head -6
-  timeout 200 python3 -m bench.lora_bench --model /tmp/qwen3 --cases ${LORAD_CASES:-w2} | tee -a "$OUT/results.jsonl" | tail -4
+  LORA_BENCH_LOG_LEVEL=INFO timeout 200 python3 -m bench.lora_bench --model /tmp/qwen3 --cases ${LORAD_CASES:-w2} \
+    2> "$OUT/lora-bench-log.txt" | tee -a "$OUT/results.jsonl" | tail -4
+  grep -h 'read into the host\|"lora_adapter": "a[2-9]' "$OUT/lora-bench-log.txt" | cut -c1-400 | tail -12
+  if [ "${LORAD_BASELINE:-0}" = 1 ] && [ "${HEADRACE_LORA_ONE_LAUNCH:-1}" != 0 ]; then
+    log "lorad baseline: W2 with the three-launch update"
+    HEADRACE_LORA_ONE_LAUNCH=0 timeout 200 python3 -m bench.lora_bench --model /tmp/qwen3 --cases w2 \
+      | sed 's/"case": "w2/"case": "three_launch_w2/' | tee -a "$OUT/results.jsonl" | tail -3
+  fi
 fi
 if has detrow; then   # issue 54: per-row-count GEMM tiles (ROW_TILES): kernel rows still invariant, their time
   HEADRACE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_batch_invariant_triton.py 2>&1 | tail -2

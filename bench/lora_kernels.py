@@ -10,7 +10,10 @@ batches): printed as a table and one JSON line.
     python -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b [--tokens 1,16,64,256,2048]
 
 At most 64 tokens the table also times the fused one-launch kernel the decode path used before
-session 28 (``fused_us``), beside the served shrink + expand with K split over programs.
+session 28 (``fused_us``), beside the served shrink + expand with K split over programs. At
+most 16 tokens it times ``kernels.lora_linear`` (``one_launch_us``: the projection and its
+update in one launch where it applies, else the same three launches): the served decode path
+since session 29; ``step_one_launch_ms`` against ``step_projections_ms + step_lora_ms``.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def measure(name: str, tokens: int, mix: int, args) -> dict:
     cfg, dev, dtype = CONFIGS[name], torch.device("cuda"), torch.bfloat16
     rank, slots = args.rank, args.slots
     row = {"model": name, "tokens": tokens, "adapters": mix}
-    total_base = total_lora = 0.0
+    total_base = total_lora = total_one = 0.0
     for proj, (k, slices) in _shapes(cfg).items():
         n, pieces = slices[-1], len(slices) - 1
         x = torch.randn(tokens, k, device=dev, dtype=dtype)
@@ -80,12 +83,21 @@ def measure(name: str, tokens: int, mix: int, args) -> dict:
         if tokens <= triton_lora.FUSED_MAX_TOKENS:   # the one-launch kernel it replaced, beside it
             row[proj]["fused_us"] = round(_graph_us(
                 lambda: triton_lora.lora_fused(y, x, a, b, meta, slices)), 2)
+        if tokens <= 16:   # the projection with its update, as the decode runs them
+            sync = torch.zeros(2, dtype=torch.int32, device=dev)
+            one = kernels.lora_linear(x, w, None, a, b, meta, slices, sync)
+            torch.testing.assert_close(one.float(), got.float(), atol=0.1, rtol=0.05)
+            row[proj]["one_launch_us"] = round(_graph_us(
+                lambda: kernels.lora_linear(x, w, None, a, b, meta, slices, sync)), 2)
+            total_one += row[proj]["one_launch_us"]
         total_base += base_us
         total_lora += lora_us
     layers = cfg["num_hidden_layers"]
     row.update(layer_base_us=round(total_base, 1), layer_lora_us=round(total_lora, 1),
                step_lora_ms=round(total_lora * layers / 1e3, 3),
                step_projections_ms=round(total_base * layers / 1e3, 3))
+    if total_one:
+        row["step_one_launch_ms"] = round(total_one * layers / 1e3, 3)
     return row
 
 
@@ -99,10 +111,13 @@ def main() -> None:
     args = ap.parse_args()
     rows = [measure(m, int(t), int(k), args) for m in args.model.split(",")
             for t in args.tokens.split(",") for k in args.mix.split(",") if int(k) <= int(t)]
-    print(f"{'model':14} {'tokens':>6} {'adapters':>8} {'proj ms/step':>12} {'LoRA ms/step':>12} {'ratio':>6}")
+    print(f"{'model':14} {'tokens':>6} {'adapters':>8} {'proj ms/step':>12} {'LoRA ms/step':>12} {'ratio':>6}"
+          f" {'one launch ms/step':>18} {'ratio':>6}")
     for r in rows:
+        one = r.get("step_one_launch_ms")
         print(f"{r['model']:14} {r['tokens']:>6} {r['adapters']:>8} {r['step_projections_ms']:>12} "
-              f"{r['step_lora_ms']:>12} {r['step_lora_ms'] / r['step_projections_ms']:>6.2f}")
+              f"{r['step_lora_ms']:>12} {r['step_lora_ms'] / r['step_projections_ms']:>6.2f}"
+              + (f" {one:>18} {one / r['step_projections_ms'] - 1:>6.2f}" if one else ""))
     print(json.dumps({"bench": "lora_kernels", "rows": rows}))
 
 

@@ -4,7 +4,8 @@ Each op has a plain-torch reference in ``headrace.kernels.reference`` and a Trit
 ``headrace.kernels.triton_ops``, ``headrace.kernels.triton_attention`` (with ``headrace.kernels.triton_decode`` and
 ``headrace.kernels.triton_flash``; ``unified_attention``: ``headrace.kernels.triton_unified``), ``headrace.kernels.triton_prologue``, ``headrace.kernels.triton_linear``,
 ``headrace.kernels.triton_sampling`` or ``headrace.kernels.triton_bitmask`` (structured outputs' token mask); the batched LoRA update
-``lora_shrink`` / ``lora_expand`` / ``lora_add``: ``headrace.kernels.reference_lora`` and ``headrace.kernels.triton_lora``; the quantized linears ``fp8_linear`` and ``wna16_linear``:
+``lora_shrink`` / ``lora_expand`` / ``lora_add``: ``headrace.kernels.reference_lora`` and ``headrace.kernels.triton_lora``
+(``lora_linear``, a decode's projection with its update in one launch: ``headrace.kernels.triton_lora_linear``); the quantized linears ``fp8_linear`` and ``wna16_linear``:
 ``headrace.kernels.reference_quant`` and ``headrace.kernels.triton_quant``) that must match it. The choice is resolved once, at import, from
 the environment variable ``HEADRACE_KERNELS``:
 
@@ -48,8 +49,8 @@ def _load_triton():
         return None
     try:
         from headrace.kernels import (triton_attention, triton_bitmask, triton_linear, triton_lora,
-                                      triton_ops, triton_prologue, triton_quant, triton_sampling,
-                                      triton_unified)
+                                      triton_lora_linear, triton_ops, triton_prologue, triton_quant,
+                                      triton_sampling, triton_unified)
     except ImportError:
         if MODE == "triton":
             raise
@@ -58,7 +59,8 @@ def _load_triton():
             "qk_norm_rope_write_kv": triton_prologue, "linear": triton_linear,
             "fp8_linear": triton_quant, "wna16_linear": triton_quant,
             "apply_token_bitmask": triton_bitmask, "unified_attention": triton_unified,
-            "lora_shrink": triton_lora, "lora_expand": triton_lora, "lora_add": triton_lora}, triton_ops
+            "lora_shrink": triton_lora, "lora_expand": triton_lora, "lora_add": triton_lora,
+            "lora_linear": triton_lora_linear}, triton_ops
 
 
 def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
@@ -135,6 +137,7 @@ LoraMeta = reference_lora.LoraMeta
 lora_shrink = _select(reference_lora.lora_shrink, "lora_shrink")
 lora_expand = _select(reference_lora.lora_expand, "lora_expand")
 lora_add = _select(reference_lora.lora_add, "lora_add")
+lora_linear = _select(reference_lora.lora_linear, "lora_linear")   # a decode's projection + update
 
 
 def on_triton(x: torch.Tensor | str | torch.device) -> bool:

@@ -102,6 +102,17 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     return lora_expand(y, lora_shrink(x, lora_a, meta), lora_b, meta, slices, scale)
 
 
+def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                lora_a: torch.Tensor, lora_b: torch.Tensor, meta: LoraMeta, slices: tuple[int, ...],
+                sync: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    """``x @ weight^T (+ bias)``, rounded to x's type, then ``lora_add``: a projection and its
+    update (the Triton twin does both in one launch for a decode; ``sync`` is its counters)."""
+    from headrace.kernels import reference
+
+    y = reference.linear(x, weight, bias)
+    return lora_add(y if y.is_contiguous() else y.contiguous(), x, lora_a, lora_b, meta, slices, scale)
+
+
 def meta_of(token_slots: torch.Tensor, num_slots: int) -> LoraMeta:
     """The ``LoraMeta`` of a per-token slot index (-1: no adapter), for tests and benchmarks
     (the data plane builds it from its host arrays: ``headrace.dataplane.lora.batch``)."""

@@ -2,8 +2,10 @@
 layer's q/k/v, o, gate/up and down projections (plain, or quantized: any layer whose forward
 takes float rows) in a ``LoraProjection``, which runs the base layer and then, while the
 step's ``LoraBatch`` is active, ``kernels.lora_add`` over its slot buffers
-(``headrace.dataplane.lora.slots``). A worker without ``--enable-lora`` installs nothing: its model is
-unchanged.
+(``headrace.dataplane.lora.slots``). A plain (unquantized) projection runs both as
+``kernels.lora_linear``: at decode sizes one launch instead of three (each kernel a CUDA graph
+replays costs ~2 µs of latency, as much as a small projection's weight read), else the same
+two steps. A worker without ``--enable-lora`` installs nothing: its model is unchanged.
 
 A row-parallel projection (o_proj, down_proj) under tensor parallelism adds its update to the
 rank's partial product before the all-reduce: each rank's A holds its input columns, so the
@@ -21,6 +23,7 @@ from headrace import kernels
 from headrace.dataplane import parallel
 from headrace.dataplane.lora.batch import LoraBatch
 from headrace.dataplane.lora.slots import ROW_PARALLEL, LoraSlots, Site
+from headrace.dataplane.model import Linear, RowParallelLinear
 
 
 class LoraProjection(nn.Module):
@@ -30,6 +33,10 @@ class LoraProjection(nn.Module):
         self.lora_a, self.lora_b = slots.views(site)
         self.slices = site.slices
         self.row_parallel = site.merged in ROW_PARALLEL
+        # a plain (unquantized) projection of a decode runs with its update in one launch
+        # (``kernels.lora_linear``); its two counters are this layer's own
+        self.plain = type(base).forward in (Linear.forward, RowParallelLinear.forward)
+        self.sync = torch.zeros(2, dtype=torch.int32, device=self.lora_a.device)
 
     def wants_fp8_rows(self, x: torch.Tensor) -> bool:
         return False
@@ -37,12 +44,18 @@ class LoraProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.batch
         tp_rows = self.row_parallel and parallel.world_size() > 1
-        y = _partial(self.base, x) if tp_rows else self.base(x)
-        if batch.active:   # (the kernels read rows of unit stride and update y in place)
-            y = y if y.is_contiguous() else y.contiguous()
-            x2 = x.reshape(-1, x.shape[-1])
-            kernels.lora_add(y.view(-1, y.shape[-1]), x2 if x2.stride(-1) == 1 else x2.contiguous(),
-                             self.lora_a, self.lora_b, batch.meta, self.slices)
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()   # (the kernels read unit-stride rows)
+        if batch.active and self.plain:
+            y = kernels.lora_linear(x2, self.base.weight, None if tp_rows else self.base.bias,
+                                    self.lora_a, self.lora_b, batch.meta, self.slices, self.sync)
+            y = y.view(*x.shape[:-1], y.shape[-1])
+        else:
+            y = _partial(self.base, x) if tp_rows else self.base(x)
+            if batch.active:   # (updated in place)
+                y = y if y.is_contiguous() else y.contiguous()
+                kernels.lora_add(y.view(-1, y.shape[-1]), x2, self.lora_a, self.lora_b, batch.meta,
+                                 self.slices)
         if tp_rows:
             y = parallel.all_reduce(y)
             return y if self.base.bias is None else y + self.base.bias

@@ -1,0 +1,108 @@
+"""A decode's projection with its LoRA update in one launch (``headrace.kernels.triton_lora_linear``)
+against the projection followed by the separate update (``triton_linear.linear`` then
+``triton_lora.lora_add``: the same bits) and against the plain-torch reference; its counters
+left at zero; the fallbacks where the one launch does not apply. Compiled on a GPU, else under
+Triton's CPU interpreter (small shapes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_device import triton_device
+
+DEVICE = triton_device()   # before triton is imported
+from headrace.kernels import reference_lora as ref, triton_linear, triton_lora, triton_lora_linear  # noqa: E402
+
+
+def _case(tokens, k, slices, rank, num_slots, dtype, seed, none_every=3, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    n, pieces = slices[-1], len(slices) - 1
+    x = torch.randn(tokens, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    a = (torch.randn(num_slots, pieces * rank, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(num_slots, n, rank, generator=g).to(dtype)
+    bias_t = torch.randn(n, generator=g).to(dtype) if bias else None
+    slots = torch.randint(0, num_slots, (tokens,), generator=g)
+    if none_every:
+        slots[::none_every] = -1
+    return x, w, bias_t, a, b, slots
+
+
+def _dev(meta):
+    return ref.LoraMeta(meta.order.to(DEVICE), tuple(b.to(DEVICE) for b in meta.blocks), meta.segments)
+
+
+def _to(*ts):
+    return [None if t is None else t.to(DEVICE) for t in ts]
+
+
+CASES = [   # tokens, k, slices, rank, slots, bias
+    (1, 256, (0, 64), 16, 4, False),              # a batch-1 decode (W2)
+    (5, 320, (0, 32, 48, 64), 8, 3, True),        # q/k/v, rank 8 padded to 16 columns a slice
+    (16, 192, (0, 48, 96), 16, 8, False),         # gate/up, 16 tokens over 8 slots
+    (9, 128, (0, 32), 32, 2, False),              # rank 32
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,k,slices,rank,num_slots,bias", CASES)
+def test_one_launch_equals_the_projection_then_the_update(dtype, tokens, k, slices, rank, num_slots, bias):
+    x, w, bias_t, a, b, slots = _case(tokens, k, slices, rank, num_slots, dtype, seed=tokens + k, bias=bias)
+    meta_host = ref.meta_of(slots, num_slots)
+    expected = ref.lora_linear(x, w, bias_t, a, b, meta_host, slices, scale=0.5)
+    x, w, bias_t, a, b = _to(x, w, bias_t, a, b)
+    meta = _dev(meta_host)
+    assert triton_lora_linear.plan(tokens, w, a, slices) is not None   # (the one launch runs)
+    sync = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    got = triton_lora_linear.lora_linear(x, w, bias_t, a, b, meta, slices, sync, scale=0.5)
+    assert sync.tolist() == [0, 0]   # the counters reset for the next launch
+    plain = triton_linear.linear(x, w, bias_t)
+    separate = triton_lora.lora_add(plain.clone().contiguous(), x, a, b, meta, slices, scale=0.5)
+    base = (slots < 0).to(DEVICE)   # tokens of no adapter: the projection alone
+    if DEVICE == "cuda":
+        assert torch.equal(got, separate) and torch.equal(got[base], plain[base])
+    else:   # (the interpreter's matmuls may block their sums by shape)
+        torch.testing.assert_close(got, separate, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[base], plain[base], atol=1e-5, rtol=1e-5)
+    tol = dict(atol=5e-2, rtol=5e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.cpu().float(), expected.float(), **tol)
+
+
+def test_repeated_launches_and_steps_without_adapters():
+    """The counters are reused launch after launch (as a CUDA graph replays them); a step whose
+    tokens have no adapter gets the projection alone."""
+    x, w, _, a, b, slots = _case(6, 256, (0, 64), 16, 2, torch.float32, seed=7, none_every=0)
+    x, w, a, b = _to(x, w, a, b)
+    sync = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    meta = _dev(ref.meta_of(slots, 2))
+    first = triton_lora_linear.lora_linear(x, w, None, a, b, meta, (0, 64), sync)
+    for _ in range(3):
+        assert torch.equal(triton_lora_linear.lora_linear(x, w, None, a, b, meta, (0, 64), sync), first)
+    nobody = _dev(ref.meta_of(torch.full((6,), -1), 2))
+    alone = triton_lora_linear.lora_linear(x, w, None, a, b, nobody, (0, 64), sync)
+    torch.testing.assert_close(alone, triton_linear.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert sync.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("tokens,k,slices", [
+    (17, 128, (0, 64)),          # more rows than a decode's block: the separate path
+    (3, 128, (0, 40, 64)),       # a slice boundary off the column tile
+    (2, 2304, (0, 32)),          # a long K: torch's GEMM for the projection
+])
+def test_fallbacks_give_the_same_result(tokens, k, slices):
+    x, w, _, a, b, slots = _case(tokens, k, slices, 8, 3, torch.float32, seed=11)
+    meta_host = ref.meta_of(slots, 3)
+    expected = ref.lora_linear(x, w, None, a, b, meta_host, slices)
+    x, w, a, b = _to(x, w, a, b)
+    assert triton_lora_linear.plan(tokens, w, a, slices) is None
+    got = triton_lora_linear.lora_linear(x, w, None, a, b, _dev(meta_host), slices)
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_reference_is_the_projection_then_lora_add():
+    x, w, bias, a, b, slots = _case(4, 32, (0, 16, 24, 32), 4, 2, torch.float32, seed=2, bias=True)
+    meta = ref.meta_of(slots, 2)
+    y = torch.nn.functional.linear(x, w, bias)
+    torch.testing.assert_close(ref.lora_linear(x, w, bias, a, b, meta, (0, 16, 24, 32), scale=2.0),
+                               ref.lora_add(y.clone(), x, a, b, meta, (0, 16, 24, 32), scale=2.0))
