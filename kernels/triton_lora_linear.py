@@ -23,7 +23,7 @@ hardware starts first, so a waiting column program never holds up one it waits f
 Bits: the shrink's K slices, their order and the roundings are those of ``triton_lora``'s small
 steps, and the projection is rounded to the weight's type before the update is added, as
 ``triton_linear.linear`` followed by ``triton_lora.lora_add`` does: the same output, bit for
-bit, in one launch instead of three. Where that kernel pair would not run (a long K or a wide
+bit (where ``triton_linear`` runs its own kernel, not torch's), in one launch instead of three. Where that kernel pair would not run (a long K or a wide
 rank, slices not aligned to the column tile), ``lora_linear`` runs the three launches.
 """
 
@@ -44,6 +44,12 @@ MAX_ROWS = triton_linear.MAX_ROWS    # 16: one token block of BLOCK_SIZES[0]
 MAX_SHRINK_COLUMNS = 256             # S x R of the slot buffers (3 slices of rank 64 and below)
 SMALL = BLOCK_SIZES[0]
 assert SMALL == MAX_ROWS
+# A small weight with a long K (Qwen3-0.6B's down_proj, 1024 x 3072) runs torch's GEMM in
+# ``triton_linear`` (measured faster there alone); with its update, the one launch saves two
+# graph nodes (~4-5 µs) against a skinny GEMM of at most a few µs more (a prediction: the
+# ``one_launch_us`` column of bench/lora_kernels.py says). Large weights (8B) keep torch's.
+LONG_K_ELEMENTS = 8 << 20
+LONG_K_TILE = (16, 256, 3)
 # HEADRACE_LORA_ONE_LAUNCH=0: always the three launches (benchmarks' same-run baseline)
 ONE_LAUNCH = os.environ.get("HEADRACE_LORA_ONE_LAUNCH", "1") != "0"
 
@@ -142,6 +148,8 @@ def plan(rows: int, weight: torch.Tensor, lora_a: torch.Tensor, slices: tuple[in
     ``lora_add``)."""
     n, k = weight.shape
     tiles = triton_linear._tiles(n, k)
+    if tiles is None and n * k <= LONG_K_ELEMENTS:   # (see LONG_K_ELEMENTS)
+        tiles = LONG_K_TILE
     if not ONE_LAUNCH or tiles is None or not 0 < rows <= MAX_ROWS or lora_a.shape[1] > MAX_SHRINK_COLUMNS \
             or slices[0] != 0 or slices[-1] != n or len(slices) - 1 > triton_lora.MAX_SLICES:
         return None
