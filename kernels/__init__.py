@@ -5,7 +5,8 @@ Each op has a plain-torch reference in ``headrace.kernels.reference`` and a Trit
 ``headrace.kernels.triton_flash``; ``unified_attention``: ``headrace.kernels.triton_unified``), ``headrace.kernels.triton_prologue``, ``headrace.kernels.triton_linear``,
 ``headrace.kernels.triton_sampling`` or ``headrace.kernels.triton_bitmask`` (structured outputs' token mask); the batched LoRA update
 ``lora_shrink`` / ``lora_expand`` / ``lora_add``: ``headrace.kernels.reference_lora`` and ``headrace.kernels.triton_lora``
-(``lora_linear``, a decode's projection with its update in one launch: ``headrace.kernels.triton_lora_linear``); the quantized linears ``fp8_linear`` and ``wna16_linear``:
+(``lora_linear`` / ``lora_update``, a decode's projection with its update, or the update alone, in one
+launch: ``headrace.kernels.triton_lora_linear``); the quantized linears ``fp8_linear`` and ``wna16_linear``:
 ``headrace.kernels.reference_quant`` and ``headrace.kernels.triton_quant``) that must match it. The choice is resolved once, at import, from
 the environment variable ``HEADRACE_KERNELS``:
 
@@ -60,7 +61,7 @@ def _load_triton():
             "fp8_linear": triton_quant, "wna16_linear": triton_quant,
             "apply_token_bitmask": triton_bitmask, "unified_attention": triton_unified,
             "lora_shrink": triton_lora, "lora_expand": triton_lora, "lora_add": triton_lora,
-            "lora_linear": triton_lora_linear}, triton_ops
+            "lora_linear": triton_lora_linear, "lora_update": triton_lora_linear}, triton_ops
 
 
 def _reference_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, *,
@@ -138,6 +139,7 @@ lora_shrink = _select(reference_lora.lora_shrink, "lora_shrink")
 lora_expand = _select(reference_lora.lora_expand, "lora_expand")
 lora_add = _select(reference_lora.lora_add, "lora_add")
 lora_linear = _select(reference_lora.lora_linear, "lora_linear")   # a decode's projection + update
+lora_update = _select(reference_lora.lora_update, "lora_update")   # lora_add, a decode's in one launch
 
 
 def on_triton(x: torch.Tensor | str | torch.device) -> bool:

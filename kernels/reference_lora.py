@@ -113,6 +113,13 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return lora_add(y if y.is_contiguous() else y.contiguous(), x, lora_a, lora_b, meta, slices, scale)
 
 
+def lora_update(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                meta: LoraMeta, slices: tuple[int, ...], sync: torch.Tensor | None = None,
+                scale: float = 1.0) -> torch.Tensor:
+    """``lora_add`` (the Triton twin runs it as one launch for a decode; ``sync``: its counters)."""
+    return lora_add(y, x, lora_a, lora_b, meta, slices, scale)
+
+
 def meta_of(token_slots: torch.Tensor, num_slots: int) -> LoraMeta:
     """The ``LoraMeta`` of a per-token slot index (-1: no adapter), for tests and benchmarks
     (the data plane builds it from its host arrays: ``headrace.dataplane.lora.batch``)."""

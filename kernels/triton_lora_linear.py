@@ -20,11 +20,17 @@ order and apply their columns' B. The last column program resets the counters, s
 again when the kernel ends (no memset node). The shrink programs have the lowest ids, which the
 hardware starts first, so a waiting column program never holds up one it waits for.
 
+Where the projection is torch's GEMM (a large weight: Llama-3.1-8B's) or quantized,
+``lora_update`` runs the same launch without the GEMM: its column programs read the
+projection's output and add the update in place, one node instead of the shrink's and the
+expand's two.
+
 Bits: the shrink's K slices, their order and the roundings are those of ``triton_lora``'s small
 steps, and the projection is rounded to the weight's type before the update is added, as
 ``triton_linear.linear`` followed by ``triton_lora.lora_add`` does: the same output, bit for
-bit (where ``triton_linear`` runs its own kernel, not torch's), in one launch instead of three. Where that kernel pair would not run (a long K or a wide
-rank, slices not aligned to the column tile), ``lora_linear`` runs the three launches.
+bit (where ``triton_linear`` runs its own kernel, not torch's). Where the launch does not apply
+(more than ``MAX_ROWS`` tokens, a rank over ``MAX_SHRINK_COLUMNS``, slices off the column tile),
+the separate launches run.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ assert SMALL == MAX_ROWS
 # ``one_launch_us`` column of bench/lora_kernels.py says). Large weights (8B) keep torch's.
 LONG_K_ELEMENTS = 8 << 20
 LONG_K_TILE = (16, 256, 3)
+UPDATE_BLOCK_N = 64   # the update alone (``lora_update``): output columns a program
 # HEADRACE_LORA_ONE_LAUNCH=0: always the three launches (benchmarks' same-run baseline)
 ONE_LAUNCH = os.environ.get("HEADRACE_LORA_ONE_LAUNCH", "1") != "0"
 
@@ -61,7 +68,8 @@ def _lora_linear_kernel(X, W, BIAS, OUT, A, B, BUF, SYNC, ORDER, BLOCKS,
                         stride_bk, stride_bm, SPLITS,
                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SHRINK_N: tl.constexpr, SHRINK_K: tl.constexpr,
-                        BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                        BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+                        PROJECT: tl.constexpr):
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK_M)
     if pid < NUM_SHRINK:   # -- the shrink: one token block, one K slice ------------------------
@@ -88,21 +96,25 @@ def _lora_linear_kernel(X, W, BIAS, OUT, A, B, BUF, SYNC, ORDER, BLOCKS,
             tl.store(BUF + split.to(tl.int64) * stride_bk + rows[:, None] * stride_bm + cols[None, :],
                      acc, mask=row_ok[:, None] & col_ok[None, :])
         tl.atomic_add(SYNC, 1, sem="release")   # (every shrink program counts, empty or not)
-    else:   # -- a column block of the projection, then its update ---------------------------------
+    else:   # -- a column block of the projection (PROJECT), then its update ------------------------
         cols = (pid - NUM_SHRINK) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = offs < M, cols < N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):   # (triton_linear's loop: the same sums)
-            k = k0 + tl.arange(0, BLOCK_K)[None, :]
-            x = tl.load(X + offs[:, None] * stride_xm + k, mask=row_ok[:, None] & (k < K), other=0.0)
-            w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + k, mask=col_ok[:, None] & (k < K),
-                        other=0.0)
-            if DOT_F32:
-                x, w = x.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        if HAS_BIAS:
-            acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        y = acc.to(OUT.dtype.element_ty).to(tl.float32)   # (rounded, as the separate path stores it)
+        if PROJECT:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):   # (triton_linear's loop: the same sums)
+                k = k0 + tl.arange(0, BLOCK_K)[None, :]
+                x = tl.load(X + offs[:, None] * stride_xm + k, mask=row_ok[:, None] & (k < K), other=0.0)
+                w = tl.load(W + cols[:, None].to(tl.int64) * stride_wn + k,
+                            mask=col_ok[:, None] & (k < K), other=0.0)
+                if DOT_F32:
+                    x, w = x.to(tl.float32), w.to(tl.float32)
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if HAS_BIAS:
+                acc += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            y = acc.to(OUT.dtype.element_ty).to(tl.float32)   # (rounded, as the separate path stores it)
+        else:   # the projection's output is OUT already (updated in place)
+            y = tl.load(OUT + offs[:, None] * stride_om + cols[None, :],
+                        mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         while tl.atomic_add(SYNC, 0, sem="acquire") < NUM_SHRINK:
             pass
         first = (pid - NUM_SHRINK) * BLOCK_N   # this block's slice (the slices align to BLOCK_N)
@@ -142,21 +154,21 @@ def _lora_linear_kernel(X, W, BIAS, OUT, A, B, BUF, SYNC, ORDER, BLOCKS,
             tl.atomic_xchg(SYNC + 1, 0)
 
 
+def _fits(rows: int, n: int, lora_a: torch.Tensor, slices: tuple[int, ...], block_n: int) -> bool:
+    return ONE_LAUNCH and 0 < rows <= MAX_ROWS and lora_a.shape[1] <= MAX_SHRINK_COLUMNS \
+        and slices[0] == 0 and slices[-1] == n and len(slices) - 1 <= triton_lora.MAX_SLICES \
+        and not any(b % block_n for b in slices)
+
+
 def plan(rows: int, weight: torch.Tensor, lora_a: torch.Tensor, slices: tuple[int, ...]):
-    """The launch (BLOCK_N, BLOCK_K, stages, SHRINK_N) of an input of ``rows`` rows, or None
-    where the one-launch kernel does not apply (the caller runs the projection and
-    ``lora_add``)."""
+    """The launch (BLOCK_N, BLOCK_K, stages) of the projection with its update for an input of
+    ``rows`` rows, or None where the skinny GEMM does not apply (torch's GEMM, then
+    ``lora_update``)."""
     n, k = weight.shape
     tiles = triton_linear._tiles(n, k)
     if tiles is None and n * k <= LONG_K_ELEMENTS:   # (see LONG_K_ELEMENTS)
         tiles = LONG_K_TILE
-    if not ONE_LAUNCH or tiles is None or not 0 < rows <= MAX_ROWS or lora_a.shape[1] > MAX_SHRINK_COLUMNS \
-            or slices[0] != 0 or slices[-1] != n or len(slices) - 1 > triton_lora.MAX_SLICES:
-        return None
-    block_n, block_k, stages = tiles
-    if any(b % block_n for b in slices):
-        return None
-    return block_n, block_k, stages, max(16, next_pow2(lora_a.shape[1]))
+    return tiles if tiles is not None and _fits(rows, n, lora_a, slices, tiles[0]) else None
 
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -164,18 +176,34 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 sync: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
     """``x @ weight^T (+ bias)`` with each slot's tokens' LoRA update (``meta``), x [tokens, K];
     ``sync``: two int32 zeros on the device, the call site's own (the kernel leaves them zero;
-    None: fresh ones).
-    One launch where ``plan`` allows, else the projection and ``triton_lora.lora_add``."""
-    rows, k = x.shape
-    launch = plan(rows, weight, lora_a, slices) if x.dtype == weight.dtype else None
+    None: fresh ones). One launch where ``plan`` allows, else the projection then
+    ``lora_update``."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    launch = plan(x.shape[0], weight, lora_a, slices) if x.dtype == weight.dtype else None
     if launch is None:
         y = triton_linear.linear(x, weight, bias)
-        y = y if y.is_contiguous() else y.contiguous()
-        return triton_lora.lora_add(y, x, lora_a, lora_b, meta, slices, scale)
-    block_n, block_k, stages, shrink_n = launch
-    x = x if x.stride(-1) == 1 else x.contiguous()
+        return lora_update(y if y.is_contiguous() else y.contiguous(), x, lora_a, lora_b, meta, slices,
+                           sync, scale)
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    n, slots, rank = weight.shape[0], lora_a.shape[0], lora_b.shape[2]
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    return _launch(out, x, weight, bias, lora_a, lora_b, meta, slices, sync, scale, *launch)
+
+
+def lora_update(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                meta: LoraMeta, slices: tuple[int, ...], sync: torch.Tensor | None = None,
+                scale: float = 1.0) -> torch.Tensor:
+    """``triton_lora.lora_add`` (y [tokens, N] updated in place), its shrink and expand in one
+    launch for a decode (``sync`` as in ``lora_linear``): the update of a projection whose
+    GEMM is torch's (large weights) or quantized."""
+    if not _fits(y.shape[0], y.shape[1], lora_a, slices, UPDATE_BLOCK_N):
+        return triton_lora.lora_add(y, x, lora_a, lora_b, meta, slices, scale)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return _launch(y, x, None, None, lora_a, lora_b, meta, slices, sync, scale, UPDATE_BLOCK_N, 16, 1)
+
+
+def _launch(out, x, weight, bias, lora_a, lora_b, meta, slices, sync, scale, block_n, block_k, stages):
+    rows, k = x.shape
+    n, slots, rank = out.shape[1], lora_a.shape[0], lora_b.shape[2]
     splits = triton_lora.shrink_splits(rows, k)
     shrink_k = 64 if x.element_size() >= 4 else triton_lora.SHRINK_BLOCK_K
     k_per = cdiv(cdiv(k, splits), shrink_k) * shrink_k
@@ -185,18 +213,18 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if sync is None:
         sync = torch.zeros(2, dtype=torch.int32, device=x.device)
     buf = torch.empty((splits, rows, lora_a.shape[1]), dtype=torch.float32, device=x.device)
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     num_cols = cdiv(n, block_n)
     dot_f32 = INTERPRETED and x.dtype != torch.float32
     precision = "ieee" if x.dtype == torch.float32 or dot_f32 else "tf32"
+    project = weight is not None
     _lora_linear_kernel[(num_list * splits + num_cols,)](
-        x, weight, bias if bias is not None else weight, out, lora_a, lora_b, buf, sync, meta.order,
-        blocks, rows, n, k, rank, lora_a.shape[1], float(scale), slices[1] if len(slices) > 2 else n,
-        slices[2] if len(slices) > 3 else n, k_per, num_list * splits, num_cols, num_list,
-        x.stride(0), weight.stride(0), out.stride(0), lora_a.stride(0), lora_a.stride(1),
-        lora_b.stride(0), lora_b.stride(1), buf.stride(0), buf.stride(1), splits,
-        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=block_n,
-        BLOCK_K=block_k if x.element_size() <= 2 else 128, SHRINK_N=shrink_n, SHRINK_K=shrink_k,
-        BLOCK_R=max(16, next_pow2(rank)), PRECISION=precision, DOT_F32=dot_f32, num_warps=4,
-        num_stages=stages)
+        x, weight if project else x, bias if bias is not None else x, out, lora_a, lora_b, buf, sync,
+        meta.order, blocks, rows, n, k, rank, lora_a.shape[1], float(scale),
+        slices[1] if len(slices) > 2 else n, slices[2] if len(slices) > 3 else n, k_per,
+        num_list * splits, num_cols, num_list, x.stride(0), weight.stride(0) if project else 0,
+        out.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1),
+        buf.stride(0), buf.stride(1), splits, HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS,
+        BLOCK_N=block_n, BLOCK_K=block_k if x.element_size() <= 2 else 128,
+        SHRINK_N=max(16, next_pow2(lora_a.shape[1])), SHRINK_K=shrink_k, BLOCK_R=max(16, next_pow2(rank)),
+        PRECISION=precision, DOT_F32=dot_f32, PROJECT=project, num_warps=4, num_stages=stages)
     return out

@@ -103,6 +103,34 @@ def test_fallbacks_give_the_same_result(tokens, k, slices):
     torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,k,slices,rank,num_slots", [
+    (1, 256, (0, 128), 16, 4),               # batch 1
+    (12, 320, (0, 64, 128, 192), 8, 3),      # q/k/v over 3 slots
+    (16, 2304, (0, 128), 16, 2),             # a long K
+])
+def test_the_update_alone_in_one_launch(dtype, tokens, k, slices, rank, num_slots):
+    """``lora_update`` (after torch's GEMM or a quantized one): the split-K update's output."""
+    x, _, _, a, b, slots = _case(tokens, k, slices, rank, num_slots, dtype, seed=tokens)
+    y = torch.randn(tokens, slices[-1]).to(dtype)
+    meta_host = ref.meta_of(slots, num_slots)
+    expected = ref.lora_add(y.clone(), x, a, b, meta_host, slices, scale=0.5)
+    x, a, b, y = _to(x, a, b, y)
+    meta = _dev(meta_host)
+    sync = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    got = triton_lora_linear.lora_update(y.clone(), x, a, b, meta, slices, sync, scale=0.5)
+    assert sync.tolist() == [0, 0]
+    separate = triton_lora.lora_add(y.clone(), x, a, b, meta, slices, scale=0.5)
+    if DEVICE == "cuda":
+        assert torch.equal(got, separate)
+    else:
+        torch.testing.assert_close(got, separate, atol=1e-5, rtol=1e-5)
+    none = (slots < 0).to(DEVICE)
+    assert torch.equal(got[none], y[none])   # rows of no adapter: unchanged
+    tol = dict(atol=5e-2, rtol=5e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.cpu().float(), expected.float(), **tol)
+
+
 def test_reference_is_the_projection_then_lora_add():
     x, w, bias, a, b, slots = _case(4, 32, (0, 16, 24, 32), 4, 2, torch.float32, seed=2, bias=True)
     meta = ref.meta_of(slots, 2)

@@ -1,11 +1,13 @@
 """The model's projections with the LoRA update of the step's adapters: ``install`` wraps each
 layer's q/k/v, o, gate/up and down projections (plain, or quantized: any layer whose forward
 takes float rows) in a ``LoraProjection``, which runs the base layer and then, while the
-step's ``LoraBatch`` is active, ``kernels.lora_add`` over its slot buffers
+step's ``LoraBatch`` is active, the update over its slot buffers
 (``headrace.dataplane.lora.slots``). A plain (unquantized) projection runs both as
-``kernels.lora_linear``: at decode sizes one launch instead of three (each kernel a CUDA graph
-replays costs ~2 µs of latency, as much as a small projection's weight read), else the same
-two steps. A worker without ``--enable-lora`` installs nothing: its model is unchanged.
+``kernels.lora_linear``: at decode sizes one launch instead of three where the projection is
+the skinny GEMM (each kernel a CUDA graph replays costs ~2 µs of latency, as much as a small
+projection's weight read); a quantized one runs ``kernels.lora_update`` after its GEMM (the
+update in one launch at decode sizes). A worker without ``--enable-lora`` installs nothing: its
+model is unchanged.
 
 A row-parallel projection (o_proj, down_proj) under tensor parallelism adds its update to the
 rank's partial product before the all-reduce: each rank's A holds its input columns, so the
@@ -54,8 +56,8 @@ class LoraProjection(nn.Module):
             y = _partial(self.base, x) if tp_rows else self.base(x)
             if batch.active:   # (updated in place)
                 y = y if y.is_contiguous() else y.contiguous()
-                kernels.lora_add(y.view(-1, y.shape[-1]), x2, self.lora_a, self.lora_b, batch.meta,
-                                 self.slices)
+                kernels.lora_update(y.view(-1, y.shape[-1]), x2, self.lora_a, self.lora_b, batch.meta,
+                                    self.slices, self.sync)
         if tp_rows:
             y = parallel.all_reduce(y)
             return y if self.base.bias is None else y + self.base.bias
