@@ -29,6 +29,10 @@ def _case(tokens, k, slices, rank, num_slots, dtype, seed, none_every=3, bias=Fa
     return x, w, bias_t, a, b, slots
 
 
+def _ulp(dtype):
+    return {"atol": 2e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+
+
 def _dev(meta):
     return ref.LoraMeta(meta.order.to(DEVICE), tuple(b.to(DEVICE) for b in meta.blocks), meta.segments)
 
@@ -65,9 +69,9 @@ def test_one_launch_equals_the_projection_then_the_update(dtype, tokens, k, slic
         pass
     elif DEVICE == "cuda":
         assert torch.equal(got, separate) and torch.equal(got[base], plain[base])
-    else:   # (the interpreter's matmuls may block their sums by shape)
-        torch.testing.assert_close(got, separate, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got[base], plain[base], atol=1e-5, rtol=1e-5)
+    else:   # (the interpreter's float32 matmuls may block their sums by shape: a bfloat16 ulp)
+        torch.testing.assert_close(got, separate, **_ulp(dtype))
+        torch.testing.assert_close(got[base], plain[base], **_ulp(dtype))
     tol = dict(atol=5e-2, rtol=5e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got.cpu().float(), expected.float(), **tol)
 
@@ -112,7 +116,7 @@ def test_fallbacks_give_the_same_result(tokens, k, slices):
 def test_the_update_alone_in_one_launch(dtype, tokens, k, slices, rank, num_slots):
     """``lora_update`` (after torch's GEMM or a quantized one): the split-K update's output."""
     x, _, _, a, b, slots = _case(tokens, k, slices, rank, num_slots, dtype, seed=tokens)
-    y = torch.randn(tokens, slices[-1]).to(dtype)
+    y = torch.randn(tokens, slices[-1], generator=torch.Generator().manual_seed(5)).to(dtype)
     meta_host = ref.meta_of(slots, num_slots)
     expected = ref.lora_add(y.clone(), x, a, b, meta_host, slices, scale=0.5)
     x, a, b, y = _to(x, a, b, y)
@@ -123,8 +127,8 @@ def test_the_update_alone_in_one_launch(dtype, tokens, k, slices, rank, num_slot
     separate = triton_lora.lora_add(y.clone(), x, a, b, meta, slices, scale=0.5)
     if DEVICE == "cuda":
         assert torch.equal(got, separate)
-    else:
-        torch.testing.assert_close(got, separate, atol=1e-5, rtol=1e-5)
+    else:   # (the interpreter's float32 matmuls may block their sums by shape: a bfloat16 ulp)
+        torch.testing.assert_close(got, separate, **_ulp(dtype))
     none = (slots < 0).to(DEVICE)
     assert torch.equal(got[none], y[none])   # rows of no adapter: unchanged
     tol = dict(atol=5e-2, rtol=5e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
