@@ -57,6 +57,11 @@ assert SMALL == MAX_ROWS
 LONG_K_ELEMENTS = 8 << 20
 LONG_K_TILE = (16, 256, 3)
 UPDATE_BLOCK_N = 64   # the update alone (``lora_update``): output columns a program
+# A's elements a shrink program loads a step (SHRINK_N columns x SHRINK_K of K, within
+# triton_lora's 128-element K slices: the MMA adds 16-element K chunks in order either way).
+# The kernel's registers are the larger of its two programs' needs: a 64 x 128 step took 247
+# a thread (sm_90, ptxas), two CTAs an SM, against the skinny GEMM's ~95; 64 x 32 takes ~125.
+SHRINK_TILE = 2048
 # HEADRACE_LORA_ONE_LAUNCH=0: always the three launches (benchmarks' same-run baseline)
 ONE_LAUNCH = os.environ.get("HEADRACE_LORA_ONE_LAUNCH", "1") != "0"
 
@@ -204,10 +209,11 @@ def lora_update(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: 
 def _launch(out, x, weight, bias, lora_a, lora_b, meta, slices, sync, scale, block_n, block_k, stages):
     rows, k = x.shape
     n, slots, rank = out.shape[1], lora_a.shape[0], lora_b.shape[2]
-    splits = triton_lora.shrink_splits(rows, k)
-    shrink_k = 64 if x.element_size() >= 4 else triton_lora.SHRINK_BLOCK_K
-    k_per = cdiv(cdiv(k, splits), shrink_k) * shrink_k
+    splits = triton_lora.shrink_splits(rows, k)   # (triton_lora's K slices: the same sums)
+    slice_k = 64 if x.element_size() >= 4 else triton_lora.SHRINK_BLOCK_K
+    k_per = cdiv(cdiv(k, splits), slice_k) * slice_k
     splits = max(1, cdiv(k, k_per))
+    shrink_n = max(16, next_pow2(lora_a.shape[1]))
     blocks = meta.blocks[0]
     num_list = min(blocks.shape[0], max_blocks(rows, slots, SMALL))
     if sync is None:
@@ -225,6 +231,6 @@ def _launch(out, x, weight, bias, lora_a, lora_b, meta, slices, sync, scale, blo
         out.stride(0), lora_a.stride(0), lora_a.stride(1), lora_b.stride(0), lora_b.stride(1),
         buf.stride(0), buf.stride(1), splits, HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS,
         BLOCK_N=block_n, BLOCK_K=block_k if x.element_size() <= 2 else 128,
-        SHRINK_N=max(16, next_pow2(lora_a.shape[1])), SHRINK_K=shrink_k, BLOCK_R=max(16, next_pow2(rank)),
+        SHRINK_N=shrink_n, SHRINK_K=max(16, SHRINK_TILE // shrink_n), BLOCK_R=max(16, next_pow2(rank)),
         PRECISION=precision, DOT_F32=dot_f32, PROJECT=project, num_warps=4, num_stages=stages)
     return out
