@@ -118,6 +118,21 @@ if has detkern; then
   log "deterministic kernels against the default ones, and which GEMM tiles round alike"
   timeout 300 python3 -m bench.det_kernels --parts gemm,attention,probe | tee -a "$OUT/det-kernels.jsonl"
 fi
+if has detrow; then   # issue 54: per-row-count GEMM tiles (ROW_TILES): kernel rows still invariant, their time;
+  # DETROW_ENABLE=1: when the row-tile test passes, this call's copy serves them (ROW_TILES = {132: HOPPER_ROW_TILES})
+  # for the sections after it (`DETROW_ENABLE=1 bash bench/gpu_run.sh detrow detw2 detw1`, ~6 minutes)
+  HEADRACE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_batch_invariant_triton.py \
+    2>&1 | tail -2 | tee "$OUT/detrow-tests.txt"
+  timeout 100 python3 -m bench.det_kernels --parts gemm --row-tiles > "$OUT/det-gemm.jsonl"; python3 -c "
+import json
+for l in open('$OUT/det-gemm.jsonl'):
+    d = json.loads(l); print(d['model'], d['shape'], d['rows'], d['det_us'], d['default_us'], d['x_default'], d['invariant'])"
+  if [ "${DETROW_ENABLE:-0}" = 1 ] && grep -q ' passed' "$OUT/detrow-tests.txt" && ! grep -q failed "$OUT/detrow-tests.txt"; then
+    sed -i 's/^ROW_TILES: dict\[int, tuple\[tuple\[int, dict\], \.\.\.\]\] = {}$/ROW_TILES: dict[int, tuple[tuple[int, dict], ...]] = {132: HOPPER_ROW_TILES}/' \
+      kernels/triton_invariant_gemm.py
+    log "row tiles ON: $(grep '^ROW_TILES' kernels/triton_invariant_gemm.py)"
+  fi
+fi
 if has w1 || has w1o || has w1s || has w2 || has ttft || has w4 || has w5 || has w5w1 || has w5swap || has hf || has spy || has kern || has spec || has dp || has lora \
     || has detw1 || has detw2 || has detspec || has detw4 || has detw4id || has detw5 || has lorad; then
   [ -f /tmp/qwen3/.complete ] || { log ckpt; python3 -m bench.random_checkpoint qwen3-0.6b /tmp/qwen3 --device cuda \
@@ -254,13 +269,6 @@ if has lorad; then   # issue 53's decode path on Qwen3-0.6B: the GPU tests, kern
     HEADRACE_LORA_ONE_LAUNCH=0 timeout 200 python3 -m bench.lora_bench --model /tmp/qwen3 --cases w2 \
       | sed 's/"case": "w2/"case": "three_launch_w2/' | tee -a "$OUT/results.jsonl" | tail -3
   fi
-fi
-if has detrow; then   # issue 54: per-row-count GEMM tiles (ROW_TILES): kernel rows still invariant, their time
-  HEADRACE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_batch_invariant_triton.py 2>&1 | tail -2
-  timeout 100 python3 -m bench.det_kernels --parts gemm --row-tiles > "$OUT/det-gemm.jsonl"; python3 -c "
-import json
-for l in open('$OUT/det-gemm.jsonl'):
-    d = json.loads(l); print(d['model'], d['shape'], d['rows'], d['det_us'], d['default_us'], d['x_default'], d['invariant'])"
 fi
 if has detprobe; then   # issue 54: which GEMM tiles round alike, and the kernels against the default; ~2 minutes
   timeout 150 python3 -m bench.det_kernels --parts probe,gemm,attention > "$OUT/det-kernels.jsonl"; grep probe "$OUT/det-kernels.jsonl"
