@@ -20,6 +20,10 @@ measured slower on an H100 (its column programs each loop over all of K and rere
 µs a Qwen3-0.6B projection at batch 1, 19-38 µs a Llama-3.1-8B one); it stays for
 ``bench/lora_kernels.py``'s comparison.
 
+A decode's projections take ``headrace.kernels.triton_lora_linear`` instead (the same shrink
+and expand inside one launch, with or without the projection's GEMM), which defers to these
+kernels above 16 tokens.
+
 Accumulation is float32; ``h`` / ``buf`` is rounded to B's type for the expand's dot (as vLLM
 does). ``y`` is updated in place and only rows of tokens with a slot are touched.
 """

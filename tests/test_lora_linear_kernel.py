@@ -12,7 +12,8 @@ import torch
 from tests.triton_device import triton_device
 
 DEVICE = triton_device()   # before triton is imported
-from headrace.kernels import reference_lora as ref, triton_linear, triton_lora, triton_lora_linear  # noqa: E402
+from headrace.kernels import (  # noqa: E402
+    reference_lora as ref, triton_linear, triton_lora, triton_lora_linear)
 
 
 def _case(tokens, k, slices, rank, num_slots, dtype, seed, none_every=3, bias=False):
