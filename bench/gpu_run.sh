@@ -256,8 +256,12 @@ if has lorad; then   # issue 53's decode path on Qwen3-0.6B: the GPU tests, kern
   # the three-launch path of session 28 as LORAD_BASELINE=1's same-call baseline) and a cold adapter; ~5 minutes
   log "lorad: the LoRA GPU tests; kernel times; W2 (and cold: LORAD_CASES) on Qwen3-0.6B"
   HEADRACE_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_linear_kernel.py \
-    2>&1 | tail -2 | tee "$OUT/lora-one-launch-tests.txt"
-  grep -q ' passed' "$OUT/lora-one-launch-tests.txt" || { export HEADRACE_LORA_ONE_LAUNCH=0; log "one launch OFF"; }
+    -k "not bits" 2>&1 | tail -2 | tee "$OUT/lora-one-launch-tests.txt"   # (correct, and no hang: else the call
+  # serves the three launches); then whether its bits are the separate kernels' (a report, not a gate)
+  grep -q ' passed' "$OUT/lora-one-launch-tests.txt" && ! grep -q failed "$OUT/lora-one-launch-tests.txt" \
+    || { export HEADRACE_LORA_ONE_LAUNCH=0; log "one launch OFF"; }
+  HEADRACE_TEST_DEVICE=cuda timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_lora_linear_kernel.py \
+    -k bits 2>&1 | tail -2
   HEADRACE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_lora_kernels.py \
     tests/test_lora_gpu.py 2>&1 | tail -2
   timeout 60 python3 -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b --tokens 1,16 --mix 1 | tee "$OUT/lora-kernels.txt" | head -6
