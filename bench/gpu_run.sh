@@ -266,8 +266,14 @@ if has lorad; then   # issue 53's decode path on Qwen3-0.6B: the GPU tests, kern
     tests/test_lora_gpu.py 2>&1 | tail -2
   timeout 60 python3 -m bench.lora_kernels --model qwen3-0.6b,llama-3.1-8b --tokens 1,16 --mix 1 | tee "$OUT/lora-kernels.txt" | head -6
   LORA_BENCH_LOG_LEVEL=INFO timeout 200 python3 -m bench.lora_bench --model /tmp/qwen3 --cases ${LORAD_CASES:-w2} \
-    2> "$OUT/lora-bench-log.txt" | tee -a "$OUT/results.jsonl" | tail -4
-  grep -h 'read into the host\|"lora_adapter": "a[2-9]' "$OUT/lora-bench-log.txt" | cut -c1-400 | tail -12
+    --stages "$OUT/cold-stages" 2> "$OUT/lora-bench-log.txt" | tee -a "$OUT/results.jsonl" | tail -4 | cut -c1-600
+  python3 -c "
+import json
+for l in open('$OUT/results.jsonl'):
+    d = json.loads(l) if l.startswith('{') else {}
+    if d.get('case') == 'cold' and 'stages_warm' in d:   # the cold requests' first token, stage by stage
+        print(d.get('cold_reads'))
+        for k, v in d['stages_warm'].items(): print(f'{k:28} warm {v:>9}  cold {d[\"stages_cold\"].get(k)}')"
   if [ "${LORAD_BASELINE:-0}" = 1 ] && [ "${HEADRACE_LORA_ONE_LAUNCH:-1}" != 0 ]; then
     log "lorad baseline: W2 with the three-launch update"
     HEADRACE_LORA_ONE_LAUNCH=0 timeout 200 python3 -m bench.lora_bench --model /tmp/qwen3 --cases w2 \

@@ -39,13 +39,14 @@ import time
 
 import grpc
 
-from bench import client_pool, lora_adapters, serving_bench, w4_bench
+from bench import client_pool, first_token, lora_adapters, serving_bench, w4_bench
 from bench.ready import wait_ready
+from headrace.common.stage_times import ENV as STAGES_ENV
 
 ADMIN = "lora-bench"
 
 
-def serve(args, lora: bool, extra: list[str] = ()) -> subprocess.Popen:
+def serve(args, lora: bool, extra: list[str] = (), stages: str | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-P", "-m", "headrace.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
            "--port", str(args.port), "--http-port", "0", *args.serve_args.split(), *extra]
     if lora:
@@ -53,6 +54,8 @@ def serve(args, lora: bool, extra: list[str] = ()) -> subprocess.Popen:
                 "--max-cpu-loras", str(args.max_cpu_loras or args.adapters), "--lora-modules",
                 *(f"a{i}={p}" for i, p in enumerate(args.paths))]
     env = dict(os.environ, HEADRACE_LOG_LEVEL=os.environ.get("LORA_BENCH_LOG_LEVEL", "WARNING"), HEADRACE_ADMIN_TOKEN=ADMIN)
+    if stages:
+        env[STAGES_ENV] = stages
     server = subprocess.Popen(cmd, env=env, start_new_session=True)
     wait_ready(f"127.0.0.1:{args.port}", server)
     if lora:   # the adapters read at start (up to the host caches' size) before measuring
@@ -91,13 +94,19 @@ def w1(address: str, models: list[str], args) -> dict:
             next((r["error"] for r in results if not r["ok"]), None), **usage}
 
 
-async def _itl(stub, model: str, prompt: list[int], tokens: int) -> tuple[float, list[float]]:
+async def _itl(stub, model: str, prompt: list[int], tokens: int, request_id: str = "",
+               stages=None) -> tuple[float, list[float]]:
     from headrace.v1 import inference_pb2 as pb
 
     req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), max_tokens=tokens,
-                             ignore_eos=True, sampling=pb.SamplingParams(temperature=0), model=model)
+                             ignore_eos=True, sampling=pb.SamplingParams(temperature=0), model=model,
+                             request_id=request_id)
     start, stamps = time.perf_counter(), []
+    if stages is not None:
+        stages.sent(request_id)
     async for resp in stub.Generate(req, timeout=600):
+        if stages is not None and not stamps:
+            stages.first(request_id)
         stamps.append((time.perf_counter(), len(resp.token_ids)))
     itls = [(t1 - t0) / n for (t0, _), (t1, n) in zip(stamps, stamps[1:]) for _ in range(n)]
     return stamps[0][0] - start, itls
@@ -187,26 +196,61 @@ def cold(address: str, args) -> dict:
     def fresh():
         return [rng.randint(10, 2000) for _ in range(128)]   # (any vocabulary here)
 
+    stages = first_token.ClientStamps(args.stages) if args.stages else None
+
     async def run():
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.InferenceStub(channel)
             warm = []
-            for _ in range(5):
-                warm.append((await _itl(stub, "a0", fresh(), 4))[0])
+            for i in range(5):
+                warm.append((await _itl(stub, "a0", fresh(), 4, f"warm-{i}", stages))[0])
             colds = []
             for name in [f"a{i}" for i in range(2, len(args.paths))][:4]:   # a0, a1: read at start
                 before = _read_seconds(args.metrics)
-                ttft = (await _itl(stub, name, fresh(), 4))[0]
+                ttft = (await _itl(stub, name, fresh(), 4, f"cold-{name}", stages))[0]
                 colds.append((ttft, _read_seconds(args.metrics) - before))
             return warm, colds
 
     warm, colds = asyncio.run(run())
     base = sorted(warm)[len(warm) // 2]
     over = [(t - base) - r for t, r in colds]
-    return {"warm_ttft_ms_p50": round(base * 1e3, 2), "cold_ttft_ms": [round(t * 1e3, 2) for t, _ in colds],
-            "read_ms": [round(r * 1e3, 2) for _, r in colds],
-            "cold_delay_ms": [round((t - base) * 1e3, 2) for t, _ in colds],
-            "delay_over_read_ms_max": round(max(over) * 1e3, 2)}
+    out = {"warm_ttft_ms_p50": round(base * 1e3, 2), "cold_ttft_ms": [round(t * 1e3, 2) for t, _ in colds],
+           "read_ms": [round(r * 1e3, 2) for _, r in colds],
+           "cold_delay_ms": [round((t - base) * 1e3, 2) for t, _ in colds],
+           "delay_over_read_ms_max": round(max(over) * 1e3, 2)}
+    if args.stages:   # where the cold requests' extra time goes, stage by stage
+        cold_ids = [f"cold-a{i}" for i in range(2, len(args.paths))][:4]
+        out["stages_warm"] = first_token.decompose(args.stages, [f"warm-{i}" for i in range(5)])
+        out["stages_cold"] = first_token.decompose(args.stages, cold_ids)
+        out["cold_reads"] = lora_reads(args.stages, cold_ids)
+    return out
+
+
+def lora_reads(directory: str, request_ids: list[str]) -> list[dict]:
+    """Per cold request (``cold-<adapter>``): the core's admission stage split around its
+    adapter's read (``headrace.controlplane.lora.registry`` stamps ``lora:<name>`` read_start /
+    read_done): arrival -> read start, the read, read done -> the step carrying its prompt
+    scheduled, in ms."""
+    from headrace.common.stage_times import read
+
+    at: dict[tuple[str, str], float] = {}
+    scheduled = []
+    for t, key, stage, _ in read(directory):
+        at.setdefault((key, stage), t)
+        if key.startswith("step:") and stage == "scheduled":
+            scheduled.append(t)
+    rows = []
+    for rid in request_ids:
+        name = rid.split("-", 1)[1]
+        got, start, done = at.get((rid, "core_received")), at.get((f"lora:{name}", "read_start")), \
+            at.get((f"lora:{name}", "read_done"))
+        step = next((t for t in sorted(scheduled) if done is not None and t >= done), None)
+        if None in (got, start, done, step):
+            continue
+        rows.append({"request": rid, "to_read_ms": round((start - got) * 1e3, 3),
+                     "read_ms": round((done - start) * 1e3, 3),
+                     "read_to_step_ms": round((step - done) * 1e3, 3)})
+    return rows
 
 
 def w4(address: str, models: list[str] | None, args) -> dict:
@@ -254,6 +298,8 @@ def main() -> None:
     ap.add_argument("--metrics", default="http://127.0.0.1:9400/metrics",
                     help="cold: the server's Prometheus endpoint (its adapter reads' time)")
     ap.add_argument("--channels", type=int, default=4)
+    ap.add_argument("--stages", default=None, help="cold: a directory for the server's first-token "
+                    "stamps (HEADRACE_STAGE_TIMES): the warm and cold requests' stages side by side")
     args = ap.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
     cases = args.cases.split(",")
@@ -293,7 +339,7 @@ def main() -> None:
     if "cold" in cases:
         keep = args.max_cpu_loras
         args.max_cpu_loras, args.max_loras = 2, min(args.max_loras, 2)
-        server = serve(args, lora=True)
+        server = serve(args, lora=True, stages=args.stages)
         try:
             emit("cold", cold(address, args))
         finally:

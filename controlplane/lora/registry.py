@@ -26,6 +26,7 @@ import time
 
 import grpc
 
+from headrace.common import stage_times
 from headrace.controlplane.lora.slots import Adapter, Slots
 from headrace.controlplane.requests.request import Failure
 from headrace.v1 import inference_pb2 as pb
@@ -216,6 +217,8 @@ class LoraAdapters:
         self.slots.make_room(adapter, others)
         adapter.cache_id, self._next_cache_id = self._next_cache_id, self._next_cache_id + 1
         start = time.monotonic()
+        if stage_times.STAGES is not None:   # (benchmarks: bench.lora_bench's cold requests)
+            stage_times.STAGES.stamp(f"lora:{adapter.name}", "read_start", at=start)
         try:
             answer = await self.workers.load_adapter(adapter.cache_id, adapter.path)
         except Exception as exc:  # noqa: BLE001 - the workers' refusal, said to its requests
@@ -232,6 +235,8 @@ class LoraAdapters:
         if self.by_name.get(adapter.name) is not adapter:   # unloaded meanwhile: no step loads it
             await self.workers.drop_adapters([adapter.cache_id])
             return
+        if stage_times.STAGES is not None:
+            stage_times.STAGES.stamp(f"lora:{adapter.name}", "read_done")
         adapter.loading, adapter.error = None, ""
         adapter.rank, adapter.root = answer.rank, answer.fingerprint or 1
         self.slots.cached(adapter)
