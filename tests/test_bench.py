@@ -523,3 +523,23 @@ def test_random_lora_adapters_are_served_adapters(tmp_path):
     assert [a.rank for a in read] == [4, 4] and read[0].fingerprint != read[1].fingerprint
     assert len(read[0].weights) == 2 * 7
     assert write_adapters(model, tmp_path / "loras", 2, rank=4) == paths   # kept, not rewritten
+
+
+def test_lora_cold_reads_split_the_admission_around_the_read(tmp_path):
+    """bench.lora_bench's cold decomposition: arrival -> read start, the read, read done -> the
+    first step scheduled after it, from the server's stamps (a request without its read's
+    stamps is left out)."""
+    from bench.lora_bench import lora_reads
+    from headrace.common.stage_times import StageLog
+
+    log = StageLog(str(tmp_path))
+    log.stamp("step:1", "scheduled", at=0.5)
+    log.stamp("cold-a2", "core_received", at=1.000)
+    log.stamp("lora:a2", "read_start", at=1.001)
+    log.stamp("step:2", "scheduled", at=1.010)   # (another step, during the read)
+    log.stamp("lora:a2", "read_done", at=1.041)
+    log.stamp("step:3", "scheduled", at=1.0415)
+    log.stamp("cold-a3", "core_received", at=2.0)
+    log._file.flush()
+    rows = lora_reads(str(tmp_path), ["cold-a2", "cold-a3"])
+    assert rows == [{"request": "cold-a2", "to_read_ms": 1.0, "read_ms": 40.0, "read_to_step_ms": 0.5}]
