@@ -67,7 +67,8 @@
 #   decodes / prefill chunks / unified / mixed, FP8 KV) and served (96 requests at once against
 #   each alone under every --cudagraph-mode, long contexts, FP8 KV) ($OUT/det-tests.txt).
 # detkern: bench.det_kernels: the GEMM and attention against the default kernels, per shape.
-# detw2 / detw1: W2 (ITL, TTFT) and W1 (offline client) without, then with --deterministic.
+# detw2 / detw1: W2 (ITL, TTFT) and W1 (offline client) without, then with --deterministic
+#   (DET_SPLITS="128 256": again with the attention's split size changed, ~1 min each).
 # detspec: W2 grounded in one process with --deterministic, n-gram speculation off and on: the
 #   output digests must be equal (exact verification).
 # detw4: W4's highest rate at the SLO (100/160/220 req/s, two bisection runs) without and with.
@@ -219,6 +220,11 @@ for w in w2 w1; do   # deterministic against the default mode, one server each, 
     log "det$w: $w grpc, $mode"
     timeout 200 python3 -m bench.serving_bench --model /tmp/qwen3 --workload $w $extra $flag \
       --label "$w-$mode" | tee -a "$OUT/results.jsonl"
+  done
+  for split in ${DET_SPLITS:-}; do   # e.g. DET_SPLITS=128: the attention's split size (its bits change with it)
+    log "det$w: $w grpc, det, HEADRACE_DET_SPLIT_TOKENS=$split"
+    HEADRACE_DET_SPLIT_TOKENS=$split timeout 200 python3 -m bench.serving_bench --model /tmp/qwen3 --workload $w \
+      $extra --deterministic --label "$w-det-split$split" | tee -a "$OUT/results.jsonl"
   done
 done
 if has detspec; then
