@@ -23,7 +23,7 @@ BENCHES = ["serving_bench", "inprocess_bench", "kernels", "scheduling_sim", "hf_
            "dp_bench", "mask_wire_bench", "mask_fill_bench", "emulated_worker", "late_mask_hops",
            "late_sample_host", "decode_ptx", "worker_start", "gemm_sass", "skinny_ncu", "read_floor",
            "quant_accuracy_gpu", "lora_adapters", "lora_bench", "lora_kernels", "det_kernels",
-           "det_targets", "chaos"]
+           "det_targets", "chaos", "lora_sim"]
 SUPPORT = ["serving_http", "client_pool", "dataplane_metrics", "first_token", "w5_report", "ready"]   # imported, not run
 
 
@@ -543,3 +543,22 @@ def test_lora_cold_reads_split_the_admission_around_the_read(tmp_path):
     log._file.flush()
     rows = lora_reads(str(tmp_path), ["cold-a2", "cold-a3"])
     assert rows == [{"request": "cold-a2", "to_read_ms": 1.0, "read_ms": 40.0, "read_to_step_ms": 0.5}]
+
+
+def test_lora_sim_runs_the_slot_rule_beside_the_base_model():
+    """bench.lora_sim on a short trace: the same requests with and without adapters; with
+    fewer slots than adapters the slots are loaded again and again, and at a low rate both
+    meet the SLO."""
+    import argparse
+
+    from bench import lora_sim
+
+    args = argparse.Namespace(duration=5.0, seed=0, num_blocks=4000, adapters=20, max_loras=4,
+                              zipf=1.0, lora_ms=0.3, load_ms=1.5)
+    base, lora = lora_sim.simulate(4.0, args, False), lora_sim.simulate(4.0, args, True)
+    assert base["requests"] == lora["requests"] > 0 and "slot_loads" not in base
+    assert lora["slot_loads"] > args.max_loras and base["meets_slo"]
+    assert lora_sim.highest([{"rate": 1, "meets_slo": True}, {"rate": 2, "meets_slo": False},
+                             {"rate": 3, "meets_slo": True}]) == 1
+    picks = lora_sim.zipf_choices(2000, 10, 1.0, 0)
+    assert picks.count(0) > picks.count(9) * 5   # (weights 1 and 1/10)
