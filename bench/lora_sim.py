@@ -65,6 +65,7 @@ def simulate(rate: float, args, lora: bool) -> dict:
         sched.lora = registry
     picks = zipf_choices(len(trace), args.adapters, args.zipf, args.seed + 1)
     first, last, gaps, waits, admitted = {}, {}, [], [], set()
+    running, distinct = [], []   # per step: sequences running, adapters they use (of the drawn ones)
     i = 0
     while i < len(trace) or sched.has_work:
         if not sched.has_work and clock.now < trace[i].arrival:
@@ -85,6 +86,8 @@ def simulate(rate: float, args, lora: bool) -> dict:
             if new.seq.seq_id not in admitted:   # (arrival -> first admission: the queue and a slot)
                 admitted.add(new.seq.seq_id)
                 waits.append(now - trace[new.seq.seq_id - 1].arrival)
+        running.append(len(sched.running))
+        distinct.append(len({picks[s.seq_id - 1] for s in sched.running}))
         dt = step_seconds(step, cfg)
         if lora and any(s.lora is not None for s, _ in step.scheduled()):
             dt += args.lora_ms / 1e3 + (sched.lora.slots.num_loads - loads_before) * args.load_ms / 1e3
@@ -106,7 +109,9 @@ def simulate(rate: float, args, lora: bool) -> dict:
     ttft = list(first.values())
     out = {"rate": rate, "lora": lora, "requests": len(trace), "ttft_p99_ms": round(pct(ttft, 99) * 1e3, 1),
            "itl_p99_ms": round(pct(gaps, 99) * 1e3, 1) if gaps else 0.0,
-           "wait_max_ms": round(max(waits) * 1e3, 1)}
+           "wait_max_ms": round(max(waits) * 1e3, 1),
+           "running_mean": round(sum(running) / len(running), 1),
+           "adapters_in_flight_mean": round(sum(distinct) / len(distinct), 1)}
     out["meets_slo"] = out["ttft_p99_ms"] <= SLO_TTFT_S * 1e3 and out["itl_p99_ms"] <= SLO_ITL_S * 1e3
     if lora:
         out["slot_loads"] = sched.lora.slots.num_loads
