@@ -46,15 +46,17 @@ class LoraProjection(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = self.batch
         tp_rows = self.row_parallel and parallel.world_size() > 1
-        x2 = x.reshape(-1, x.shape[-1])
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()   # (the kernels read unit-stride rows)
-        if batch.active and self.plain:
-            y = kernels.lora_linear(x2, self.base.weight, None if tp_rows else self.base.bias,
-                                    self.lora_a, self.lora_b, batch.meta, self.slices, self.sync)
-            y = y.view(*x.shape[:-1], y.shape[-1])
-        else:
+        if not batch.active:   # a step of the base model alone
             y = _partial(self.base, x) if tp_rows else self.base(x)
-            if batch.active:   # (updated in place)
+        else:
+            x2 = x.reshape(-1, x.shape[-1])
+            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()   # (the kernels read unit-stride rows)
+            if self.plain:
+                y = kernels.lora_linear(x2, self.base.weight, None if tp_rows else self.base.bias,
+                                        self.lora_a, self.lora_b, batch.meta, self.slices, self.sync)
+                y = y.view(*x.shape[:-1], y.shape[-1])
+            else:   # (its GEMM, then the update in place)
+                y = _partial(self.base, x) if tp_rows else self.base(x)
                 y = y if y.is_contiguous() else y.contiguous()
                 kernels.lora_update(y.view(-1, y.shape[-1]), x2, self.lora_a, self.lora_b, batch.meta,
                                     self.slices, self.sync)
